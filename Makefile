@@ -1,0 +1,33 @@
+# kvroute: the two set-up commands are `make demo` and `make test`; both build .venv themselves.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench fmt clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,dev,load,plots]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m loadtest.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check router policies sim loadtest tests
+	$(VENV)/bin/mypy
+
+fmt: $(STAMP)
+	$(VENV)/bin/ruff format router policies sim loadtest tests
+	$(VENV)/bin/ruff check --fix router policies sim loadtest tests
+
+bench: $(STAMP)
+	$(PY) -m loadtest.bench_all
+
+clean:
+	rm -rf $(VENV) build *.egg-info

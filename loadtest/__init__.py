@@ -1,0 +1,1 @@
+"""Workloads, load generators and benchmarks."""

@@ -1,0 +1,209 @@
+"""The routing library's data types and the Policy protocol.
+
+Policies are pure: the router (or the offline simulator) hands them a RouteRequest and a FleetView
+of plain data and gets a Decision back, with the numbers it compared. No I/O happens here.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+class Tier(enum.IntEnum):
+    """Where a KV block sits, cheapest to load first."""
+
+    GPU = 0
+    CPU = 1
+    STORAGE = 2
+
+    @classmethod
+    def parse(cls, medium: str | None) -> Tier:
+        """Tier of an event's ``medium`` field: None means GPU; case-insensitive.
+
+        Raises ValueError for an unknown medium (callers count it as a malformed event)."""
+        if medium is None:
+            return cls.GPU
+        try:
+            return cls[str(medium).upper()]
+        except KeyError:
+            raise ValueError(f"unknown KV medium {medium!r}; expected GPU, CPU or STORAGE") from None
+
+
+TIERS: tuple[Tier, ...] = (Tier.GPU, Tier.CPU, Tier.STORAGE)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """What one engine holds of a request's key chain.
+
+    ``blocks``: length of the contiguous prefix (from block 0) present in any tier.
+    ``blocks_by_tier[t]``: how many of those blocks are at best in tier t (sums to ``blocks``).
+    """
+
+    blocks: int = 0
+    blocks_by_tier: tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def gpu_blocks(self) -> int:
+        return self.blocks_by_tier[Tier.GPU]
+
+
+NO_MATCH = PrefixMatch()
+
+
+@dataclass(slots=True)
+class EngineView:
+    """One routable engine as the router sees it at decision time."""
+
+    engine_id: str
+    url: str = ""
+    healthy: bool = True
+    #: Requests the router has sent to this engine and not yet seen finish.
+    in_flight: int = 0
+    #: Prompt tokens of in-flight requests still expected to need prefill (router's accounting).
+    queued_prefill_tokens: int = 0
+    #: Scraped from the engine's /metrics (None when unknown).
+    num_requests_running: int | None = None
+    num_requests_waiting: int | None = None
+    kv_cache_usage: float | None = None
+    block_size: int = 16
+    #: False when the engine's index picture is known to be incomplete (gap without replay,
+    #: publisher missing, self-check shortfall); policies may penalise such engines.
+    index_trusted: bool = True
+    #: Free-form extra numbers a policy may use (e.g. measured costs); keys documented by the producer.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """One request to place."""
+
+    request_id: str
+    model: str = ""
+    #: Stable key of the conversation: x-session-id header, else the ``user`` field, else a hash
+    #: of the first messages.
+    session_key: str = ""
+    #: Prompt length in tokens (exact when tokenised, estimated otherwise; 0 when unknown).
+    prompt_tokens: int = 0
+    #: Router block keys of the prompt's full blocks (empty when the prompt was not tokenised).
+    block_keys: Sequence[int] = ()
+    block_size: int = 16
+    #: Expected output tokens (max_tokens or a default), for decode-load terms.
+    expected_output_tokens: int = 0
+    #: Per engine id: what the index says that engine holds of ``block_keys``. Filled by the router
+    #: before ``choose`` when the policy has ``uses_index``; missing engines hold nothing.
+    prefix_matches: Mapping[str, PrefixMatch] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class FleetView:
+    """The candidate engines for a request (already filtered to healthy ones serving the model)."""
+
+    engines: Sequence[EngineView]
+    #: Monotonic seconds (router clock or simulator virtual clock).
+    now: float = 0.0
+    #: The measured cost model (``policies.costs.CostModel``) when the caller keeps one, else None.
+    costs: Any = None
+
+    def by_id(self) -> dict[str, EngineView]:
+        return {e.engine_id: e for e in self.engines}
+
+
+@dataclass(slots=True)
+class Decision:
+    """A policy's choice and why."""
+
+    engine_id: str
+    policy: str
+    #: One human-readable line: why this engine.
+    reason: str = ""
+    #: Per engine id, the numbers the policy compared (e.g. {"gpu_blocks": 12, "predicted_ttft_s": 0.03}).
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Next-best engines in order, for a retry when the chosen engine refuses the connection.
+    fallbacks: tuple[str, ...] = ()
+
+
+class NoEngineAvailable(Exception):
+    """Raised by a policy when the fleet view has no engine it can choose."""
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A routing policy. Implementations live one per file in ``policies/``."""
+
+    #: Registered name, used in config and metric labels.
+    name: str
+    #: True when ``choose`` reads ``request.prefix_matches`` (the router then queries the index).
+    uses_index: bool
+
+    def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
+        """Pick an engine from ``fleet.engines``. Raise NoEngineAvailable when there is none."""
+        ...
+
+    def on_routed(self, request: RouteRequest, decision: Decision) -> None:
+        """Feedback after the request was sent to ``decision.engine_id`` (default: nothing)."""
+        ...
+
+    def on_finished(self, request: RouteRequest, engine_id: str, ok: bool) -> None:
+        """Feedback when the request finished on ``engine_id`` (default: nothing)."""
+        ...
+
+
+class BasePolicy:
+    """Convenience base with no-op feedback hooks."""
+
+    name: str = "base"
+    uses_index: bool = False
+
+    def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:  # pragma: no cover
+        raise NotImplementedError
+
+    def on_routed(self, request: RouteRequest, decision: Decision) -> None:
+        return None
+
+    def on_finished(self, request: RouteRequest, engine_id: str, ok: bool) -> None:
+        return None
+
+
+def ranked(engines: Sequence[EngineView], score: Callable[[EngineView], Any]) -> list[EngineView]:
+    """Engines sorted by ``score`` ascending (stable: ties keep fleet order)."""
+    return sorted(engines, key=score)
+
+
+def require_engines(fleet: FleetView, policy: str) -> Sequence[EngineView]:
+    """The fleet's engines, or NoEngineAvailable naming the policy."""
+    if not fleet.engines:
+        raise NoEngineAvailable(f"policy {policy!r}: no healthy engine serves this request")
+    return fleet.engines
+
+
+# Registry: policy name -> factory(**params) -> Policy. Filled by policies/__init__.py.
+PolicyFactory = Callable[..., Policy]
+REGISTRY: dict[str, PolicyFactory] = {}
+
+
+def register(name: str) -> Callable[[PolicyFactory], PolicyFactory]:
+    """Class decorator registering a policy under ``name`` for config lookup."""
+
+    def wrap(factory: PolicyFactory) -> PolicyFactory:
+        if name in REGISTRY:
+            raise ValueError(f"policy {name!r} registered twice")
+        REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def build_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
+    """Instantiate a registered policy; a clear error names the accepted names and bad params."""
+    import policies  # noqa: F401  (registers the built-in policies)
+
+    if name not in REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; accepted: {', '.join(sorted(REGISTRY))}")
+    try:
+        return REGISTRY[name](**dict(params or {}))
+    except TypeError as exc:
+        raise ValueError(f"bad parameters for policy {name!r}: {exc}") from None
