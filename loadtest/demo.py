@@ -1,0 +1,193 @@
+"""`make demo`: a simulated 4-engine tiered fleet, the router with a 50/50 experiment
+round_robin vs tier_cost, a short multi-turn streaming chat load, and the per-arm report.
+
+Everything runs on loopback and is stopped on exit, also on Ctrl-C or an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from loadtest.chat_client import ChatWorkload, print_progress, run_load
+from sim.fleet import Fleet, FleetProfile
+from sim.server import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+#: Pools sized so that the fleet's GPUs cannot hold every conversation: turns come back to
+#: engines whose GPU lost the history, and the CPU tier or the shared STORAGE pool must serve it.
+DEMO_PROFILE = FleetProfile(
+    gpu_blocks=320, cpu_blocks=640, storage_blocks=65536, shared_storage=True, time_scale=1.0
+)
+
+
+def _log(msg: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _get_json(url: str, timeout_s: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 (loopback only)
+        return json.loads(resp.read())
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited early with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1.0) as resp:  # noqa: S310
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"router at {url} not healthy after {deadline_s:.0f}s")
+
+
+def write_router_config(path: Path, fleet_file: Path, port: int, arms: list[tuple[str, str]]) -> None:
+    lines = [
+        'log_level = "warning"',
+        f'fleet_file = "{fleet_file}"',
+        "[listen]",
+        'host = "127.0.0.1"',
+        f"port = {port}",
+        "[tokenizer]",
+        'backend = "sim"',
+        "[experiment]",
+        'name = "demo"',
+    ]
+    for name, policy in arms:
+        lines += ["[[experiment.arms]]", f'name = "{name}"', f'policy = "{policy}"', "weight = 1.0"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The per-arm table of GET /v1/experiments as text."""
+
+    def ms(value: Any) -> str:
+        return f"{value * 1000:8.1f}" if isinstance(value, int | float) else f"{'-':>8}"
+
+    def num(value: Any) -> str:
+        return f"{value:8.0f}" if isinstance(value, int | float) else f"{'-':>8}"
+
+    head = (
+        f"{'arm':<14}{'policy':<14}{'reqs':>6}{'errs':>6}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
+        f"{'gpu tok':>9}{'cpu tok':>9}{'stor tok':>9}{'hit rate':>9}"
+    )
+    rows = [head, "-" * len(head)]
+    for arm in report.get("arms", []):
+        hits = arm.get("mean_hit_tokens") or {}
+        rate = arm.get("hit_rate")
+        rows.append(
+            f"{arm['name']:<14}{arm.get('policy') or '-':<14}{arm['requests']:>6}{arm['errors']:>6}"
+            f"{ms(arm.get('ttft_p50_s'))} {ms(arm.get('ttft_p90_s'))} {ms(arm.get('ttft_p99_s'))}"
+            f"{num(hits.get('gpu'))} {num(hits.get('cpu'))} {num(hits.get('storage'))}"
+            f"{(f'{rate:9.2f}' if isinstance(rate, float) else f'{chr(45):>9}')}"
+        )
+        vs = arm.get("vs_control")
+        if vs and vs.get("mean_diff_ci_s"):
+            low, high = vs["mean_diff_ci_s"]
+            rows.append(
+                f"  vs {vs['control']}: mean TTFT diff {vs['mean_diff_s'] * 1000:+.1f} ms "
+                f"({int(vs['confidence'] * 100)}% CI {low * 1000:+.1f} .. {high * 1000:+.1f} ms)"
+            )
+    return "\n".join(rows)
+
+
+def gain_line(report: dict[str, Any]) -> str:
+    arms = {a["name"]: a for a in report.get("arms", [])}
+    names = list(arms)
+    if len(names) < 2:
+        return ""
+    base, ours = arms[names[0]], arms[names[1]]
+    b, o = base.get("ttft_p50_s"), ours.get("ttft_p50_s")
+    if not b or not o:
+        return ""
+    parts = [f"{ours['name']} vs {base['name']}: median TTFT {b * 1000:.0f} ms -> {o * 1000:.0f} ms ({b / o:.2f}x)"]
+    if base.get("hit_rate") is not None and ours.get("hit_rate") is not None:
+        parts.append(f"hit rate {base['hit_rate']:.2f} -> {ours['hit_rate']:.2f}")
+    return "; ".join(parts)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="kvroute-demo-"))
+    router: subprocess.Popen[bytes] | None = None
+    fleet = Fleet(workdir=workdir)
+    try:
+        _log(f"starting {args.engines} simulated engines (GPU {DEMO_PROFILE.gpu_blocks} blocks, "
+             f"CPU {DEMO_PROFILE.cpu_blocks} blocks, one shared STORAGE pool) ...")
+        fleet.start(args.engines, DEMO_PROFILE)
+        fleet_file = fleet.write_fleet_file(workdir / "fleet.json")
+        port = free_port("127.0.0.1")
+        config = workdir / "router.toml"
+        write_router_config(config, fleet_file, port, [("control", "round_robin"), ("tier_cost", "tier_cost")])
+        url = f"http://127.0.0.1:{port}"
+        _log(f"starting the router on {url} with a 50/50 experiment round_robin vs tier_cost ...")
+        log = open(workdir / "router.log", "wb")  # noqa: SIM115 (closed with the process below)
+        router = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--config", str(config)],
+            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        _wait_ready(url, router, 30.0)
+        workload = ChatWorkload(
+            conversations=args.conversations,
+            concurrency=args.concurrency,
+            turns=args.turns,
+            system_tokens=600,
+            first_user_tokens=1800,
+            user_tokens_per_turn=400,
+            answer_tokens=48,
+            think_time_mean_s=args.think_time_s,
+            seed=args.seed,
+        )
+        _log(f"driving {workload.conversations} conversations x {workload.turns} turns, "
+             f"{workload.concurrency} at a time (streaming, full history resent each turn) ...")
+        result = asyncio.run(run_load(url, workload, progress=print_progress))
+        summary = result.summary()
+        _log(f"done in {result.wall_s:.1f}s: {summary['ok']} turns ok, {summary['errors']} errors")
+        report = _get_json(f"{url}/v1/experiments")
+        print()
+        print(format_report(report))
+        print()
+        line = gain_line(report)
+        if line:
+            print("What routing gained: " + line)
+        print(f"(router log and fleet file in {workdir})")
+        return 0 if summary["errors"] == 0 else 1
+    finally:
+        if router is not None and router.poll() is None:
+            os.killpg(router.pid, signal.SIGTERM)
+            try:
+                router.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(router.pid, signal.SIGKILL)
+                router.wait()
+        fleet.stop()
+        _log("fleet and router stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvroute demo", description=__doc__)
+    parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument("--conversations", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=12)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--think-time-s", type=float, default=0.3)
+    parser.add_argument("--seed", type=int, default=0)
+    return run_demo(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

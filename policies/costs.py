@@ -1,0 +1,509 @@
+"""Measured per-engine costs: prefill rate, per-tier KV load bandwidth and latency, and how they learn.
+
+``CostModel`` starts from configured priors and calibrates online from (a) the engines' own offload
+counters and (b) the router's observed TTFTs against the parts ``tier_cost`` predicted. Pure code:
+time comes in as arguments. ``IndexSelfCheck`` flags engines whose index promises hits they do not deliver.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from policies.base import TIERS, Tier
+
+#: Reference numbers (Llama-3-8B bf16 on one H100, see docs/routing.md): 128 KiB of KV per token,
+#: host->GPU over PCIe 5 at 64 GB/s, prefill ~22x slower than a host reload.
+DEFAULT_KV_BYTES_PER_TOKEN = 131_072
+DEFAULT_PREFILL_TOKENS_PER_S = 22_000.0
+#: GPU hits need no load: infinite bandwidth, no latency.
+DEFAULT_LOAD_BANDWIDTH_BYTES_PER_S: tuple[float, float, float] = (math.inf, 64e9, 5e9)
+DEFAULT_LOAD_LATENCY_S: tuple[float, float, float] = (0.0, 0.0005, 0.002)
+
+_TIER_NAMES = {t.name.lower(): t for t in TIERS}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCosts:
+    """One engine's cost parameters (an estimate or a prior)."""
+
+    #: Prompt tokens the engine computes per second during prefill.
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
+    #: Per Tier (GPU, CPU, STORAGE): bytes/s a tier -> GPU load moves; inf = no load needed.
+    load_bandwidth_bytes_per_s: tuple[float, float, float] = DEFAULT_LOAD_BANDWIDTH_BYTES_PER_S
+    #: Per Tier: fixed seconds added once when a request loads anything from that tier.
+    load_latency_s: tuple[float, float, float] = DEFAULT_LOAD_LATENCY_S
+    #: KV-cache bytes one token occupies (all layers, K and V).
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+
+    def load_time_s(self, tier: Tier, tokens: float) -> float:
+        """Seconds to bring ``tokens`` tokens of KV from ``tier`` to the GPU (0 for no tokens)."""
+        if tokens <= 0:
+            return 0.0
+        bandwidth = self.load_bandwidth_bytes_per_s[tier]
+        transfer_s = 0.0 if math.isinf(bandwidth) else tokens * self.kv_bytes_per_token / bandwidth
+        return transfer_s + self.load_latency_s[tier]
+
+    def prefill_time_s(self, tokens: float) -> float:
+        """Seconds to compute the prefill of ``tokens`` uncached tokens."""
+        return max(0.0, tokens) / self.prefill_tokens_per_s
+
+    def validate(self, where: str) -> EngineCosts:
+        """Self, or ValueError naming the config key ``where`` and the bad value."""
+        if not self.prefill_tokens_per_s > 0:
+            raise ValueError(f"{where}.prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
+        if self.kv_bytes_per_token <= 0:
+            raise ValueError(f"{where}.kv_bytes_per_token must be > 0, got {self.kv_bytes_per_token}")
+        for tier in TIERS:
+            if not self.load_bandwidth_bytes_per_s[tier] > 0:
+                raise ValueError(
+                    f"{where}.tiers.{tier.name.lower()}.bandwidth_bytes_per_s must be > 0 "
+                    f"(use a very large number or 'inf' for free loads)"
+                )
+            if self.load_latency_s[tier] < 0:
+                raise ValueError(f"{where}.tiers.{tier.name.lower()}.latency_s must be >= 0")
+        return self
+
+
+def costs_from_config(raw: Mapping[str, Any], base: EngineCosts, where: str) -> EngineCosts:
+    """Overlay a config mapping on ``base``.
+
+    Keys: ``prefill_tokens_per_s``, ``kv_bytes_per_token``, and ``tiers`` = {"gpu"|"cpu"|"storage":
+    {"bandwidth_bytes_per_s": float, "latency_s": float}}. Unknown keys are an error.
+    """
+    known = {"prefill_tokens_per_s", "kv_bytes_per_token", "tiers"}
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"{where}: unknown cost keys {sorted(unknown)}; accepted: {sorted(known)}")
+    bandwidth = list(base.load_bandwidth_bytes_per_s)
+    latency = list(base.load_latency_s)
+    for tier_name, tier_raw in dict(raw.get("tiers", {})).items():
+        tier = _TIER_NAMES.get(str(tier_name).lower())
+        if tier is None:
+            raise ValueError(f"{where}.tiers: unknown tier {tier_name!r}; accepted: gpu, cpu, storage")
+        bad = set(tier_raw) - {"bandwidth_bytes_per_s", "latency_s"}
+        if bad:
+            raise ValueError(
+                f"{where}.tiers.{tier_name}: unknown keys {sorted(bad)}; "
+                "accepted: bandwidth_bytes_per_s, latency_s"
+            )
+        if "bandwidth_bytes_per_s" in tier_raw:
+            bandwidth[tier] = float(tier_raw["bandwidth_bytes_per_s"])
+        if "latency_s" in tier_raw:
+            latency[tier] = float(tier_raw["latency_s"])
+    out = EngineCosts(
+        prefill_tokens_per_s=float(raw.get("prefill_tokens_per_s", base.prefill_tokens_per_s)),
+        load_bandwidth_bytes_per_s=(bandwidth[0], bandwidth[1], bandwidth[2]),
+        load_latency_s=(latency[0], latency[1], latency[2]),
+        kv_bytes_per_token=int(raw.get("kv_bytes_per_token", base.kv_bytes_per_token)),
+    )
+    return out.validate(where)
+
+
+@dataclass(frozen=True, slots=True)
+class PredictedParts:
+    """What ``tier_cost`` predicted for one request on one engine, in seconds and tokens.
+
+    ``total_s`` (the predicted TTFT) = wait_s + sum(load_s) + prefill_s. The token counts let the
+    cost model re-price the same request with newer estimates when the observation comes back.
+    """
+
+    wait_s: float = 0.0
+    load_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    prefill_s: float = 0.0
+    #: Prefill tokens queued ahead of the request (its wait, in tokens).
+    wait_tokens: float = 0.0
+    #: Expected hit tokens per tier (after any stale-index discount).
+    hit_tokens: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    #: Tokens expected to be computed (prompt - expected hits).
+    prefill_tokens: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.wait_s + sum(self.load_s) + self.prefill_s
+
+    def as_scores(self) -> dict[str, float]:
+        """Flat numbers for ``Decision.scores`` (the inverse of ``from_scores``)."""
+        out = {"wait_s": self.wait_s, "prefill_s": self.prefill_s, "total_s": self.total_s}
+        for tier in TIERS:
+            name = tier.name.lower()
+            out[f"load_{name}_s"] = self.load_s[tier]
+            out[f"hit_tokens_{name}"] = self.hit_tokens[tier]
+        out["wait_tokens"] = self.wait_tokens
+        out["prefill_tokens"] = self.prefill_tokens
+        return out
+
+    @classmethod
+    def from_scores(cls, scores: Mapping[str, float]) -> PredictedParts:
+        """Parts back from one engine's ``Decision.scores`` entry written by ``as_scores``."""
+        names = [t.name.lower() for t in TIERS]
+        return cls(
+            wait_s=float(scores.get("wait_s", 0.0)),
+            load_s=tuple(float(scores.get(f"load_{n}_s", 0.0)) for n in names),  # type: ignore[arg-type]
+            prefill_s=float(scores.get("prefill_s", 0.0)),
+            wait_tokens=float(scores.get("wait_tokens", 0.0)),
+            hit_tokens=tuple(float(scores.get(f"hit_tokens_{n}", 0.0)) for n in names),  # type: ignore[arg-type]
+            prefill_tokens=float(scores.get("prefill_tokens", 0.0)),
+        )
+
+
+def predict_parts(
+    costs: EngineCosts, hit_tokens: tuple[float, float, float], prefill_tokens: float, wait_tokens: float
+) -> PredictedParts:
+    """Price a request: the one place where the TTFT formula lives (see docs/routing.md)."""
+    load = tuple(costs.load_time_s(tier, hit_tokens[tier]) for tier in TIERS)
+    return PredictedParts(
+        wait_s=costs.prefill_time_s(wait_tokens),
+        load_s=(load[0], load[1], load[2]),
+        prefill_s=costs.prefill_time_s(prefill_tokens),
+        wait_tokens=wait_tokens,
+        hit_tokens=hit_tokens,
+        prefill_tokens=prefill_tokens,
+    )
+
+
+@dataclass(slots=True)
+class CalibrationConfig:
+    """How fast and how far the online estimates may move."""
+
+    #: Step of the log-space update per observation (0..1); larger follows changes faster, noisier.
+    learning_rate: float = 0.15
+    #: Observed/predicted ratios are clipped to [1/max_ratio, max_ratio] before use (outlier guard).
+    max_ratio: float = 4.0
+    #: Estimates stay within [prior / max_drift, prior * max_drift].
+    max_drift: float = 50.0
+    #: EWMA weight of one scraped bandwidth sample (deltas of the offload counters).
+    metrics_weight: float = 0.3
+    #: Counter deltas below this many bytes are too small to time reliably; they are accumulated.
+    min_metrics_bytes: float = 8 * 2**20
+    #: Wait is a queue prediction, much noisier than a prefill; its share counts this much toward
+    #: the prefill rate's update.
+    wait_share_weight: float = 0.5
+
+
+@dataclass(slots=True)
+class _CounterBaseline:
+    bytes_total: float
+    time_total_s: float
+
+
+@dataclass(slots=True)
+class _EngineState:
+    prior: EngineCosts
+    current: EngineCosts
+    observations: int = 0
+    metric_samples: int = 0
+    last_update_s: float = 0.0
+    baselines: dict[Tier, _CounterBaseline] = field(default_factory=dict)
+
+
+class IndexSelfCheck:
+    """Flags engines whose index predicts more hit tokens than the engine reports as cached.
+
+    Per engine: EWMA of the shortfall ratio max(0, predicted - cached) / predicted over requests that
+    predicted at least ``min_predicted_tokens``. Untrusted once ``min_samples`` were seen and the EWMA
+    exceeds ``untrust_above``; trusted again when it falls below ``trust_below`` (hysteresis).
+    """
+
+    def __init__(
+        self,
+        *,
+        weight: float = 0.2,
+        untrust_above: float = 0.3,
+        trust_below: float = 0.1,
+        min_samples: int = 5,
+        min_predicted_tokens: int = 16,
+    ) -> None:
+        if not 0 < weight <= 1:
+            raise ValueError(f"selfcheck weight must be in (0, 1], got {weight}")
+        if not 0 <= trust_below < untrust_above <= 1:
+            raise ValueError("selfcheck needs 0 <= trust_below < untrust_above <= 1")
+        self._weight = weight
+        self._untrust_above = untrust_above
+        self._trust_below = trust_below
+        self._min_samples = min_samples
+        self._min_predicted_tokens = min_predicted_tokens
+        self._shortfall: dict[str, float] = {}
+        self._samples: dict[str, int] = {}
+        self._untrusted: set[str] = set()
+
+    def observe(self, engine_id: str, predicted_hit_tokens: float, cached_tokens: float) -> bool:
+        """Record one finished request; returns whether the engine's index is trusted now."""
+        if predicted_hit_tokens >= self._min_predicted_tokens:
+            ratio = max(0.0, predicted_hit_tokens - cached_tokens) / predicted_hit_tokens
+            old = self._shortfall.get(engine_id)
+            self._shortfall[engine_id] = ratio if old is None else old + self._weight * (ratio - old)
+            self._samples[engine_id] = self._samples.get(engine_id, 0) + 1
+            ewma = self._shortfall[engine_id]
+            if self._samples[engine_id] >= self._min_samples and ewma > self._untrust_above:
+                self._untrusted.add(engine_id)
+            elif ewma < self._trust_below:
+                self._untrusted.discard(engine_id)
+        return self.trusted(engine_id)
+
+    def trusted(self, engine_id: str) -> bool:
+        return engine_id not in self._untrusted
+
+    def forget(self, engine_id: str) -> None:
+        """Start over for an engine (after it re-announced its cache or was removed)."""
+        self._shortfall.pop(engine_id, None)
+        self._samples.pop(engine_id, None)
+        self._untrusted.discard(engine_id)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        return {
+            e: {"shortfall_ewma": s, "samples": self._samples.get(e, 0), "trusted": self.trusted(e)}
+            for e, s in sorted(self._shortfall.items())
+        }
+
+
+class CostModel:
+    """Per-engine cost estimates, seeded from priors and calibrated online.
+
+    Two kinds of evidence:
+    - ``update_offload_counters``: cumulative ``vllm:kv_offload_load_bytes_total`` and
+      ``..._load_time_total`` per tier; their deltas give a measured bandwidth per tier.
+    - ``observe``: the router's observed TTFT against the ``PredictedParts`` of the same request.
+      The log error log(observed / predicted) is clipped, then each parameter moves in log space by
+      ``learning_rate x error x (its share of the prediction)``: the prefill rate by the share of
+      prefill (+ weighted wait) time, a tier bandwidth by the share of that tier's transfer time.
+      This is normalised gradient descent on the squared log error; bounded by ``max_drift``.
+    """
+
+    def __init__(
+        self,
+        fleet_prior: EngineCosts | None = None,
+        engine_priors: Mapping[str, EngineCosts] | None = None,
+        *,
+        calibration: CalibrationConfig | None = None,
+        selfcheck: IndexSelfCheck | None = None,
+    ) -> None:
+        self.fleet_prior = (fleet_prior or EngineCosts()).validate("costs")
+        self._engine_priors = dict(engine_priors or {})
+        self.calibration = calibration or CalibrationConfig()
+        self.selfcheck = selfcheck or IndexSelfCheck()
+        self._engines: dict[str, _EngineState] = {}
+
+    @classmethod
+    def from_config(cls, raw: Mapping[str, Any] | None) -> CostModel:
+        """Build from a config mapping: fleet-wide cost keys (see ``costs_from_config``) plus
+        ``engines`` = {engine_id: overrides} and ``calibration`` = CalibrationConfig fields."""
+        raw = dict(raw or {})
+        engines_raw = dict(raw.pop("engines", {}) or {})
+        calibration_raw = dict(raw.pop("calibration", {}) or {})
+        fleet = costs_from_config(raw, EngineCosts(), "costs")
+        engines = {
+            str(e): costs_from_config(over, fleet, f"costs.engines.{e}") for e, over in engines_raw.items()
+        }
+        try:
+            calibration = CalibrationConfig(**calibration_raw)
+        except TypeError as exc:
+            raise ValueError(f"costs.calibration: {exc}") from None
+        return cls(fleet, engines, calibration=calibration)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def _state(self, engine_id: str) -> _EngineState:
+        state = self._engines.get(engine_id)
+        if state is None:
+            prior = self._engine_priors.get(engine_id, self.fleet_prior)
+            state = self._engines[engine_id] = _EngineState(prior=prior, current=prior)
+        return state
+
+    def estimates(self, engine_id: str) -> EngineCosts:
+        """The current estimate for ``engine_id`` (its prior when nothing was measured yet)."""
+        return self._state(engine_id).current
+
+    def set_prior(self, engine_id: str, prior: EngineCosts) -> None:
+        """Replace an engine's prior (e.g. an engine added at runtime) and restart its estimate."""
+        self._engine_priors[engine_id] = prior.validate(f"costs.engines.{engine_id}")
+        self._engines.pop(engine_id, None)
+
+    # -- learning from engine metrics -------------------------------------------------------
+
+    def update_offload_counters(
+        self,
+        engine_id: str,
+        load_bytes_by_tier: Mapping[Tier, float],
+        load_time_s_by_tier: Mapping[Tier, float],
+        now: float,
+    ) -> None:
+        """Feed cumulative offload-load counters scraped from an engine's /metrics.
+
+        A counter that went backwards means the engine restarted: the baseline restarts. Deltas
+        smaller than ``min_metrics_bytes`` keep accumulating until they are large enough to time.
+        """
+        state = self._state(engine_id)
+        cal = self.calibration
+        bandwidth = list(state.current.load_bandwidth_bytes_per_s)
+        changed = False
+        for tier, bytes_total in load_bytes_by_tier.items():
+            time_total_s = load_time_s_by_tier.get(tier)
+            if time_total_s is None or tier == Tier.GPU:
+                continue
+            base = state.baselines.get(tier)
+            if base is None or bytes_total < base.bytes_total or time_total_s < base.time_total_s:
+                state.baselines[tier] = _CounterBaseline(bytes_total, time_total_s)
+                continue
+            delta_bytes = bytes_total - base.bytes_total
+            delta_s = time_total_s - base.time_total_s
+            if delta_bytes < cal.min_metrics_bytes or delta_s <= 0:
+                continue
+            measured = delta_bytes / delta_s
+            old = bandwidth[tier]
+            if math.isinf(old):
+                bandwidth[tier] = measured
+            else:  # EWMA in log space: a 10x outlier moves it as much as a 10x drop the other way
+                bandwidth[tier] = math.exp(math.log(old) + cal.metrics_weight * math.log(measured / old))
+            bandwidth[tier] = self._bounded(bandwidth[tier], state.prior.load_bandwidth_bytes_per_s[tier])
+            state.baselines[tier] = _CounterBaseline(bytes_total, time_total_s)
+            state.metric_samples += 1
+            changed = True
+        if changed:
+            state.current = replace(
+                state.current, load_bandwidth_bytes_per_s=(bandwidth[0], bandwidth[1], bandwidth[2])
+            )
+            state.last_update_s = now
+
+    # -- learning from the router's own observations ----------------------------------------
+
+    def observe(
+        self,
+        engine_id: str,
+        parts: PredictedParts,
+        observed_ttft_s: float,
+        cached_tokens: float | None,
+        now: float,
+    ) -> EngineCosts:
+        """Calibrate with one finished request; returns the new estimate.
+
+        ``cached_tokens`` (usage.prompt_tokens_details.cached_tokens, all tiers) corrects the
+        predicted split first: a shortfall is taken from the deepest tier first and added to the
+        prefill; extra cached tokens beyond the prediction are assumed GPU hits. It also feeds the
+        index self-check. The request is then re-priced with the current estimate, so a late
+        observation is compared with today's model, not with the one that routed it.
+        """
+        state = self._state(engine_id)
+        hits = list(parts.hit_tokens)
+        prefill_tokens = parts.prefill_tokens
+        if cached_tokens is not None:
+            predicted_hits = sum(hits)
+            self.selfcheck.observe(engine_id, predicted_hits, cached_tokens)
+            shortfall = max(0.0, predicted_hits - cached_tokens)
+            for tier in reversed(TIERS):
+                taken = min(hits[tier], shortfall)
+                hits[tier] -= taken
+                shortfall -= taken
+            extra = max(0.0, min(cached_tokens - predicted_hits, prefill_tokens))
+            hits[Tier.GPU] += extra
+            prefill_tokens = prefill_tokens + predicted_hits - sum(hits)
+        if not observed_ttft_s > 0 or not math.isfinite(observed_ttft_s):
+            return state.current
+        costs = state.current
+        repriced = predict_parts(costs, (hits[0], hits[1], hits[2]), prefill_tokens, parts.wait_tokens)
+        total_s = repriced.total_s
+        if total_s <= 0:
+            return costs
+        cal = self.calibration
+        ratio = min(cal.max_ratio, max(1.0 / cal.max_ratio, observed_ttft_s / total_s))
+        error = math.log(ratio)
+        prefill_share = (repriced.prefill_s + cal.wait_share_weight * repriced.wait_s) / total_s
+        bandwidth = list(costs.load_bandwidth_bytes_per_s)
+        transfer_shares = [0.0, 0.0, 0.0]
+        for tier in TIERS:
+            if not math.isinf(bandwidth[tier]) and hits[tier] > 0:
+                transfer_shares[tier] = hits[tier] * costs.kv_bytes_per_token / bandwidth[tier] / total_s
+        # Normalised LMS: dividing by the squared norm of the shares lets a parameter that explains
+        # only part of the time still converge at a useful speed (stable for learning_rate < 1).
+        norm = max(0.25, prefill_share**2 + sum(s * s for s in transfer_shares))
+        step = cal.learning_rate * error / norm
+        rate = costs.prefill_tokens_per_s * math.exp(-step * prefill_share)
+        for tier in TIERS:
+            if transfer_shares[tier] > 0:
+                bandwidth[tier] = self._bounded(
+                    bandwidth[tier] * math.exp(-step * transfer_shares[tier]),
+                    state.prior.load_bandwidth_bytes_per_s[tier],
+                )
+        state.current = replace(
+            costs,
+            prefill_tokens_per_s=self._bounded(rate, state.prior.prefill_tokens_per_s),
+            load_bandwidth_bytes_per_s=(bandwidth[0], bandwidth[1], bandwidth[2]),
+        )
+        state.observations += 1
+        state.last_update_s = now
+        return state.current
+
+    def _bounded(self, value: float, prior: float) -> float:
+        if math.isinf(prior):
+            return value
+        drift = self.calibration.max_drift
+        return min(prior * drift, max(prior / drift, value))
+
+    def index_trusted(self, engine_id: str) -> bool:
+        """The self-check's verdict: False -> set EngineView.index_trusted False (and re-announce)."""
+        return self.selfcheck.trusted(engine_id)
+
+    # -- exposition -------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-ready view for /debug/costs (infinite bandwidth shown as null = no load)."""
+
+        def costs_json(c: EngineCosts) -> dict[str, Any]:
+            return {
+                "prefill_tokens_per_s": c.prefill_tokens_per_s,
+                "kv_bytes_per_token": c.kv_bytes_per_token,
+                "tiers": {
+                    t.name.lower(): {
+                        "bandwidth_bytes_per_s": None
+                        if math.isinf(c.load_bandwidth_bytes_per_s[t])
+                        else c.load_bandwidth_bytes_per_s[t],
+                        "latency_s": c.load_latency_s[t],
+                    }
+                    for t in TIERS
+                },
+            }
+
+        return {
+            "engines": {
+                e: {
+                    "estimate": costs_json(s.current),
+                    "prior": costs_json(s.prior),
+                    "observations": s.observations,
+                    "metric_samples": s.metric_samples,
+                    "last_update_s": s.last_update_s,
+                    "index_trusted": self.selfcheck.trusted(e),
+                }
+                for e, s in sorted(self._engines.items())
+            },
+            "selfcheck": self.selfcheck.snapshot(),
+        }
+
+    def gauge_values(self) -> list[tuple[str, dict[str, str], float]]:
+        """(metric name, labels, value) rows for the router's /metrics; infinite values omitted."""
+        rows: list[tuple[str, dict[str, str], float]] = []
+        for engine_id, state in sorted(self._engines.items()):
+            c = state.current
+            rows.append(
+                ("kvroute_cost_prefill_tokens_per_second", {"engine": engine_id}, c.prefill_tokens_per_s)
+            )
+            for tier in TIERS:
+                labels = {"engine": engine_id, "tier": tier.name}
+                if not math.isinf(c.load_bandwidth_bytes_per_s[tier]):
+                    rows.append(
+                        (
+                            "kvroute_cost_load_bandwidth_bytes_per_second",
+                            labels,
+                            c.load_bandwidth_bytes_per_s[tier],
+                        )
+                    )
+                rows.append(("kvroute_cost_load_latency_seconds", labels, c.load_latency_s[tier]))
+            rows.append(
+                (
+                    "kvroute_index_trusted",
+                    {"engine": engine_id},
+                    1.0 if self.selfcheck.trusted(engine_id) else 0.0,
+                )
+            )
+        return rows

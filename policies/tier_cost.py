@@ -1,0 +1,191 @@
+"""tier_cost: route each request to the engine with the lowest predicted time to first token.
+
+For engine e (all times in seconds, token counts in tokens, bandwidths in bytes/s):
+
+    wait_s    = wait_tokens_e / prefill_tokens_per_s_e
+    load_s[t] = hit_tokens_e,t x kv_bytes_per_token / load_bandwidth_e,t + load_latency_e,t  (if hits)
+    prefill_s = (prompt_tokens - sum_t hit_tokens_e,t) / prefill_tokens_per_s_e
+    total_s   = wait_s + sum_t load_s[t] + prefill_s                      (the predicted TTFT)
+    cost_s    = total_s + decode_s + pressure_s                           (what is minimised)
+
+    wait_tokens_e = max(queued_prefill_tokens_e, num_requests_waiting_e x tokens per queued request)
+    decode_s      = decode_s_per_running x running requests (decode steps share the GPU with prefill)
+    pressure_s    = pressure_s_at_full x max(0, kv_cache_usage - pressure_threshold)
+                    / (1 - pressure_threshold)           (a near-full pool evicts and preempts)
+
+Hit tokens come from ``request.prefix_matches`` (blocks x block_size, at best tier); on an engine whose
+index is not trusted they are multiplied by ``stale_hit_factor`` and the rest counted as prefill.
+Costs come from ``fleet.costs`` (a ``policies.costs.CostModel``) or from this policy's own priors.
+Ties go to fewer in-flight requests, then to a hash of (request_id, engine_id). With
+``temperature_s > 0`` the choice is a softmax over -cost_s / temperature_s, seeded per request.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import xxhash
+
+from policies.base import (
+    NO_MATCH,
+    TIERS,
+    BasePolicy,
+    Decision,
+    EngineView,
+    FleetView,
+    RouteRequest,
+    register,
+    require_engines,
+)
+from policies.costs import CostModel, PredictedParts, predict_parts
+
+
+def tiebreak(request_id: str, engine_id: str) -> int:
+    """Deterministic per-request tiebreak: same inputs, same order, on every router replica."""
+    return xxhash.xxh3_64_intdigest(f"{request_id}\x00{engine_id}".encode())
+
+
+def prompt_tokens_of(request: RouteRequest) -> int:
+    """Prompt length, falling back to the full blocks the router keyed when the length is unknown."""
+    return request.prompt_tokens or len(request.block_keys) * request.block_size
+
+
+def wait_tokens_of(engine: EngineView, request_prompt_tokens: int) -> float:
+    """Prefill tokens queued ahead on ``engine``.
+
+    The router's own accounting misses traffic from other routers or clients; the scraped
+    ``num_requests_waiting`` catches it, priced at the router's mean queued request size (or this
+    request's size when the router has nothing in flight there).
+    """
+    queued = float(engine.queued_prefill_tokens)
+    waiting = engine.num_requests_waiting
+    if waiting:
+        per_request = queued / engine.in_flight if engine.in_flight > 0 else float(request_prompt_tokens)
+        queued = max(queued, waiting * per_request)
+    return queued
+
+
+@register("tier_cost")
+class TierCostPolicy(BasePolicy):
+    """Minimum predicted TTFT across engines, pricing each tier's hits by measured load cost."""
+
+    name = "tier_cost"
+    uses_index = True
+
+    def __init__(
+        self,
+        *,
+        stale_hit_factor: float = 0.5,
+        decode_s_per_running: float = 0.0005,
+        pressure_threshold: float = 0.9,
+        pressure_s_at_full: float = 0.05,
+        temperature_s: float = 0.0,
+        seed: int = 0,
+        costs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``costs``: priors used when the caller passes no ``fleet.costs`` (CostModel.from_config keys)."""
+        if not 0.0 <= stale_hit_factor <= 1.0:
+            raise ValueError(f"tier_cost.stale_hit_factor must be in [0, 1], got {stale_hit_factor}")
+        if not 0.0 <= pressure_threshold < 1.0:
+            raise ValueError(f"tier_cost.pressure_threshold must be in [0, 1), got {pressure_threshold}")
+        if temperature_s < 0 or decode_s_per_running < 0 or pressure_s_at_full < 0:
+            raise ValueError(
+                "tier_cost: temperature_s, decode_s_per_running, pressure_s_at_full must be >= 0"
+            )
+        self.stale_hit_factor = stale_hit_factor
+        self.decode_s_per_running = decode_s_per_running
+        self.pressure_threshold = pressure_threshold
+        self.pressure_s_at_full = pressure_s_at_full
+        self.temperature_s = temperature_s
+        self.seed = seed
+        self._own_costs = CostModel.from_config(costs)
+
+    def predict(self, request: RouteRequest, engine: EngineView, costs: CostModel) -> PredictedParts:
+        """The predicted TTFT parts of ``request`` on ``engine``."""
+        prompt_tokens = prompt_tokens_of(request)
+        match = request.prefix_matches.get(engine.engine_id, NO_MATCH)
+        # vLLM recomputes at least the last prompt token, so a full hit still prefills one token.
+        cap = max(0, prompt_tokens - 1)
+        hits = [0.0, 0.0, 0.0]
+        for tier in TIERS:  # cheapest tier first: the cap trims the most expensive hits
+            tokens = min(match.blocks_by_tier[tier] * request.block_size, cap - sum(hits))
+            hits[tier] = max(0.0, float(tokens))
+        if not engine.index_trusted:
+            hits = [h * self.stale_hit_factor for h in hits]
+        prefill_tokens = prompt_tokens - sum(hits)
+        return predict_parts(
+            costs.estimates(engine.engine_id),
+            (hits[0], hits[1], hits[2]),
+            prefill_tokens,
+            wait_tokens_of(engine, prompt_tokens),
+        )
+
+    def secondary_s(self, engine: EngineView) -> tuple[float, float]:
+        """(decode_s, pressure_s): the documented secondary terms."""
+        running = engine.num_requests_running if engine.num_requests_running is not None else engine.in_flight
+        decode_s = self.decode_s_per_running * running
+        pressure_s = 0.0
+        if engine.kv_cache_usage is not None and engine.kv_cache_usage > self.pressure_threshold:
+            excess = (engine.kv_cache_usage - self.pressure_threshold) / (1.0 - self.pressure_threshold)
+            pressure_s = self.pressure_s_at_full * min(1.0, excess)
+        return decode_s, pressure_s
+
+    def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
+        engines = require_engines(fleet, self.name)
+        costs: CostModel = fleet.costs if fleet.costs is not None else self._own_costs
+        scores: dict[str, dict[str, float]] = {}
+        cost_by_engine: dict[str, float] = {}
+        for engine in engines:
+            parts = self.predict(request, engine, costs)
+            decode_s, pressure_s = self.secondary_s(engine)
+            cost_s = parts.total_s + decode_s + pressure_s
+            scores[engine.engine_id] = {
+                **parts.as_scores(),
+                "decode_s": decode_s,
+                "pressure_s": pressure_s,
+                "cost_s": cost_s,
+                "in_flight": float(engine.in_flight),
+                "index_trusted": 1.0 if engine.index_trusted else 0.0,
+            }
+            cost_by_engine[engine.engine_id] = cost_s
+        # Microsecond rounding makes equal predictions tie exactly despite float noise.
+        order = sorted(
+            engines,
+            key=lambda e: (
+                round(cost_by_engine[e.engine_id], 6),
+                e.in_flight,
+                tiebreak(request.request_id, e.engine_id),
+            ),
+        )
+        chosen = order[0]
+        how = "lowest predicted cost"
+        if self.temperature_s > 0 and len(order) > 1:
+            chosen = self._softmax_pick(request, order, cost_by_engine)
+            how = f"softmax pick (temperature {self.temperature_s:g} s)"
+        s = scores[chosen.engine_id]
+        load_text = " + ".join(
+            f"load {t.name} {s[f'load_{t.name.lower()}_s']:.4f}"
+            for t in TIERS
+            if s[f"hit_tokens_{t.name.lower()}"] > 0
+        )
+        reason = (
+            f"{how}: {chosen.engine_id} TTFT {s['total_s']:.4f} s = wait {s['wait_s']:.4f}"
+            f"{' + ' + load_text if load_text else ''} + prefill {s['prefill_s']:.4f}"
+            f" ({s['prefill_tokens']:.0f} tokens)"
+        )
+        runner_up = next((e for e in order if e.engine_id != chosen.engine_id), None)
+        if runner_up is not None:
+            reason += f"; next {runner_up.engine_id} cost {cost_by_engine[runner_up.engine_id]:.4f} s"
+        fallbacks = tuple(e.engine_id for e in order if e.engine_id != chosen.engine_id)
+        return Decision(chosen.engine_id, self.name, reason=reason, scores=scores, fallbacks=fallbacks)
+
+    def _softmax_pick(
+        self, request: RouteRequest, order: list[EngineView], cost_by_engine: Mapping[str, float]
+    ) -> EngineView:
+        best_s = cost_by_engine[order[0].engine_id]
+        weights = [math.exp(-(cost_by_engine[e.engine_id] - best_s) / self.temperature_s) for e in order]
+        rng = random.Random(xxhash.xxh3_64_intdigest(f"{self.seed}\x00{request.request_id}".encode()))
+        return rng.choices(order, weights=weights, k=1)[0]

@@ -1,0 +1,341 @@
+"""The router's one typed configuration: TOML file, ``KVROUTE_*`` env vars and CLI flags.
+
+Precedence: flags > env > file > defaults (docs/configuration.md). ``load_config`` merges the
+layers as plain dicts, converts them into the Structs below and validates; any problem raises
+``ConfigError`` naming the key and what is accepted. Fleet files (written by ``kvroute fleet``)
+are read and written by ``load_fleet_file`` / ``write_fleet_file``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+
+ENV_PREFIX = "KVROUTE_"
+FLEET_FILE_VERSION = 1
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the key and the accepted values."""
+
+
+class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One vLLM engine (or simulated engine) behind the router."""
+
+    #: Unique id used in metrics, headers and the index.
+    id: str
+    #: Base URL of the OpenAI server, e.g. "http://10.0.0.5:8000" (no trailing /v1).
+    url: str
+    #: Model name the engine serves; "" = learn it from the engine's GET /v1/models.
+    model: str = ""
+    #: ZMQ endpoint of the engine's KV-event PUB socket, e.g. "tcp://10.0.0.5:5557" ("" = none).
+    kv_events_endpoint: str = ""
+    #: ZMQ endpoint of the engine's replay ROUTER socket ("" = no replay).
+    kv_replay_endpoint: str = ""
+    #: Topic the engine publishes on ("" = all).
+    kv_events_topic: str = ""
+    #: Id of the shared storage pool this engine mounts ("" = none / private).
+    storage_pool: str = ""
+    #: Tokens per KV block of this engine.
+    block_size: int = 16
+
+
+class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A policy by registered name plus its constructor parameters."""
+
+    name: str = "round_robin"
+    params: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ArmConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One arm of an A/B experiment."""
+
+    name: str
+    policy: str
+    params: dict[str, Any] = msgspec.field(default_factory=dict)
+    weight: float = 1.0
+
+
+class ExperimentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Arms to split conversations between (sticky per session key). Empty = no experiment."""
+
+    name: str = "default"
+    arms: list[ArmConfig] = msgspec.field(default_factory=list)
+
+
+class TokenizerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How the router turns a prompt into tokens (used by index-aware policies)."""
+
+    #: "none" (estimate length only), "sim" (kvroute-sim template), "hf" (tokenizers + jinja2
+    #: chat template from ``path``), "engine" (the engine's POST /tokenize).
+    backend: str = "none"
+    #: Tokenizer directory or tokenizer.json for backend "hf".
+    path: str = ""
+    #: Key namespace (router.keys.namespace_seed); equal on every router replica of a fleet.
+    namespace: str = ""
+    #: Characters per token when only estimating prompt length.
+    chars_per_token: float = 4.0
+
+
+class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Request size and upstream timeouts."""
+
+    #: Largest request body accepted (413 above).
+    max_body_bytes: int = 16 * 1024 * 1024
+    #: Time to open a TCP connection to an engine.
+    connect_timeout_s: float = 5.0
+    #: Longest wait for the next bytes from an engine, the first ones included (504 before any).
+    read_timeout_s: float = 600.0
+    #: Max connections kept per engine (0 = unlimited).
+    max_connections_per_engine: int = 0
+    #: Output tokens assumed when a request sets no max_tokens.
+    default_output_tokens: int = 256
+
+
+class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Background polling of each engine's GET /health."""
+
+    #: Seconds between polls; 0 disables polling (engines stay healthy until a refusal).
+    interval_s: float = 2.0
+    #: Timeout of one poll.
+    timeout_s: float = 2.0
+
+
+class ListenConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Everything ``kvroute serve`` needs."""
+
+    engines: list[EngineConfig] = msgspec.field(default_factory=list)
+    policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    experiment: ExperimentConfig = msgspec.field(default_factory=ExperimentConfig)
+    tokenizer: TokenizerConfig = msgspec.field(default_factory=TokenizerConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    health: HealthConfig = msgspec.field(default_factory=HealthConfig)
+    listen: ListenConfig = msgspec.field(default_factory=ListenConfig)
+    #: Fleet file whose engines are appended to ``engines``.
+    fleet_file: str = ""
+    log_level: str = "info"
+
+
+_SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "policy": PolicyConfig,
+    "experiment": ExperimentConfig,
+    "tokenizer": TokenizerConfig,
+    "limits": LimitsConfig,
+    "health": HealthConfig,
+    "listen": ListenConfig,
+}
+_TOP_SCALARS = {"fleet_file", "log_level"}
+_TOKENIZER_BACKENDS = ("none", "sim", "hf", "engine")
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _accepted(cls: type[msgspec.Struct]) -> str:
+    return ", ".join(cls.__struct_fields__)
+
+
+def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Config dict from ``KVROUTE_<SECTION>_<KEY>`` (e.g. KVROUTE_LISTEN_PORT=9000),
+    ``KVROUTE_LOG_LEVEL``, ``KVROUTE_FLEET_FILE`` and ``KVROUTE_ENGINES`` (JSON list or
+    ``id=url,id=url``). Values are strings, converted by type later; JSON for dicts."""
+    out: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX) :].lower()
+        if rest in ("config", "fleet"):  # file paths read by the CLI, not config keys
+            continue
+        if rest == "engines":
+            out["engines"] = _parse_engines_text(raw, source=name)
+            continue
+        if rest in _TOP_SCALARS:
+            out[rest] = raw
+            continue
+        section, _, key = rest.partition("_")
+        cls = _SECTIONS.get(section)
+        if cls is None or key not in cls.__struct_fields__:
+            accepted = [f"{ENV_PREFIX}{s.upper()}_{f.upper()}" for s, c in _SECTIONS.items()
+                        for f in c.__struct_fields__]
+            raise ConfigError(
+                f"unknown environment variable {name}; accepted: {ENV_PREFIX}ENGINES, "
+                f"{ENV_PREFIX}LOG_LEVEL, {ENV_PREFIX}FLEET_FILE, {', '.join(accepted)}"
+            )
+        value: Any = raw
+        if key in ("params", "arms"):
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{name} must be JSON: {exc}") from None
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def _parse_engines_text(raw: str, *, source: str) -> list[dict[str, Any]]:
+    text = raw.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{source} must be a JSON list of engines or id=url,...: {exc}") from None
+        if not isinstance(value, list):
+            raise ConfigError(f"{source} must be a JSON list of engines")
+        return value
+    engines = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        engine_id, sep, url = item.partition("=")
+        if not sep:
+            raise ConfigError(f"{source}: {item!r} is not id=url (e.g. e0=http://127.0.0.1:8001)")
+        engines.append({"id": engine_id.strip(), "url": url.strip()})
+    return engines
+
+
+def _convert(data: Mapping[str, Any]) -> RouterConfig:
+    try:
+        return msgspec.convert(data, RouterConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        hint = ""
+        if "unknown field" in text:
+            where = text.rsplit("`$", 1)[-1].rstrip("`").strip(".")
+            section = where.split(".")[0].split("[")[0] if where else ""
+            cls = {"engines": EngineConfig, **_SECTIONS}.get(section, RouterConfig)
+            if section == "experiment" and "arms" in where:
+                cls = ArmConfig
+            hint = f"; accepted keys here: {_accepted(cls)}"
+        raise ConfigError(f"invalid config: {text}{hint}") from None
+
+
+def validate(config: RouterConfig) -> RouterConfig:
+    """Semantic checks msgspec cannot express; raises ConfigError naming the key."""
+    from policies.base import REGISTRY, build_policy
+
+    seen: set[str] = set()
+    for i, engine in enumerate(config.engines):
+        where = f"engines[{i}]"
+        if not engine.id:
+            raise ConfigError(f"{where}.id must be a non-empty string")
+        if engine.id in seen:
+            raise ConfigError(f"{where}.id {engine.id!r} is used twice; engine ids must be unique")
+        seen.add(engine.id)
+        parts = urlsplit(engine.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"{where}.url {engine.url!r} must be http(s)://host:port")
+        if engine.block_size <= 0:
+            raise ConfigError(f"{where}.block_size must be a positive integer, got {engine.block_size}")
+        for key in ("kv_events_endpoint", "kv_replay_endpoint"):
+            value = getattr(engine, key)
+            if value and "://" not in value:
+                raise ConfigError(f"{where}.{key} {value!r} must be a ZMQ endpoint like tcp://host:port")
+    if not 0 <= config.listen.port <= 65535:
+        raise ConfigError(f"listen.port must be 0..65535, got {config.listen.port}")
+    limits = config.limits
+    for key in ("max_body_bytes", "connect_timeout_s", "read_timeout_s"):
+        if getattr(limits, key) <= 0:
+            raise ConfigError(f"limits.{key} must be positive, got {getattr(limits, key)}")
+    if config.health.interval_s < 0 or config.health.timeout_s <= 0:
+        raise ConfigError("health.interval_s must be >= 0 (0 disables) and health.timeout_s > 0")
+    if config.tokenizer.backend not in _TOKENIZER_BACKENDS:
+        raise ConfigError(
+            f"tokenizer.backend {config.tokenizer.backend!r} unknown; accepted: {', '.join(_TOKENIZER_BACKENDS)}"
+        )
+    if config.log_level.lower() not in _LOG_LEVELS:
+        raise ConfigError(f"log_level {config.log_level!r} unknown; accepted: {', '.join(_LOG_LEVELS)}")
+    # Building each policy once checks its name and params with the registry's own message.
+    policies = [("policy", config.policy.name, config.policy.params)]
+    arm_names: set[str] = set()
+    for i, arm in enumerate(config.experiment.arms):
+        if not arm.name or arm.name in arm_names:
+            raise ConfigError(f"experiment.arms[{i}].name must be unique and non-empty, got {arm.name!r}")
+        arm_names.add(arm.name)
+        if arm.weight <= 0:
+            raise ConfigError(f"experiment.arms[{i}].weight must be positive, got {arm.weight}")
+        policies.append((f"experiment.arms[{i}].policy", arm.policy, arm.params))
+    for key, name, params in policies:
+        try:
+            build_policy(name, params)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc} (registered: {', '.join(sorted(REGISTRY))})") from None
+    return config
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    fleet_file: str | Path | None = None,
+) -> RouterConfig:
+    """Defaults < TOML file ``path`` < env (``KVROUTE_*``) < ``overrides`` (from CLI flags, same
+    nested shape as the file). ``fleet_file`` (or the ``fleet_file`` key) appends its engines."""
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found; pass an existing TOML file to --config") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    data = _deep_merge(data, env_layer(os.environ if environ is None else environ))
+    if overrides:
+        data = _deep_merge(data, overrides)
+    if fleet_file:
+        data["fleet_file"] = str(fleet_file)
+    config = _convert(data)
+    if config.fleet_file:
+        config.engines = [*config.engines, *load_fleet_file(config.fleet_file)]
+    if not config.engines:
+        raise ConfigError("no engines configured: add [[engines]] to the config file, --fleet FILE, "
+                          "--engine id=url or KVROUTE_ENGINES")
+    return validate(config)
+
+
+def load_fleet_file(path: str | Path) -> list[EngineConfig]:
+    """Engines listed in a fleet file: JSON ``{"version": 1, "engines": [EngineConfig fields...]}``."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"fleet file {path} cannot be read: {exc}") from None
+    try:
+        doc = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"fleet file {path} is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("engines"), list):
+        raise ConfigError(f'fleet file {path} must be an object with an "engines" list')
+    if doc.get("version", FLEET_FILE_VERSION) != FLEET_FILE_VERSION:
+        raise ConfigError(f"fleet file {path} has version {doc.get('version')}; this router reads "
+                          f"version {FLEET_FILE_VERSION}")
+    try:
+        return msgspec.convert(doc["engines"], list[EngineConfig])
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"fleet file {path}: {exc}; accepted engine keys: {_accepted(EngineConfig)}") from None
+
+
+def write_fleet_file(path: str | Path, engines: Sequence[EngineConfig]) -> None:
+    """Write ``engines`` as a fleet file (atomically: readers never see half a file)."""
+    target = Path(path)
+    doc = {"version": FLEET_FILE_VERSION, "engines": list(engines)}
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(doc), indent=2) + b"\n")
+    os.replace(tmp, target)

@@ -1,0 +1,204 @@
+"""What the router knows about each engine's load and health, and the task that polls engines.
+
+``LoadTracker`` is plain state (no I/O): in-flight requests and queued prefill tokens per engine
+(incremented when a request is sent, prefill part cleared at its first byte, decremented at finish),
+health flags and the models each engine serves; it produces the ``EngineView``s policies read.
+``EnginePoller`` is the async shell: it polls GET /health (and GET /v1/models once per engine).
+Scraped engine metrics (vllm:num_requests_waiting, ...) go into ``EngineState.scraped`` through
+``LoadTracker.update_scraped``; the poller is the place to add that scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from policies.base import EngineView
+from router.config import EngineConfig
+from router.metrics import RouterMetrics
+
+log = logging.getLogger("kvroute.load")
+
+
+@dataclass(slots=True)
+class EngineState:
+    config: EngineConfig
+    healthy: bool = True
+    in_flight: int = 0
+    queued_prefill_tokens: int = 0
+    #: Model ids the engine serves (config model plus what GET /v1/models reported).
+    models: set[str] = field(default_factory=set)
+    #: The engine's own /v1/models entries, for the router's union.
+    model_cards: list[dict[str, Any]] = field(default_factory=list)
+    models_discovered: bool = False
+    #: Latest scraped engine metrics by name, e.g. {"num_requests_waiting": 3.0}.
+    scraped: dict[str, float] = field(default_factory=dict)
+    last_error: str = ""
+
+
+@dataclass(slots=True)
+class LoadTicket:
+    """One request's share of an engine's load; ``LoadTracker`` methods on it are idempotent."""
+
+    engine_id: str
+    prompt_tokens: int
+    prefill_pending: bool = True
+    done: bool = False
+
+
+class LoadTracker:
+    """In-flight accounting and health per engine; the source of the policies' ``EngineView``s."""
+
+    def __init__(self, engines: Sequence[EngineConfig], metrics: RouterMetrics | None = None) -> None:
+        self._metrics = metrics
+        self.engines: dict[str, EngineState] = {}
+        for engine in engines:
+            state = EngineState(config=engine)
+            if engine.model:
+                state.models.add(engine.model)
+            self.engines[engine.id] = state
+            if metrics:
+                metrics.engine_healthy.labels(engine.id).set(1)
+                metrics.in_flight.labels(engine.id).set(0)
+
+    # -- request accounting ------------------------------------------------------------------
+    def begin(self, engine_id: str, prompt_tokens: int) -> LoadTicket:
+        state = self.engines[engine_id]
+        state.in_flight += 1
+        state.queued_prefill_tokens += prompt_tokens
+        if self._metrics:
+            self._metrics.in_flight.labels(engine_id).set(state.in_flight)
+        return LoadTicket(engine_id, prompt_tokens)
+
+    def first_byte(self, ticket: LoadTicket) -> None:
+        """The engine answered: its prefill of this prompt is over."""
+        if ticket.prefill_pending and not ticket.done:
+            ticket.prefill_pending = False
+            self.engines[ticket.engine_id].queued_prefill_tokens -= ticket.prompt_tokens
+
+    def end(self, ticket: LoadTicket) -> None:
+        if ticket.done:
+            return
+        self.first_byte(ticket)
+        ticket.done = True
+        state = self.engines[ticket.engine_id]
+        state.in_flight -= 1
+        if self._metrics:
+            self._metrics.in_flight.labels(ticket.engine_id).set(state.in_flight)
+
+    # -- health and models -------------------------------------------------------------------
+    def set_health(self, engine_id: str, healthy: bool, reason: str = "") -> None:
+        state = self.engines[engine_id]
+        if state.healthy != healthy:
+            log.warning("engine %s is now %s%s", engine_id, "healthy" if healthy else "UNHEALTHY",
+                        f": {reason}" if reason else "")
+        state.healthy = healthy
+        state.last_error = "" if healthy else reason
+        if self._metrics:
+            self._metrics.engine_healthy.labels(engine_id).set(1 if healthy else 0)
+
+    def set_models(self, engine_id: str, cards: list[dict[str, Any]]) -> None:
+        state = self.engines[engine_id]
+        state.model_cards = cards
+        state.models_discovered = True
+        state.models |= {str(c["id"]) for c in cards if isinstance(c, dict) and "id" in c}
+
+    def update_scraped(self, engine_id: str, values: dict[str, float]) -> None:
+        self.engines[engine_id].scraped.update(values)
+
+    def serves(self, state: EngineState, model: str) -> bool:
+        # An engine whose models are not known yet is assumed to serve anything: the engine
+        # itself answers 404 for a wrong model, which the router passes through.
+        return not state.models or model in state.models
+
+    def knows_model(self, model: str) -> bool:
+        return any(self.serves(s, model) for s in self.engines.values())
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """Union of the engines' models by id (first engine's card wins), then configured ones."""
+        cards: dict[str, dict[str, Any]] = {}
+        for state in self.engines.values():
+            for card in state.model_cards:
+                cards.setdefault(str(card.get("id")), card)
+        for state in self.engines.values():
+            for model in state.models:
+                cards.setdefault(model, {"id": model, "object": "model", "created": 0, "owned_by": "kvroute"})
+        return list(cards.values())
+
+    # -- views for policies ------------------------------------------------------------------
+    def view(self, state: EngineState) -> EngineView:
+        scraped = state.scraped
+        running = scraped.get("num_requests_running")
+        waiting = scraped.get("num_requests_waiting")
+        return EngineView(
+            engine_id=state.config.id,
+            url=state.config.url,
+            healthy=state.healthy,
+            in_flight=state.in_flight,
+            queued_prefill_tokens=state.queued_prefill_tokens,
+            num_requests_running=None if running is None else int(running),
+            num_requests_waiting=None if waiting is None else int(waiting),
+            kv_cache_usage=scraped.get("kv_cache_usage_perc"),
+            block_size=state.config.block_size,
+        )
+
+    def candidates(self, model: str) -> list[EngineView]:
+        """Healthy engines serving ``model``, in config order."""
+        return [self.view(s) for s in self.engines.values() if s.healthy and self.serves(s, model)]
+
+    def all_views(self) -> list[EngineView]:
+        return [self.view(s) for s in self.engines.values()]
+
+
+class EnginePoller:
+    """Background task polling each engine's GET /health every ``interval_s`` (owner: the app)."""
+
+    def __init__(self, tracker: LoadTracker, session: aiohttp.ClientSession, *, interval_s: float,
+                 timeout_s: float) -> None:
+        self._tracker = tracker
+        self._session = session
+        self._interval_s = interval_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._interval_s > 0 and self._task is None:
+            self._task = asyncio.create_task(self._run(), name="kvroute-engine-poller")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            started_s = time.monotonic()
+            await asyncio.gather(*(self.poll_once(s) for s in self._tracker.engines.values()))
+            await asyncio.sleep(max(0.0, self._interval_s - (time.monotonic() - started_s)))
+
+    async def poll_once(self, state: EngineState) -> None:
+        engine = state.config
+        try:
+            async with self._session.get(f"{engine.url}/health", timeout=self._timeout) as resp:
+                await resp.read()
+                healthy, reason = resp.status == 200, f"GET /health returned {resp.status}"
+            if healthy and not state.models_discovered:
+                async with self._session.get(f"{engine.url}/v1/models", timeout=self._timeout) as resp:
+                    if resp.status == 200:
+                        doc = await resp.json(content_type=None)
+                        cards = doc.get("data") if isinstance(doc, dict) else None
+                        if isinstance(cards, list):
+                            self._tracker.set_models(engine.id, cards)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            healthy, reason = False, f"GET /health failed: {type(exc).__name__}: {exc}"
+        self._tracker.set_health(engine.id, healthy, reason)

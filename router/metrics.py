@@ -1,0 +1,76 @@
+"""Prometheus metrics of the router, in their own CollectorRegistry (no process globals).
+
+``RouterMetrics`` is built per app by ``create_metrics()``; it is also a route observer
+(``on_routed`` / ``on_first_byte`` / ``on_finished``), so the pipeline feeds it like any other.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from router.routing import RouteContext
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Seconds: from 1 ms (cached, idle) to minutes (long prefill under load).
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+NO_ENGINE = "none"
+
+
+class RouterMetrics:
+    """The router's counters and histograms; label values: engine id, policy name, arm name."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        labels = ("engine", "policy", "arm")
+        self.requests = Counter(
+            "kvroute_requests", "Requests answered, by HTTP status (499 = client went away)",
+            (*labels, "status"), registry=self.registry,
+        )
+        self.latency_s = Histogram(
+            "kvroute_request_latency_seconds", "Time from request arrival to the last byte sent",
+            labels, buckets=_LATENCY_BUCKETS_S, registry=self.registry,
+        )
+        self.ttft_s = Histogram(
+            "kvroute_ttft_seconds", "Time from request arrival to the first content byte from the engine",
+            labels, buckets=_LATENCY_BUCKETS_S, registry=self.registry,
+        )
+        self.upstream_errors = Counter(
+            "kvroute_upstream_errors", "Failures talking to an engine, by kind",
+            ("engine", "kind"), registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "kvroute_in_flight", "Requests sent to an engine and not finished", ("engine",),
+            registry=self.registry,
+        )
+        self.engine_healthy = Gauge(
+            "kvroute_engine_healthy", "1 when the engine passes health checks", ("engine",),
+            registry=self.registry,
+        )
+
+    # Observer hooks (see router.routing.RouteObserver).
+    def on_routed(self, ctx: RouteContext) -> None:
+        return None
+
+    def on_first_byte(self, ctx: RouteContext) -> None:
+        if ctx.ttft_s is not None:
+            self.ttft_s.labels(ctx.engine_id or NO_ENGINE, ctx.policy_name, ctx.arm).observe(ctx.ttft_s)
+
+    def on_finished(self, ctx: RouteContext) -> None:
+        engine = ctx.engine_id or NO_ENGINE
+        self.requests.labels(engine, ctx.policy_name, ctx.arm, str(ctx.http_status)).inc()
+        if ctx.latency_s is not None:
+            self.latency_s.labels(engine, ctx.policy_name, ctx.arm).observe(ctx.latency_s)
+
+    def upstream_error(self, engine_id: str, kind: str) -> None:
+        self.upstream_errors.labels(engine_id, kind).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def create_metrics() -> RouterMetrics:
+    return RouterMetrics()

@@ -1,0 +1,94 @@
+"""The one upstream HTTP client of the router: pooled aiohttp connections to every engine.
+
+aiohttp was chosen over httpx by measurement (docs/benchmarks.md, loadtest/bench_proxy.py): on
+2 cores a FastAPI proxy on aiohttp's client served ~10x the requests/s of the same proxy on httpx.
+``UpstreamClient.send`` posts the original body bytes and returns the open response once its
+headers are in, so the caller can stream the body through; failures are classified into
+``UpstreamConnectError`` (nothing reached the engine: safe to retry elsewhere) and
+``UpstreamTimeout`` (the engine took longer than the read timeout to answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+
+import aiohttp
+
+# Headers of the client's request worth forwarding to an engine (auth, tracing, session hints);
+# everything else (host, content-length, hop-by-hop) is the router's own business.
+FORWARDED_REQUEST_HEADERS = ("authorization", "x-session-id", "x-correlation-id", "traceparent", "tracestate")
+
+
+class UpstreamError(Exception):
+    """Base of the failures to reach or read an engine."""
+
+    kind = "error"
+
+
+class UpstreamConnectError(UpstreamError):
+    """The engine refused or dropped the connection before answering: retry on a fallback."""
+
+    kind = "connect"
+
+
+class UpstreamTimeout(UpstreamError):
+    """The engine did not answer within the configured timeout."""
+
+    kind = "timeout"
+
+
+class UpstreamClient:
+    """Shared pooled client; create in the app's lifespan (needs a running loop), then ``close``."""
+
+    def __init__(self, *, connect_timeout_s: float, read_timeout_s: float, max_connections_per_engine: int = 0,
+                 keepalive_timeout_s: float = 3.0) -> None:
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
+        self._limit_per_host = max_connections_per_engine
+        # Below uvicorn's (and so vLLM's) 5 s keep-alive, so the pool never reuses a socket the
+        # engine is about to close.
+        self._keepalive_timeout_s = keepalive_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("UpstreamClient.start() was not called (the app lifespan starts it)")
+        return self._session
+
+    async def start(self) -> None:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=self._limit_per_host,
+                                             keepalive_timeout=self._keepalive_timeout_s)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
+                                                  auto_decompress=False, skip_auto_headers=("User-Agent",))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def send(self, url: str, body: bytes, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+        """POST ``body`` unchanged to ``url``; the response is open (caller must ``release`` it)."""
+        try:
+            return await self.session.post(url, data=body, headers=headers, allow_redirects=False)
+        except aiohttp.ClientConnectorError as exc:  # refused, unreachable, DNS, connect timeout
+            raise UpstreamConnectError(f"cannot connect to {url}: {exc.os_error or exc}") from exc
+        except aiohttp.ServerDisconnectedError as exc:
+            raise UpstreamConnectError(f"{url} closed the connection before answering") from exc
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            raise UpstreamTimeout(f"{url} did not answer within the read timeout") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"request to {url} failed: {type(exc).__name__}: {exc}") from exc
+
+
+async def iter_body(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The response body as the bytes arrive (no buffering); errors mapped to UpstreamError."""
+    try:
+        async for chunk in response.content.iter_any():
+            if chunk:
+                yield chunk
+    except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise UpstreamTimeout("engine stopped sending within the read timeout") from exc
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(f"engine response broke off: {type(exc).__name__}: {exc}") from exc

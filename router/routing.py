@@ -1,0 +1,520 @@
+"""The request pipeline: validate -> RouteRequest -> arm/policy -> (index) -> choose -> proxy.
+
+``Router.handle`` runs, for each chat/completion request:
+  1. ``parse_request``: JSON and field checks (OpenAI-shaped 400/404/413 errors), session key,
+     prompt-token estimate -> ``RouteContext`` holding a ``policies.base.RouteRequest``;
+  2. ``ArmSelector.select(session_key)`` -> ``Arm`` (name, policy). Today one policy, or a sticky
+     weighted split of the config's experiment arms; ``router/experiments.py`` passes its own
+     selector to ``create_app(experiments=...)``;
+  3. when ``policy.uses_index``: ``PrefixAnnotator.annotate(ctx)`` fills ``block_keys`` and
+     ``prefix_matches`` (tokenizer + keys + index; plugged in by the index work);
+  4. ``FleetView`` of healthy engines serving the model from ``router.load.LoadTracker``;
+  5. ``policy.choose`` -> ``Decision``; the request goes to ``decision.engine_id``, and once more
+     to the first fallback if that engine refuses the connection;
+  6. the engine's answer streams back unbuffered; ``RouteObserver``s get ``on_routed``,
+     ``on_first_byte`` (TTFT) and ``on_finished`` (status, usage, cached tokens). Metrics are one
+     observer; the cost model and experiment statistics add theirs without touching this file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+import msgspec
+import xxhash
+from starlette.responses import Response, StreamingResponse
+
+from policies.base import Decision, FleetView, NoEngineAvailable, Policy, RouteRequest, build_policy
+from router.config import RouterConfig
+from router.errors import RouterError, bad_request
+from router.load import LoadTicket, LoadTracker
+from router.metrics import RouterMetrics
+from router.proxy import FORWARDED_REQUEST_HEADERS, UpstreamClient, UpstreamConnectError, UpstreamError, iter_body
+
+log = logging.getLogger("kvroute.router")
+
+_decode_json = msgspec.json.decode
+_encode_json = msgspec.json.encode
+CHAT = "chat"
+COMPLETIONS = "completions"
+ENDPOINT_PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+STATUS_CLIENT_GONE = 499  # nginx's convention: the client closed the connection first
+_USAGE_TAIL_BYTES = 16384  # the final usage chunk of a stream is well under this
+
+Receive = Callable[[], Awaitable[Mapping[str, Any]]]
+
+
+@dataclass(slots=True)
+class Arm:
+    """A named policy; the arm name labels metrics and the x-kvroute-arm header."""
+
+    name: str
+    policy: Policy
+
+
+class ArmSelector(Protocol):
+    def select(self, session_key: str) -> Arm:
+        """The arm serving this conversation (must be sticky per session key)."""
+        ...
+
+
+class SinglePolicySelector:
+    """No experiment: every request goes to one policy, arm name "default"."""
+
+    def __init__(self, policy: Policy, name: str = "default") -> None:
+        self._arm = Arm(name, policy)
+
+    def select(self, session_key: str) -> Arm:
+        return self._arm
+
+    @property
+    def arms(self) -> list[Arm]:
+        return [self._arm]
+
+
+class WeightedArmSelector:
+    """Sticky weighted split: xxh3(session_key) picks a point in the arms' cumulative weights."""
+
+    def __init__(self, arms: Sequence[tuple[Arm, float]]) -> None:
+        if not arms:
+            raise ValueError("WeightedArmSelector needs at least one arm")
+        total = sum(w for _, w in arms)
+        self.arms = [a for a, _ in arms]
+        self._bounds: list[float] = []
+        acc = 0.0
+        for _, weight in arms:
+            acc += weight / total
+            self._bounds.append(acc)
+
+    def select(self, session_key: str) -> Arm:
+        point = xxhash.xxh3_64_intdigest(session_key.encode()) / 2.0**64
+        for arm, bound in zip(self.arms, self._bounds, strict=True):
+            if point < bound:
+                return arm
+        return self.arms[-1]
+
+
+def build_arm_selector(config: RouterConfig) -> SinglePolicySelector | WeightedArmSelector:
+    """Arms from the config: the experiment's arms when it has any, else the single policy."""
+    if config.experiment.arms:
+        return WeightedArmSelector(
+            [(Arm(a.name, build_policy(a.policy, a.params)), a.weight) for a in config.experiment.arms]
+        )
+    return SinglePolicySelector(build_policy(config.policy.name, config.policy.params))
+
+
+@dataclass(slots=True)
+class RouteContext:
+    """Everything known about one request on its way through the router (observers read it)."""
+
+    request_id: str
+    endpoint: str
+    raw_body: bytes
+    body: dict[str, Any]
+    stream: bool
+    route_request: RouteRequest
+    started_s: float
+    arm: str = ""
+    policy_name: str = ""
+    decision: Decision | None = None
+    #: Engine that served (or last tried) the request; "" before routing.
+    engine_id: str = ""
+    #: Engine ids tried in order (2 when the first refused the connection).
+    attempts: list[str] = field(default_factory=list)
+    first_byte_s: float | None = None
+    finished_s: float | None = None
+    http_status: int = 0
+    #: The engine's usage object (final stream chunk or JSON body), when it sent one.
+    usage: dict[str, Any] | None = None
+    error: str = ""
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_byte_s is None else self.first_byte_s - self.started_s
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.finished_s is None else self.finished_s - self.started_s
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """usage.prompt_tokens_details.cached_tokens (engines with --enable-prompt-tokens-details)."""
+        details = (self.usage or {}).get("prompt_tokens_details")
+        value = details.get("cached_tokens") if isinstance(details, dict) else None
+        return value if isinstance(value, int) else None
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.http_status < 300
+
+
+class RouteObserver(Protocol):
+    """Hooks around each routed request; must be fast and must not raise (errors are logged)."""
+
+    def on_routed(self, ctx: RouteContext) -> None: ...
+
+    def on_first_byte(self, ctx: RouteContext) -> None: ...
+
+    def on_finished(self, ctx: RouteContext) -> None: ...
+
+
+class PrefixAnnotator(Protocol):
+    async def annotate(self, ctx: RouteContext) -> None:
+        """Fill ctx.route_request.block_keys / prefix_matches (called when policy.uses_index)."""
+        ...
+
+
+# -- parsing -----------------------------------------------------------------------------------
+
+
+def new_request_id() -> str:
+    return "kvr-" + os.urandom(8).hex()
+
+
+def _check_type(body: Mapping[str, Any], key: str, types: tuple[type, ...], what: str) -> None:
+    value = body.get(key)
+    if value is not None and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
+        raise bad_request(f"'{key}' must be {what}, got {type(value).__name__}", "invalid_type")
+
+
+def _text_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+    return 0
+
+
+def _prompt_token_estimate(endpoint: str, body: Mapping[str, Any], chars_per_token: float) -> int:
+    if endpoint == CHAT:
+        chars = sum(_text_chars(m.get("content")) for m in body["messages"])
+        return int(chars / chars_per_token) + 4 * len(body["messages"])
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return int(len(prompt) / chars_per_token)
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return len(prompt)
+    first = prompt[0] if prompt else ""
+    return len(first) if isinstance(first, list) else int(len(first) / chars_per_token)
+
+
+def _validate_prompt(prompt: Any) -> None:
+    if isinstance(prompt, str):
+        return
+    ok = isinstance(prompt, list) and prompt and (
+        all(isinstance(p, str) for p in prompt)
+        or all(isinstance(p, int) and not isinstance(p, bool) for p in prompt)
+        or all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt)
+    )
+    if not ok:
+        raise bad_request("'prompt' must be a string, a list of strings, a list of token ids or a list "
+                          "of token-id lists", "invalid_type")
+
+
+def session_key_of(endpoint: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> str:
+    """x-session-id header, else the body's ``user``, else a hash of how the conversation starts."""
+    header = headers.get("x-session-id")
+    if header:
+        return header
+    user = body.get("user")
+    if isinstance(user, str) and user:
+        return user
+    if endpoint == CHAT:
+        start: Any = body["messages"][:2]
+    else:
+        prompt = body["prompt"]
+        # The start of the prompt: later turns resend (and extend) the same text.
+        start = prompt[:256] if isinstance(prompt, str | list) else prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            start = prompt[0][:256]
+    return "h" + xxhash.xxh3_64_hexdigest(_encode_json(start))
+
+
+def parse_request(
+    endpoint: str,
+    raw_body: bytes,
+    headers: Mapping[str, str],
+    *,
+    request_id: str,
+    started_s: float,
+    config: RouterConfig,
+) -> RouteContext:
+    """Validate a chat/completions body; raise RouterError(400) naming the bad field."""
+    try:
+        body = _decode_json(raw_body)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", "invalid_json")
+    model = body.get("model")
+    if model is None:
+        raise bad_request("'model' is required", "missing_model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' must be a non-empty string", "invalid_type")
+    if endpoint == CHAT:
+        messages = body.get("messages")
+        if messages is None:
+            raise bad_request("'messages' is required", "missing_messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' must be a non-empty list of message objects", "invalid_type")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise bad_request(f"'messages[{i}]' must be an object with a string 'role'", "invalid_type")
+    else:
+        if "prompt" not in body:
+            raise bad_request("'prompt' is required", "missing_prompt")
+        _validate_prompt(body["prompt"])
+    _check_type(body, "stream", (bool,), "a boolean")
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        _check_type(body, key, (int,), "an integer")
+    _check_type(body, "user", (str,), "a string")
+    _check_type(body, "stream_options", (dict,), "an object")
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    route_request = RouteRequest(
+        request_id=request_id,
+        model=model,
+        session_key=session_key_of(endpoint, body, headers),
+        prompt_tokens=_prompt_token_estimate(endpoint, body, config.tokenizer.chars_per_token),
+        expected_output_tokens=max_tokens or config.limits.default_output_tokens,
+    )
+    return RouteContext(
+        request_id=request_id,
+        endpoint=endpoint,
+        raw_body=raw_body,
+        body=body,
+        stream=bool(body.get("stream")),
+        route_request=route_request,
+        started_s=started_s,
+    )
+
+
+def usage_from_stream_tail(tail: bytes) -> dict[str, Any] | None:
+    """The last ``usage`` object in the final SSE events of a stream, if any."""
+    for event in reversed(tail.split(b"\n\n")):
+        line = event.strip()
+        if not line.startswith(b"data:") or b'"usage"' not in line:
+            continue
+        try:
+            doc = _decode_json(line[5:].strip())
+        except msgspec.DecodeError:
+            continue  # the tail cut this event in half
+        usage = doc.get("usage") if isinstance(doc, dict) else None
+        if isinstance(usage, dict):
+            return usage
+    return None
+
+
+def _usage_from_json(body: bytes) -> dict[str, Any] | None:
+    try:
+        doc = _decode_json(body)
+    except msgspec.DecodeError:
+        return None
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+# -- the pipeline ------------------------------------------------------------------------------
+
+
+class Router:
+    """Routes and proxies one request at a time; shared state lives in the injected components."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        tracker: LoadTracker,
+        client: UpstreamClient,
+        metrics: RouterMetrics,
+        arm_selector: ArmSelector,
+        annotator: PrefixAnnotator | None = None,
+        observers: Sequence[RouteObserver] = (),
+    ) -> None:
+        self.config = config
+        self.tracker = tracker
+        self.client = client
+        self.metrics = metrics
+        self.arm_selector = arm_selector
+        self.annotator = annotator
+        self.observers: list[RouteObserver] = [metrics, *observers]
+
+    def _notify(self, hook: str, ctx: RouteContext) -> None:
+        for observer in self.observers:
+            try:
+                getattr(observer, hook)(ctx)
+            except Exception:  # an observer bug must not fail the request
+                log.exception("observer %r failed in %s (request %s)", observer, hook, ctx.request_id)
+
+    async def decide(self, ctx: RouteContext) -> tuple[Arm, Decision]:
+        """Steps 2-5: arm, index annotation, fleet view, policy choice (no upstream traffic)."""
+        request = ctx.route_request
+        arm = self.arm_selector.select(request.session_key)
+        ctx.arm, ctx.policy_name = arm.name, arm.policy.name
+        if not self.tracker.knows_model(request.model):
+            raise RouterError(404, f"model {request.model!r} is not served by any engine; see GET /v1/models",
+                              type="not_found_error", code="model_not_found")
+        if arm.policy.uses_index and self.annotator is not None:
+            await self.annotator.annotate(ctx)
+        candidates = self.tracker.candidates(request.model)
+        if not candidates:
+            raise RouterError(503, f"no healthy engine serves model {request.model!r}; see GET /ready",
+                              type="service_unavailable", code="no_healthy_engine")
+        try:
+            decision = arm.policy.choose(request, FleetView(candidates, now=time.monotonic()))
+        except NoEngineAvailable as exc:
+            raise RouterError(503, str(exc), type="service_unavailable", code="no_healthy_engine") from None
+        ctx.decision = decision
+        return arm, decision
+
+    async def handle(self, ctx: RouteContext, headers: Mapping[str, str], receive: Receive) -> Response:
+        """Route ``ctx`` and return the response to send (streaming or complete)."""
+        arm, decision = await self.decide(ctx)
+        self._notify("on_routed", ctx)
+        arm.policy.on_routed(ctx.route_request, decision)
+
+        upstream_headers = {"content-type": "application/json", "x-request-id": ctx.request_id}
+        for name in FORWARDED_REQUEST_HEADERS:
+            value = headers.get(name)
+            if value is not None:
+                upstream_headers[name] = value
+        path = ENDPOINT_PATHS[ctx.endpoint]
+        order = [decision.engine_id, *decision.fallbacks][:2]  # the choice, then one retry
+        response: aiohttp.ClientResponse | None = None
+        ticket: LoadTicket | None = None
+        for attempt, engine_id in enumerate(order):
+            ctx.engine_id = engine_id
+            ctx.attempts.append(engine_id)
+            engine = self.tracker.engines[engine_id].config
+            ticket = self.tracker.begin(engine_id, ctx.route_request.prompt_tokens)
+            try:
+                response = await self.client.send(engine.url + path, ctx.raw_body, upstream_headers)
+                break
+            except UpstreamConnectError as exc:
+                self.tracker.end(ticket)
+                self.tracker.set_health(engine_id, False, str(exc))
+                self.metrics.upstream_error(engine_id, exc.kind)
+                log.warning("request %s: engine %s refused (%s)%s", ctx.request_id, engine_id, exc,
+                            "; retrying on the next choice" if attempt + 1 < len(order) else "")
+                if attempt + 1 >= len(order):
+                    self._fail(ctx, arm, 502, str(exc))
+                    raise RouterError(502, f"engine {engine_id} is unreachable: {exc}", type="upstream_error",
+                                      code="upstream_connect_error") from None
+            except UpstreamError as exc:
+                self.tracker.end(ticket)
+                self.metrics.upstream_error(engine_id, exc.kind)
+                status = 504 if exc.kind == "timeout" else 502
+                self._fail(ctx, arm, status, str(exc))
+                raise RouterError(status, f"engine {engine_id}: {exc}",
+                                  type="timeout_error" if status == 504 else "upstream_error",
+                                  code="upstream_timeout" if status == 504 else "upstream_error") from None
+        assert response is not None and ticket is not None
+        out_headers = {
+            "x-kvroute-engine": ctx.engine_id,
+            "x-kvroute-policy": ctx.policy_name,
+            "x-kvroute-arm": ctx.arm,
+            "x-request-id": ctx.request_id,
+        }
+        content_type = response.headers.get("content-type", "application/json")
+        if ctx.stream and response.status == 200:
+            return StreamingResponse(self._stream(ctx, arm, response, ticket), status_code=200,
+                                     headers=out_headers, media_type=content_type)
+        return await self._complete(ctx, arm, response, ticket, out_headers, content_type, receive)
+
+    def _fail(self, ctx: RouteContext, arm: Arm, status: int, error: str) -> None:
+        ctx.http_status, ctx.error, ctx.finished_s = status, error, time.monotonic()
+        arm.policy.on_finished(ctx.route_request, ctx.engine_id, False)
+        self._notify("on_finished", ctx)
+
+    def _first_byte(self, ctx: RouteContext, ticket: LoadTicket) -> None:
+        ctx.first_byte_s = time.monotonic()
+        self.tracker.first_byte(ticket)
+        self._notify("on_first_byte", ctx)
+
+    def _finish(self, ctx: RouteContext, arm: Arm, ticket: LoadTicket, status: int, error: str = "") -> None:
+        self.tracker.end(ticket)
+        ctx.http_status, ctx.finished_s = status, time.monotonic()
+        ctx.error = error
+        if error:
+            log.warning("request %s on engine %s: %s (status %d)", ctx.request_id, ctx.engine_id, error, status)
+        arm.policy.on_finished(ctx.route_request, ctx.engine_id, ctx.ok)
+        self._notify("on_finished", ctx)
+
+    async def _stream(self, ctx: RouteContext, arm: Arm, response: aiohttp.ClientResponse,
+                      ticket: LoadTicket) -> AsyncIterator[bytes]:
+        """Forward SSE bytes as they arrive; keep the tail to read the final usage chunk."""
+        tail = b""
+        status, error = 200, ""
+        try:
+            async for chunk in iter_body(response):
+                if ctx.first_byte_s is None and b"data:" in chunk:  # not a keep-alive comment
+                    self._first_byte(ctx, ticket)
+                tail = (tail + chunk)[-_USAGE_TAIL_BYTES:]
+                yield chunk
+        except UpstreamError as exc:
+            # Headers are sent: the client sees a truncated stream (no [DONE]); count it as 502.
+            self.metrics.upstream_error(ctx.engine_id, exc.kind)
+            status, error = 502, f"stream broke off: {exc}"
+        except (asyncio.CancelledError, GeneratorExit):
+            status, error = STATUS_CLIENT_GONE, "client disconnected; upstream request cancelled"
+            raise
+        finally:
+            response.close()  # closing the socket is what cancels the request in the engine
+            ctx.usage = usage_from_stream_tail(tail)
+            self._finish(ctx, arm, ticket, status, error)
+
+    async def _complete(self, ctx: RouteContext, arm: Arm, response: aiohttp.ClientResponse, ticket: LoadTicket,
+                        out_headers: dict[str, str], content_type: str, receive: Receive) -> Response:
+        """Read a whole (non-stream or error) answer, abandoning it if the client goes away."""
+        read = asyncio.ensure_future(self._read_all(ctx, response, ticket))
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait((read, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not read.done():
+                read.cancel()
+        try:
+            if not read.done() or read.cancelled():
+                self._finish(ctx, arm, ticket, STATUS_CLIENT_GONE, "client disconnected; upstream request cancelled")
+                return Response(status_code=STATUS_CLIENT_GONE)
+            try:
+                data = read.result()
+            except UpstreamError as exc:
+                self.metrics.upstream_error(ctx.engine_id, exc.kind)
+                status = 504 if exc.kind == "timeout" else 502
+                self._finish(ctx, arm, ticket, status, str(exc))
+                raise RouterError(status, f"engine {ctx.engine_id}: {exc}",
+                                  type="timeout_error" if status == 504 else "upstream_error",
+                                  code="upstream_timeout" if status == 504 else "upstream_error") from None
+        finally:
+            response.close()
+        if response.status >= 500:
+            self.metrics.upstream_error(ctx.engine_id, f"http_{response.status}")
+        if response.status == 200:
+            ctx.usage = _usage_from_json(data)
+        self._finish(ctx, arm, ticket, response.status,
+                     "" if response.status < 400 else f"engine answered {response.status}")
+        return Response(content=data, status_code=response.status, headers=out_headers, media_type=content_type)
+
+    async def _read_all(self, ctx: RouteContext, response: aiohttp.ClientResponse, ticket: LoadTicket) -> bytes:
+        parts: list[bytes] = []
+        async for chunk in iter_body(response):
+            if ctx.first_byte_s is None:
+                self._first_byte(ctx, ticket)
+            parts.append(chunk)
+        return b"".join(parts)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    """Return when the ASGI server reports the client gone (the body was already read)."""
+    while True:
+        message = await receive()
+        if message.get("type") == "http.disconnect":
+            return

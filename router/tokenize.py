@@ -1,0 +1,249 @@
+"""Prompt token ids for a chat request: local HF tokenizer + jinja chat template, the engine's
+``/tokenize``, or the simulator's tokenizer. Results are cached per conversation prefix so a long
+history is not re-tokenised every turn; heavy work runs in a thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+import xxhash
+
+from sim import tokenizer as sim_tokenizer
+
+Messages = Sequence[Mapping[str, Any]]
+_encode_msg = msgspec.msgpack.Encoder(order="deterministic").encode
+
+#: Below this many new characters tokenisation is cheaper than a thread hop.
+_INLINE_CHARS = 4096
+
+
+def prefix_hashes(messages: Messages) -> list[int]:
+    """Rolling hash of every message prefix: ``out[i]`` identifies ``messages[: i + 1]``."""
+    out = []
+    h = 0
+    for msg in messages:
+        h = xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + _encode_msg(dict(msg)))
+        out.append(h)
+    return out
+
+
+class _Lru:
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self.data: OrderedDict[Any, Any] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: Any) -> Any:
+        value = self.data.get(key)
+        if value is not None:
+            self.data.move_to_end(key)
+        return value
+
+    def put(self, key: Any, value: Any) -> None:
+        self.data[key] = value
+        self.data.move_to_end(key)
+        while len(self.data) > self.max_entries:
+            self.data.popitem(last=False)
+
+
+class ChatTokenizer(Protocol):
+    """What the router needs: prompt token ids of a chat (generation prompt appended)."""
+
+    async def chat_tokens(self, messages: Messages, *, model: str = "") -> list[int]: ...
+
+    def cache_stats(self) -> dict[str, int]: ...
+
+
+class SimChatTokenizer:
+    """The simulator's tokenizer and template (prefix-stable: only new messages are encoded)."""
+
+    def __init__(self, *, max_cached_prefixes: int = 4096) -> None:
+        self._cache = _Lru(max_cached_prefixes)
+
+    async def chat_tokens(self, messages: Messages, *, model: str = "") -> list[int]:
+        hashes = prefix_hashes(messages)
+        start, prefix = 0, [sim_tokenizer.BOS]
+        for i in range(len(hashes) - 1, -1, -1):
+            cached = self._cache.get(hashes[i])
+            if cached is not None:
+                start, prefix = i + 1, cached
+                break
+        new = list(messages[start:])
+        if start:
+            self._cache.hits += 1
+        else:
+            self._cache.misses += 1
+        new_chars = sum(len(str(m.get("content") or "")) for m in new)
+        if new_chars > _INLINE_CHARS:
+            body = await asyncio.to_thread(sim_tokenizer.encode_chat, new, add_generation_prompt=False)
+        else:
+            body = sim_tokenizer.encode_chat(new, add_generation_prompt=False)
+        history = prefix + body[1:]  # drop the BOS of the partial render
+        if messages:
+            self._cache.put(hashes[-1], history)
+        return [*history, sim_tokenizer.ROLE_TOKENS["assistant"]]
+
+    def cache_stats(self) -> dict[str, int]:
+        return {"entries": len(self._cache.data), "hits": self._cache.hits, "misses": self._cache.misses}
+
+
+class HfChatTokenizer:
+    """A local Hugging Face tokenizer directory: ``tokenizer.json`` + ``tokenizer_config.json``
+    (its ``chat_template``, rendered with jinja2 in a sandbox).
+
+    Prefix reuse: the history render (no generation prompt) of a cached message prefix is kept
+    with its tokens; when the new render starts with it at a special-token boundary (where the
+    tokenizer splits anyway), only the new text is encoded. Otherwise the whole text is encoded."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: str,
+        *,
+        bos_token: str = "",
+        eos_token: str = "",
+        max_cached_prefixes: int = 4096,
+    ) -> None:
+        import jinja2.sandbox
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(f"chat template: {message}")
+
+        env.globals["raise_exception"] = raise_exception
+        self._template = env.from_string(chat_template)
+        self._tokenizer = tokenizer
+        self._specials = {"bos_token": bos_token, "eos_token": eos_token}
+        added = tokenizer.get_added_tokens_decoder() if hasattr(tokenizer, "get_added_tokens_decoder") else {}
+        self._boundary_tokens = tuple(t.content for t in added.values() if getattr(t, "special", False))
+        self._cache = _Lru(max_cached_prefixes)
+
+    @classmethod
+    def from_dir(cls, path: str | Path, **kwargs: Any) -> HfChatTokenizer:
+        """Load from a local directory (blocking file I/O: call at startup or via to_thread)."""
+        from tokenizers import Tokenizer
+
+        directory = Path(path)
+        tok_file, cfg_file = directory / "tokenizer.json", directory / "tokenizer_config.json"
+        if not tok_file.is_file() or not cfg_file.is_file():
+            raise ValueError(
+                f"tokenizer directory {directory} needs tokenizer.json and tokenizer_config.json"
+            )
+        config = json.loads(cfg_file.read_text())
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if not isinstance(template, str):
+            raise ValueError(
+                f"{cfg_file} has no chat_template; set one or use the engine's /tokenize back-end"
+            )
+
+        def special(name: str) -> str:
+            value = config.get(name) or ""
+            return str(value.get("content", "")) if isinstance(value, dict) else str(value)
+
+        return cls(
+            Tokenizer.from_file(str(tok_file)),
+            template,
+            bos_token=special("bos_token"),
+            eos_token=special("eos_token"),
+            **kwargs,
+        )
+
+    def render(self, messages: Messages, *, add_generation_prompt: bool) -> str:
+        return self._template.render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **self._specials
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids) if text else []
+
+    def _tokenize(
+        self, messages: Messages, cached: tuple[str, list[int]] | None
+    ) -> tuple[list[int], tuple[str, list[int]] | None]:
+        full = self.render(messages, add_generation_prompt=True)
+        history = self.render(messages, add_generation_prompt=False)
+        if not (history and full.startswith(history) and history.endswith(self._boundary_tokens or ("\0",))):
+            return self._encode(full), None
+        if cached is not None and history.startswith(cached[0]) and cached[0].endswith(self._boundary_tokens):
+            history_tokens = cached[1] + self._encode(history[len(cached[0]) :])
+        else:
+            history_tokens = self._encode(history)
+        return history_tokens + self._encode(full[len(history) :]), (history, history_tokens)
+
+    async def chat_tokens(self, messages: Messages, *, model: str = "") -> list[int]:
+        hashes = prefix_hashes(messages)
+        cached = None
+        for i in range(len(hashes) - 1, -1, -1):
+            cached = self._cache.get(hashes[i])
+            if cached is not None:
+                break
+        if cached is not None:
+            self._cache.hits += 1
+        else:
+            self._cache.misses += 1
+        tokens, entry = await asyncio.to_thread(self._tokenize, list(messages), cached)
+        if entry is not None and hashes:
+            self._cache.put(hashes[-1], entry)
+        return tokens
+
+    def cache_stats(self) -> dict[str, int]:
+        return {"entries": len(self._cache.data), "hits": self._cache.hits, "misses": self._cache.misses}
+
+
+class EngineChatTokenizer:
+    """The engine's own ``POST /tokenize`` with ``messages`` (exactly its template).
+
+    ``session`` is an aiohttp ClientSession owned by the caller. Only exact repeats are cached:
+    the engine renders the whole conversation, so there is no prefix to reuse."""
+
+    def __init__(
+        self,
+        session: Any,
+        engine_url: str,
+        *,
+        model: str = "",
+        max_cached: int = 4096,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self._session = session
+        self._url = engine_url.rstrip("/") + "/tokenize"
+        self._model = model
+        self._timeout_s = timeout_s
+        self._cache = _Lru(max_cached)
+
+    async def chat_tokens(self, messages: Messages, *, model: str = "") -> list[int]:
+        hashes = prefix_hashes(messages)
+        key = hashes[-1] if hashes else 0
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.hits += 1
+            return list(cached)
+        self._cache.misses += 1
+        import aiohttp
+
+        body = {"model": model or self._model, "messages": list(messages), "add_generation_prompt": True}
+        async with self._session.post(
+            self._url, json=body, timeout=aiohttp.ClientTimeout(total=self._timeout_s)
+        ) as resp:
+            if resp.status != 200:
+                text = await resp.text()
+                raise ValueError(f"POST {self._url} answered {resp.status}: {text[:200]}")
+            payload = await resp.json()
+        tokens = payload.get("tokens")
+        if not isinstance(tokens, list):
+            raise ValueError(f"POST {self._url}: response has no 'tokens' list")
+        self._cache.put(key, tokens)
+        return list(tokens)
+
+    def cache_stats(self) -> dict[str, int]:
+        return {"entries": len(self._cache.data), "hits": self._cache.hits, "misses": self._cache.misses}

@@ -1,0 +1,178 @@
+"""Block stores of the simulated engine: the GPU pool with pinning and an LRU free list, and the
+LRU offload tiers (CPU, and STORAGE pools that several engines may share). Pure data structures
+keyed by the engine's 64-bit block hash; events and timing are the engine's job (sim/engine.py).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class GpuBlockPool:
+    """The GPU KV pool, counted in blocks.
+
+    A block is in one of three states: empty (free, no content), cached (holds a full block with a
+    hash; pinned while ``ref[h] > 0``, otherwise on the LRU free list ``evictable``), or anonymous
+    (held by a request without a hash: a partial block, or a duplicate of a cached block). Only
+    counts are kept for empty and anonymous blocks; block identities do not matter to the model.
+    """
+
+    __slots__ = ("_evictable", "_ref", "num_blocks", "num_empty")
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.num_empty = num_blocks
+        #: hash -> number of requests holding it (pinned blocks only).
+        self._ref: dict[int, int] = {}
+        #: Cached, unpinned blocks, least recently freed first (eviction order).
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    def num_free(self) -> int:
+        """Blocks an allocation may take: empty ones plus evictable cached ones."""
+        return self.num_empty + len(self._evictable)
+
+    def num_used(self) -> int:
+        """Blocks held by requests (pinned cached + anonymous)."""
+        return self.num_blocks - self.num_free()
+
+    def num_cached(self) -> int:
+        return len(self._ref) + len(self._evictable)
+
+    def contains(self, block_hash: int) -> bool:
+        return block_hash in self._ref or block_hash in self._evictable
+
+    def is_evictable(self, block_hash: int) -> bool:
+        return block_hash in self._evictable
+
+    def is_pinned(self, block_hash: int) -> bool:
+        return block_hash in self._ref
+
+    def evictable_hashes(self) -> list[int]:
+        """Unpinned cached hashes, next to be evicted first (for tests and introspection)."""
+        return list(self._evictable)
+
+    def cached_hashes(self) -> set[int]:
+        """Every hash cached on GPU, pinned or not (what the engine's events have announced)."""
+        return set(self._ref).union(self._evictable)
+
+    def pin(self, block_hash: int) -> None:
+        """Take a reference on a cached block (a prefix hit); it leaves the free list."""
+        ref = self._ref.get(block_hash)
+        if ref is not None:
+            self._ref[block_hash] = ref + 1
+            return
+        try:
+            del self._evictable[block_hash]
+        except KeyError:
+            raise KeyError(f"block {block_hash} is not cached on GPU") from None
+        self._ref[block_hash] = 1
+
+    def allocate(self, num_blocks: int, evicted: list[int]) -> None:
+        """Take ``num_blocks`` anonymous blocks: empty ones first, then evict oldest cached ones
+        (their hashes are appended to ``evicted``). The caller checks ``num_free()`` first."""
+        if num_blocks > self.num_free():
+            raise RuntimeError(f"GPU pool cannot allocate {num_blocks} blocks, {self.num_free()} free")
+        from_empty = min(num_blocks, self.num_empty)
+        self.num_empty -= from_empty
+        for _ in range(num_blocks - from_empty):
+            block_hash, _unused = self._evictable.popitem(last=False)
+            evicted.append(block_hash)
+
+    def commit(self, block_hash: int) -> bool:
+        """Turn one anonymous block held by a request into cached block ``block_hash`` (pinned).
+
+        False when that hash is already cached: the request's copy then stays anonymous, so the
+        pool never holds two cached blocks with one hash (and announces each hash once)."""
+        if block_hash in self._ref or block_hash in self._evictable:
+            return False
+        self._ref[block_hash] = 1
+        return True
+
+    def release(self, block_hash: int) -> None:
+        """Drop a reference; the last one puts the block at the young end of the free list."""
+        ref = self._ref[block_hash]
+        if ref > 1:
+            self._ref[block_hash] = ref - 1
+        else:
+            del self._ref[block_hash]
+            self._evictable[block_hash] = None
+
+    def release_anonymous(self, num_blocks: int) -> None:
+        self.num_empty += num_blocks
+
+    def clear_cached(self) -> None:
+        """Forget every unpinned cached block (prefix-cache reset). Pinned blocks must be released
+        first: the engine preempts running requests before a reset."""
+        if self._ref:
+            raise RuntimeError("clear_cached with pinned blocks; release them first")
+        self.num_empty += len(self._evictable)
+        self._evictable.clear()
+
+
+class LruBlockTier:
+    """An offload tier: a set of block hashes with a capacity and LRU eviction (CPU, STORAGE)."""
+
+    __slots__ = ("_blocks", "capacity_blocks")
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError(f"tier capacity must be positive, got {capacity_blocks} blocks")
+        self.capacity_blocks = capacity_blocks
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._blocks
+
+    def hashes(self) -> list[int]:
+        """Held hashes, least recently used first."""
+        return list(self._blocks)
+
+    def touch(self, block_hash: int) -> None:
+        """Mark as most recently used (a hit or a repeated store)."""
+        self._blocks.move_to_end(block_hash)
+
+    def put(self, block_hash: int, evicted: list[int]) -> bool:
+        """Store (or refresh) a block. True when it is new; evicted hashes are appended to ``evicted``."""
+        blocks = self._blocks
+        if block_hash in blocks:
+            blocks.move_to_end(block_hash)
+            return False
+        if len(blocks) >= self.capacity_blocks:
+            evicted.append(blocks.popitem(last=False)[0])
+        blocks[block_hash] = None
+        return True
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+
+class StoragePool(LruBlockTier):
+    """A STORAGE tier, content-addressed by engine block hash, LRU, capacity in blocks.
+
+    Like vLLM's fs tier it never announces removals. Several EngineCore objects may share one
+    instance (a shared directory mounted by several engines): a block written by one is a hit for
+    all. ``load_bytes_per_s`` / ``latency_s`` override the engine profile's storage figures.
+    """
+
+    __slots__ = ("latency_s", "load_bytes_per_s", "pool_id")
+
+    def __init__(
+        self,
+        pool_id: str,
+        capacity_blocks: int,
+        load_bytes_per_s: float | None = None,
+        latency_s: float | None = None,
+    ) -> None:
+        super().__init__(capacity_blocks)
+        if load_bytes_per_s is not None and load_bytes_per_s <= 0:
+            raise ValueError(f"storage pool {pool_id!r}: load_bytes_per_s must be positive")
+        if latency_s is not None and latency_s < 0:
+            raise ValueError(f"storage pool {pool_id!r}: latency_s must be >= 0")
+        self.pool_id = pool_id
+        self.load_bytes_per_s = load_bytes_per_s
+        self.latency_s = latency_s

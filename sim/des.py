@@ -1,0 +1,974 @@
+"""Offline fleet simulator: N sim/engine.py EngineCores in virtual time behind any routing policy.
+
+A discrete-event simulation (heap of (time, seq, event)) that runs the router's own parts - the
+policy from policies/, router.index.PrefixIndex fed with the engines' KV events through
+router.events.decode_events after a configurable delay, speculation, in-flight accounting and the
+policies.costs.CostModel calibrated from simulated TTFTs - and reports TTFT, throughput, hit rate by
+tier against the ideal (infinite shared cache). Deterministic for a given seed. CLI: ``main(argv)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import json
+import math
+import random
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loadtest.workloads import (
+    Conversation,
+    LadderConfig,
+    Workload,
+    agentic_workload,
+    ladder_workload,
+    mooncake_workload,
+    read_agentic_sessions,
+    read_mooncake_records,
+)
+from policies.base import (
+    TIERS,
+    BasePolicy,
+    Decision,
+    EngineView,
+    FleetView,
+    Policy,
+    RouteRequest,
+    Tier,
+    build_policy,
+    require_engines,
+)
+from policies.costs import CostModel, EngineCosts, PredictedParts
+from router.index import PrefixIndex
+from router.keys import block_keys
+from sim.cache import StoragePool
+from sim.engine import EngineCore, EngineProfile, SimRequest, StepOutput
+from sim.hashing import BlockHashCache, HashChain
+
+#: The B1 comparison set (clairvoyant is the simulator-only bound, built here, never registered).
+DEFAULT_POLICIES = (
+    "round_robin",
+    "least_loaded",
+    "session_affinity",
+    "approx_prefix",
+    "kv_gpu",
+    "kv_fixed_credit",
+    "tier_cost",
+    "clairvoyant",
+)
+
+SHARED_POOL_ID = "shared"
+
+# Event kinds; ties in time are broken by the sequence number (FIFO), never by the payload.
+_START_CONV = 0
+_ARRIVE = 1
+_STEP_DONE = 2
+_DELIVER = 3
+_SCRAPE = 4
+
+
+# ------------------------------------------------------------------------------------ fleet
+
+
+@dataclass(slots=True)
+class EngineSpec:
+    engine_id: str
+    profile: EngineProfile
+
+
+@dataclass(slots=True)
+class FleetSpec:
+    """The simulated engines and their shared STORAGE pool."""
+
+    engines: list[EngineSpec]
+    storage_pool_blocks: int = 0  # 0 = no shared storage tier
+    storage_load_bytes_per_s: float | None = None  # None = each engine's profile figure
+    storage_latency_s: float | None = None
+    #: Heterogeneous fleet: at this fraction of the workload's requests, divide this engine's
+    #: storage bandwidth by ``slowdown_factor`` (a noisy neighbour). None = never.
+    slowdown_engine: str | None = None
+    slowdown_at_fraction: float = 0.5
+    slowdown_factor: float = 4.0
+
+    @property
+    def block_size(self) -> int:
+        return self.engines[0].profile.block_size
+
+
+def b1_fleet(
+    num_engines: int = 4,
+    *,
+    block_size: int = 16,
+    conversations_in_hbm: int = 64,
+    mean_conversation_tokens: float = LadderConfig().mean_prompt_tokens(),
+    cpu_ratio: float = 2.0,
+    storage_blocks: int | None = None,
+    hetero: bool = False,
+    base: EngineProfile | None = None,
+) -> FleetSpec:
+    """The B1 fleet: GPU pools sized so the fleet's HBM holds ``conversations_in_hbm`` average
+    conversations, CPU tier ``cpu_ratio`` x GPU per engine, one shared STORAGE pool large enough for
+    everything. ``hetero`` (B1b): engines 2 and 3 load CPU at 1/4 PCIe 5 speed, engine 1 reads
+    storage 4x slower, and halfway through engine 0's storage slows down 4x (noisy neighbour)."""
+    if num_engines < 1:
+        raise ValueError("--engines must be >= 1")
+    base = base or EngineProfile()
+    gpu_blocks = max(8, math.ceil(conversations_in_hbm * mean_conversation_tokens / num_engines / block_size))
+    cpu_blocks = int(gpu_blocks * cpu_ratio)
+    profile = dataclasses.replace(
+        base, block_size=block_size, num_gpu_blocks=gpu_blocks, num_cpu_blocks=cpu_blocks
+    )
+    specs = [EngineSpec(f"e{i}", dataclasses.replace(profile)) for i in range(num_engines)]
+    fleet = FleetSpec(
+        specs, storage_pool_blocks=storage_blocks or max(1_000_000, 50 * gpu_blocks * num_engines)
+    )
+    if hetero:
+        for i, spec in enumerate(specs):
+            if i % 4 in (2, 3):
+                spec.profile.cpu_load_bytes_per_s = base.cpu_load_bytes_per_s / 4
+            if i % 4 == 1:
+                spec.profile.storage_load_bytes_per_s = base.storage_load_bytes_per_s / 4
+        fleet.slowdown_engine = specs[0].engine_id
+    return fleet
+
+
+def prior_costs(profile: EngineProfile) -> EngineCosts:
+    """What a router operator would configure from the data sheet (the homogeneous nominal fleet)."""
+    return EngineCosts(
+        prefill_tokens_per_s=profile.prefill_tokens_per_s,
+        load_bandwidth_bytes_per_s=(math.inf, profile.cpu_load_bytes_per_s, profile.storage_load_bytes_per_s),
+        load_latency_s=(0.0, profile.cpu_latency_s, profile.storage_latency_s),
+        kv_bytes_per_token=profile.kv_bytes_per_token,
+    )
+
+
+# ------------------------------------------------------------------------------ clairvoyant
+
+
+class ClairvoyantPolicy(BasePolicy):
+    """Simulator-only bound: reads every EngineCore's caches and queues directly and picks the
+    minimum predicted TTFT with the engines' true parameters:
+
+        ttft_e = queued_prefill_tokens_e / prefill_rate_e + sum_t (latency_t + blocks_t x bytes/bw_t)
+                 + (prompt_tokens - hit_tokens_e) / prefill_rate_e
+
+    Not registered: the router cannot see engine internals. Ties: fewer running, then fleet order.
+    """
+
+    name = "clairvoyant"
+    uses_index = False
+
+    def __init__(self, cores: Sequence[EngineCore]) -> None:
+        self._cores = {c.engine_id: c for c in cores}
+        #: request_id -> engine block hashes of the prompt (set by the simulator before choose).
+        self.hashes: list[int] = []
+
+    def _hits(self, core: EngineCore, hashes: Sequence[int], limit: int) -> list[int]:
+        by_tier = [0, 0, 0]
+        gpu, cpu, storage = core.gpu, core.cpu, core.storage
+        for h in hashes[:limit]:
+            if gpu.contains(h):
+                by_tier[Tier.GPU] += 1
+            elif cpu is not None and h in cpu:
+                by_tier[Tier.CPU] += 1
+            elif storage is not None and h in storage:
+                by_tier[Tier.STORAGE] += 1
+            else:
+                break
+        return by_tier
+
+    def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
+        engines = require_engines(fleet, self.name)
+        scores: dict[str, dict[str, float]] = {}
+        best: tuple[float, int, int] | None = None
+        chosen = engines[0].engine_id
+        for pos, view in enumerate(engines):
+            core = self._cores[view.engine_id]
+            p = core.profile
+            bs = p.block_size
+            limit = max(0, (request.prompt_tokens - 1) // bs)
+            hits = self._hits(core, self.hashes, limit)
+            bytes_per_block = bs * p.kv_bytes_per_token
+            load_s = 0.0
+            if hits[Tier.CPU]:
+                load_s += p.cpu_latency_s + hits[Tier.CPU] * bytes_per_block / p.cpu_load_bytes_per_s
+            if hits[Tier.STORAGE]:
+                bw = core._storage_bw  # the true figure (a shared pool may override the profile)
+                load_s += core._storage_latency_s + hits[Tier.STORAGE] * bytes_per_block / bw
+            prefill_tokens = request.prompt_tokens - sum(hits) * bs
+            wait_s = core.queued_prefill_tokens() / p.prefill_tokens_per_s
+            ttft_s = wait_s + load_s + prefill_tokens / p.prefill_tokens_per_s
+            scores[view.engine_id] = {
+                "total_s": ttft_s,
+                "hit_blocks_gpu": hits[0],
+                "hit_blocks_cpu": hits[1],
+                "hit_blocks_storage": hits[2],
+            }
+            key = (round(ttft_s, 6), core.num_running(), pos)
+            if best is None or key < best:
+                best, chosen = key, view.engine_id
+        return Decision(chosen, self.name, reason="min true TTFT", scores=scores)
+
+
+# ------------------------------------------------------------------------------- simulation
+
+
+@dataclass(slots=True)
+class SimConfig:
+    seed: int = 0
+    #: Delay between an engine step producing KV events and the index applying them.
+    event_delay_s: float = 0.005
+    #: Speculative GPU entries after routing (0 disables), as the router does.
+    speculate_ttl_s: float = 2.0
+    #: How often the simulated router scrapes each engine's metrics (queue gauges, offload counters).
+    scrape_interval_s: float = 1.0
+    #: Feed the cost model from simulated TTFTs (tier_cost's online calibration).
+    calibrate: bool = True
+    #: Track the ideal (infinite shared cache) hit rate; needs a set of every block id seen.
+    track_ideal: bool = True
+    #: Token mode: send the workload's token ids (synthetic conversations only) instead of block ids.
+    token_mode: bool = False
+    #: Progress bar on stderr.
+    progress: bool = False
+
+
+@dataclass(slots=True)
+class _Req:
+    request_id: str
+    conv_slot: int
+    turn: int
+    engine: int
+    arrival_s: float
+    prompt_tokens: int
+    route: RouteRequest
+    parts: PredictedParts | None
+    first_token_s: float | None = None
+
+
+@dataclass(slots=True)
+class _Conv:
+    conv: Conversation
+    #: Router keys of the last turn (extended incrementally turn by turn).
+    ids: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+    finished_turns: int = 0
+
+
+@dataclass(slots=True)
+class SimResult:
+    """Figures of one (workload, policy) run. Rates are fractions of prompt tokens."""
+
+    policy: str
+    workload: str
+    engines: int
+    requests: int
+    virtual_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    ttft_mean_s: float
+    turns_per_s: float
+    tokens_per_s: float
+    output_tokens_per_s: float
+    hit_gpu: float
+    hit_cpu: float
+    hit_storage: float
+    miss: float
+    ideal_hit: float
+    fraction_of_ideal: float
+    load_imbalance: float
+    preemptions: int
+    wall_s: float
+    label: str = ""
+    ttfts_s: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def hit(self) -> float:
+        return self.hit_gpu + self.hit_cpu + self.hit_storage
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("ttfts_s")
+        d["hit"] = self.hit
+        return d
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending sequence (0.0 when empty)."""
+    if not sorted_values:
+        return 0.0
+    rank = max(1, math.ceil(q / 100.0 * len(sorted_values)))
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+class FleetSimulator:
+    """One run: a workload through one policy on one fleet, in virtual time.
+
+    ``policy`` is a registered name (built with policies.base.build_policy), "clairvoyant", or a
+    Policy object. Use ``run()`` once.
+    """
+
+    def __init__(
+        self,
+        workload: Workload,
+        policy: str | Policy,
+        fleet: FleetSpec,
+        config: SimConfig | None = None,
+        *,
+        policy_params: dict[str, Any] | None = None,
+    ) -> None:
+        self.workload = workload
+        self.fleet = fleet
+        self.config = config or SimConfig()
+        cfg = self.config
+        if cfg.token_mode and any(c.messages_fn is None for c in workload.conversations):
+            raise ValueError("token_mode needs a synthetic workload (trace conversations have no text)")
+        if not cfg.token_mode and workload.block_size != fleet.block_size:
+            raise ValueError(
+                f"workload block ids are {workload.block_size}-token blocks but the engines use "
+                f"block_size {fleet.block_size}; build the fleet with block_size={workload.block_size}"
+            )
+        self.storage = (
+            StoragePool(
+                SHARED_POOL_ID,
+                fleet.storage_pool_blocks,
+                fleet.storage_load_bytes_per_s,
+                fleet.storage_latency_s,
+            )
+            if fleet.storage_pool_blocks
+            else None
+        )
+        # One memo of block hashes for the whole fleet: a history resent to any engine is hashed once.
+        self.hash_cache = BlockHashCache()
+        self.cores = [
+            EngineCore(
+                s.engine_id, s.profile, self.storage, seed=cfg.seed * 1009 + i, hash_cache=self.hash_cache
+            )
+            for i, s in enumerate(fleet.engines)
+        ]
+        self.engine_ids = [c.engine_id for c in self.cores]
+        self._pos = {e: i for i, e in enumerate(self.engine_ids)}
+        self.views = [
+            EngineView(
+                engine_id=s.engine_id,
+                block_size=s.profile.block_size,
+                num_requests_running=0,
+                num_requests_waiting=0,
+                kv_cache_usage=0.0,
+            )
+            for s in fleet.engines
+        ]
+        self.index = PrefixIndex(
+            storage_pools={SHARED_POOL_ID: fleet.storage_pool_blocks} if self.storage else {},
+            engine_storage_pool={e: SHARED_POOL_ID for e in self.engine_ids} if self.storage else {},
+        )
+        for e in self.engine_ids:
+            self.index.add_engine(e)
+        self.costs = CostModel(prior_costs(fleet.engines[0].profile))
+        self.clairvoyant: ClairvoyantPolicy | None = None
+        if isinstance(policy, str):
+            if policy == "clairvoyant":
+                self.clairvoyant = ClairvoyantPolicy(self.cores)
+                self.policy: Policy = self.clairvoyant
+            else:
+                self.policy = build_policy(policy, policy_params)
+        else:
+            self.policy = policy
+        self.policy_name = getattr(self.policy, "name", str(policy))
+        # Trace mode keys: one pseudo-token per block id (block_size 1), as the engine's events.
+        self._key_block_size = fleet.block_size if cfg.token_mode else 1
+
+    # -- the event loop ----------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        wall0 = time.perf_counter()
+        cfg = self.config
+        wl = self.workload
+        rng = random.Random(f"des:{cfg.seed}")
+        heap: list[tuple[float, int, int, Any]] = []
+        seq = 0
+
+        def push(t: float, kind: int, payload: Any) -> None:
+            nonlocal seq
+            heapq.heappush(heap, (t, seq, kind, payload))
+            seq += 1
+
+        convs = wl.conversations
+        total_requests = wl.num_requests
+        next_conv = 0
+        if wl.concurrency is not None:
+            for _ in range(min(wl.concurrency, len(convs))):
+                push(rng.uniform(0.0, wl.ramp_s) if wl.ramp_s > 0 else 0.0, _START_CONV, next_conv)
+                next_conv += 1
+        elif convs:
+            order = sorted(range(len(convs)), key=lambda i: (convs[i].start_s, i))
+            push(convs[order[0]].start_s, _START_CONV, order[0])
+        open_order_pos = 1
+        slowdown_at = int(total_requests * self.fleet.slowdown_at_fraction)
+        slowed = False
+        if cfg.scrape_interval_s > 0:
+            push(cfg.scrape_interval_s, _SCRAPE, None)
+
+        states: dict[int, _Conv] = {}
+        reqs: dict[str, _Req] = {}
+        busy = [False] * len(self.cores)
+        routed_tokens = [0] * len(self.cores)
+        seen_ids: set[int] = set()
+        ideal_tokens = 0
+        ttfts: list[float] = []
+        by_tier = [0, 0, 0]
+        prompt_total = output_total = finished = arrived = 0
+        preemptions_before = 0
+        now = 0.0
+        last_finish = 0.0
+        active = 0
+        stop_starting_at = (
+            wl.duration_s if wl.concurrency is not None and wl.duration_s is not None else math.inf
+        )
+        progress = _Progress(total_requests, enabled=cfg.progress, label=f"{wl.name} {self.policy_name}")
+        uses_index = bool(getattr(self.policy, "uses_index", False))
+        order = (
+            sorted(range(len(convs)), key=lambda i: (convs[i].start_s, i)) if wl.concurrency is None else []
+        )
+
+        def start_step(i: int, t: float) -> None:
+            out = self.cores[i].step()
+            busy[i] = True
+            push(t + out.duration_s, _STEP_DONE, (i, out))
+
+        while heap:
+            now, _, kind, payload = heapq.heappop(heap)
+            if kind == _STEP_DONE:
+                i, out = payload
+                self._on_step(i, out, now, reqs, states, ttfts, push)
+                for fin in out.finished:
+                    r = reqs.pop(fin.request_id)
+                    finished += 1
+                    last_finish = now
+                    for t in TIERS:
+                        by_tier[t] += fin.cached_tokens_by_tier[t]
+                    prompt_total += fin.prompt_tokens
+                    output_total += len(fin.output_token_ids)
+                    progress.update(finished)
+                    cs = states[r.conv_slot]
+                    cs.finished_turns += 1
+                    conv = cs.conv
+                    nxt = r.turn + 1
+                    if nxt < len(conv.turns) and conv.turns[nxt].at_s is None:
+                        push(now + conv.turns[nxt].think_time_s, _ARRIVE, (r.conv_slot, nxt))
+                    elif cs.finished_turns == len(conv.turns):
+                        del states[r.conv_slot]
+                        active -= 1
+                        if wl.concurrency is not None and next_conv < len(convs) and now < stop_starting_at:
+                            push(now, _START_CONV, next_conv)
+                            next_conv += 1
+                if self.cores[i].has_unfinished():
+                    start_step(i, now)
+                else:
+                    busy[i] = False
+            elif kind == _ARRIVE:
+                slot, k = payload
+                cs = states[slot]
+                turn = cs.conv.turns[k]
+                r = self._route(cs, slot, k, now, uses_index)
+                reqs[r.request_id] = r
+                arrived += 1
+                routed_tokens[r.engine] += r.prompt_tokens
+                if cfg.track_ideal:
+                    n = 0
+                    for b in turn.block_ids:
+                        if b not in seen_ids:
+                            break
+                        n += 1
+                    seen_ids.update(turn.block_ids)
+                    ideal_tokens += min(n * wl.block_size, max(0, turn.prompt_tokens - 1))
+                if not busy[r.engine]:
+                    start_step(r.engine, now)
+                if not slowed and self.fleet.slowdown_engine is not None and arrived >= slowdown_at:
+                    slowed = True
+                    self._slow_down(self.fleet.slowdown_engine, self.fleet.slowdown_factor)
+            elif kind == _DELIVER:
+                i, events = payload
+                self.index.apply_batch(self.engine_ids[i], _decode(events), now)
+            elif kind == _START_CONV:
+                ci = payload
+                conv = convs[ci]
+                states[ci] = _Conv(conv)
+                active += 1
+                for k, turn in enumerate(conv.turns):
+                    if turn.at_s is not None:
+                        push(now + turn.at_s, _ARRIVE, (ci, k))
+                    elif k == 0:
+                        push(now, _ARRIVE, (ci, 0))
+                if wl.concurrency is None and open_order_pos < len(order):
+                    nci = order[open_order_pos]
+                    open_order_pos += 1
+                    push(max(now, convs[nci].start_s), _START_CONV, nci)
+            elif kind == _SCRAPE:
+                self._scrape(now)
+                if reqs or active or (wl.concurrency is None and open_order_pos < len(order)):
+                    push(now + cfg.scrape_interval_s, _SCRAPE, None)
+        progress.close()
+
+        ttfts.sort()
+        total = max(prompt_total, 1)
+        hit_tokens = sum(by_tier)
+        ideal = ideal_tokens / total if cfg.track_ideal else float("nan")
+        mean_routed = sum(routed_tokens) / len(routed_tokens) if routed_tokens else 0.0
+        virtual_s = last_finish if last_finish > 0 else 0.0
+        preemptions = sum(c.stats().num_preemptions for c in self.cores) - preemptions_before
+        return SimResult(
+            policy=self.policy_name,
+            workload=wl.name,
+            engines=len(self.cores),
+            requests=finished,
+            virtual_s=virtual_s,
+            ttft_p50_s=percentile(ttfts, 50),
+            ttft_p90_s=percentile(ttfts, 90),
+            ttft_p99_s=percentile(ttfts, 99),
+            ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
+            turns_per_s=finished / virtual_s if virtual_s else 0.0,
+            tokens_per_s=(prompt_total + output_total) / virtual_s if virtual_s else 0.0,
+            output_tokens_per_s=output_total / virtual_s if virtual_s else 0.0,
+            hit_gpu=by_tier[0] / total,
+            hit_cpu=by_tier[1] / total,
+            hit_storage=by_tier[2] / total,
+            miss=1.0 - hit_tokens / total,
+            ideal_hit=ideal,
+            fraction_of_ideal=(hit_tokens / total) / ideal if cfg.track_ideal and ideal > 0 else float("nan"),
+            load_imbalance=max(routed_tokens) / mean_routed if mean_routed else 1.0,
+            preemptions=preemptions,
+            wall_s=time.perf_counter() - wall0,
+            ttfts_s=ttfts,
+        )
+
+    # -- pieces of the loop ------------------------------------------------------------------
+
+    def _keys_for(self, cs: _Conv, k: int) -> tuple[list[int], list[int] | None]:
+        """Router keys of turn k (and its token ids in token mode), extended from the last turn's
+        keys when the ids extend them (multi-turn prompts do)."""
+        conv = cs.conv
+        if self.config.token_mode:
+            tokens = conv.prompt_token_ids(k)
+            return block_keys(tokens, self._key_block_size), tokens
+        ids = conv.turns[k].block_ids
+        n = len(cs.ids)
+        if n and len(ids) >= n and ids[n - 1] == cs.ids[-1] and ids[:n] == cs.ids:
+            keys = cs.keys + block_keys(ids[n:], 1, parent=cs.keys[-1])
+        else:
+            keys = block_keys(ids, 1)
+        cs.ids, cs.keys = list(ids), keys
+        return keys, None
+
+    def _route(self, cs: _Conv, slot: int, k: int, now: float, uses_index: bool) -> _Req:
+        conv = cs.conv
+        turn = conv.turns[k]
+        keys, tokens = self._keys_for(cs, k)
+        prompt_tokens = len(tokens) if tokens is not None else turn.prompt_tokens
+        request_id = f"{conv.conversation_id}#{k}"
+        route = RouteRequest(
+            request_id=request_id,
+            session_key=conv.conversation_id,
+            prompt_tokens=prompt_tokens,
+            block_keys=keys,
+            block_size=self.fleet.block_size,
+            expected_output_tokens=turn.output_tokens,
+        )
+        if uses_index:
+            route.prefix_matches = self.index.match(keys)
+        if self.clairvoyant is not None:
+            chain = HashChain(self.fleet.engines[0].profile.hash_algo, self.hash_cache)
+            if tokens is not None:
+                bs = self.fleet.block_size
+                for b in range(len(tokens) // bs):
+                    chain.append(tokens[b * bs : (b + 1) * bs])
+            else:
+                for block_id in turn.block_ids:
+                    chain.append((block_id,))
+            self.clairvoyant.hashes = chain.hashes
+        fleet = FleetView(engines=self.views, now=now, costs=self.costs)
+        decision = self.policy.choose(route, fleet)
+        self.policy.on_routed(route, decision)
+        engine = self._pos[decision.engine_id]
+        if uses_index and self.config.speculate_ttl_s > 0:
+            self.index.speculate(decision.engine_id, keys, self.config.speculate_ttl_s, now)
+        view = self.views[engine]
+        view.in_flight += 1
+        view.queued_prefill_tokens += prompt_tokens
+        score = decision.scores.get(decision.engine_id)
+        parts = PredictedParts.from_scores(score) if score and "wait_tokens" in score else None
+        if tokens is not None:
+            sim_req = SimRequest(request_id, tokens, max_tokens=turn.output_tokens)
+        else:
+            sim_req = SimRequest(
+                request_id,
+                [],
+                max_tokens=turn.output_tokens,
+                block_ids=turn.block_ids,
+                prompt_len=prompt_tokens,
+            )
+        self.cores[engine].add_request(sim_req)
+        return _Req(request_id, slot, k, engine, now, prompt_tokens, route, parts)
+
+    def _on_step(
+        self,
+        i: int,
+        out: StepOutput,
+        now: float,
+        reqs: dict[str, _Req],
+        states: dict[int, _Conv],
+        ttfts: list[float],
+        push: Callable[[float, int, Any], None],
+    ) -> None:
+        view = self.views[i]
+        engine_id = self.engine_ids[i]
+        for rid, toks in out.new_token_ids.items():
+            if not toks:
+                continue
+            r = reqs.get(rid)
+            if r is not None and r.first_token_s is None:
+                r.first_token_s = now
+                ttfts.append(now - r.arrival_s)
+                view.queued_prefill_tokens -= r.prompt_tokens
+        for fin in out.finished:
+            r = reqs[fin.request_id]
+            view.in_flight -= 1
+            ok = fin.finish_reason != "abort"
+            self.policy.on_finished(r.route, engine_id, ok)
+            if self.config.calibrate and r.parts is not None and r.first_token_s is not None:
+                self.costs.observe(engine_id, r.parts, r.first_token_s - r.arrival_s, fin.cached_tokens, now)
+        if out.events:
+            push(now + self.config.event_delay_s, _DELIVER, (i, out.events))
+
+    def _scrape(self, now: float) -> None:
+        """What the router's /metrics scraper would see: queue gauges and offload counters."""
+        for i, core in enumerate(self.cores):
+            view = self.views[i]
+            view.num_requests_running = core.num_running()
+            view.num_requests_waiting = core.num_waiting()
+            view.kv_cache_usage = core.gpu.num_used() / core.gpu.num_blocks
+            if self.config.calibrate:
+                stats = core.stats()
+                self.costs.update_offload_counters(
+                    core.engine_id,
+                    {
+                        Tier.CPU: stats.load_bytes_by_tier.get("CPU", 0),
+                        Tier.STORAGE: stats.load_bytes_by_tier.get("STORAGE", 0),
+                    },
+                    {
+                        Tier.CPU: stats.load_time_s_by_tier.get("CPU", 0.0),
+                        Tier.STORAGE: stats.load_time_s_by_tier.get("STORAGE", 0.0),
+                    },
+                    now,
+                )
+            view.index_trusted = self.costs.index_trusted(core.engine_id)
+
+    def _slow_down(self, engine_id: str, factor: float) -> None:
+        core = self.cores[self._pos[engine_id]]
+        # The engine computes its storage bandwidth once at construction; a noisy neighbour changes
+        # the real figure underneath it, which is exactly what the router cannot see.
+        core._storage_bw /= factor
+        core.profile.storage_load_bytes_per_s /= factor
+
+
+def _decode(events: list[dict[str, Any]]) -> list[Any]:
+    from router.events import decode_events
+
+    return decode_events(events)
+
+
+class _Progress:
+    """A one-line progress bar on stderr, redrawn at most every 0.5 s of wall time."""
+
+    def __init__(self, total: int, *, enabled: bool, label: str) -> None:
+        self.total = max(total, 1)
+        self.enabled = enabled
+        self.label = label
+        self._last_draw = 0.0
+        self._t0 = time.perf_counter()
+
+    def update(self, done: int) -> None:
+        if not self.enabled:
+            return
+        t = time.perf_counter()
+        if t - self._last_draw < 0.5 and done < self.total:
+            return
+        self._last_draw = t
+        frac = min(1.0, done / self.total)
+        bar = "#" * int(frac * 30)
+        sys.stderr.write(
+            f"\r{self.label[:40]:40s} [{bar:30s}] {frac:6.1%} {done}/{self.total} {t - self._t0:6.1f}s"
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def simulate(
+    workload: Workload,
+    policy: str | Policy,
+    fleet: FleetSpec,
+    config: SimConfig | None = None,
+    *,
+    policy_params: dict[str, Any] | None = None,
+) -> SimResult:
+    """Run one workload through one policy on a fresh fleet (engines, index, cost model)."""
+    return FleetSimulator(workload, policy, fleet, config, policy_params=policy_params).run()
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ------------------------------------------------------------------------------------- CLI
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvroute sim",
+        description="Discrete-event simulation of a simulated-vLLM fleet behind routing policies "
+        "(virtual time, deterministic for a seed).",
+    )
+    src = p.add_argument_group("workload")
+    src.add_argument(
+        "--workload", default="ladder", choices=["ladder"], help="synthetic workload (default ladder)"
+    )
+    src.add_argument(
+        "--trace",
+        help="replay a trace instead: a Mooncake JSONL file or an agentic-session directory / JSON file",
+    )
+    src.add_argument(
+        "--trace-format",
+        choices=["mooncake", "agentic"],
+        help="default: agentic for a directory or .json, mooncake otherwise",
+    )
+    src.add_argument("--speed", type=float, default=1.0, help="trace time compression (2 = twice as fast)")
+    src.add_argument("--limit", type=int, help="trace: first N requests (Mooncake) or sessions (agentic)")
+    src.add_argument("--stagger-s", type=float, default=30.0, help="agentic: start offset between sessions")
+    src.add_argument(
+        "--concurrency",
+        type=_int_list,
+        default=[16, 32, 64, 128, 256],
+        help="ladder: comma-separated concurrent conversations (default 16,32,64,128,256)",
+    )
+    src.add_argument(
+        "--conversations",
+        type=float,
+        default=2.0,
+        help="ladder: conversations per run as a multiple of the concurrency (default 2)",
+    )
+    src.add_argument("--turns", type=int, default=8)
+    src.add_argument("--first-prompt-tokens", type=int, default=12_000)
+    src.add_argument("--system-tokens", type=int, default=1_000)
+    src.add_argument("--tokens-per-turn", type=int, default=4_000)
+    src.add_argument("--answer-tokens", default="200,500", help="ladder: min,max answer tokens")
+    src.add_argument("--think-time-s", type=float, default=10.0, help="ladder: mean exponential think time")
+    src.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="ladder: tokens per KV block (engines and block ids); larger = faster, coarser",
+    )
+    fl = p.add_argument_group("fleet")
+    fl.add_argument("--engines", type=_int_list, default=[4], help="engine counts (comma-separated)")
+    fl.add_argument(
+        "--fleet",
+        choices=["b1", "hetero"],
+        default="b1",
+        help="b1 = homogeneous; hetero = B1b (slow CPU on 2 engines, slow storage on 1, "
+        "noisy neighbour halfway)",
+    )
+    fl.add_argument(
+        "--hbm-conversations",
+        type=float,
+        default=64.0,
+        help="ladder: size GPU pools so the fleet's HBM holds this many average conversations",
+    )
+    fl.add_argument(
+        "--gpu-tokens",
+        type=int,
+        default=27_852 * 16,
+        help="traces: GPU KV pool per engine in tokens (default one H100, Llama-3-8B)",
+    )
+    pol = p.add_argument_group("router")
+    pol.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help="comma-separated policy names (registered ones, plus 'clairvoyant')",
+    )
+    pol.add_argument("--event-delay-ms", type=float, default=5.0, help="KV event delivery delay")
+    pol.add_argument("--speculate-ttl-s", type=float, default=2.0)
+    pol.add_argument("--scrape-interval-s", type=float, default=1.0)
+    pol.add_argument(
+        "--no-calibrate", action="store_true", help="do not feed simulated TTFTs to the cost model"
+    )
+    pol.add_argument(
+        "--no-ideal", action="store_true", help="skip the ideal hit rate (it keeps a set of every block id)"
+    )
+    out = p.add_argument_group("output")
+    out.add_argument("--out", help="directory for results.md, results.json and PNG plots")
+    out.add_argument("--seed", type=int, default=0)
+    out.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
+    out.add_argument("--no-progress", action="store_true")
+    return p
+
+
+@dataclass(slots=True)
+class _RunSpec:
+    label: str
+    workload: Workload
+    fleet: FleetSpec
+    policy: str
+    config: SimConfig
+
+
+def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    import policies as _registry  # noqa: F401  (fills the registry)
+    from policies.base import REGISTRY
+
+    unknown = [x for x in policies if x != "clairvoyant" and x not in REGISTRY]
+    if unknown:
+        raise ValueError(
+            f"unknown policies {unknown}; accepted: {', '.join(sorted([*REGISTRY, 'clairvoyant']))}"
+        )
+    config = SimConfig(
+        seed=args.seed,
+        event_delay_s=args.event_delay_ms / 1000.0,
+        speculate_ttl_s=args.speculate_ttl_s,
+        scrape_interval_s=args.scrape_interval_s,
+        calibrate=not args.no_calibrate,
+        track_ideal=not args.no_ideal,
+        progress=not args.no_progress,
+    )
+    runs: list[_RunSpec] = []
+    hetero = args.fleet == "hetero"
+    if args.trace:
+        path = Path(args.trace)
+        fmt = args.trace_format or ("agentic" if path.is_dir() or path.suffix == ".json" else "mooncake")
+        if fmt == "mooncake":
+            wl = mooncake_workload(
+                read_mooncake_records(path, limit=args.limit), speed=args.speed, name=path.stem
+            )
+        else:
+            wl = agentic_workload(
+                read_agentic_sessions(path, limit=args.limit), stagger_s=args.stagger_s, speed=args.speed
+            )
+        base = dataclasses.replace(EngineProfile(), max_model_len=1 << 22)
+        for n in args.engines:
+            gpu_blocks = max(8, args.gpu_tokens // wl.block_size)
+            fleet = b1_fleet(
+                n,
+                block_size=wl.block_size,
+                hetero=hetero,
+                base=base,
+                conversations_in_hbm=gpu_blocks * n * wl.block_size,
+                mean_conversation_tokens=1.0,
+            )
+            for pol in policies:
+                runs.append(_RunSpec(f"{n}e x{args.speed:g}", wl, fleet, pol, config))
+        return runs, "engines x speed"
+    lo, hi = (int(x) for x in args.answer_tokens.split(","))
+    for c in args.concurrency:
+        lcfg = LadderConfig(
+            first_prompt_tokens=args.first_prompt_tokens,
+            system_prefix_tokens=args.system_tokens,
+            tokens_per_turn=args.tokens_per_turn,
+            turns=args.turns,
+            answer_min_tokens=lo,
+            answer_max_tokens=hi,
+            think_time_mean_s=args.think_time_s,
+            concurrency=c,
+            total_conversations=max(c, round(c * args.conversations)),
+            block_size=args.block_size,
+            seed=args.seed,
+        )
+        wl = ladder_workload(lcfg)
+        for n in args.engines:
+            fleet = b1_fleet(
+                n,
+                block_size=args.block_size,
+                hetero=hetero,
+                conversations_in_hbm=args.hbm_conversations,
+                mean_conversation_tokens=lcfg.mean_prompt_tokens(),
+            )
+            for pol in policies:
+                runs.append(
+                    _RunSpec(str(c) if len(args.engines) == 1 else f"{c}@{n}e", wl, fleet, pol, config)
+                )
+    return runs, "concurrency"
+
+
+def _execute(spec: _RunSpec) -> SimResult:
+    result = simulate(spec.workload, spec.policy, spec.fleet, spec.config)
+    result.label = spec.label
+    result.ttfts_s = []
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvroute sim ...``: run every (workload, engines, policy) combination, print a markdown
+    table, and with --out write results.md, results.json and PNG plots."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        runs, label_header = _plan(args)
+    except (ValueError, OSError) as exc:
+        print(f"kvroute sim: {exc}", file=sys.stderr)
+        return 2
+    wall0 = time.perf_counter()
+    if args.jobs > 1:
+        import multiprocessing
+
+        for r in runs:
+            r.config = dataclasses.replace(r.config, progress=False)
+        with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
+            results = pool.map(_execute, runs, chunksize=1)
+    else:
+        results = [_execute(r) for r in runs]
+    from sim.report import markdown_table, plot_vs_concurrency
+
+    table = markdown_table(results, label_header=label_header)
+    print(table)
+    print(
+        f"\n{len(runs)} runs, wall {time.perf_counter() - wall0:.1f} s, peak RSS "
+        f"{peak_rss_bytes() / 2**20:.0f} MiB (this process)"
+    )
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = "kvroute sim " + " ".join(sys.argv[1:] if argv is None else argv)
+        (out / "results.md").write_text(f"`{cmd}`\n\n{table}\n")
+        (out / "results.json").write_text(json.dumps([r.as_dict() for r in results], indent=1))
+        if label_header == "concurrency" and len(args.concurrency) > 1:
+            for path in plot_vs_concurrency(
+                results,
+                out,
+                title=f"{results[0].workload.split('-')[0]} {args.fleet}, {args.engines[0]} engines",
+            ):
+                print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

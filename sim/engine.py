@@ -1,0 +1,787 @@
+"""The simulated vLLM engine core: continuous batching in scheduler steps, a tiered prefix cache
+(GPU / CPU / STORAGE) and a time model. A pure, deterministic state machine with no I/O and no
+clock: time only advances by the ``duration_s`` each ``step()`` returns (sim/server.py, sim/des.py).
+
+Step time model, in seconds:
+    duration_s = step_overhead_s
+               + prefill_tokens_computed / prefill_tokens_per_s
+               + decoding_requests * decode_s_per_seq
+               + sum over (request, tier) loads this step: latency_s(tier) + bytes / load_bytes_per_s(tier)
+with bytes = blocks * block_size * kv_bytes_per_token (trace mode too: block_size tokens per id).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sim.cache import GpuBlockPool, LruBlockTier, StoragePool
+from sim.hashing import HASH_ALGOS, BlockHashCache, HashChain
+from sim.tokenizer import filler_tokens
+
+# Tier indices, in policies.base.Tier order (sim/ does not import the routing library).
+_GPU, _CPU, _STORAGE = 0, 1, 2
+_MEDIUM = ("GPU", "CPU", "STORAGE")
+
+#: Length of the deterministic output-token cycle each engine draws answers from.
+_OUTPUT_CYCLE_TOKENS = 4096
+
+
+@dataclass
+class EngineProfile:
+    """Every parameter of the engine model. Defaults: Llama-3-8B bf16 on one H100 (see
+    docs/architecture.md reference numbers); ``scaled_down`` shrinks the pools for small machines."""
+
+    #: Tokens per KV block: the hashing and caching unit.
+    block_size: int = 16
+    #: GPU KV pool in blocks (27,852 x 16 = 445,632 token slots at 0.92 memory utilisation).
+    num_gpu_blocks: int = 27852
+    #: CPU tier in blocks (0 = no CPU tier). Prompt blocks are written through when computed.
+    num_cpu_blocks: int = 0
+    #: Token budget of one step: chunked prefill tokens + one per decoding request.
+    max_num_batched_tokens: int = 8192
+    #: Most requests running at once.
+    max_num_seqs: int = 256
+    #: Longest sequence (prompt + output) accepted.
+    max_model_len: int = 131072
+    #: KV-cache bytes of one token (Llama-3-8B bf16: 32 layers x 8 KV heads x 128 dims x 2 x 2 bytes).
+    kv_bytes_per_token: int = 131072
+    #: Prefill rate. 22,000 tok/s makes recompute ~22x slower than a host reload at 64 GB/s
+    #: (131,072 bytes / 64e9 B/s = 2.05 us per token reloaded vs 45 us per token computed).
+    prefill_tokens_per_s: float = 22_000.0
+    #: Fixed cost of every step (scheduling, kernel launches, sampling).
+    step_overhead_s: float = 0.004
+    #: Added per decoding request in a step (memory-bound decode of an 8B model on an H100).
+    decode_s_per_seq: float = 0.00006
+    #: Host -> GPU bandwidth (PCIe 5.0 x16, one direction).
+    cpu_load_bytes_per_s: float = 64e9
+    #: Fixed cost of one CPU -> GPU load operation.
+    cpu_latency_s: float = 0.0002
+    #: STORAGE -> GPU bandwidth (NVMe class); a StoragePool may override it.
+    storage_load_bytes_per_s: float = 6e9
+    #: Fixed cost of one STORAGE -> GPU load operation; a StoragePool may override it.
+    storage_latency_s: float = 0.001
+    #: "sha256" (own: sha256 over parent/tokens/extra keys, folded to 64 bits) or "sha256_cbor"
+    #: (vLLM's exact values).
+    hash_algo: str = "sha256"
+    #: CPU BlockStored carry token ids and parent (else hash-only placeholders, vLLM's default).
+    self_describing_cpu_events: bool = False
+    #: Announce STORAGE stores (vLLM: ``"enable_kv_events": true`` in the tier config).
+    emit_storage_events: bool = True
+    #: Build KV event dicts at all; the offline simulator turns this off for speed.
+    emit_events: bool = True
+
+    def __post_init__(self) -> None:
+        positive_ints = ("block_size", "num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs",
+                         "max_model_len", "kv_bytes_per_token")
+        for name in positive_ints:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineProfile.{name} must be positive, got {getattr(self, name)}")
+        if self.num_cpu_blocks < 0:
+            raise ValueError(f"EngineProfile.num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        for name in ("prefill_tokens_per_s", "cpu_load_bytes_per_s", "storage_load_bytes_per_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineProfile.{name} must be positive, got {getattr(self, name)}")
+        for name in ("step_overhead_s", "decode_s_per_seq", "cpu_latency_s", "storage_latency_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EngineProfile.{name} must be >= 0, got {getattr(self, name)}")
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(
+                f"EngineProfile.hash_algo {self.hash_algo!r} is unknown; accepted: {', '.join(HASH_ALGOS)}"
+            )
+
+    def scaled_down(self, factor: float) -> EngineProfile:
+        """The same engine with GPU and CPU pools ``factor`` times smaller (at least one block of
+        GPU pool; a CPU tier stays present). Rates and block size are unchanged."""
+        if factor < 1:
+            raise ValueError(f"scaled_down factor must be >= 1, got {factor}")
+        cpu_blocks = max(1, int(self.num_cpu_blocks / factor)) if self.num_cpu_blocks else 0
+        return dataclasses.replace(
+            self, num_gpu_blocks=max(1, int(self.num_gpu_blocks / factor)), num_cpu_blocks=cpu_blocks
+        )
+
+
+@dataclass
+class SimRequest:
+    """A request as the engine receives it: token ids (token mode) or trace block ids (trace mode)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    #: The sim always generates max_tokens (capped by max_model_len); False is accepted, same effect.
+    ignore_eos: bool = True
+    #: Trace mode: one opaque id per block of ``block_size`` tokens (Mooncake / agent hash ids).
+    #: Only ids of full blocks are hashed and cached; a trailing id for a partial block is allowed.
+    block_ids: list[int] | None = None
+    #: Trace mode: prompt length in tokens (default: len(block_ids) * block_size).
+    prompt_len: int | None = None
+
+
+@dataclass
+class FinishedRequest:
+    request_id: str
+    prompt_tokens: int
+    output_token_ids: list[int]
+    #: Prompt tokens served from cache (any tier), counted when the request was first scheduled.
+    cached_tokens: int
+    #: GPU, CPU, STORAGE (policies.base.Tier order).
+    cached_tokens_by_tier: tuple[int, int, int]
+    #: "length" | "abort"
+    finish_reason: str
+
+
+@dataclass
+class StepOutput:
+    #: Virtual seconds this step took (module docstring).
+    duration_s: float
+    #: request_id -> output tokens produced this step (the first non-empty one is the first token).
+    new_token_ids: dict[str, list[int]]
+    finished: list[FinishedRequest]
+    #: KV events of this step in vLLM 0.33's map form (empty when profile.emit_events is False).
+    events: list[dict[str, Any]]
+    #: Requests that ran in this step (prefill chunk or decode), and prefill tokens computed.
+    num_scheduled: int = 0
+    num_prefill_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    """Counters (monotonic) and gauges for the engine's /metrics (vLLM names in comments)."""
+
+    num_running: int = 0  # vllm:num_requests_running
+    num_waiting: int = 0  # vllm:num_requests_waiting
+    kv_cache_usage: float = 0.0  # vllm:kv_cache_usage_perc (0..1)
+    num_gpu_blocks: int = 0
+    num_cpu_blocks: int = 0
+    block_size: int = 16
+    hash_algo: str = "sha256"
+    prefix_cache_queries_tokens: int = 0  # vllm:prefix_cache_queries_total
+    prefix_cache_hits_tokens: int = 0  # vllm:prefix_cache_hits_total (GPU)
+    external_prefix_cache_queries_tokens: int = 0  # vllm:external_prefix_cache_queries_total
+    external_prefix_cache_hits_tokens: int = 0  # vllm:external_prefix_cache_hits_total (CPU+STORAGE)
+    #: vllm:prompt_tokens_cached_by_source_total, GPU / CPU / STORAGE.
+    cached_tokens_by_tier: tuple[int, int, int] = (0, 0, 0)
+    #: vllm:kv_offload_load_bytes_total / load_time_total per tier name ("CPU", "STORAGE").
+    load_bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    load_time_s_by_tier: dict[str, float] = field(default_factory=dict)
+    #: vllm:kv_offload_store_bytes_total / store_time_total per tier name.
+    store_bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    store_time_s_by_tier: dict[str, float] = field(default_factory=dict)
+    prompt_tokens: int = 0  # vllm:prompt_tokens_total (admitted requests)
+    generation_tokens: int = 0  # vllm:generation_tokens_total
+    num_preemptions: int = 0  # vllm:num_preemptions_total
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_steps: int = 0
+    num_events: int = 0
+    busy_time_s: float = 0.0
+
+
+class _Request:
+    """Engine-side state of one request."""
+
+    __slots__ = (
+        "block_ids",
+        "blocks",
+        "cached_by_tier",
+        "chain",
+        "extra_every_block",
+        "extra_first_block",
+        "max_output",
+        "num_committed_blocks",
+        "num_computed",
+        "num_prompt_blocks",
+        "output_offset",
+        "output_token_ids",
+        "prompt_len",
+        "request",
+        "tokens",
+    )
+
+    def __init__(self, request: SimRequest, prompt_len: int, max_output: int, block_size: int,
+                 chain: HashChain, output_offset: int) -> None:
+        self.request = request
+        self.prompt_len = prompt_len
+        self.max_output = max_output
+        self.block_ids = request.block_ids
+        #: Token mode: prompt + output token ids (output blocks get cached too, as in vLLM).
+        self.tokens: list[int] | None = None if request.block_ids is not None else list(
+            request.prompt_token_ids
+        )
+        #: Full prompt blocks: the ones that may be hashed, cached and offloaded.
+        self.num_prompt_blocks = prompt_len // block_size
+        self.chain = chain
+        lora = request.lora_name
+        salt = request.cache_salt
+        # vLLM's per-block extra keys: LoRA name on every block, cache_salt on block 0 only.
+        self.extra_every_block: tuple[Any, ...] | None = (lora,) if lora else None
+        first = tuple(x for x in (lora, salt) if x)
+        self.extra_first_block: tuple[Any, ...] | None = first or None
+        #: GPU blocks held, in order: the block's hash when cached, -1 when anonymous.
+        self.blocks: list[int] = []
+        self.num_committed_blocks = 0
+        self.num_computed = 0
+        self.output_token_ids: list[int] = []
+        self.output_offset = output_offset
+        self.cached_by_tier: tuple[int, int, int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose KV must exist before the next token can be sampled."""
+        return self.prompt_len + len(self.output_token_ids)
+
+    def extra_keys(self, block_index: int) -> tuple[Any, ...] | None:
+        return self.extra_first_block if block_index == 0 else self.extra_every_block
+
+
+class EngineCore:
+    """One simulated engine. Drive it with add_request / abort_request / step.
+
+    ``storage`` may be shared by several engines (a shared fs tier); ``seed`` picks the output
+    tokens (the same seed and inputs give the same steps, tokens, events and durations).
+    ``hash_cache`` memoises block hashes across requests; pass one instance to many engines of
+    the same hash algorithm to hash each shared prefix once (default: one per engine).
+    """
+
+    def __init__(self, engine_id: str, profile: EngineProfile, storage: StoragePool | None = None,
+                 seed: int = 0, hash_cache: BlockHashCache | None = None) -> None:
+        self.engine_id = engine_id
+        self.profile = profile
+        self.storage = storage
+        self.seed = seed
+        self.hash_cache = hash_cache if hash_cache is not None else BlockHashCache()
+        self.gpu = GpuBlockPool(profile.num_gpu_blocks)
+        self.cpu: LruBlockTier | None = (
+            LruBlockTier(profile.num_cpu_blocks) if profile.num_cpu_blocks else None
+        )
+        self._block_size = profile.block_size
+        self._bytes_per_block = profile.block_size * profile.kv_bytes_per_token
+        self._emit = profile.emit_events
+        self._requests: dict[str, _Request] = {}
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._pending_events: list[dict[str, Any]] = []
+        self._pending_finished: list[FinishedRequest] = []
+        self._output_cycle = filler_tokens(_OUTPUT_CYCLE_TOKENS, seed)
+        self._stats = EngineStats(
+            num_gpu_blocks=profile.num_gpu_blocks,
+            num_cpu_blocks=profile.num_cpu_blocks,
+            block_size=profile.block_size,
+            hash_algo=profile.hash_algo,
+        )
+        self._cached_by_tier = [0, 0, 0]
+        self._load_bytes = [0, 0, 0]
+        self._load_time_s = [0.0, 0.0, 0.0]
+        self._store_bytes = [0, 0, 0]
+        self._store_time_s = [0.0, 0.0, 0.0]
+        if storage is not None:
+            self._storage_bw = storage.load_bytes_per_s or profile.storage_load_bytes_per_s
+            self._storage_latency_s = (
+                storage.latency_s if storage.latency_s is not None else profile.storage_latency_s
+            )
+        else:
+            self._storage_bw = profile.storage_load_bytes_per_s
+            self._storage_latency_s = profile.storage_latency_s
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, req: SimRequest) -> None:
+        """Queue a request. ValueError (saying what to change) when it is invalid or cannot fit."""
+        p = self.profile
+        rid = req.request_id
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in this engine; use a unique request_id")
+        if req.max_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {req.max_tokens}")
+        if req.block_ids is not None:
+            n_ids = len(req.block_ids)
+            prompt_len = req.prompt_len if req.prompt_len is not None else n_ids * p.block_size
+            full_blocks = prompt_len // p.block_size
+            if not full_blocks <= n_ids <= -(-prompt_len // p.block_size):
+                raise ValueError(
+                    f"request {rid!r}: {n_ids} block_ids do not fit prompt_len {prompt_len} at block_size "
+                    f"{p.block_size}; give one id per block ({full_blocks} full blocks, optionally one more "
+                    "for a partial last block)"
+                )
+        else:
+            prompt_len = len(req.prompt_token_ids)
+        if prompt_len < 1:
+            raise ValueError(f"request {rid!r}: the prompt is empty; send at least one token")
+        if prompt_len >= p.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt of {prompt_len} tokens leaves no room for output within "
+                f"max_model_len {p.max_model_len}; shorten the prompt or raise max_model_len"
+            )
+        max_output = min(req.max_tokens, p.max_model_len - prompt_len)
+        blocks_needed = -(-(prompt_len + max_output) // p.block_size)
+        if blocks_needed > p.num_gpu_blocks:
+            raise ValueError(
+                f"request {rid!r}: needs {blocks_needed} KV blocks (prompt {prompt_len} + output "
+                f"{max_output} tokens) but the GPU pool has {p.num_gpu_blocks}; shorten it or raise "
+                "num_gpu_blocks"
+            )
+        offset = (zlib.crc32(rid.encode()) ^ self.seed) % _OUTPUT_CYCLE_TOKENS
+        chain = HashChain(p.hash_algo, self.hash_cache)
+        state = _Request(req, prompt_len, max_output, p.block_size, chain, offset)
+        self._requests[rid] = state
+        self._waiting.append(state)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request (unknown ids are ignored, as vLLM does); it is reported finished with
+        reason "abort" in the next step's output."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        if state in self._running:
+            self._running.remove(state)
+            self._free_blocks(state)
+        else:
+            self._waiting.remove(state)
+        self._stats.num_aborted += 1
+        self._pending_finished.append(self._finished(state, "abort"))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or bool(self._pending_finished)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the GPU prefix cache (CPU and STORAGE tiers stay). Running requests are preempted
+        (they recompute later, like vLLM's reset with running requests); the next step's events
+        start with AllBlocksCleared."""
+        while self._running:
+            self._preempt(self._running.pop())
+        self.gpu.clear_cached()
+        if self._emit:
+            self._pending_events.append({"type": "AllBlocksCleared"})
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.num_running = len(self._running)
+        s.num_waiting = len(self._waiting)
+        s.kv_cache_usage = self.gpu.num_used() / self.gpu.num_blocks
+        s.cached_tokens_by_tier = (self._cached_by_tier[0], self._cached_by_tier[1], self._cached_by_tier[2])
+        s.load_bytes_by_tier = {_MEDIUM[t]: self._load_bytes[t] for t in (_CPU, _STORAGE)}
+        s.load_time_s_by_tier = {_MEDIUM[t]: self._load_time_s[t] for t in (_CPU, _STORAGE)}
+        s.store_bytes_by_tier = {_MEDIUM[t]: self._store_bytes[t] for t in (_CPU, _STORAGE)}
+        s.store_time_s_by_tier = {_MEDIUM[t]: self._store_time_s[t] for t in (_CPU, _STORAGE)}
+        return dataclasses.replace(s)
+
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens not yet computed over waiting and running requests (an upper bound: hits
+        are not known before admission)."""
+        return sum(max(0, r.prompt_len - r.num_computed) for r in (*self._waiting, *self._running))
+
+    # ------------------------------------------------------------------ the scheduler step
+
+    def step(self) -> StepOutput:
+        """One scheduler step: schedule running requests (chunked prefill or one decode token each),
+        admit waiting ones while the token budget, max_num_seqs and free GPU blocks allow, then
+        advance them, cache newly full blocks and emit their events."""
+        p = self.profile
+        bs = self._block_size
+        gpu = self.gpu
+        events = self._pending_events
+        self._pending_events = []
+        finished = self._pending_finished
+        self._pending_finished = []
+        budget = p.max_num_batched_tokens
+        scheduled: list[tuple[_Request, int]] = []
+        prefill_tokens = 0
+        num_decoding = 0
+        load_s = 0.0
+        preempted = False
+
+        running = self._running
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            remaining = req.num_tokens - req.num_computed
+            n_new = remaining if remaining < budget else budget
+            need = -(-(req.num_computed + n_new) // bs) - len(req.blocks)
+            if need > 0:
+                while need > gpu.num_free() and running:
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        break
+                if i >= len(running):
+                    break
+                self._allocate(need, events)
+                req.blocks.extend([-1] * need)
+            scheduled.append((req, n_new))
+            budget -= n_new
+            if remaining == 1 and req.output_token_ids:
+                num_decoding += 1
+            else:
+                prefill_tokens += n_new
+            i += 1
+
+        # Admission stops for the step once anything was preempted (as vLLM does): the pool is full.
+        if not preempted:
+            waiting = self._waiting
+            while waiting and budget > 0 and len(running) < p.max_num_seqs:
+                admitted = self._try_admit(waiting[0], budget, events)
+                if admitted is None:
+                    break
+                req = waiting.popleft()
+                n_new, req_load_s = admitted
+                running.append(req)
+                scheduled.append((req, n_new))
+                budget -= n_new
+                prefill_tokens += n_new
+                load_s += req_load_s
+
+        duration_s = (
+            p.step_overhead_s
+            + prefill_tokens / p.prefill_tokens_per_s
+            + num_decoding * p.decode_s_per_seq
+            + load_s
+        )
+
+        new_token_ids: dict[str, list[int]] = {}
+        cycle = self._output_cycle
+        num_generated = 0
+        for req, n_new in scheduled:
+            req.num_computed += n_new
+            full_blocks = req.num_computed // bs
+            if full_blocks > req.num_committed_blocks:
+                self._commit_blocks(req, full_blocks, events)
+            if req.num_computed == req.num_tokens:
+                outputs = req.output_token_ids
+                token = cycle[(req.output_offset + len(outputs)) % _OUTPUT_CYCLE_TOKENS]
+                outputs.append(token)
+                if req.tokens is not None:
+                    req.tokens.append(token)
+                new_token_ids[req.request.request_id] = [token]
+                num_generated += 1
+                if len(outputs) >= req.max_output:
+                    finished.append(self._finish(req))
+
+        s = self._stats
+        s.num_steps += 1
+        s.generation_tokens += num_generated
+        s.busy_time_s += duration_s
+        s.num_events += len(events)
+        return StepOutput(
+            duration_s=duration_s,
+            new_token_ids=new_token_ids,
+            finished=finished,
+            events=events,
+            num_scheduled=len(scheduled),
+            num_prefill_tokens=prefill_tokens,
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _ensure_hashes(self, req: _Request, num_blocks: int) -> list[int]:
+        """The request's hash chain extended to ``num_blocks`` blocks (computed once per request)."""
+        chain = req.chain
+        hashes = chain.hashes
+        if len(hashes) < num_blocks:
+            bs = self._block_size
+            if req.block_ids is not None:
+                ids = req.block_ids
+                for b in range(len(hashes), num_blocks):
+                    chain.append((ids[b],), req.extra_keys(b))
+            else:
+                tokens = req.tokens
+                assert tokens is not None
+                for b in range(len(hashes), num_blocks):
+                    chain.append(tokens[b * bs : (b + 1) * bs], req.extra_keys(b))
+        return hashes
+
+    def _num_hashable_blocks(self, req: _Request) -> int:
+        """Blocks that get a hash: full prompt blocks in trace mode; every full block (prompt and
+        output tokens) in token mode, as vLLM caches decode blocks too."""
+        if req.tokens is None:
+            return req.num_prompt_blocks
+        return len(req.tokens) // self._block_size
+
+    def _try_admit(
+        self, req: _Request, budget: int, events: list[dict[str, Any]]
+    ) -> tuple[int, float] | None:
+        """Admit ``req`` if its prefix hits plus this step's new tokens fit the free GPU blocks.
+        Returns (tokens to compute this step, load seconds) or None (it stays queued)."""
+        bs = self._block_size
+        gpu = self.gpu
+        cpu = self.cpu
+        storage = self.storage
+        num_tokens = req.num_tokens
+        # vLLM always computes at least the last token, so a full hit stops one block short.
+        limit = min((num_tokens - 1) // bs, self._num_hashable_blocks(req))
+        hashes = self._ensure_hashes(req, self._num_hashable_blocks(req))
+        tiers: list[int] = []
+        pin_cost = 0
+        gpu_pinned, gpu_evictable = gpu.is_pinned, gpu.is_evictable
+        for b in range(limit):
+            h = hashes[b]
+            if gpu_pinned(h):
+                tiers.append(_GPU)
+            elif gpu_evictable(h):
+                tiers.append(_GPU)
+                pin_cost += 1
+            elif cpu is not None and h in cpu:
+                tiers.append(_CPU)
+            elif storage is not None and h in storage:
+                tiers.append(_STORAGE)
+            else:
+                break
+        hit_blocks = len(tiers)
+        hit_tokens = hit_blocks * bs
+        n_new = min(num_tokens - hit_tokens, budget)
+        num_loaded = hit_blocks - tiers.count(_GPU)
+        new_blocks = -(-(hit_tokens + n_new) // bs) - hit_blocks
+        if pin_cost + num_loaded + new_blocks > gpu.num_free():
+            return None
+
+        n_by_tier = [0, 0, 0]
+        for b, tier in enumerate(tiers):
+            n_by_tier[tier] += 1
+            if tier == _GPU:
+                gpu.pin(hashes[b])
+        # Loaded blocks take fresh GPU blocks and become cached there (promotion).
+        self._allocate(num_loaded + new_blocks, events)
+        req.blocks = [-1] * (hit_blocks + new_blocks)
+        load_s = 0.0
+        stored_runs: list[tuple[int, int]] = []
+        run_start = -1
+        for b, tier in enumerate(tiers):
+            h = hashes[b]
+            if tier == _GPU:
+                req.blocks[b] = h
+                if run_start >= 0:
+                    stored_runs.append((run_start, b))
+                    run_start = -1
+                continue
+            gpu.commit(h)
+            req.blocks[b] = h
+            if run_start < 0:
+                run_start = b
+            if tier == _CPU:
+                assert cpu is not None
+                cpu.touch(h)
+            else:
+                assert storage is not None
+                storage.touch(h)
+        if run_start >= 0:
+            stored_runs.append((run_start, hit_blocks))
+        for tier, latency_s, bandwidth in (
+            (_CPU, self.profile.cpu_latency_s, self.profile.cpu_load_bytes_per_s),
+            (_STORAGE, self._storage_latency_s, self._storage_bw),
+        ):
+            if n_by_tier[tier]:
+                nbytes = n_by_tier[tier] * self._bytes_per_block
+                t_s = latency_s + nbytes / bandwidth
+                load_s += t_s
+                self._load_bytes[tier] += nbytes
+                self._load_time_s[tier] += t_s
+        for start, end in stored_runs:
+            self._emit_gpu_stored(req, start, end, events)
+            # Blocks loaded from STORAGE also land in the CPU tier (tiering reads through host memory).
+            if cpu is not None:
+                self._write_cpu(req, [b for b in range(start, end) if tiers[b] == _STORAGE], events)
+        req.num_committed_blocks = hit_blocks
+        req.num_computed = hit_tokens
+
+        s = self._stats
+        if req.cached_by_tier is None:
+            # First scheduling: what the request's usage reports and the metrics count.
+            req.cached_by_tier = (n_by_tier[0] * bs, n_by_tier[1] * bs, n_by_tier[2] * bs)
+            for t in (_GPU, _CPU, _STORAGE):
+                self._cached_by_tier[t] += n_by_tier[t] * bs
+            s.prompt_tokens += req.prompt_len
+        s.prefix_cache_queries_tokens += num_tokens
+        s.prefix_cache_hits_tokens += n_by_tier[_GPU] * bs
+        if cpu is not None or storage is not None:
+            s.external_prefix_cache_queries_tokens += num_tokens - n_by_tier[_GPU] * bs
+            s.external_prefix_cache_hits_tokens += (n_by_tier[_CPU] + n_by_tier[_STORAGE]) * bs
+        return n_new, load_s
+
+    def _allocate(self, num_blocks: int, events: list[dict[str, Any]]) -> None:
+        """Take anonymous GPU blocks, evicting the oldest free cached ones if needed; vLLM's GPU
+        pool sends one BlockRemoved per evicted hash."""
+        evicted: list[int] = []
+        self.gpu.allocate(num_blocks, evicted)
+        if evicted and self._emit:
+            events.extend({"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0}
+                          for h in evicted)
+
+    def _commit_blocks(self, req: _Request, full_blocks: int, events: list[dict[str, Any]]) -> None:
+        """Cache the request's newly full blocks on GPU and write prompt blocks through to the
+        offload tiers; one GPU BlockStored per contiguous run of newly cached blocks."""
+        end = min(full_blocks, self._num_hashable_blocks(req))
+        start = req.num_committed_blocks
+        if end <= start:
+            req.num_committed_blocks = max(start, full_blocks)
+            return
+        hashes = self._ensure_hashes(req, end)
+        gpu = self.gpu
+        blocks = req.blocks
+        new_prompt_blocks: list[int] = []
+        run_start = -1
+        for b in range(start, end):
+            h = hashes[b]
+            if gpu.commit(h):
+                blocks[b] = h
+                if run_start < 0:
+                    run_start = b
+                if b < req.num_prompt_blocks:
+                    new_prompt_blocks.append(b)
+            elif run_start >= 0:
+                self._emit_gpu_stored(req, run_start, b, events)
+                run_start = -1
+        if run_start >= 0:
+            self._emit_gpu_stored(req, run_start, end, events)
+        req.num_committed_blocks = max(end, full_blocks)
+        if new_prompt_blocks:
+            if self.cpu is not None:
+                self._write_cpu(req, new_prompt_blocks, events)
+            if self.storage is not None:
+                self._write_storage(req, new_prompt_blocks, events)
+
+    def _event_tokens(self, req: _Request, start: int, end: int) -> tuple[list[int], int]:
+        """Token ids and block_size of blocks [start, end) as events carry them: in trace mode the
+        block ids themselves with block_size 1."""
+        if req.block_ids is not None:
+            return list(req.block_ids[start:end]), 1
+        assert req.tokens is not None
+        bs = self._block_size
+        return req.tokens[start * bs : end * bs], bs
+
+    def _stored_event(self, req: _Request, start: int, end: int, medium: str) -> dict[str, Any]:
+        hashes = req.chain.hashes
+        token_ids, block_size = self._event_tokens(req, start, end)
+        event: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": hashes[start:end],
+            "parent_block_hash": hashes[start - 1] if start > 0 else None,
+            "token_ids": token_ids,
+            "block_size": block_size,
+            "lora_id": None,
+            "medium": medium,
+            "lora_name": req.request.lora_name,
+        }
+        if req.extra_first_block is not None:
+            extra = [req.extra_keys(b) for b in range(start, end)]
+            event["extra_keys"] = [list(e) if e else None for e in extra]
+        event["group_idx"] = 0
+        return event
+
+    def _emit_gpu_stored(self, req: _Request, start: int, end: int, events: list[dict[str, Any]]) -> None:
+        if self._emit:
+            events.append(self._stored_event(req, start, end, "GPU"))
+
+    def _write_cpu(self, req: _Request, block_indices: Sequence[int], events: list[dict[str, Any]]) -> None:
+        """Write-through of prompt blocks to the CPU tier (LRU); announces stores and evictions."""
+        cpu = self.cpu
+        assert cpu is not None
+        evicted: list[int] = []
+        stored: list[int] = []
+        hashes = req.chain.hashes
+        for b in block_indices:
+            if cpu.put(hashes[b], evicted):
+                stored.append(b)
+        if not stored:
+            return
+        nbytes = len(stored) * self._bytes_per_block
+        self._store_bytes[_CPU] += nbytes
+        self._store_time_s[_CPU] += nbytes / self.profile.cpu_load_bytes_per_s
+        if not self._emit:
+            return
+        if evicted:
+            events.append({"type": "BlockRemoved", "block_hashes": evicted, "medium": "CPU", "group_idx": 0})
+        if self.profile.self_describing_cpu_events:
+            for start, end in _runs(stored):
+                events.append(self._stored_event(req, start, end, "CPU"))
+        else:
+            # vLLM's offloading connector: one hash-only placeholder per block.
+            events.extend(
+                {"type": "BlockStored", "block_hashes": [hashes[b]], "parent_block_hash": None,
+                 "token_ids": [], "block_size": 0, "lora_id": None, "medium": "CPU",
+                 "lora_name": None, "group_idx": 0}
+                for b in stored
+            )
+
+    def _write_storage(
+        self, req: _Request, block_indices: Sequence[int], events: list[dict[str, Any]]
+    ) -> None:
+        """Write-through to the STORAGE pool: self-describing stores, never a removal."""
+        storage = self.storage
+        assert storage is not None
+        evicted: list[int] = []  # silently dropped: the fs tier never announces removals
+        hashes = req.chain.hashes
+        stored = [b for b in block_indices if storage.put(hashes[b], evicted)]
+        if not stored:
+            return
+        nbytes = len(stored) * self._bytes_per_block
+        self._store_bytes[_STORAGE] += nbytes
+        self._store_time_s[_STORAGE] += nbytes / self._storage_bw
+        if self._emit and self.profile.emit_storage_events:
+            for start, end in _runs(stored):
+                event = self._stored_event(req, start, end, "STORAGE")
+                event["locality"] = "LOCAL"
+                events.append(event)
+
+    def _free_blocks(self, req: _Request) -> None:
+        # Last block first, so that a request's deeper blocks are evicted before its prefix.
+        gpu = self.gpu
+        anonymous = 0
+        for h in reversed(req.blocks):
+            if h == -1:
+                anonymous += 1
+            else:
+                gpu.release(h)
+        gpu.release_anonymous(anonymous)
+        req.blocks = []
+
+    def _preempt(self, req: _Request) -> None:
+        """Recompute-style preemption: free its blocks; it waits at the head of the queue and
+        later recomputes prompt + output so far (prefix hits still apply)."""
+        self._free_blocks(req)
+        req.num_computed = 0
+        req.num_committed_blocks = 0
+        self._waiting.appendleft(req)
+        self._stats.num_preemptions += 1
+
+    def _finish(self, req: _Request) -> FinishedRequest:
+        self._running.remove(req)
+        self._free_blocks(req)
+        del self._requests[req.request.request_id]
+        self._stats.num_finished += 1
+        return self._finished(req, "length")
+
+    def _finished(self, req: _Request, reason: str) -> FinishedRequest:
+        by_tier = req.cached_by_tier or (0, 0, 0)
+        return FinishedRequest(
+            request_id=req.request.request_id,
+            prompt_tokens=req.prompt_len,
+            output_token_ids=list(req.output_token_ids),
+            cached_tokens=sum(by_tier),
+            cached_tokens_by_tier=by_tier,
+            finish_reason=reason,
+        )
+
+
+def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """Contiguous [start, end) runs of ascending block indices."""
+    runs: list[tuple[int, int]] = []
+    start = prev = indices[0]
+    for b in indices[1:]:
+        if b != prev + 1:
+            runs.append((start, prev + 1))
+            start = b
+        prev = b
+    runs.append((start, prev + 1))
+    return runs

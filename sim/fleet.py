@@ -1,0 +1,357 @@
+"""Start N simulated engines as separate processes on free loopback ports and describe them in a
+fleet file that ``kvroute serve --fleet FILE`` reads; stop them all (process groups, SIGTERM then
+SIGKILL) on exit or signal. ``Fleet`` is the Python API for tests and demos; ``main`` is the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import httpx
+
+from sim import tokenizer
+from sim.server import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True, slots=True)
+class FleetProfile:
+    """What every engine of the fleet looks like."""
+
+    gpu_blocks: int = 2048
+    cpu_blocks: int = 0
+    storage_blocks: int = 0
+    #: True: all engines mount one STORAGE pool (a shared directory); False: each has its own pool.
+    shared_storage: bool = True
+    block_size: int = 16
+    time_scale: float = 10.0
+    hash_algo: str = "sha256"
+    self_describing_cpu_events: bool = False
+    zero_delay: bool = False
+    default_max_tokens: int = 16
+    max_model_len: int | None = None
+    extra_args: tuple[str, ...] = ()
+
+
+#: Named starting points; override any field with dataclasses.replace or the CLI flags.
+PROFILES: dict[str, FleetProfile] = {
+    "gpu-only": FleetProfile(gpu_blocks=2048),
+    "tiered": FleetProfile(gpu_blocks=512, cpu_blocks=2048, storage_blocks=16384, shared_storage=True),
+    "tiny": FleetProfile(gpu_blocks=64, cpu_blocks=256, storage_blocks=4096, shared_storage=True),
+    "zero-delay": FleetProfile(zero_delay=True),
+}
+
+
+@dataclass(slots=True)
+class FleetEngine:
+    """One running engine process and where to reach it."""
+
+    id: str
+    url: str
+    model: str
+    kv_events_endpoint: str
+    replay_endpoint: str
+    kv_events_topic: str
+    storage_pool: str
+    block_size: int
+    pid: int
+    log_path: str
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def fleet_entry(self) -> dict[str, Any]:
+        """This engine in the router's fleet-file shape (router/config.py EngineConfig fields)."""
+        return {
+            "id": self.id,
+            "url": self.url,
+            "model": self.model,
+            "kv_events_endpoint": self.kv_events_endpoint,
+            "kv_replay_endpoint": self.replay_endpoint,
+            "kv_events_topic": self.kv_events_topic,
+            "storage_pool": self.storage_pool,
+            "block_size": self.block_size,
+        }
+
+
+def _event_ports(host: str) -> tuple[int, int]:
+    """Free event and replay ports at least 16 apart (room for data-parallel rank offsets)."""
+    for _ in range(50):
+        pub, replay = free_port(host), free_port(host)
+        if abs(pub - replay) >= 16:
+            return pub, replay
+    raise RuntimeError("could not find two free ports 16 apart on the loopback interface")
+
+
+class Fleet:
+    """N engine processes on loopback. Use as a context manager so they are always stopped.
+
+    ``workdir`` holds the logs, the shared storage directory and (by default) the fleet file; a
+    temporary one is made and removed when not given.
+    """
+
+    def __init__(
+        self,
+        workdir: str | Path | None = None,
+        *,
+        host: str = "127.0.0.1",
+        model: str = tokenizer.NAME,
+        topic: str = "kv-events",
+        python: str = sys.executable,
+    ) -> None:
+        self._own_workdir = workdir is None
+        self.workdir = (
+            Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="kvroute-fleet-"))
+        )
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.host = host
+        self.model = model
+        self.topic = topic
+        self.python = python
+        self.engines: list[FleetEngine] = []
+
+    def start(
+        self,
+        n: int,
+        profile: FleetProfile | str = "tiered",
+        *,
+        id_prefix: str = "e",
+        storage_pool: str = "pool0",
+        timeout_s: float = 60.0,
+    ) -> list[FleetEngine]:
+        """Start ``n`` engines and wait until each answers /health; on failure stop them all."""
+        prof = PROFILES[profile] if isinstance(profile, str) else profile
+        if n < 1:
+            raise ValueError(f"a fleet needs at least one engine, got n={n}")
+        started: list[FleetEngine] = []
+        try:
+            for i in range(n):
+                started.append(self._spawn(f"{id_prefix}{len(self.engines) + i}", prof, storage_pool))
+            self.engines.extend(started)
+            deadline = time.monotonic() + timeout_s
+            for engine in started:
+                self._wait_healthy(engine, deadline)
+        except BaseException:
+            self.engines = [e for e in self.engines if e not in started]
+            for engine in started:
+                _stop_process(engine)
+            raise
+        return started
+
+    def _spawn(self, engine_id: str, prof: FleetProfile, storage_pool: str) -> FleetEngine:
+        port = free_port(self.host)
+        pub_port, replay_port = _event_ports(self.host)
+        pub_ep = f"tcp://{self.host}:{pub_port}"
+        replay_ep = f"tcp://{self.host}:{replay_port}"
+        kv_cfg = {
+            "enable_kv_cache_events": not prof.zero_delay,
+            "publisher": "zmq",
+            # '*' makes the PUB bind (vLLM's rule); /kv_event_sources reports it with our host.
+            "endpoint": f"tcp://*:{pub_port}",
+            "replay_endpoint": f"tcp://*:{replay_port}",
+            "topic": self.topic,
+        }
+        argv = [
+            self.python, "-m", "sim.server",
+            "--host", self.host,
+            "--port", str(port),
+            "--engine-id", engine_id,
+            "--model", self.model,
+            "--block-size", str(prof.block_size),
+            "--gpu-blocks", str(prof.gpu_blocks),
+            "--cpu-blocks", str(prof.cpu_blocks),
+            "--time-scale", str(prof.time_scale),
+            "--hash-algo", prof.hash_algo,
+            "--default-max-tokens", str(prof.default_max_tokens),
+            "--kv-events-config", json.dumps(kv_cfg),
+        ]  # fmt: skip
+        pool_id = ""
+        if prof.storage_blocks > 0:
+            pool_id = storage_pool if prof.shared_storage else f"{engine_id}-storage"
+            argv += ["--storage-pool", pool_id, "--storage-blocks", str(prof.storage_blocks)]
+            if prof.shared_storage:
+                argv += ["--storage-dir", str(self.workdir / f"storage-{pool_id}")]
+        if prof.max_model_len is not None:
+            argv += ["--max-model-len", str(prof.max_model_len)]
+        if prof.self_describing_cpu_events:
+            argv.append("--self-describing-cpu-events")
+        if prof.zero_delay:
+            argv.append("--zero-delay")
+        argv += list(prof.extra_args)
+        log_path = self.workdir / f"{engine_id}.log"
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+        with open(log_path, "wb") as log_file:
+            # A new session = a new process group, so stop() can signal the engine and any child.
+            process = subprocess.Popen(
+                argv,
+                cwd=REPO_ROOT,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
+        return FleetEngine(
+            id=engine_id,
+            url=f"http://{self.host}:{port}",
+            model=self.model,
+            kv_events_endpoint="" if prof.zero_delay else pub_ep,
+            replay_endpoint="" if prof.zero_delay else replay_ep,
+            kv_events_topic=self.topic,
+            storage_pool=pool_id,
+            block_size=prof.block_size,
+            pid=process.pid,
+            log_path=str(log_path),
+            process=process,
+        )
+
+    @staticmethod
+    def _wait_healthy(engine: FleetEngine, deadline: float) -> None:
+        assert engine.process is not None
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while True:
+                code = engine.process.poll()
+                if code is not None:
+                    tail = Path(engine.log_path).read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"engine {engine.id} exited with code {code} while starting:\n{tail}")
+                try:
+                    if client.get(f"{engine.url}/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"engine {engine.id} not healthy at {engine.url}; log: {engine.log_path}"
+                    )
+                time.sleep(0.05)
+
+    def fleet_document(self) -> dict[str, Any]:
+        return {"version": 1, "engines": [e.fleet_entry() for e in self.engines]}
+
+    def write_fleet_file(self, path: str | Path | None = None) -> Path:
+        """Write the fleet file the router reads; uses router.config's writer when it is there."""
+        target = Path(path) if path is not None else self.workdir / "fleet.json"
+        try:
+            from router.config import EngineConfig, write_fleet_file
+        except ImportError:
+            tmp = target.with_name(target.name + ".tmp")
+            tmp.write_text(json.dumps(self.fleet_document(), indent=2) + "\n")
+            os.replace(tmp, target)
+        else:
+            write_fleet_file(target, [EngineConfig(**e.fleet_entry()) for e in self.engines])
+        return target
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM every engine's process group, then SIGKILL what is still alive after timeout_s."""
+        for engine in self.engines:
+            _signal_group(engine, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for engine in self.engines:
+            _stop_process(engine, max(0.0, deadline - time.monotonic()))
+        self.engines = []
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(engine: FleetEngine, sig: signal.Signals) -> None:
+    try:
+        os.killpg(engine.pid, sig)  # start_new_session made pid the group id
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop_process(engine: FleetEngine, timeout_s: float = 5.0) -> None:
+    proc = engine.process
+    if proc is None:
+        return
+    if proc.poll() is None:
+        _signal_group(engine, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    # Kill the whole group even when the leader exited, in case a child outlived it.
+    _signal_group(engine, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.wait(timeout=5)
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvroute fleet", description="Run N simulated engines on loopback.")
+    p.add_argument("-n", "--engines", type=int, default=2)
+    p.add_argument("--profile", choices=sorted(PROFILES), default="tiered")
+    p.add_argument("--fleet-file", default="fleet.json", help="where to write the fleet file")
+    p.add_argument("--workdir", default=None, help="logs and shared storage (default: a temp dir)")
+    p.add_argument("--model", default=tokenizer.NAME)
+    p.add_argument("--topic", default="kv-events")
+    p.add_argument("--gpu-blocks", type=int, default=None)
+    p.add_argument("--cpu-blocks", type=int, default=None)
+    p.add_argument("--storage-blocks", type=int, default=None)
+    p.add_argument("--no-shared-storage", action="store_true", help="one private storage pool per engine")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--time-scale", type=float, default=None)
+    p.add_argument("--hash-algo", choices=("sha256", "sha256_cbor"), default=None)
+    return p
+
+
+def profile_from_args(args: argparse.Namespace) -> FleetProfile:
+    prof = PROFILES[args.profile]
+    overrides: dict[str, Any] = {
+        key: getattr(args, key)
+        for key in ("gpu_blocks", "cpu_blocks", "storage_blocks", "block_size", "time_scale", "hash_algo")
+        if getattr(args, key) is not None
+    }
+    if args.no_shared_storage:
+        overrides["shared_storage"] = False
+    return replace(prof, **overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvroute fleet``: start the engines, write the fleet file, run until SIGINT/SIGTERM."""
+    args = build_arg_parser().parse_args(argv)
+    prof = profile_from_args(args)
+
+    def _terminate(signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminate)
+    fleet = Fleet(args.workdir, model=args.model, topic=args.topic)
+    try:
+        fleet.start(args.engines, prof)
+        path = fleet.write_fleet_file(args.fleet_file)
+        print(f"fleet of {len(fleet.engines)} engines up ({json.dumps(asdict(prof))})", flush=True)
+        for e in fleet.engines:
+            print(f"  {e.id}: {e.url} events {e.kv_events_endpoint} replay {e.replay_endpoint}", flush=True)
+        print(f"fleet file: {path}  (Ctrl-C to stop)", flush=True)
+        while all(e.process is not None and e.process.poll() is None for e in fleet.engines):
+            time.sleep(0.5)
+        print("an engine exited; stopping the fleet", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        print(f"kvroute fleet: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        fleet.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,160 @@
+"""CostModel: priors from config, convergence to a simulated engine's true costs, tracking a change,
+learning from offload counters, and the index self-check."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from policies.base import Tier
+from policies.costs import CostModel, EngineCosts, IndexSelfCheck, PredictedParts, predict_parts
+
+INF = math.inf
+
+
+def synthetic_request(rng: random.Random) -> tuple[tuple[float, float, float], float, float]:
+    """A mix of misses, GPU, CPU and STORAGE hits over 2K-16K-token prompts, sometimes queued."""
+    prompt = rng.randint(2_000, 16_000)
+    kind = rng.random()
+    hits = [0.0, 0.0, 0.0]
+    if kind < 0.2:
+        hits[Tier.GPU] = int(prompt * rng.uniform(0.3, 0.9))
+    elif kind < 0.5:
+        hits[Tier.CPU] = int(prompt * rng.uniform(0.3, 0.95))
+    elif kind < 0.8:
+        hits[Tier.STORAGE] = int(prompt * rng.uniform(0.3, 0.95))
+    wait = rng.choice([0, 0, rng.randint(0, 8_000)])
+    return (hits[0], hits[1], hits[2]), prompt - sum(hits), wait
+
+
+def feed(model: CostModel, truth: EngineCosts, rng: random.Random, n: int, start: int = 0) -> None:
+    for i in range(start, start + n):
+        hits, prefill, wait = synthetic_request(rng)
+        parts = predict_parts(model.estimates("e"), hits, prefill, wait)
+        observed = predict_parts(truth, hits, prefill, wait).total_s * math.exp(rng.gauss(0.0, 0.05))
+        model.observe("e", parts, observed, cached_tokens=sum(hits), now=float(i))
+
+
+def test_estimates_converge_then_follow_slower_storage() -> None:
+    rng = random.Random(42)
+    model = CostModel()  # priors: 22,000 tok/s, CPU 64 GB/s, STORAGE 5 GB/s
+    truth = EngineCosts(prefill_tokens_per_s=15_000.0, load_bandwidth_bytes_per_s=(INF, 20e9, 2e9))
+    feed(model, truth, rng, 2_000)
+    est = model.estimates("e")
+    assert est.prefill_tokens_per_s == pytest.approx(15_000, rel=0.08)
+    assert est.load_bandwidth_bytes_per_s[Tier.CPU] == pytest.approx(20e9, rel=0.15)
+    assert est.load_bandwidth_bytes_per_s[Tier.STORAGE] == pytest.approx(2e9, rel=0.08)
+    # A noisy neighbour makes storage 4x slower mid-stream.
+    slower = EngineCosts(prefill_tokens_per_s=15_000.0, load_bandwidth_bytes_per_s=(INF, 20e9, 0.5e9))
+    feed(model, slower, rng, 500, start=2_000)
+    est = model.estimates("e")
+    assert est.load_bandwidth_bytes_per_s[Tier.STORAGE] == pytest.approx(0.5e9, rel=0.1)
+    assert est.prefill_tokens_per_s == pytest.approx(15_000, rel=0.08)
+    assert model.snapshot()["engines"]["e"]["observations"] == 2_500
+
+
+def test_outliers_are_clipped_and_estimates_bounded() -> None:
+    model = CostModel.from_config({"calibration": {"max_drift": 4.0}})
+    parts = predict_parts(model.estimates("e"), (0.0, 0.0, 0.0), 10_000, 0)
+    model.observe("e", parts, observed_ttft_s=1_000.0, cached_tokens=0, now=1.0)  # a 2,000x outlier
+    one_step = model.estimates("e").prefill_tokens_per_s
+    assert one_step > 22_000 / 2  # clipped to ratio 4, times the learning rate
+    for i in range(200):
+        model.observe("e", parts, observed_ttft_s=1_000.0, cached_tokens=0, now=float(i))
+    assert model.estimates("e").prefill_tokens_per_s == pytest.approx(22_000 / 4)
+    # Non-positive or non-finite TTFTs teach nothing.
+    before = model.estimates("e")
+    model.observe("e", parts, observed_ttft_s=float("nan"), cached_tokens=0, now=2.0)
+    model.observe("e", parts, observed_ttft_s=0.0, cached_tokens=0, now=2.0)
+    assert model.estimates("e") == before
+
+
+def test_cached_tokens_shortfall_moves_hits_to_prefill() -> None:
+    # The engine only had half the predicted storage hit: the slow TTFT is a miss, not slow storage.
+    rng = random.Random(3)
+    truth = EngineCosts()
+    model = CostModel()
+    for i in range(300):
+        predicted_hits = (0.0, 0.0, 8_000.0)
+        parts = predict_parts(model.estimates("e"), predicted_hits, 2_000, 0)
+        real = predict_parts(truth, (0.0, 0.0, 4_000.0), 6_000, 0).total_s * math.exp(rng.gauss(0, 0.03))
+        model.observe("e", parts, real, cached_tokens=4_000, now=float(i))
+    est = model.estimates("e")
+    assert est.load_bandwidth_bytes_per_s[Tier.STORAGE] == pytest.approx(5e9, rel=0.1)
+    assert est.prefill_tokens_per_s == pytest.approx(22_000, rel=0.1)
+    # ...and the self-check saw a persistent 50% shortfall on this engine.
+    assert model.index_trusted("e") is False
+
+
+def test_offload_counters_give_measured_bandwidth_per_tier() -> None:
+    model = CostModel(calibration=None)
+    model.update_offload_counters(
+        "e", {Tier.CPU: 0.0, Tier.STORAGE: 0.0}, {Tier.CPU: 0.0, Tier.STORAGE: 0.0}, 0
+    )
+    for step in range(1, 40):
+        model.update_offload_counters(
+            "e",
+            {Tier.CPU: step * 10e9, Tier.STORAGE: step * 1e9},
+            {Tier.CPU: step * 1.0, Tier.STORAGE: step * 1.0},  # 10 GB/s and 1 GB/s
+            float(step),
+        )
+    est = model.estimates("e")
+    assert est.load_bandwidth_bytes_per_s[Tier.CPU] == pytest.approx(10e9, rel=0.01)
+    assert est.load_bandwidth_bytes_per_s[Tier.STORAGE] == pytest.approx(1e9, rel=0.01)
+    # Counter reset (engine restart): the baseline restarts, no bogus sample.
+    model.update_offload_counters("e", {Tier.CPU: 1e6}, {Tier.CPU: 5.0}, 50.0)
+    assert model.estimates("e").load_bandwidth_bytes_per_s[Tier.CPU] == pytest.approx(10e9, rel=0.01)
+    # Tiny deltas accumulate instead of being timed on their own.
+    model.update_offload_counters("e", {Tier.CPU: 1e6 + 1e3}, {Tier.CPU: 6.0}, 51.0)
+    assert model.estimates("e").load_bandwidth_bytes_per_s[Tier.CPU] == pytest.approx(10e9, rel=0.01)
+
+
+def test_priors_from_config_per_fleet_and_engine() -> None:
+    model = CostModel.from_config(
+        {
+            "prefill_tokens_per_s": 10_000,
+            "tiers": {"storage": {"bandwidth_bytes_per_s": 1e9, "latency_s": 0.01}},
+            "engines": {
+                "slow": {"prefill_tokens_per_s": 5_000, "tiers": {"cpu": {"bandwidth_bytes_per_s": 16e9}}}
+            },
+        }
+    )
+    fast, slow = model.estimates("fast"), model.estimates("slow")
+    assert fast.prefill_tokens_per_s == 10_000 and slow.prefill_tokens_per_s == 5_000
+    assert slow.load_bandwidth_bytes_per_s[Tier.STORAGE] == 1e9  # inherits the fleet override
+    assert slow.load_bandwidth_bytes_per_s[Tier.CPU] == 16e9
+    assert fast.load_time_s(Tier.STORAGE, 1_000) == pytest.approx(1_000 * 131_072 / 1e9 + 0.01)
+    assert fast.load_time_s(Tier.GPU, 1_000) == 0.0
+    snap = model.snapshot()["engines"]["fast"]["estimate"]
+    assert snap["tiers"]["gpu"]["bandwidth_bytes_per_s"] is None
+    rows = {(n, tuple(sorted(lbl.items()))): v for n, lbl, v in model.gauge_values()}
+    assert rows[("kvroute_cost_prefill_tokens_per_second", (("engine", "slow"),))] == 5_000
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        CostModel.from_config({"prefil_tokens_per_s": 1})
+    with pytest.raises(ValueError, match=r"costs\.engines\.x\.prefill_tokens_per_s must be > 0"):
+        CostModel.from_config({"engines": {"x": {"prefill_tokens_per_s": 0}}})
+
+
+def test_selfcheck_untrusts_on_persistent_shortfall_and_recovers() -> None:
+    check = IndexSelfCheck(min_samples=5, untrust_above=0.3, trust_below=0.1, weight=0.3)
+    for _ in range(4):
+        assert check.observe("e", 1_000, 0) is True  # not enough samples yet
+    assert check.observe("e", 1_000, 0) is False
+    assert check.observe("other", 1_000, 1_000) is True
+    assert check.observe("e", 8, 0) is False  # too small a prediction to count either way
+    states = []
+    for _ in range(15):
+        states.append(check.observe("e", 1_000, 1_000))
+    assert states[0] is False and states[-1] is True  # hysteresis, then recovery
+    check.observe("e", 1_000, 0)
+    assert check.snapshot()["e"]["samples"] == 21
+    check.forget("e")
+    assert check.trusted("e") and "e" not in check.snapshot()
+
+
+def test_parts_round_trip() -> None:
+    parts = predict_parts(EngineCosts(), (16.0, 32.0, 48.0), 100.0, 50.0)
+    again = PredictedParts.from_scores(parts.as_scores())
+    assert again == parts

@@ -1,0 +1,163 @@
+"""kv_fixed_credit and approx_prefix on hand-built fleets and requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.approx_prefix import ApproxPrefixPolicy
+from policies.base import Decision, EngineView, FleetView, PrefixMatch, RouteRequest, build_policy
+from router.keys import block_keys
+
+BLOCK = 16
+
+
+def req(
+    keys: list[int], request_id: str = "r", matches: dict[str, PrefixMatch] | None = None
+) -> RouteRequest:
+    return RouteRequest(
+        request_id=request_id,
+        prompt_tokens=len(keys) * BLOCK,
+        block_keys=tuple(keys),
+        block_size=BLOCK,
+        prefix_matches=matches or {},
+    )
+
+
+# -- kv_fixed_credit ---------------------------------------------------------------------------
+
+
+def test_fixed_credit_picks_by_credits() -> None:
+    policy = build_policy("kv_fixed_credit")
+    keys = list(range(100))
+    fleet = FleetView([EngineView("g"), EngineView("c"), EngineView("s")])
+    # 50 GPU blocks (credit 50) beat 60 CPU blocks (48) and 100 STORAGE blocks (30).
+    matches = {
+        "g": PrefixMatch(50, (50, 0, 0)),
+        "c": PrefixMatch(60, (0, 60, 0)),
+        "s": PrefixMatch(100, (0, 0, 100)),
+    }
+    decision = policy.choose(req(keys, matches=matches), fleet)
+    assert decision.engine_id == "g"
+    assert decision.scores["c"]["credited_blocks"] == pytest.approx(48.0)
+    assert decision.scores["s"]["cost_blocks"] == pytest.approx(70.0)
+    assert decision.fallbacks == ("c", "s")
+    # 70 CPU blocks (56) now beat 50 GPU blocks.
+    matches["c"] = PrefixMatch(70, (0, 70, 0))
+    assert policy.choose(req(keys, matches=matches), fleet).engine_id == "c"
+
+
+def test_fixed_credit_configurable_and_load_term() -> None:
+    policy = build_policy("kv_fixed_credit", {"credits": {"STORAGE": 0.9}, "decode_blocks_per_request": 4})
+    keys = list(range(100))
+    fleet = FleetView([EngineView("g", in_flight=0), EngineView("s", in_flight=0)])
+    matches = {"g": PrefixMatch(50, (50, 0, 0)), "s": PrefixMatch(100, (0, 0, 100))}
+    assert policy.choose(req(keys, matches=matches), fleet).engine_id == "s"
+    # 11 in flight on s: 4 x 11 = 44 load blocks outweigh the 40-block credit advantage.
+    busy = FleetView([EngineView("g", in_flight=0), EngineView("s", in_flight=11)])
+    decision = policy.choose(req(keys, matches=matches), busy)
+    assert decision.engine_id == "g"
+    assert decision.scores["s"]["load_blocks"] == 44
+    with pytest.raises(ValueError, match="unknown tier"):
+        build_policy("kv_fixed_credit", {"credits": {"disk": 0.2}})
+
+
+# -- approx_prefix -----------------------------------------------------------------------------
+
+
+def approx(params: dict[str, float] | None = None) -> ApproxPrefixPolicy:
+    policy = build_policy("approx_prefix", params)
+    assert isinstance(policy, ApproxPrefixPolicy)
+    return policy
+
+
+def route(policy, request: RouteRequest, fleet: FleetView) -> Decision:  # type: ignore[no-untyped-def]
+    decision = policy.choose(request, fleet)
+    policy.on_routed(request, decision)
+    return decision
+
+
+def conversation_keys(turn_tokens: list[int]) -> list[int]:
+    return block_keys(turn_tokens, BLOCK)
+
+
+def test_second_turn_goes_where_the_first_went() -> None:
+    policy = approx()
+    assert policy.uses_index is False
+    fleet = FleetView([EngineView(f"e{i}") for i in range(4)], now=0.0)
+    firsts = {}
+    for conv in range(8):
+        tokens = [conv * 100_000 + t for t in range(320)]
+        firsts[conv] = (tokens, route(policy, req(conversation_keys(tokens), f"c{conv}t1"), fleet).engine_id)
+    assert len(set(e for _, e in firsts.values())) > 1  # new conversations spread (hash tiebreak)
+    later = FleetView(fleet.engines, now=10.0)
+    for conv, (tokens, first_engine) in firsts.items():
+        turn2 = tokens + [conv * 100_000 + 50_000 + t for t in range(160)]
+        decision = route(policy, req(conversation_keys(turn2), f"c{conv}t2"), later)
+        assert decision.engine_id == first_engine
+        assert decision.scores[first_engine]["matched_blocks"] == 20
+        assert "longest learned prefix" in decision.reason
+
+
+def test_entries_expire_by_ttl() -> None:
+    policy = approx({"ttl_s": 60.0})
+    engines = [EngineView("a"), EngineView("b")]
+    keys = conversation_keys(list(range(160)))
+    first = route(policy, req(keys, "t1"), FleetView(engines, now=0.0)).engine_id
+    within = policy.choose(req(keys, "t2"), FleetView(engines, now=59.0))
+    assert within.engine_id == first and within.scores[first]["matched_blocks"] == 10
+    expired = policy.choose(req(keys, "t3"), FleetView(engines, now=61.0))
+    assert expired.scores[first]["matched_blocks"] == 0
+    assert "no learned prefix" in expired.reason
+    # Routing something else at t=61 purges the stale entries.
+    route(policy, req(conversation_keys(list(range(1000, 1016))), "t4"), FleetView(engines, now=61.0))
+    assert len(policy) == 1
+
+
+def test_capacity_evicts_least_recently_used() -> None:
+    policy = approx({"capacity_blocks": 25})
+    engines = [EngineView("a"), EngineView("b")]
+    old = conversation_keys(list(range(160)))  # 10 blocks
+    mid = conversation_keys(list(range(5000, 5160)))
+    new = conversation_keys(list(range(9000, 9160)))
+    route(policy, req(old, "old"), FleetView(engines, now=1.0))
+    route(policy, req(mid, "mid"), FleetView(engines, now=2.0))
+    assert len(policy) == 20
+    route(policy, req(new, "new"), FleetView(engines, now=3.0))
+    assert len(policy) == 25
+    fleet = FleetView(engines, now=4.0)
+    # The 5 oldest entries (the first blocks of "old") went: its chain no longer matches from block 0.
+    assert (
+        max(policy.choose(req(old, "q1"), fleet).scores[e.engine_id]["matched_blocks"] for e in engines) == 0
+    )
+    assert (
+        max(policy.choose(req(mid, "q2"), fleet).scores[e.engine_id]["matched_blocks"] for e in engines) == 10
+    )
+
+
+def test_imbalance_guard_overrides_prefix() -> None:
+    policy = approx({"balance_abs_threshold": 4, "balance_rel_threshold": 1.5})
+    keys = conversation_keys(list(range(320)))
+    engines = [EngineView("a"), EngineView("b")]
+    home = route(policy, req(keys, "t1"), FleetView(engines, now=0.0)).engine_id
+    other = "b" if home == "a" else "a"
+    # 5 more in flight on home than on other (abs 5 > 4, rel 6 > 1.5 x 1): guard routes away.
+    loaded = [EngineView(home, in_flight=6), EngineView(other, in_flight=1)]
+    decision = policy.choose(req(keys, "t2"), FleetView(loaded, now=1.0))
+    assert decision.engine_id == other
+    assert "imbalance guard" in decision.reason
+    # abs difference 4 is not above the threshold: the prefix wins.
+    mild = [EngineView(home, in_flight=5), EngineView(other, in_flight=1)]
+    assert policy.choose(req(keys, "t3"), FleetView(mild, now=1.0)).engine_id == home
+    # rel: 20 vs 14 differs by 6 > 4 but 20 < 1.5 x 14: the prefix wins.
+    rel = [EngineView(home, in_flight=20), EngineView(other, in_flight=14)]
+    assert policy.choose(req(keys, "t4"), FleetView(rel, now=1.0)).engine_id == home
+
+
+def test_forget_engine_drops_its_entries() -> None:
+    policy = approx()
+    engines = [EngineView("a"), EngineView("b")]
+    keys = conversation_keys(list(range(64)))
+    home = route(policy, req(keys, "t1"), FleetView(engines, now=0.0)).engine_id
+    policy.forget_engine(home)
+    assert len(policy) == 0
+    assert policy.choose(req(keys, "t2"), FleetView(engines, now=1.0)).scores[home]["matched_blocks"] == 0

@@ -1,0 +1,169 @@
+"""tier_cost on hand-built fleets: queue vs tier trade-offs, slow storage, stale index, tiebreak, softmax."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.base import EngineView, FleetView, PrefixMatch, RouteRequest, build_policy
+from policies.costs import CostModel, EngineCosts, PredictedParts
+
+BLOCK = 16
+PROMPT_TOKENS = 8192
+PROMPT_BLOCKS = PROMPT_TOKENS // BLOCK
+
+
+def request(matches: dict[str, PrefixMatch], request_id: str = "r1") -> RouteRequest:
+    return RouteRequest(
+        request_id=request_id,
+        prompt_tokens=PROMPT_TOKENS,
+        block_keys=tuple(range(PROMPT_BLOCKS)),
+        block_size=BLOCK,
+        prefix_matches=matches,
+    )
+
+
+def gpu(blocks: int) -> PrefixMatch:
+    return PrefixMatch(blocks, (blocks, 0, 0))
+
+
+def cpu(blocks: int) -> PrefixMatch:
+    return PrefixMatch(blocks, (0, blocks, 0))
+
+
+def storage(blocks: int) -> PrefixMatch:
+    return PrefixMatch(blocks, (0, 0, blocks))
+
+
+def test_cpu_hit_on_idle_engine_beats_gpu_hit_behind_long_queue() -> None:
+    policy = build_policy("tier_cost")
+    hit = PROMPT_BLOCKS - 4
+    fleet = FleetView(
+        [
+            EngineView("busy", in_flight=8, queued_prefill_tokens=40_000),
+            EngineView("idle", in_flight=0, queued_prefill_tokens=0),
+        ]
+    )
+    decision = policy.choose(request({"busy": gpu(hit), "idle": cpu(hit)}), fleet)
+    assert decision.engine_id == "idle"
+    busy, idle = decision.scores["busy"], decision.scores["idle"]
+    # 40,000 queued tokens at the default 22,000 tokens/s: about 1.8 s of waiting.
+    assert busy["wait_s"] == pytest.approx(40_000 / 22_000)
+    assert idle["wait_s"] == 0.0
+    assert idle["load_cpu_s"] > 0 and busy["load_cpu_s"] == 0
+    assert idle["total_s"] == pytest.approx(idle["wait_s"] + idle["load_cpu_s"] + idle["prefill_s"])
+    assert decision.fallbacks == ("busy",)
+    assert "idle" in decision.reason and "load CPU" in decision.reason
+
+
+def test_gpu_hit_wins_when_queue_is_short() -> None:
+    policy = build_policy("tier_cost")
+    hit = PROMPT_BLOCKS - 4
+    fleet = FleetView(
+        [
+            EngineView("busy", in_flight=1, queued_prefill_tokens=100),
+            EngineView("idle", in_flight=0, queued_prefill_tokens=0),
+        ]
+    )
+    decision = policy.choose(request({"busy": gpu(hit), "idle": cpu(hit)}), fleet)
+    # CPU load of 8128 tokens x 128 KiB at 64 GB/s is ~17 ms; 100 queued tokens wait ~4.5 ms.
+    assert decision.engine_id == "busy"
+    assert decision.scores["busy"]["total_s"] < decision.scores["idle"]["total_s"]
+
+
+def test_slow_storage_bandwidth_moves_the_choice() -> None:
+    hit = PROMPT_BLOCKS - 4
+    fleet_engines = [
+        EngineView("stor", queued_prefill_tokens=0),
+        EngineView("queued", queued_prefill_tokens=2_000),
+    ]
+    matches = {"stor": storage(hit), "queued": gpu(hit)}
+    fast = CostModel(EngineCosts(load_bandwidth_bytes_per_s=(float("inf"), 64e9, 50e9)))
+    slow = CostModel(EngineCosts(load_bandwidth_bytes_per_s=(float("inf"), 64e9, 2e9)))
+    policy = build_policy("tier_cost")
+    # 2,000 queued tokens ~ 91 ms; loading 8128 tokens (1.07 GB) from storage takes 21 ms at 50 GB/s,
+    # 530 ms at 2 GB/s.
+    assert policy.choose(request(matches), FleetView(fleet_engines, costs=fast)).engine_id == "stor"
+    assert policy.choose(request(matches), FleetView(fleet_engines, costs=slow)).engine_id == "queued"
+
+
+def test_per_engine_prior_from_config_prices_each_engine() -> None:
+    policy = build_policy(
+        "tier_cost",
+        {"costs": {"engines": {"slowcpu": {"tiers": {"cpu": {"bandwidth_bytes_per_s": 1e9}}}}}},
+    )
+    hit = PROMPT_BLOCKS - 4
+    fleet = FleetView([EngineView("slowcpu"), EngineView("fastcpu")])
+    decision = policy.choose(request({"slowcpu": cpu(hit), "fastcpu": cpu(hit)}, "x"), fleet)
+    assert decision.engine_id == "fastcpu"
+    assert decision.scores["slowcpu"]["load_cpu_s"] > 40 * decision.scores["fastcpu"]["load_cpu_s"]
+
+
+def test_stale_index_discounts_hits() -> None:
+    policy = build_policy("tier_cost", {"stale_hit_factor": 0.25})
+    hit = PROMPT_BLOCKS - 4
+    fleet = FleetView([EngineView("stale", index_trusted=False), EngineView("fresh")])
+    decision = policy.choose(request({"stale": gpu(hit), "fresh": gpu(hit)}), fleet)
+    assert decision.engine_id == "fresh"
+    assert decision.scores["stale"]["hit_tokens_gpu"] == pytest.approx(0.25 * hit * BLOCK)
+    assert decision.scores["stale"]["prefill_tokens"] == pytest.approx(PROMPT_TOKENS - 0.25 * hit * BLOCK)
+
+
+def test_num_requests_waiting_corrects_router_queue() -> None:
+    policy = build_policy("tier_cost")
+    fleet = FleetView([EngineView("a", num_requests_waiting=5), EngineView("b", num_requests_waiting=0)])
+    decision = policy.choose(request({}), fleet)
+    # Router sees nothing in flight on a, but the engine has 5 queued requests (priced at this prompt's size).
+    assert decision.scores["a"]["wait_tokens"] == 5 * PROMPT_TOKENS
+    assert decision.engine_id == "b"
+
+
+def test_full_hit_still_prefills_one_token_and_memory_pressure_counts() -> None:
+    policy = build_policy("tier_cost")
+    fleet = FleetView([EngineView("full", kv_cache_usage=0.99), EngineView("roomy", kv_cache_usage=0.5)])
+    decision = policy.choose(request({"full": gpu(PROMPT_BLOCKS), "roomy": gpu(PROMPT_BLOCKS)}), fleet)
+    assert decision.scores["full"]["prefill_tokens"] == 1
+    assert decision.scores["full"]["pressure_s"] > 0 and decision.scores["roomy"]["pressure_s"] == 0
+    assert decision.engine_id == "roomy"
+
+
+def test_ties_go_to_fewer_in_flight_then_stable_hash() -> None:
+    policy = build_policy("tier_cost", {"decode_s_per_running": 0.0})
+    fleet = FleetView(
+        [EngineView("a", in_flight=3), EngineView("b", in_flight=1), EngineView("c", in_flight=2)]
+    )
+    assert policy.choose(request({}), fleet).engine_id == "b"
+    even = FleetView([EngineView(f"e{i}") for i in range(4)])
+    picks = {policy.choose(request({}, f"req-{i}"), even).engine_id for i in range(40)}
+    assert len(picks) > 1  # the hash spreads ties
+    again = [policy.choose(request({}, "same"), even).engine_id for _ in range(5)]
+    assert len(set(again)) == 1  # ...deterministically per request id
+
+
+def test_softmax_is_seeded_and_prefers_cheaper() -> None:
+    policy = build_policy("tier_cost", {"temperature_s": 0.05, "seed": 7})
+    hit = PROMPT_BLOCKS - 4
+    fleet = FleetView([EngineView("hit"), EngineView("miss")])
+    picks = [policy.choose(request({"hit": gpu(hit)}, f"r{i}"), fleet).engine_id for i in range(300)]
+    assert picks.count("hit") > 250  # miss costs ~0.37 s more: weight exp(-7.4)
+    repeat = [policy.choose(request({"hit": gpu(hit)}, f"r{i}"), fleet).engine_id for i in range(300)]
+    assert picks == repeat
+    hot = build_policy("tier_cost", {"temperature_s": 10.0})
+    hot_picks = [hot.choose(request({"hit": gpu(hit)}, f"r{i}"), fleet).engine_id for i in range(300)]
+    assert 100 < hot_picks.count("hit") < 200
+
+
+def test_scores_round_trip_into_predicted_parts() -> None:
+    policy = build_policy("tier_cost")
+    hit = 100
+    decision = policy.choose(request({"a": PrefixMatch(hit, (40, 30, 30))}), FleetView([EngineView("a")]))
+    parts = PredictedParts.from_scores(decision.scores["a"])
+    assert parts.hit_tokens == (40 * BLOCK, 30 * BLOCK, 30 * BLOCK)
+    assert parts.total_s == pytest.approx(decision.scores["a"]["total_s"])
+    assert parts.prefill_tokens == PROMPT_TOKENS - hit * BLOCK
+
+
+def test_bad_params_say_what_to_change() -> None:
+    with pytest.raises(ValueError, match="stale_hit_factor"):
+        build_policy("tier_cost", {"stale_hit_factor": 2})
+    with pytest.raises(ValueError, match="unknown tier"):
+        build_policy("tier_cost", {"costs": {"tiers": {"hbm3": {"latency_s": 0}}}})

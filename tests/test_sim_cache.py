@@ -1,0 +1,107 @@
+"""Block stores of the simulated engine: GPU pinning and LRU free list, LRU offload tiers."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim.cache import GpuBlockPool, LruBlockTier, StoragePool
+
+
+def test_gpu_allocation_prefers_empty_blocks_then_evicts_oldest_freed() -> None:
+    pool = GpuBlockPool(4)
+    evicted: list[int] = []
+    pool.allocate(3, evicted)
+    for h in (11, 12, 13):
+        assert pool.commit(h)
+    assert pool.num_free() == 1
+    # Freed in the order 13, 11, 12: that is the eviction order.
+    for h in (13, 11, 12):
+        pool.release(h)
+    assert pool.evictable_hashes() == [13, 11, 12]
+    assert pool.num_free() == 4
+    pool.allocate(1, evicted)  # the one empty block, nothing evicted
+    assert evicted == []
+    pool.allocate(2, evicted)
+    assert evicted == [13, 11]
+    assert pool.contains(12) and not pool.contains(13)
+    assert pool.num_used() == 3
+
+
+def test_pinned_blocks_are_never_evicted() -> None:
+    pool = GpuBlockPool(2)
+    evicted: list[int] = []
+    pool.allocate(2, evicted)
+    pool.commit(1)
+    pool.commit(2)
+    pool.release(1)
+    pool.pin(2)  # a second request shares block 2
+    pool.release(2)
+    assert pool.is_pinned(2)
+    assert pool.num_free() == 1
+    with pytest.raises(RuntimeError, match="cannot allocate 2"):
+        pool.allocate(2, evicted)
+    pool.allocate(1, evicted)
+    assert evicted == [1]
+    assert pool.contains(2)
+
+
+def test_pin_moves_block_off_the_free_list_and_release_puts_it_at_the_young_end() -> None:
+    pool = GpuBlockPool(3)
+    pool.allocate(3, [])
+    for h in (1, 2, 3):
+        pool.commit(h)
+        pool.release(h)
+    assert pool.evictable_hashes() == [1, 2, 3]
+    pool.pin(1)
+    assert pool.evictable_hashes() == [2, 3]
+    pool.release(1)
+    assert pool.evictable_hashes() == [2, 3, 1]
+    with pytest.raises(KeyError):
+        pool.pin(99)
+
+
+def test_commit_of_an_already_cached_hash_keeps_the_copy_anonymous() -> None:
+    pool = GpuBlockPool(2)
+    pool.allocate(2, [])
+    assert pool.commit(7)
+    assert not pool.commit(7)
+    assert pool.num_cached() == 1
+    pool.release(7)
+    pool.release_anonymous(1)
+    assert pool.num_free() == 2 and pool.num_empty == 1
+
+
+def test_clear_cached_requires_no_pinned_blocks() -> None:
+    pool = GpuBlockPool(2)
+    pool.allocate(1, [])
+    pool.commit(5)
+    with pytest.raises(RuntimeError):
+        pool.clear_cached()
+    pool.release(5)
+    pool.clear_cached()
+    assert not pool.contains(5) and pool.num_empty == 2
+
+
+def test_lru_tier_evicts_least_recently_used() -> None:
+    tier = LruBlockTier(3)
+    evicted: list[int] = []
+    assert all(tier.put(h, evicted) for h in (1, 2, 3))
+    tier.touch(1)
+    assert not tier.put(2, evicted)  # refresh, not new
+    assert tier.hashes() == [3, 1, 2]
+    assert tier.put(4, evicted)
+    assert evicted == [3]
+    assert 3 not in tier and 4 in tier and len(tier) == 3
+
+
+def test_storage_pool_is_one_object_for_all_engines_and_validates() -> None:
+    pool = StoragePool("shared-fs", capacity_blocks=2, load_bytes_per_s=1e9, latency_s=0.01)
+    evicted: list[int] = []
+    pool.put(1, evicted)
+    pool.put(2, evicted)
+    pool.put(3, evicted)
+    assert evicted == [1] and pool.hashes() == [2, 3]
+    with pytest.raises(ValueError, match="load_bytes_per_s"):
+        StoragePool("x", 4, load_bytes_per_s=0)
+    with pytest.raises(ValueError, match="capacity"):
+        StoragePool("x", 0)

@@ -1,0 +1,572 @@
+"""The engine model: continuous batching, the time model against hand-computed values, tiered
+prefix caching (hits, LRU, pinning, promotion, shared storage) and vLLM-shaped KV events."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from router.keys import block_keys
+from sim.cache import StoragePool
+from sim.engine import EngineCore, EngineProfile, FinishedRequest, SimRequest, StepOutput
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+FIXTURE = SHARED / "fixtures" / "vllm-kv-events" / "vllm-0.33.0-frames.jsonl"
+
+# Round figures so that every expected duration below can be checked by hand:
+# 1 block = 16 tokens x 1,000 bytes = 16,000 bytes.
+OVERHEAD_S = 0.01
+PREFILL_TOK_PER_S = 1000.0
+DECODE_S = 0.001
+CPU_BW, CPU_LAT_S = 1e6, 0.002
+STO_BW, STO_LAT_S = 1e5, 0.005
+BLOCK_BYTES = 16 * 1000
+
+
+def profile(**overrides: Any) -> EngineProfile:
+    fields: dict[str, Any] = dict(
+        num_gpu_blocks=64,
+        kv_bytes_per_token=1000,
+        prefill_tokens_per_s=PREFILL_TOK_PER_S,
+        step_overhead_s=OVERHEAD_S,
+        decode_s_per_seq=DECODE_S,
+        cpu_load_bytes_per_s=CPU_BW,
+        cpu_latency_s=CPU_LAT_S,
+        storage_load_bytes_per_s=STO_BW,
+        storage_latency_s=STO_LAT_S,
+    )
+    fields.update(overrides)
+    return EngineProfile(**fields)
+
+
+def run(engine: EngineCore, max_steps: int = 10_000) -> list[StepOutput]:
+    outs = []
+    while engine.has_unfinished():
+        outs.append(engine.step())
+        assert len(outs) < max_steps, "engine did not drain"
+    return outs
+
+
+def finished(outs: list[StepOutput]) -> dict[str, FinishedRequest]:
+    return {f.request_id: f for o in outs for f in o.finished}
+
+
+def events(outs: list[StepOutput]) -> list[dict[str, Any]]:
+    return [e for o in outs for e in o.events]
+
+
+def of(evs: list[dict[str, Any]], kind: str, medium: str | None = None) -> list[dict[str, Any]]:
+    return [e for e in evs if e["type"] == kind and (medium is None or e.get("medium") == medium)]
+
+
+class EventMirror:
+    """What a router learns from the events: hash sets per tier."""
+
+    def __init__(self) -> None:
+        self.tiers: dict[str, set[int]] = {"GPU": set(), "CPU": set(), "STORAGE": set()}
+
+    def apply(self, evs: list[dict[str, Any]]) -> None:
+        for e in evs:
+            if e["type"] == "BlockStored":
+                self.tiers[e["medium"]].update(e["block_hashes"])
+            elif e["type"] == "BlockRemoved":
+                assert e["medium"] != "STORAGE", "STORAGE must never announce removals"
+                self.tiers[e["medium"]].difference_update(e["block_hashes"])
+            else:
+                assert e == {"type": "AllBlocksCleared"}
+                self.tiers["GPU"].clear()
+
+
+T_TOKENS = list(range(1000, 1064)) + list(range(2000, 2040))  # the fixture's T: 6 full blocks + 8
+
+
+# ---------------------------------------------------------------- time model and batching
+
+
+def test_single_request_time_model_and_tokens() -> None:
+    engine = EngineCore("e0", profile())
+    engine.add_request(SimRequest("a", list(range(100)), max_tokens=3))
+    outs = run(engine)
+    assert [o.duration_s for o in outs] == pytest.approx(
+        [OVERHEAD_S + 100 / PREFILL_TOK_PER_S, OVERHEAD_S + DECODE_S, OVERHEAD_S + DECODE_S]
+    )
+    assert all(len(o.new_token_ids["a"]) == 1 for o in outs)
+    done = finished(outs)["a"]
+    assert done.finish_reason == "length" and done.prompt_tokens == 100
+    assert done.output_token_ids == [o.new_token_ids["a"][0] for o in outs]
+    assert done.cached_tokens == 0 and done.cached_tokens_by_tier == (0, 0, 0)
+
+
+def test_chunked_prefill_respects_the_token_budget() -> None:
+    engine = EngineCore("e0", profile(num_gpu_blocks=2000))
+    engine.add_request(SimRequest("long", list(range(20_000)), max_tokens=1))
+    outs = run(engine)
+    assert [o.num_prefill_tokens for o in outs] == [8192, 8192, 3616]
+    assert [o.duration_s for o in outs] == pytest.approx(
+        [OVERHEAD_S + 8.192, OVERHEAD_S + 8.192, OVERHEAD_S + 3.616]
+    )
+    assert [bool(o.new_token_ids) for o in outs] == [False, False, True]
+
+
+def test_continuous_batching_mixes_decode_and_prefill() -> None:
+    engine = EngineCore("e0", profile())
+    engine.add_request(SimRequest("a", list(range(100)), max_tokens=5))
+    first = engine.step()
+    engine.add_request(SimRequest("b", list(range(500, 550)), max_tokens=2))
+    second = engine.step()
+    third = engine.step()
+    assert first.duration_s == pytest.approx(OVERHEAD_S + 0.1)
+    # a decodes while b prefills 50 tokens in the same step.
+    assert second.duration_s == pytest.approx(OVERHEAD_S + 0.05 + DECODE_S)
+    assert set(second.new_token_ids) == {"a", "b"}
+    assert third.duration_s == pytest.approx(OVERHEAD_S + 2 * DECODE_S)
+    assert [f.request_id for f in third.finished] == ["b"]
+
+
+def test_max_num_seqs_queues_the_rest() -> None:
+    engine = EngineCore("e0", profile(max_num_seqs=2))
+    for i in range(3):
+        engine.add_request(SimRequest(f"r{i}", list(range(i * 100, i * 100 + 20)), max_tokens=2))
+    out = engine.step()
+    assert set(out.new_token_ids) == {"r0", "r1"}
+    assert engine.stats().num_waiting == 1 and engine.stats().num_running == 2
+    out = engine.step()  # r0 and r1 finish; r2 is admitted next step
+    assert {f.request_id for f in out.finished} == {"r0", "r1"}
+    assert set(finished(run(engine))) == {"r2"}
+
+
+def test_output_is_capped_by_max_model_len_and_long_prompts_are_rejected() -> None:
+    engine = EngineCore("e0", profile(max_model_len=40))
+    engine.add_request(SimRequest("a", list(range(30)), max_tokens=100))
+    assert len(finished(run(engine))["a"].output_token_ids) == 10
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request(SimRequest("b", list(range(40)), max_tokens=1))
+
+
+def test_invalid_requests_say_what_to_change() -> None:
+    engine = EngineCore("e0", profile(num_gpu_blocks=4))
+    engine.add_request(SimRequest("a", [1, 2, 3], max_tokens=1))
+    with pytest.raises(ValueError, match="unique request_id"):
+        engine.add_request(SimRequest("a", [1, 2, 3], max_tokens=1))
+    with pytest.raises(ValueError, match="num_gpu_blocks"):
+        engine.add_request(SimRequest("big", list(range(16)), max_tokens=49))  # 65 tokens = 5 blocks
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request(SimRequest("z", [1], max_tokens=0))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request(SimRequest("e", [], max_tokens=1))
+    with pytest.raises(ValueError, match="block_ids"):
+        engine.add_request(SimRequest("t", [], max_tokens=1, block_ids=[1, 2, 3], prompt_len=16))
+    with pytest.raises(ValueError, match="num_gpu_blocks must be positive"):
+        EngineProfile(num_gpu_blocks=0)
+
+
+# ---------------------------------------------------------------- prefix cache semantics
+
+
+def test_prefix_hit_counts_full_blocks_and_keeps_one_token_to_compute() -> None:
+    engine = EngineCore("e0", profile())
+    engine.add_request(SimRequest("a", T_TOKENS, max_tokens=1))
+    run(engine)
+    engine.add_request(SimRequest("b", [*T_TOKENS, 7, 7, 7], max_tokens=1))
+    outs = run(engine)
+    assert finished(outs)["b"].cached_tokens_by_tier == (96, 0, 0)
+    assert outs[0].duration_s == pytest.approx(OVERHEAD_S + (107 - 96) / PREFILL_TOK_PER_S)
+    # A prompt of exactly 2 full blocks hits only 1: vLLM always computes the last token.
+    engine.add_request(SimRequest("c", T_TOKENS[:32], max_tokens=1))
+    assert finished(run(engine))["c"].cached_tokens == 16
+    # Only contiguous prefixes from block 0 hit: same blocks 1.. after a different block 0 miss.
+    engine.add_request(SimRequest("d", [5] * 16 + T_TOKENS[16:], max_tokens=1))
+    assert finished(run(engine))["d"].cached_tokens == 0
+    stats = engine.stats()
+    assert stats.prefix_cache_hits_tokens == 96 + 16
+    assert stats.prefix_cache_queries_tokens == 104 + 107 + 32 + 104
+
+
+def test_gpu_lru_evicts_oldest_freed_and_announces_each_removal() -> None:
+    engine = EngineCore("e0", profile(num_gpu_blocks=10))
+    engine.add_request(SimRequest("a", T_TOKENS[:65], max_tokens=1))  # 4 full blocks cached
+    a_hashes = of(events(run(engine)), "BlockStored", "GPU")[0]["block_hashes"]
+    assert len(a_hashes) == 4
+    engine.add_request(SimRequest("c", list(range(5000, 5145)), max_tokens=1))  # needs all 10 blocks
+    evs = events(run(engine))
+    removed = of(evs, "BlockRemoved", "GPU")
+    # One event per hash; a request's deepest block is evicted first so its prefix survives longest.
+    assert [e["block_hashes"] for e in removed] == [[h] for h in reversed(a_hashes)]
+    assert all(set(e) == {"type", "block_hashes", "medium", "group_idx"} for e in removed)
+
+
+def test_running_requests_pin_their_blocks_and_others_wait() -> None:
+    engine = EngineCore("e0", profile(num_gpu_blocks=8))
+    engine.add_request(SimRequest("a", list(range(100)), max_tokens=10))  # 7 blocks -> 8 while decoding
+    engine.add_request(SimRequest("b", list(range(200, 240)), max_tokens=1))  # 3 blocks
+    out = engine.step()
+    assert set(out.new_token_ids) == {"a"}
+    assert engine.stats().num_waiting == 1
+    assert not of(out.events, "BlockRemoved")
+    outs = run(engine)
+    done = finished(outs)
+    assert list(done) == ["a", "b"]
+    assert engine.stats().kv_cache_usage == 0.0
+
+
+def test_preemption_recomputes_and_both_requests_complete() -> None:
+    engine = EngineCore("e0", profile(num_gpu_blocks=4))
+    engine.add_request(SimRequest("a", list(range(16)), max_tokens=40))
+    engine.add_request(SimRequest("b", list(range(100, 116)), max_tokens=40))
+    mirror = EventMirror()
+    outs = []
+    while engine.has_unfinished():
+        out = engine.step()
+        outs.append(out)
+        mirror.apply(out.events)
+        assert mirror.tiers["GPU"] == engine.gpu.cached_hashes()
+    done = finished(outs)
+    assert len(done["a"].output_token_ids) == 40 and len(done["b"].output_token_ids) == 40
+    assert engine.stats().num_preemptions >= 1
+    assert engine.gpu.num_used() == 0
+
+
+def test_abort_frees_blocks_and_reports_abort() -> None:
+    engine = EngineCore("e0", profile())
+    engine.add_request(SimRequest("a", list(range(64)), max_tokens=100))
+    engine.add_request(SimRequest("w", list(range(64)), max_tokens=1))
+    engine.step()
+    assert engine.gpu.num_used() > 0
+    engine.abort_request("a")
+    engine.abort_request("missing")  # ignored
+    out = engine.step()
+    aborted = [f for f in out.finished if f.request_id == "a"]
+    assert aborted and aborted[0].finish_reason == "abort"
+    run(engine)
+    assert engine.gpu.num_used() == 0 and not engine.has_unfinished()
+
+
+# ---------------------------------------------------------------- tiers
+
+
+def test_cpu_write_through_hit_load_time_and_promotion() -> None:
+    engine = EngineCore("e0", profile(num_gpu_blocks=10, num_cpu_blocks=32))
+    engine.add_request(SimRequest("a", T_TOKENS[:65], max_tokens=1))
+    evs = events(run(engine))
+    a_hashes = of(evs, "BlockStored", "GPU")[0]["block_hashes"]
+    placeholders = of(evs, "BlockStored", "CPU")
+    assert [e["block_hashes"] for e in placeholders] == [[h] for h in a_hashes]
+    assert all(
+        e["token_ids"] == [] and e["block_size"] == 0 and e["parent_block_hash"] is None for e in placeholders
+    )
+    engine.add_request(SimRequest("c", list(range(5000, 5145)), max_tokens=1))  # evicts a from GPU
+    run(engine)
+    assert not engine.gpu.cached_hashes() & set(a_hashes)
+
+    engine.add_request(SimRequest("a2", T_TOKENS[:65], max_tokens=1))
+    outs = run(engine)
+    assert finished(outs)["a2"].cached_tokens_by_tier == (0, 64, 0)
+    load_s = CPU_LAT_S + 4 * BLOCK_BYTES / CPU_BW
+    assert outs[0].duration_s == pytest.approx(OVERHEAD_S + 1 / PREFILL_TOK_PER_S + load_s)
+    promoted = of(events(outs), "BlockStored", "GPU")
+    assert promoted[0]["block_hashes"] == a_hashes and promoted[0]["token_ids"] == T_TOKENS[:64]
+
+    engine.add_request(SimRequest("a3", T_TOKENS[:65], max_tokens=1))
+    assert finished(run(engine))["a3"].cached_tokens_by_tier == (64, 0, 0)
+    stats = engine.stats()
+    assert stats.load_bytes_by_tier["CPU"] == 4 * BLOCK_BYTES
+    assert stats.load_time_s_by_tier["CPU"] == pytest.approx(load_s)
+    assert stats.external_prefix_cache_hits_tokens == 64
+    assert stats.cached_tokens_by_tier == (64, 64, 0)
+
+
+def test_cpu_lru_eviction_is_announced() -> None:
+    engine = EngineCore("e0", profile(num_cpu_blocks=4))
+    engine.add_request(SimRequest("a", T_TOKENS, max_tokens=1))  # 6 prompt blocks, CPU keeps 4
+    evs = events(run(engine))
+    gpu_hashes = of(evs, "BlockStored", "GPU")[0]["block_hashes"]
+    removed = of(evs, "BlockRemoved", "CPU")
+    assert [h for e in removed for h in e["block_hashes"]] == gpu_hashes[:2]
+    assert engine.cpu is not None and engine.cpu.hashes() == gpu_hashes[2:]
+
+
+def test_self_describing_cpu_events_carry_tokens_and_parent() -> None:
+    engine = EngineCore("e0", profile(num_cpu_blocks=16, self_describing_cpu_events=True))
+    engine.add_request(SimRequest("a", T_TOKENS, max_tokens=1))
+    evs = events(run(engine))
+    gpu, cpu = of(evs, "BlockStored", "GPU")[0], of(evs, "BlockStored", "CPU")
+    assert len(cpu) == 1
+    assert cpu[0]["token_ids"] == gpu["token_ids"] and cpu[0]["block_size"] == 16
+    assert cpu[0]["block_hashes"] == gpu["block_hashes"] and cpu[0]["parent_block_hash"] is None
+
+
+def test_shared_storage_pool_is_visible_to_a_second_engine() -> None:
+    pool = StoragePool("fs", capacity_blocks=100, load_bytes_per_s=2e5, latency_s=0.004)
+    e1 = EngineCore("e1", profile(), storage=pool)
+    e2 = EngineCore("e2", profile(), storage=pool)
+    e1.add_request(SimRequest("a", T_TOKENS[:65], max_tokens=1))
+    evs1 = events(run(e1))
+    stored = of(evs1, "BlockStored", "STORAGE")
+    assert len(stored) == 1
+    assert stored[0]["locality"] == "LOCAL" and stored[0]["token_ids"] == T_TOKENS[:64]
+    assert stored[0]["block_hashes"] == of(evs1, "BlockStored", "GPU")[0]["block_hashes"]
+
+    e2.add_request(SimRequest("a", T_TOKENS[:65], max_tokens=1))
+    outs = run(e2)
+    assert finished(outs)["a"].cached_tokens_by_tier == (0, 0, 64)
+    # The pool's own figures override the profile's storage figures.
+    load_s = 0.004 + 4 * BLOCK_BYTES / 2e5
+    assert outs[0].duration_s == pytest.approx(OVERHEAD_S + 1 / PREFILL_TOK_PER_S + load_s)
+    # Already in the pool: e2 does not announce it again; it announces the promotion to its GPU.
+    assert not of(events(outs), "BlockStored", "STORAGE")
+    assert of(events(outs), "BlockStored", "GPU")[0]["block_hashes"] == stored[0]["block_hashes"]
+    assert e2.stats().load_bytes_by_tier["STORAGE"] == 4 * BLOCK_BYTES
+
+
+def test_storage_evicts_silently() -> None:
+    pool = StoragePool("fs", capacity_blocks=2)
+    engine = EngineCore("e0", profile(), storage=pool)
+    engine.add_request(SimRequest("a", T_TOKENS, max_tokens=1))
+    evs = events(run(engine))
+    assert len(pool) == 2
+    assert not [e for e in evs if e["type"] == "BlockRemoved" and e["medium"] == "STORAGE"]
+    # The pool kept the two youngest blocks, so block 0 misses and nothing of T hits.
+    engine.reset_prefix_cache()
+    engine.add_request(SimRequest("b", T_TOKENS, max_tokens=1))
+    assert finished(run(engine))["b"].cached_tokens == 0
+
+
+def test_storage_loads_are_promoted_through_cpu() -> None:
+    pool = StoragePool("fs", capacity_blocks=100)
+    e1 = EngineCore("e1", profile(), storage=pool)
+    e2 = EngineCore("e2", profile(num_cpu_blocks=16), storage=pool)
+    e1.add_request(SimRequest("a", T_TOKENS, max_tokens=1))
+    run(e1)
+    e2.add_request(SimRequest("a", T_TOKENS, max_tokens=1))
+    run(e2)
+    e2.reset_prefix_cache()
+    e2.add_request(SimRequest("b", T_TOKENS, max_tokens=1))
+    assert finished(run(e2))["b"].cached_tokens_by_tier == (0, 96, 0)
+
+
+def test_reset_prefix_cache_clears_gpu_only_and_preempts_running() -> None:
+    engine = EngineCore("e0", profile(num_cpu_blocks=16))
+    engine.add_request(SimRequest("a", T_TOKENS, max_tokens=1))
+    run(engine)
+    engine.add_request(SimRequest("r", list(range(3000, 3040)), max_tokens=5))
+    engine.step()
+    engine.reset_prefix_cache()
+    out = engine.step()
+    assert out.events[0] == {"type": "AllBlocksCleared"}
+    assert engine.stats().num_preemptions == 1
+    done = finished([out, *run(engine)])
+    assert len(done["r"].output_token_ids) == 5
+    engine.add_request(SimRequest("b", T_TOKENS, max_tokens=1))
+    assert finished(run(engine))["b"].cached_tokens_by_tier == (0, 96, 0)
+
+
+# ---------------------------------------------------------------- events as vLLM sends them
+
+
+def _fixture_events() -> list[dict[str, Any]]:
+    out = []
+    for line in FIXTURE.read_text().splitlines():
+        frame = json.loads(line)
+        if frame["kind"] == "pub":
+            out.extend(frame["decoded"][1])
+    return out
+
+
+def test_event_shapes_match_recorded_vllm_frames() -> None:
+    golden = _fixture_events()
+
+    def golden_keys(kind: str, medium: str | None, salted: bool = False) -> list[str]:
+        for e in golden:
+            if e["type"] == kind and e.get("medium") == medium and ("extra_keys" in e) == salted:
+                return list(e)
+        raise AssertionError(f"no {kind}/{medium} in fixture")
+
+    pool = StoragePool("fs", capacity_blocks=100)
+    engine = EngineCore("e0", profile(num_gpu_blocks=10, num_cpu_blocks=32), storage=pool)
+    engine.add_request(SimRequest("t", T_TOKENS, max_tokens=1))
+    engine.add_request(SimRequest("s", T_TOKENS[:32], max_tokens=1, cache_salt="tenant-b"))
+    engine.add_request(SimRequest("x", list(range(5000, 5100)), max_tokens=1))
+    outs = run(engine)
+    engine.reset_prefix_cache()
+    outs.append(engine.step())
+    evs = events(outs)
+
+    gpu_stored = of(evs, "BlockStored", "GPU")
+    plain = [e for e in gpu_stored if "extra_keys" not in e]
+    salted = [e for e in gpu_stored if "extra_keys" in e]
+    assert plain and all(list(e) == golden_keys("BlockStored", "GPU") for e in plain)
+    assert [list(e) for e in salted] == [golden_keys("BlockStored", "GPU", salted=True)]
+    assert salted[0]["extra_keys"] == [["tenant-b"], None]
+    assert salted[0]["token_ids"] == T_TOKENS[:32]
+    # Same tokens, different salt: different engine hashes (never a hit across tenants).
+    assert set(salted[0]["block_hashes"]).isdisjoint(plain[0]["block_hashes"])
+    cpu_stored = of(evs, "BlockStored", "CPU")
+    assert cpu_stored and all(list(e) == golden_keys("BlockStored", "CPU") for e in cpu_stored)
+    storage = of(evs, "BlockStored", "STORAGE")
+    assert storage and all(e["locality"] == "LOCAL" for e in storage)
+    assert all(list(e) == golden_keys("BlockStored", "STORAGE") for e in storage if "extra_keys" not in e)
+    salted_storage = [e for e in storage if "extra_keys" in e]
+    assert [e["extra_keys"] for e in salted_storage] == [[["tenant-b"], None]]
+    removed = of(evs, "BlockRemoved", "GPU")
+    assert removed and all(list(e) == golden_keys("BlockRemoved", "GPU") for e in removed)
+    assert evs[-1] == {"type": "AllBlocksCleared"}
+    # Event hashes are unsigned 64-bit ints, as vLLM's default int block hashes.
+    assert all(0 <= h < 2**64 for e in evs for h in e.get("block_hashes", []))
+
+
+def test_lora_is_folded_into_every_block() -> None:
+    engine = EngineCore("e0", profile())
+    engine.add_request(SimRequest("l", T_TOKENS[:33], max_tokens=1, lora_name="sql", cache_salt="t"))
+    stored = of(events(run(engine)), "BlockStored", "GPU")[0]
+    assert stored["lora_name"] == "sql"
+    assert stored["extra_keys"] == [["sql", "t"], ["sql"]]
+    # The router's key function fed the same extra keys gives one key per stored block.
+    keys = block_keys(stored["token_ids"], 16, extra_keys=stored["extra_keys"])
+    assert len(keys) == len(stored["block_hashes"]) == 2
+
+
+def test_emit_events_off_changes_nothing_but_the_events() -> None:
+    def workload(emit: bool) -> tuple[list[float], list[dict[str, list[int]]], list[int]]:
+        engine = EngineCore(
+            "e0",
+            profile(num_gpu_blocks=12, num_cpu_blocks=8, emit_events=emit),
+            storage=StoragePool("fs", 50),
+        )
+        for i in range(6):
+            engine.add_request(SimRequest(f"r{i}", T_TOKENS[: 40 + 10 * i], max_tokens=3))
+        outs = run(engine)
+        assert emit or not events(outs)
+        return [o.duration_s for o in outs], [o.new_token_ids for o in outs], [engine.stats().num_steps]
+
+    assert workload(True) == workload(False)
+
+
+# ---------------------------------------------------------------- trace mode and determinism
+
+
+def test_trace_mode_uses_block_ids_with_block_size_tokens_each() -> None:
+    engine = EngineCore("e0", profile())
+    engine.add_request(SimRequest("t1", [], max_tokens=2, block_ids=[11, 12, 13, 14], prompt_len=60))
+    outs = run(engine)
+    assert outs[0].duration_s == pytest.approx(OVERHEAD_S + 60 / PREFILL_TOK_PER_S)
+    stored = of(events(outs), "BlockStored", "GPU")
+    assert len(stored) == 1
+    # 60 tokens = 3 full blocks; the 4th id names a partial block and is never cached.
+    assert stored[0]["token_ids"] == [11, 12, 13] and stored[0]["block_size"] == 1
+    # Keys the router derives from the request's ids equal those from the event.
+    assert block_keys([11, 12, 13], 1) == block_keys(stored[0]["token_ids"], 1)
+
+    engine.add_request(SimRequest("t2", [], max_tokens=1, block_ids=[11, 12, 99]))  # 48 tokens
+    outs = run(engine)
+    assert finished(outs)["t2"].cached_tokens == 32
+    assert outs[0].duration_s == pytest.approx(OVERHEAD_S + 16 / PREFILL_TOK_PER_S)
+    extension = of(events(outs), "BlockStored", "GPU")[0]
+    assert extension["token_ids"] == [99] and extension["parent_block_hash"] == stored[0]["block_hashes"][1]
+
+
+def test_same_seed_same_run_other_seed_other_tokens() -> None:
+    def trace(seed: int) -> list[tuple[float, dict[str, list[int]], list[dict[str, Any]]]]:
+        engine = EngineCore("e0", profile(num_gpu_blocks=20, num_cpu_blocks=10), seed=seed)
+        for i in range(8):
+            engine.add_request(SimRequest(f"r{i}", T_TOKENS[: 20 + 11 * i], max_tokens=4 + i))
+        return [(o.duration_s, o.new_token_ids, o.events) for o in run(engine)]
+
+    assert trace(1) == trace(1)
+    assert [t[1] for t in trace(1)] != [t[1] for t in trace(2)]
+
+
+def test_scaled_down_profile() -> None:
+    base = EngineProfile(num_cpu_blocks=1000)
+    small = base.scaled_down(100)
+    assert (small.num_gpu_blocks, small.num_cpu_blocks) == (278, 10)
+    assert small.prefill_tokens_per_s == base.prefill_tokens_per_s
+    assert EngineProfile().scaled_down(10).num_cpu_blocks == 0
+    with pytest.raises(ValueError, match="factor"):
+        base.scaled_down(0.5)
+
+
+def test_default_profile_matches_reference_numbers() -> None:
+    p = EngineProfile()
+    host_reload_s_per_token = p.kv_bytes_per_token / p.cpu_load_bytes_per_s
+    recompute_s_per_token = 1 / p.prefill_tokens_per_s
+    assert 20 <= recompute_s_per_token / host_reload_s_per_token <= 24
+    assert p.num_gpu_blocks * p.block_size == 445_632
+
+
+# ---------------------------------------------------------------- invariants under random workloads
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> dict[str, Any]:
+    prefixes = [list(range(k * 1000, k * 1000 + 80)) for k in range(3)]
+    requests = []
+    for i in range(draw(st.integers(1, 10))):
+        base = prefixes[draw(st.integers(0, 2))]
+        cut = draw(st.integers(1, 80))
+        tail = [9000 + i] * draw(st.integers(0, 20))
+        requests.append(
+            SimRequest(
+                f"r{i}",
+                base[:cut] + tail,
+                max_tokens=draw(st.integers(1, 12)),
+                cache_salt=draw(st.sampled_from([None, None, "s"])),
+            )
+        )
+    return {
+        "profile": profile(
+            num_gpu_blocks=draw(st.integers(8, 30)),
+            num_cpu_blocks=draw(st.sampled_from([0, 4, 12])),
+            max_num_batched_tokens=draw(st.integers(8, 64)),
+            max_num_seqs=draw(st.integers(1, 4)),
+        ),
+        "storage": draw(st.sampled_from([None, 6, 40])),
+        "requests": requests,
+        "ops": draw(st.lists(st.sampled_from(["step", "step", "step", "abort", "reset"]), max_size=30)),
+    }
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_events_always_describe_the_cache_and_everything_finishes(w: dict[str, Any]) -> None:
+    pool = StoragePool("fs", w["storage"]) if w["storage"] else None
+    engine = EngineCore("e0", w["profile"], storage=pool)
+    for req in w["requests"]:
+        engine.add_request(req)
+    mirror = EventMirror()
+    done: dict[str, FinishedRequest] = {}
+    aborted = 0
+    ops = list(w["ops"])
+    while engine.has_unfinished():
+        op = ops.pop(0) if ops else "step"
+        if op == "abort":
+            live = [r.request_id for r in w["requests"] if r.request_id not in done]
+            if live:
+                engine.abort_request(live[-1])
+                aborted += 1
+            continue
+        if op == "reset":
+            engine.reset_prefix_cache()
+            continue
+        out = engine.step()
+        for f in out.finished:
+            done[f.request_id] = f
+        mirror.apply(out.events)
+        gpu = engine.gpu
+        assert 0 <= gpu.num_used() <= gpu.num_blocks
+        assert mirror.tiers["GPU"] == gpu.cached_hashes()
+        if engine.cpu is not None:
+            assert mirror.tiers["CPU"] == set(engine.cpu.hashes())
+        if pool is not None:
+            assert set(pool.hashes()) <= mirror.tiers["STORAGE"]
+    assert set(done) == {r.request_id for r in w["requests"]}
+    for req in w["requests"]:
+        f = done[req.request_id]
+        if f.finish_reason == "length":
+            assert len(f.output_token_ids) == req.max_tokens
+        assert f.cached_tokens <= len(req.prompt_token_ids) - 1
+    assert engine.gpu.num_used() == 0

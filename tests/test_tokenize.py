@@ -1,0 +1,130 @@
+"""Tokenisation back-ends: a tiny local HF tokenizer (WordLevel + jinja template built here, no
+downloads), the simulator's tokenizer, and an engine's /tokenize served by a real aiohttp server."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from tokenizers import AddedToken, Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer, prefix_hashes
+from sim import tokenizer as sim_tokenizer
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m.role not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}"
+    "<|{{ m.role }}|> {{ m.content }} <|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+WORDS = "hello world how are you fine thanks and what about kv cache blocks stay warm".split()
+
+
+@pytest.fixture
+def tokenizer_dir(tmp_path: Path) -> Path:
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.add_special_tokens(
+        [AddedToken(t, special=True) for t in ["<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"chat_template": TEMPLATE, "bos_token": {"content": "<s>"}, "eos_token": "<|end|>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def conversation(turns: int) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": "kv cache blocks stay warm"}]
+    for i in range(turns):
+        msgs.append({"role": "user", "content": f"hello world how are you {WORDS[i % len(WORDS)]}"})
+        msgs.append({"role": "assistant", "content": "fine thanks and what about you"})
+    return msgs
+
+
+async def test_hf_tokenizer_matches_full_encode_and_reuses_prefix(tokenizer_dir: Path) -> None:
+    reference = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    hf = HfChatTokenizer.from_dir(tokenizer_dir)
+    for turns in range(1, 6):
+        msgs = conversation(turns)[:-1]  # ends with the user turn
+        text = hf.render(msgs, add_generation_prompt=True)
+        assert text.startswith("<s><|system|>") and text.endswith("<|assistant|>")
+        got = await hf.chat_tokens(msgs)
+        assert got == reference.encode(text, add_special_tokens=False).ids
+        assert 0 not in got  # every word known: nothing mapped to [UNK]
+        msgs_with_answer = conversation(turns)
+        assert (
+            await hf.chat_tokens(msgs_with_answer)
+            == reference.encode(
+                hf.render(msgs_with_answer, add_generation_prompt=True), add_special_tokens=False
+            ).ids
+        )
+    stats = hf.cache_stats()
+    assert stats["hits"] >= 8 and stats["entries"] >= 5
+    with pytest.raises(ValueError, match="bad role"):
+        await hf.chat_tokens([{"role": "robot", "content": "hello"}])
+
+
+def test_hf_tokenizer_dir_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"tokenizer\.json"):
+        HfChatTokenizer.from_dir(tmp_path)
+
+
+async def test_sim_tokenizer_prefix_cache_equals_full_render() -> None:
+    sim = SimChatTokenizer()
+    msgs: list[dict[str, str]] = [{"role": "system", "content": "be brief"}]
+    for turn in range(1, 5):
+        # Long turns (6,000 characters) go to a thread; the history is reused from the cache.
+        msgs.append({"role": "user", "content": sim_tokenizer.filler_text(2000, seed=turn)})
+        assert await sim.chat_tokens(msgs) == sim_tokenizer.encode_chat(msgs, add_generation_prompt=True)
+        msgs.append({"role": "assistant", "content": "ok"})
+    assert sim.cache_stats()["hits"] == 3
+
+
+def test_prefix_hashes_distinguish_content_and_order() -> None:
+    a = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    b = [{"content": "x", "role": "user"}, {"role": "assistant", "content": "z"}]
+    ha, hb = prefix_hashes(a), prefix_hashes(b)
+    assert ha[0] == hb[0] and ha[1] != hb[1]
+
+
+async def test_engine_tokenize_backend_against_real_server() -> None:
+    calls: list[dict] = []
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        calls.append(body)
+        tokens = sim_tokenizer.encode_chat(
+            body["messages"], add_generation_prompt=body["add_generation_prompt"]
+        )
+        return web.json_response(
+            {"count": len(tokens), "max_model_len": 8192, "tokens": tokens, "token_strs": None}
+        )
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            engine = EngineChatTokenizer(session, f"http://127.0.0.1:{port}", model="m")
+            msgs = conversation(2)
+            want = sim_tokenizer.encode_chat(msgs, add_generation_prompt=True)
+            assert await engine.chat_tokens(msgs) == want
+            assert await engine.chat_tokens(msgs) == want  # exact repeat: cached
+            assert len(calls) == 1 and calls[0]["model"] == "m" and calls[0]["add_generation_prompt"] is True
+            bad = EngineChatTokenizer(session, f"http://127.0.0.1:{port}/nope")
+            with pytest.raises(ValueError, match="404"):
+                await bad.chat_tokens(msgs)
+    finally:
+        await runner.cleanup()
