@@ -87,34 +87,37 @@ def build_frames(total_blocks: int, seed: int = 0) -> tuple[list[bytes], int]:
 
 
 def bench_ingest(total_blocks: int) -> float:
+    """Blocks/s of decode + apply on one core. CPU time of this process (``time.process_time``),
+    not wall time: the benchmark machine is shared, and CPU time is what one core spends."""
     frames, stored = build_frames(total_blocks)
     index = PrefixIndex()
     gc.collect()
-    start = time.perf_counter()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     for payload in frames:
         index.apply_batch("e0", decode_payload(payload).events)
-    elapsed = time.perf_counter() - start
-    rate = stored / elapsed
-    print(
-        f"ingest: {stored:,} GPU blocks in {len(frames):,} frames (+CPU placeholders, ~10% removals): "
-        f"{elapsed:.2f} s -> {rate:,.0f} blocks/s on one core"
-    )
-    decode_only = time.perf_counter()
+    cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
+    rate = stored / cpu_s
+    decode0 = time.process_time()
     for payload in frames:
         decode_payload(payload)
-    print(f"  of which msgpack decode alone: {time.perf_counter() - decode_only:.2f} s")
+    decode_s = time.process_time() - decode0
+    print(
+        f"ingest: {stored:,} GPU blocks in {len(frames):,} frames (+CPU placeholders, ~10% removals): "
+        f"{cpu_s:.2f} s CPU ({wall_s:.2f} s wall) -> {rate:,.0f} blocks/s per core; "
+        f"msgpack decode alone {decode_s / cpu_s:.0%} of it"
+    )
     return rate
 
 
 def populate(
     index: PrefixIndex, engines: int, total_keys: int, prompt_blocks: int, seed: int = 1
 ) -> list[list[int]]:
-    """total_keys distinct keys in chains of prompt_blocks; each chain on 1-3 engines, a prefix of
+    """At least total_keys distinct keys in chains of prompt_blocks; each chain on 1-3 engines, a prefix of
     it in GPU, the rest of that engine's share in CPU. Returns the chains' keys."""
     rng = random.Random(seed)
     chains: list[list[int]] = []
     base = 0
-    while len(chains) * prompt_blocks < total_keys:
+    while len(index) < total_keys:
         tokens = list(range(base, base + prompt_blocks * BLOCK_TOKENS))
         base += prompt_blocks * BLOCK_TOKENS
         keys = block_keys(tokens, BLOCK_TOKENS)
@@ -132,7 +135,12 @@ def populate(
     return chains
 
 
-def bench_match(engines: int, total_keys: int, prompt_blocks: int, queries: int) -> tuple[float, float]:
+def bench_match(
+    engines: int, total_keys: int, prompt_blocks: int, queries: int
+) -> tuple[float, float, float]:
+    """Latency of ``match`` for a prompt_blocks-block prompt over ``total_keys`` indexed keys.
+    Returns p50 and p99 wall ms, and p99 of the thread's CPU ms (what noise from other processes
+    on the shared machine cannot inflate)."""
     index = PrefixIndex()
     for e in range(engines):
         index.add_engine(f"e{e}")
@@ -140,70 +148,109 @@ def bench_match(engines: int, total_keys: int, prompt_blocks: int, queries: int)
     chains = populate(index, engines, total_keys, prompt_blocks)
     build_s = time.perf_counter() - t0
     rng = random.Random(2)
-    samples = []
+    wall_samples, cpu_samples = [], []
     for _ in range(queries):
         keys = rng.choice(chains)
-        start = time.perf_counter()
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
         index.match(keys)
-        samples.append(time.perf_counter() - start)
-    samples.sort()
-    p50 = statistics.median(samples) * 1e3
-    p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))] * 1e3
+        cpu_samples.append(time.thread_time() - cpu0)
+        wall_samples.append(time.perf_counter() - wall0)
+    wall_samples.sort()
+    cpu_samples.sort()
+    i99 = min(len(wall_samples) - 1, int(len(wall_samples) * 0.99))
+    p50, p99, cpu_p99 = statistics.median(wall_samples) * 1e3, wall_samples[i99] * 1e3, cpu_samples[i99] * 1e3
     print(
         f"match: {prompt_blocks}-block prompt, {engines} engines, {len(index):,} keys "
-        f"(built in {build_s:.1f} s): p50 {p50:.3f} ms, p99 {p99:.3f} ms over {queries} queries"
+        f"(built in {build_s:.1f} s): p50 {p50:.3f} ms, p99 {p99:.3f} ms (CPU p99 {cpu_p99:.3f} ms) "
+        f"over {queries} queries"
     )
-    return p50, p99
+    return p50, p99, cpu_p99
 
 
-def bench_memory(keys_count: int) -> None:
-    tokens = list(range(keys_count * BLOCK_TOKENS))
-    first_hash = 1 << 63
-    for holders in (1, 2):
-        gc.collect()
-        tracemalloc.start()
-        before = tracemalloc.get_traced_memory()[0]
-        index = PrefixIndex()
-        for e in range(holders):
-            for start in range(0, keys_count, 512):
-                # Fresh hash ints per batch, as decoding allocates them: the index keeps them.
-                hashes: list[int | bytes] = list(
-                    range(first_hash + start, first_hash + min(start + 512, keys_count))
-                )
-                parent = first_hash + start - 1 if start else None
-                index.apply_batch(
-                    f"e{e}",
-                    [
-                        BlockStored(
-                            hashes,
-                            parent,
-                            tokens[start * BLOCK_TOKENS : (start + 512) * BLOCK_TOKENS],
-                            BLOCK_TOKENS,
-                            medium="GPU",
-                        )
-                    ],
-                )
-        used = tracemalloc.get_traced_memory()[0] - before
-        tracemalloc.stop()
-        entries = keys_count * holders
-        print(
-            f"memory: {keys_count:,} keys on {holders} engine(s) (GPU): "
-            f"{used / keys_count:.0f} bytes per key, "
-            f"{used / entries:.0f} bytes per (engine, key) entry"
-        )
-        del index
+def _chain_tokens(chain: int, blocks: int) -> list[int]:
+    """Tokens of a distinct ``blocks``-block chain: its first token is the chain number."""
+    return [chain, *range(1, blocks * BLOCK_TOKENS)]
+
+
+def bench_memory(total_keys: int, engines: int, max_holders: int, cpu_copy: bool, seed: int = 3) -> float:
+    """Bytes per (key, engine, tier) entry after indexing ``total_keys`` keys.
+
+    Chains of 512 blocks; each chain on 1..max_holders of ``engines`` engines, stored on GPU (with
+    tokens, as vLLM announces it) and, with ``cpu_copy``, written through to CPU (hash-only
+    placeholders, as the offloading connector announces it). Counted: everything tracemalloc sees
+    allocated and still alive after ingestion (the index's dicts, key ints, mask ints, per-engine
+    engine-hash maps and the engine-hash ints it keeps); the decoded event structs and token lists
+    are freed before the measurement."""
+    rng = random.Random(seed)
+    chain_blocks = 512
+    index = PrefixIndex()
+    for e in range(engines):
+        index.add_engine(f"e{e}")
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    entries = 0
+    next_hash = 1 << 63
+    chain = 0
+    while len(index) < total_keys:
+        n = min(chain_blocks, total_keys - len(index))
+        tokens = _chain_tokens(chain, n)
+        chain += 1
+        for engine in rng.sample(range(engines), rng.randint(1, max_holders)):
+            # Fresh hash ints per event, as decoding allocates them: the index keeps them.
+            hashes: list[int | bytes] = list(range(next_hash, next_hash + n))
+            next_hash += n
+            batch = [BlockStored(hashes, None, tokens, BLOCK_TOKENS, medium="GPU")]
+            if cpu_copy:
+                batch.append(BlockStored(list(hashes), None, [], 0, medium="CPU"))
+            index.apply_batch(f"e{engine}", batch)
+            entries += n * len(batch)
+        del tokens, batch, hashes
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    keys = len(index)
+    per_entry = used / entries
+    print(
+        f"memory: {keys:,} keys, {engines} engine(s), 1-{max_holders} holders per key, "
+        f"{'GPU+CPU' if cpu_copy else 'GPU only'}: {entries:,} (key, engine, tier) entries, "
+        f"{used / 2**20:,.0f} MiB -> {used / keys:.0f} B per key, {per_entry:.0f} B per entry"
+    )
+    return per_entry
+
+
+def _summary(name: str, values: list[float], fmt: str) -> None:
+    values = sorted(values)
+    print(
+        f"  {name}: median {format(statistics.median(values), fmt)} "
+        f"(min {format(values[0], fmt)}, max {format(values[-1], fmt)}) over {len(values)} runs"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of ingest and match (memory runs once)")
+    parser.add_argument("--keys", type=int, default=None, help="indexed keys for match (default 10^6)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the (slow) tracemalloc runs")
     args = parser.parse_args()
     quick = args.quick
-    bench_ingest(20_000 if quick else 300_000)
-    total_keys = 50_000 if quick else 1_000_000
-    for engines in (16, 64, 256):
-        bench_match(engines, total_keys, 2048, 50 if quick else 300)
-    bench_memory(20_000 if quick else 200_000)
+    total_keys = args.keys or (50_000 if quick else 1_000_000)
+    figures: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        figures.setdefault("ingest blocks/s per core", []).append(bench_ingest(20_000 if quick else 300_000))
+        for engines in (16, 64, 256):
+            p50, p99, cpu_p99 = bench_match(engines, total_keys, 2048, 50 if quick else 300)
+            figures.setdefault(f"match p50 ms, {engines} engines", []).append(p50)
+            figures.setdefault(f"match p99 ms, {engines} engines", []).append(p99)
+            figures.setdefault(f"match CPU p99 ms, {engines} engines", []).append(cpu_p99)
+    if not args.no_memory:
+        memory_keys = 20_000 if quick else 1_000_000
+        bench_memory(memory_keys, engines=1, max_holders=1, cpu_copy=False)
+        bench_memory(memory_keys, engines=64, max_holders=3, cpu_copy=True)
+    if args.repeats > 1:
+        print("summary:")
+        for name, values in figures.items():
+            _summary(name, values, ",.0f" if name.startswith("ingest") else ".3f")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,10 @@ def load_key(engine: EngineView) -> tuple[int, int]:
 
 def load_scores(engines: list[EngineView] | tuple[EngineView, ...]) -> dict[str, dict[str, float]]:
     return {
-        e.engine_id: {"in_flight": float(e.in_flight), "queued_prefill_tokens": float(e.queued_prefill_tokens)}
+        e.engine_id: {
+            "in_flight": float(e.in_flight),
+            "queued_prefill_tokens": float(e.queued_prefill_tokens),
+        }
         for e in engines
     }
 

@@ -50,14 +50,23 @@ class SessionAffinityPolicy(BasePolicy):
         within = [eid for eid in ring_order if by_id[eid].in_flight + 1 <= bound]
         chosen = within[0] if within else min(ring_order, key=lambda eid: by_id[eid].in_flight)
         skipped = ring_order.index(chosen)
-        reason = (f"session's ring owner {chosen}" if skipped == 0
-                  else f"ring owner {ring_order[0]} over load bound {bound}; next within bound: {chosen}")
+        reason = (
+            f"session's ring owner {chosen}"
+            if skipped == 0
+            else f"ring owner {ring_order[0]} over load bound {bound}; next within bound: {chosen}"
+        )
         return Decision(
             engine_id=chosen,
             policy=self.name,
             reason=reason,
-            scores={eid: {"ring_rank": float(i), "in_flight": float(by_id[eid].in_flight),
-                          "load_bound": float(bound)} for i, eid in enumerate(ring_order)},
+            scores={
+                eid: {
+                    "ring_rank": float(i),
+                    "in_flight": float(by_id[eid].in_flight),
+                    "load_bound": float(bound),
+                }
+                for i, eid in enumerate(ring_order)
+            },
             # Retry order: engines within the bound first, then the rest, each in ring order.
             fallbacks=tuple(eid for eid in dict.fromkeys([*within, *ring_order]) if eid != chosen),
         )

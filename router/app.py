@@ -40,8 +40,12 @@ log = logging.getLogger("kvroute.app")
 
 
 def _error_response(err: RouterError, request_id: str) -> Response:
-    return Response(err.body(), status_code=err.status, media_type="application/json",
-                    headers={"x-request-id": request_id})
+    return Response(
+        err.body(),
+        status_code=err.status,
+        media_type="application/json",
+        headers={"x-request-id": request_id},
+    )
 
 
 def create_app(
@@ -79,14 +83,18 @@ def create_app(
         annotator=annotator,
         observers=all_observers,
     )
-    components = [c for c in (index, tokenizer, event_manager, experiments, annotator, *observers)
-                  if c is not None and hasattr(c, "start") and hasattr(c, "stop")]
+    components = [
+        c
+        for c in (index, tokenizer, event_manager, experiments, annotator, *observers)
+        if c is not None and hasattr(c, "start") and hasattr(c, "stop")
+    ]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
-        poller = EnginePoller(tracker, client.session, interval_s=config.health.interval_s,
-                              timeout_s=config.health.timeout_s)
+        poller = EnginePoller(
+            tracker, client.session, interval_s=config.health.interval_s, timeout_s=config.health.timeout_s
+        )
         started: list[Any] = []
         try:
             poller.start()
@@ -117,15 +125,21 @@ def create_app(
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-            raise RouterError(413, f"request body of {declared} bytes exceeds limits.max_body_bytes "
-                                   f"({max_body_bytes})", code="request_too_large")
+            raise RouterError(
+                413,
+                f"request body of {declared} bytes exceeds limits.max_body_bytes ({max_body_bytes})",
+                code="request_too_large",
+            )
         parts: list[bytes] = []
         size_bytes = 0
         async for chunk in request.stream():
             size_bytes += len(chunk)
             if size_bytes > max_body_bytes:
-                raise RouterError(413, f"request body exceeds limits.max_body_bytes ({max_body_bytes})",
-                                  code="request_too_large")
+                raise RouterError(
+                    413,
+                    f"request body exceeds limits.max_body_bytes ({max_body_bytes})",
+                    code="request_too_large",
+                )
             parts.append(chunk)
         return b"".join(parts)
 
@@ -134,8 +148,9 @@ def create_app(
         request_id = request.headers.get("x-request-id") or new_request_id()
         try:
             raw_body = await read_body(request)
-            ctx = parse_request(endpoint, raw_body, request.headers, request_id=request_id,
-                                started_s=started_s, config=config)
+            ctx = parse_request(
+                endpoint, raw_body, request.headers, request_id=request_id, started_s=started_s, config=config
+            )
             return await router.handle(ctx, request.headers, request.receive)
         except RouterError as err:
             log.warning("request %s: %d %s: %s", request_id, err.status, err.code, err.message)
@@ -179,7 +194,12 @@ def create_app(
     async def unexpected(request: Request, exc: Exception) -> Response:
         request_id = request.headers.get("x-request-id", "-")
         log.exception("request %s: unexpected error", request_id)
-        return Response(error_body("internal router error; see the router log", type="server_error",
-                                   code="internal_error"), status_code=500, media_type="application/json")
+        return Response(
+            error_body(
+                "internal router error; see the router log", type="server_error", code="internal_error"
+            ),
+            status_code=500,
+            media_type="application/json",
+        )
 
     return app

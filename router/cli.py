@@ -29,10 +29,20 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="TOML config file (env KVROUTE_CONFIG)")
     parser.add_argument("--fleet", help="fleet file (JSON written by `kvroute fleet`); its engines are added")
     parser.add_argument("--policy", help="policy name, e.g. round_robin, least_loaded, session_affinity")
-    parser.add_argument("--policy-param", action="append", default=[], metavar="KEY=JSON",
-                        help="policy parameter (repeatable), value parsed as JSON, e.g. epsilon=0.5")
-    parser.add_argument("--engine", action="append", default=[], metavar="ID=URL",
-                        help="an engine (repeatable), e.g. e0=http://127.0.0.1:8001")
+    parser.add_argument(
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="policy parameter (repeatable), value parsed as JSON, e.g. epsilon=0.5",
+    )
+    parser.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="ID=URL",
+        help="an engine (repeatable), e.g. e0=http://127.0.0.1:8001",
+    )
     parser.add_argument("--host", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (default 8000)")
     parser.add_argument("--log-level", help="critical, error, warning, info or debug")
@@ -81,9 +91,11 @@ def serve(argv: Sequence[str]) -> int:
 
     args = serve_parser().parse_args(list(argv))
     try:
-        config = load_config(args.config or os.environ.get("KVROUTE_CONFIG"),
-                             overrides=flag_overrides(args),
-                             fleet_file=args.fleet or os.environ.get("KVROUTE_FLEET"))
+        config = load_config(
+            args.config or os.environ.get("KVROUTE_CONFIG"),
+            overrides=flag_overrides(args),
+            fleet_file=args.fleet or os.environ.get("KVROUTE_FLEET"),
+        )
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2
@@ -96,8 +108,16 @@ def serve(argv: Sequence[str]) -> int:
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
-    uvicorn.run(app, host=config.listen.host, port=config.listen.port, loop=loop, http="auto",
-                log_level=config.log_level.lower(), access_log=False, timeout_keep_alive=30)
+    uvicorn.run(
+        app,
+        host=config.listen.host,
+        port=config.listen.port,
+        loop=loop,
+        http="auto",
+        log_level=config.log_level.lower(),
+        access_log=False,
+        timeout_keep_alive=30,
+    )
     return 0
 
 
@@ -120,8 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and module_name.startswith(exc.name):
-            print(f"kvroute {command}: module {module_name} is not available in this install ({exc})",
-                  file=sys.stderr)
+            print(
+                f"kvroute {command}: module {module_name} is not available in this install ({exc})",
+                file=sys.stderr,
+            )
             return 2
         raise
     result = module.main(rest)

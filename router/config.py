@@ -146,9 +146,13 @@ def _accepted(cls: type[msgspec.Struct]) -> str:
 
 
 def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``; ``params`` is replaced whole, and a policy renamed by a higher
+    layer drops the lower layer's params (they belonged to the other policy)."""
     out = dict(base)
+    if "name" in over and over.get("name") != out.get("name") and "params" not in over:
+        out.pop("params", None)
     for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+        if key != "params" and isinstance(value, Mapping) and isinstance(out.get(key), dict):
             out[key] = _deep_merge(out[key], value)
         else:
             out[key] = value
@@ -175,8 +179,11 @@ def env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
         section, _, key = rest.partition("_")
         cls = _SECTIONS.get(section)
         if cls is None or key not in cls.__struct_fields__:
-            accepted = [f"{ENV_PREFIX}{s.upper()}_{f.upper()}" for s, c in _SECTIONS.items()
-                        for f in c.__struct_fields__]
+            accepted = [
+                f"{ENV_PREFIX}{s.upper()}_{f.upper()}"
+                for s, c in _SECTIONS.items()
+                for f in c.__struct_fields__
+            ]
             raise ConfigError(
                 f"unknown environment variable {name}; accepted: {ENV_PREFIX}ENGINES, "
                 f"{ENV_PREFIX}LOG_LEVEL, {ENV_PREFIX}FLEET_FILE, {', '.join(accepted)}"
@@ -219,7 +226,8 @@ def _convert(data: Mapping[str, Any]) -> RouterConfig:
         if "unknown field" in text:
             where = text.rsplit("`$", 1)[-1].rstrip("`").strip(".")
             section = where.split(".")[0].split("[")[0] if where else ""
-            cls = {"engines": EngineConfig, **_SECTIONS}.get(section, RouterConfig)
+            sections: dict[str, type[msgspec.Struct]] = {"engines": EngineConfig, **_SECTIONS}
+            cls = sections.get(section, RouterConfig)
             if section == "experiment" and "arms" in where:
                 cls = ArmConfig
             hint = f"; accepted keys here: {_accepted(cls)}"
@@ -257,7 +265,8 @@ def validate(config: RouterConfig) -> RouterConfig:
         raise ConfigError("health.interval_s must be >= 0 (0 disables) and health.timeout_s > 0")
     if config.tokenizer.backend not in _TOKENIZER_BACKENDS:
         raise ConfigError(
-            f"tokenizer.backend {config.tokenizer.backend!r} unknown; accepted: {', '.join(_TOKENIZER_BACKENDS)}"
+            f"tokenizer.backend {config.tokenizer.backend!r} unknown; "
+            f"accepted: {', '.join(_TOKENIZER_BACKENDS)}"
         )
     if config.log_level.lower() not in _LOG_LEVELS:
         raise ConfigError(f"log_level {config.log_level!r} unknown; accepted: {', '.join(_LOG_LEVELS)}")
@@ -294,7 +303,9 @@ def load_config(
             with open(path, "rb") as fh:
                 data = tomllib.load(fh)
         except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found; pass an existing TOML file to --config") from None
+            raise ConfigError(
+                f"config file {path} not found; pass an existing TOML file to --config"
+            ) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     data = _deep_merge(data, env_layer(os.environ if environ is None else environ))
@@ -306,8 +317,10 @@ def load_config(
     if config.fleet_file:
         config.engines = [*config.engines, *load_fleet_file(config.fleet_file)]
     if not config.engines:
-        raise ConfigError("no engines configured: add [[engines]] to the config file, --fleet FILE, "
-                          "--engine id=url or KVROUTE_ENGINES")
+        raise ConfigError(
+            "no engines configured: add [[engines]] to the config file, --fleet FILE, "
+            "--engine id=url or KVROUTE_ENGINES"
+        )
     return validate(config)
 
 
@@ -324,12 +337,16 @@ def load_fleet_file(path: str | Path) -> list[EngineConfig]:
     if not isinstance(doc, dict) or not isinstance(doc.get("engines"), list):
         raise ConfigError(f'fleet file {path} must be an object with an "engines" list')
     if doc.get("version", FLEET_FILE_VERSION) != FLEET_FILE_VERSION:
-        raise ConfigError(f"fleet file {path} has version {doc.get('version')}; this router reads "
-                          f"version {FLEET_FILE_VERSION}")
+        raise ConfigError(
+            f"fleet file {path} has version {doc.get('version')}; this router reads "
+            f"version {FLEET_FILE_VERSION}"
+        )
     try:
         return msgspec.convert(doc["engines"], list[EngineConfig])
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"fleet file {path}: {exc}; accepted engine keys: {_accepted(EngineConfig)}") from None
+        raise ConfigError(
+            f"fleet file {path}: {exc}; accepted engine keys: {_accepted(EngineConfig)}"
+        ) from None
 
 
 def write_fleet_file(path: str | Path, engines: Sequence[EngineConfig]) -> None:

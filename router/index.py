@@ -23,7 +23,51 @@ DEFAULT_PRIVATE_POOL_BLOCKS = 500_000
 
 _BITS_PER_SLOT = 3  # one bit per tier: GPU, CPU, STORAGE (bit = 3 * slot + tier)
 
+#: Distinct mask values shared as one int object each; cleared (not evicted) beyond this.
+_MASK_INTERN_LIMIT = 1 << 16
+
 EngineHash = int | bytes
+
+_STORED, _REMOVED, _CLEARED, _UNKNOWN = range(4)
+
+#: The media engines actually send, parsed once; anything else goes through Tier.parse.
+_TIER_OF_MEDIUM: dict[str | None, Tier] = {
+    None: Tier.GPU,
+    **{name: tier for tier in Tier for name in (tier.name, tier.name.lower())},
+}
+
+
+def _tier(medium: str | None) -> Tier:
+    tier = _TIER_OF_MEDIUM.get(medium)
+    return tier if tier is not None else Tier.parse(medium)
+
+
+def _fold_hash(engine_hash: EngineHash) -> int:
+    """An engine hash as a 64-bit int: raw digests (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``) are
+    read like vLLM's int form (last 8 bytes, big-endian), so the map never keeps 48-65 B bytes
+    objects and both forms of one hash agree."""
+    if type(engine_hash) is bytes:
+        return int.from_bytes(engine_hash[-8:], "big")
+    return engine_hash  # type: ignore[return-value]
+
+
+def _fold_hashes(hashes: Sequence[EngineHash]) -> Sequence[EngineHash]:
+    if hashes and type(hashes[0]) is bytes:
+        return [_fold_hash(h) for h in hashes]
+    return hashes
+
+
+def _event_kind(cls: type) -> int:
+    """Which event a decoded struct class is, by its fields (router.events imports this module,
+    so the classes cannot be imported here)."""
+    fields = set(getattr(cls, "__struct_fields__", ())) or set(dir(cls))
+    if "token_ids" in fields:
+        return _STORED
+    if "block_hashes" in fields:
+        return _REMOVED
+    if cls.__name__.endswith("AllBlocksCleared"):
+        return _CLEARED
+    return _UNKNOWN
 
 
 @dataclass(slots=True)
@@ -48,9 +92,11 @@ class _EngineState:
     engine_id: str
     slot: int
     pool: _StoragePool | None = None
-    #: engine hash -> router key, kept while the engine holds the key in GPU or CPU.
+    #: engine hash -> router key, kept while the engine holds the key in GPU or CPU. The key
+    #: int is the very object the global mask dict holds, so the map adds no key objects.
     hash_to_key: dict[EngineHash, int] = field(default_factory=dict)
     #: (tier, key) -> announcements beyond the first (the first one is the bit in the mask).
+    #: Only offload tiers repeat announcements, so this stays small.
     extra_refs: dict[tuple[int, int], int] = field(default_factory=dict)
     gpu_blocks: int = 0
     cpu_blocks: int = 0
@@ -59,18 +105,17 @@ class _EngineState:
     unresolved_placeholders: int = 0
     unknown_removals: int = 0
     malformed_events: int = 0
+    # Bits of this engine in a key's mask, made once so every fresh mask can share the object.
+    gpu_bit: int = 0
+    cpu_bit: int = 0
 
-    @property
-    def gpu_bit(self) -> int:
-        return 1 << (_BITS_PER_SLOT * self.slot)
-
-    @property
-    def cpu_bit(self) -> int:
-        return 1 << (_BITS_PER_SLOT * self.slot + Tier.CPU)
+    def __post_init__(self) -> None:
+        self.gpu_bit = 1 << (_BITS_PER_SLOT * self.slot + Tier.GPU)
+        self.cpu_bit = 1 << (_BITS_PER_SLOT * self.slot + Tier.CPU)
 
     @property
     def position(self) -> int:
-        return 1 << (_BITS_PER_SLOT * self.slot)
+        return self.gpu_bit
 
 
 class PrefixIndex:
@@ -122,6 +167,8 @@ class PrefixIndex:
         self._spec_heap: list[tuple[float, int, int, tuple[int, ...]]] = []
         self._spec_counter = itertools.count()
         self._now = 0.0
+        self._mask_intern: dict[int, int] = {}
+        self._event_kinds: dict[type, int] = {}
 
     # ----------------------------------------------------------------------------- engines
 
@@ -173,32 +220,48 @@ class PrefixIndex:
         if now is not None:
             self._advance(now)
         state = self._engine(engine_id)
+        kinds = self._event_kinds
         for event in events:
-            kind = type(event).__name__
+            cls = type(event)
+            kind = kinds.get(cls)
+            if kind is None:
+                kind = kinds[cls] = _event_kind(cls)
             try:
-                if hasattr(event, "token_ids"):
+                if kind == _STORED:
                     self._apply_stored(state, event)
-                elif hasattr(event, "block_hashes"):
+                elif kind == _REMOVED:
                     self._apply_removed(state, event)
-                elif kind.endswith("AllBlocksCleared"):
+                elif kind == _CLEARED:
                     self.clear_engine(engine_id, (Tier.GPU,))
                 else:
                     state.malformed_events += 1
             except (ValueError, TypeError, OverflowError):
                 state.malformed_events += 1
 
+    def _intern(self, mask: int) -> int:
+        """One shared int object per distinct mask value: a fleet has few holder combinations,
+        and a mask above 256 would otherwise cost an int object (28-60 B) per key."""
+        interned = self._mask_intern.get(mask)
+        if interned is not None:
+            return interned
+        if len(self._mask_intern) >= _MASK_INTERN_LIMIT:
+            self._mask_intern.clear()  # only sharing of future masks is lost
+        self._mask_intern[mask] = mask
+        return mask
+
     def _apply_stored(self, state: _EngineState, event: Any) -> None:
-        tier = Tier.parse(event.medium)
-        hashes = event.block_hashes
+        tier = _tier(event.medium)
+        hashes = _fold_hashes(event.block_hashes)
         tokens = event.token_ids
         block_size = event.block_size
-        keys: list[int | None]
+        keys: list[int]
+        resolved = False  # True: every hash already maps to its key in this engine's map
         if tokens and block_size > 0:
             parent_hash = event.parent_block_hash
             if parent_hash is None:
                 parent = self._namespace
             else:
-                found = state.hash_to_key.get(parent_hash)
+                found = state.hash_to_key.get(_fold_hash(parent_hash))
                 if found is None:
                     state.orphan_stores += len(hashes)
                     return
@@ -207,50 +270,99 @@ class PrefixIndex:
             extra = event.extra_keys
             if extra is None and event.lora_name:
                 extra = [[event.lora_name]] * n_blocks
-            keys = list(block_keys(tokens, block_size, parent=parent, extra_keys=extra))
+            # One call per event: the key chain of all its blocks.
+            keys = block_keys(tokens, block_size, parent=parent, extra_keys=extra)
             if n_blocks != len(hashes):
                 state.malformed_events += 1
+                n = min(n_blocks, len(hashes))
+                keys, hashes = keys[:n], hashes[:n]
         else:
-            get = state.hash_to_key.get
-            keys = [get(h) for h in hashes]
+            # Offload placeholder: hashes only, resolved through this engine's map.
+            found_keys = list(map(state.hash_to_key.get, hashes))
+            if None in found_keys:
+                pairs = [(h, k) for h, k in zip(hashes, found_keys, strict=True) if k is not None]
+                state.unresolved_placeholders += len(hashes) - len(pairs)
+                hashes = [h for h, _ in pairs]
+                keys = [k for _, k in pairs]
+            else:
+                keys = found_keys  # type: ignore[assignment]
+            resolved = True
         if tier is Tier.STORAGE:
             pool = self._storage_pool(state)
             for key in keys:
-                if key is None:
-                    state.unresolved_placeholders += 1
-                else:
-                    self._pool_add(pool, key)
+                self._pool_add(pool, key)
+            return
+        if not keys:
             return
         bit = state.gpu_bit if tier is Tier.GPU else state.cpu_bit
         masks = self._masks
-        hash_to_key = state.hash_to_key
-        spec = self._spec_masks if tier is Tier.GPU and self._spec_masks else None
-        added = 0
-        for engine_hash, key in zip(hashes, keys, strict=False):
-            if key is None:
-                state.unresolved_placeholders += 1
-                continue
-            mask = masks.get(key, 0)
-            if mask & bit:
-                ref = (tier, key)
-                state.extra_refs[ref] = state.extra_refs.get(ref, 0) + 1
+        fresh = dict.fromkeys(keys, bit)
+        if masks.keys().isdisjoint(fresh):
+            # Common case: blocks nobody indexes yet. Every new entry shares the one ``bit`` int.
+            masks.update(fresh)
+            added = len(fresh)
+            if added != len(keys):  # the same block twice in one event: count the repeats
+                self._count_repeats(state, tier, keys)
+        else:
+            existing = list(map(masks.get, keys))
+            if len(fresh) == len(keys) and not any([m & bit for m in existing if m]):
+                # Blocks other engines (or this engine's other tier) index: one more bit each.
+                get_interned = self._mask_intern.get
+                intern = self._intern
+                new_masks = [(m | bit) if m else bit for m in existing]
+                masks.update(zip(keys, [get_interned(m) or intern(m) for m in new_masks], strict=True))
+                added = len(keys)
             else:
-                masks[key] = mask | bit
-                added += 1
-            hash_to_key[engine_hash] = key
-            if spec is not None and key in spec:
-                self._drop_spec(state.slot, key)
+                added = self._add_bit_one_by_one(state, tier, bit, keys, existing)
+        if not resolved:
+            state.hash_to_key.update(zip(hashes, keys, strict=True))
         if tier is Tier.GPU:
             state.gpu_blocks += added
+            spec = self._spec_masks
+            if spec:
+                slot = state.slot
+                for key in keys:
+                    if key in spec:
+                        self._drop_spec(slot, key)
         else:
             state.cpu_blocks += added
 
+    def _add_bit_one_by_one(
+        self, state: _EngineState, tier: Tier, bit: int, keys: Sequence[int], existing: list[int | None]
+    ) -> int:
+        """Slow path: some blocks are already held in this tier (or repeat within the event);
+        each repeat is one more reference. Returns how many blocks gained the bit."""
+        masks = self._masks
+        extra_refs = state.extra_refs
+        intern = self._intern
+        added = 0
+        seen: set[int] = set()
+        for key, mask in zip(keys, existing, strict=True):
+            if key in seen or (mask is not None and mask & bit):
+                ref = (tier, key)
+                extra_refs[ref] = extra_refs.get(ref, 0) + 1
+                continue
+            seen.add(key)
+            masks[key] = intern(mask | bit) if mask else bit
+            added += 1
+        return added
+
+    @staticmethod
+    def _count_repeats(state: _EngineState, tier: Tier, keys: Sequence[int]) -> None:
+        seen: set[int] = set()
+        for key in keys:
+            if key in seen:
+                ref = (tier, key)
+                state.extra_refs[ref] = state.extra_refs.get(ref, 0) + 1
+            seen.add(key)
+
     def _apply_removed(self, state: _EngineState, event: Any) -> None:
-        tier = Tier.parse(event.medium)
+        tier = _tier(event.medium)
         hash_to_key = state.hash_to_key
+        hashes = _fold_hashes(event.block_hashes)
         if tier is Tier.STORAGE:
             pool = state.pool
-            for engine_hash in event.block_hashes:
+            for engine_hash in hashes:
                 key = hash_to_key.get(engine_hash)
                 if key is None or pool is None or key not in pool.lru:
                     state.unknown_removals += 1
@@ -260,29 +372,37 @@ class PrefixIndex:
         bit = state.gpu_bit if tier is Tier.GPU else state.cpu_bit
         both = state.gpu_bit | state.cpu_bit
         masks = self._masks
+        extra_refs = state.extra_refs
+        intern = self._intern
         removed = 0
-        for engine_hash in event.block_hashes:
+        unknown = 0
+        for engine_hash in hashes:
             key = hash_to_key.get(engine_hash)
-            mask = masks.get(key, 0) if key is not None else 0
-            if key is None or not mask & bit:
-                state.unknown_removals += 1
+            if key is None:
+                unknown += 1
                 continue
-            ref = (tier, key)
-            extra = state.extra_refs.get(ref)
-            if extra:
-                if extra == 1:
-                    del state.extra_refs[ref]
-                else:
-                    state.extra_refs[ref] = extra - 1
+            mask = masks.get(key, 0)
+            if not mask & bit:
+                unknown += 1
                 continue
-            mask &= ~bit
+            if extra_refs:
+                ref = (tier, key)
+                extra = extra_refs.get(ref)
+                if extra:
+                    if extra == 1:
+                        del extra_refs[ref]
+                    else:
+                        extra_refs[ref] = extra - 1
+                    continue
+            mask ^= bit
             if mask:
-                masks[key] = mask
+                masks[key] = intern(mask)
             else:
                 del masks[key]
             removed += 1
             if not mask & both:
                 del hash_to_key[engine_hash]
+        state.unknown_removals += unknown
         if tier is Tier.GPU:
             state.gpu_blocks -= removed
         else:
@@ -294,7 +414,7 @@ class PrefixIndex:
             lru.move_to_end(key)
             return
         lru[key] = None
-        self._masks[key] = self._masks.get(key, 0) | pool.bit
+        self._masks[key] = self._intern(self._masks.get(key, 0) | pool.bit)
         while len(lru) > pool.capacity_blocks:
             old, _ = lru.popitem(last=False)
             self._clear_bits(old, pool.bit)
@@ -307,7 +427,7 @@ class PrefixIndex:
     def _clear_bits(self, key: int, bits: int) -> None:
         mask = self._masks.get(key, 0) & ~bits
         if mask:
-            self._masks[key] = mask
+            self._masks[key] = self._intern(mask)
         else:
             self._masks.pop(key, None)
 
@@ -335,7 +455,7 @@ class PrefixIndex:
                 if mask & bits:
                     mask &= ~bits
                     if mask:
-                        masks[key] = mask
+                        masks[key] = self._intern(mask)
                     else:
                         del masks[key]
                 if not mask & both:
@@ -418,10 +538,14 @@ class PrefixIndex:
         return result
 
     def _match_into(self, keys: Sequence[int], candidates: int, result: dict[str, PrefixMatch]) -> None:
-        masks: list[int | None] = list(map(self._masks.get, keys))
-        if self._spec_masks:
-            spec = list(map(self._spec_masks.get, keys))
-            masks = [(m or 0) | (s or 0) or None for m, s in zip(masks, spec, strict=True)]
+        # Lookups dominate (cache misses in a big dict): stop at the first block nobody holds.
+        masks: list[int | None]
+        spec_masks = list(map(self._spec_masks.get, keys)) if self._spec_masks else None
+        if spec_masks is not None and any(spec_masks):
+            held = map(self._masks.get, keys)
+            masks = [(m or 0) | (s or 0) or None for m, s in zip(held, spec_masks, strict=True)]
+        else:
+            masks = list(itertools.takewhile(bool, map(self._masks.get, keys)))
         positions = self._engine_positions
         shared_bits = self._shared_pool_bits
         shared_pools = self._shared_pools.values()

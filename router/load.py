@@ -73,7 +73,7 @@ class LoadTracker:
         state.in_flight += 1
         state.queued_prefill_tokens += prompt_tokens
         if self._metrics:
-            self._metrics.in_flight.labels(engine_id).set(state.in_flight)
+            self._metrics.set_in_flight(engine_id, state.in_flight)
         return LoadTicket(engine_id, prompt_tokens)
 
     def first_byte(self, ticket: LoadTicket) -> None:
@@ -90,14 +90,18 @@ class LoadTracker:
         state = self.engines[ticket.engine_id]
         state.in_flight -= 1
         if self._metrics:
-            self._metrics.in_flight.labels(ticket.engine_id).set(state.in_flight)
+            self._metrics.set_in_flight(ticket.engine_id, state.in_flight)
 
     # -- health and models -------------------------------------------------------------------
     def set_health(self, engine_id: str, healthy: bool, reason: str = "") -> None:
         state = self.engines[engine_id]
         if state.healthy != healthy:
-            log.warning("engine %s is now %s%s", engine_id, "healthy" if healthy else "UNHEALTHY",
-                        f": {reason}" if reason else "")
+            log.warning(
+                "engine %s is now %s%s",
+                engine_id,
+                "healthy" if healthy else "UNHEALTHY",
+                f": {reason}" if reason else "",
+            )
         state.healthy = healthy
         state.last_error = "" if healthy else reason
         if self._metrics:
@@ -159,8 +163,9 @@ class LoadTracker:
 class EnginePoller:
     """Background task polling each engine's GET /health every ``interval_s`` (owner: the app)."""
 
-    def __init__(self, tracker: LoadTracker, session: aiohttp.ClientSession, *, interval_s: float,
-                 timeout_s: float) -> None:
+    def __init__(
+        self, tracker: LoadTracker, session: aiohttp.ClientSession, *, interval_s: float, timeout_s: float
+    ) -> None:
         self._tracker = tracker
         self._session = session
         self._interval_s = interval_s
@@ -192,13 +197,20 @@ class EnginePoller:
             async with self._session.get(f"{engine.url}/health", timeout=self._timeout) as resp:
                 await resp.read()
                 healthy, reason = resp.status == 200, f"GET /health returned {resp.status}"
-            if healthy and not state.models_discovered:
-                async with self._session.get(f"{engine.url}/v1/models", timeout=self._timeout) as resp:
-                    if resp.status == 200:
-                        doc = await resp.json(content_type=None)
-                        cards = doc.get("data") if isinstance(doc, dict) else None
-                        if isinstance(cards, list):
-                            self._tracker.set_models(engine.id, cards)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             healthy, reason = False, f"GET /health failed: {type(exc).__name__}: {exc}"
         self._tracker.set_health(engine.id, healthy, reason)
+        if healthy and not state.models_discovered:
+            await self._discover_models(state)
+
+    async def _discover_models(self, state: EngineState) -> None:
+        engine = state.config
+        try:
+            async with self._session.get(f"{engine.url}/v1/models", timeout=self._timeout) as resp:
+                doc = await resp.json(content_type=None) if resp.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            log.warning("engine %s: GET /v1/models failed (%s); will retry", engine.id, exc)
+            return
+        cards = doc.get("data") if isinstance(doc, dict) else None
+        if isinstance(cards, list):
+            self._tracker.set_models(engine.id, cards)

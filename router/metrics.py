@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -16,7 +16,25 @@ if TYPE_CHECKING:
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds: from 1 ms (cached, idle) to minutes (long prefill under load).
-_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_LATENCY_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+)
 NO_ENGINE = "none"
 
 
@@ -27,29 +45,53 @@ class RouterMetrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         labels = ("engine", "policy", "arm")
         self.requests = Counter(
-            "kvroute_requests", "Requests answered, by HTTP status (499 = client went away)",
-            (*labels, "status"), registry=self.registry,
+            "kvroute_requests",
+            "Requests answered, by HTTP status (499 = client went away)",
+            (*labels, "status"),
+            registry=self.registry,
         )
         self.latency_s = Histogram(
-            "kvroute_request_latency_seconds", "Time from request arrival to the last byte sent",
-            labels, buckets=_LATENCY_BUCKETS_S, registry=self.registry,
+            "kvroute_request_latency_seconds",
+            "Time from request arrival to the last byte sent",
+            labels,
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
         )
         self.ttft_s = Histogram(
-            "kvroute_ttft_seconds", "Time from request arrival to the first content byte from the engine",
-            labels, buckets=_LATENCY_BUCKETS_S, registry=self.registry,
+            "kvroute_ttft_seconds",
+            "Time from request arrival to the first content byte from the engine",
+            labels,
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
         )
         self.upstream_errors = Counter(
-            "kvroute_upstream_errors", "Failures talking to an engine, by kind",
-            ("engine", "kind"), registry=self.registry,
+            "kvroute_upstream_errors",
+            "Failures talking to an engine, by kind",
+            ("engine", "kind"),
+            registry=self.registry,
         )
         self.in_flight = Gauge(
-            "kvroute_in_flight", "Requests sent to an engine and not finished", ("engine",),
+            "kvroute_in_flight",
+            "Requests sent to an engine and not finished",
+            ("engine",),
             registry=self.registry,
         )
         self.engine_healthy = Gauge(
-            "kvroute_engine_healthy", "1 when the engine passes health checks", ("engine",),
+            "kvroute_engine_healthy",
+            "1 when the engine passes health checks",
+            ("engine",),
             registry=self.registry,
         )
+
+        # Labelled children cached by label tuple: labels() costs a lock and a dict build per call.
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (str(id(metric)), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     # Observer hooks (see router.routing.RouteObserver).
     def on_routed(self, ctx: RouteContext) -> None:
@@ -57,13 +99,16 @@ class RouterMetrics:
 
     def on_first_byte(self, ctx: RouteContext) -> None:
         if ctx.ttft_s is not None:
-            self.ttft_s.labels(ctx.engine_id or NO_ENGINE, ctx.policy_name, ctx.arm).observe(ctx.ttft_s)
+            self._child(self.ttft_s, ctx.engine_id or NO_ENGINE, ctx.policy_name, ctx.arm).observe(ctx.ttft_s)
 
     def on_finished(self, ctx: RouteContext) -> None:
         engine = ctx.engine_id or NO_ENGINE
-        self.requests.labels(engine, ctx.policy_name, ctx.arm, str(ctx.http_status)).inc()
+        self._child(self.requests, engine, ctx.policy_name, ctx.arm, str(ctx.http_status)).inc()
         if ctx.latency_s is not None:
-            self.latency_s.labels(engine, ctx.policy_name, ctx.arm).observe(ctx.latency_s)
+            self._child(self.latency_s, engine, ctx.policy_name, ctx.arm).observe(ctx.latency_s)
+
+    def set_in_flight(self, engine_id: str, count: int) -> None:
+        self._child(self.in_flight, engine_id).set(count)
 
     def upstream_error(self, engine_id: str, kind: str) -> None:
         self.upstream_errors.labels(engine_id, kind).inc()

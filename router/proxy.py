@@ -10,7 +10,6 @@ headers are in, so the caller can stream the body through; failures are classifi
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
@@ -41,8 +40,14 @@ class UpstreamTimeout(UpstreamError):
 class UpstreamClient:
     """Shared pooled client; create in the app's lifespan (needs a running loop), then ``close``."""
 
-    def __init__(self, *, connect_timeout_s: float, read_timeout_s: float, max_connections_per_engine: int = 0,
-                 keepalive_timeout_s: float = 3.0) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        max_connections_per_engine: int = 0,
+        keepalive_timeout_s: float = 3.0,
+    ) -> None:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
         self._limit_per_host = max_connections_per_engine
         # Below uvicorn's (and so vLLM's) 5 s keep-alive, so the pool never reuses a socket the
@@ -58,10 +63,15 @@ class UpstreamClient:
 
     async def start(self) -> None:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0, limit_per_host=self._limit_per_host,
-                                             keepalive_timeout=self._keepalive_timeout_s)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
-                                                  auto_decompress=False, skip_auto_headers=("User-Agent",))
+            connector = aiohttp.TCPConnector(
+                limit=0, limit_per_host=self._limit_per_host, keepalive_timeout=self._keepalive_timeout_s
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=self._timeout,
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent",),
+            )
 
     async def close(self) -> None:
         if self._session is not None:
@@ -76,7 +86,7 @@ class UpstreamClient:
             raise UpstreamConnectError(f"cannot connect to {url}: {exc.os_error or exc}") from exc
         except aiohttp.ServerDisconnectedError as exc:
             raise UpstreamConnectError(f"{url} closed the connection before answering") from exc
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise UpstreamTimeout(f"{url} did not answer within the read timeout") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"request to {url} failed: {type(exc).__name__}: {exc}") from exc
@@ -88,7 +98,7 @@ async def iter_body(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         async for chunk in response.content.iter_any():
             if chunk:
                 yield chunk
-    except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
         raise UpstreamTimeout("engine stopped sending within the read timeout") from exc
     except aiohttp.ClientError as exc:
         raise UpstreamError(f"engine response broke off: {type(exc).__name__}: {exc}") from exc

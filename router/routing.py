@@ -22,9 +22,10 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 import msgspec
@@ -36,7 +37,13 @@ from router.config import RouterConfig
 from router.errors import RouterError, bad_request
 from router.load import LoadTicket, LoadTracker
 from router.metrics import RouterMetrics
-from router.proxy import FORWARDED_REQUEST_HEADERS, UpstreamClient, UpstreamConnectError, UpstreamError, iter_body
+from router.proxy import (
+    FORWARDED_REQUEST_HEADERS,
+    UpstreamClient,
+    UpstreamConnectError,
+    UpstreamError,
+    iter_body,
+)
 
 log = logging.getLogger("kvroute.router")
 
@@ -49,6 +56,7 @@ STATUS_CLIENT_GONE = 499  # nginx's convention: the client closed the connection
 _USAGE_TAIL_BYTES = 16384  # the final usage chunk of a stream is well under this
 
 Receive = Callable[[], Awaitable[Mapping[str, Any]]]
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -180,7 +188,9 @@ def new_request_id() -> str:
 
 def _check_type(body: Mapping[str, Any], key: str, types: tuple[type, ...], what: str) -> None:
     value = body.get(key)
-    if value is not None and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
+    if value is not None and (
+        not isinstance(value, types) or (bool not in types and isinstance(value, bool))
+    ):
         raise bad_request(f"'{key}' must be {what}, got {type(value).__name__}", "invalid_type")
 
 
@@ -208,14 +218,20 @@ def _prompt_token_estimate(endpoint: str, body: Mapping[str, Any], chars_per_tok
 def _validate_prompt(prompt: Any) -> None:
     if isinstance(prompt, str):
         return
-    ok = isinstance(prompt, list) and prompt and (
-        all(isinstance(p, str) for p in prompt)
-        or all(isinstance(p, int) and not isinstance(p, bool) for p in prompt)
-        or all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt)
+    ok = (
+        isinstance(prompt, list)
+        and prompt
+        and (
+            all(isinstance(p, str) for p in prompt)
+            or all(isinstance(p, int) and not isinstance(p, bool) for p in prompt)
+            or all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt)
+        )
     )
     if not ok:
-        raise bad_request("'prompt' must be a string, a list of strings, a list of token ids or a list "
-                          "of token-id lists", "invalid_type")
+        raise bad_request(
+            "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists",
+            "invalid_type",
+        )
 
 
 def session_key_of(endpoint: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> str:
@@ -358,14 +374,22 @@ class Router:
         arm = self.arm_selector.select(request.session_key)
         ctx.arm, ctx.policy_name = arm.name, arm.policy.name
         if not self.tracker.knows_model(request.model):
-            raise RouterError(404, f"model {request.model!r} is not served by any engine; see GET /v1/models",
-                              type="not_found_error", code="model_not_found")
+            raise RouterError(
+                404,
+                f"model {request.model!r} is not served by any engine; see GET /v1/models",
+                type="not_found_error",
+                code="model_not_found",
+            )
         if arm.policy.uses_index and self.annotator is not None:
             await self.annotator.annotate(ctx)
         candidates = self.tracker.candidates(request.model)
         if not candidates:
-            raise RouterError(503, f"no healthy engine serves model {request.model!r}; see GET /ready",
-                              type="service_unavailable", code="no_healthy_engine")
+            raise RouterError(
+                503,
+                f"no healthy engine serves model {request.model!r}; see GET /ready",
+                type="service_unavailable",
+                code="no_healthy_engine",
+            )
         try:
             decision = arm.policy.choose(request, FleetView(candidates, now=time.monotonic()))
         except NoEngineAvailable as exc:
@@ -378,6 +402,32 @@ class Router:
         arm, decision = await self.decide(ctx)
         self._notify("on_routed", ctx)
         arm.policy.on_routed(ctx.route_request, decision)
+        tickets: list[LoadTicket] = []
+        try:
+            # One disconnect watcher for the whole wait on the engine (headers, and the body of a
+            # non-stream answer); once streaming, Starlette's StreamingResponse watches instead.
+            return await _unless_disconnected(self._forward(ctx, arm, decision, headers, tickets), receive)
+        except ClientGone:
+            if tickets:
+                self._finish(
+                    ctx,
+                    arm,
+                    tickets[-1],
+                    STATUS_CLIENT_GONE,
+                    "client disconnected; upstream request cancelled",
+                )
+            return Response(status_code=STATUS_CLIENT_GONE)
+
+    async def _forward(
+        self,
+        ctx: RouteContext,
+        arm: Arm,
+        decision: Decision,
+        headers: Mapping[str, str],
+        tickets: list[LoadTicket],
+    ) -> Response:
+        """Send to the chosen engine (one retry on the next choice if it refuses) and build the
+        response; ``tickets`` receives each attempt's load ticket for the caller's cleanup."""
 
         upstream_headers = {"content-type": "application/json", "x-request-id": ctx.request_id}
         for name in FORWARDED_REQUEST_HEADERS:
@@ -393,27 +443,42 @@ class Router:
             ctx.attempts.append(engine_id)
             engine = self.tracker.engines[engine_id].config
             ticket = self.tracker.begin(engine_id, ctx.route_request.prompt_tokens)
+            tickets.append(ticket)
             try:
                 response = await self.client.send(engine.url + path, ctx.raw_body, upstream_headers)
                 break
             except UpstreamConnectError as exc:
-                self.tracker.end(ticket)
+                self.tracker.end(ticket)  # this attempt's share; the retry takes a new ticket
                 self.tracker.set_health(engine_id, False, str(exc))
                 self.metrics.upstream_error(engine_id, exc.kind)
-                log.warning("request %s: engine %s refused (%s)%s", ctx.request_id, engine_id, exc,
-                            "; retrying on the next choice" if attempt + 1 < len(order) else "")
+                log.warning(
+                    "request %s: engine %s refused (%s)%s",
+                    ctx.request_id,
+                    engine_id,
+                    exc,
+                    "; retrying on the next choice" if attempt + 1 < len(order) else "",
+                )
                 if attempt + 1 >= len(order):
-                    self._fail(ctx, arm, 502, str(exc))
-                    raise RouterError(502, f"engine {engine_id} is unreachable: {exc}", type="upstream_error",
-                                      code="upstream_connect_error") from None
+                    self._finish(ctx, arm, ticket, 502, str(exc), log_error=False)
+                    raise RouterError(
+                        502,
+                        f"engine {engine_id} is unreachable: {exc}",
+                        type="upstream_error",
+                        code="upstream_connect_error",
+                    ) from None
             except UpstreamError as exc:
-                self.tracker.end(ticket)
                 self.metrics.upstream_error(engine_id, exc.kind)
                 status = 504 if exc.kind == "timeout" else 502
-                self._fail(ctx, arm, status, str(exc))
-                raise RouterError(status, f"engine {engine_id}: {exc}",
-                                  type="timeout_error" if status == 504 else "upstream_error",
-                                  code="upstream_timeout" if status == 504 else "upstream_error") from None
+                self._finish(ctx, arm, ticket, status, str(exc), log_error=False)
+                raise RouterError(
+                    status,
+                    f"engine {engine_id}: {exc}",
+                    type="timeout_error" if status == 504 else "upstream_error",
+                    code="upstream_timeout" if status == 504 else "upstream_error",
+                ) from None
+            except BaseException:  # cancelled (server shutdown) or a bug: give the load back
+                self.tracker.end(ticket)
+                raise
         assert response is not None and ticket is not None
         out_headers = {
             "x-kvroute-engine": ctx.engine_id,
@@ -423,39 +488,66 @@ class Router:
         }
         content_type = response.headers.get("content-type", "application/json")
         if ctx.stream and response.status == 200:
-            return StreamingResponse(self._stream(ctx, arm, response, ticket), status_code=200,
-                                     headers=out_headers, media_type=content_type)
-        return await self._complete(ctx, arm, response, ticket, out_headers, content_type, receive)
 
-    def _fail(self, ctx: RouteContext, arm: Arm, status: int, error: str) -> None:
-        ctx.http_status, ctx.error, ctx.finished_s = status, error, time.monotonic()
-        arm.policy.on_finished(ctx.route_request, ctx.engine_id, False)
-        self._notify("on_finished", ctx)
+            def on_close() -> None:  # runs even if the stream never started (client gone at once)
+                response.close()
+                self._finish(
+                    ctx, arm, ticket, STATUS_CLIENT_GONE, "client disconnected before the stream began"
+                )
+
+            return _ProxyStream(
+                self._stream(ctx, arm, response, ticket),
+                on_close=on_close,
+                status_code=200,
+                headers=out_headers,
+                media_type=content_type,
+            )
+        return await self._complete(ctx, arm, response, ticket, out_headers, content_type)
 
     def _first_byte(self, ctx: RouteContext, ticket: LoadTicket) -> None:
         ctx.first_byte_s = time.monotonic()
         self.tracker.first_byte(ticket)
         self._notify("on_first_byte", ctx)
 
-    def _finish(self, ctx: RouteContext, arm: Arm, ticket: LoadTicket, status: int, error: str = "") -> None:
+    def _finish(
+        self,
+        ctx: RouteContext,
+        arm: Arm,
+        ticket: LoadTicket,
+        status: int,
+        error: str = "",
+        *,
+        log_error: bool = True,
+    ) -> None:
+        """Account the end of a request once (later calls are no-ops). ``log_error=False`` when the
+        caller raises a RouterError, which the app logs."""
+        if ctx.finished_s is not None:
+            return
         self.tracker.end(ticket)
         ctx.http_status, ctx.finished_s = status, time.monotonic()
         ctx.error = error
-        if error:
-            log.warning("request %s on engine %s: %s (status %d)", ctx.request_id, ctx.engine_id, error, status)
+        if error and log_error:
+            log.warning(
+                "request %s on engine %s: %s (status %d)", ctx.request_id, ctx.engine_id, error, status
+            )
         arm.policy.on_finished(ctx.route_request, ctx.engine_id, ctx.ok)
         self._notify("on_finished", ctx)
 
-    async def _stream(self, ctx: RouteContext, arm: Arm, response: aiohttp.ClientResponse,
-                      ticket: LoadTicket) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, ctx: RouteContext, arm: Arm, response: aiohttp.ClientResponse, ticket: LoadTicket
+    ) -> AsyncIterator[bytes]:
         """Forward SSE bytes as they arrive; keep the tail to read the final usage chunk."""
-        tail = b""
+        tail: deque[bytes] = deque()  # the last chunks, about _USAGE_TAIL_BYTES of them
+        tail_bytes = 0
         status, error = 200, ""
         try:
             async for chunk in iter_body(response):
                 if ctx.first_byte_s is None and b"data:" in chunk:  # not a keep-alive comment
                     self._first_byte(ctx, ticket)
-                tail = (tail + chunk)[-_USAGE_TAIL_BYTES:]
+                tail.append(chunk)
+                tail_bytes += len(chunk)
+                while tail_bytes - len(tail[0]) >= _USAGE_TAIL_BYTES:
+                    tail_bytes -= len(tail.popleft())
                 yield chunk
         except UpstreamError as exc:
             # Headers are sent: the client sees a truncated stream (no [DONE]); count it as 502.
@@ -466,50 +558,95 @@ class Router:
             raise
         finally:
             response.close()  # closing the socket is what cancels the request in the engine
-            ctx.usage = usage_from_stream_tail(tail)
+            ctx.usage = usage_from_stream_tail(b"".join(tail))
             self._finish(ctx, arm, ticket, status, error)
 
-    async def _complete(self, ctx: RouteContext, arm: Arm, response: aiohttp.ClientResponse, ticket: LoadTicket,
-                        out_headers: dict[str, str], content_type: str, receive: Receive) -> Response:
-        """Read a whole (non-stream or error) answer, abandoning it if the client goes away."""
-        read = asyncio.ensure_future(self._read_all(ctx, response, ticket))
-        gone = asyncio.ensure_future(_wait_disconnect(receive))
+    async def _complete(
+        self,
+        ctx: RouteContext,
+        arm: Arm,
+        response: aiohttp.ClientResponse,
+        ticket: LoadTicket,
+        out_headers: dict[str, str],
+        content_type: str,
+    ) -> Response:
+        """Read a whole (non-stream or error) answer."""
         try:
-            await asyncio.wait((read, gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not read.done():
-                read.cancel()
-        try:
-            if not read.done() or read.cancelled():
-                self._finish(ctx, arm, ticket, STATUS_CLIENT_GONE, "client disconnected; upstream request cancelled")
-                return Response(status_code=STATUS_CLIENT_GONE)
-            try:
-                data = read.result()
-            except UpstreamError as exc:
-                self.metrics.upstream_error(ctx.engine_id, exc.kind)
-                status = 504 if exc.kind == "timeout" else 502
-                self._finish(ctx, arm, ticket, status, str(exc))
-                raise RouterError(status, f"engine {ctx.engine_id}: {exc}",
-                                  type="timeout_error" if status == 504 else "upstream_error",
-                                  code="upstream_timeout" if status == 504 else "upstream_error") from None
+            data = await self._read_all(ctx, response, ticket)
+        except UpstreamError as exc:
+            self.metrics.upstream_error(ctx.engine_id, exc.kind)
+            status = 504 if exc.kind == "timeout" else 502
+            self._finish(ctx, arm, ticket, status, str(exc), log_error=False)
+            raise RouterError(
+                status,
+                f"engine {ctx.engine_id}: {exc}",
+                type="timeout_error" if status == 504 else "upstream_error",
+                code="upstream_timeout" if status == 504 else "upstream_error",
+            ) from None
         finally:
             response.close()
         if response.status >= 500:
             self.metrics.upstream_error(ctx.engine_id, f"http_{response.status}")
         if response.status == 200:
             ctx.usage = _usage_from_json(data)
-        self._finish(ctx, arm, ticket, response.status,
-                     "" if response.status < 400 else f"engine answered {response.status}")
-        return Response(content=data, status_code=response.status, headers=out_headers, media_type=content_type)
+        self._finish(
+            ctx,
+            arm,
+            ticket,
+            response.status,
+            "" if response.status < 400 else f"engine answered {response.status}",
+        )
+        return Response(
+            content=data, status_code=response.status, headers=out_headers, media_type=content_type
+        )
 
-    async def _read_all(self, ctx: RouteContext, response: aiohttp.ClientResponse, ticket: LoadTicket) -> bytes:
+    async def _read_all(
+        self, ctx: RouteContext, response: aiohttp.ClientResponse, ticket: LoadTicket
+    ) -> bytes:
         parts: list[bytes] = []
         async for chunk in iter_body(response):
             if ctx.first_byte_s is None:
                 self._first_byte(ctx, ticket)
             parts.append(chunk)
         return b"".join(parts)
+
+
+class _ProxyStream(StreamingResponse):
+    """StreamingResponse that always runs ``on_close`` after sending, whatever happened."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class ClientGone(Exception):
+    """The client closed its connection while the router waited for the engine."""
+
+
+async def _unless_disconnected(awaitable: Awaitable[T], receive: Receive) -> T:
+    """Await ``awaitable`` unless the client disconnects first: then cancel it (closing the
+    upstream connection, which is what stops the engine's work) and raise ClientGone."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we were cancelled ourselves (server shutdown): take both down
+        gone.cancel()
+        work.cancel()
+        raise
+    gone.cancel()
+    if not work.done():
+        work.cancel()
+        # Let the cancelled request unwind (its socket closes) before answering.
+        await asyncio.wait((work,))
+        raise ClientGone
+    return work.result()
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -237,6 +237,9 @@ class SimConfig:
     token_mode: bool = False
     #: Progress bar on stderr.
     progress: bool = False
+    #: What-if: queue only the predicted uncached tokens of a request (policies that report
+    #: PredictedParts) instead of its whole prompt, as router.load does.
+    queue_predicted_prefill: bool = False
 
 
 @dataclass(slots=True)
@@ -249,6 +252,8 @@ class _Req:
     prompt_tokens: int
     route: RouteRequest
     parts: PredictedParts | None
+    #: What this request added to its engine's ``queued_prefill_tokens`` (removed at first token).
+    queued_tokens: int = 0
     first_token_s: float | None = None
 
 
@@ -286,6 +291,8 @@ class SimResult:
     load_imbalance: float
     preemptions: int
     wall_s: float
+    #: Requests the engine refused (prompt larger than its GPU pool or max_model_len).
+    rejected: int = 0
     label: str = ""
     ttfts_s: list[float] = field(default_factory=list, repr=False)
 
@@ -423,6 +430,7 @@ class FleetSimulator:
         seen_ids: set[int] = set()
         ideal_tokens = 0
         ttfts: list[float] = []
+        rejected = 0
         by_tier = [0, 0, 0]
         prompt_total = output_total = finished = arrived = 0
         preemptions_before = 0
@@ -437,6 +445,22 @@ class FleetSimulator:
         order = (
             sorted(range(len(convs)), key=lambda i: (convs[i].start_s, i)) if wl.concurrency is None else []
         )
+
+        def after_turn(slot: int, turn: int, t: float) -> None:
+            """A turn is over (finished or rejected): send the next one or replace the conversation."""
+            nonlocal active, next_conv
+            cs = states[slot]
+            cs.finished_turns += 1
+            conv = cs.conv
+            nxt = turn + 1
+            if nxt < len(conv.turns) and conv.turns[nxt].at_s is None:
+                push(t + conv.turns[nxt].think_time_s, _ARRIVE, (slot, nxt))
+            elif cs.finished_turns == len(conv.turns):
+                del states[slot]
+                active -= 1
+                if wl.concurrency is not None and next_conv < len(convs) and t < stop_starting_at:
+                    push(t, _START_CONV, next_conv)
+                    next_conv += 1
 
         def start_step(i: int, t: float) -> None:
             out = self.cores[i].step()
@@ -457,18 +481,7 @@ class FleetSimulator:
                     prompt_total += fin.prompt_tokens
                     output_total += len(fin.output_token_ids)
                     progress.update(finished)
-                    cs = states[r.conv_slot]
-                    cs.finished_turns += 1
-                    conv = cs.conv
-                    nxt = r.turn + 1
-                    if nxt < len(conv.turns) and conv.turns[nxt].at_s is None:
-                        push(now + conv.turns[nxt].think_time_s, _ARRIVE, (r.conv_slot, nxt))
-                    elif cs.finished_turns == len(conv.turns):
-                        del states[r.conv_slot]
-                        active -= 1
-                        if wl.concurrency is not None and next_conv < len(convs) and now < stop_starting_at:
-                            push(now, _START_CONV, next_conv)
-                            next_conv += 1
+                    after_turn(r.conv_slot, r.turn, now)
                 if self.cores[i].has_unfinished():
                     start_step(i, now)
                 else:
@@ -477,7 +490,12 @@ class FleetSimulator:
                 slot, k = payload
                 cs = states[slot]
                 turn = cs.conv.turns[k]
-                r = self._route(cs, slot, k, now, uses_index)
+                routed = self._route(cs, slot, k, now, uses_index)
+                if routed is None:  # the engine refused it (too long for its pool / model length)
+                    rejected += 1
+                    after_turn(slot, k, now)
+                    continue
+                r = routed
                 reqs[r.request_id] = r
                 arrived += 1
                 routed_tokens[r.engine] += r.prompt_tokens
@@ -546,6 +564,7 @@ class FleetSimulator:
             load_imbalance=max(routed_tokens) / mean_routed if mean_routed else 1.0,
             preemptions=preemptions,
             wall_s=time.perf_counter() - wall0,
+            rejected=rejected,
             ttfts_s=ttfts,
         )
 
@@ -567,7 +586,7 @@ class FleetSimulator:
         cs.ids, cs.keys = list(ids), keys
         return keys, None
 
-    def _route(self, cs: _Conv, slot: int, k: int, now: float, uses_index: bool) -> _Req:
+    def _route(self, cs: _Conv, slot: int, k: int, now: float, uses_index: bool) -> _Req | None:
         conv = cs.conv
         turn = conv.turns[k]
         keys, tokens = self._keys_for(cs, k)
@@ -601,7 +620,6 @@ class FleetSimulator:
             self.index.speculate(decision.engine_id, keys, self.config.speculate_ttl_s, now)
         view = self.views[engine]
         view.in_flight += 1
-        view.queued_prefill_tokens += prompt_tokens
         score = decision.scores.get(decision.engine_id)
         parts = PredictedParts.from_scores(score) if score and "wait_tokens" in score else None
         if tokens is not None:
@@ -614,8 +632,20 @@ class FleetSimulator:
                 block_ids=turn.block_ids,
                 prompt_len=prompt_tokens,
             )
-        self.cores[engine].add_request(sim_req)
-        return _Req(request_id, slot, k, engine, now, prompt_tokens, route, parts)
+        try:
+            self.cores[engine].add_request(sim_req)
+        except ValueError:
+            # A real engine answers 400; the router counts the failure and the client moves on.
+            view.in_flight -= 1
+            self.policy.on_finished(route, decision.engine_id, False)
+            return None
+        # The router queues the whole prompt; with queue_predicted_prefill only what the policy
+        # predicted it must compute (a mostly-cached prompt barely delays the next one).
+        queued = prompt_tokens
+        if self.config.queue_predicted_prefill and parts is not None:
+            queued = round(parts.prefill_tokens)
+        view.queued_prefill_tokens += queued
+        return _Req(request_id, slot, k, engine, now, prompt_tokens, route, parts, queued)
 
     def _on_step(
         self,
@@ -636,7 +666,7 @@ class FleetSimulator:
             if r is not None and r.first_token_s is None:
                 r.first_token_s = now
                 ttfts.append(now - r.arrival_s)
-                view.queued_prefill_tokens -= r.prompt_tokens
+                view.queued_prefill_tokens -= r.queued_tokens
         for fin in out.finished:
             r = reqs[fin.request_id]
             view.in_flight -= 1
@@ -824,6 +854,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-calibrate", action="store_true", help="do not feed simulated TTFTs to the cost model"
     )
     pol.add_argument(
+        "--queue-predicted-prefill",
+        action="store_true",
+        help="what-if: in-flight accounting queues predicted uncached tokens, not whole prompts",
+    )
+    pol.add_argument(
         "--no-ideal", action="store_true", help="skip the ideal hit rate (it keeps a set of every block id)"
     )
     out = p.add_argument_group("output")
@@ -860,6 +895,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         scrape_interval_s=args.scrape_interval_s,
         calibrate=not args.no_calibrate,
         track_ideal=not args.no_ideal,
+        queue_predicted_prefill=args.queue_predicted_prefill,
         progress=not args.no_progress,
     )
     runs: list[_RunSpec] = []
@@ -943,7 +979,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in runs:
             r.config = dataclasses.replace(r.config, progress=False)
         with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
-            results = pool.map(_execute, runs, chunksize=1)
+            results = []
+            for n, result in enumerate(pool.imap(_execute, runs, chunksize=1), 1):
+                results.append(result)
+                if not args.no_progress:
+                    print(
+                        f"[{n}/{len(runs)}] {result.label} {result.policy}: wall {result.wall_s:.1f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     else:
         results = [_execute(r) for r in runs]
     from sim.report import markdown_table, plot_vs_concurrency

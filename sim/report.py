@@ -24,7 +24,7 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("TTFT p50 s", "ttft_p50_s", "{:.3f}"),
     ("p90 s", "ttft_p90_s", "{:.3f}"),
     ("p99 s", "ttft_p99_s", "{:.3f}"),
-    ("turns/s", "turns_per_s", "{:.2f}"),
+    ("turns/s", "turns_per_s", "{:.3g}"),
     ("tok/s", "tokens_per_s", "{:,.0f}"),
     ("hit GPU", "hit_gpu", "{:.3f}"),
     ("CPU", "hit_cpu", "{:.3f}"),
@@ -34,6 +34,7 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("hit/ideal", "fraction_of_ideal", "{:.3f}"),
     ("imbalance", "load_imbalance", "{:.2f}"),
     ("requests", "requests", "{:d}"),
+    ("rejected", "rejected", "{:d}"),
     ("wall s", "wall_s", "{:.1f}"),
 )
 

@@ -235,3 +235,20 @@ def test_cli_writes_table_json_and_plots(tmp_path: Path, capsys: pytest.CaptureF
     assert len(rows) == 6 and {r["policy"] for r in rows} == {"round_robin", "tier_cost", "clairvoyant"}
     assert (tmp_path / "ttft_p50.png").stat().st_size > 1000
     assert main(["--policies", "nope", "--no-progress"]) == 2
+
+
+def test_requests_an_engine_refuses_are_counted_and_the_conversation_goes_on() -> None:
+    cfg = small_ladder(concurrency=2, total_conversations=3)  # prompts 3,000 .. 6,000 tokens
+    fleet = b1_fleet(2, block_size=16, conversations_in_hbm=1, mean_conversation_tokens=9_000, cpu_ratio=0)
+    assert fleet.engines[0].profile.num_gpu_blocks * 16 < 6_000  # turn 3 cannot fit
+    wl = ladder_workload(cfg)
+    res = simulate(wl, "tier_cost", fleet)
+    pool_blocks = fleet.engines[0].profile.num_gpu_blocks
+    too_long = sum(
+        1
+        for c in wl.conversations
+        for t in c.turns
+        if -(-(t.prompt_tokens + t.output_tokens) // 16) > pool_blocks
+    )
+    assert res.rejected == too_long > 0
+    assert res.requests == wl.num_requests - too_long

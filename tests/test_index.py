@@ -172,6 +172,47 @@ def test_speculation_ttl_and_confirmation() -> None:
     assert index.stats()["speculative_entries"] == 0
 
 
+def test_bytes_hashes_fold_to_the_int_form() -> None:
+    """Raw digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) are kept as vLLM's int form."""
+    index = PrefixIndex()
+    keys = block_keys(toks(0, 3), 16)
+    digests = [bytes(24) + (2**63 + i).to_bytes(8, "big") for i in range(3)]
+    index.apply_batch(
+        "a", [stored(digests[:2], toks(0, 2)), stored(digests[2:], toks(32, 1), parent=digests[1])]
+    )
+    # The CPU placeholder names the same blocks in the int form; a removal in the bytes form.
+    index.apply_batch("a", [stored([2**63, 2**63 + 1], medium="CPU"), removed(digests[:1])])
+    assert index.match(keys)["a"] == PrefixMatch(3, (2, 1, 0))
+    assert index.stats()["engines"]["a"]["mapped_hashes"] == 3
+    assert index.stats()["engines"]["a"]["unknown_removals"] == 0
+
+
+def test_repeated_hash_in_one_event_is_reference_counted() -> None:
+    index = PrefixIndex()
+    keys = block_keys(toks(0, 1), 16)
+    index.apply_batch("a", [stored([5], toks(0, 1)), stored([5, 5], medium="CPU")])
+    assert index.stats()["engines"]["a"]["cpu_blocks"] == 1
+    index.apply_batch("a", [removed([5], medium="CPU"), removed([5])])
+    assert index.match(keys)["a"] == PrefixMatch(1, (0, 1, 0))  # one CPU announcement left
+    index.apply_batch("a", [removed([5], medium="CPU")])
+    assert index.match(keys) == {} and index.stats()["engines"]["a"]["mapped_hashes"] == 0
+
+
+def test_equal_masks_share_one_int_object() -> None:
+    """A fleet has few holder combinations: keys with equal masks must not each own an int."""
+    index = PrefixIndex()
+    engines = [f"e{i}" for i in range(40)]  # high slots: masks are not CPython's cached small ints
+    for engine in engines:
+        index.add_engine(engine)
+    for i, engine in enumerate(engines[30:]):
+        index.apply_batch(engine, [stored(range(100 * i, 100 * i + 8), toks(0, 8))])
+        index.apply_batch(engine, [stored(range(100 * i, 100 * i + 8), medium="CPU")])
+    index.apply_batch("e35", [removed([503, 504], medium="CPU")])
+    masks = list(index._masks.values())
+    assert len(masks) == 8 and min(masks) > 2**80
+    assert len({id(m) for m in masks}) == len(set(masks)) == 2
+
+
 # ------------------------------------------------------------------------ property test
 
 CHAINS, DEPTH = 2, 4
@@ -188,6 +229,11 @@ KEYS = {(c, i): block_keys(chain_tokens(c, DEPTH), 16)[i] for c in range(CHAINS)
 
 def ehash(chain: int, pos: int) -> int:
     return 2**63 + chain * 100 + pos  # uint64 range, like vLLM's default
+
+
+def as_digest(engine_hash: int) -> bytes:
+    """The raw-digest wire form of an int hash (its last 8 bytes, big-endian)."""
+    return bytes(24) + engine_hash.to_bytes(8, "big")
 
 
 class ReferenceIndex:
@@ -324,17 +370,21 @@ def test_index_equals_reference_model(batches) -> None:
             n = min(n, DEPTH - start)
             events = []
             op = _
+            # Some events carry raw digests instead of ints: both forms of a hash are one block.
+            wire = as_digest if (chain + start + n) % 2 else int
             if op == "store":
-                hashes = [ehash(chain, i) for i in range(start, start + n)]
+                hashes = [wire(ehash(chain, i)) for i in range(start, start + n)]
                 if full:
                     tokens = chain_tokens(chain, start + n)[16 * start :]
-                    parent = ehash(chain, start - 1) if start else None
+                    parent = wire(ehash(chain, start - 1)) if start else None
                     events.append(stored(hashes, tokens, parent=parent, medium=tier.name))
                 else:
                     events.append(stored(hashes, medium=tier.name.lower()))
                 ref.store(engine, tier, chain, start, n, full)
             elif op == "remove":
-                events.append(removed([ehash(chain, i) for i in range(start, start + n)], medium=tier.name))
+                events.append(
+                    removed([wire(ehash(chain, i)) for i in range(start, start + n)], medium=tier.name)
+                )
                 ref.remove(engine, tier, chain, start, n)
             else:
                 events.append(AllBlocksCleared())

@@ -1,0 +1,225 @@
+"""Shared test fixtures: free loopback ports, ASGI apps served by real uvicorn in a thread, and a
+small recording OpenAI-compatible upstream (``OpenAIUpstream``) that can be told to delay or fail."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (bind to port 0, read it back, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class ThreadedServer:
+    """A uvicorn server for ``app`` on a free loopback port, in its own thread and event loop."""
+
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int | None = None) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            loop="asyncio",
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> ThreadedServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on {self.url}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def serve_asgi() -> Iterator[Callable[..., ThreadedServer]]:
+    """Factory: ``serve_asgi(app)`` -> started ThreadedServer; all are stopped after the test."""
+    servers: list[ThreadedServer] = []
+
+    def start(app: Any, **kwargs: Any) -> ThreadedServer:
+        server = ThreadedServer(app, **kwargs)
+        servers.append(server)
+        return server.start()
+
+    try:
+        yield start
+    finally:
+        for server in reversed(servers):
+            server.stop()
+
+
+@dataclass
+class OpenAIUpstream:
+    """A tiny OpenAI-compatible engine stand-in that records what it received.
+
+    Controls (set from the test thread): ``delay_s`` before answering, ``fail_status`` to answer
+    an error instead, ``chunk_delay_s`` / ``chunks`` for streams, ``health_status`` for /health.
+    """
+
+    name: str
+    model: str = "test-model"
+    delay_s: float = 0.0
+    fail_status: int = 0
+    chunks: int = 3
+    chunk_delay_s: float = 0.0
+    health_status: int = 200
+    cached_tokens: int = 7
+    bodies: list[bytes] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    #: Streams whose client (the router) went away before the end.
+    cancelled_streams: int = 0
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._generate, methods=["POST"]),
+                Route("/v1/completions", self._generate, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+            ]
+        )
+
+    async def _health(self, request: Request) -> Response:
+        return Response(status_code=self.health_status)
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": self.name,
+                        "max_model_len": 4096,
+                    }
+                ],
+            }
+        )
+
+    def _usage(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": 20,
+            "completion_tokens": self.chunks,
+            "total_tokens": 20 + self.chunks,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    async def _generate(self, request: Request) -> Response:
+        raw = await request.body()
+        self.bodies.append(raw)
+        self.headers.append(dict(request.headers))
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail_status:
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"{self.name} says no",
+                        "type": "BadRequestError",
+                        "code": self.fail_status,
+                    }
+                },
+                status_code=self.fail_status,
+            )
+        body = json.loads(raw)
+        chat = request.url.path.endswith("/chat/completions")
+        if body.get("stream"):
+            return StreamingResponse(self._sse(chat, body), media_type="text/event-stream")
+        text = " ".join(f"tok{i}" for i in range(self.chunks))
+        choice: dict[str, Any] = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+            if chat
+            else {"index": 0, "text": text, "finish_reason": "stop"}
+        )
+        return JSONResponse(
+            {
+                "id": f"{self.name}-1",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": 0,
+                "model": body.get("model"),
+                "choices": [choice],
+                "usage": self._usage(),
+            }
+        )
+
+    async def _sse(self, chat: bool, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        finished = False
+        try:
+            yield b": keep-alive\n\n"
+            for i in range(self.chunks):
+                if self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
+                piece = f"tok{i} "
+                choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+                doc = {
+                    "id": f"{self.name}-s",
+                    "object": kind,
+                    "created": 0,
+                    "model": body.get("model"),
+                    "choices": [choice],
+                }
+                yield f"data: {json.dumps(doc)}\n\n".encode()
+            if (body.get("stream_options") or {}).get("include_usage"):
+                doc = {
+                    "id": f"{self.name}-s",
+                    "object": kind,
+                    "created": 0,
+                    "model": body.get("model"),
+                    "choices": [],
+                    "usage": self._usage(),
+                }
+                yield f"data: {json.dumps(doc)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+            finished = True
+        finally:
+            if not finished:
+                self.cancelled_streams += 1
+
+
+@pytest.fixture
+def upstreams(serve_asgi: Callable[..., ThreadedServer]) -> Callable[[int], list[tuple[OpenAIUpstream, str]]]:
+    """Factory: ``upstreams(n)`` -> n started (OpenAIUpstream, base_url) pairs named e0..e{n-1}."""
+
+    def start(n: int) -> list[tuple[OpenAIUpstream, str]]:
+        out = []
+        for i in range(n):
+            upstream = OpenAIUpstream(name=f"e{i}")
+            out.append((upstream, serve_asgi(upstream.app()).url))
+        return out
+
+    return start

@@ -1,0 +1,237 @@
+"""Bad input and failing engines: every case answers an OpenAI-shaped JSON error, never a crash."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from router.app import create_app
+from router.config import load_config
+from tests.conftest import ThreadedServer, free_port
+
+MODEL = "test-model"
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def router_for(serve_asgi: Callable[..., ThreadedServer], urls: list[tuple[str, str]], **overrides: Any):
+    data: dict[str, Any] = {
+        "engines": [{"id": eid, "url": url, "model": MODEL} for eid, url in urls],
+        "policy": {"name": "round_robin"},
+        "health": {"interval_s": 0},
+        **overrides,
+    }
+    return serve_asgi(create_app(load_config(environ={}, overrides=data)))
+
+
+def dead_url() -> str:
+    """A loopback URL where nothing listens (connection refused)."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+def assert_error(resp: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "code"}
+    assert error["code"] == code
+    assert error["message"]
+    assert resp.headers["x-request-id"]
+    return error
+
+
+@pytest.fixture
+def one_engine(serve_asgi, upstreams):
+    ((upstream, url),) = upstreams(1)
+    return upstream, router_for(
+        serve_asgi, [("e0", url)], limits={"max_body_bytes": 4096, "read_timeout_s": 0.5}
+    )
+
+
+def test_malformed_json(one_engine) -> None:
+    _, router = one_engine
+    resp = httpx.post(
+        router.url + CHAT, content=b'{"model": "test-model", "messages": [', headers={"x-request-id": "r1"}
+    )
+    assert_error(resp, 400, "invalid_json")
+    assert resp.headers["x-request-id"] == "r1"
+    assert_error(httpx.post(router.url + CHAT, content=b"[1, 2]"), 400, "invalid_json")
+
+
+@pytest.mark.parametrize(
+    "body, code",
+    [
+        ({"model": 7, "messages": MESSAGES}, "invalid_type"),
+        ({"model": MODEL, "messages": "hi"}, "invalid_type"),
+        ({"model": MODEL, "messages": [{"content": "no role"}]}, "invalid_type"),
+        ({"model": MODEL, "messages": MESSAGES, "stream": "yes"}, "invalid_type"),
+        ({"model": MODEL, "messages": MESSAGES, "max_tokens": "5"}, "invalid_type"),
+    ],
+)
+def test_wrong_types(one_engine, body, code) -> None:
+    upstream, router = one_engine
+    assert_error(httpx.post(router.url + CHAT, json=body), 400, code)
+    assert upstream.bodies == []
+
+
+def test_missing_model(one_engine) -> None:
+    error = assert_error(
+        httpx.post(router_url(one_engine) + CHAT, json={"messages": MESSAGES}), 400, "missing_model"
+    )
+    assert "model" in error["message"]
+
+
+def test_missing_messages(one_engine) -> None:
+    assert_error(httpx.post(router_url(one_engine) + CHAT, json={"model": MODEL}), 400, "missing_messages")
+    assert_error(
+        httpx.post(router_url(one_engine) + "/v1/completions", json={"model": MODEL}), 400, "missing_prompt"
+    )
+    assert_error(
+        httpx.post(router_url(one_engine) + "/v1/completions", json={"model": MODEL, "prompt": [1, "a"]}),
+        400,
+        "invalid_type",
+    )
+
+
+def test_unknown_model(one_engine) -> None:
+    client = openai.OpenAI(base_url=router_url(one_engine) + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="nope", messages=MESSAGES)  # type: ignore[arg-type]
+    assert info.value.code == "model_not_found"
+
+
+def test_body_over_limit_is_413(one_engine) -> None:
+    upstream, router = one_engine
+    big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]}
+    assert_error(httpx.post(router.url + CHAT, json=big), 413, "request_too_large")
+
+    def chunked():  # no content-length: the limit is enforced while reading
+        yield b'{"model": "test-model", "messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"y" * 1000
+        yield b'"}]}'
+
+    assert_error(httpx.post(router.url + CHAT, content=chunked()), 413, "request_too_large")
+    assert upstream.bodies == []
+
+
+def test_upstream_4xx_passed_through(one_engine) -> None:
+    upstream, router = one_engine
+    upstream.fail_status = 422
+    resp = httpx.post(router.url + CHAT, json={"model": MODEL, "messages": MESSAGES})
+    assert resp.status_code == 422
+    assert resp.json()["error"]["message"] == "e0 says no"
+    assert resp.headers["x-kvroute-engine"] == "e0"
+
+
+def test_upstream_timeout_is_504(one_engine) -> None:
+    upstream, router = one_engine
+    upstream.delay_s = 3.0
+    assert_error(
+        httpx.post(router.url + CHAT, json={"model": MODEL, "messages": MESSAGES}, timeout=10),
+        504,
+        "upstream_timeout",
+    )
+    text = httpx.get(router.url + "/metrics").text
+    assert 'kvroute_upstream_errors_total{engine="e0",kind="timeout"} 1.0' in text
+
+
+def test_refused_twice_is_502_and_marks_unhealthy(serve_asgi) -> None:
+    router = router_for(serve_asgi, [("d0", dead_url()), ("d1", dead_url())])
+    error = assert_error(
+        httpx.post(router.url + CHAT, json={"model": MODEL, "messages": MESSAGES}),
+        502,
+        "upstream_connect_error",
+    )
+    assert "unreachable" in error["message"]
+    ready = httpx.get(router.url + "/ready")
+    assert ready.status_code == 503
+    assert not any(e["healthy"] for e in ready.json()["engines"].values())
+    # Both are now known dead: the next request is refused by the router itself.
+    assert_error(
+        httpx.post(router.url + CHAT, json={"model": MODEL, "messages": MESSAGES}), 503, "no_healthy_engine"
+    )
+
+
+def test_retry_on_fallback_when_first_refuses(serve_asgi, upstreams) -> None:
+    ((upstream, url),) = upstreams(1)
+    router = router_for(serve_asgi, [("dead", dead_url()), ("e0", url)])  # round robin starts at "dead"
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES)  # type: ignore[arg-type]
+    assert raw.headers["x-kvroute-engine"] == "e0"
+    assert len(upstream.bodies) == 1
+    text = httpx.get(router.url + "/metrics").text
+    assert 'kvroute_upstream_errors_total{engine="dead",kind="connect"} 1.0' in text
+    assert 'kvroute_engine_healthy{engine="dead"} 0.0' in text
+
+
+def test_no_healthy_engine_503_from_health_polling(serve_asgi, upstreams) -> None:
+    ((upstream, url),) = upstreams(1)
+    upstream.health_status = 503
+    router = router_for(serve_asgi, [("e0", url)], health={"interval_s": 0.05, "timeout_s": 1.0})
+    deadline = time.monotonic() + 10
+    while httpx.get(router.url + "/ready").status_code != 503 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert_error(
+        httpx.post(router.url + CHAT, json={"model": MODEL, "messages": MESSAGES}), 503, "no_healthy_engine"
+    )
+    assert upstream.bodies == []
+    upstream.health_status = 200  # recovers on the next poll
+    while httpx.get(router.url + "/ready").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.post(router.url + CHAT, json={"model": MODEL, "messages": MESSAGES}).status_code == 200
+
+
+def test_client_disconnect_cancels_upstream_stream(serve_asgi, upstreams) -> None:
+    ((upstream, url),) = upstreams(1)
+    upstream.chunks, upstream.chunk_delay_s = 200, 0.05  # a 10 s answer
+    router = router_for(serve_asgi, [("e0", url)])
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True}
+    with httpx.Client(timeout=10) as client, client.stream("POST", router.url + CHAT, json=body) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                break  # first token seen; now hang up
+    deadline = time.monotonic() + 8
+    while upstream.cancelled_streams == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert upstream.cancelled_streams == 1
+    text = ""
+    while 'status="499"' not in text and time.monotonic() < deadline:
+        text = httpx.get(router.url + "/metrics").text
+        time.sleep(0.05)
+    assert 'kvroute_requests_total{arm="default",engine="e0",policy="round_robin",status="499"} 1.0' in text
+    assert 'kvroute_in_flight{engine="e0"} 0.0' in text
+    assert len(upstream.bodies) == 1
+
+
+def test_client_disconnect_cancels_non_stream_request(serve_asgi, upstreams) -> None:
+    ((upstream, url),) = upstreams(1)
+    upstream.delay_s = 5.0
+    router = router_for(serve_asgi, [("e0", url)])
+    with socket.create_connection((router.host, router.port)) as sock:
+        body = b'{"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}'
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        deadline = time.monotonic() + 5
+        while not upstream.bodies and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert upstream.bodies
+    deadline = time.monotonic() + 5
+    text = ""
+    while 'status="499"' not in text and time.monotonic() < deadline:
+        text = httpx.get(router.url + "/metrics").text
+        time.sleep(0.05)
+    assert 'kvroute_requests_total{arm="default",engine="e0",policy="round_robin",status="499"} 1.0' in text
+    assert 'kvroute_in_flight{engine="e0"} 0.0' in text
+
+
+def router_url(one_engine: tuple[Any, ThreadedServer]) -> str:
+    return one_engine[1].url

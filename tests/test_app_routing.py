@@ -1,0 +1,123 @@
+"""Pipeline pieces without sockets: request parsing, session keys, usage parsing, arms, load."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from policies.base import build_policy
+from router.config import EngineConfig, RouterConfig
+from router.errors import RouterError
+from router.load import LoadTracker
+from router.metrics import create_metrics
+from router.routing import (
+    CHAT,
+    COMPLETIONS,
+    Arm,
+    WeightedArmSelector,
+    parse_request,
+    session_key_of,
+    usage_from_stream_tail,
+)
+
+
+def parse(endpoint: str, body: dict, headers: dict | None = None):
+    return parse_request(
+        endpoint,
+        json.dumps(body).encode(),
+        headers or {},
+        request_id="r1",
+        started_s=0.0,
+        config=RouterConfig(),
+    )
+
+
+def test_session_key_precedence_header_user_hash() -> None:
+    body = {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}
+    assert session_key_of(CHAT, {**body, "user": "u1"}, {"x-session-id": "h1"}) == "h1"
+    assert session_key_of(CHAT, {**body, "user": "u1"}, {}) == "u1"
+    hashed = session_key_of(CHAT, body, {})
+    # Later turns resend the same first two messages: same key.
+    later = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "a"}]}
+    assert session_key_of(CHAT, later, {}) == hashed
+    other = {**body, "messages": [body["messages"][0], {"role": "user", "content": "other"}]}
+    assert session_key_of(CHAT, other, {}) != hashed
+    assert session_key_of(COMPLETIONS, {"prompt": "abc" * 200}, {}) == session_key_of(
+        COMPLETIONS, {"prompt": "abc" * 300}, {}
+    )
+
+
+def test_parse_builds_route_request() -> None:
+    ctx = parse(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 9})
+    request = ctx.route_request
+    assert (request.model, request.request_id, request.expected_output_tokens) == ("m", "r1", 9)
+    assert request.prompt_tokens == 100 + 4  # 400 chars / 4 per token + 4 per message
+    assert not ctx.stream
+    tokens = parse(COMPLETIONS, {"model": "m", "prompt": list(range(33)), "stream": True})
+    assert tokens.route_request.prompt_tokens == 33 and tokens.stream
+    assert tokens.route_request.expected_output_tokens == 256  # limits.default_output_tokens
+
+
+@pytest.mark.parametrize("prompt", [[], [1.5], [[1], "a"], {"a": 1}, True])
+def test_parse_rejects_bad_prompts(prompt) -> None:
+    with pytest.raises(RouterError) as info:
+        parse(COMPLETIONS, {"model": "m", "prompt": prompt})
+    assert info.value.status == 400 and info.value.code == "invalid_type"
+
+
+def test_usage_from_stream_tail() -> None:
+    usage = {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 3}}
+    tail = (
+        b'ens": 1}}]}\n\ndata: {"choices": [{"delta": {}}]}\n\n'
+        + b"data: "
+        + json.dumps({"choices": [], "usage": usage}).encode()
+        + b"\n\ndata: [DONE]\n\n"
+    )
+    assert usage_from_stream_tail(tail) == usage
+    assert usage_from_stream_tail(b'data: {"usage": null}\n\ndata: [DONE]\n\n') is None
+    assert usage_from_stream_tail(b'sage": {"prompt_tokens": 1}}\n\n') is None  # cut in half
+
+
+def test_weighted_arms_are_sticky_and_weighted() -> None:
+    a = Arm("a", build_policy("round_robin"))
+    b = Arm("b", build_policy("least_loaded"))
+    selector = WeightedArmSelector([(a, 3.0), (b, 1.0)])
+    picks = {f"s{i}": selector.select(f"s{i}").name for i in range(4000)}
+    assert all(selector.select(k).name == v for k, v in list(picks.items())[:200])
+    share_a = Counter(picks.values())["a"] / len(picks)
+    assert 0.70 < share_a < 0.80
+
+
+def test_load_tracker_accounting_and_candidates() -> None:
+    metrics = create_metrics()
+    tracker = LoadTracker(
+        [
+            EngineConfig(id="a", url="http://a:1", model="m"),
+            EngineConfig(id="b", url="http://b:1", model="other"),
+            EngineConfig(id="c", url="http://c:1"),  # model unknown: candidate for any model
+        ],
+        metrics,
+    )
+    ticket = tracker.begin("a", 1000)
+    second = tracker.begin("a", 500)
+    view = {v.engine_id: v for v in tracker.candidates("m")}
+    assert set(view) == {"a", "c"}
+    assert (view["a"].in_flight, view["a"].queued_prefill_tokens) == (2, 1500)
+    tracker.first_byte(ticket)
+    tracker.first_byte(ticket)  # idempotent
+    assert tracker.engines["a"].queued_prefill_tokens == 500
+    tracker.end(ticket)
+    tracker.end(ticket)
+    tracker.end(second)  # ends without a first byte: its prefill share goes too
+    assert (tracker.engines["a"].in_flight, tracker.engines["a"].queued_prefill_tokens) == (0, 0)
+    tracker.set_health("a", False, "refused")
+    assert [v.engine_id for v in tracker.candidates("m")] == ["c"]
+    assert tracker.knows_model("other") and tracker.knows_model("anything")  # thanks to "c"
+    tracker.set_models("c", [{"id": "m2", "object": "model"}])
+    assert not tracker.knows_model("anything")
+    assert sorted(card["id"] for card in tracker.model_cards()) == ["m", "m2", "other"]
+    tracker.update_scraped("c", {"num_requests_waiting": 4.0})
+    assert tracker.candidates("m2")[0].num_requests_waiting == 4
+    assert 'kvroute_engine_healthy{engine="a"} 0.0' in metrics.render().decode()
