@@ -106,7 +106,7 @@ def b1_fleet(
     num_engines: int = 4,
     *,
     block_size: int = 16,
-    conversations_in_hbm: int = 64,
+    conversations_in_hbm: float = 64,
     mean_conversation_tokens: float = LadderConfig().mean_prompt_tokens(),
     cpu_ratio: float = 2.0,
     storage_blocks: int | None = None,
