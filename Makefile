@@ -27,7 +27,7 @@ fmt: $(STAMP)
 	$(VENV)/bin/ruff check --fix router policies sim loadtest tests
 
 bench: $(STAMP)
-	$(PY) -m loadtest.bench_all
+	$(PY) -m loadtest.bench all
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -134,7 +134,7 @@ async def _one_turn(
                         if not answer:
                             ttft = time.perf_counter() - start
                         answer.append(piece)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         elapsed = time.perf_counter() - start
         return TurnResult(conversation, turn, False, 0, elapsed, elapsed, error=repr(exc)), ""
     latency = time.perf_counter() - start

@@ -25,10 +25,12 @@ from sim.server import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-#: Pools sized so that the fleet's GPUs cannot hold every conversation: turns come back to
-#: engines whose GPU lost the history, and the CPU tier or the shared STORAGE pool must serve it.
+#: Pools sized so that the fleet's GPUs cannot hold every conversation (48 x ~3.5k tokens vs 4 x 16k
+#: GPU tokens) but can hold the ones in flight: a router that keeps a conversation on its engine
+#: reloads from GPU, others from CPU or the shared STORAGE pool. With 320 GPU blocks no engine could
+#: keep even its active conversations, and affinity had nothing left to win (measured 1.27x).
 DEMO_PROFILE = FleetProfile(
-    gpu_blocks=320, cpu_blocks=640, storage_blocks=65536, shared_storage=True, time_scale=1.0
+    gpu_blocks=1024, cpu_blocks=2048, storage_blocks=65536, shared_storage=True, time_scale=1.0
 )
 
 
@@ -37,7 +39,7 @@ def _log(msg: str) -> None:
 
 
 def _get_json(url: str, timeout_s: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 (loopback only)
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
         return json.loads(resp.read())
 
 
@@ -47,13 +49,24 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], deadline_s: float) -> N
         if proc.poll() is not None:
             raise RuntimeError(f"router exited early with code {proc.returncode}")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=1.0) as resp:  # noqa: S310
+            with urllib.request.urlopen(f"{url}/health", timeout=1.0) as resp:
                 if resp.status == 200:
                     return
         except OSError:
             pass
         time.sleep(0.2)
     raise RuntimeError(f"router at {url} not healthy after {deadline_s:.0f}s")
+
+
+def _wait_for_report(url: str, turns: int, deadline_s: float = 5.0) -> Any:
+    """GET /v1/experiments once the router accounted every turn (the last ones finish in the
+    router a moment after the client read their final bytes)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        report = _get_json(f"{url}/v1/experiments")
+        if sum(a["requests"] for a in report.get("arms", [])) >= turns or time.monotonic() > end:
+            return report
+        time.sleep(0.1)
 
 
 def write_router_config(path: Path, fleet_file: Path, port: int, arms: list[tuple[str, str]]) -> None:
@@ -115,7 +128,9 @@ def gain_line(report: dict[str, Any]) -> str:
     b, o = base.get("ttft_p50_s"), ours.get("ttft_p50_s")
     if not b or not o:
         return ""
-    parts = [f"{ours['name']} vs {base['name']}: median TTFT {b * 1000:.0f} ms -> {o * 1000:.0f} ms ({b / o:.2f}x)"]
+    parts = [
+        f"{ours['name']} vs {base['name']}: median TTFT {b * 1000:.0f} ms -> {o * 1000:.0f} ms ({b / o:.2f}x)"
+    ]
     if base.get("hit_rate") is not None and ours.get("hit_rate") is not None:
         parts.append(f"hit rate {base['hit_rate']:.2f} -> {ours['hit_rate']:.2f}")
     return "; ".join(parts)
@@ -126,19 +141,25 @@ def run_demo(args: argparse.Namespace) -> int:
     router: subprocess.Popen[bytes] | None = None
     fleet = Fleet(workdir=workdir)
     try:
-        _log(f"starting {args.engines} simulated engines (GPU {DEMO_PROFILE.gpu_blocks} blocks, "
-             f"CPU {DEMO_PROFILE.cpu_blocks} blocks, one shared STORAGE pool) ...")
+        _log(
+            f"starting {args.engines} simulated engines (GPU {DEMO_PROFILE.gpu_blocks} blocks, "
+            f"CPU {DEMO_PROFILE.cpu_blocks} blocks, one shared STORAGE pool) ..."
+        )
         fleet.start(args.engines, DEMO_PROFILE)
         fleet_file = fleet.write_fleet_file(workdir / "fleet.json")
         port = free_port("127.0.0.1")
         config = workdir / "router.toml"
-        write_router_config(config, fleet_file, port, [("control", "round_robin"), ("tier_cost", "tier_cost")])
+        arms = [("control", "round_robin"), ("tier_cost", "tier_cost")]
+        write_router_config(config, fleet_file, port, arms)
         url = f"http://127.0.0.1:{port}"
         _log(f"starting the router on {url} with a 50/50 experiment round_robin vs tier_cost ...")
-        log = open(workdir / "router.log", "wb")  # noqa: SIM115 (closed with the process below)
+        log = open(workdir / "router.log", "wb")
         router = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "serve", "--config", str(config)],
-            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         _wait_ready(url, router, 30.0)
         workload = ChatWorkload(
@@ -152,12 +173,16 @@ def run_demo(args: argparse.Namespace) -> int:
             think_time_mean_s=args.think_time_s,
             seed=args.seed,
         )
-        _log(f"driving {workload.conversations} conversations x {workload.turns} turns, "
-             f"{workload.concurrency} at a time (streaming, full history resent each turn) ...")
+        _log(
+            f"driving {workload.conversations} conversations x {workload.turns} turns, "
+            f"{workload.concurrency} at a time (streaming, full history resent each turn) ..."
+        )
         result = asyncio.run(run_load(url, workload, progress=print_progress))
         summary = result.summary()
         _log(f"done in {result.wall_s:.1f}s: {summary['ok']} turns ok, {summary['errors']} errors")
-        report = _get_json(f"{url}/v1/experiments")
+        report = _wait_for_report(url, summary["ok"] + summary["errors"])
+        if args.report_json:
+            Path(args.report_json).write_text(json.dumps(report, indent=2))
         print()
         print(format_report(report))
         print()
@@ -186,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--think-time-s", type=float, default=0.3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--report-json", help="also write the /v1/experiments report to this file")
     return run_demo(parser.parse_args(argv))
 
 

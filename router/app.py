@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -59,11 +59,15 @@ def create_app(
     tokenizer: Any = None,
     annotator: PrefixAnnotator | None = None,
     observers: Sequence[RouteObserver] = (),
+    costs: Any = None,
+    index_trusted: Callable[[str], bool] | None = None,
 ) -> FastAPI:
     """The router app. ``experiments`` replaces the config's arm selection (and is also an observer
     if it has ``on_finished``); ``index``/``tokenizer`` are kept on ``app.state`` for the annotator
     and the explain endpoint; ``event_manager`` is started by the lifespan and asked for
-    ``ready_detail()`` (dict) by GET /ready when it has one."""
+    ``ready_detail()`` (dict) by GET /ready when it has one. ``costs`` (the CostModel) and
+    ``index_trusted`` go to the Router (FleetView.costs, EngineView.index_trusted). The full wiring
+    from a config is ``router.service.build_router_app``."""
     metrics = metrics or create_metrics()
     tracker = tracker or LoadTracker(config.engines, metrics)
     client = UpstreamClient(
@@ -82,6 +86,8 @@ def create_app(
         arm_selector=experiments or build_arm_selector(config),
         annotator=annotator,
         observers=all_observers,
+        costs=costs,
+        index_trusted=index_trusted,
     )
     components = [
         c

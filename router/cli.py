@@ -87,12 +87,13 @@ def serve(argv: Sequence[str]) -> int:
 
     import uvicorn
 
-    from router.app import create_app
+    from router.service import build_router_app
 
     args = serve_parser().parse_args(list(argv))
+    config_path = args.config or os.environ.get("KVROUTE_CONFIG")
     try:
         config = load_config(
-            args.config or os.environ.get("KVROUTE_CONFIG"),
+            config_path,
             overrides=flag_overrides(args),
             fleet_file=args.fleet or os.environ.get("KVROUTE_FLEET"),
         )
@@ -101,7 +102,12 @@ def serve(argv: Sequence[str]) -> int:
         return 2
     level = config.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(config)
+    try:
+        # SIGHUP re-reads the config file (like POST /admin/reload).
+        app = build_router_app(config, config_path, install_sighup=True)
+    except ConfigError as exc:
+        print(f"kvroute serve: {exc}", file=sys.stderr)
+        return 2
     try:
         import uvloop  # noqa: F401
 

@@ -113,6 +113,59 @@ class ListenConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     port: int = 8000
 
 
+class IndexConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The global prefix index fed by the engines' KV events (router/index.py)."""
+
+    #: False = no index and no event subscriptions (index-aware policies then see no matches).
+    enabled: bool = True
+    #: Capacity in blocks of each shared STORAGE pool named by an engine's ``storage_pool``.
+    storage_pool_blocks: int = 500_000
+    #: Per-pool capacity overrides, e.g. {"nvme-shared-a": 2000000} (JSON in env vars).
+    pools: dict[str, int] = msgspec.field(default_factory=dict)
+    #: Seconds a routed prompt's blocks count as (speculative) GPU entries on the chosen engine
+    #: before its BlockStored events confirm them; 0 disables speculation.
+    speculation_ttl_s: float = 2.0
+
+
+class EventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Subscriptions to the engines' KV-event publishers (router/events.py)."""
+
+    #: An engine that got traffic but whose source published nothing for this long is reported
+    #: (GET /ready, metric kvroute_event_source_silent, one warning).
+    silent_after_s: float = 30.0
+    #: Ask GET /kv_event_sources of engines without a configured kv_events_endpoint.
+    discover: bool = True
+    #: Seconds to wait for a replay answer after a sequence gap.
+    replay_timeout_s: float = 2.0
+
+
+class CostsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The measured cost model tier_cost prices requests with (policies/costs.py)."""
+
+    #: Priors for CostModel.from_config: prefill_tokens_per_s, kv_bytes_per_token,
+    #: load_bandwidth_bytes_per_s / load_latency_s per tier, engines = {id: overrides},
+    #: calibration = {...} (see docs/configuration.md).
+    priors: dict[str, Any] = msgspec.field(default_factory=dict)
+    #: Seconds between scrapes of each engine's GET /metrics; 0 disables scraping.
+    scrape_interval_s: float = 2.0
+
+
+class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Admin endpoints (POST /admin/reload, POST /admin/engines/{id}/drain)."""
+
+    #: Bearer token; "" disables the admin endpoints (404).
+    token: str = ""
+
+
+class TraceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Recording the router's traffic as a Mooncake-format JSONL trace (hashes only, no text)."""
+
+    #: Output file; "" = no recording.
+    path: str = ""
+    #: Tokens per trace block (Mooncake uses 512); a multiple of the engines' block size.
+    block_tokens: int = 512
+
+
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Everything ``kvroute serve`` needs."""
 
@@ -123,6 +176,11 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     listen: ListenConfig = msgspec.field(default_factory=ListenConfig)
+    index: IndexConfig = msgspec.field(default_factory=IndexConfig)
+    events: EventsConfig = msgspec.field(default_factory=EventsConfig)
+    costs: CostsConfig = msgspec.field(default_factory=CostsConfig)
+    admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
+    trace: TraceConfig = msgspec.field(default_factory=TraceConfig)
     #: Fleet file whose engines are appended to ``engines``.
     fleet_file: str = ""
     log_level: str = "info"
@@ -135,7 +193,14 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "limits": LimitsConfig,
     "health": HealthConfig,
     "listen": ListenConfig,
+    "index": IndexConfig,
+    "events": EventsConfig,
+    "costs": CostsConfig,
+    "admin": AdminConfig,
+    "trace": TraceConfig,
 }
+#: Keys whose env-var values are JSON (dicts and lists).
+_JSON_KEYS = ("params", "arms", "pools", "priors")
 _TOP_SCALARS = {"fleet_file", "log_level"}
 _TOKENIZER_BACKENDS = ("none", "sim", "hf", "engine")
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -152,7 +217,8 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
     if "name" in over and over.get("name") != out.get("name") and "params" not in over:
         out.pop("params", None)
     for key, value in over.items():
-        if key != "params" and isinstance(value, Mapping) and isinstance(out.get(key), dict):
+        replaced_whole = key in ("params", "priors", "pools")
+        if not replaced_whole and isinstance(value, Mapping) and isinstance(out.get(key), dict):
             out[key] = _deep_merge(out[key], value)
         else:
             out[key] = value
@@ -189,7 +255,7 @@ def env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
                 f"{ENV_PREFIX}LOG_LEVEL, {ENV_PREFIX}FLEET_FILE, {', '.join(accepted)}"
             )
         value: Any = raw
-        if key in ("params", "arms"):
+        if key in _JSON_KEYS:
             try:
                 value = json.loads(raw)
             except json.JSONDecodeError as exc:
@@ -268,6 +334,7 @@ def validate(config: RouterConfig) -> RouterConfig:
             f"tokenizer.backend {config.tokenizer.backend!r} unknown; "
             f"accepted: {', '.join(_TOKENIZER_BACKENDS)}"
         )
+    _validate_index_events_costs(config)
     if config.log_level.lower() not in _LOG_LEVELS:
         raise ConfigError(f"log_level {config.log_level!r} unknown; accepted: {', '.join(_LOG_LEVELS)}")
     # Building each policy once checks its name and params with the registry's own message.
@@ -277,15 +344,49 @@ def validate(config: RouterConfig) -> RouterConfig:
         if not arm.name or arm.name in arm_names:
             raise ConfigError(f"experiment.arms[{i}].name must be unique and non-empty, got {arm.name!r}")
         arm_names.add(arm.name)
-        if arm.weight <= 0:
-            raise ConfigError(f"experiment.arms[{i}].weight must be positive, got {arm.weight}")
+        if not arm.weight >= 0:
+            # 0 keeps an arm's sessions but sends it no new ones (winding an arm down).
+            raise ConfigError(f"experiment.arms[{i}].weight must be >= 0, got {arm.weight}")
         policies.append((f"experiment.arms[{i}].policy", arm.policy, arm.params))
+    if config.experiment.arms and not any(a.weight > 0 for a in config.experiment.arms):
+        raise ConfigError("experiment.arms: at least one weight must be > 0")
     for key, name, params in policies:
         try:
             build_policy(name, params)
         except ValueError as exc:
             raise ConfigError(f"{key}: {exc} (registered: {', '.join(sorted(REGISTRY))})") from None
     return config
+
+
+def _validate_index_events_costs(config: RouterConfig) -> None:
+    from policies.costs import CostModel
+
+    index = config.index
+    if index.storage_pool_blocks <= 0:
+        raise ConfigError(f"index.storage_pool_blocks must be positive, got {index.storage_pool_blocks}")
+    for pool_id, blocks in index.pools.items():
+        if not isinstance(blocks, int) or blocks <= 0:
+            raise ConfigError(f"index.pools.{pool_id} must be a positive block count, got {blocks!r}")
+    if index.speculation_ttl_s < 0:
+        raise ConfigError(f"index.speculation_ttl_s must be >= 0 (0 disables), got {index.speculation_ttl_s}")
+    if config.events.silent_after_s <= 0 or config.events.replay_timeout_s <= 0:
+        raise ConfigError("events.silent_after_s and events.replay_timeout_s must be positive")
+    if config.costs.scrape_interval_s < 0:
+        raise ConfigError(
+            f"costs.scrape_interval_s must be >= 0 (0 disables), got {config.costs.scrape_interval_s}"
+        )
+    try:
+        CostModel.from_config(config.costs.priors)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"costs.priors: {exc}") from None
+    if config.trace.block_tokens <= 0:
+        raise ConfigError(f"trace.block_tokens must be positive, got {config.trace.block_tokens}")
+    for i, engine in enumerate(config.engines):
+        if config.trace.path and config.trace.block_tokens % engine.block_size:
+            raise ConfigError(
+                f"trace.block_tokens ({config.trace.block_tokens}) must be a multiple of "
+                f"engines[{i}].block_size ({engine.block_size})"
+            )
 
 
 def load_config(

@@ -40,6 +40,8 @@ class EngineState:
     #: Latest scraped engine metrics by name, e.g. {"num_requests_waiting": 3.0}.
     scraped: dict[str, float] = field(default_factory=dict)
     last_error: str = ""
+    #: Taken out of routing by POST /admin/engines/{id}/drain (health polls do not undo it).
+    drained: bool = False
 
 
 @dataclass(slots=True)
@@ -154,7 +156,11 @@ class LoadTracker:
 
     def candidates(self, model: str) -> list[EngineView]:
         """Healthy engines serving ``model``, in config order."""
-        return [self.view(s) for s in self.engines.values() if s.healthy and self.serves(s, model)]
+        return [
+            self.view(s)
+            for s in self.engines.values()
+            if s.healthy and not s.drained and self.serves(s, model)
+        ]
 
     def all_views(self) -> list[EngineView]:
         return [self.view(s) for s in self.engines.values()]

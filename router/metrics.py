@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -82,6 +83,12 @@ class RouterMetrics:
             ("engine",),
             registry=self.registry,
         )
+        self.event_source_silent = Gauge(
+            "kvroute_event_source_silent",
+            "1 when the engine served traffic but its KV-event source published nothing since",
+            ("engine",),
+            registry=self.registry,
+        )
 
         # Labelled children cached by label tuple: labels() costs a lock and a dict build per call.
         self._children: dict[tuple[str, ...], Any] = {}
@@ -113,8 +120,23 @@ class RouterMetrics:
     def upstream_error(self, engine_id: str, kind: str) -> None:
         self.upstream_errors.labels(engine_id, kind).inc()
 
+    def add_collector(self, collect: Callable[[], Iterable[Any]]) -> None:
+        """Expose metric families computed at scrape time by ``collect`` (e.g. index sizes)."""
+        self.registry.register(_CallbackCollector(collect))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _CallbackCollector:
+    def __init__(self, collect: Callable[[], Iterable[Any]]) -> None:
+        self._collect = collect
+
+    def describe(self) -> list[Any]:
+        return []  # names are only known at scrape time; skips the registry's eager collect()
+
+    def collect(self) -> Iterable[Any]:
+        return self._collect()
 
 
 def create_metrics() -> RouterMetrics:

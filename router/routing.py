@@ -3,11 +3,10 @@
 ``Router.handle`` runs, for each chat/completion request:
   1. ``parse_request``: JSON and field checks (OpenAI-shaped 400/404/413 errors), session key,
      prompt-token estimate -> ``RouteContext`` holding a ``policies.base.RouteRequest``;
-  2. ``ArmSelector.select(session_key)`` -> ``Arm`` (name, policy). Today one policy, or a sticky
-     weighted split of the config's experiment arms; ``router/experiments.py`` passes its own
-     selector to ``create_app(experiments=...)``;
-  3. when ``policy.uses_index``: ``PrefixAnnotator.annotate(ctx)`` fills ``block_keys`` and
-     ``prefix_matches`` (tokenizer + keys + index; plugged in by the index work);
+  2. ``ArmSelector.select(session_key)`` -> ``Arm`` (name, policy): ``router.experiments.Experiments``
+     (one arm "default" without an experiment); the x-kvroute-arm header forces an arm;
+  3. ``PrefixAnnotator.annotate(ctx)`` (when one is configured; router/service.py) fills
+     ``block_keys`` and ``prefix_matches`` (tokenizer + keys + index);
   4. ``FleetView`` of healthy engines serving the model from ``router.load.LoadTracker``;
   5. ``policy.choose`` -> ``Decision``; the request goes to ``decision.engine_id``, and once more
      to the first fallback if that engine refuses the connection;
@@ -32,9 +31,10 @@ import msgspec
 import xxhash
 from starlette.responses import Response, StreamingResponse
 
-from policies.base import Decision, FleetView, NoEngineAvailable, Policy, RouteRequest, build_policy
+from policies.base import Decision, FleetView, NoEngineAvailable, Policy, RouteRequest
 from router.config import RouterConfig
 from router.errors import RouterError, bad_request
+from router.experiments import FORCED_ARM_HEADER, Arm, Experiments
 from router.load import LoadTicket, LoadTracker
 from router.metrics import RouterMetrics
 from router.proxy import (
@@ -59,63 +59,32 @@ Receive = Callable[[], Awaitable[Mapping[str, Any]]]
 T = TypeVar("T")
 
 
-@dataclass(slots=True)
-class Arm:
-    """A named policy; the arm name labels metrics and the x-kvroute-arm header."""
-
-    name: str
-    policy: Policy
-
-
 class ArmSelector(Protocol):
     def select(self, session_key: str) -> Arm:
         """The arm serving this conversation (must be sticky per session key)."""
         ...
 
 
-class SinglePolicySelector:
-    """No experiment: every request goes to one policy, arm name "default"."""
-
-    def __init__(self, policy: Policy, name: str = "default") -> None:
-        self._arm = Arm(name, policy)
-
-    def select(self, session_key: str) -> Arm:
-        return self._arm
-
-    @property
-    def arms(self) -> list[Arm]:
-        return [self._arm]
+def build_arm_selector(config: RouterConfig) -> Experiments:
+    """Arms from the config: the experiment's arms when it has any, else the single policy as one
+    arm named "default". ``router/experiments.py`` is the one place that assigns arms."""
+    return Experiments(experiment_arms(config))
 
 
-class WeightedArmSelector:
-    """Sticky weighted split: xxh3(session_key) picks a point in the arms' cumulative weights."""
-
-    def __init__(self, arms: Sequence[tuple[Arm, float]]) -> None:
-        if not arms:
-            raise ValueError("WeightedArmSelector needs at least one arm")
-        total = sum(w for _, w in arms)
-        self.arms = [a for a, _ in arms]
-        self._bounds: list[float] = []
-        acc = 0.0
-        for _, weight in arms:
-            acc += weight / total
-            self._bounds.append(acc)
-
-    def select(self, session_key: str) -> Arm:
-        point = xxhash.xxh3_64_intdigest(session_key.encode()) / 2.0**64
-        for arm, bound in zip(self.arms, self._bounds, strict=True):
-            if point < bound:
-                return arm
-        return self.arms[-1]
-
-
-def build_arm_selector(config: RouterConfig) -> SinglePolicySelector | WeightedArmSelector:
-    """Arms from the config: the experiment's arms when it has any, else the single policy."""
+def experiment_arms(config: RouterConfig) -> list[dict[str, Any]]:
+    """The config's arms in ``Experiments`` form."""
     if config.experiment.arms:
-        return WeightedArmSelector(
-            [(Arm(a.name, build_policy(a.policy, a.params)), a.weight) for a in config.experiment.arms]
-        )
-    return SinglePolicySelector(build_policy(config.policy.name, config.policy.params))
+        return [
+            {"name": a.name, "policy": a.policy, "params": dict(a.params), "weight": a.weight}
+            for a in config.experiment.arms
+        ]
+    return [{"name": "default", "policy": config.policy.name, "params": dict(config.policy.params)}]
+
+
+def needs_block_keys(policy: Policy) -> bool:
+    """Whether ``policy`` reads ``request.block_keys``: its ``needs_block_keys`` attribute when it
+    has one (approx_prefix learns from keys without using the index), else ``uses_index``."""
+    return bool(getattr(policy, "needs_block_keys", policy.uses_index))
 
 
 @dataclass(slots=True)
@@ -142,6 +111,12 @@ class RouteContext:
     #: The engine's usage object (final stream chunk or JSON body), when it sent one.
     usage: dict[str, Any] | None = None
     error: str = ""
+    #: Value of the x-kvroute-arm request header ("" = the session's own arm).
+    forced_arm: str = ""
+    #: The fleet view the policy chose from (for /v1/route/explain and observers).
+    fleet: FleetView | None = None
+    #: Prompt token ids when the annotator tokenised the prompt (else None).
+    prompt_token_ids: list[int] | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -308,6 +283,7 @@ def parse_request(
         stream=bool(body.get("stream")),
         route_request=route_request,
         started_s=started_s,
+        forced_arm=headers.get(FORCED_ARM_HEADER) or "",
     )
 
 
@@ -352,8 +328,14 @@ class Router:
         arm_selector: ArmSelector,
         annotator: PrefixAnnotator | None = None,
         observers: Sequence[RouteObserver] = (),
+        costs: Any = None,
+        index_trusted: Callable[[str], bool] | None = None,
     ) -> None:
+        """``costs``: the CostModel handed to policies as ``FleetView.costs``; ``index_trusted``:
+        engine id -> whether its index picture is trustworthy (``EngineView.index_trusted``)."""
         self.config = config
+        self.costs = costs
+        self.index_trusted = index_trusted
         self.tracker = tracker
         self.client = client
         self.metrics = metrics
@@ -371,7 +353,7 @@ class Router:
     async def decide(self, ctx: RouteContext) -> tuple[Arm, Decision]:
         """Steps 2-5: arm, index annotation, fleet view, policy choice (no upstream traffic)."""
         request = ctx.route_request
-        arm = self.arm_selector.select(request.session_key)
+        arm = self._select_arm(ctx)
         ctx.arm, ctx.policy_name = arm.name, arm.policy.name
         if not self.tracker.knows_model(request.model):
             raise RouterError(
@@ -380,9 +362,15 @@ class Router:
                 type="not_found_error",
                 code="model_not_found",
             )
-        if arm.policy.uses_index and self.annotator is not None:
-            await self.annotator.annotate(ctx)
         candidates = self.tracker.candidates(request.model)
+        if self.annotator is not None:
+            # Annotated for every arm, not only index-aware ones: experiment statistics compare
+            # the hit tokens by tier of every arm, and the trace records every request's keys.
+            ctx.fleet = FleetView(candidates)
+            await self.annotator.annotate(ctx)
+        if self.index_trusted is not None:
+            for view in candidates:
+                view.index_trusted = self.index_trusted(view.engine_id)
         if not candidates:
             raise RouterError(
                 503,
@@ -391,11 +379,35 @@ class Router:
                 code="no_healthy_engine",
             )
         try:
-            decision = arm.policy.choose(request, FleetView(candidates, now=time.monotonic()))
+            fleet = FleetView(candidates, now=time.monotonic(), costs=self.costs)
+            decision = arm.policy.choose(request, fleet)
         except NoEngineAvailable as exc:
             raise RouterError(503, str(exc), type="service_unavailable", code="no_healthy_engine") from None
-        ctx.decision = decision
+        ctx.decision, ctx.fleet = decision, fleet
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "request %s: arm %s policy %s -> %s (%s)",
+                ctx.request_id,
+                arm.name,
+                arm.policy.name,
+                decision.engine_id,
+                decision.reason,
+            )
         return arm, decision
+
+    def _select_arm(self, ctx: RouteContext) -> Arm:
+        """The session's arm, or the one the x-kvroute-arm header forces (400 when unknown)."""
+        key = ctx.route_request.session_key
+        if not ctx.forced_arm:
+            return self.arm_selector.select(key)
+        assign = getattr(self.arm_selector, "assign", None)
+        if assign is None:
+            raise bad_request(f"{FORCED_ARM_HEADER} is not supported by this arm selector", "unknown_arm")
+        try:
+            arm: Arm = assign(key, ctx.forced_arm)
+        except ValueError as exc:
+            raise RouterError(400, f"{FORCED_ARM_HEADER} header: {exc}", code="unknown_arm") from None
+        return arm
 
     async def handle(self, ctx: RouteContext, headers: Mapping[str, str], receive: Receive) -> Response:
         """Route ``ctx`` and return the response to send (streaming or complete)."""
@@ -532,6 +544,18 @@ class Router:
             )
         arm.policy.on_finished(ctx.route_request, ctx.engine_id, ctx.ok)
         self._notify("on_finished", ctx)
+        if log.isEnabledFor(logging.INFO):
+            ttft_s = ctx.ttft_s
+            log.info(
+                "request %s: engine %s arm %s status %d ttft %s cached %s/%s tokens",
+                ctx.request_id,
+                ctx.engine_id,
+                ctx.arm,
+                status,
+                "-" if ttft_s is None else f"{ttft_s * 1000:.1f}ms",
+                ctx.cached_tokens,
+                (ctx.usage or {}).get("prompt_tokens"),
+            )
 
     async def _stream(
         self, ctx: RouteContext, arm: Arm, response: aiohttp.ClientResponse, ticket: LoadTicket
@@ -554,7 +578,9 @@ class Router:
             self.metrics.upstream_error(ctx.engine_id, exc.kind)
             status, error = 502, f"stream broke off: {exc}"
         except (asyncio.CancelledError, GeneratorExit):
-            status, error = STATUS_CLIENT_GONE, "client disconnected; upstream request cancelled"
+            # A client that hangs up right after the final [DONE] got the whole answer.
+            if not (tail and b"data: [DONE]" in tail[-1]):
+                status, error = STATUS_CLIENT_GONE, "client disconnected; upstream request cancelled"
             raise
         finally:
             response.close()  # closing the socket is what cancels the request in the engine

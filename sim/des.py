@@ -385,7 +385,7 @@ class FleetSimulator:
                 self.clairvoyant = ClairvoyantPolicy(self.cores)
                 self.policy: Policy = self.clairvoyant
             else:
-                self.policy = build_policy(policy, policy_params)
+                self.policy = build_policy(policy, _with_seed(policy, policy_params, cfg.seed))
         else:
             self.policy = policy
         self.policy_name = getattr(self.policy, "name", str(policy))
@@ -410,12 +410,15 @@ class FleetSimulator:
         convs = wl.conversations
         total_requests = wl.num_requests
         next_conv = 0
+        # Open loop: conversations start in start_s order, each scheduling the next (small heap).
+        order = (
+            sorted(range(len(convs)), key=lambda i: (convs[i].start_s, i)) if wl.concurrency is None else []
+        )
         if wl.concurrency is not None:
             for _ in range(min(wl.concurrency, len(convs))):
                 push(rng.uniform(0.0, wl.ramp_s) if wl.ramp_s > 0 else 0.0, _START_CONV, next_conv)
                 next_conv += 1
         elif convs:
-            order = sorted(range(len(convs)), key=lambda i: (convs[i].start_s, i))
             push(convs[order[0]].start_s, _START_CONV, order[0])
         open_order_pos = 1
         slowdown_at = int(total_requests * self.fleet.slowdown_at_fraction)
@@ -433,7 +436,6 @@ class FleetSimulator:
         rejected = 0
         by_tier = [0, 0, 0]
         prompt_total = output_total = finished = arrived = 0
-        preemptions_before = 0
         now = 0.0
         last_finish = 0.0
         active = 0
@@ -442,9 +444,6 @@ class FleetSimulator:
         )
         progress = _Progress(total_requests, enabled=cfg.progress, label=f"{wl.name} {self.policy_name}")
         uses_index = bool(getattr(self.policy, "uses_index", False))
-        order = (
-            sorted(range(len(convs)), key=lambda i: (convs[i].start_s, i)) if wl.concurrency is None else []
-        )
 
         def after_turn(slot: int, turn: int, t: float) -> None:
             """A turn is over (finished or rejected): send the next one or replace the conversation."""
@@ -541,7 +540,7 @@ class FleetSimulator:
         ideal = ideal_tokens / total if cfg.track_ideal else float("nan")
         mean_routed = sum(routed_tokens) / len(routed_tokens) if routed_tokens else 0.0
         virtual_s = last_finish if last_finish > 0 else 0.0
-        preemptions = sum(c.stats().num_preemptions for c in self.cores) - preemptions_before
+        preemptions = sum(c.stats().num_preemptions for c in self.cores)
         return SimResult(
             policy=self.policy_name,
             workload=wl.name,
@@ -706,6 +705,24 @@ class FleetSimulator:
         # the real figure underneath it, which is exactly what the router cannot see.
         core._storage_bw /= factor
         core.profile.storage_load_bytes_per_s /= factor
+
+
+def _with_seed(name: str, params: dict[str, Any] | None, seed: int) -> dict[str, Any]:
+    """The policy's params plus ``seed`` when its factory takes one: policies that break ties at
+    random default to an OS-seeded generator, which would make runs irreproducible."""
+    import inspect
+
+    from policies.base import REGISTRY
+
+    out = dict(params or {})
+    factory = REGISTRY.get(name)
+    if factory is not None and "seed" not in out:
+        try:
+            if "seed" in inspect.signature(factory).parameters:
+                out["seed"] = seed
+        except (TypeError, ValueError):
+            pass
+    return out
 
 
 def _decode(events: list[dict[str, Any]]) -> list[Any]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import msgspec
 import pytest
 
-from policies.base import build_policy
 from router.config import EngineConfig, RouterConfig
 from router.errors import RouterError
 from router.load import LoadTracker
@@ -15,8 +15,7 @@ from router.metrics import create_metrics
 from router.routing import (
     CHAT,
     COMPLETIONS,
-    Arm,
-    WeightedArmSelector,
+    build_arm_selector,
     parse_request,
     session_key_of,
     usage_from_stream_tail,
@@ -81,13 +80,23 @@ def test_usage_from_stream_tail() -> None:
 
 
 def test_weighted_arms_are_sticky_and_weighted() -> None:
-    a = Arm("a", build_policy("round_robin"))
-    b = Arm("b", build_policy("least_loaded"))
-    selector = WeightedArmSelector([(a, 3.0), (b, 1.0)])
+    config = msgspec.convert(
+        {
+            "experiment": {
+                "arms": [
+                    {"name": "a", "policy": "round_robin", "weight": 3.0},
+                    {"name": "b", "policy": "least_loaded", "weight": 1.0},
+                ]
+            }
+        },
+        RouterConfig,
+    )
+    selector = build_arm_selector(config)  # router.experiments.Experiments, the one arm selector
     picks = {f"s{i}": selector.select(f"s{i}").name for i in range(4000)}
     assert all(selector.select(k).name == v for k, v in list(picks.items())[:200])
     share_a = Counter(picks.values())["a"] / len(picks)
     assert 0.70 < share_a < 0.80
+    assert build_arm_selector(RouterConfig()).select("x").name == "default"
 
 
 def test_load_tracker_accounting_and_candidates() -> None:

@@ -252,3 +252,26 @@ def test_requests_an_engine_refuses_are_counted_and_the_conversation_goes_on() -
     )
     assert res.rejected == too_long > 0
     assert res.requests == wl.num_requests - too_long
+
+
+def test_results_do_not_depend_on_the_process_hash_seed(tmp_path: Path) -> None:
+    """Policies with random tie-breaks get the run's seed: two processes, two hash seeds, one answer."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    outputs = []
+    for hash_seed in ("1", "2"):
+        out_dir = tmp_path / hash_seed
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        subprocess.run(
+            [sys.executable, "-m", "sim.des", "--concurrency", "3", "--conversations", "1", "--turns", "3",
+             "--first-prompt-tokens", "2000", "--tokens-per-turn", "800", "--system-tokens", "400",
+             "--answer-tokens", "20,40", "--block-size", "32", "--policies", "least_loaded,power_of_two",
+             "--no-progress", "--out", str(out_dir)],
+            cwd=repo, env=env, check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        rows = json.loads((out_dir / "results.json").read_text())
+        outputs.append([{k: v for k, v in r.items() if k != "wall_s"} for r in rows])
+    assert outputs[0] == outputs[1]

@@ -1,0 +1,67 @@
+"""`kvroute bench` / `make bench`: run the project's benchmarks, each a program that prints figures.
+
+  kvroute bench proxy [...]   router overhead over a direct call (B3 baseline; loadtest/bench_proxy.py)
+  kvroute bench index [...]   event ingestion, match latency, bytes per entry (B4; loadtest/bench_index.py)
+  kvroute bench engine [...]  engine-model steps/s and events/s (loadtest/bench_engine.py)
+  kvroute bench sim [...]     offline fleet simulation, e.g. the B1 ladder (sim/des.py; same as `kvroute sim`)
+  kvroute bench all           each of the above at its default size, one after the other
+Results and the commands that produced them are recorded in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+BENCHES: dict[str, str] = {
+    "proxy": "loadtest.bench_proxy",
+    "index": "loadtest.bench_index",
+    "engine": "loadtest.bench_engine",
+    "sim": "sim.des",
+}
+#: What `all` runs: moderate sizes that finish in minutes on 2 cores.
+ALL_ARGS: dict[str, list[str]] = {
+    "engine": ["--steps", "2000", "--repeats", "3"],
+    "index": ["--repeats", "3"],
+    "proxy": ["--concurrency", "1,64", "--duration", "5", "--runs", "3"],
+    "sim": ["--workload", "ladder", "--concurrency", "16,64,128", "--engines", "4", "--block-size", "64"],
+}
+
+
+def run(name: str, argv: Sequence[str]) -> int:
+    """Run one benchmark's main with ``argv`` (mains that read sys.argv get it there)."""
+    module = importlib.import_module(BENCHES[name])
+    entry: Callable[..., int | None] = module.main
+    saved = sys.argv
+    sys.argv = [f"kvroute bench {name}", *argv]
+    try:
+        try:
+            result = entry(list(argv))
+        except TypeError:  # a main() that takes no argv parses sys.argv itself
+            result = entry()
+    finally:
+        sys.argv = saved
+    return int(result or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help"}:
+        print(__doc__)
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name == "all":
+        status = 0
+        for bench, bench_args in ALL_ARGS.items():
+            print(f"\n=== kvroute bench {bench} {' '.join(bench_args)}", flush=True)
+            status |= run(bench, bench_args)
+        return status
+    if name not in BENCHES:
+        print(f"unknown benchmark {name!r}; accepted: {', '.join([*BENCHES, 'all'])}", file=sys.stderr)
+        return 2
+    return run(name, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

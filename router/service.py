@@ -1,0 +1,762 @@
+"""Builds the running router from its configuration: ``build_router_app(config, config_path)``.
+
+Wires the prefix index, the KV-event manager, the tokenizer, the cost model, the experiments, the
+annotator (prompt -> block keys -> index matches), speculation, calibration and experiment
+observers, per-engine /metrics scrapers, the silent-event-source watchdog and the extra endpoints
+(/v1/route/explain, /debug/index, /debug/costs, /v1/experiments, /admin/*) onto ``create_app``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+from fastapi import FastAPI, Request
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.responses import JSONResponse, Response
+
+from policies.base import NO_MATCH, TIERS, RouteRequest
+from policies.costs import CostModel, PredictedParts
+from router.app import create_app
+from router.config import ConfigError, EngineConfig, RouterConfig, load_config
+from router.errors import RouterError
+from router.events import EventBatch, EventManager, EventSource, debug_index_payload, explain_payload
+from router.experiments import Experiments
+from router.index import PrefixIndex
+from router.keys import block_keys, namespace_seed, request_extra_keys
+from router.load import LoadTracker
+from router.metrics import RouterMetrics, create_metrics
+from router.routing import (
+    CHAT,
+    COMPLETIONS,
+    RouteContext,
+    build_arm_selector,
+    experiment_arms,
+    needs_block_keys,
+    new_request_id,
+    parse_request,
+)
+from router.scrape import parse_engine_metrics
+from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer
+from sim import tokenizer as sim_tokenizer
+
+log = logging.getLogger("kvroute.service")
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+class HealthyEngineTokenizer:
+    """Backend "engine": the first healthy engine's POST /tokenize (one cached client per engine).
+
+    The aiohttp session is set by ``RouterServices.start`` (it lives on the event loop)."""
+
+    def __init__(self, tracker: LoadTracker) -> None:
+        self._tracker = tracker
+        self.session: aiohttp.ClientSession | None = None
+        self._clients: dict[str, EngineChatTokenizer] = {}
+
+    async def chat_tokens(self, messages: Sequence[Any], *, model: str = "") -> list[int]:
+        if self.session is None:
+            raise RuntimeError("engine tokenizer used before the router started")
+        for state in self._tracker.engines.values():
+            if state.healthy and self._tracker.serves(state, model):
+                client = self._clients.get(state.config.id)
+                if client is None:
+                    client = self._clients[state.config.id] = EngineChatTokenizer(
+                        self.session, state.config.url, model=state.config.model
+                    )
+                return await client.chat_tokens(messages, model=model)
+        raise RuntimeError(f"no healthy engine serving {model!r} to tokenise with")
+
+    def cache_stats(self) -> dict[str, int]:
+        total = {"entries": 0, "hits": 0, "misses": 0}
+        for client in self._clients.values():
+            for key, value in client.cache_stats().items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+
+def build_tokenizer(config: RouterConfig, tracker: LoadTracker) -> Any:
+    """The configured chat tokenizer, or None for backend "none"."""
+    backend = config.tokenizer.backend
+    if backend == "sim":
+        return SimChatTokenizer()
+    if backend == "hf":
+        if not config.tokenizer.path:
+            raise ConfigError('tokenizer.backend "hf" needs tokenizer.path (a tokenizer directory)')
+        try:
+            return HfChatTokenizer.from_dir(config.tokenizer.path)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"tokenizer.path {config.tokenizer.path!r}: {exc}") from None
+    if backend == "engine":
+        return HealthyEngineTokenizer(tracker)
+    return None
+
+
+# ----------------------------------------------------------------------------- annotation
+
+
+class IndexAnnotator:
+    """Prompt -> token ids -> router block keys (engine block size, cache_salt) -> index matches."""
+
+    def __init__(
+        self, config: RouterConfig, tokenizer: Any, index: PrefixIndex | None, *, namespace: int
+    ) -> None:
+        self._config = config
+        self._tokenizer = tokenizer
+        self._index = index
+        self._namespace = namespace
+        self._sim = config.tokenizer.backend == "sim"
+        self._default_block_size = config.engines[0].block_size if config.engines else 16
+        self.failures = 0
+
+    async def _token_ids(self, ctx: RouteContext) -> list[int] | None:
+        body = ctx.body
+        if ctx.endpoint == CHAT:
+            if self._tokenizer is None:
+                return None
+            return list(await self._tokenizer.chat_tokens(body["messages"], model=ctx.route_request.model))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)  # token ids are used as sent
+        if isinstance(prompt, str) and self._sim:
+            return sim_tokenizer.encode_prompt(prompt)
+        return None  # batches of prompts and text prompts without a completion tokenizer
+
+    async def annotate(self, ctx: RouteContext) -> None:
+        request = ctx.route_request
+        try:
+            tokens = await self._token_ids(ctx)
+        except Exception as exc:  # routing goes on without keys; counted and logged
+            self.failures += 1
+            log.warning(
+                "request %s: tokenising failed (%s); routing without prefix keys", ctx.request_id, exc
+            )
+            return
+        if tokens is None:
+            return
+        ctx.prompt_token_ids = tokens
+        engines = ctx.fleet.engines if ctx.fleet is not None else ()
+        block_size = engines[0].block_size if engines else self._default_block_size
+        salt = ctx.body.get("cache_salt")
+        n_blocks = len(tokens) // block_size
+        extra = request_extra_keys(n_blocks, cache_salt=salt if isinstance(salt, str) else None)
+        keys = block_keys(tokens, block_size, parent=self._namespace, extra_keys=extra)
+        request.prompt_tokens = len(tokens)
+        request.block_size = block_size
+        request.block_keys = keys
+        if self._index is not None and keys:
+            request.prefix_matches = self._index.match(
+                keys, [e.engine_id for e in engines], now=time.monotonic()
+            )
+
+
+def hit_tokens_by_tier(request: RouteRequest, engine_id: str, cached_tokens: int | None) -> list[float]:
+    """The chosen engine's index match in tokens per tier, capped (cheapest tier first) by what
+    the engine reported as cached, else by prompt - 1 (the last token is always computed)."""
+    match = request.prefix_matches.get(engine_id, NO_MATCH)
+    cap = float(cached_tokens) if cached_tokens is not None else max(0.0, request.prompt_tokens - 1.0)
+    out = [0.0, 0.0, 0.0]
+    for tier in TIERS:
+        take = min(float(match.blocks_by_tier[tier] * request.block_size), cap - sum(out))
+        out[tier] = max(0.0, take)
+    return out
+
+
+# ----------------------------------------------------------------------------- observers
+
+
+class SpeculationObserver:
+    """After routing, the prompt's blocks count as GPU entries of the chosen engine for ttl_s."""
+
+    def __init__(self, index: PrefixIndex, ttl_s: float) -> None:
+        self._index = index
+        self._ttl_s = ttl_s
+
+    def on_routed(self, ctx: RouteContext) -> None:
+        keys = ctx.route_request.block_keys
+        if keys and ctx.decision is not None:
+            self._index.speculate(ctx.decision.engine_id, keys, self._ttl_s, time.monotonic())
+
+    def on_first_byte(self, ctx: RouteContext) -> None:
+        return None
+
+    def on_finished(self, ctx: RouteContext) -> None:
+        return None
+
+
+class CalibrationObserver:
+    """Feeds finished requests to the cost model: tier_cost's predicted parts vs the observed TTFT
+    (which also runs the index self-check), or only the self-check for other policies."""
+
+    def __init__(self, costs: CostModel) -> None:
+        self._costs = costs
+
+    def on_routed(self, ctx: RouteContext) -> None:
+        return None
+
+    def on_first_byte(self, ctx: RouteContext) -> None:
+        return None
+
+    def on_finished(self, ctx: RouteContext) -> None:
+        if not ctx.ok or ctx.decision is None or not ctx.engine_id:
+            return
+        cached = ctx.cached_tokens
+        scores = ctx.decision.scores.get(ctx.engine_id, {})
+        ttft_s = ctx.ttft_s
+        if "prefill_tokens" in scores and ttft_s is not None:
+            parts = PredictedParts.from_scores(scores)
+            self._costs.observe(ctx.engine_id, parts, ttft_s, cached, time.monotonic())
+        elif cached is not None and ctx.route_request.block_keys:
+            predicted = sum(hit_tokens_by_tier(ctx.route_request, ctx.engine_id, None))
+            self._costs.selfcheck.observe(ctx.engine_id, predicted, cached)
+
+
+class ExperimentObserver:
+    """Records each finished request to its arm: TTFT, ok, hit tokens by tier, prompt tokens."""
+
+    def __init__(self, experiments: Experiments) -> None:
+        self._experiments = experiments
+
+    def on_routed(self, ctx: RouteContext) -> None:
+        return None
+
+    def on_first_byte(self, ctx: RouteContext) -> None:
+        return None
+
+    def on_finished(self, ctx: RouteContext) -> None:
+        if not ctx.arm or ctx.http_status == 499:  # the client left: says nothing about the arm
+            return
+        usage = ctx.usage or {}
+        prompt_tokens = usage.get("prompt_tokens")
+        if not isinstance(prompt_tokens, int):
+            prompt_tokens = ctx.route_request.prompt_tokens
+        hits = hit_tokens_by_tier(ctx.route_request, ctx.engine_id, ctx.cached_tokens) if ctx.ok else []
+        self._experiments.record(ctx.arm, ctx.ttft_s, ctx.ok, hits or (0.0, 0.0, 0.0), float(prompt_tokens))
+
+
+class TraceObserver:
+    """Writes every successful request as a Mooncake JSONL line (loadtest.workloads.TraceRecorder)."""
+
+    def __init__(self, path: str, key_block_size: int, trace_block_tokens: int) -> None:
+        self._path = path
+        self._key_block_size = key_block_size
+        self._trace_block_tokens = trace_block_tokens
+        self._recorder: Any = None
+
+    async def start(self) -> None:
+        from loadtest.workloads import TraceRecorder
+
+        self._recorder = TraceRecorder(
+            Path(self._path), key_block_size=self._key_block_size, trace_block_size=self._trace_block_tokens
+        )
+
+    async def stop(self) -> None:
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
+
+    def on_routed(self, ctx: RouteContext) -> None:
+        return None
+
+    def on_first_byte(self, ctx: RouteContext) -> None:
+        return None
+
+    def on_finished(self, ctx: RouteContext) -> None:
+        if self._recorder is None or not ctx.ok:
+            return
+        usage = ctx.usage or {}
+        prompt_tokens = usage.get("prompt_tokens") or ctx.route_request.prompt_tokens
+        output_tokens = usage.get("completion_tokens") or 0
+        self._recorder.record(int(prompt_tokens), int(output_tokens), ctx.route_request.block_keys)
+
+
+# ----------------------------------------------------------------------------- services
+
+
+class RouterServices:
+    """The background parts of a router, started and stopped by the app's lifespan: the HTTP
+    session for discovery/scrapes/tokenize, the EventManager, one /metrics scraper per engine, the
+    silent-source watchdog and the SIGHUP handler. Also an observer (traffic per engine)."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        config_path: str | Path | None,
+        tracker: LoadTracker,
+        metrics: RouterMetrics,
+        index: PrefixIndex | None,
+        costs: CostModel,
+        experiments: Experiments,
+        tokenizer: Any,
+        install_sighup: bool = False,
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.tracker = tracker
+        self.metrics = metrics
+        self.index = index
+        self.costs = costs
+        self.experiments = experiments
+        self.tokenizer = tokenizer
+        self.install_sighup = install_sighup
+        self.manager: EventManager | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sighup_installed = False
+        #: Engine id -> monotonic time of its first finished request not yet followed by a KV-event
+        #: batch: the watchdog reports it silent once that is older than events.silent_after_s.
+        self._unconfirmed_since: dict[str, float] = {}
+        self._silent: dict[str, str] = {}
+        self.scrape_errors: dict[str, str] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0))
+        if isinstance(self.tokenizer, HealthyEngineTokenizer):
+            self.tokenizer.session = self.session
+        if self.index is not None:
+            sources, discover = event_sources(self.config.engines, discover=self.config.events.discover)
+            self.manager = EventManager(
+                self.index,
+                sources,
+                discover=discover or None,
+                http_session=self.session,
+                silent_after_s=self.config.events.silent_after_s,
+                replay_timeout_s=self.config.events.replay_timeout_s,
+                on_batch=self._on_batch,
+            )
+            await self.manager.start()
+            self._tasks.append(asyncio.create_task(self._watchdog(), name="kvroute-events-watchdog"))
+        if self.config.costs.scrape_interval_s > 0:
+            for state in self.tracker.engines.values():
+                self._tasks.append(
+                    asyncio.create_task(
+                        self._scrape_loop(state.config), name=f"kvroute-scrape:{state.config.id}"
+                    )
+                )
+        if self.install_sighup:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
+            self._sighup_installed = True
+
+    async def stop(self) -> None:
+        if self._sighup_installed:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            self._sighup_installed = False
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.manager is not None:
+            await self.manager.stop()
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    # -- observer: traffic per engine, for the silent-source check ------------------------------
+
+    def on_routed(self, ctx: RouteContext) -> None:
+        return None
+
+    def on_first_byte(self, ctx: RouteContext) -> None:
+        return None
+
+    def on_finished(self, ctx: RouteContext) -> None:
+        if ctx.ok and ctx.engine_id:
+            self._unconfirmed_since.setdefault(ctx.engine_id, time.monotonic())
+
+    def _on_batch(self, source: EventSource, batch: EventBatch) -> None:
+        self._unconfirmed_since.pop(source.engine_id, None)
+
+    # -- silent sources -------------------------------------------------------------------------
+
+    def silent_engines(self) -> dict[str, str]:
+        """Engine id -> why it is reported: traffic went there but no KV event came back."""
+        if self.manager is None:
+            return {}
+        now = time.monotonic()
+        limit_s = self.config.events.silent_after_s
+        with_source = {h.source.engine_id for h in self.manager.source_health().values()}
+        out: dict[str, str] = {}
+        for engine_id, since in self._unconfirmed_since.items():
+            waited_s = now - since
+            if waited_s <= limit_s:
+                continue
+            if engine_id in with_source:
+                out[engine_id] = (
+                    f"served traffic but its KV-event source published nothing for {waited_s:.1f} s "
+                    f"(events.silent_after_s = {limit_s:g}); check kv_events_endpoint and the engine's "
+                    "--kv-events-config"
+                )
+            else:
+                out[engine_id] = (
+                    "served traffic but has no KV-event source (no kv_events_endpoint configured and "
+                    "discovery found none); its cache is invisible to the index"
+                )
+        return out
+
+    async def _watchdog(self) -> None:
+        period_s = max(0.05, min(1.0, self.config.events.silent_after_s / 2))
+        while True:
+            await asyncio.sleep(period_s)
+            self._check_silent()
+
+    def _check_silent(self) -> None:
+        silent = self.silent_engines()
+        for engine_id, reason in silent.items():
+            if engine_id not in self._silent:
+                log.warning("engine %s: %s", engine_id, reason)
+        for engine_id in self._silent.keys() - silent.keys():
+            log.info("engine %s: KV events arrive again", engine_id)
+        self._silent = silent
+        for engine_id in self.tracker.engines:
+            self.metrics.event_source_silent.labels(engine_id).set(1 if engine_id in silent else 0)
+
+    def ready_detail(self) -> dict[str, Any]:
+        """The ``events`` part of GET /ready."""
+        if self.manager is None:
+            return {"index": "disabled" if self.index is None else "not started"}
+        health = self.manager.health()
+        silent = self.silent_engines()
+        problems = {
+            name: s["status"]
+            for name, s in health["sources"].items()
+            if s["status"] in ("stale", "disconnected")
+        }
+        return {
+            "ok": not silent and not problems and not health["discovery_errors"],
+            "silent_engines": silent,
+            "source_problems": problems,
+            "discovery_errors": health["discovery_errors"],
+            "sources": {
+                name: {
+                    k: s[k] for k in ("engine_id", "status", "last_seq", "seconds_since_last_event", "gaps")
+                }
+                for name, s in health["sources"].items()
+            },
+        }
+
+    def index_trusted(self, engine_id: str) -> bool:
+        untrusted = self.manager.untrusted_engines() if self.manager is not None else set()
+        return engine_id not in untrusted and self.costs.index_trusted(engine_id)
+
+    # -- scraping -------------------------------------------------------------------------------
+
+    async def _scrape_loop(self, engine: EngineConfig) -> None:
+        interval_s = self.config.costs.scrape_interval_s
+        while True:
+            started_s = time.monotonic()
+            await self.scrape_once(engine)
+            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started_s)))
+
+    async def scrape_once(self, engine: EngineConfig) -> None:
+        """One GET /metrics of ``engine`` into the load tracker and the cost model."""
+        assert self.session is not None
+        try:
+            async with self.session.get(f"{engine.url}/metrics") as resp:
+                if resp.status != 200:
+                    raise ValueError(f"GET /metrics answered {resp.status}")
+                text = await resp.text()
+            parsed = await asyncio.to_thread(parse_engine_metrics, text)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            if self.scrape_errors.get(engine.id) is None:
+                log.warning("engine %s: metrics scrape failed: %s", engine.id, exc)
+            self.scrape_errors[engine.id] = f"{type(exc).__name__}: {exc}"
+            return
+        self.scrape_errors.pop(engine.id, None)
+        values = {
+            name: value
+            for name, value in (
+                ("num_requests_running", parsed.num_requests_running),
+                ("num_requests_waiting", parsed.num_requests_waiting),
+                ("kv_cache_usage_perc", parsed.kv_cache_usage_perc),
+            )
+            if value is not None
+        }
+        self.tracker.update_scraped(engine.id, values)
+        self.costs.update_offload_counters(
+            engine.id, parsed.offload_load_bytes_by_tier, parsed.offload_load_time_s_by_tier, time.monotonic()
+        )
+
+    # -- reload ---------------------------------------------------------------------------------
+
+    def reload(self) -> dict[str, Any]:
+        """Re-read the config file and switch the experiment arms (sessions keep theirs)."""
+        if not self.config_path:
+            raise RouterError(
+                409,
+                "this router was started without --config; there is no file to reload",
+                code="no_config_file",
+            )
+        try:
+            new_config = load_config(self.config_path)
+        except ConfigError as exc:
+            raise RouterError(400, f"reload failed, old config kept: {exc}", code="invalid_config") from None
+        self.experiments.reload(experiment_arms(new_config))
+        log.warning(
+            "config reloaded from %s: arms %s", self.config_path, [a.name for a in self.experiments.arms]
+        )
+        return {
+            "reloaded": True,
+            "config": str(self.config_path),
+            "arms": [a.name for a in self.experiments.arms],
+        }
+
+    def _on_sighup(self) -> None:
+        try:
+            self.reload()
+        except RouterError as err:
+            log.error("SIGHUP reload failed: %s", err.message)
+
+    # -- metrics --------------------------------------------------------------------------------
+
+    def collect(self) -> list[Any]:
+        """Prometheus families computed at scrape time: event ingestion, index size, cost estimates."""
+        families: list[Any] = []
+        if self.manager is not None:
+            per_engine: dict[str, dict[str, float]] = {}
+            for h in self.manager.source_health().values():
+                row = per_engine.setdefault(h.source.engine_id, {})
+                for name in ("batches", "events", "decode_errors", "gaps", "replays", "replay_failures"):
+                    row[name] = row.get(name, 0.0) + getattr(h, name)
+            for name, text in (
+                ("batches", "KV-event batches applied"),
+                ("events", "KV events applied"),
+                ("decode_errors", "KV-event payloads that could not be decoded"),
+                ("gaps", "Sequence gaps in an engine's KV-event stream"),
+                ("replays", "Replay requests after a gap or a late join"),
+                ("replay_failures", "Replays that failed or could not reach back far enough"),
+            ):
+                family = CounterMetricFamily(f"kvroute_kv_event_{name}", text, labels=["engine"])
+                for engine_id, row in sorted(per_engine.items()):
+                    family.add_metric([engine_id], row[name])
+                families.append(family)
+        if self.index is not None:
+            entries = GaugeMetricFamily(
+                "kvroute_index_blocks",
+                "Blocks the index holds per engine and tier",
+                labels=["engine", "tier"],
+            )
+            for engine_id, row in sorted(self.index.stats()["engines"].items()):
+                for tier in TIERS:
+                    entries.add_metric([engine_id, tier.name], row[f"{tier.name.lower()}_blocks"])
+            families.append(entries)
+        grouped: dict[str, GaugeMetricFamily] = {}
+        for name, labels, value in self.costs.gauge_values():
+            gauge = grouped.get(name)
+            if gauge is None:
+                gauge = grouped[name] = GaugeMetricFamily(
+                    name, "Cost model estimate (see /debug/costs)", labels=list(labels)
+                )
+            if math.isfinite(value):
+                gauge.add_metric(list(labels.values()), value)
+        families.extend(grouped.values())
+        return families
+
+
+def event_sources(
+    engines: Sequence[EngineConfig], *, discover: bool
+) -> tuple[list[EventSource], dict[str, str]]:
+    """Configured publishers, and engine id -> URL of engines to ask GET /kv_event_sources."""
+    sources: list[EventSource] = []
+    to_discover: dict[str, str] = {}
+    for engine in engines:
+        if engine.kv_events_endpoint:
+            sources.append(
+                EventSource(
+                    engine.id,
+                    engine.kv_events_endpoint,
+                    engine.kv_replay_endpoint or None,
+                    topic=engine.kv_events_topic,
+                )
+            )
+        elif discover:
+            to_discover[engine.id] = engine.url
+    return sources, to_discover
+
+
+def build_index(config: RouterConfig) -> PrefixIndex | None:
+    """The prefix index with one pool per ``storage_pool`` the engines mount (None when disabled)."""
+    if not config.index.enabled:
+        return None
+    pools = {e.storage_pool for e in config.engines if e.storage_pool}
+    return PrefixIndex(
+        storage_pools={p: config.index.pools.get(p, config.index.storage_pool_blocks) for p in sorted(pools)},
+        engine_storage_pool={e.id: e.storage_pool for e in config.engines if e.storage_pool},
+        namespace=namespace_seed(config.tokenizer.namespace),
+    )
+
+
+def build_router_app(
+    config: RouterConfig, config_path: str | Path | None = None, *, install_sighup: bool = False
+) -> FastAPI:
+    """The full router used by ``kvroute serve``; ``config_path`` is what /admin/reload re-reads."""
+    metrics = create_metrics()
+    tracker = LoadTracker(config.engines, metrics)
+    index = build_index(config)
+    try:
+        costs = CostModel.from_config(config.costs.priors)
+    except ValueError as exc:
+        raise ConfigError(f"costs.priors: {exc}") from None
+    experiments = build_arm_selector(config)
+    tokenizer = build_tokenizer(config, tracker)
+    for arm in experiments.arms:
+        if needs_block_keys(arm.policy) and tokenizer is None:
+            log.warning(
+                'arm %s: policy %s needs prompt block keys but tokenizer.backend is "none"; chat '
+                "requests get no keys (set tokenizer.backend to sim, hf or engine)",
+                arm.name,
+                arm.policy.name,
+            )
+    services = RouterServices(
+        config,
+        config_path=config_path,
+        tracker=tracker,
+        metrics=metrics,
+        index=index,
+        costs=costs,
+        experiments=experiments,
+        tokenizer=tokenizer,
+        install_sighup=install_sighup,
+    )
+    metrics.add_collector(services.collect)
+    annotator = IndexAnnotator(config, tokenizer, index, namespace=namespace_seed(config.tokenizer.namespace))
+    observers: list[Any] = [services, CalibrationObserver(costs), ExperimentObserver(experiments)]
+    if index is not None and config.index.speculation_ttl_s > 0:
+        observers.append(SpeculationObserver(index, config.index.speculation_ttl_s))
+    if config.trace.path:
+        observers.append(
+            TraceObserver(config.trace.path, config.engines[0].block_size, config.trace.block_tokens)
+        )
+    app = create_app(
+        config,
+        metrics=metrics,
+        tracker=tracker,
+        index=None,  # started by nobody: the services own the event manager
+        event_manager=services,
+        experiments=experiments,
+        tokenizer=None,
+        annotator=annotator,
+        observers=observers,
+        costs=costs,
+        index_trusted=services.index_trusted,
+    )
+    app.state.index = index
+    app.state.tokenizer = tokenizer
+    app.state.services = services
+    app.state.costs = costs
+    app.state.experiments = experiments
+    _add_endpoints(app, config, services)
+    return app
+
+
+def _json_error(err: RouterError, request_id: str = "") -> Response:
+    headers = {"x-request-id": request_id} if request_id else None
+    return Response(err.body(), status_code=err.status, media_type="application/json", headers=headers)
+
+
+def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices) -> None:
+    router = app.state.router
+
+    @app.post("/v1/route/explain")
+    async def explain(request: Request) -> Response:
+        """Where a chat or completion body would go and why; nothing is sent upstream."""
+        request_id = request.headers.get("x-request-id") or new_request_id()
+        try:
+            raw = await request.body()
+            try:
+                doc = msgspec.json.decode(raw)
+            except msgspec.DecodeError:
+                doc = None  # parse_request answers with the 400
+            endpoint = CHAT if isinstance(doc, dict) and "messages" in doc else COMPLETIONS
+            ctx = parse_request(
+                endpoint,
+                raw,
+                request.headers,
+                request_id=request_id,
+                started_s=time.monotonic(),
+                config=config,
+            )
+            arm, decision = await router.decide(ctx)
+        except RouterError as err:
+            return _json_error(err, request_id)
+        body = explain_payload(ctx.route_request, ctx.fleet, decision, arm.policy.name)
+        body["arm"] = arm.name
+        body["session_key"] = ctx.route_request.session_key
+        return JSONResponse(body, headers={"x-kvroute-arm": arm.name})
+
+    @app.get("/debug/index")
+    async def debug_index() -> Response:
+        if services.index is None:
+            return JSONResponse({"index": None, "reason": "index.enabled is false"})
+        return JSONResponse(debug_index_payload(services.index, services.manager))
+
+    @app.get("/debug/costs")
+    async def debug_costs() -> Response:
+        body = services.costs.snapshot()
+        body["scrape_errors"] = dict(services.scrape_errors)
+        return JSONResponse(body)
+
+    @app.get("/v1/experiments")
+    async def experiments_report() -> Response:
+        return JSONResponse(services.experiments.report())
+
+    def check_admin(request: Request) -> None:
+        token = config.admin.token
+        if not token:
+            raise RouterError(
+                404,
+                "admin endpoints are disabled; set admin.token to enable them",
+                type="not_found_error",
+                code="admin_disabled",
+            )
+        header = request.headers.get("authorization", "")
+        if not header.lower().startswith("bearer "):
+            raise RouterError(
+                401,
+                "missing 'Authorization: Bearer <admin.token>' header",
+                type="authentication_error",
+                code="missing_admin_token",
+            )
+        if header[7:].strip() != token:
+            raise RouterError(403, "wrong admin token", type="permission_error", code="invalid_admin_token")
+
+    @app.post("/admin/reload")
+    async def admin_reload(request: Request) -> Response:
+        try:
+            check_admin(request)
+            return JSONResponse(services.reload())
+        except RouterError as err:
+            return _json_error(err)
+
+    @app.post("/admin/engines/{engine_id}/drain")
+    async def admin_drain(engine_id: str, request: Request) -> Response:
+        """Take an engine out of routing until restart; in-flight requests finish normally."""
+        try:
+            check_admin(request)
+            if engine_id not in services.tracker.engines:
+                raise RouterError(
+                    404,
+                    f"unknown engine {engine_id!r}; engines: {', '.join(services.tracker.engines)}",
+                    type="not_found_error",
+                    code="engine_not_found",
+                )
+        except RouterError as err:
+            return _json_error(err)
+        services.tracker.engines[engine_id].drained = True
+        log.warning("engine %s drained by admin: no new requests go there", engine_id)
+        return JSONResponse({"drained": engine_id})

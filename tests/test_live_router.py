@@ -1,0 +1,266 @@
+"""The fully wired router (``router.service.build_router_app``) in front of a real 3-engine simulated
+fleet, driven with the official openai SDK: conversations stay on the engine holding their history,
+/v1/route/explain agrees with what the engine then reports as cached, experiments and forced arms,
+admin reload, calibrated costs, and /ready reporting an engine whose KV events never arrive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from router.config import load_config
+from router.service import build_router_app
+from sim import tokenizer
+from sim.fleet import PROFILES, Fleet, FleetEngine
+from sim.server import free_port
+from tests.conftest import ThreadedServer
+
+BLOCK_TOKENS = 16
+ARMS = [
+    {"name": "kv", "policy": "kv_gpu"},
+    {"name": "tc", "policy": "tier_cost"},
+]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[FleetEngine]]:
+    profile = replace(PROFILES["tiny"], gpu_blocks=512, cpu_blocks=512, storage_blocks=4096, time_scale=100.0)
+    with Fleet(tmp_path_factory.mktemp("live-fleet")) as f:
+        yield f.start(3, profile, storage_pool="pool0")
+
+
+def _router_data(engines: list[FleetEngine], **sections: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "engines": [e.fleet_entry() for e in engines],
+        "tokenizer": {"backend": "sim"},
+        "experiment": {"name": "live", "arms": ARMS},
+        "health": {"interval_s": 0.5},
+        "costs": {"scrape_interval_s": 0.2},
+        "events": {"silent_after_s": 5.0},
+        "log_level": "warning",
+    }
+    data.update(sections)
+    return data
+
+
+@pytest.fixture
+def router_url(fleet: list[FleetEngine], serve_asgi: Callable[..., ThreadedServer]) -> Callable[..., str]:
+    def start(**sections: Any) -> str:
+        config = load_config(environ={}, overrides=_router_data(fleet, **sections))
+        return serve_asgi(build_router_app(config)).url
+
+    return start
+
+
+def _client(url: str, arm: str | None = None, session: str = "") -> openai.OpenAI:
+    headers = {}
+    if arm:
+        headers["x-kvroute-arm"] = arm
+    if session:
+        headers["x-session-id"] = session
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, default_headers=headers)
+
+
+def _settle(url: str, quiet_s: float = 0.3) -> None:
+    """Wait until no KV-event batch arrived for ``quiet_s`` (the engines are idle)."""
+
+    def batches() -> Any:
+        events = httpx.get(f"{url}/debug/index").json()["events"]["sources"]
+        return sorted((name, s["batches"]) for name, s in events.items())
+
+    deadline = time.monotonic() + 10.0
+    last, quiet_since = batches(), time.monotonic()
+    while time.monotonic() - quiet_since < quiet_s:
+        assert time.monotonic() < deadline, "KV events did not settle within 10 s"
+        time.sleep(0.05)
+        now = batches()
+        if now != last:
+            last, quiet_since = now, time.monotonic()
+
+
+class Chat:
+    """A conversation resent in full each turn through the router (non-streaming)."""
+
+    def __init__(self, url: str, arm: str, seed: int) -> None:
+        self.url = url
+        self.arm = arm
+        self.session = f"live-{arm}-{seed}"
+        self.client = _client(url, arm, self.session)
+        self.messages: list[dict[str, Any]] = [
+            {"role": "system", "content": tokenizer.filler_text(48, seed=seed)},
+            {"role": "user", "content": f"[{seed}] " + tokenizer.filler_text(150, seed=seed + 1)},
+        ]
+
+    def explain(self) -> dict[str, Any]:
+        resp = httpx.post(
+            f"{self.url}/v1/route/explain",
+            json={"model": tokenizer.NAME, "messages": self.messages, "max_tokens": 4},
+            headers={"x-kvroute-arm": self.arm, "x-session-id": self.session},
+        )
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    def turn(self, turn_no: int) -> tuple[str, int, int]:
+        """(engine, prompt tokens, cached tokens) of the next turn."""
+        raw = self.client.chat.completions.with_raw_response.create(
+            model=tokenizer.NAME,
+            messages=self.messages,  # type: ignore[arg-type]
+            max_tokens=4,
+        )
+        assert raw.headers["x-kvroute-arm"] == self.arm
+        reply = raw.parse()
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        self.messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        self.messages.append({"role": "user", "content": tokenizer.filler_text(40, seed=turn_no + 100)})
+        return (
+            raw.headers["x-kvroute-engine"],
+            reply.usage.prompt_tokens,
+            reply.usage.prompt_tokens_details.cached_tokens or 0,
+        )
+
+
+@pytest.mark.parametrize("arm", ["kv", "tc"])
+def test_conversation_sticks_to_its_history_and_explain_predicts_the_hit(
+    arm: str, router_url: Callable[..., str]
+) -> None:
+    url = router_url()
+    chat = Chat(url, arm, seed=11 if arm == "kv" else 23)
+    first_engine, _, _ = chat.turn(0)
+    cached_seen = [0]
+    for turn_no in range(1, 4):
+        _settle(url)
+        explained = chat.explain()
+        assert explained["arm"] == arm and explained["policy"] == ("kv_gpu" if arm == "kv" else "tier_cost")
+        chosen = next(e for e in explained["engines"] if e["chosen"])
+        engine, prompt_tokens, cached = chat.turn(turn_no)
+        assert engine == first_engine == explained["choice"] == chosen["engine_id"]
+        # The engine computes at least the last prompt token: hits stop one block short of a
+        # prompt that is an exact multiple of the block size.
+        hit_blocks = min(chosen["prefix_blocks"], (prompt_tokens - 1) // BLOCK_TOKENS)
+        assert cached == hit_blocks * BLOCK_TOKENS, (turn_no, explained, cached)
+        assert chosen["prefix_blocks_by_tier"]["gpu"] == chosen["prefix_blocks"]
+        others = [e["prefix_blocks"] for e in explained["engines"] if not e["chosen"]]
+        assert all(b < chosen["prefix_blocks"] for b in others)
+        assert cached > cached_seen[-1]
+        cached_seen.append(cached)
+
+
+def test_experiments_forced_arm_and_unknown_arm(router_url: Callable[..., str]) -> None:
+    url = router_url()
+    for arm in ("kv", "tc", "kv"):
+        raw = _client(url, arm, f"exp-{arm}").chat.completions.with_raw_response.create(
+            model=tokenizer.NAME, messages=[{"role": "user", "content": f"hello {arm}"}], max_tokens=2
+        )
+        assert raw.headers["x-kvroute-arm"] == arm
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(url, "nope").chat.completions.create(
+            model=tokenizer.NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert "kv" in str(info.value) and "tc" in str(info.value) and "nope" in str(info.value)
+    report = httpx.get(f"{url}/v1/experiments").json()
+    arms = {a["name"]: a for a in report["arms"]}
+    assert report["control"] == "kv"
+    assert (arms["kv"]["requests"], arms["tc"]["requests"]) == (2, 1)
+    assert arms["tc"]["vs_control"]["control"] == "kv"
+
+
+def test_admin_reload_needs_the_token_and_keeps_session_arms(
+    fleet: list[FleetEngine], tmp_path: Path, serve_asgi: Callable[..., ThreadedServer]
+) -> None:
+    config_path = tmp_path / "router.toml"
+
+    def write(weights: tuple[float, float]) -> None:
+        lines = ['log_level = "warning"', "[tokenizer]", 'backend = "sim"', "[admin]", 'token = "s3cret"']
+        lines += ["[experiment]", 'name = "reload"']
+        for arm, weight in zip(ARMS, weights, strict=True):
+            lines += ["[[experiment.arms]]", f'name = "{arm["name"]}"', f'policy = "{arm["policy"]}"']
+            lines += [f"weight = {weight}"]
+        for e in fleet:
+            lines += ["[[engines]]", *(f"{k} = {v!r}".replace("'", '"') for k, v in e.fleet_entry().items())]
+        config_path.write_text("\n".join(lines) + "\n")
+
+    write((1.0, 0.0))  # everything on "kv"
+    url = serve_asgi(build_router_app(load_config(config_path, environ={}), config_path)).url
+    client = _client(url, session="sticky-session")
+    raw = client.chat.completions.with_raw_response.create(
+        model=tokenizer.NAME, messages=[{"role": "user", "content": "first"}], max_tokens=2
+    )
+    assert raw.headers["x-kvroute-arm"] == "kv"
+    write((0.0, 1.0))  # new sessions now all go to "tc"
+    assert httpx.post(f"{url}/admin/reload").status_code == 401
+    wrong = httpx.post(f"{url}/admin/reload", headers={"authorization": "Bearer nope"})
+    assert wrong.status_code == 403 and wrong.json()["error"]["code"] == "invalid_admin_token"
+    ok = httpx.post(f"{url}/admin/reload", headers={"authorization": "Bearer s3cret"})
+    assert ok.status_code == 200, ok.text
+    weights = {a["name"]: a["weight"] for a in httpx.get(f"{url}/v1/experiments").json()["arms"]}
+    assert weights == {"kv": 0.0, "tc": 1.0}
+    again = client.chat.completions.with_raw_response.create(
+        model=tokenizer.NAME, messages=[{"role": "user", "content": "first"}], max_tokens=2
+    )
+    assert again.headers["x-kvroute-arm"] == "kv"  # the session keeps its arm
+    fresh = _client(url, session="new-session").chat.completions.with_raw_response.create(
+        model=tokenizer.NAME, messages=[{"role": "user", "content": "other"}], max_tokens=2
+    )
+    assert fresh.headers["x-kvroute-arm"] == "tc"
+
+
+def test_admin_disabled_without_token(router_url: Callable[..., str]) -> None:
+    url = router_url()
+    resp = httpx.post(f"{url}/admin/reload", headers={"authorization": "Bearer x"})
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "admin_disabled"
+
+
+def test_costs_move_from_priors_and_metrics_expose_them(router_url: Callable[..., str]) -> None:
+    url = router_url()
+    chat = Chat(url, "tc", seed=41)
+    for turn_no in range(4):
+        chat.turn(turn_no)
+    costs = httpx.get(f"{url}/debug/costs").json()
+    observed = {e: c for e, c in costs["engines"].items() if c["observations"] > 0}
+    assert observed, costs
+    for entry in observed.values():
+        assert entry["estimate"]["prefill_tokens_per_s"] != entry["prior"]["prefill_tokens_per_s"]
+    text = httpx.get(f"{url}/metrics").text
+    assert "kvroute_cost_prefill_tokens_per_second{" in text
+    assert 'kvroute_kv_event_batches_total{engine="e0"}' in text
+    assert 'kvroute_index_blocks{engine="' in text
+    assert 'arm="tc"' in text
+
+
+def test_ready_reports_an_engine_whose_events_never_arrive(
+    fleet: list[FleetEngine], serve_asgi: Callable[..., ThreadedServer]
+) -> None:
+    engine = replace(fleet[0], kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}", replay_endpoint="")
+    data = _router_data(
+        [engine],
+        experiment={"arms": []},
+        policy={"name": "round_robin"},
+        events={"silent_after_s": 0.3},
+    )
+    url = serve_asgi(build_router_app(load_config(environ={}, overrides=data))).url
+    before = httpx.get(f"{url}/ready").json()
+    assert before["events"]["silent_engines"] == {}  # no traffic yet: nothing to expect
+    _client(url).chat.completions.create(
+        model=tokenizer.NAME, messages=[{"role": "user", "content": "anyone listening?"}], max_tokens=2
+    )
+    deadline = time.monotonic() + 5.0
+    while True:
+        ready = httpx.get(f"{url}/ready").json()
+        if engine.id in ready["events"]["silent_engines"]:
+            break
+        assert time.monotonic() < deadline, ready
+        time.sleep(0.1)
+    assert ready["events"]["ok"] is False
+    assert "kv_events_endpoint" in ready["events"]["silent_engines"][engine.id]
+    deadline = time.monotonic() + 5.0
+    while f'kvroute_event_source_silent{{engine="{engine.id}"}} 1.0' not in httpx.get(f"{url}/metrics").text:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
