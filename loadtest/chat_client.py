@@ -1,6 +1,7 @@
 """A small async multi-turn chat load generator for any OpenAI-compatible endpoint.
 
-Each conversation resends its whole history every turn (shared system prompt, growing user text and
+It drives a synthetic ``loadtest.workloads.Workload`` (the same conversations the offline simulator
+replays): each conversation resends its whole history every turn (shared system prompt, growing user text and
 the previous answers), streams the answer, measures TTFT at the client and records what the router
 said in its response headers (engine, arm) and what the engine reported as cached prompt tokens.
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import statistics
 import sys
 import time
@@ -19,23 +19,8 @@ from typing import Any
 
 import aiohttp
 
-from sim.tokenizer import filler_text
-
-
-@dataclass(slots=True)
-class ChatWorkload:
-    """Shape of the conversations (token counts in the simulator tokenizer's tokens)."""
-
-    conversations: int = 16
-    concurrency: int = 8
-    turns: int = 4
-    system_tokens: int = 1000
-    first_user_tokens: int = 2000
-    user_tokens_per_turn: int = 500
-    answer_tokens: int = 64
-    think_time_mean_s: float = 0.5
-    model: str = "kvroute-sim"
-    seed: int = 0
+from loadtest.workloads import Workload
+from sim.tokenizer import NAME as SIM_MODEL
 
 
 @dataclass(slots=True)
@@ -82,29 +67,24 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return statistics.quantiles(sorted_values, n=100, method="inclusive")[max(0, min(98, round(q * 100) - 1))]
 
 
-def _user_text(workload: ChatWorkload, conversation: int, turn: int) -> str:
-    n = workload.first_user_tokens if turn == 0 else workload.user_tokens_per_turn
-    # Distinct per conversation and turn; a leading tag keeps conversations apart from token 0 on.
-    tag = f"[c{conversation}t{turn}] "
-    return tag + filler_text(n, seed=workload.seed * 1_000_003 + conversation * 101 + turn + 1)
-
-
 async def _one_turn(
     session: aiohttp.ClientSession,
     url: str,
-    workload: ChatWorkload,
+    model: str,
+    session_id: str,
     conversation: int,
     turn: int,
     messages: list[dict[str, Any]],
+    max_tokens: int,
 ) -> tuple[TurnResult, str]:
     body = {
-        "model": workload.model,
+        "model": model,
         "messages": messages,
-        "max_tokens": workload.answer_tokens,
+        "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    headers = {"x-session-id": f"conv-{workload.seed}-{conversation}"}
+    headers = {"x-session-id": session_id}
     start = time.perf_counter()
     ttft = float("nan")
     answer: list[str] = []
@@ -156,54 +136,60 @@ async def _one_turn(
 
 async def run_load(
     url: str,
-    workload: ChatWorkload,
+    workload: Workload,
     *,
+    model: str = SIM_MODEL,
     progress: Callable[[int, int], None] | None = None,
     timeout_s: float = 120.0,
 ) -> LoadResult:
-    """Run ``workload.conversations`` conversations, ``workload.concurrency`` at a time."""
-    rng = random.Random(workload.seed)
-    system = {"role": "system", "content": filler_text(workload.system_tokens, seed=workload.seed)}
-    total_turns = workload.conversations * workload.turns
+    """Run every conversation of ``workload``, ``workload.concurrency`` at a time (closed loop: a
+    turn is sent its think time after the previous answer ended), sending the real answers back."""
+    concurrency = workload.concurrency or len(workload.conversations)
+    total_turns = workload.num_requests
     result = LoadResult()
     queue: asyncio.Queue[int] = asyncio.Queue()
-    for c in range(workload.conversations):
+    for c in range(len(workload.conversations)):
         queue.put_nowait(c)
-    think = [rng.expovariate(1.0 / workload.think_time_mean_s) if workload.think_time_mean_s > 0 else 0.0
-             for _ in range(total_turns)]
 
     async def worker(session: aiohttp.ClientSession) -> None:
         while True:
             try:
-                conversation = queue.get_nowait()
+                index = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            messages: list[dict[str, Any]] = [system]
-            for turn in range(workload.turns):
-                messages.append({"role": "user", "content": _user_text(workload, conversation, turn)})
-                turn_result, answer = await _one_turn(session, url, workload, conversation, turn, messages)
+            conv = workload.conversations[index]
+            answers: list[str] = []
+            for k, turn in enumerate(conv.turns):
+                if k > 0 and turn.think_time_s > 0:
+                    await asyncio.sleep(turn.think_time_s)
+                messages: list[dict[str, Any]] = list(conv.messages(k, answers))
+                turn_result, answer = await _one_turn(
+                    session, url, model, conv.conversation_id, index, k, messages, turn.output_tokens
+                )
                 result.turns.append(turn_result)
                 if progress:
                     progress(len(result.turns), total_turns)
                 if not turn_result.ok:
                     break
-                messages.append({"role": "assistant", "content": answer})
-                await asyncio.sleep(think[conversation * workload.turns + turn])
+                answers.append(answer)
 
     start = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    connector = aiohttp.TCPConnector(limit=workload.concurrency * 2)
+    connector = aiohttp.TCPConnector(limit=concurrency * 2)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        await asyncio.gather(*(worker(session) for _ in range(workload.concurrency)))
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
     result.wall_s = time.perf_counter() - start
     return result
 
 
 def print_progress(done: int, total: int) -> None:
-    """A one-line progress bar on stderr."""
-    width = 30
-    filled = int(width * done / max(total, 1))
-    sys.stderr.write(f"\r  turns [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-    if done >= total:
-        sys.stderr.write("\n")
+    """Progress on stderr: a redrawn bar on a terminal, a line every 10% otherwise (logs, CI)."""
+    if sys.stderr.isatty():
+        width = 30
+        filled = int(width * done / max(total, 1))
+        sys.stderr.write(f"\r  turns [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        if done >= total:
+            sys.stderr.write("\n")
+    elif done == total or (done * 10 // max(total, 1)) != ((done - 1) * 10 // max(total, 1)):
+        sys.stderr.write(f"  turns {done}/{total} ({100 * done // max(total, 1)}%)\n")
     sys.stderr.flush()

@@ -19,7 +19,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from loadtest.chat_client import ChatWorkload, print_progress, run_load
+from loadtest.chat_client import print_progress, run_load
+from loadtest.workloads import LadderConfig, Workload, ladder_workload
 from sim.fleet import Fleet, FleetProfile
 from sim.server import free_port
 
@@ -136,6 +137,26 @@ def gain_line(report: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def demo_workload(args: argparse.Namespace) -> Workload:
+    """The B1 ladder scaled down: 2,400-token first prompts sharing a 600-token system prompt,
+    +448 tokens a turn (the previous 48-token answer and new user text)."""
+    return ladder_workload(
+        LadderConfig(
+            first_prompt_tokens=2400,
+            system_prefix_tokens=600,
+            tokens_per_turn=448,
+            turns=args.turns,
+            answer_min_tokens=48,
+            answer_max_tokens=48,
+            think_time_mean_s=args.think_time_s,
+            concurrency=args.concurrency,
+            total_conversations=args.conversations,
+            block_size=DEMO_PROFILE.block_size,
+            seed=args.seed,
+        )
+    )
+
+
 def run_demo(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-demo-"))
     router: subprocess.Popen[bytes] | None = None
@@ -153,28 +174,18 @@ def run_demo(args: argparse.Namespace) -> int:
         write_router_config(config, fleet_file, port, arms)
         url = f"http://127.0.0.1:{port}"
         _log(f"starting the router on {url} with a 50/50 experiment round_robin vs tier_cost ...")
-        log = open(workdir / "router.log", "wb")
-        router = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", "--config", str(config)],
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(workdir / "router.log", "wb") as log:  # the child keeps its own descriptor
+            router = subprocess.Popen(
+                [sys.executable, "-m", "router.cli", "serve", "--config", str(config)],
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         _wait_ready(url, router, 30.0)
-        workload = ChatWorkload(
-            conversations=args.conversations,
-            concurrency=args.concurrency,
-            turns=args.turns,
-            system_tokens=600,
-            first_user_tokens=1800,
-            user_tokens_per_turn=400,
-            answer_tokens=48,
-            think_time_mean_s=args.think_time_s,
-            seed=args.seed,
-        )
+        workload = demo_workload(args)
         _log(
-            f"driving {workload.conversations} conversations x {workload.turns} turns, "
+            f"driving {len(workload.conversations)} conversations x {args.turns} turns, "
             f"{workload.concurrency} at a time (streaming, full history resent each turn) ..."
         )
         result = asyncio.run(run_load(url, workload, progress=print_progress))
