@@ -32,6 +32,7 @@ import xxhash
 from starlette.responses import Response, StreamingResponse
 
 from policies.base import Decision, FleetView, NoEngineAvailable, Policy, RouteRequest
+from policies.costs import predicted_prefill_tokens
 from router.config import RouterConfig
 from router.errors import RouterError, bad_request
 from router.experiments import FORCED_ARM_HEADER, Arm, Experiments
@@ -368,6 +369,8 @@ class Router:
             # the hit tokens by tier of every arm, and the trace records every request's keys.
             ctx.fleet = FleetView(candidates)
             await self.annotator.annotate(ctx)
+            # Other requests were routed while this one was tokenised: choose on fresh load figures.
+            candidates = self.tracker.candidates(request.model)
         if self.index_trusted is not None:
             for view in candidates:
                 view.index_trusted = self.index_trusted(view.engine_id)
@@ -412,9 +415,11 @@ class Router:
     async def handle(self, ctx: RouteContext, headers: Mapping[str, str], receive: Receive) -> Response:
         """Route ``ctx`` and return the response to send (streaming or complete)."""
         arm, decision = await self.decide(ctx)
+        # Reserve the engine's load now, with no await since the choice: requests that arrive
+        # together must see each other's load, or a burst piles onto the engine that looked idle.
+        tickets: list[LoadTicket] = [self._begin(ctx, decision, decision.engine_id)]
         self._notify("on_routed", ctx)
         arm.policy.on_routed(ctx.route_request, decision)
-        tickets: list[LoadTicket] = []
         try:
             # One disconnect watcher for the whole wait on the engine (headers, and the body of a
             # non-stream answer); once streaming, Starlette's StreamingResponse watches instead.
@@ -429,6 +434,11 @@ class Router:
                     "client disconnected; upstream request cancelled",
                 )
             return Response(status_code=STATUS_CLIENT_GONE)
+
+    def _begin(self, ctx: RouteContext, decision: Decision, engine_id: str) -> LoadTicket:
+        # Queue only what the engine must compute: a mostly cached prompt counted whole makes its
+        # engine look busy and pushes the conversation's next turn away from its history.
+        return self.tracker.begin(engine_id, predicted_prefill_tokens(ctx.route_request, decision, engine_id))
 
     async def _forward(
         self,
@@ -454,8 +464,9 @@ class Router:
             ctx.engine_id = engine_id
             ctx.attempts.append(engine_id)
             engine = self.tracker.engines[engine_id].config
-            ticket = self.tracker.begin(engine_id, ctx.route_request.prompt_tokens)
-            tickets.append(ticket)
+            if attempt > 0:  # the first attempt's ticket was taken when the engine was chosen
+                tickets.append(self._begin(ctx, decision, engine_id))
+            ticket = tickets[-1]
             try:
                 response = await self.client.send(engine.url + path, ctx.raw_body, upstream_headers)
                 break
