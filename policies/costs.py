@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from policies.base import TIERS, Tier
+from policies.base import NO_MATCH, TIERS, Decision, RouteRequest, Tier
 
 #: Reference numbers (Llama-3-8B bf16 on one H100, see docs/routing.md): 128 KiB of KV per token,
 #: host->GPU over PCIe 5 at 64 GB/s, prefill ~22x slower than a host reload.
@@ -162,6 +162,26 @@ def predict_parts(
         hit_tokens=hit_tokens,
         prefill_tokens=prefill_tokens,
     )
+
+
+def predicted_prefill_tokens(request: RouteRequest, decision: Decision, engine_id: str | None = None) -> int:
+    """Prompt tokens the chosen engine is expected to compute: what the in-flight accounting should
+    queue as pending prefill (``LoadTracker.begin``) until the first token.
+
+    The decision's own prediction (``scores[chosen]["prefill_tokens"]``, tier_cost) when present;
+    else the prompt minus the chosen engine's prefix match in any tier (capped at prompt - 1: the
+    engine recomputes the last token); else the whole prompt. Counting a mostly cached prompt whole
+    makes its engine look busy and pushes the conversation's next turn away from its history.
+    ``engine_id``: price a fallback engine instead of the choice (a retry after a refused connection).
+    """
+    engine_id = decision.engine_id if engine_id is None else engine_id
+    prompt_tokens = request.prompt_tokens or len(request.block_keys) * request.block_size
+    score = decision.scores.get(engine_id)
+    if score is not None and "prefill_tokens" in score:
+        return max(0, min(prompt_tokens, round(score["prefill_tokens"])))
+    match = request.prefix_matches.get(engine_id, NO_MATCH)
+    hit_tokens = min(match.blocks * request.block_size, max(0, prompt_tokens - 1))
+    return prompt_tokens - hit_tokens
 
 
 @dataclass(slots=True)

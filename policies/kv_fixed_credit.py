@@ -1,8 +1,9 @@
 """kv_fixed_credit: the peers' rule - fixed credits per tier instead of measured costs.
 
 cost_blocks_e = prompt_blocks - sum_t credit_t x hit_blocks_e,t + decode_blocks_per_request x in_flight_e
-(credits GPU 1.0, CPU 0.8, STORAGE 0.3 by default). Lowest cost wins; ties: fewer in-flight, then a
-hash of (request_id, engine_id). The baseline that ``tier_cost`` must beat when the guess is wrong.
+(credits GPU 1.0, CPU 0.8, STORAGE 0.3 by default). Lowest cost wins among engines that are not
+overloaded (the peers' balance guard, ``policies.kv_gpu.overloaded_engines``); ties: fewer in-flight,
+then a hash of (request_id, engine_id). The baseline ``tier_cost`` must beat when the guess is wrong.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from policies.base import (
     register,
     require_engines,
 )
+from policies.kv_gpu import overloaded_engines, validate_guard
 from policies.tier_cost import tiebreak
 
 DEFAULT_CREDITS: dict[str, float] = {"gpu": 1.0, "cpu": 0.8, "storage": 0.3}
@@ -32,8 +34,22 @@ class KvFixedCreditPolicy(BasePolicy):
     uses_index = True
 
     def __init__(
-        self, *, credits: Mapping[str, float] | None = None, decode_blocks_per_request: float = 8.0
+        self,
+        *,
+        credits: Mapping[str, float] | None = None,
+        decode_blocks_per_request: float = 8.0,
+        overload_factor: float = 3.0,
+        min_in_flight: int = 4,
+        min_queued_tokens: int = 16_384,
     ) -> None:
+        """The guard (3x: tighter guards cost this policy its locality on B1b, see docs/benchmarks.md):
+        an engine above ``overload_factor`` x the fleet mean of in-flight requests or
+        queued prefill tokens (and above the floors) is skipped unless all are; without it a long
+        shared prefix (an agent's system + tool prompt) pulls every request onto one engine."""
+        validate_guard("kv_fixed_credit", overload_factor, min_in_flight, min_queued_tokens)
+        self.overload_factor = overload_factor
+        self.min_in_flight = min_in_flight
+        self.min_queued_tokens = min_queued_tokens
         merged = dict(DEFAULT_CREDITS)
         for tier_name, credit in dict(credits or {}).items():
             key = str(tier_name).lower()
@@ -48,10 +64,17 @@ class KvFixedCreditPolicy(BasePolicy):
         self.decode_blocks_per_request = decode_blocks_per_request
 
     def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
-        engines = require_engines(fleet, self.name)
+        all_engines = require_engines(fleet, self.name)
+        overloaded = overloaded_engines(
+            all_engines,
+            factor=self.overload_factor,
+            min_in_flight=self.min_in_flight,
+            min_queued_tokens=self.min_queued_tokens,
+        )
+        engines = [e for e in all_engines if e.engine_id not in overloaded] or list(all_engines)
         prompt_blocks = max(len(request.block_keys), -(-request.prompt_tokens // max(1, request.block_size)))
         scores: dict[str, dict[str, float]] = {}
-        for engine in engines:
+        for engine in all_engines:
             match = request.prefix_matches.get(engine.engine_id, NO_MATCH)
             credited = sum(self.credits[t] * match.blocks_by_tier[t] for t in TIERS)
             load_blocks = self.decode_blocks_per_request * engine.in_flight
@@ -64,7 +87,9 @@ class KvFixedCreditPolicy(BasePolicy):
                 "load_blocks": load_blocks,
                 "cost_blocks": prompt_blocks - credited + load_blocks,
                 "in_flight": float(engine.in_flight),
+                "overloaded": float(engine.engine_id in overloaded),
             }
+        skipped = [e for e in all_engines if e.engine_id in overloaded and len(engines) < len(all_engines)]
         order = sorted(
             engines,
             key=lambda e: (
@@ -80,6 +105,7 @@ class KvFixedCreditPolicy(BasePolicy):
             f" - {s['credited_blocks']:.1f} credited (GPU {s['gpu_blocks']:.0f}, CPU {s['cpu_blocks']:.0f},"
             f" STORAGE {s['storage_blocks']:.0f}) + {s['load_blocks']:.1f} load"
         )
-        return Decision(
-            chosen, self.name, reason=reason, scores=scores, fallbacks=tuple(e.engine_id for e in order[1:])
-        )
+        if len(engines) < len(all_engines):
+            reason += f"; skipped overloaded {sorted(overloaded)}"
+        fallbacks = tuple(e.engine_id for e in [*order[1:], *skipped])
+        return Decision(chosen, self.name, reason=reason, scores=scores, fallbacks=fallbacks)

@@ -1,12 +1,14 @@
 """kv_gpu: the engine holding the longest prefix of the prompt in GPU memory (event-driven).
 
-Score = (gpu_blocks desc, in_flight asc, queued_prefill_tokens asc). Overload guard: an engine whose
-in_flight exceeds ``overload_factor`` x the fleet mean (and ``min_in_flight``) is skipped unless all are.
+Balance guard (as the peers' cache-aware routers do): an engine whose in-flight requests or queued
+prefill tokens exceed ``overload_factor`` x the fleet mean is skipped unless all are; a request with
+no *useful* GPU hit (under ``min_hit_fraction`` of its prompt) goes to the least loaded engine.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 from policies.base import (
     NO_MATCH,
@@ -20,47 +22,99 @@ from policies.base import (
 )
 
 
+def overloaded_engines(
+    engines: Sequence[EngineView], *, factor: float, min_in_flight: int, min_queued_tokens: int
+) -> set[str]:
+    """Ids of engines above ``factor`` x the fleet mean of in-flight requests or of queued prefill
+    tokens. The floors keep a nearly idle fleet (mean ~0) from calling every busy engine overloaded."""
+    if not engines:
+        return set()
+    n = len(engines)
+    mean_in_flight = sum(e.in_flight for e in engines) / n
+    mean_queued_tokens = sum(e.queued_prefill_tokens for e in engines) / n
+    in_flight_limit = max(factor * mean_in_flight, float(min_in_flight))
+    queued_limit = max(factor * mean_queued_tokens, float(min_queued_tokens))
+    return {
+        e.engine_id
+        for e in engines
+        if e.in_flight > in_flight_limit or e.queued_prefill_tokens > queued_limit
+    }
+
+
+def validate_guard(policy: str, overload_factor: float, min_in_flight: int, min_queued_tokens: int) -> None:
+    """ValueError naming the bad guard parameter of ``policy``."""
+    if overload_factor < 1.0:
+        raise ValueError(
+            f"{policy}: overload_factor must be >= 1.0 (a multiple of the mean), got {overload_factor}"
+        )
+    if min_in_flight < 0 or min_queued_tokens < 0:
+        raise ValueError(f"{policy}: min_in_flight and min_queued_tokens must be >= 0")
+
+
 @register("kv_gpu")
 class KvGpuPolicy(BasePolicy):
-    """Longest GPU prefix hit; load breaks ties and excludes overloaded engines."""
+    """Longest useful GPU prefix hit among engines that are not overloaded; else least loaded."""
 
     name = "kv_gpu"
     uses_index = True
 
-    def __init__(self, overload_factor: float = 2.0, min_in_flight: int = 4, seed: int | None = None) -> None:
-        if overload_factor < 1.0:
-            raise ValueError(
-                f"kv_gpu: overload_factor must be >= 1.0 (a multiple of the mean), got {overload_factor}"
-            )
+    def __init__(
+        self,
+        overload_factor: float = 1.5,
+        min_in_flight: int = 4,
+        seed: int | None = None,
+        *,
+        min_queued_tokens: int = 16_384,
+        min_hit_fraction: float = 0.25,
+    ) -> None:
+        validate_guard("kv_gpu", overload_factor, min_in_flight, min_queued_tokens)
+        if not 0.0 <= min_hit_fraction <= 1.0:
+            raise ValueError(f"kv_gpu: min_hit_fraction must be in [0, 1], got {min_hit_fraction}")
         self.overload_factor = overload_factor
-        #: Below this many in flight an engine is never called overloaded (tiny fleets, cold start).
+        #: Below these an engine is never called overloaded (tiny fleets, cold start).
         self.min_in_flight = min_in_flight
+        self.min_queued_tokens = min_queued_tokens
+        #: A GPU hit shorter than this share of the prompt (e.g. only the shared system prompt,
+        #: which every engine holds) does not pull the request: it goes to the least loaded engine.
+        self.min_hit_fraction = min_hit_fraction
         self._rng = random.Random(seed)
-
-    def _overloaded(self, engines: list[EngineView]) -> set[str]:
-        mean = sum(e.in_flight for e in engines) / len(engines)
-        limit = max(self.overload_factor * mean, float(self.min_in_flight))
-        return {e.engine_id for e in engines if e.in_flight > limit}
 
     def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
         engines = list(require_engines(fleet, self.name))
-        overloaded = self._overloaded(engines)
+        overloaded = overloaded_engines(
+            engines,
+            factor=self.overload_factor,
+            min_in_flight=self.min_in_flight,
+            min_queued_tokens=self.min_queued_tokens,
+        )
         eligible = [e for e in engines if e.engine_id not in overloaded] or engines
         matches = request.prefix_matches
+        prompt_tokens = request.prompt_tokens or len(request.block_keys) * request.block_size
+        useful_tokens = self.min_hit_fraction * prompt_tokens
 
         def gpu_blocks(engine: EngineView) -> int:
             return matches.get(engine.engine_id, NO_MATCH).gpu_blocks
 
+        def useful(engine: EngineView) -> bool:
+            blocks = gpu_blocks(engine)
+            return blocks > 0 and blocks * request.block_size >= useful_tokens
+
         # Random tie-break among equal scores (shuffle, then stable sort).
         self._rng.shuffle(eligible)
-        order = sorted(eligible, key=lambda e: (-gpu_blocks(e), e.in_flight, e.queued_prefill_tokens))
+        any_useful = any(useful(e) for e in eligible)
+        if any_useful:
+            order = sorted(eligible, key=lambda e: (-gpu_blocks(e), e.in_flight, e.queued_prefill_tokens))
+        else:
+            order = sorted(eligible, key=lambda e: (e.queued_prefill_tokens, e.in_flight, -gpu_blocks(e)))
         best = order[0]
         scores = {
             e.engine_id: {
                 "gpu_blocks": float(gpu_blocks(e)),
                 "prefix_blocks": float(matches.get(e.engine_id, NO_MATCH).blocks),
                 "in_flight": float(e.in_flight),
+                "queued_prefill_tokens": float(e.queued_prefill_tokens),
                 "overloaded": float(e.engine_id in overloaded),
+                "useful_hit": float(useful(e)),
             }
             for e in engines
         }
@@ -69,11 +123,12 @@ class KvGpuPolicy(BasePolicy):
             if overloaded and len(eligible) < len(engines)
             else ""
         )
+        how = "" if any_useful else f"no GPU hit >= {self.min_hit_fraction:g} of the prompt, least loaded: "
         return Decision(
             engine_id=best.engine_id,
             policy=self.name,
             reason=(
-                f"{gpu_blocks(best)} of {len(request.block_keys)} blocks in GPU, "
+                f"{how}{gpu_blocks(best)} of {len(request.block_keys)} blocks in GPU, "
                 f"{best.in_flight} in flight{skipped}"
             ),
             scores=scores,

@@ -6,22 +6,32 @@ For engine e (all times in seconds, token counts in tokens, bandwidths in bytes/
     load_s[t] = hit_tokens_e,t x kv_bytes_per_token / load_bandwidth_e,t + load_latency_e,t  (if hits)
     prefill_s = (prompt_tokens - sum_t hit_tokens_e,t) / prefill_tokens_per_s_e
     total_s   = wait_s + sum_t load_s[t] + prefill_s                      (the predicted TTFT)
-    cost_s    = total_s + decode_s + pressure_s                           (what is minimised)
+    work_s    = work_weight x (sum_t load_s[t] + prefill_s)
+    cost_s    = total_s + work_s + decode_s + pressure_s                  (what is minimised)
 
     wait_tokens_e = max(queued_prefill_tokens_e, num_requests_waiting_e x tokens per queued request)
     decode_s      = decode_s_per_running x running requests (decode steps share the GPU with prefill)
     pressure_s    = pressure_s_at_full x max(0, kv_cache_usage - pressure_threshold)
                     / (1 - pressure_threshold)           (a near-full pool evicts and preempts)
 
+``work_s`` prices what greedy TTFT minimisation ignores: the GPU time this request takes delays every
+request queued behind it on that engine, and re-computing a history on an idle engine leaves a copy
+behind (the fleet's HBM holds fewer conversations, so later turns miss). Both grow with the work the
+request brings, so a conversation stays where its history is unless the queue there is really long.
+
 Hit tokens come from ``request.prefix_matches`` (blocks x block_size, at best tier); on an engine whose
 index is not trusted they are multiplied by ``stale_hit_factor`` and the rest counted as prefill.
 Costs come from ``fleet.costs`` (a ``policies.costs.CostModel``) or from this policy's own priors.
+Engines with no GPU or CPU hit (at most the shared storage pool's copy) differ only by queue and
+rates: they get the same cost formula in a cheap loop, and only the ``keep_unmatched`` best of them
+get full scores and explanation dicts (O(engines with local hits + a few) dicts per request).
 Ties go to fewer in-flight requests, then to a hash of (request_id, engine_id). With
 ``temperature_s > 0`` the choice is a softmax over -cost_s / temperature_s, seeded per request.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections.abc import Mapping
@@ -37,6 +47,7 @@ from policies.base import (
     EngineView,
     FleetView,
     RouteRequest,
+    Tier,
     register,
     require_engines,
 )
@@ -80,6 +91,8 @@ class TierCostPolicy(BasePolicy):
         *,
         stale_hit_factor: float = 0.5,
         decode_s_per_running: float = 0.0005,
+        work_weight: float = 1.0,
+        keep_unmatched: int = 3,
         pressure_threshold: float = 0.9,
         pressure_s_at_full: float = 0.05,
         temperature_s: float = 0.0,
@@ -91,10 +104,14 @@ class TierCostPolicy(BasePolicy):
             raise ValueError(f"tier_cost.stale_hit_factor must be in [0, 1], got {stale_hit_factor}")
         if not 0.0 <= pressure_threshold < 1.0:
             raise ValueError(f"tier_cost.pressure_threshold must be in [0, 1), got {pressure_threshold}")
-        if temperature_s < 0 or decode_s_per_running < 0 or pressure_s_at_full < 0:
+        if temperature_s < 0 or decode_s_per_running < 0 or pressure_s_at_full < 0 or work_weight < 0:
             raise ValueError(
-                "tier_cost: temperature_s, decode_s_per_running, pressure_s_at_full must be >= 0"
+                "tier_cost: temperature_s, decode_s_per_running, pressure_s_at_full, work_weight must be >= 0"
             )
+        if keep_unmatched < 1:
+            raise ValueError(f"tier_cost.keep_unmatched must be >= 1, got {keep_unmatched}")
+        self.work_weight = work_weight
+        self.keep_unmatched = keep_unmatched
         self.stale_hit_factor = stale_hit_factor
         self.decode_s_per_running = decode_s_per_running
         self.pressure_threshold = pressure_threshold
@@ -133,17 +150,56 @@ class TierCostPolicy(BasePolicy):
             pressure_s = self.pressure_s_at_full * min(1.0, excess)
         return decode_s, pressure_s
 
+    def _remote_cost_s(self, request: RouteRequest, engine: EngineView, costs: CostModel) -> float:
+        """cost_s of an engine holding nothing of the prompt locally (no GPU or CPU blocks; at most
+        the shared STORAGE pool's): the full formula, without building the explanation."""
+        prompt_tokens = prompt_tokens_of(request)
+        est = costs.estimates(engine.engine_id)
+        match = request.prefix_matches.get(engine.engine_id, NO_MATCH)
+        hit = float(max(0, min(match.blocks_by_tier[2] * request.block_size, prompt_tokens - 1)))
+        if not engine.index_trusted:
+            hit *= self.stale_hit_factor
+        prefill_s = (prompt_tokens - hit) / est.prefill_tokens_per_s
+        load_s = est.load_time_s(Tier.STORAGE, hit)
+        decode_s, pressure_s = self.secondary_s(engine)
+        wait_s = wait_tokens_of(engine, prompt_tokens) / est.prefill_tokens_per_s
+        return wait_s + (1.0 + self.work_weight) * (load_s + prefill_s) + decode_s + pressure_s
+
     def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
-        engines = require_engines(fleet, self.name)
+        all_engines = require_engines(fleet, self.name)
         costs: CostModel = fleet.costs if fleet.costs is not None else self._own_costs
+        matches = request.prefix_matches
+
+        def local(engine: EngineView) -> bool:
+            by_tier = matches.get(engine.engine_id, NO_MATCH).blocks_by_tier
+            return by_tier[0] + by_tier[1] > 0
+
+        # Engines holding nothing locally (at most the shared storage pool's copy) differ only by
+        # queue and rates: a cheap exact cost ranks them and the few best join the engines with GPU
+        # or CPU hits for full pricing (a 1,000-engine fleet builds a handful of dicts).
+        engines: list[EngineView] = [e for e in all_engines if local(e)]
+        if len(all_engines) - len(engines) > self.keep_unmatched:
+            engines += heapq.nsmallest(
+                self.keep_unmatched,
+                (e for e in all_engines if not local(e)),
+                key=lambda e: (
+                    round(self._remote_cost_s(request, e, costs), 6),
+                    e.in_flight,
+                    tiebreak(request.request_id, e.engine_id),
+                ),
+            )
+        else:
+            engines = list(all_engines)
         scores: dict[str, dict[str, float]] = {}
         cost_by_engine: dict[str, float] = {}
         for engine in engines:
             parts = self.predict(request, engine, costs)
             decode_s, pressure_s = self.secondary_s(engine)
-            cost_s = parts.total_s + decode_s + pressure_s
+            work_s = self.work_weight * (sum(parts.load_s) + parts.prefill_s)
+            cost_s = parts.total_s + work_s + decode_s + pressure_s
             scores[engine.engine_id] = {
                 **parts.as_scores(),
+                "work_s": work_s,
                 "decode_s": decode_s,
                 "pressure_s": pressure_s,
                 "cost_s": cost_s,
@@ -174,7 +230,7 @@ class TierCostPolicy(BasePolicy):
         reason = (
             f"{how}: {chosen.engine_id} TTFT {s['total_s']:.4f} s = wait {s['wait_s']:.4f}"
             f"{' + ' + load_text if load_text else ''} + prefill {s['prefill_s']:.4f}"
-            f" ({s['prefill_tokens']:.0f} tokens)"
+            f" ({s['prefill_tokens']:.0f} tokens) + work {s['work_s']:.4f}"
         )
         runner_up = next((e for e in order if e.engine_id != chosen.engine_id), None)
         if runner_up is not None:

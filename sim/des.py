@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sortedcontainers import SortedList
+
 from loadtest.workloads import (
     Conversation,
     LadderConfig,
@@ -45,7 +47,7 @@ from policies.base import (
     build_policy,
     require_engines,
 )
-from policies.costs import CostModel, EngineCosts, PredictedParts
+from policies.costs import CostModel, EngineCosts, PredictedParts, predicted_prefill_tokens
 from router.index import PrefixIndex
 from router.keys import block_keys
 from sim.cache import StoragePool
@@ -237,9 +239,16 @@ class SimConfig:
     token_mode: bool = False
     #: Progress bar on stderr.
     progress: bool = False
-    #: What-if: queue only the predicted uncached tokens of a request (policies that report
-    #: PredictedParts) instead of its whole prompt, as router.load does.
-    queue_predicted_prefill: bool = False
+    #: What-if (the old router.load accounting): queue a request's whole prompt as pending prefill
+    #: until its first token. Default: only its predicted uncached tokens on the chosen engine
+    #: (``policies.costs.predicted_prefill_tokens``).
+    queue_whole_prompt: bool = False
+    #: Fleets larger than this: index-reading policies see only the ``prefilter_least_loaded``
+    #: engines with the longest GPU/CPU prefix hits plus as many least loaded ones (by queued
+    #: prefill tokens, then in flight; a sorted structure), as a router would pre-filter 1,000
+    #: engines. 0 disables.
+    prefilter_above_engines: int = 64
+    prefilter_least_loaded: int = 8
 
 
 @dataclass(slots=True)
@@ -389,6 +398,12 @@ class FleetSimulator:
         else:
             self.policy = policy
         self.policy_name = getattr(self.policy, "name", str(policy))
+        #: Engines that stepped since the last scrape (the others' metrics did not change).
+        self._stepped: set[int] = set()
+        #: (queued prefill tokens, in flight, engine position) of every engine, when pre-filtering.
+        self._load_order: SortedList | None = None
+        if 0 < cfg.prefilter_above_engines < len(self.views):
+            self._load_order = SortedList((0, 0, i) for i in range(len(self.views)))
         # Trace mode keys: one pseudo-token per block id (block_size 1), as the engine's events.
         self._key_block_size = fleet.block_size if cfg.token_mode else 1
 
@@ -462,6 +477,7 @@ class FleetSimulator:
                     next_conv += 1
 
         def start_step(i: int, t: float) -> None:
+            self._stepped.add(i)
             out = self.cores[i].step()
             busy[i] = True
             push(t + out.duration_s, _STEP_DONE, (i, out))
@@ -611,14 +627,34 @@ class FleetSimulator:
                 for block_id in turn.block_ids:
                     chain.append((block_id,))
             self.clairvoyant.hashes = chain.hashes
-        fleet = FleetView(engines=self.views, now=now, costs=self.costs)
+        candidates = self.views
+        if self._load_order is not None and uses_index:
+            # The engines with the longest local (GPU or CPU) hits - a shared storage pool's copy is
+            # everyone's - plus the least loaded ones.
+            limit = self.config.prefilter_least_loaded
+            local = heapq.nlargest(
+                limit,
+                (
+                    (m.blocks_by_tier[0] + m.blocks_by_tier[1], e)
+                    for e, m in route.prefix_matches.items()
+                    if m.blocks_by_tier[0] or m.blocks_by_tier[1]
+                ),
+            )
+            candidates = [self.views[self._pos[e]] for _, e in local]
+            seen = {v.engine_id for v in candidates}
+            for _, _, idx in self._load_order.islice(0, limit + len(seen)):
+                view_i = self.views[idx]
+                if view_i.engine_id not in seen:
+                    candidates.append(view_i)
+                    if len(candidates) >= len(seen) + limit:
+                        break
+        fleet = FleetView(engines=candidates, now=now, costs=self.costs)
         decision = self.policy.choose(route, fleet)
         self.policy.on_routed(route, decision)
         engine = self._pos[decision.engine_id]
         if uses_index and self.config.speculate_ttl_s > 0:
             self.index.speculate(decision.engine_id, keys, self.config.speculate_ttl_s, now)
-        view = self.views[engine]
-        view.in_flight += 1
+        self._add_load(engine, 1, 0)
         score = decision.scores.get(decision.engine_id)
         parts = PredictedParts.from_scores(score) if score and "wait_tokens" in score else None
         if tokens is not None:
@@ -635,16 +671,27 @@ class FleetSimulator:
             self.cores[engine].add_request(sim_req)
         except ValueError:
             # A real engine answers 400; the router counts the failure and the client moves on.
-            view.in_flight -= 1
+            self._add_load(engine, -1, 0)
             self.policy.on_finished(route, decision.engine_id, False)
             return None
-        # The router queues the whole prompt; with queue_predicted_prefill only what the policy
-        # predicted it must compute (a mostly-cached prompt barely delays the next one).
-        queued = prompt_tokens
-        if self.config.queue_predicted_prefill and parts is not None:
-            queued = round(parts.prefill_tokens)
-        view.queued_prefill_tokens += queued
+        # Queue only what the chosen engine is predicted to compute: a mostly cached prompt barely
+        # delays the next one, and counting it whole pushes the next turn away from its history.
+        queued = (
+            prompt_tokens if self.config.queue_whole_prompt else predicted_prefill_tokens(route, decision)
+        )
+        self._add_load(engine, 0, queued)
         return _Req(request_id, slot, k, engine, now, prompt_tokens, route, parts, queued)
+
+    def _add_load(self, i: int, in_flight: int, queued_tokens: int) -> None:
+        """Change engine i's in-flight accounting (and its place in the pre-filter order)."""
+        view = self.views[i]
+        order = self._load_order
+        if order is not None:
+            order.remove((view.queued_prefill_tokens, view.in_flight, i))
+        view.in_flight += in_flight
+        view.queued_prefill_tokens += queued_tokens
+        if order is not None:
+            order.add((view.queued_prefill_tokens, view.in_flight, i))
 
     def _on_step(
         self,
@@ -656,7 +703,6 @@ class FleetSimulator:
         ttfts: list[float],
         push: Callable[[float, int, Any], None],
     ) -> None:
-        view = self.views[i]
         engine_id = self.engine_ids[i]
         for rid, toks in out.new_token_ids.items():
             if not toks:
@@ -665,10 +711,10 @@ class FleetSimulator:
             if r is not None and r.first_token_s is None:
                 r.first_token_s = now
                 ttfts.append(now - r.arrival_s)
-                view.queued_prefill_tokens -= r.queued_tokens
+                self._add_load(i, 0, -r.queued_tokens)
         for fin in out.finished:
             r = reqs[fin.request_id]
-            view.in_flight -= 1
+            self._add_load(i, -1, 0)
             ok = fin.finish_reason != "abort"
             self.policy.on_finished(r.route, engine_id, ok)
             if self.config.calibrate and r.parts is not None and r.first_token_s is not None:
@@ -678,7 +724,10 @@ class FleetSimulator:
 
     def _scrape(self, now: float) -> None:
         """What the router's /metrics scraper would see: queue gauges and offload counters."""
-        for i, core in enumerate(self.cores):
+        # An engine that has not stepped since the last scrape shows the same gauges and counters.
+        stepped, self._stepped = self._stepped, set()
+        for i in sorted(stepped):
+            core = self.cores[i]
             view = self.views[i]
             view.num_requests_running = core.num_running()
             view.num_requests_waiting = core.num_waiting()
@@ -871,9 +920,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-calibrate", action="store_true", help="do not feed simulated TTFTs to the cost model"
     )
     pol.add_argument(
-        "--queue-predicted-prefill",
+        "--queue-whole-prompt",
         action="store_true",
-        help="what-if: in-flight accounting queues predicted uncached tokens, not whole prompts",
+        help="what-if (old router accounting): queue whole prompts as pending prefill, not the "
+        "predicted uncached tokens",
     )
     pol.add_argument(
         "--no-ideal", action="store_true", help="skip the ideal hit rate (it keeps a set of every block id)"
@@ -893,14 +943,41 @@ class _RunSpec:
     fleet: FleetSpec
     policy: str
     config: SimConfig
+    #: Policy parameters parsed from "name:key=value:..." (the run is labelled with the whole spec).
+    params: dict[str, Any] = field(default_factory=dict)
+    spec: str = ""
+
+
+_CREDIT_KEYS = ("gpu", "cpu", "storage")
+
+
+def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"tier_cost:work_weight=0.5"`` -> ("tier_cost", {"work_weight": 0.5}). Values are numbers;
+    for kv_fixed_credit the keys gpu/cpu/storage set its per-tier credits."""
+    name, *pairs = spec.split(":")
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"policy spec {spec!r}: expected key=value after ':', got {pair!r}")
+        try:
+            number: float | int = int(value) if value.lstrip("-").isdigit() else float(value)
+        except ValueError:
+            raise ValueError(f"policy spec {spec!r}: {key} must be a number, got {value!r}") from None
+        if name == "kv_fixed_credit" and key in _CREDIT_KEYS:
+            params.setdefault("credits", {})[key] = number
+        else:
+            params[key] = number
+    return name, params
 
 
 def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
-    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    specs = [x.strip() for x in args.policies.split(",") if x.strip()]
     import policies as _registry  # noqa: F401  (fills the registry)
     from policies.base import REGISTRY
 
-    unknown = [x for x in policies if x != "clairvoyant" and x not in REGISTRY]
+    parsed = [(spec, *parse_policy_spec(spec)) for spec in specs]
+    unknown = [name for _, name, _ in parsed if name != "clairvoyant" and name not in REGISTRY]
     if unknown:
         raise ValueError(
             f"unknown policies {unknown}; accepted: {', '.join(sorted([*REGISTRY, 'clairvoyant']))}"
@@ -912,7 +989,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         scrape_interval_s=args.scrape_interval_s,
         calibrate=not args.no_calibrate,
         track_ideal=not args.no_ideal,
-        queue_predicted_prefill=args.queue_predicted_prefill,
+        queue_whole_prompt=args.queue_whole_prompt,
         progress=not args.no_progress,
     )
     runs: list[_RunSpec] = []
@@ -939,8 +1016,8 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
                 conversations_in_hbm=gpu_blocks * n * wl.block_size,
                 mean_conversation_tokens=1.0,
             )
-            for pol in policies:
-                runs.append(_RunSpec(f"{n}e x{args.speed:g}", wl, fleet, pol, config))
+            for spec, pol, params in parsed:
+                runs.append(_RunSpec(f"{n}e x{args.speed:g}", wl, fleet, pol, config, params, spec))
         return runs, "engines x speed"
     lo, hi = (int(x) for x in args.answer_tokens.split(","))
     for c in args.concurrency:
@@ -966,16 +1043,17 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
                 conversations_in_hbm=args.hbm_conversations,
                 mean_conversation_tokens=lcfg.mean_prompt_tokens(),
             )
-            for pol in policies:
-                runs.append(
-                    _RunSpec(str(c) if len(args.engines) == 1 else f"{c}@{n}e", wl, fleet, pol, config)
-                )
+            for spec, pol, params in parsed:
+                label = str(c) if len(args.engines) == 1 else f"{c}@{n}e"
+                runs.append(_RunSpec(label, wl, fleet, pol, config, params, spec))
     return runs, "concurrency"
 
 
 def _execute(spec: _RunSpec) -> SimResult:
-    result = simulate(spec.workload, spec.policy, spec.fleet, spec.config)
+    result = simulate(spec.workload, spec.policy, spec.fleet, spec.config, policy_params=spec.params)
     result.label = spec.label
+    if spec.spec:
+        result.policy = spec.spec
     result.ttfts_s = []
     return result
 

@@ -158,3 +158,26 @@ def test_parts_round_trip() -> None:
     parts = predict_parts(EngineCosts(), (16.0, 32.0, 48.0), 100.0, 50.0)
     again = PredictedParts.from_scores(parts.as_scores())
     assert again == parts
+
+
+def test_predicted_prefill_tokens_is_what_the_load_tracker_should_queue() -> None:
+    from policies.base import Decision, EngineView, FleetView, PrefixMatch, RouteRequest, build_policy
+    from policies.costs import predicted_prefill_tokens
+
+    req = RouteRequest(
+        "r",
+        prompt_tokens=10_000,
+        block_keys=tuple(range(625)),
+        block_size=16,
+        prefix_matches={"a": PrefixMatch(600, (100, 400, 100)), "b": PrefixMatch(625, (625, 0, 0))},
+    )
+    # tier_cost reports its own prediction (prompt - hits of every tier).
+    decision = build_policy("tier_cost").choose(req, FleetView([EngineView("a")]))
+    assert predicted_prefill_tokens(req, decision) == 10_000 - 600 * 16
+    # A policy without predictions: the chosen engine's match in any tier, at least one token.
+    assert predicted_prefill_tokens(req, Decision("a", "kv_gpu")) == 10_000 - 600 * 16
+    assert predicted_prefill_tokens(req, Decision("b", "kv_gpu")) == 1
+    # Nothing known about the engine: the whole prompt.
+    assert predicted_prefill_tokens(req, Decision("c", "round_robin")) == 10_000
+    # A retry on a fallback engine is priced for that engine.
+    assert predicted_prefill_tokens(req, Decision("c", "kv_gpu"), "b") == 1

@@ -275,3 +275,75 @@ def test_results_do_not_depend_on_the_process_hash_seed(tmp_path: Path) -> None:
         rows = json.loads((out_dir / "results.json").read_text())
         outputs.append([{k: v for k, v in r.items() if k != "wall_s"} for r in rows])
     assert outputs[0] == outputs[1]
+
+
+def test_in_flight_accounting_queues_predicted_uncached_tokens_and_balances_out() -> None:
+    from sim.des import FleetSimulator
+
+    cfg = small_ladder(8)
+    wl = ladder_workload(cfg)
+    fleet = b1_fleet(
+        4, block_size=16, conversations_in_hbm=16, mean_conversation_tokens=cfg.mean_prompt_tokens()
+    )
+    runs = {}
+    for whole in (False, True):
+        sim = FleetSimulator(wl, "tier_cost", fleet, SimConfig(seed=1, queue_whole_prompt=whole))
+        runs[whole] = sim.run()
+        # Every request's queued tokens were removed at its first token: nothing leaks.
+        assert [v.queued_prefill_tokens for v in sim.views] == [0, 0, 0, 0]
+        assert [v.in_flight for v in sim.views] == [0, 0, 0, 0]
+    assert runs[False].requests == runs[True].requests == wl.num_requests
+    # Counting cached history as pending prefill pushes turns off their engine: fewer GPU hits.
+    assert runs[False].hit_gpu >= runs[True].hit_gpu
+
+
+def test_policy_specs_carry_parameters_into_the_run() -> None:
+    from sim.des import parse_policy_spec
+
+    assert parse_policy_spec("tier_cost:work_weight=0.5:keep_unmatched=4") == (
+        "tier_cost",
+        {"work_weight": 0.5, "keep_unmatched": 4},
+    )
+    assert parse_policy_spec("kv_fixed_credit:cpu=0.5:storage=0.1") == (
+        "kv_fixed_credit",
+        {"credits": {"cpu": 0.5, "storage": 0.1}},
+    )
+    with pytest.raises(ValueError, match="key=value"):
+        parse_policy_spec("tier_cost:work_weight")
+    from sim.des import FleetSimulator
+
+    cfg = small_ladder(4)
+    fleet = b1_fleet(4, block_size=16)
+    sim = FleetSimulator(ladder_workload(cfg), "tier_cost", fleet, policy_params={"work_weight": 5.0})
+    assert sim.policy.work_weight == 5.0  # type: ignore[attr-defined]
+
+
+def test_large_fleet_prefilter_hands_few_candidates_and_still_balances() -> None:
+    from policies.base import Decision, FleetView, RouteRequest
+    from policies.tier_cost import TierCostPolicy
+
+    class Recording(TierCostPolicy):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sizes: list[int] = []
+
+        def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
+            self.sizes.append(len(fleet.engines))
+            return super().choose(request, fleet)
+
+    cfg = small_ladder(40, turns=2)
+    wl = ladder_workload(cfg)
+    fleet = b1_fleet(
+        80, block_size=16, conversations_in_hbm=400, mean_conversation_tokens=cfg.mean_prompt_tokens()
+    )
+    policy = Recording()
+    result = simulate(wl, policy, fleet, SimConfig(seed=4))
+    assert result.requests == wl.num_requests
+    # At most 8 engines with the longest local hits + 8 least loaded, never the whole fleet.
+    assert max(policy.sizes) <= 16 and min(policy.sizes) >= 8
+    full = Recording()
+    unfiltered = simulate(wl, full, fleet, SimConfig(seed=4, prefilter_above_engines=0))
+    assert set(full.sizes) == {80}
+    # The pre-filter keeps the engines that matter: the same TTFT and GPU hits as the full view.
+    assert result.ttft_p50_s == pytest.approx(unfiltered.ttft_p50_s, rel=0.1)
+    assert result.hit_gpu == pytest.approx(unfiltered.hit_gpu, abs=0.05)

@@ -57,7 +57,9 @@ def _des_hit_rate(workload: Workload, policy: str) -> float:
 def _live_hit_rate(
     workload: Workload, policy: str, tmp_path: Path, serve_asgi: Callable[..., ThreadedServer]
 ) -> tuple[float, int]:
-    profile = FleetProfile(gpu_blocks=GPU_BLOCKS, cpu_blocks=0, storage_blocks=0, block_size=BLOCK, time_scale=50.0)
+    profile = FleetProfile(
+        gpu_blocks=GPU_BLOCKS, cpu_blocks=0, storage_blocks=0, block_size=BLOCK, time_scale=50.0
+    )
     prompt_total = cached_total = 0
     with Fleet(tmp_path / policy) as fleet:
         engines = fleet.start(2, profile)

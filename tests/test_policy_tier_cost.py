@@ -167,3 +167,77 @@ def test_bad_params_say_what_to_change() -> None:
         build_policy("tier_cost", {"stale_hit_factor": 2})
     with pytest.raises(ValueError, match="unknown tier"):
         build_policy("tier_cost", {"costs": {"tiers": {"hbm3": {"latency_s": 0}}}})
+
+
+def test_conversation_keeps_its_cpu_history_instead_of_recomputing_on_an_idle_engine() -> None:
+    """24,000 history tokens in home's CPU tier, 30,000 tokens queued there; the idle engine holds
+    only the 1,000-token system prompt. Greedy TTFT (work_weight 0) moves the turn: home 1.36 s wait
+    + 0.05 s load + 0.18 s prefill = 1.60 s vs 1.18 s of recompute. The default prices the recompute's
+    work too (home 1.60 + 0.23 = 1.83 s vs 1.18 + 1.18 = 2.36 s) and keeps the history."""
+    prompt_tokens, block = 28_000, 16
+    history_blocks, system_blocks = 24_000 // block, 1_000 // block
+    req = RouteRequest(
+        "turn-5",
+        prompt_tokens=prompt_tokens,
+        block_keys=tuple(range(prompt_tokens // block)),
+        block_size=block,
+        prefix_matches={
+            "home": PrefixMatch(history_blocks, (system_blocks, history_blocks - system_blocks, 0)),
+            "idle": gpu(system_blocks),
+        },
+    )
+    fleet = FleetView(
+        [
+            EngineView("home", in_flight=2, queued_prefill_tokens=30_000),
+            EngineView("idle", in_flight=0, queued_prefill_tokens=0),
+        ]
+    )
+    greedy = build_policy("tier_cost", {"work_weight": 0.0, "decode_s_per_running": 0.0})
+    assert greedy.choose(req, fleet).engine_id == "idle"
+    decision = build_policy("tier_cost").choose(req, fleet)
+    home, idle = decision.scores["home"], decision.scores["idle"]
+    assert decision.engine_id == "home"
+    assert home["total_s"] > idle["total_s"]  # its own TTFT is worse...
+    assert home["cost_s"] < idle["cost_s"]  # ...but the recompute's work outweighs it
+    assert idle["work_s"] == pytest.approx(idle["prefill_s"]) and idle["prefill_tokens"] == 28_000 - 62 * 16
+    assert "work" in decision.reason
+    # A really long queue still moves it: the policy trades locality against waiting, not blindly.
+    swamped = FleetView([EngineView("home", in_flight=9, queued_prefill_tokens=80_000), EngineView("idle")])
+    assert build_policy("tier_cost").choose(req, swamped).engine_id == "idle"
+
+
+def test_large_fleet_prices_matched_engines_plus_a_few_and_picks_like_a_full_scan() -> None:
+    import random
+
+    rng = random.Random(5)
+    engines = [
+        EngineView(f"e{i}", in_flight=rng.randrange(0, 6), queued_prefill_tokens=rng.randrange(0, 60_000))
+        for i in range(300)
+    ]
+    # Every engine sees the shared storage pool's copy; storage and prefill speeds differ per engine.
+    costs = CostModel(
+        EngineCosts(),
+        {
+            f"e{i}": EngineCosts(
+                prefill_tokens_per_s=rng.uniform(15_000, 30_000),
+                load_bandwidth_bytes_per_s=(float("inf"), 64e9, rng.uniform(1e9, 8e9)),
+            )
+            for i in range(0, 300, 2)
+        },
+    )
+    fleet = FleetView(engines, costs=costs)
+    fast = build_policy("tier_cost")
+    full = build_policy("tier_cost", {"keep_unmatched": 1000})
+    for n in range(30):
+        local = {f"e{rng.randrange(300)}": gpu(rng.randrange(1, PROMPT_BLOCKS)) for _ in range(3)}
+        shared = storage(rng.randrange(0, PROMPT_BLOCKS))
+        matches = {**{f"e{i}": shared for i in range(300)}, **local}
+        req = request(matches, f"r{n}")
+        quick, slow = fast.choose(req, fleet), full.choose(req, fleet)
+        assert quick.engine_id == slow.engine_id
+        assert len(quick.scores) <= len(local) + 3 and len(slow.scores) == 300
+        assert set(local) <= set(quick.scores)
+        assert quick.fallbacks[:2] == slow.fallbacks[:2]
+        assert quick.scores[quick.engine_id]["cost_s"] == pytest.approx(slow.scores[slow.engine_id]["cost_s"])
+    with pytest.raises(ValueError, match="keep_unmatched"):
+        build_policy("tier_cost", {"keep_unmatched": 0})
