@@ -151,7 +151,9 @@ async def run_load(
     for c in range(len(workload.conversations)):
         queue.put_nowait(c)
 
-    async def worker(session: aiohttp.ClientSession) -> None:
+    async def worker(session: aiohttp.ClientSession, slot: int) -> None:
+        # The first conversations start spread over workload.ramp_s, not as one burst.
+        await asyncio.sleep(workload.ramp_s * slot / concurrency)
         while True:
             try:
                 index = queue.get_nowait()
@@ -177,7 +179,7 @@ async def run_load(
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     connector = aiohttp.TCPConnector(limit=concurrency * 2)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        await asyncio.gather(*(worker(session, slot) for slot in range(concurrency)))
     result.wall_s = time.perf_counter() - start
     return result
 

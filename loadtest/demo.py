@@ -217,7 +217,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvroute demo", description=__doc__)
     parser.add_argument("--engines", type=int, default=4)
-    parser.add_argument("--conversations", type=int, default=48)
+    parser.add_argument("--conversations", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--think-time-s", type=float, default=0.3)
