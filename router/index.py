@@ -79,6 +79,8 @@ class _StoragePool:
     capacity_blocks: int
     #: Presence positions (bit 3 * engine slot) of every engine mounting the pool.
     mount_positions: int = 0
+    #: Ids of the mounting engines, in mount order: match fills pool-only hits from this list.
+    member_ids: list[str] = field(default_factory=list)
     lru: OrderedDict[int, None] = field(default_factory=OrderedDict)
     evicted_blocks: int = 0
 
@@ -140,6 +142,7 @@ class PrefixIndex:
         self._default_private_pool_blocks = default_private_pool_blocks
         self._masks: dict[int, int] = {}
         self._engines: dict[str, _EngineState] = {}
+        self._all_ids: list[str] = []  # engine ids in slot order, for filling many matches at once
         self._engine_by_slot: dict[int, _EngineState] = {}
         self._next_slot = 0
         #: Presence positions (bit 3 * slot) of all engine slots.
@@ -190,7 +193,9 @@ class PrefixIndex:
         if pool_id is not None:
             state.pool = self._shared_pools[pool_id]
             state.pool.mount_positions |= state.position
+            state.pool.member_ids.append(engine_id)
         self._engines[engine_id] = state
+        self._all_ids.append(engine_id)
         self._engine_by_slot[state.slot] = state
         self._engine_positions |= state.position
         return state
@@ -539,46 +544,94 @@ class PrefixIndex:
 
     def _match_into(self, keys: Sequence[int], candidates: int, result: dict[str, PrefixMatch]) -> None:
         # Lookups dominate (cache misses in a big dict): stop at the first block nobody holds.
-        masks: list[int | None]
-        spec_masks = list(map(self._spec_masks.get, keys)) if self._spec_masks else None
-        if spec_masks is not None and any(spec_masks):
-            held = map(self._masks.get, keys)
-            masks = [(m or 0) | (s or 0) or None for m, s in zip(held, spec_masks, strict=True)]
-        else:
-            masks = list(itertools.takewhile(bool, map(self._masks.get, keys)))
+        held_masks: Iterable[int | None] = map(self._masks.get, keys)
+        if self._spec_masks:
+            spec_masks = map(self._spec_masks.get, keys)
+            held_masks = ((m or 0) | (s or 0) for m, s in zip(held_masks, spec_masks, strict=True))
         positions = self._engine_positions
         shared_bits = self._shared_pool_bits
         shared_pools = self._shared_pools.values()
-        # Per slot: [gpu, cpu, storage] best-tier block counts over its contiguous prefix.
-        counts: dict[int, list[int]] = {}
-        alive = candidates
-        for mask, run in itertools.groupby(masks):
-            if not mask:
-                break
+        # Engines that had the same best tier in every run so far form one class and share one
+        # count, so 1,000 engines seeing a block only through their shared pool (or all holding the
+        # system prompt on GPU) cost a few big-int operations per run, not 1,000 loop steps.
+        # A class: (presence positions of its engines, gpu blocks, cpu blocks, storage blocks).
+        classes: list[tuple[int, int, int, int]] = [(candidates, 0, 0, 0)]
+        held_prefix: Iterable[int] = itertools.takewhile(bool, held_masks)  # type: ignore[arg-type]
+        for mask, run in itertools.groupby(held_prefix):
             run_blocks = len(list(run))
             gpu = mask & positions
-            cpu = (mask >> 1) & positions
-            storage = (mask >> 2) & positions
+            cpu = (mask >> 1) & positions & ~gpu
+            storage = (mask >> 2) & positions  # private pools sit on the engine's own slot
             if mask & shared_bits:
                 for pool in shared_pools:
                     if mask & pool.bit:
                         storage |= pool.mount_positions
-            alive &= gpu | cpu | storage
-            if not alive:
-                break
-            for tier_index, tier_positions in enumerate((gpu, cpu & ~gpu, storage & ~gpu & ~cpu)):
-                bits = alive & tier_positions
-                while bits:
-                    low = bits & -bits
-                    bits ^= low
-                    slot = low.bit_length() // _BITS_PER_SLOT
-                    row = counts.get(slot)
-                    if row is None:
-                        row = counts[slot] = [0, 0, 0]
-                    row[tier_index] += run_blocks
+            storage &= ~(gpu | cpu)
+            held = gpu | cpu | storage
+            refined: list[tuple[int, int, int, int]] = []
+            for members, g, c, s in classes:
+                dead = members & ~held
+                if dead:
+                    self._emit(dead, g, c, s, result)
+                    members ^= dead
+                    if not members:
+                        continue
+                part = members & gpu
+                if part:
+                    refined.append((part, g + run_blocks, c, s))
+                    members ^= part
+                    if not members:
+                        continue
+                part = members & cpu
+                if part:
+                    refined.append((part, g, c + run_blocks, s))
+                    members ^= part
+                    if not members:
+                        continue
+                refined.append((members, g, c, s + run_blocks))  # the rest: storage
+            classes = refined
+            if not classes:
+                return
+        for members, g, c, s in classes:
+            self._emit(members, g, c, s, result)
+
+    def _emit(self, members: int, gpu: int, cpu: int, storage: int, result: dict[str, PrefixMatch]) -> None:
+        """One PrefixMatch for every engine whose presence position is in ``members``."""
+        blocks = gpu + cpu + storage
+        if not blocks:
+            return
+        match = PrefixMatch(blocks, (gpu, cpu, storage))
+        count = members.bit_count()
+        if count < 8:
+            for engine_id in self._ids_at(members):
+                result[engine_id] = match
+            return
+        # Many engines: fill a whole id list with one C-level call, then undo the few that do not
+        # belong (keeping what they already had).
+        ids, id_positions = self._all_ids, self._engine_positions
+        for pool in self._shared_pools.values():
+            if not members & ~pool.mount_positions and len(pool.member_ids) < len(ids):
+                ids, id_positions = pool.member_ids, pool.mount_positions
+        excluded = id_positions & ~members
+        if excluded.bit_count() > count:
+            for engine_id in self._ids_at(members):
+                result[engine_id] = match
+            return
+        excluded_ids = self._ids_at(excluded)
+        kept = {engine_id: result[engine_id] for engine_id in excluded_ids if engine_id in result}
+        result.update(dict.fromkeys(ids, match))
+        for engine_id in excluded_ids:
+            del result[engine_id]
+        result.update(kept)
+
+    def _ids_at(self, positions: int) -> list[str]:
         by_slot = self._engine_by_slot
-        for slot, (g, c, s) in counts.items():
-            result[by_slot[slot].engine_id] = PrefixMatch(g + c + s, (g, c, s))
+        ids = []
+        while positions:
+            low = positions & -positions
+            positions ^= low
+            ids.append(by_slot[low.bit_length() // _BITS_PER_SLOT].engine_id)
+        return ids
 
     def holders(self, key: int) -> dict[str, set[Tier]]:
         """Which engines hold ``key`` in which tiers (pools count for every mounting engine)."""

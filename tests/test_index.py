@@ -407,3 +407,128 @@ def test_index_equals_reference_model(batches) -> None:
         )
         assert stats[engine]["mapped_hashes"] == len(ref.mapping[engine])
     assert len(index) == len({k for k in KEYS.values() if any(ref.tiers(e, k) for e in ENGINES)})
+
+
+# ------------------------------------------------------------------------ many engines, one pool
+
+POOL_ENGINES = tuple(f"p{i}" for i in range(12))
+FLEET = (*POOL_ENGINES, "q0", "q1", "r0", "r1")  # q*: a second pool; r*: private pools
+SYSTEM_TOKENS = list(range(500, 532))  # two blocks every chain starts with
+WIDE_CHAINS, WIDE_DEPTH = 3, 6
+WIDE_KEYS = [
+    block_keys(SYSTEM_TOKENS + [c * 10_000 + i for i in range(16 * (WIDE_DEPTH - 2))], 16)
+    for c in range(WIDE_CHAINS)
+]
+
+
+def wide_index() -> PrefixIndex:
+    pools = {engine: "shared" for engine in POOL_ENGINES} | {"q0": "other", "q1": "other"}
+    index = PrefixIndex(
+        storage_pools={"shared": 6, "other": 4}, engine_storage_pool=pools, default_private_pool_blocks=5
+    )
+    for engine in FLEET:
+        index.add_engine(engine)
+    return index
+
+
+def reference_match(
+    index: PrefixIndex, engine: str, keys: list[int], spec: set[tuple[str, int]]
+) -> PrefixMatch:
+    """The per-engine walk over ``holders`` (checked against the reference model above)."""
+    by_tier = [0, 0, 0]
+    for key in keys:
+        tiers = index.holders(key).get(engine, set()) | ({Tier.GPU} if (engine, key) in spec else set())
+        if not tiers:
+            break
+        by_tier[min(tiers)] += 1
+    return PrefixMatch(sum(by_tier), (by_tier[0], by_tier[1], by_tier[2]))
+
+
+wide_engine_st = st.sampled_from([*POOL_ENGINES[:3], *POOL_ENGINES[:3], *FLEET])
+wide_span_st = st.tuples(
+    st.integers(0, WIDE_CHAINS - 1), st.sampled_from([0, 0, 0, 2, 3]), st.integers(1, WIDE_DEPTH)
+)
+wide_op_st = st.one_of(
+    st.tuples(st.just("store"), wide_engine_st, tier_st, wide_span_st),
+    st.tuples(st.just("store"), wide_engine_st, st.just(Tier.STORAGE), wide_span_st),
+    st.tuples(st.just("remove"), wide_engine_st, st.sampled_from([Tier.GPU, Tier.CPU]), wide_span_st),
+    st.tuples(st.just("speculate"), wide_engine_st, st.just(Tier.GPU), wide_span_st),
+    st.tuples(st.just("clear"), wide_engine_st, st.just(Tier.GPU), st.just((0, 0, 1))),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@example(ops=[("store", "p0", Tier.STORAGE, (0, 0, 6))], subset=list(FLEET))
+@example(
+    ops=[
+        ("store", "p0", Tier.STORAGE, (0, 0, 6)),
+        ("store", "p1", Tier.GPU, (0, 0, 2)),
+        ("remove", "p1", Tier.GPU, (0, 0, 1)),
+        ("store", "q0", Tier.CPU, (1, 0, 3)),
+    ],
+    subset=["p1", "p2", "q0", "r0"],
+)
+@given(
+    ops=st.lists(wide_op_st, min_size=1, max_size=30),
+    subset=st.lists(st.sampled_from(FLEET), max_size=6, unique=True),
+)
+def test_match_with_many_engines_sharing_a_pool(ops, subset) -> None:
+    """Pool-only engines are answered per pool; local holders (GPU, CPU, speculative, private
+    pools) per engine, with the pool filling their gaps: the result equals the per-engine walk."""
+    index = wide_index()
+    spec: set[tuple[str, int]] = set()
+    for op, engine, tier, (chain, start, n) in ops:
+        n = min(n, WIDE_DEPTH - start)
+        keys = WIDE_KEYS[chain][start : start + n]
+        hashes = [key % 2**64 for key in keys]  # one hash per block, whichever chain
+        if op == "store":
+            tokens = (SYSTEM_TOKENS + [chain * 10_000 + i for i in range(16 * (WIDE_DEPTH - 2))])[
+                16 * start : 16 * (start + n)
+            ]
+            parent = WIDE_KEYS[chain][start - 1] % 2**64 if start else None
+            index.apply_batch(engine, [stored(hashes, tokens, parent=parent, medium=tier.name)])
+            if tier is Tier.GPU and (not start or any(index.holders(WIDE_KEYS[chain][start - 1]))):
+                spec -= {(engine, key) for key in keys}
+        elif op == "remove":
+            index.apply_batch(engine, [removed(hashes, medium=tier.name)])
+        elif op == "speculate":
+            index.speculate(engine, keys, ttl_s=1e9, now=0.0)
+            spec |= {(engine, key) for key in keys}
+        else:
+            index.apply_batch(engine, [AllBlocksCleared()])
+            spec = {(e, key) for e, key in spec if e != engine}
+    for chain_keys in WIDE_KEYS:
+        for cut in (len(chain_keys), 3):
+            keys = chain_keys[:cut]
+            want = {engine: reference_match(index, engine, keys, spec) for engine in FLEET}
+            assert index.match(keys, FLEET) == want
+            assert index.match(keys, subset) == {engine: want[engine] for engine in subset}
+            assert list(index.match(keys, subset)) == subset
+            assert index.match(keys) == {engine: m for engine, m in want.items() if m.blocks}
+
+
+def test_pool_only_engines_share_one_match_and_local_holders_are_exact() -> None:
+    engines = [f"e{i}" for i in range(1000)]
+    index = PrefixIndex(storage_pools={"nfs": 100}, engine_storage_pool=dict.fromkeys(engines, "nfs"))
+    system = block_keys(toks(0, 8), 16)
+    index.apply_batch("e0", [stored(range(1, 9), toks(0, 8), medium="STORAGE")])
+    # e7 holds the first 4 blocks on GPU and block 5 on CPU.
+    index.apply_batch(
+        "e7", [stored(range(1, 5), toks(0, 4)), stored([5], toks(64, 1), parent=4, medium="CPU")]
+    )
+    index.apply_batch("e9", [stored(range(1, 3), toks(0, 2), medium="CPU")])
+    result = index.match(system)
+    assert len(result) == 1000
+    assert result["e7"] == PrefixMatch(8, (4, 1, 3)) and result["e9"] == PrefixMatch(8, (0, 2, 6))
+    pool_only = [m for engine, m in result.items() if engine not in ("e7", "e9")]
+    assert pool_only[0] == PrefixMatch(8, (0, 0, 8)) and len({id(m) for m in pool_only}) == 1
+    # The pool drops block 5 (index 4): pool-only engines stop at 4 blocks; e7's CPU copy of it
+    # bridges the gap, so e7 goes on through the pool's blocks 6-8.
+    index.apply_batch("e7", [removed([5], medium="STORAGE")])  # e7 knows hash 5 (CPU)
+    result = index.match(system, ["e7", "e9", "e500", "nobody"])
+    assert result == {
+        "e7": PrefixMatch(8, (4, 1, 3)),
+        "e9": PrefixMatch(4, (0, 2, 2)),
+        "e500": PrefixMatch(4, (0, 0, 4)),
+        "nobody": NO_MATCH,
+    }
