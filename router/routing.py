@@ -435,6 +435,20 @@ class Router:
                 )
             return Response(status_code=STATUS_CLIENT_GONE)
 
+    def _upstream_failure(
+        self, ctx: RouteContext, arm: Arm, ticket: LoadTicket, engine_id: str, exc: UpstreamError
+    ) -> RouterError:
+        """Account a failed upstream exchange and the client error for it: 504 on a timeout, else 502."""
+        self.metrics.upstream_error(engine_id, exc.kind)
+        status = 504 if exc.kind == "timeout" else 502
+        self._finish(ctx, arm, ticket, status, str(exc), log_error=False)
+        return RouterError(
+            status,
+            f"engine {engine_id}: {exc}",
+            type="timeout_error" if status == 504 else "upstream_error",
+            code="upstream_timeout" if status == 504 else "upstream_error",
+        )
+
     def _begin(self, ctx: RouteContext, decision: Decision, engine_id: str) -> LoadTicket:
         # Queue only what the engine must compute: a mostly cached prompt counted whole makes its
         # engine look busy and pushes the conversation's next turn away from its history.
@@ -490,15 +504,7 @@ class Router:
                         code="upstream_connect_error",
                     ) from None
             except UpstreamError as exc:
-                self.metrics.upstream_error(engine_id, exc.kind)
-                status = 504 if exc.kind == "timeout" else 502
-                self._finish(ctx, arm, ticket, status, str(exc), log_error=False)
-                raise RouterError(
-                    status,
-                    f"engine {engine_id}: {exc}",
-                    type="timeout_error" if status == 504 else "upstream_error",
-                    code="upstream_timeout" if status == 504 else "upstream_error",
-                ) from None
+                raise self._upstream_failure(ctx, arm, ticket, engine_id, exc) from None
             except BaseException:  # cancelled (server shutdown) or a bug: give the load back
                 self.tracker.end(ticket)
                 raise
@@ -611,15 +617,7 @@ class Router:
         try:
             data = await self._read_all(ctx, response, ticket)
         except UpstreamError as exc:
-            self.metrics.upstream_error(ctx.engine_id, exc.kind)
-            status = 504 if exc.kind == "timeout" else 502
-            self._finish(ctx, arm, ticket, status, str(exc), log_error=False)
-            raise RouterError(
-                status,
-                f"engine {ctx.engine_id}: {exc}",
-                type="timeout_error" if status == 504 else "upstream_error",
-                code="upstream_timeout" if status == 504 else "upstream_error",
-            ) from None
+            raise self._upstream_failure(ctx, arm, ticket, ctx.engine_id, exc) from None
         finally:
             response.close()
         if response.status >= 500:

@@ -643,6 +643,27 @@ async def _collect(
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
 
+def _sse_chunk(
+    rid: str,
+    object_name: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+) -> bytes:
+    """One streamed chunk as vLLM sends it (``usage`` only on the final usage chunk)."""
+    obj: dict[str, Any] = {
+        "id": rid,
+        "object": object_name,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage is not None:
+        obj["usage"] = usage
+    return _sse(obj)
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -864,16 +885,7 @@ def create_engine_app(config: EngineServerConfig) -> FastAPI:
         first = await _first_item(gen)
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-            obj: dict[str, Any] = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": config.model,
-                "choices": choices,
-            }
-            if usage is not None:
-                obj["usage"] = usage
-            return _sse(obj)
+            return _sse_chunk(rid, "chat.completion.chunk", created, config.model, choices, usage)
 
         async def body_iter() -> AsyncIterator[bytes]:
             n_out = 0
@@ -954,16 +966,7 @@ def create_engine_app(config: EngineServerConfig) -> FastAPI:
             )
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-            obj: dict[str, Any] = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": config.model,
-                "choices": choices,
-            }
-            if usage is not None:
-                obj["usage"] = usage
-            return _sse(obj)
+            return _sse_chunk(rid, "text_completion", created, config.model, choices, usage)
 
         gens = [
             _generate(state, rid if len(prompts) == 1 else f"{rid}-{i}", p, sampling)
