@@ -20,6 +20,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check router policies sim loadtest tests
+	$(VENV)/bin/ruff format --check router policies sim loadtest tests
 	$(VENV)/bin/mypy
 
 fmt: $(STAMP)

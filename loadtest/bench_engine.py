@@ -35,14 +35,23 @@ class BenchResult:
 
 
 def run_once(
-    mode: str, conversations: int, steps: int, emit_events: bool, block_size: int = 16,
-    system_tokens: int = 1000, first_user_tokens: int = 2000, turn_user_tokens: int = 500,
-    answer_tokens: int = 100, turns: int = 8,
+    mode: str,
+    conversations: int,
+    steps: int,
+    emit_events: bool,
+    block_size: int = 16,
+    system_tokens: int = 1000,
+    first_user_tokens: int = 2000,
+    turn_user_tokens: int = 500,
+    answer_tokens: int = 100,
+    turns: int = 8,
 ) -> BenchResult:
     """Closed loop: each conversation sends its next turn (whole history resent) as soon as the
     previous one finishes; after ``turns`` turns it starts over as a new conversation."""
     profile = EngineProfile(
-        block_size=block_size, num_cpu_blocks=2 * 27852, emit_events=emit_events,
+        block_size=block_size,
+        num_cpu_blocks=2 * 27852,
+        emit_events=emit_events,
     )
     storage = StoragePool("bench-fs", capacity_blocks=10 * 27852)
     engine = EngineCore("bench", profile, storage=storage, seed=1)
@@ -110,17 +119,21 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}")
     print(f"{args.conversations} concurrent conversations, {args.steps} steps per run, {args.repeats} runs")
-    print(f"{'mode':<8}{'events':<8}{'steps/s (min-max)':<26}{'events/s':<12}{'gen tok/s':<12}"
-          f"{'turns done':<12}{'virtual s':<10}")
+    print(
+        f"{'mode':<8}{'events':<8}{'steps/s (min-max)':<26}{'events/s':<12}{'gen tok/s':<12}"
+        f"{'turns done':<12}{'virtual s':<10}"
+    )
     for mode in ("token", "trace"):
         for emit in (True, False):
             runs = [run_once(mode, args.conversations, args.steps, emit) for _ in range(args.repeats)]
             sps = [r.steps_per_s for r in runs]
             eps = statistics.median(r.events_per_s for r in runs)
             tps = statistics.median(r.generated_tokens / r.wall_s for r in runs)
-            print(f"{mode:<8}{'on' if emit else 'off':<8}"
-                  f"{statistics.median(sps):>8.0f} ({min(sps):.0f}-{max(sps):.0f}){'':<8}"
-                  f"{eps:<12.0f}{tps:<12.0f}{runs[0].finished:<12}{runs[0].virtual_s:<10.1f}")
+            print(
+                f"{mode:<8}{'on' if emit else 'off':<8}"
+                f"{statistics.median(sps):>8.0f} ({min(sps):.0f}-{max(sps):.0f}){'':<8}"
+                f"{eps:<12.0f}{tps:<12.0f}{runs[0].finished:<12}{runs[0].virtual_s:<10.1f}"
+            )
 
 
 if __name__ == "__main__":

@@ -96,8 +96,17 @@ async def _one_turn(
             if resp.status != 200:
                 text = await resp.text()
                 elapsed = time.perf_counter() - start
-                return TurnResult(conversation, turn, False, resp.status, elapsed, elapsed,
-                                  engine=engine, arm=arm, error=text[:200]), ""
+                return TurnResult(
+                    conversation,
+                    turn,
+                    False,
+                    resp.status,
+                    elapsed,
+                    elapsed,
+                    engine=engine,
+                    arm=arm,
+                    error=text[:200],
+                ), ""
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):

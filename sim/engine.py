@@ -76,8 +76,14 @@ class EngineProfile:
     emit_events: bool = True
 
     def __post_init__(self) -> None:
-        positive_ints = ("block_size", "num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs",
-                         "max_model_len", "kv_bytes_per_token")
+        positive_ints = (
+            "block_size",
+            "num_gpu_blocks",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_model_len",
+            "kv_bytes_per_token",
+        )
         for name in positive_ints:
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineProfile.{name} must be positive, got {getattr(self, name)}")
@@ -204,15 +210,22 @@ class _Request:
         "tokens",
     )
 
-    def __init__(self, request: SimRequest, prompt_len: int, max_output: int, block_size: int,
-                 chain: HashChain, output_offset: int) -> None:
+    def __init__(
+        self,
+        request: SimRequest,
+        prompt_len: int,
+        max_output: int,
+        block_size: int,
+        chain: HashChain,
+        output_offset: int,
+    ) -> None:
         self.request = request
         self.prompt_len = prompt_len
         self.max_output = max_output
         self.block_ids = request.block_ids
         #: Token mode: prompt + output token ids (output blocks get cached too, as in vLLM).
-        self.tokens: list[int] | None = None if request.block_ids is not None else list(
-            request.prompt_token_ids
+        self.tokens: list[int] | None = (
+            None if request.block_ids is not None else list(request.prompt_token_ids)
         )
         #: Full prompt blocks: the ones that may be hashed, cached and offloaded.
         self.num_prompt_blocks = prompt_len // block_size
@@ -249,8 +262,14 @@ class EngineCore:
     the same hash algorithm to hash each shared prefix once (default: one per engine).
     """
 
-    def __init__(self, engine_id: str, profile: EngineProfile, storage: StoragePool | None = None,
-                 seed: int = 0, hash_cache: BlockHashCache | None = None) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        profile: EngineProfile,
+        storage: StoragePool | None = None,
+        seed: int = 0,
+        hash_cache: BlockHashCache | None = None,
+    ) -> None:
         self.engine_id = engine_id
         self.profile = profile
         self.storage = storage
@@ -615,8 +634,10 @@ class EngineCore:
         evicted: list[int] = []
         self.gpu.allocate(num_blocks, evicted)
         if evicted and self._emit:
-            events.extend({"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0}
-                          for h in evicted)
+            events.extend(
+                {"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0}
+                for h in evicted
+            )
 
     def _commit_blocks(self, req: _Request, full_blocks: int, events: list[dict[str, Any]]) -> None:
         """Cache the request's newly full blocks on GPU and write prompt blocks through to the
@@ -708,9 +729,17 @@ class EngineCore:
         else:
             # vLLM's offloading connector: one hash-only placeholder per block.
             events.extend(
-                {"type": "BlockStored", "block_hashes": [hashes[b]], "parent_block_hash": None,
-                 "token_ids": [], "block_size": 0, "lora_id": None, "medium": "CPU",
-                 "lora_name": None, "group_idx": 0}
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [hashes[b]],
+                    "parent_block_hash": None,
+                    "token_ids": [],
+                    "block_size": 0,
+                    "lora_id": None,
+                    "medium": "CPU",
+                    "lora_name": None,
+                    "group_idx": 0,
+                }
                 for b in stored
             )
 
