@@ -19,6 +19,7 @@ import msgspec
 from router.events import BlockStored, decode_payload
 from router.index import PrefixIndex
 from router.keys import block_keys
+from sim.engine import placeholder_stored_event
 
 BLOCK_TOKENS = 16
 
@@ -59,19 +60,7 @@ def build_frames(total_blocks: int, seed: int = 0) -> tuple[list[bytes], int]:
             }
         ]
         if rng.random() < 0.3:
-            events.append(
-                {
-                    "type": "BlockStored",
-                    "block_hashes": hashes,
-                    "parent_block_hash": None,
-                    "token_ids": [],
-                    "block_size": 0,
-                    "lora_id": None,
-                    "medium": "CPU",
-                    "lora_name": None,
-                    "group_idx": 0,
-                }
-            )
+            events.append(placeholder_stored_event(hashes))
         live.extend(hashes)
         n_remove = sum(1 for _ in range(n) if rng.random() < 0.1)
         if n_remove and len(live) > 1000:

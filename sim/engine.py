@@ -253,6 +253,21 @@ class _Request:
         return self.extra_first_block if block_index == 0 else self.extra_every_block
 
 
+def placeholder_stored_event(block_hashes: list[int], medium: str = "CPU") -> dict[str, Any]:
+    """A hash-only BlockStored as vLLM's offloading connector sends it (no tokens, block_size 0)."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": block_hashes,
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": 0,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+        "group_idx": 0,
+    }
+
+
 class EngineCore:
     """One simulated engine. Drive it with add_request / abort_request / step.
 
@@ -728,20 +743,7 @@ class EngineCore:
                 events.append(self._stored_event(req, start, end, "CPU"))
         else:
             # vLLM's offloading connector: one hash-only placeholder per block.
-            events.extend(
-                {
-                    "type": "BlockStored",
-                    "block_hashes": [hashes[b]],
-                    "parent_block_hash": None,
-                    "token_ids": [],
-                    "block_size": 0,
-                    "lora_id": None,
-                    "medium": "CPU",
-                    "lora_name": None,
-                    "group_idx": 0,
-                }
-                for b in stored
-            )
+            events.extend(placeholder_stored_event([hashes[b]]) for b in stored)
 
     def _write_storage(
         self, req: _Request, block_indices: Sequence[int], events: list[dict[str, Any]]
