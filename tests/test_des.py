@@ -22,8 +22,8 @@ from router.keys import block_keys
 from sim.des import FleetSpec, SimConfig, SimResult, b1_fleet, main, simulate
 from sim.engine import EngineProfile
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-MOONCAKE = SHARED / "traces" / "mooncake"
+DATA = Path(__file__).resolve().parents[1] / "data"
+MOONCAKE = DATA / "traces" / "mooncake"
 
 
 def small_ladder(concurrency: int = 6, **kw: object) -> LadderConfig:

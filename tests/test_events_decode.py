@@ -12,7 +12,7 @@ import pytest
 
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_events, decode_payload
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "vllm-kv-events"
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "vllm-kv-events"
 
 
 def _lines(name: str) -> list[dict]:

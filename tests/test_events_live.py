@@ -27,7 +27,7 @@ from router.events import END_SEQ, EventManager, EventSource, discover_sources
 from router.index import PrefixIndex
 from router.keys import block_keys, request_extra_keys
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "vllm-kv-events"
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "vllm-kv-events"
 TOPIC = "kv-events"
 
 T_TOKENS = list(range(1000, 1064)) + list(range(2000, 2040))

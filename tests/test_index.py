@@ -17,7 +17,7 @@ from router.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_pa
 from router.index import PrefixIndex
 from router.keys import block_keys, namespace_seed, request_extra_keys
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "vllm-kv-events"
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "vllm-kv-events"
 T_KEYS = block_keys(list(range(1000, 1064)) + list(range(2000, 2040)), 16)
 S_TOKENS = list(range(1000, 1032))
 

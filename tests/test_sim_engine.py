@@ -15,8 +15,8 @@ from router.keys import block_keys
 from sim.cache import StoragePool
 from sim.engine import EngineCore, EngineProfile, FinishedRequest, SimRequest, StepOutput
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-FIXTURE = SHARED / "fixtures" / "vllm-kv-events" / "vllm-0.33.0-frames.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "data"
+FIXTURE = DATA / "fixtures" / "vllm-kv-events" / "vllm-0.33.0-frames.jsonl"
 
 # Round figures so that every expected duration below can be checked by hand:
 # 1 block = 16 tokens x 1,000 bytes = 16,000 bytes.

@@ -27,8 +27,8 @@ from sim.zmq_publisher import (
     resolved_source,
 )
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-FRAMES = SHARED / "fixtures" / "vllm-kv-events" / "vllm-0.33.0-frames.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "data"
+FRAMES = DATA / "fixtures" / "vllm-kv-events" / "vllm-0.33.0-frames.jsonl"
 TOPIC = "kv-events"
 T = list(range(1000, 1064)) + list(range(2000, 2040))
 

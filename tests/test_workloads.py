@@ -23,9 +23,9 @@ from loadtest.workloads import (
 from router.keys import block_keys
 from sim.tokenizer import encode_chat
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-MOONCAKE = SHARED / "traces" / "mooncake"
-AGENTIC = SHARED / "traces" / "agentic-sessions"
+DATA = Path(__file__).resolve().parents[1] / "data"
+MOONCAKE = DATA / "traces" / "mooncake"
+AGENTIC = DATA / "traces" / "agentic-sessions"
 
 
 def small_ladder(**kw: object) -> LadderConfig:
