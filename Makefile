@@ -19,13 +19,13 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check router policies sim loadtest tests
-	$(VENV)/bin/ruff format --check router policies sim loadtest tests
+	$(VENV)/bin/ruff check kvcore router policies sim loadtest tests
+	$(VENV)/bin/ruff format --check kvcore router policies sim loadtest tests
 	$(VENV)/bin/mypy
 
 fmt: $(STAMP)
-	$(VENV)/bin/ruff format router policies sim loadtest tests
-	$(VENV)/bin/ruff check --fix router policies sim loadtest tests
+	$(VENV)/bin/ruff format kvcore router policies sim loadtest tests
+	$(VENV)/bin/ruff check --fix kvcore router policies sim loadtest tests
 
 bench: $(STAMP)
 	$(PY) -m loadtest.bench all

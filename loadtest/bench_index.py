@@ -16,9 +16,9 @@ from typing import Any
 
 import msgspec
 
+from kvcore.index import PrefixIndex
+from kvcore.keys import block_keys
 from router.events import BlockStored, decode_payload
-from router.index import PrefixIndex
-from router.keys import block_keys
 from sim.engine import placeholder_stored_event
 
 BLOCK_TOKENS = 16

@@ -19,8 +19,8 @@ from typing import Any
 
 import aiohttp
 
+from kvcore.sim_tokenizer import NAME as SIM_MODEL
 from loadtest.workloads import Workload
-from sim.tokenizer import NAME as SIM_MODEL
 
 
 @dataclass(slots=True)

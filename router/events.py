@@ -20,8 +20,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvcore.index import PrefixIndex
 from policies.base import Tier
-from router.index import PrefixIndex
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,9 @@ from fastapi import FastAPI, Request
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import JSONResponse, Response
 
+from kvcore import sim_tokenizer
+from kvcore.index import PrefixIndex
+from kvcore.keys import block_keys, namespace_seed, request_extra_keys
 from policies.base import NO_MATCH, TIERS, RouteRequest
 from policies.costs import CostModel, PredictedParts
 from router.app import create_app
@@ -31,8 +34,6 @@ from router.config import ConfigError, EngineConfig, RouterConfig, load_config
 from router.errors import RouterError
 from router.events import EventBatch, EventManager, EventSource, debug_index_payload, explain_payload
 from router.experiments import Experiments
-from router.index import PrefixIndex
-from router.keys import block_keys, namespace_seed, request_extra_keys
 from router.load import LoadTracker
 from router.metrics import RouterMetrics, create_metrics
 from router.routing import (
@@ -47,7 +48,6 @@ from router.routing import (
 )
 from router.scrape import parse_engine_metrics
 from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer
-from sim import tokenizer as sim_tokenizer
 
 log = logging.getLogger("kvroute.service")
 
@@ -255,7 +255,7 @@ class TraceObserver:
         self._recorder: Any = None
 
     async def start(self) -> None:
-        from loadtest.workloads import TraceRecorder
+        from kvcore.trace import TraceRecorder
 
         self._recorder = TraceRecorder(
             Path(self._path), key_block_size=self._key_block_size, trace_block_size=self._trace_block_tokens

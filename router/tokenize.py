@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import msgspec
 import xxhash
 
-from sim import tokenizer as sim_tokenizer
+from kvcore import sim_tokenizer
 
 Messages = Sequence[Mapping[str, Any]]
 _encode_msg = msgspec.msgpack.Encoder(order="deterministic").encode

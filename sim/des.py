@@ -25,6 +25,8 @@ from typing import Any
 
 from sortedcontainers import SortedList
 
+from kvcore.index import PrefixIndex
+from kvcore.keys import block_keys
 from loadtest.workloads import (
     Conversation,
     LadderConfig,
@@ -48,8 +50,6 @@ from policies.base import (
     require_engines,
 )
 from policies.costs import CostModel, EngineCosts, PredictedParts, predicted_prefill_tokens
-from router.index import PrefixIndex
-from router.keys import block_keys
 from sim.cache import StoragePool
 from sim.engine import EngineCore, EngineProfile, SimRequest, StepOutput
 from sim.hashing import BlockHashCache, HashChain

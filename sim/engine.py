@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcore.sim_tokenizer import filler_tokens
 from sim.cache import GpuBlockPool, LruBlockTier, StoragePool
 from sim.hashing import HASH_ALGOS, BlockHashCache, HashChain
-from sim.tokenizer import filler_tokens
 
 # Tier indices, in policies.base.Tier order (sim/ does not import the routing library).
 _GPU, _CPU, _STORAGE = 0, 1, 2

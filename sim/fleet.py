@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from sim import tokenizer
+from kvcore import sim_tokenizer as tokenizer
 from sim.server import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from sim import tokenizer
+from kvcore import sim_tokenizer as tokenizer
 from sim.cache import StoragePool
 from sim.engine import EngineCore, EngineProfile, EngineStats, FinishedRequest, SimRequest
 from sim.zmq_publisher import KVEventsConfig, ZmqEventPublisher, parse_kv_events_config, resolved_source

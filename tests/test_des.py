@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from kvcore.keys import block_keys
+from kvcore.trace import TraceRecorder
 from loadtest.workloads import (
     LadderConfig,
-    TraceRecorder,
     ideal_hit_rate,
     ladder_workload,
     mooncake_workload,
     read_mooncake_records,
 )
-from router.keys import block_keys
 from sim.des import FleetSpec, SimConfig, SimResult, b1_fleet, main, simulate
 from sim.engine import EngineProfile
 

@@ -15,13 +15,13 @@ from pathlib import Path
 import openai
 import pytest
 
+from kvcore.sim_tokenizer import NAME
 from loadtest.workloads import LadderConfig, Workload, ladder_workload
 from router.config import load_config
 from router.service import build_router_app
 from sim.des import EngineSpec, FleetSpec, SimConfig, simulate
 from sim.engine import EngineProfile
 from sim.fleet import Fleet, FleetProfile
-from sim.tokenizer import NAME
 from tests.conftest import ThreadedServer
 
 BLOCK = 16

@@ -22,10 +22,10 @@ import pytest
 import zmq
 from aiohttp import web
 
+from kvcore.index import PrefixIndex
+from kvcore.keys import block_keys, request_extra_keys
 from policies.base import PrefixMatch
 from router.events import END_SEQ, EventManager, EventSource, discover_sources
-from router.index import PrefixIndex
-from router.keys import block_keys, request_extra_keys
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "vllm-kv-events"
 TOPIC = "kv-events"

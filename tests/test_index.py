@@ -12,10 +12,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from kvcore.index import PrefixIndex
+from kvcore.keys import block_keys, namespace_seed, request_extra_keys
 from policies.base import NO_MATCH, PrefixMatch, Tier
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload
-from router.index import PrefixIndex
-from router.keys import block_keys, namespace_seed, request_extra_keys
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "vllm-kv-events"
 T_KEYS = block_keys(list(range(1000, 1064)) + list(range(2000, 2040)), 16)

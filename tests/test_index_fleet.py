@@ -20,11 +20,11 @@ import httpx
 import openai
 import pytest
 
+from kvcore import sim_tokenizer as tokenizer
+from kvcore.index import PrefixIndex
+from kvcore.keys import block_keys
 from policies.base import PrefixMatch, Tier
 from router.events import EventManager, EventSource
-from router.index import PrefixIndex
-from router.keys import block_keys
-from sim import tokenizer
 from sim.fleet import PROFILES, Fleet, FleetEngine
 
 BLOCK_TOKENS = 16

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from kvcore.index import PrefixIndex
+from kvcore.keys import block_keys
 from policies.base import EngineView, FleetView, NoEngineAvailable, PrefixMatch, RouteRequest, build_policy
 from router.events import BlockStored, debug_index_payload, explain_payload
-from router.index import PrefixIndex
-from router.keys import block_keys
 
 TOKENS = list(range(5000, 5000 + 16 * 8))
 KEYS = block_keys(TOKENS, 16)

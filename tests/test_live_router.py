@@ -16,9 +16,9 @@ import httpx
 import openai
 import pytest
 
+from kvcore import sim_tokenizer as tokenizer
 from router.config import load_config
 from router.service import build_router_app
-from sim import tokenizer
 from sim.fleet import PROFILES, Fleet, FleetEngine
 from sim.server import free_port
 from tests.conftest import ThreadedServer

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvcore.keys import block_keys
 from policies.approx_prefix import ApproxPrefixPolicy
 from policies.base import Decision, EngineView, FleetView, PrefixMatch, RouteRequest, build_policy
-from router.keys import block_keys
 
 BLOCK = 16
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.keys import block_keys
+from kvcore.keys import block_keys
 from sim.cache import StoragePool
 from sim.engine import EngineCore, EngineProfile, FinishedRequest, SimRequest, StepOutput
 

@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
+from kvcore import sim_tokenizer as tokenizer
 from router.config import load_fleet_file
-from sim import tokenizer
 from sim.fleet import PROFILES, Fleet, FleetEngine
 
 

@@ -7,7 +7,7 @@ import hashlib
 import cbor2
 import pytest
 
-from router.keys import block_keys
+from kvcore.keys import block_keys
 from sim.engine import EngineCore, EngineProfile, SimRequest
 from sim.hashing import (
     VLLM_NONE_HASH,

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from sim import tokenizer
+from kvcore import sim_tokenizer as tokenizer
 from sim.server import EngineServerConfig, ThreadedEngineServer, main
 from sim.zmq_publisher import KVEventsConfig
 

@@ -14,8 +14,8 @@ from tokenizers import AddedToken, Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
+from kvcore import sim_tokenizer
 from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer, prefix_hashes
-from sim import tokenizer as sim_tokenizer
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"

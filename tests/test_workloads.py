@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from kvcore.keys import block_keys
+from kvcore.sim_tokenizer import encode_chat
+from kvcore.trace import TraceRecorder
 from loadtest.workloads import (
     LadderConfig,
-    TraceRecorder,
     agentic_within_session_ideal,
     agentic_workload,
     ideal_hit_rate,
@@ -20,8 +22,6 @@ from loadtest.workloads import (
     read_agentic_sessions,
     read_mooncake_records,
 )
-from router.keys import block_keys
-from sim.tokenizer import encode_chat
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 MOONCAKE = DATA / "traces" / "mooncake"

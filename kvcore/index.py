@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcore.keys import DEFAULT_NAMESPACE, block_keys
 from policies.base import NO_MATCH, PrefixMatch, Tier
-from router.keys import DEFAULT_NAMESPACE, block_keys
 
 #: Capacity (blocks) of the private STORAGE pool an engine gets when it sends STORAGE events but
 #: mounts no configured pool. About 1 TiB of Llama-3-8B KV at 16-token blocks.
