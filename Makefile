@@ -1,33 +1,54 @@
 # kvroute: the two set-up commands are `make demo` and `make test`; both build .venv themselves.
+# Each target installs only what it needs, one stamp per set of extras: `make demo` the package
+# alone, `make test` adds [test], `make lint` adds [dev], `make bench` adds [plots].
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# setuptools prints an information-only "Editable installation" notice on every editable build;
+# it is not a deprecation and says nothing about this project, so it is filtered by its text.
+PIP_INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: demo test lint bench fmt clean
 
-$(STAMP): pyproject.toml
+$(VENV)/.core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,dev,load,plots]'
-	touch $(STAMP)
+	$(PIP_INSTALL) --upgrade pip  # the bundled pip resolves from the index about twice as slowly
+	$(PIP_INSTALL) -e .
+	touch $@
 
-demo: $(STAMP)
+$(VENV)/.test: $(VENV)/.core
+	$(PIP_INSTALL) -e '.[test]'
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.test
+	$(PIP_INSTALL) -e '.[test,dev]'
+	touch $@
+
+$(VENV)/.bench: $(VENV)/.test
+	$(PIP_INSTALL) -e '.[test,plots]'
+	touch $@
+
+# Everything, for development (every extra, including load and scale).
+$(VENV)/.installed: $(VENV)/.dev
+	$(PIP_INSTALL) -e '.[test,dev,plots,tokenizers,load,scale]'
+	touch $@
+
+demo: $(VENV)/.core
 	$(PY) -m loadtest.demo
 
-test: $(STAMP)
+test: $(VENV)/.test
 	$(PY) -m pytest -q -p no:cacheprovider
 
-lint: $(STAMP)
+lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check kvcore router policies sim loadtest tests
 	$(VENV)/bin/ruff format --check kvcore router policies sim loadtest tests
 	$(VENV)/bin/mypy
 
-fmt: $(STAMP)
+fmt: $(VENV)/.dev
 	$(VENV)/bin/ruff format kvcore router policies sim loadtest tests
 	$(VENV)/bin/ruff check --fix kvcore router policies sim loadtest tests
 
-bench: $(STAMP)
+bench: $(VENV)/.bench
 	$(PY) -m loadtest.bench all
 
 clean:

@@ -19,8 +19,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from loadtest.chat_client import print_progress, run_load
-from loadtest.workloads import LadderConfig, Workload, ladder_workload
+from loadtest.chat_client import chat_workload, print_progress, run_load
+from loadtest.workloads import Workload
 from sim.fleet import Fleet, FleetProfile
 from sim.server import free_port
 
@@ -138,22 +138,14 @@ def gain_line(report: dict[str, Any]) -> str:
 
 
 def demo_workload(args: argparse.Namespace) -> Workload:
-    """The B1 ladder scaled down: 2,400-token first prompts sharing a 600-token system prompt,
-    +448 tokens a turn (the previous 48-token answer and new user text)."""
-    return ladder_workload(
-        LadderConfig(
-            first_prompt_tokens=2400,
-            system_prefix_tokens=600,
-            tokens_per_turn=448,
-            turns=args.turns,
-            answer_min_tokens=48,
-            answer_max_tokens=48,
-            think_time_mean_s=args.think_time_s,
-            concurrency=args.concurrency,
-            total_conversations=args.conversations,
-            block_size=DEMO_PROFILE.block_size,
-            seed=args.seed,
-        )
+    """The demo's conversations (loadtest.chat_client.chat_workload, the B1 ladder scaled down)."""
+    return chat_workload(
+        conversations=args.conversations,
+        concurrency=args.concurrency,
+        turns=args.turns,
+        think_time_s=args.think_time_s,
+        seed=args.seed,
+        block_size=DEMO_PROFILE.block_size,
     )
 
 

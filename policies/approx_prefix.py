@@ -25,6 +25,8 @@ class ApproxPrefixPolicy(BasePolicy):
 
     name = "approx_prefix"
     uses_index = False
+    #: It reads request.block_keys (the router tokenises for it) but never the index.
+    needs_block_keys = True
 
     def __init__(
         self,

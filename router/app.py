@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
+from router import __version__
 from router.config import RouterConfig
 from router.errors import RouterError, error_body
 from router.load import EnginePoller, LoadTracker
@@ -89,11 +90,15 @@ def create_app(
         costs=costs,
         index_trusted=index_trusted,
     )
-    components = [
-        c
-        for c in (index, tokenizer, event_manager, experiments, annotator, *observers)
-        if c is not None and hasattr(c, "start") and hasattr(c, "stop")
-    ]
+    # Each once, by identity: one object may fill two roles (the router's services are both the
+    # event manager and an observer); a second start() would leak the first start's HTTP session.
+    components = list(
+        {
+            id(c): c
+            for c in (index, tokenizer, event_manager, experiments, annotator, *observers)
+            if c is not None and hasattr(c, "start") and hasattr(c, "stop")
+        }.values()
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -179,6 +184,11 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> Response:
+        # vLLM's benchmark client probes GET /version; the same shape as vLLM's own answer.
+        return JSONResponse({"version": __version__})
 
     @app.get("/ready")
     async def ready() -> Response:
