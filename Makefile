@@ -1,6 +1,6 @@
 # kvroute: the two set-up commands are `make demo` and `make test`; both build .venv themselves.
 # Each target installs only what it needs, one stamp per set of extras: `make demo` the package
-# alone, `make test` adds [test], `make lint` adds [dev], `make bench` adds [plots].
+# alone, `make test` and `make bench` add [test,plots], `make lint` adds [dev].
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -17,15 +17,11 @@ $(VENV)/.core: pyproject.toml
 	touch $@
 
 $(VENV)/.test: $(VENV)/.core
-	$(PIP_INSTALL) -e '.[test]'
+	$(PIP_INSTALL) -e '.[test,plots]'  # the suite checks the plots too
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.test
-	$(PIP_INSTALL) -e '.[test,dev]'
-	touch $@
-
-$(VENV)/.bench: $(VENV)/.test
-	$(PIP_INSTALL) -e '.[test,plots]'
+	$(PIP_INSTALL) -e '.[test,plots,dev]'
 	touch $@
 
 # Everything, for development (every extra, including load and scale).
@@ -48,7 +44,7 @@ fmt: $(VENV)/.dev
 	$(VENV)/bin/ruff format kvcore router policies sim loadtest tests
 	$(VENV)/bin/ruff check --fix kvcore router policies sim loadtest tests
 
-bench: $(VENV)/.bench
+bench: $(VENV)/.test
 	$(PY) -m loadtest.bench all
 
 clean:

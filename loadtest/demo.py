@@ -72,7 +72,8 @@ def _wait_for_report(url: str, turns: int, deadline_s: float = 5.0) -> Any:
 
 def write_router_config(path: Path, fleet_file: Path, port: int, arms: list[tuple[str, str]]) -> None:
     lines = [
-        'log_level = "warning"',
+        # info: one line per request (engine, arm, TTFT, cached tokens), so the log shows decisions.
+        'log_level = "info"',
         f'fleet_file = "{fleet_file}"',
         "[listen]",
         'host = "127.0.0.1"',
@@ -117,7 +118,25 @@ def format_report(report: dict[str, Any]) -> str:
                 f"  vs {vs['control']}: mean TTFT diff {vs['mean_diff_s'] * 1000:+.1f} ms "
                 f"({int(vs['confidence'] * 100)}% CI {low * 1000:+.1f} .. {high * 1000:+.1f} ms)"
             )
+    rows += ["", *legend(report)]
     return "\n".join(rows)
+
+
+def legend(report: dict[str, Any]) -> list[str]:
+    """What the table's columns are, and how far its p99 can be trusted."""
+    lines = [
+        "reqs, errs: turns each arm served and failed (sessions are split between arms, sticky).",
+        "p50/p90/p99 ms: time to first token per turn, measured by the router.",
+        "gpu/cpu/stor tok: mean hit tokens per request - prompt tokens the engine reported cached,",
+        "  split by the tier (GPU, CPU, STORAGE) the router's index saw them in.",
+        "hit rate: cached prompt tokens / all prompt tokens.",
+    ]
+    sizes = [a["requests"] - a["errors"] for a in report.get("arms", []) if a["requests"]]
+    if sizes:
+        n = min(sizes)
+        tail = max(1, round(n * 0.01))
+        lines.append(f"p99 rests on the slowest {tail} of ~{n} turns per arm: it moves from run to run.")
+    return lines
 
 
 def gain_line(report: dict[str, Any]) -> str:
@@ -192,7 +211,9 @@ def run_demo(args: argparse.Namespace) -> int:
         line = gain_line(report)
         if line:
             print("What routing gained: " + line)
-        print(f"(router log and fleet file in {workdir})")
+        router_log = workdir / "router.log"
+        lines = len(router_log.read_text(errors="replace").splitlines())
+        print(f"router log: {router_log} ({lines} lines); engine logs and the fleet file: {workdir}")
         return 0 if summary["errors"] == 0 else 1
     finally:
         if router is not None and router.poll() is None:
