@@ -878,9 +878,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--concurrency",
         type=_int_list,
-        default=[16, 48],
-        help="ladder: comma-separated concurrent conversations (default 16,48: the 8 default policies "
-        "finish in about 2 minutes on 2 cores; the B1 figures use 16,32,64,128,256)",
+        default=[16, 32, 64],
+        help="ladder: comma-separated concurrent conversations (default 16,32,64: with the 8 default "
+        "policies about 2 CPU-minutes, 1-2 minutes on 2 cores; the B1 figures use 16,32,64,128,256)",
     )
     src.add_argument(
         "--conversations",
@@ -1242,7 +1242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out is not None:
         title = f"{results[0].workload.split('-')[0]} {args.fleet}, {args.engines[0]} engines"
         try:
-            paths = plot_hits_by_tier(results, out, title=title)
+            paths = plot_hits_by_tier(results, out, title=title, label_name=label_header)
             if label_header == "concurrency" and len(args.concurrency) > 1:
                 paths += plot_vs_concurrency(results, out, title=title)
         except ImportError:

@@ -104,7 +104,9 @@ _TIERS = (
 )
 
 
-def plot_hits_by_tier(results: Sequence[ResultRow], out_dir: Path, *, title: str = "") -> list[Path]:
+def plot_hits_by_tier(
+    results: Sequence[ResultRow], out_dir: Path, *, title: str = "", label_name: str = ""
+) -> list[Path]:
     """Where each policy's prompt tokens came from, one stacked bar per policy (GPU, CPU, STORAGE
     hits, recomputed) and one panel per run label (e.g. concurrency), with TTFT p50 above each bar.
     A plain hit fraction hides the difference: with a shared STORAGE pool every policy hits almost
@@ -136,7 +138,7 @@ def plot_hits_by_tier(results: Sequence[ResultRow], out_dir: Path, *, title: str
             if not math.isnan(d["ttft_p50_s"]):
                 ax.annotate(f"{d['ttft_p50_s']:.2g}s", (x, 1.0), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(list(xs), [p for p, _ in rows], rotation=60, ha="right", fontsize=8)
-        ax.set_title(label, fontsize=9)
+        ax.set_title(f"{label_name} {label}".strip(), fontsize=9)
         ax.set_ylim(0, 1.08)
     axes[0][0].set_ylabel("share of prompt tokens (label: TTFT p50)")
     handles, names = axes[0][0].get_legend_handles_labels()

@@ -203,3 +203,17 @@ def test_engine_and_router_say_where_they_listen_and_stop_cleanly_on_ctrl_c(
         text = "".join(out) + rest
         assert proc.returncode == 0, text
         assert "Traceback" not in text and "Unclosed" not in text and "ERROR" not in text, text
+
+
+def test_missing_optional_package_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import router.cli as cli
+
+    def dispatch(args: list[str]) -> int:
+        raise ModuleNotFoundError("No module named 'tokenizers'", name="tokenizers")
+
+    monkeypatch.setattr(cli, "_dispatch", dispatch)
+    assert cli.main(["serve", "--tokenizer", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert "needs the Python package 'tokenizers'" in err and "pip install 'kvroute[tokenizers]'" in err
