@@ -114,12 +114,15 @@ def serve(argv: Sequence[str]) -> int:
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
+    from router.guard import guarded_http_protocol
+
     uvicorn.run(
         app,
         host=config.listen.host,
         port=config.listen.port,
         loop=loop,
-        http="auto",
+        # httptools with header timeouts, header limits and a connection cap (router/guard.py).
+        http=guarded_http_protocol(config.limits),
         log_level=config.log_level.lower(),
         access_log=False,
         timeout_keep_alive=30,

@@ -42,6 +42,10 @@ class EngineState:
     last_error: str = ""
     #: Taken out of routing by POST /admin/engines/{id}/drain (health polls do not undo it).
     drained: bool = False
+    #: Consecutive failed health polls (reset by a good one).
+    poll_failures: int = 0
+    #: Monotonic time of the engine's latest answer to a proxied request (0 = none yet).
+    last_answer_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -170,11 +174,20 @@ class EnginePoller:
     """Background task polling each engine's GET /health every ``interval_s`` (owner: the app)."""
 
     def __init__(
-        self, tracker: LoadTracker, session: aiohttp.ClientSession, *, interval_s: float, timeout_s: float
+        self,
+        tracker: LoadTracker,
+        session: aiohttp.ClientSession,
+        *,
+        interval_s: float,
+        timeout_s: float,
+        failures_before_unhealthy: int = 3,
+        answer_liveness_s: float = 10.0,
     ) -> None:
         self._tracker = tracker
         self._session = session
         self._interval_s = interval_s
+        self._failures_before_unhealthy = failures_before_unhealthy
+        self._answer_liveness_s = answer_liveness_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._task: asyncio.Task[None] | None = None
 
@@ -198,14 +211,36 @@ class EnginePoller:
             await asyncio.sleep(max(0.0, self._interval_s - (time.monotonic() - started_s)))
 
     async def poll_once(self, state: EngineState) -> None:
+        """One GET /health. A refused connection marks the engine unhealthy at once (nothing
+        listens); a slow or failing answer only after ``failures_before_unhealthy`` in a row, and
+        not while the engine answered a proxied request within ``answer_liveness_s`` (a busy
+        engine's /health can be slow while it serves fine)."""
         engine = state.config
+        refused = False
         try:
             async with self._session.get(f"{engine.url}/health", timeout=self._timeout) as resp:
                 await resp.read()
                 healthy, reason = resp.status == 200, f"GET /health returned {resp.status}"
+        except aiohttp.ClientConnectorError as exc:
+            healthy, reason, refused = False, f"GET /health failed: {exc}", True
         except (TimeoutError, aiohttp.ClientError) as exc:
             healthy, reason = False, f"GET /health failed: {type(exc).__name__}: {exc}"
-        self._tracker.set_health(engine.id, healthy, reason)
+        if healthy:
+            state.poll_failures = 0
+            self._tracker.set_health(engine.id, True)
+        else:
+            state.poll_failures += 1
+            answered_recently = time.monotonic() - state.last_answer_s < self._answer_liveness_s
+            if refused or (state.poll_failures >= self._failures_before_unhealthy and not answered_recently):
+                self._tracker.set_health(engine.id, False, f"{reason} ({state.poll_failures} in a row)")
+            elif state.healthy:
+                log.info(
+                    "engine %s: %s (%d in a row%s); still routed",
+                    engine.id,
+                    reason,
+                    state.poll_failures,
+                    ", answered requests recently" if answered_recently else "",
+                )
         if healthy and not state.models_discovered:
             await self._discover_models(state)
 

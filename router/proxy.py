@@ -4,8 +4,8 @@ aiohttp was chosen over httpx by measurement (docs/benchmarks.md, loadtest/bench
 2 cores a FastAPI proxy on aiohttp's client served ~10x the requests/s of the same proxy on httpx.
 ``UpstreamClient.send`` posts the original body bytes and returns the open response once its
 headers are in, so the caller can stream the body through; failures are classified into
-``UpstreamConnectError`` (nothing reached the engine: safe to retry elsewhere) and
-``UpstreamTimeout`` (the engine took longer than the read timeout to answer).
+``UpstreamConnectError`` (refused, or the connection broke before any byte of an answer: safe to
+retry elsewhere) and ``UpstreamTimeout`` (the engine took longer than the read timeout to answer).
 """
 
 from __future__ import annotations
@@ -86,6 +86,10 @@ class UpstreamClient:
             raise UpstreamConnectError(f"cannot connect to {url}: {exc.os_error or exc}") from exc
         except aiohttp.ServerDisconnectedError as exc:
             raise UpstreamConnectError(f"{url} closed the connection before answering") from exc
+        except aiohttp.ClientOSError as exc:
+            # ECONNRESET / EPIPE on a pooled keep-alive socket ("Can not write request body"): the
+            # engine answered nothing, so the request may go elsewhere like a refused one.
+            raise UpstreamConnectError(f"connection to {url} broke before any answer: {exc}") from exc
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise UpstreamTimeout(f"{url} did not answer within the read timeout") from exc
         except aiohttp.ClientError as exc:

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import msgspec
 from fastapi import FastAPI, Request
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import JSONResponse, Response
@@ -29,7 +28,8 @@ from kvcore.index import PrefixIndex
 from kvcore.keys import block_keys, namespace_seed, request_extra_keys
 from policies.base import NO_MATCH, TIERS, RouteRequest
 from policies.costs import CostModel, PredictedParts
-from router.app import create_app
+from router import openapi
+from router.app import create_app, error_response, request_id_of
 from router.config import ConfigError, EngineConfig, RouterConfig, load_config
 from router.errors import RouterError
 from router.events import EventBatch, EventManager, EventSource, debug_index_payload, explain_payload
@@ -43,13 +43,14 @@ from router.routing import (
     build_arm_selector,
     experiment_arms,
     needs_block_keys,
-    new_request_id,
-    parse_request,
 )
 from router.scrape import parse_engine_metrics
 from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer
 
 log = logging.getLogger("kvroute.service")
+
+#: Prompts longer than this are hashed into block keys in a worker thread, off the event loop.
+_INLINE_KEY_TOKENS = 8192
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -60,8 +61,9 @@ class HealthyEngineTokenizer:
 
     The aiohttp session is set by ``RouterServices.start`` (it lives on the event loop)."""
 
-    def __init__(self, tracker: LoadTracker) -> None:
+    def __init__(self, tracker: LoadTracker, *, cache_max_bytes: int) -> None:
         self._tracker = tracker
+        self.cache_max_bytes = cache_max_bytes
         self.session: aiohttp.ClientSession | None = None
         self._clients: dict[str, EngineChatTokenizer] = {}
 
@@ -73,13 +75,16 @@ class HealthyEngineTokenizer:
                 client = self._clients.get(state.config.id)
                 if client is None:
                     client = self._clients[state.config.id] = EngineChatTokenizer(
-                        self.session, state.config.url, model=state.config.model
+                        self.session,
+                        state.config.url,
+                        model=state.config.model,
+                        cache_max_bytes=self.cache_max_bytes // max(1, len(self._tracker.engines)),
                     )
                 return await client.chat_tokens(messages, model=model)
         raise RuntimeError(f"no healthy engine serving {model!r} to tokenise with")
 
     def cache_stats(self) -> dict[str, int]:
-        total = {"entries": 0, "hits": 0, "misses": 0}
+        total = {"entries": 0, "bytes": 0, "max_bytes": 0, "hits": 0, "misses": 0}
         for client in self._clients.values():
             for key, value in client.cache_stats().items():
                 total[key] = total.get(key, 0) + value
@@ -89,17 +94,18 @@ class HealthyEngineTokenizer:
 def build_tokenizer(config: RouterConfig, tracker: LoadTracker) -> Any:
     """The configured chat tokenizer, or None for backend "none"."""
     backend = config.tokenizer.backend
+    cache_max_bytes = config.tokenizer.cache_max_bytes
     if backend == "sim":
-        return SimChatTokenizer()
+        return SimChatTokenizer(cache_max_bytes=cache_max_bytes)
     if backend == "hf":
         if not config.tokenizer.path:
             raise ConfigError('tokenizer.backend "hf" needs tokenizer.path (a tokenizer directory)')
         try:
-            return HfChatTokenizer.from_dir(config.tokenizer.path)
+            return HfChatTokenizer.from_dir(config.tokenizer.path, cache_max_bytes=cache_max_bytes)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"tokenizer.path {config.tokenizer.path!r}: {exc}") from None
     if backend == "engine":
-        return HealthyEngineTokenizer(tracker)
+        return HealthyEngineTokenizer(tracker, cache_max_bytes=cache_max_bytes)
     return None
 
 
@@ -151,7 +157,12 @@ class IndexAnnotator:
         salt = ctx.body.get("cache_salt")
         n_blocks = len(tokens) // block_size
         extra = request_extra_keys(n_blocks, cache_salt=salt if isinstance(salt, str) else None)
-        keys = block_keys(tokens, block_size, parent=self._namespace, extra_keys=extra)
+        if len(tokens) > _INLINE_KEY_TOKENS:  # hashing a long prompt would stall every request
+            keys = await asyncio.to_thread(
+                block_keys, tokens, block_size, parent=self._namespace, extra_keys=extra
+            )
+        else:
+            keys = block_keys(tokens, block_size, parent=self._namespace, extra_keys=extra)
         request.prompt_tokens = len(tokens)
         request.block_size = block_size
         request.block_keys = keys
@@ -613,6 +624,7 @@ def build_router_app(
     except ValueError as exc:
         raise ConfigError(f"costs.priors: {exc}") from None
     experiments = build_arm_selector(config)
+    experiments.bound_sessions(config.limits.session_map_bytes)
     tokenizer = build_tokenizer(config, tracker)
     for arm in experiments.arms:
         if needs_block_keys(arm.policy) and tokenizer is None:
@@ -664,36 +676,22 @@ def build_router_app(
     return app
 
 
-def _json_error(err: RouterError, request_id: str = "") -> Response:
-    headers = {"x-request-id": request_id} if request_id else None
-    return Response(err.body(), status_code=err.status, media_type="application/json", headers=headers)
-
-
 def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices) -> None:
     router = app.state.router
 
-    @app.post("/v1/route/explain")
+    @app.post("/v1/route/explain", openapi_extra=openapi.operation(openapi.EXPLAIN_BODY))
     async def explain(request: Request) -> Response:
         """Where a chat or completion body would go and why; nothing is sent upstream."""
-        request_id = request.headers.get("x-request-id") or new_request_id()
+        request_id = request_id_of(request.headers)
+        reader = app.state.reader
         try:
-            raw = await request.body()
-            try:
-                doc = msgspec.json.decode(raw)
-            except msgspec.DecodeError:
-                doc = None  # parse_request answers with the 400
-            endpoint = CHAT if isinstance(doc, dict) and "messages" in doc else COMPLETIONS
-            ctx = parse_request(
-                endpoint,
-                raw,
-                request.headers,
-                request_id=request_id,
-                started_s=time.monotonic(),
-                config=config,
-            )
+            # The same door as the chat path: content type, size and time limits, validation.
+            raw = await reader.body(request)
+            endpoint = CHAT if b'"messages"' in raw else COMPLETIONS
+            ctx = reader.parse(endpoint, raw, request, request_id)
             arm, decision = await router.decide(ctx)
         except RouterError as err:
-            return _json_error(err, request_id)
+            return error_response(err, request_id)
         body = explain_payload(ctx.route_request, ctx.fleet, decision, arm.policy.name)
         body["arm"] = arm.name
         body["session_key"] = ctx.route_request.session_key
@@ -715,48 +713,42 @@ def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices)
     async def experiments_report() -> Response:
         return JSONResponse(services.experiments.report())
 
-    def check_admin(request: Request) -> None:
-        token = config.admin.token
-        if not token:
-            raise RouterError(
-                404,
-                "admin endpoints are disabled; set admin.token to enable them",
-                type="not_found_error",
-                code="admin_disabled",
-            )
-        header = request.headers.get("authorization", "")
-        if not header.lower().startswith("bearer "):
-            raise RouterError(
-                401,
-                "missing 'Authorization: Bearer <admin.token>' header",
-                type="authentication_error",
-                code="missing_admin_token",
-            )
-        if header[7:].strip() != token:
-            raise RouterError(403, "wrong admin token", type="permission_error", code="invalid_admin_token")
+    # /admin/* is authenticated by router.guard (admin.token, constant-time, failures rate-limited).
 
     @app.post("/admin/reload")
     async def admin_reload(request: Request) -> Response:
         try:
-            check_admin(request)
             return JSONResponse(services.reload())
         except RouterError as err:
-            return _json_error(err)
+            return error_response(err)
+
+    def engine_state(engine_id: str) -> Any:
+        state = services.tracker.engines.get(engine_id)
+        if state is None:
+            raise RouterError(
+                404,
+                f"unknown engine {engine_id!r}; engines: {', '.join(services.tracker.engines)}",
+                type="not_found_error",
+                code="engine_not_found",
+            )
+        return state
 
     @app.post("/admin/engines/{engine_id}/drain")
     async def admin_drain(engine_id: str, request: Request) -> Response:
-        """Take an engine out of routing until restart; in-flight requests finish normally."""
+        """Take an engine out of routing until undrained; in-flight requests finish normally."""
         try:
-            check_admin(request)
-            if engine_id not in services.tracker.engines:
-                raise RouterError(
-                    404,
-                    f"unknown engine {engine_id!r}; engines: {', '.join(services.tracker.engines)}",
-                    type="not_found_error",
-                    code="engine_not_found",
-                )
+            engine_state(engine_id).drained = True
         except RouterError as err:
-            return _json_error(err)
-        services.tracker.engines[engine_id].drained = True
+            return error_response(err)
         log.warning("engine %s drained by admin: no new requests go there", engine_id)
         return JSONResponse({"drained": engine_id})
+
+    @app.post("/admin/engines/{engine_id}/undrain")
+    async def admin_undrain(engine_id: str, request: Request) -> Response:
+        """Put a drained engine back into routing (health checks still apply)."""
+        try:
+            engine_state(engine_id).drained = False
+        except RouterError as err:
+            return error_response(err)
+        log.warning("engine %s undrained by admin: it takes new requests again", engine_id)
+        return JSONResponse({"undrained": engine_id})
