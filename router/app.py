@@ -113,6 +113,24 @@ def validate_body(endpoint: str, body: Mapping[str, Any]) -> None:
         raise bad_request("'cache_salt' must be a non-empty string", "invalid_type")
 
 
+class LivenessObserver:
+    """Notes each engine's latest answer (first byte) as proof of life for the health poller."""
+
+    def __init__(self, tracker: LoadTracker) -> None:
+        self._engines = tracker.engines
+
+    def on_routed(self, ctx: RouteContext) -> None:
+        return None
+
+    def on_first_byte(self, ctx: RouteContext) -> None:
+        state = self._engines.get(ctx.engine_id)
+        if state is not None:
+            state.last_answer_s = ctx.first_byte_s or time.monotonic()
+
+    def on_finished(self, ctx: RouteContext) -> None:
+        return None
+
+
 class RequestReader:
     """Reads and validates a chat/completions body into a ``RouteContext`` (chat path and explain):
     JSON content type only (415: a browser's cross-site "simple request" cannot send one), body
@@ -193,7 +211,11 @@ class RequestReader:
         except RouterError:
             raise
         except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
-            # parse_request is a validator of client input: a crash in it is a bad request.
+            # parse_request is a validator of client input: a crash in it is a bad request. Name
+            # the field when the router's own checks can (only on this error path: decode again).
+            doc = msgspec.json.decode(raw_body)
+            if isinstance(doc, dict):
+                validate_body(endpoint, doc)
             raise bad_request(
                 f"request body is malformed ({type(exc).__name__})", "invalid_request"
             ) from None
@@ -243,7 +265,7 @@ def create_app(
         read_timeout_s=config.limits.read_timeout_s,
         max_connections_per_engine=config.limits.max_connections_per_engine,
     )
-    all_observers = list(observers)
+    all_observers: list[Any] = [LivenessObserver(tracker), *observers]
     if experiments is not None and hasattr(experiments, "on_finished") and experiments not in all_observers:
         all_observers.append(experiments)  # type: ignore[arg-type]
     router = Router(

@@ -200,10 +200,10 @@ class Authenticator:
                 type="not_found_error",
                 code="admin_disabled",
             )
-        if need == "debug" and self.debug_mode == "off":
+        if need == "debug" and (self.debug_mode == "off" or (self.debug_mode == "admin" and not self._admin)):
             raise RouterError(
                 404,
-                "this endpoint is disabled (auth.debug_access = off)",
+                "this endpoint is disabled (auth.debug_access is off, or admin without an admin.token)",
                 type="not_found_error",
                 code="disabled",
             )
