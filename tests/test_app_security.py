@@ -41,7 +41,7 @@ class RouterProcess:
         toml_lines = _to_toml(config)
         self.config_path = tmp / "router.toml"
         self.config_path.write_text(toml_lines)
-        self._stderr = open(self.stderr_path, "wb")  # noqa: SIM115 (closed in stop)
+        self._stderr = open(self.stderr_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "serve", "--config", str(self.config_path)],
             stdout=subprocess.DEVNULL,
