@@ -46,6 +46,10 @@ class EngineState:
     poll_failures: int = 0
     #: Monotonic time of the engine's latest answer to a proxied request (0 = none yet).
     last_answer_s: float = 0.0
+    #: Circuit breaker: consecutive failures (proxied requests and health polls) and the monotonic
+    #: time until which the engine is out of routing (0 = closed).
+    breaker_failures: int = 0
+    breaker_open_until_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -63,6 +67,7 @@ class LoadTracker:
 
     def __init__(self, engines: Sequence[EngineConfig], metrics: RouterMetrics | None = None) -> None:
         self._metrics = metrics
+        self.breaker_threshold, self.breaker_open_s = 3, 5.0  # configure_breaker sets the config's
         self.engines: dict[str, EngineState] = {}
         for engine in engines:
             state = EngineState(config=engine)
@@ -112,6 +117,47 @@ class LoadTracker:
         state.last_error = "" if healthy else reason
         if self._metrics:
             self._metrics.engine_healthy.labels(engine_id).set(1 if healthy else 0)
+
+    # -- circuit breaker -----------------------------------------------------------------------
+    def configure_breaker(self, failures: int, open_s: float) -> None:
+        self.breaker_threshold = failures
+        self.breaker_open_s = open_s
+
+    def record_failure(self, engine_id: str, reason: str, now_s: float | None = None) -> None:
+        """A failed exchange with the engine (refused, reset, no first byte in time, broken stream,
+        failed health poll): ``breaker_threshold`` in a row open the breaker for ``breaker_open_s``."""
+        state = self.engines[engine_id]
+        now_s = time.monotonic() if now_s is None else now_s
+        state.breaker_failures += 1
+        if state.breaker_failures >= self.breaker_threshold:
+            was_open = state.breaker_open_until_s > now_s
+            state.breaker_open_until_s = now_s + self.breaker_open_s
+            if not was_open:
+                log.warning(
+                    "engine %s: circuit breaker OPEN for %.1f s after %d failures in a row (last: %s)",
+                    engine_id,
+                    state.breaker_open_until_s - now_s,
+                    state.breaker_failures,
+                    reason,
+                )
+                if self._metrics:
+                    self._metrics.engine_healthy.labels(engine_id).set(0)
+
+    def record_success(self, engine_id: str) -> None:
+        """The engine answered: the breaker closes and the failure count restarts."""
+        state = self.engines[engine_id]
+        if state.breaker_open_until_s:
+            log.warning("engine %s: circuit breaker closed (the engine answered)", engine_id)
+            state.breaker_open_until_s = 0.0
+            if self._metrics:
+                self._metrics.engine_healthy.labels(engine_id).set(1 if state.healthy else 0)
+        state.breaker_failures = 0
+
+    @staticmethod
+    def breaker_open(state: EngineState, now_s: float) -> bool:
+        """Open: out of routing. After ``breaker_open_s`` requests may try it again (half-open);
+        the next failure reopens it at once, a success closes it."""
+        return state.breaker_open_until_s > now_s
 
     def set_models(self, engine_id: str, cards: list[dict[str, Any]]) -> None:
         state = self.engines[engine_id]
