@@ -24,6 +24,8 @@ from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
+from kvcore.core import CoreConfig, RoutingCore
+from policies.costs import CostModel
 from router import openapi
 from router.config import RouterConfig
 from router.errors import RouterError, bad_request
@@ -114,21 +116,30 @@ def validate_body(endpoint: str, body: Mapping[str, Any]) -> None:
 
 
 class LivenessObserver:
-    """Notes each engine's latest answer (first byte) as proof of life for the health poller."""
+    """Each engine answer is proof of life: it feeds the health poller's liveness window and closes
+    the engine's circuit breaker (a stream's first token, or any complete answer from the engine)."""
 
     def __init__(self, tracker: LoadTracker) -> None:
+        self._tracker = tracker
         self._engines = tracker.engines
+
+    def _answered(self, engine_id: str) -> None:
+        state = self._engines.get(engine_id)
+        if state is not None:
+            state.last_answer_s = time.monotonic()
+            if state.breaker_failures:
+                self._tracker.record_success(engine_id)
 
     def on_routed(self, ctx: RouteContext) -> None:
         return None
 
     def on_first_byte(self, ctx: RouteContext) -> None:
-        state = self._engines.get(ctx.engine_id)
-        if state is not None:
-            state.last_answer_s = ctx.first_byte_s or time.monotonic()
+        self._answered(ctx.engine_id)
 
     def on_finished(self, ctx: RouteContext) -> None:
-        return None
+        # 2xx and 4xx come from a working engine; 5xx, 499 and router-made errors say nothing good.
+        if ctx.engine_id and 200 <= ctx.http_status < 500 and not ctx.error.startswith("stream broke"):
+            self._answered(ctx.engine_id)
 
 
 class RequestReader:
@@ -251,13 +262,14 @@ def create_app(
     observers: Sequence[RouteObserver] = (),
     costs: Any = None,
     index_trusted: Callable[[str], bool] | None = None,
+    core: RoutingCore | None = None,
 ) -> FastAPI:
     """The router app. ``experiments`` replaces the config's arm selection (and is also an observer
     if it has ``on_finished``); ``index``/``tokenizer`` are kept on ``app.state`` for the annotator
     and the explain endpoint; ``event_manager`` is started by the lifespan and asked for
     ``ready_detail()`` (dict) by GET /ready when it has one. ``costs`` (the CostModel) and
-    ``index_trusted`` go to the Router (FleetView.costs, EngineView.index_trusted). The full wiring
-    from a config is ``router.service.build_router_app``."""
+    ``index_trusted`` build the routing core when ``core`` is not given (no index, no speculation).
+    The full wiring from a config is ``router.service.build_router_app``."""
     metrics = metrics or create_metrics()
     tracker = tracker or LoadTracker(config.engines, metrics)
     client = UpstreamClient(
@@ -265,19 +277,25 @@ def create_app(
         read_timeout_s=config.limits.read_timeout_s,
         max_connections_per_engine=config.limits.max_connections_per_engine,
     )
-    all_observers: list[Any] = [LivenessObserver(tracker), *observers]
-    if experiments is not None and hasattr(experiments, "on_finished") and experiments not in all_observers:
-        all_observers.append(experiments)  # type: ignore[arg-type]
+    tracker.configure_breaker(config.health.breaker_failures, config.health.breaker_open_s)
+    arm_selector = experiments or build_arm_selector(config)
+    if core is None:
+        core = RoutingCore(
+            ledger=tracker.ledger,
+            costs=costs if costs is not None else CostModel(),
+            config=CoreConfig(speculation_ttl_s=0.0),
+            recorder=arm_selector if hasattr(arm_selector, "record_turn") else None,  # type: ignore[arg-type]
+            index_trusted=index_trusted,
+        )
     router = Router(
         config,
         tracker=tracker,
         client=client,
         metrics=metrics,
-        arm_selector=experiments or build_arm_selector(config),
+        arm_selector=arm_selector,
+        core=core,
         annotator=annotator,
-        observers=all_observers,
-        costs=costs,
-        index_trusted=index_trusted,
+        observers=[LivenessObserver(tracker), *observers],
     )
     reader = RequestReader(config)
     components = [
@@ -333,10 +351,11 @@ def create_app(
     app.state.event_manager = event_manager
 
     async def proxy(request: Request, endpoint: str) -> Response:
-        started_s = time.monotonic()
         request_id = request_id_of(request.headers)
         try:
             raw_body = await reader.body(request)
+            # The router's clock starts once the body is in: its upload is the client's network.
+            started_s = time.monotonic()
             ctx = reader.parse(endpoint, raw_body, request, request_id)
             ctx.started_s = started_s
             return await router.handle(ctx, request.headers, request.receive)
@@ -374,13 +393,13 @@ def create_app(
             s.config.id: {
                 "healthy": s.healthy,
                 "drained": s.drained,
-                "in_flight": s.in_flight,
+                "in_flight": tracker.load(s.config.id)[0],
                 "error": s.last_error,
             }
             for s in tracker.engines.values()
         }
-        # Ready = some engine would take a new request: healthy and not drained.
-        healthy = sum(1 for s in tracker.engines.values() if s.healthy and not s.drained)
+        # Ready = some engine would take a new request: healthy, not drained, breaker closed.
+        healthy = len(tracker.serving())
         doc: dict[str, Any] = {"ready": healthy > 0, "healthy_engines": healthy, "engines": engines}
         if event_manager is not None and hasattr(event_manager, "ready_detail"):
             doc["events"] = event_manager.ready_detail()
