@@ -102,17 +102,19 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
         def on_headers_complete(self) -> None:
             self._in_headers = False
             self._stop_header_timer()
-            # Bytes of this request's head: what arrived so far, less the body part already read.
             too_many = self._header_count > self.max_headers
-            too_big = (
-                sum(len(n) + len(v) + 4 for n, v in self.headers) + len(self.url) > self.max_header_bytes
-            )
+            too_big = sum(len(n) + len(v) + 4 for n, v in self.headers) + len(self.url)
             self._header_bytes = 0
-            if too_many or too_big:
-                what = b"header lines" if too_many else b"header bytes"
-                self._reject(431, b"too many request " + what)
+            if not too_many and too_big <= self.max_header_bytes:
+                super().on_headers_complete()
                 return
-            super().on_headers_complete()
+            # Answer through uvicorn's own request cycle (it keeps parsing any body that follows)
+            # with an app that refuses: the same way it answers over limit_concurrency.
+            app, self.app = self.app, _headers_too_large(b"header lines" if too_many else b"header bytes")
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -123,6 +125,20 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
             super().connection_lost(exc)
 
     return GuardedHttpToolsProtocol
+
+
+def _headers_too_large(what: bytes) -> Any:
+    """An ASGI app answering 431 and closing the connection."""
+    body = b"too many request " + what
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))]
+        await send(
+            {"type": "http.response.start", "status": 431, "headers": [*headers, (b"connection", b"close")]}
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    return app
 
 
 def _digest(secret: str) -> bytes:

@@ -290,19 +290,23 @@ def test_ready_is_false_when_every_engine_is_drained_and_undrain_restores(serve_
 
 
 def test_tokenizer_prefix_cache_is_bounded_in_bytes() -> None:
-    bound_bytes = 2 * 1024 * 1024
+    bound_bytes = 1024 * 1024
     tok = SimChatTokenizer(cache_max_bytes=bound_bytes)
+
+    async def feed() -> None:
+        for i in range(8):  # 8 conversations of ~40 KB (~490 KB of token lists each when cached)
+            messages = [{"role": "user", "content": f"conversation {i} " + "lorem ipsum " * 3400}]
+            await tok.chat_tokens(messages)
+
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        for i in range(40):  # 40 conversations of ~200 KB each: ~25 MB of token lists unbounded
-            messages = [{"role": "user", "content": f"conversation {i} " + "lorem ipsum " * 17000}]
-            asyncio.run(tok.chat_tokens(messages))
+        asyncio.run(feed())
         grown = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
     stats = tok.cache_stats()
-    assert stats["bytes"] <= bound_bytes and stats["entries"] < 40
+    assert stats["bytes"] <= bound_bytes and 0 < stats["entries"] < 8
     # Independent truth: what the interpreter really holds, not the cache's own estimate.
     assert grown < 2 * bound_bytes
 

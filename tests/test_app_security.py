@@ -173,7 +173,16 @@ def test_slow_and_oversized_clients_are_cut_off(router_process, upstreams) -> No
     with socket.create_connection((host, port)) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20000 + b"\r\n\r\n")
         assert _recv_all(sock).startswith(b"HTTP/1.1 431")
+    with socket.create_connection((host, port)) as sock:  # with a body following the headers
+        body = b'{"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}'
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + many
+            + b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        assert _recv_all(sock).startswith(b"HTTP/1.1 431")
     assert upstream.bodies == []
+    assert "Traceback" not in router.stderr()
     assert httpx.get(router.url + "/health").status_code == 200
 
 
