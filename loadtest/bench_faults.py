@@ -531,7 +531,7 @@ async def run_soak(args: argparse.Namespace, workdir: Path) -> None:
         print(f"| {at:.0f} s | {rss:.1f} | {fds} | {sent} |")
     print(
         f"requests: {tally.sent} sent, {tally.answered} answered, {tally.clear_error} clear errors, "
-        f"{tally.lost} lost"
+        f"{tally.lost} lost ({_statuses(tally.kinds)})"
     )
 
 

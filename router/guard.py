@@ -81,13 +81,14 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
         def data_received(self, data: bytes) -> None:
             if self.transport.is_closing():
                 return
-            if self._in_headers:
-                self._header_bytes += len(data)
-                if self._header_bytes > self.max_header_bytes + 65536:
-                    # Far past the limit without a complete header block: no need to parse on.
-                    self._reject(431, b"request headers exceed limits.max_header_bytes")
-                    return
             super().data_received(data)
+            if self._in_headers and not self.transport.is_closing():
+                # Still inside a header block after parsing all of it: every byte was header. A
+                # coarse bound (the exact one is checked once the headers are complete) so that
+                # an endless header line cannot grow without limit.
+                self._header_bytes += len(data)
+                if self._header_bytes > self.max_header_bytes + 1024 * 1024:
+                    self._reject(431, b"request headers exceed limits.max_header_bytes")
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

@@ -183,6 +183,15 @@ def test_slow_and_oversized_clients_are_cut_off(router_process, upstreams) -> No
         assert _recv_all(sock).startswith(b"HTTP/1.1 431")
     assert upstream.bodies == []
     assert "Traceback" not in router.stderr()
+    # A large body sent with its headers in one write (one read on the server) is body, not
+    # header: served.
+    big = json.dumps({"model": MODEL, "messages": MESSAGES, "user": "u" * 1_000_000}).encode()
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(big), big)
+        )
+        assert _recv_all(sock).startswith(b"HTTP/1.1 200")
     assert httpx.get(router.url + "/health").status_code == 200
 
 
