@@ -25,6 +25,8 @@ class ApproxPrefixPolicy(BasePolicy):
 
     name = "approx_prefix"
     uses_index = False
+    #: Learns from the prompt's block keys (its own memory, not the index): needs a tokenizer.
+    needs_block_keys = True
 
     def __init__(
         self,
