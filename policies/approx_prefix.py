@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from policies.base import BasePolicy, Decision, FleetView, RouteRequest, register, require_engines
-from policies.tier_cost import tiebreak
+from policies.base import BasePolicy, Decision, FleetView, RouteRequest, register, require_engines, tiebreak
 
 
 @register("approx_prefix")
