@@ -497,13 +497,13 @@ class EventManager:
 
     async def _receive_loop(self, sub: zmq.asyncio.Socket, monitor: zmq.Socket, health: SourceHealth) -> None:
         loop = asyncio.get_running_loop()
-        raw = zmq.Socket.shadow(sub.underlying)
+        raw: zmq.Socket[Any] = zmq.Socket.shadow(sub.underlying)
         while True:
             self._poll_monitor(monitor, health)
             if health.pending_resync is not None and self._take_resync_token(health):
                 await self._resync(health)
                 continue
-            if not await sub.poll(100, zmq.POLLIN):
+            if not await sub.poll(100):
                 continue
             # Drain what is queued, but yield the loop every slice_s: awaiting recv on a socket
             # with queued messages returns a finished future and would never yield (bursts froze
