@@ -432,15 +432,13 @@ class EventManager:
         source = health.source
         delay = self._opts.backoff_initial_s
         while True:
-            sub = self._open_sub(source, health)
-            if sub is not None:
+            opened = self._open_sub(source, health)
+            if opened is not None:
                 break
             health.reconnects += 1
             await asyncio.sleep(delay)
             delay = self._backoff(delay)
-        monitor = sub.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
-        )
+        sub, monitor = opened
         try:
             health.connected = True
             await self._receive_loop(sub, zmq.Socket.shadow(monitor.underlying), health)
@@ -451,9 +449,16 @@ class EventManager:
             monitor.close(linger=0)
             sub.close(linger=0)
 
-    def _open_sub(self, source: EventSource, health: SourceHealth) -> zmq.asyncio.Socket | None:
+    def _open_sub(
+        self, source: EventSource, health: SourceHealth
+    ) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket] | None:
         assert self._context is not None
         sub = self._context.socket(zmq.SUB)
+        # The monitor is attached before connect/bind: a fast handshake must not be missed (it
+        # triggers the replay on connect).
+        monitor = sub.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+        )
         try:
             sub.setsockopt(zmq.RCVHWM, self._opts.rcvhwm)
             # ZMQ's own reconnect covers a publisher that dies and comes back; cap it near 1 s
@@ -472,9 +477,12 @@ class EventManager:
         except zmq.ZMQError as exc:
             health.last_error = f"cannot {'bind' if source.bind else 'connect'} {source.endpoint}: {exc}"
             self._log_limited(health, "open", logging.WARNING, "%s", health.last_error)
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
             return None
-        return sub
+        return sub, monitor
 
     def _poll_monitor(self, monitor: zmq.Socket, health: SourceHealth) -> None:
         while True:
