@@ -266,6 +266,8 @@ class _ReplayResult:
     applied: int = 0
     #: Applied onto an empty picture (fresh join, or a new incarnation found in the answer).
     fresh: bool = False
+    #: Batches missing between two consecutive seqs of the answer.
+    holes: int = 0
 
 
 class EventManager:
@@ -718,6 +720,7 @@ class EventManager:
         held: list[tuple[int, bytes, EventBatch]] = []  # batches <= our last seq, until verified
         known_last = health.last_seq
         decided = known_last is None
+        expected: int | None = None
         if known_last is not None:
             # Ask from our last applied seq: its bytes in the answer tell whether the publisher is
             # still the incarnation we followed (a restart is otherwise invisible when the new
@@ -743,6 +746,10 @@ class EventManager:
                     break
                 if result.first is None:
                     result.first = seq
+                elif expected is not None and seq != expected:
+                    # A hole inside the answer (a ROUTER drops beyond its send high-water mark).
+                    result.holes += abs(seq - expected)
+                expected = seq + 1
                 if stop_seq is not None and seq >= stop_seq:
                     continue  # arrives live too
                 batch = self._decode(health, payload)
@@ -787,6 +794,12 @@ class EventManager:
                 self._apply(health, *item)
                 result.applied += 1
         health.replayed_batches += result.applied
+        if result.holes:
+            health.missed_batches += result.holes
+            self._log_limited(
+                health, "holes", logging.WARNING, "replay answer lacked %d batches", result.holes
+            )
+            result.complete = False
         if result.complete:
             health.last_replay_s = loop.time() - started
             health.last_replay_batches = result.applied

@@ -148,6 +148,9 @@ class ZmqEventPublisher:
             if self.replay_endpoint:
                 self._replay = self._actx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # A ROUTER drops what exceeds its send high-water mark (default 1,000): a whole
+                # buffer (10,000 batches by default) plus the end marker must fit in one answer.
+                self._replay.setsockopt(zmq.SNDHWM, cfg.buffer_steps + 2)
                 self._replay.bind(self.replay_endpoint)
         except zmq.ZMQError as exc:
             self._close_sockets()
