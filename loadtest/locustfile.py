@@ -141,9 +141,17 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def turn_rows() -> list[dict[str, Any]]:
+    """One row per turn number, then an "all" row over every turn."""
     rows = []
-    for turn in sorted(TURN_TOKENS):
-        t = TURN_TOKENS[turn]
+    overall = TurnTokens()
+    for t in TURN_TOKENS.values():
+        overall.requests += t.requests
+        overall.prompt_tokens += t.prompt_tokens
+        overall.cached_tokens += t.cached_tokens
+        overall.ttfts_ms.extend(t.ttfts_ms)
+    keys: list[int | str] = [*sorted(TURN_TOKENS), "all"] if TURN_TOKENS else []
+    for turn in keys:
+        t = overall if turn == "all" else TURN_TOKENS[int(turn)]
         rows.append(
             {
                 "turn": turn,
