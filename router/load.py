@@ -50,6 +50,8 @@ class EngineState:
     #: time until which the engine is out of routing (0 = closed).
     breaker_failures: int = 0
     breaker_open_until_s: float = 0.0
+    #: Block size the engine reports in vllm:cache_config_info (wins over the configured one).
+    reported_block_size: int | None = None
 
 
 class LoadTracker:
@@ -69,6 +71,8 @@ class LoadTracker:
             [e.id for e in engines], on_change=metrics.set_in_flight if metrics else None
         )
         self.engines: dict[str, EngineState] = {}
+        #: LoRA adapter id -> its base model, from the engines' GET /v1/models.
+        self.lora_adapters: dict[str, str] = {}
         for engine in engines:
             state = EngineState(config=engine)
             if engine.model:
@@ -139,6 +143,15 @@ class LoadTracker:
         state.model_cards = cards
         state.models_discovered = True
         state.models |= {str(c["id"]) for c in cards if isinstance(c, dict) and "id" in c}
+        # vLLM lists each LoRA adapter as its own model with "parent" = the base model; requests
+        # to it carry the adapter's name in their blocks' extra keys (kvcore.keys).
+        for card in cards:
+            if isinstance(card, dict) and card.get("parent") and "id" in card:
+                self.lora_adapters[str(card["id"])] = str(card["parent"])
+
+    def lora_name(self, model: str) -> str | None:
+        """The LoRA adapter name a request for ``model`` runs with (None: a base model)."""
+        return model if model in self.lora_adapters else None
 
     def update_scraped(self, engine_id: str, values: dict[str, float]) -> None:
         self.engines[engine_id].scraped.update(values)
@@ -189,7 +202,7 @@ class LoadTracker:
             num_requests_running=None if running is None else int(running),
             num_requests_waiting=None if waiting is None else int(waiting),
             kv_cache_usage=scraped.get("kv_cache_usage_perc"),
-            block_size=state.config.block_size,
+            block_size=state.reported_block_size or state.config.block_size,
         )
 
     def serving(self) -> list[EngineState]:
