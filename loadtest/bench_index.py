@@ -117,10 +117,14 @@ def populate(
             gpu = rng.randint(0, held)
             index.apply_batch(
                 f"e{engine}",
-                [BlockStored(hashes[:held], None, tokens[: held * BLOCK_TOKENS], BLOCK_TOKENS, medium="CPU")],
+                [
+                    BlockStored(
+                        hashes[:held], None, tokens[: held * BLOCK_TOKENS], BLOCK_TOKENS, None, "CPU", None
+                    )
+                ],
             )
             if gpu:
-                index.apply_batch(f"e{engine}", [BlockStored(hashes[:gpu], None, [], 0, medium="GPU")])
+                index.apply_batch(f"e{engine}", [BlockStored(hashes[:gpu], None, [], 0, None, "GPU", None)])
     return chains
 
 
@@ -189,9 +193,9 @@ def bench_memory(total_keys: int, engines: int, max_holders: int, cpu_copy: bool
             # Fresh hash ints per event, as decoding allocates them: the index keeps them.
             hashes: list[int | bytes] = list(range(next_hash, next_hash + n))
             next_hash += n
-            batch = [BlockStored(hashes, None, tokens, BLOCK_TOKENS, medium="GPU")]
+            batch = [BlockStored(hashes, None, tokens, BLOCK_TOKENS, None, "GPU", None)]
             if cpu_copy:
-                batch.append(BlockStored(list(hashes), None, [], 0, medium="CPU"))
+                batch.append(BlockStored(list(hashes), None, [], 0, None, "CPU", None))
             index.apply_batch(f"e{engine}", batch)
             entries += n * len(batch)
         del tokens, batch, hashes

@@ -60,6 +60,8 @@ class LoadTracker:
             [e.id for e in engines], on_change=metrics.set_in_flight if metrics else None
         )
         self.engines: dict[str, EngineState] = {}
+        #: LoRA adapter id -> its base model, from the engines' GET /v1/models.
+        self.lora_adapters: dict[str, str] = {}
         for engine in engines:
             state = EngineState(config=engine)
             if engine.model:
@@ -89,6 +91,15 @@ class LoadTracker:
         state.model_cards = cards
         state.models_discovered = True
         state.models |= {str(c["id"]) for c in cards if isinstance(c, dict) and "id" in c}
+        # vLLM lists each LoRA adapter as its own model with "parent" = the base model; requests
+        # to it carry the adapter's name in their blocks' extra keys (kvcore.keys).
+        for card in cards:
+            if isinstance(card, dict) and card.get("parent") and "id" in card:
+                self.lora_adapters[str(card["id"])] = str(card["parent"])
+
+    def lora_name(self, model: str) -> str | None:
+        """The LoRA adapter name a request for ``model`` runs with (None: a base model)."""
+        return model if model in self.lora_adapters else None
 
     def update_scraped(self, engine_id: str, values: dict[str, float]) -> None:
         self.engines[engine_id].scraped.update(values)

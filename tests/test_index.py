@@ -28,6 +28,7 @@ def stored(hashes, tokens=(), parent=None, medium="GPU", block_size=16, extra_ke
         parent_block_hash=parent,
         token_ids=list(tokens),
         block_size=block_size if tokens else 0,
+        lora_id=None,
         medium=medium,
         extra_keys=extra_keys,
         lora_name=lora_name,

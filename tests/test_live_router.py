@@ -250,8 +250,12 @@ def test_ready_reports_an_engine_whose_events_never_arrive(
     url = serve_asgi(build_router_app(load_config(environ={}, overrides=data))).url
     before = httpx.get(f"{url}/ready").json()
     assert before["events"]["silent_engines"] == {}  # no traffic yet: nothing to expect
+    # A prompt of several blocks: the engine's prefix-cache counters then prove it cached new
+    # blocks (a prompt under one block would prove nothing and must not raise the alarm).
     _client(url).chat.completions.create(
-        model=tokenizer.NAME, messages=[{"role": "user", "content": "anyone listening?"}], max_tokens=2
+        model=tokenizer.NAME,
+        messages=[{"role": "user", "content": "anyone listening? " * 20}],
+        max_tokens=2,
     )
     deadline = time.monotonic() + 5.0
     while True:
@@ -261,7 +265,8 @@ def test_ready_reports_an_engine_whose_events_never_arrive(
         assert time.monotonic() < deadline, ready
         time.sleep(0.1)
     assert ready["events"]["ok"] is False
-    assert "kv_events_endpoint" in ready["events"]["silent_engines"][engine.id]
+    reason = ready["events"]["silent_engines"][engine.id]
+    assert "kv_events_endpoint" in reason and "prefix-cache counters" in reason
     deadline = time.monotonic() + 5.0
     while f'kvroute_event_source_silent{{engine="{engine.id}"}} 1.0' not in httpx.get(f"{url}/metrics").text:
         assert time.monotonic() < deadline
