@@ -50,10 +50,13 @@ def serve_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=None,
-        help="router processes sharing the port (SO_REUSEPORT; env KVROUTE_WORKERS, default 1); each "
-        "keeps its own index from the same events and its own in-flight load view",
+        help="router processes sharing the port (SO_REUSEPORT; default 1); each keeps its own index "
+        "from the same events and its own in-flight load view",
     )
     return parser
+
+
+SIBLING_ENV = "_KVROUTE_SIBLING_WORKER"
 
 
 def _reuse_port_socket(host: str, port: int) -> Any:
@@ -74,11 +77,26 @@ def _start_sibling_workers(argv: Sequence[str], count: int) -> list[Any]:
     import os
     import subprocess
 
-    env = {**os.environ, "KVROUTE_WORKER": "1", "KVROUTE_WORKERS": "1"}
+    # Not a KVROUTE_* name: the config layer rejects unknown ones.
+    env = {**os.environ, SIBLING_ENV: "1"}
     return [
-        subprocess.Popen([sys.executable, "-m", "router.cli", "serve", *argv, "--workers", "1"], env=env)
+        subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", *argv, "--workers", "1"],
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
         for _ in range(count)
     ]
+
+
+def _die_with_parent() -> None:
+    """In a sibling, before exec: SIGTERM when the first worker exits, however it exits (uvicorn
+    re-raises the stop signal after its shutdown, so the first worker's own cleanup may not run)."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -153,7 +171,7 @@ def serve(argv: Sequence[str]) -> int:
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
-    workers = args.workers if args.workers is not None else int(os.environ.get("KVROUTE_WORKERS", "1"))
+    workers = args.workers if args.workers is not None else 1
     if workers < 1:
         print(f"kvroute serve: --workers must be >= 1, got {workers}", file=sys.stderr)
         return 2
@@ -167,13 +185,13 @@ def serve(argv: Sequence[str]) -> int:
         access_log=False,
         timeout_keep_alive=30,
     )
-    if workers == 1 and not os.environ.get("KVROUTE_WORKER"):
+    if workers == 1 and not os.environ.get(SIBLING_ENV):
         uvicorn.Server(uv_config).run()
         return 0
     # Multi-worker: every process binds the same port with SO_REUSEPORT and runs the whole router
     # (event subscribers, index, scraping); the first one starts the others and stops them on exit.
     sock = _reuse_port_socket(config.listen.host, config.listen.port)
-    siblings = [] if os.environ.get("KVROUTE_WORKER") else _start_sibling_workers(argv, workers - 1)
+    siblings = [] if os.environ.get(SIBLING_ENV) else _start_sibling_workers(argv, workers - 1)
     try:
         uvicorn.Server(uv_config).run(sockets=[sock])
     finally:
