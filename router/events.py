@@ -295,7 +295,7 @@ class EventManager:
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 1.0,
         rcvhwm: int = 10_000,
-        slice_s: float = 0.005,
+        slice_s: float = 0.002,
         resync_burst: int = 4,
         resync_per_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
@@ -730,13 +730,19 @@ class EventManager:
             dealer.connect(source.replay_endpoint)
             await dealer.send_multipart(replay_request(start_seq))
             slice_end = loop.time() + self._opts.slice_s
+            raw: zmq.Socket[Any] = zmq.Socket.shadow(dealer.underlying)
             while True:
-                if not await dealer.poll(int(self._opts.replay_timeout_s * 1000) + 1):
-                    raise TimeoutError(
-                        f"replay from {source.replay_endpoint} silent for {self._opts.replay_timeout_s:g} s "
-                        f"after {result.applied} batches"
-                    )
-                parsed = parse_replay_frames(await dealer.recv_multipart())
+                # Drain without a future per message; wait (and time out) only on silence.
+                try:
+                    frames = raw.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    if not await dealer.poll(int(self._opts.replay_timeout_s * 1000) + 1):
+                        raise TimeoutError(
+                            f"replay from {source.replay_endpoint} silent for "
+                            f"{self._opts.replay_timeout_s:g} s after {result.applied} batches"
+                        ) from None
+                    continue
+                parsed = parse_replay_frames(frames)
                 if parsed is None:
                     health.decode_errors += 1
                     continue
