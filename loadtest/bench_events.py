@@ -145,7 +145,9 @@ def publish_main(argv: list[str]) -> int:
 
 
 @contextlib.contextmanager
-def _router_process(event_port: int, workdir: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+def _router_process(
+    event_port: int, workdir: Path, src: str | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     port = _free_port()
     config = workdir / "router.toml"
     config.write_text(
@@ -161,9 +163,14 @@ kv_events_endpoint = "tcp://127.0.0.1:{event_port}"
 kv_events_topic = "{TOPIC}"
 """
     )
+    env = dict(os.environ)
+    if src:  # another checkout of kvroute (e.g. the code before a fix), same interpreter
+        env["PYTHONPATH"] = src
     proc = subprocess.Popen(
         [sys.executable, "-m", "router.cli", "serve", "--config", str(config), "--port", str(port)],
         stdout=subprocess.DEVNULL,
+        env=env,
+        cwd=src or None,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -192,9 +199,9 @@ def _source(url: str) -> dict[str, Any]:
 
 
 def run_flood(
-    rate: float, duration_s: float, events_per_batch: int, *, quiet: bool = False
+    rate: float, duration_s: float, events_per_batch: int, *, quiet: bool = False, src: str | None = None
 ) -> dict[str, Any]:
-    """One flood against a fresh router process; returns the figures."""
+    """One flood against a fresh router process (from ``src`` if given); returns the figures."""
     event_port = _free_port()
     with tempfile.TemporaryDirectory(prefix="kvroute-bench-events-") as tmp:
         publisher = subprocess.Popen(
@@ -217,7 +224,7 @@ def run_flood(
         )
         assert publisher.stdin is not None and publisher.stdout is not None
         try:
-            with _router_process(event_port, Path(tmp)) as (router, url):
+            with _router_process(event_port, Path(tmp), src) as (router, url):
                 ready = json.loads(publisher.stdout.readline())
                 if not ready.get("ready"):
                     raise RuntimeError(f"publisher: {ready}")
@@ -229,10 +236,11 @@ def run_flood(
 
                 def poll_health() -> None:
                     nonlocal rss_peak
-                    with httpx.Client(timeout=30) as client:
+                    with httpx.Client(timeout=120) as client:
                         while not stop.is_set():
                             t0 = time.perf_counter()
-                            client.get(f"{url}/health")
+                            with contextlib.suppress(httpx.HTTPError):  # a timeout counts as its time
+                                client.get(f"{url}/health")
                             latencies_ms.append((time.perf_counter() - t0) * 1000)
                             rss_peak = max(rss_peak, _rss_mb(router.pid))
                             time.sleep(0.01)
@@ -250,9 +258,9 @@ def run_flood(
                 sent = int(done["batches"])
                 drain_started = time.monotonic()
                 while True:
-                    src = _source(url)
+                    doc = _source(url)
                     if (
-                        src["batches"] + src["missed_batches"] >= sent
+                        doc["batches"] + doc["missed_batches"] >= sent
                         or time.monotonic() - drain_started > 60
                     ):
                         break
@@ -274,9 +282,9 @@ def run_flood(
         "sent_batches": sent,
         "publish_s": round(float(done["seconds"]), 2),
         "achieved_events_per_s": round(sent * events_per_batch / float(done["seconds"])),
-        "applied_batches": src["batches"],
-        "lost_batches": src["missed_batches"],
-        "stale": src["stale"],
+        "applied_batches": doc["batches"],
+        "lost_batches": doc["missed_batches"],
+        "stale": doc["stale"],
         "drain_after_flood_s": round(drain_s, 2),
         "health_samples": len(latencies_ms),
         "health_p50_ms": round(_percentile(latencies_ms, 0.50), 2),
@@ -296,14 +304,32 @@ def flood_main(argv: list[str]) -> int:
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--events-per-batch", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args(argv)
-    runs = [run_flood(args.rate, args.duration, args.events_per_batch) for _ in range(args.repeats)]
-    p99 = [r["health_p99_ms"] for r in runs]
-    print(
-        f"flood {args.rate:,.0f} events/s x {args.duration:g} s, {args.events_per_batch} events/batch, "
-        f"{args.repeats} runs: /health p99 median {statistics.median(p99):.1f} ms (runs {p99}); "
-        f"lost batches {[r['lost_batches'] for r in runs]} of {runs[0]['sent_batches']}"
+    p.add_argument(
+        "--baseline-src",
+        default=None,
+        help="also flood a router run from this kvroute checkout (e.g. before a fix), interleaved",
     )
+    args = p.parse_args(argv)
+    arms: dict[str, str | None] = {"current": None}
+    if args.baseline_src:
+        arms = {"baseline": args.baseline_src, **arms}
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
+    for _ in range(args.repeats):
+        for name, src in arms.items():
+            print(f"[{name}]", end=" ", flush=True)
+            results[name].append(run_flood(args.rate, args.duration, args.events_per_batch, src=src))
+    for name, runs in results.items():
+        p99 = [r["health_p99_ms"] for r in runs]
+        p50 = [r["health_p50_ms"] for r in runs]
+        drain = [r["drain_after_flood_s"] for r in runs]
+        print(
+            f"{name}: flood {args.rate:,.0f} events/s x {args.duration:g} s, {args.events_per_batch} "
+            f"events/batch, {args.repeats} runs: /health p50 median {statistics.median(p50):.1f} ms, "
+            f"p99 median {statistics.median(p99):.1f} ms (runs {p99}); backlog drained "
+            f"{statistics.median(drain):.1f} s after the flood; lost batches "
+            f"{[r['lost_batches'] for r in runs]} of {runs[0]['sent_batches']}; peak RSS MB "
+            f"{[r['rss_mb_before_peak_after'][1] for r in runs]}"
+        )
     return 0
 
 
