@@ -195,7 +195,7 @@ kv_events_topic = "{TOPIC}"
 
 
 def _source(url: str) -> dict[str, Any]:
-    return httpx.get(f"{url}/debug/index", timeout=10).json()["events"]["sources"]["e0/dp0"]
+    return httpx.get(f"{url}/debug/index", timeout=60).json()["events"]["sources"]["e0/dp0"]
 
 
 def run_flood(
@@ -257,12 +257,13 @@ def run_flood(
                 # Drain: until every batch is either applied or counted lost.
                 sent = int(done["batches"])
                 drain_started = time.monotonic()
-                while True:
-                    doc = _source(url)
-                    if (
-                        doc["batches"] + doc["missed_batches"] >= sent
-                        or time.monotonic() - drain_started > 60
-                    ):
+                doc: dict[str, Any] = {"batches": 0, "missed_batches": 0, "stale": None}
+                while time.monotonic() - drain_started < 120:
+                    try:  # a frozen router answers late or not at all
+                        doc = _source(url)
+                    except httpx.HTTPError:
+                        continue
+                    if doc["batches"] + doc["missed_batches"] >= sent:
                         break
                     time.sleep(0.05)
                 drain_s = time.monotonic() - drain_started

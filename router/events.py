@@ -231,6 +231,10 @@ class SourceHealth:
     digests: OrderedDict[int, int] = field(default_factory=OrderedDict)
     tokens: float = 0.0
     tokens_at: float = 0.0
+    #: After failed replays, none before this monotonic time (doubling up to a minute): a dead
+    #: replay socket must not stall the live stream for replay_timeout_s again and again.
+    replay_not_before: float = 0.0
+    replay_failures_in_row: int = 0
     logged: dict[str, float] = field(default_factory=dict)
 
     def mark_stale(self, reason: str) -> None:
@@ -399,6 +403,8 @@ class EventManager:
 
     def _take_resync_token(self, health: SourceHealth) -> bool:
         now = time.monotonic()
+        if now < health.replay_not_before:
+            return False
         health.tokens = min(
             float(self._opts.resync_burst),
             health.tokens + (now - health.tokens_at) * self._opts.resync_per_s,
@@ -800,6 +806,11 @@ class EventManager:
                 self._apply(health, *item)
                 result.applied += 1
         health.replayed_batches += result.applied
+        if result.complete and not result.holes:
+            health.replay_failures_in_row = 0
+        else:
+            health.replay_failures_in_row += 1
+            health.replay_not_before = time.monotonic() + min(60.0, 2.0**health.replay_failures_in_row)
         if result.holes:
             health.missed_batches += result.holes
             self._log_limited(
