@@ -10,10 +10,10 @@ import argparse
 import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from router.config import ConfigError, load_config
+from router.config import ConfigError, RouterConfig, load_config
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("sim.server", "run one simulated vLLM engine"),
@@ -47,6 +47,22 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, help="listen port (default 8000)")
     parser.add_argument("--log-level", help="critical, error, warning, info or debug")
     return parser
+
+
+def config_loader(args: argparse.Namespace, config_path: str | None) -> Callable[[], RouterConfig]:
+    """Loads the config from every layer ``kvroute serve`` was started with - file, environment,
+    these command-line flags, the fleet file - so /admin/reload and SIGHUP re-read the file
+    without dropping what the command line added (engines, policy)."""
+    import os
+
+    def load() -> RouterConfig:
+        return load_config(
+            config_path,
+            overrides=flag_overrides(args),
+            fleet_file=args.fleet or os.environ.get("KVROUTE_FLEET"),
+        )
+
+    return load
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -91,12 +107,9 @@ def serve(argv: Sequence[str]) -> int:
 
     args = serve_parser().parse_args(list(argv))
     config_path = args.config or os.environ.get("KVROUTE_CONFIG")
+    reload_config = config_loader(args, config_path)
     try:
-        config = load_config(
-            config_path,
-            overrides=flag_overrides(args),
-            fleet_file=args.fleet or os.environ.get("KVROUTE_FLEET"),
-        )
+        config = reload_config()
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2
@@ -104,13 +117,6 @@ def serve(argv: Sequence[str]) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         # SIGHUP re-reads the config file (like POST /admin/reload).
-        def reload_config() -> Any:  # every layer again: file, env, these flags, the fleet file
-            return load_config(
-                config_path,
-                overrides=flag_overrides(args),
-                fleet_file=args.fleet or os.environ.get("KVROUTE_FLEET"),
-            )
-
         app = build_router_app(config, config_path, install_sighup=True, reload_config=reload_config)
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)

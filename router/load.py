@@ -42,6 +42,8 @@ class EngineState:
     last_error: str = ""
     #: Taken out of routing by POST /admin/engines/{id}/drain (health polls do not undo it).
     drained: bool = False
+    #: Block size the engine reports in vllm:cache_config_info (wins over the configured one).
+    reported_block_size: int | None = None
 
 
 class LoadTracker:
@@ -148,7 +150,7 @@ class LoadTracker:
             num_requests_running=None if running is None else int(running),
             num_requests_waiting=None if waiting is None else int(waiting),
             kv_cache_usage=scraped.get("kv_cache_usage_perc"),
-            block_size=state.config.block_size,
+            block_size=state.reported_block_size or state.config.block_size,
         )
 
     def serving(self) -> list[EngineState]:

@@ -165,21 +165,29 @@ class IndexAnnotator:
             return
         ctx.prompt_token_ids = tokens
         engines = ctx.fleet.engines if ctx.fleet is not None else ()
-        block_size = engines[0].block_size if engines else self._default_block_size
+        # Keys per block size: an engine's events are keyed in its own (reported) block size.
+        by_size: dict[int, list[str]] = {}
+        for view in engines:
+            by_size.setdefault(view.block_size, []).append(view.engine_id)
+        if not by_size:
+            by_size[self._default_block_size] = []
         salt = ctx.body.get("cache_salt")
-        n_blocks = len(tokens) // block_size
         lora = self._lora_of(request.model) if self._lora_of is not None else None
-        extra = request_extra_keys(
-            n_blocks, lora_name=lora, cache_salt=salt if isinstance(salt, str) else None
-        )
-        keys = block_keys(tokens, block_size, parent=self._namespace, extra_keys=extra)
         request.prompt_tokens = len(tokens)
-        request.block_size = block_size
-        request.block_keys = keys
-        if self._index is not None and keys:
-            request.prefix_matches = self._index.match(
-                keys, [e.engine_id for e in engines], now=time.monotonic()
+        matches: dict[str, Any] = {}
+        for i, (block_size, engine_ids) in enumerate(by_size.items()):
+            n_blocks = len(tokens) // block_size
+            extra = request_extra_keys(
+                n_blocks, lora_name=lora, cache_salt=salt if isinstance(salt, str) else None
             )
+            keys = block_keys(tokens, block_size, parent=self._namespace, extra_keys=extra)
+            if i == 0:  # speculation, trace and pricing use the first group's chain
+                request.block_size = block_size
+                request.block_keys = keys
+            if self._index is not None and keys:
+                matches.update(self._index.match(keys, engine_ids, now=time.monotonic()))
+        if self._index is not None:
+            request.prefix_matches = matches
 
 
 # ----------------------------------------------------------------------------- observers
@@ -299,6 +307,8 @@ class RouterServices:
         self._evidence: dict[str, tuple[float, str]] = {}
         self._silent: dict[str, str] = {}
         self.scrape_errors: dict[str, str] = {}
+        #: Engine id -> why its configured block size was overridden by the one it reports.
+        self.block_size_mismatch: dict[str, str] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -449,6 +459,7 @@ class RouterServices:
         }
         return {
             "ok": not silent and not problems and not health["discovery_errors"],
+            "block_size_mismatch": dict(self.block_size_mismatch),
             "silent_engines": silent,
             "source_problems": problems,
             "discovery_errors": health["discovery_errors"],
@@ -488,6 +499,7 @@ class RouterServices:
             self.scrape_errors[engine.id] = f"{type(exc).__name__}: {exc}"
             return
         self.scrape_errors.pop(engine.id, None)
+        self._check_block_size(engine, parsed.block_size)
         self._note_counters(engine, parsed)
         values = {
             name: value
@@ -502,6 +514,24 @@ class RouterServices:
         self.costs.update_offload_counters(
             engine.id, parsed.offload_load_bytes_by_tier, parsed.offload_load_time_s_by_tier, time.monotonic()
         )
+
+    def _check_block_size(self, engine: EngineConfig, reported: int | None) -> None:
+        """The engine's real block size (vllm:cache_config_info) wins over the configured one:
+        keys in the wrong block size would match nothing, silently."""
+        if reported is None or reported <= 0:
+            return
+        state = self.tracker.engines[engine.id]
+        if state.reported_block_size == reported:
+            return
+        state.reported_block_size = reported
+        if reported != engine.block_size:
+            self.block_size_mismatch[engine.id] = (
+                f"engine reports block_size {reported} (vllm:cache_config_info) but its config says "
+                f"{engine.block_size}; prefix keys use {reported}: fix engines[].block_size"
+            )
+            log.error("engine %s: %s", engine.id, self.block_size_mismatch[engine.id])
+        else:
+            self.block_size_mismatch.pop(engine.id, None)
 
     # -- reload ---------------------------------------------------------------------------------
 
@@ -741,6 +771,7 @@ def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices)
     async def debug_costs() -> Response:
         body = services.costs.snapshot()
         body["scrape_errors"] = dict(services.scrape_errors)
+        body["block_size_mismatch"] = dict(services.block_size_mismatch)
         body["core"] = dataclasses.asdict(router.core.counters)
         return JSONResponse(body)
 

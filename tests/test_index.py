@@ -140,7 +140,13 @@ def test_shared_storage_pool_is_indexed_once_with_lru_capacity() -> None:
     index.apply_batch(
         "b", [stored([1], toks(0, 1), medium="STORAGE"), stored([7, 8], toks(100, 2), medium="STORAGE")]
     )
-    assert index.stats()["storage_pools"]["nfs"] == {"blocks": 3, "capacity_blocks": 3, "evicted_blocks": 1}
+    assert index.stats()["storage_pools"]["nfs"] == {
+        "blocks": 3,
+        "capacity_blocks": 3,
+        "evicted_blocks": 1,
+        "refreshed_blocks": 0,
+        "shortfall_drops": 0,
+    }
     assert index.match(chain, ["a"])["a"] == PrefixMatch(1, (0, 0, 1))
     # Restarting an engine leaves the shared pool alone.
     index.clear_engine("a")
