@@ -299,7 +299,7 @@ class EventManager:
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 1.0,
         rcvhwm: int = 10_000,
-        slice_s: float = 0.002,
+        slice_s: float = 0.0005,
         resync_burst: int = 4,
         resync_per_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
