@@ -1,6 +1,6 @@
 # kvroute: the two set-up commands are `make demo` and `make test`; both build .venv themselves.
 # Each target installs only what it needs, one stamp per set of extras: `make demo` the package
-# alone, `make test` and `make bench` add [test,plots], `make lint` adds [dev].
+# alone, `make test` and `make bench` add [test,plots], `make lint` adds [dev], `make load` [load].
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # it is not a deprecation and says nothing about this project, so it is filtered by its text.
 PIP_INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test lint bench fmt clean
+.PHONY: demo test lint bench load fmt clean
 
 $(VENV)/.core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ $(VENV)/.test: $(VENV)/.core
 
 $(VENV)/.dev: $(VENV)/.test
 	$(PIP_INSTALL) -e '.[test,plots,dev]'
+	touch $@
+
+$(VENV)/.load: $(VENV)/.core
+	$(PIP_INSTALL) -e '.[load]'
 	touch $@
 
 # Everything, for development (every extra, including load and scale).
@@ -43,6 +47,11 @@ lint: $(VENV)/.dev
 fmt: $(VENV)/.dev
 	$(VENV)/bin/ruff format kvcore router policies sim loadtest tests
 	$(VENV)/bin/ruff check --fix kvcore router policies sim loadtest tests
+
+# Locust multi-turn load on a simulated fleet + router, e.g. make load LOAD_ARGS="--policy round_robin --time 2m"
+LOAD_ARGS ?= --users 16 --time 60s --out runs/load
+load: $(VENV)/.load
+	$(PY) -m loadtest.load $(LOAD_ARGS)
 
 bench: $(VENV)/.test
 	$(PY) -m loadtest.bench all

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import time
 import urllib.request
@@ -24,6 +23,7 @@ from typing import Any
 import aiohttp
 
 from kvcore.sim_tokenizer import NAME as SIM_MODEL
+from kvcore.stats import percentile
 from loadtest.workloads import LadderConfig, Workload, ladder_workload
 
 
@@ -64,11 +64,8 @@ class LoadResult:
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    if len(sorted_values) == 1:
-        return sorted_values[0]
-    return statistics.quantiles(sorted_values, n=100, method="inclusive")[max(0, min(98, round(q * 100) - 1))]
+    """The project's one percentile definition (kvcore.stats), q in [0, 1]."""
+    return percentile(sorted_values, q * 100)
 
 
 async def _one_turn(

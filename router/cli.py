@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from router.config import ConfigError, load_config
+from router.config import ConfigError, RouterConfig, load_config
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("sim.server", "run one simulated vLLM engine"),
@@ -56,7 +56,60 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (default 8000)")
     parser.add_argument("--log-level", help="critical, error, warning, info or debug")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="router processes sharing the port (SO_REUSEPORT; default 1); each keeps its own index "
+        "from the same events and its own in-flight load view",
+    )
     return parser
+
+
+SIBLING_ENV = "_KVROUTE_SIBLING_WORKER"
+
+
+def _start_sibling_workers(argv: Sequence[str], count: int) -> list[Any]:
+    """``count`` more `kvroute serve` processes with the same flags, as workers of this one."""
+    import os
+    import subprocess
+
+    # Not a KVROUTE_* name: the config layer rejects unknown ones.
+    env = {**os.environ, SIBLING_ENV: "1"}
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", *argv, "--workers", "1"],
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
+        for _ in range(count)
+    ]
+
+
+def _die_with_parent() -> None:
+    """In a sibling, before exec: SIGTERM when the first worker exits, however it exits (uvicorn
+    re-raises the stop signal after its shutdown, so the first worker's own cleanup may not run)."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def config_loader(args: argparse.Namespace, config_path: str | None) -> Callable[[], RouterConfig]:
+    """Loads the config from every layer ``kvroute serve`` was started with - file, environment,
+    these command-line flags, the fleet file - so /admin/reload and SIGHUP re-read the file
+    without dropping what the command line added (engines, policy)."""
+    import os
+
+    def load() -> RouterConfig:
+        return load_config(
+            config_path,
+            overrides=flag_overrides(args),
+            fleet_file=args.fleet or os.environ.get("KVROUTE_FLEET"),
+        )
+
+    return load
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -96,14 +149,17 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
+def listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """A bound TCP socket for ``host:port`` (as uvicorn binds it); raises OSError when taken.
+    ``reuse_port``: other processes may bind it too (the kernel spreads connections: --workers).
 
     Binding before the server starts means a busy port fails before any startup work or message."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError:
         sock.close()
@@ -119,14 +175,17 @@ def run_server(
     host: str,
     port: int,
     on_started: Callable[[str], None],
+    reuse_port: bool = False,
+    on_bound: Callable[[], Callable[[], None]] | None = None,
     **uvicorn_options: Any,
 ) -> int:
     """Bind ``host:port`` first (a clear one-line error and exit 2 when taken), then serve ``app``
-    with uvicorn; ``on_started(url)`` runs once the app's startup finished and requests are taken."""
+    with uvicorn; ``on_started(url)`` runs once the app's startup finished and requests are taken.
+    ``on_bound()`` runs right after the bind and returns a cleanup run when the server stops."""
     import uvicorn
 
     try:
-        sock = listen_socket(host, port)
+        sock = listen_socket(host, port, reuse_port=reuse_port)
     except OSError as exc:
         print(
             f"{prog}: cannot listen on {host}:{port}: {exc.strerror or exc}; another process holds the "
@@ -144,6 +203,7 @@ def run_server(
                 on_started(url)
 
     server = _Server(uvicorn.Config(app, host=host, port=port, **uvicorn_options))
+    cleanup = on_bound() if on_bound is not None else None
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
@@ -152,6 +212,8 @@ def run_server(
         pass
     finally:
         sock.close()
+        if cleanup is not None:
+            cleanup()
     return 0 if server.started else 1
 
 
@@ -162,12 +224,9 @@ def serve(argv: Sequence[str]) -> int:
 
     args = serve_parser().parse_args(list(argv))
     config_path = args.config or os.environ.get("KVROUTE_CONFIG")
+    reload_config = config_loader(args, config_path)
     try:
-        config = load_config(
-            config_path,
-            overrides=flag_overrides(args),
-            fleet_file=args.fleet or os.environ.get("KVROUTE_FLEET"),
-        )
+        config = reload_config()
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2
@@ -175,7 +234,7 @@ def serve(argv: Sequence[str]) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         # SIGHUP re-reads the config file (like POST /admin/reload).
-        app = build_router_app(config, config_path, install_sighup=True)
+        app = build_router_app(config, config_path, install_sighup=True, reload_config=reload_config)
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2
@@ -185,6 +244,13 @@ def serve(argv: Sequence[str]) -> int:
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
+    from router.guard import guarded_http_protocol
+
+    workers = args.workers if args.workers is not None else 1
+    if workers < 1:
+        print(f"kvroute serve: --workers must be >= 1, got {workers}", file=sys.stderr)
+        return 2
+    sibling = bool(os.environ.get(SIBLING_ENV))
     arms = config.experiment.arms
     policy = (
         "experiment " + ", ".join(f"{a.name}={a.policy}" for a in arms)
@@ -193,21 +259,42 @@ def serve(argv: Sequence[str]) -> int:
     )
 
     def started(url: str) -> None:
+        if sibling:  # the first worker speaks for all
+            return
         print(
             f"kvroute serve: listening on {url} (OpenAI base_url {url}/v1); {policy}, "
-            f"{len(config.engines)} engines, tokenizer {config.tokenizer.backend}; Ctrl-C stops",
+            f"{len(config.engines)} engines, tokenizer {config.tokenizer.backend}, {workers} worker(s); "
+            "Ctrl-C stops",
             file=sys.stderr,
             flush=True,
         )
 
+    def start_siblings() -> Callable[[], None]:
+        # Multi-worker: every process binds the same port with SO_REUSEPORT and runs the whole
+        # router (event subscribers, index, scraping); the first one starts the others and stops
+        # them on exit.
+        siblings = [] if sibling else _start_sibling_workers(argv, workers - 1)
+
+        def stop() -> None:
+            for child in siblings:
+                child.terminate()
+            for child in siblings:
+                child.wait(10)
+
+        return stop
+
+    multi = workers > 1 or sibling
     return run_server(
         app,
         prog="kvroute serve",
         host=config.listen.host,
         port=config.listen.port,
         on_started=started,
+        reuse_port=multi,
+        on_bound=start_siblings if multi else None,
         loop=loop,
-        http="auto",
+        # httptools with header timeouts, header limits and a connection cap (router/guard.py).
+        http=guarded_http_protocol(config.limits),
         log_level=config.log_level.lower(),
         access_log=False,
         timeout_keep_alive=30,
