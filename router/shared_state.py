@@ -1,0 +1,425 @@
+"""State shared by router replicas through Redis: per-engine load and what each replica routed where.
+
+Each replica keeps its own prefix index (it subscribes to every engine's KV events); only the
+fast-changing facts the events cannot tell live here (docs/deployment.md, "Replicas"):
+- load: every replica writes its own in-flight requests and queued prefill tokens per engine into
+  one hash ``<prefix>load:<replica>`` with a TTL the heartbeat renews, so a dead replica's
+  reservations vanish on their own; one Lua script reads the sum of the other live replicas.
+- routed: one stream entry per routed request (engine, block keys), trimmed by age; every replica
+  tails it and feeds its speculation and approx_prefix's learned table, and a restarted replica
+  replays it to relearn what the others routed.
+One awaited round trip per request (the read before the policy chooses); the writes go through a
+single writer task that batches whatever is pending into one pipeline, in order. When Redis is
+unreachable the replica routes on local knowledge, says so (``up`` False, /ready, metrics) and
+rewrites its whole share once Redis answers again.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+log = logging.getLogger("kvroute.shared")
+
+# Sum of the other live replicas' load hashes: [field, value, field, value, ...].
+# KEYS[1] = replica registry (zset, score = last heartbeat in ms); ARGV = prefix, own id, stale ms.
+_READ_SCRIPT = """
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], now_ms - tonumber(ARGV[3]), '+inf')
+local sums = {}
+local order = {}
+local live = 0
+for _, id in ipairs(ids) do
+  if id ~= ARGV[2] then
+    local h = redis.call('HGETALL', ARGV[1] .. 'load:' .. id)
+    if #h > 0 then live = live + 1 end
+    for i = 1, #h, 2 do
+      local k = h[i]
+      if sums[k] == nil then order[#order + 1] = k; sums[k] = 0 end
+      sums[k] = sums[k] + tonumber(h[i + 1])
+    end
+  end
+end
+local out = {tostring(live)}
+for _, k in ipairs(order) do out[#out + 1] = k; out[#out + 1] = tostring(sums[k]) end
+return out
+"""
+
+_IN_FLIGHT = "f:"
+_PREFILL = "p:"
+
+
+@dataclass(slots=True)
+class RemoteLoad:
+    """The other live replicas' load per engine, as of the last read."""
+
+    in_flight: dict[str, int] = field(default_factory=dict)
+    queued_prefill_tokens: dict[str, int] = field(default_factory=dict)
+    replicas: int = 0
+
+
+#: Called for each request another replica routed: (engine id, block keys, seconds since routed).
+RoutedListener = Callable[[str, Sequence[int], float], None]
+
+
+def default_replica_id() -> str:
+    """Host name, pid and a random suffix: unique per process, readable in Redis and logs."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class SharedState:
+    """One replica's view of and contribution to the shared state (owner: the router's lifespan)."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        cluster: str = "kvroute",
+        replica_id: str = "",
+        ttl_s: float = 10.0,
+        timeout_s: float = 0.25,
+        retention_s: float = 300.0,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        if ttl_s <= 0 or timeout_s <= 0 or retention_s <= 0:
+            raise ValueError("shared: ttl_s, timeout_s and retention_s must be positive")
+        self.redis_url = redis_url
+        self.replica_id = replica_id or default_replica_id()
+        self.prefix = f"kvroute:{cluster}:"
+        self.ttl_s = ttl_s
+        #: Heartbeat period: three renewals fit in one TTL, so one lost beat expires nothing.
+        self.heartbeat_s = ttl_s / 4
+        self.timeout_s = timeout_s
+        self.retention_s = retention_s
+        self.up = False
+        self.last_error = "not started"
+        self.remote = RemoteLoad()
+        self._local_in_flight: dict[str, int] = {}
+        self._local_prefill: dict[str, int] = {}
+        self._listeners: list[RoutedListener] = []
+        self._queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._reader: Any = None  # redis.asyncio.Redis for reads (a pool)
+        self._writer: Any = None  # redis.asyncio.Redis with one connection, used by the writer task
+        self._tail: Any = None  # blocking XREAD connection
+        self._read_sha = ""
+        self._last_stream_id = "0-0"
+        self._wake = asyncio.Event()
+        self._metrics(registry)
+
+    # -- metrics --------------------------------------------------------------------------------
+
+    def _metrics(self, registry: CollectorRegistry | None) -> None:
+        reg = registry or CollectorRegistry()
+        self.m_up = Gauge(
+            "kvroute_shared_state_up",
+            "1 when this replica shares load and routing with the others through Redis; 0 = local only",
+            registry=reg,
+        )
+        self.m_replicas = Gauge(
+            "kvroute_shared_state_replicas",
+            "Other live router replicas seen in the last shared-state read",
+            registry=reg,
+        )
+        self.m_errors = Counter(
+            "kvroute_shared_state_errors",
+            "Failed shared-state operations by kind (read, write, tail, probe)",
+            ("op",),
+            registry=reg,
+        )
+        self.m_read_s = Histogram(
+            "kvroute_shared_state_read_seconds",
+            "Time of the one shared-state read made before each routing decision",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+            registry=reg,
+        )
+        self.m_remote_routed = Counter(
+            "kvroute_shared_state_remote_routed",
+            "Routing records of other replicas applied here (speculation, approx_prefix)",
+            registry=reg,
+        )
+        self.m_up.set(0)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def add_routed_listener(self, listener: RoutedListener) -> None:
+        self._listeners.append(listener)
+
+    async def start(self) -> None:
+        import redis.asyncio as aioredis
+
+        def client(**kwargs: Any) -> Any:
+            return aioredis.from_url(
+                self.redis_url,
+                socket_timeout=self.timeout_s,
+                socket_connect_timeout=self.timeout_s,
+                **kwargs,
+            )
+
+        self._reader = client()
+        self._writer = client(single_connection_client=True)
+        # The tail blocks in XREAD for up to one heartbeat: its socket must wait longer than that.
+        self._tail = aioredis.from_url(
+            self.redis_url, socket_timeout=self.heartbeat_s + 5.0, socket_connect_timeout=self.timeout_s
+        )
+        await self._probe()
+        if not self.up:
+            log.warning(
+                "shared state: Redis at %s unreachable (%s); routing on local knowledge until it answers",
+                self.redis_url,
+                self.last_error,
+            )
+        self._tasks = [
+            asyncio.create_task(self._write_loop(), name="kvroute-shared-writer"),
+            asyncio.create_task(self._heartbeat_loop(), name="kvroute-shared-heartbeat"),
+            asyncio.create_task(self._tail_loop(), name="kvroute-shared-tail"),
+        ]
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.up:
+            # A clean exit takes its share out at once instead of waiting for the TTL.
+            with contextlib.suppress(Exception):
+                await self._writer.delete(self._load_key)
+                await self._writer.zrem(self._registry_key, self.replica_id)
+        for conn in (self._reader, self._writer, self._tail):
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await conn.aclose()
+        self.up = False
+        self.m_up.set(0)
+
+    @property
+    def _load_key(self) -> str:
+        return f"{self.prefix}load:{self.replica_id}"
+
+    @property
+    def _registry_key(self) -> str:
+        return f"{self.prefix}replicas"
+
+    @property
+    def _stream_key(self) -> str:
+        return f"{self.prefix}routed"
+
+    def _set_down(self, op: str, exc: BaseException) -> None:
+        self.m_errors.labels(op).inc()
+        reason = f"{op}: {type(exc).__name__}: {exc}"
+        if self.up:
+            log.warning(
+                "shared state DOWN (%s); this replica now routes on local knowledge only "
+                "(other replicas' load and routing unknown) until Redis answers again",
+                reason,
+            )
+        self.up = False
+        self.last_error = reason
+        self.remote = RemoteLoad()
+        self.m_up.set(0)
+        self.m_replicas.set(0)
+
+    async def _probe(self) -> None:
+        """PING; on success after an outage: load the script, rewrite our share, replay the stream."""
+        try:
+            await asyncio.wait_for(self._writer.ping(), self.timeout_s * 4)
+            self._read_sha = await self._writer.script_load(_READ_SCRIPT)
+        except Exception as exc:
+            self._set_down("probe", exc)
+            return
+        if not self.up:
+            was_started = self.last_error != "not started"
+            self.up = True
+            self.last_error = ""
+            self.m_up.set(1)
+            self._enqueue_rewrite()
+            self._wake.set()
+            if was_started:
+                log.warning("shared state UP again at %s: load and routing shared again", self.redis_url)
+
+    # -- the request path -----------------------------------------------------------------------
+
+    async def refresh(self) -> RemoteLoad:
+        """Read the other replicas' load (one round trip); an empty RemoteLoad when down."""
+        if not self.up:
+            return self.remote
+        started_s = time.perf_counter()
+        try:
+            stale_ms = int(self.ttl_s * 1000)
+            raw = await asyncio.wait_for(
+                self._reader.evalsha(
+                    self._read_sha, 1, self._registry_key, self.prefix, self.replica_id, stale_ms
+                ),
+                self.timeout_s,
+            )
+        except Exception as exc:
+            self._set_down("read", exc)
+            return self.remote
+        self.m_read_s.observe(time.perf_counter() - started_s)
+        remote = RemoteLoad(replicas=int(raw[0]))
+        for i in range(1, len(raw) - 1, 2):
+            name = raw[i].decode() if isinstance(raw[i], bytes) else str(raw[i])
+            value = max(0, int(float(raw[i + 1])))
+            if name.startswith(_IN_FLIGHT):
+                remote.in_flight[name[len(_IN_FLIGHT) :]] = value
+            elif name.startswith(_PREFILL):
+                remote.queued_prefill_tokens[name[len(_PREFILL) :]] = value
+        self.remote = remote
+        self.m_replicas.set(remote.replicas)
+        return remote
+
+    def reserve(self, engine_id: str, prefill_tokens: int, block_keys: Sequence[int] = ()) -> None:
+        """This replica sent a request to ``engine_id``; ``block_keys`` are shared as routed there."""
+        self._local_in_flight[engine_id] = self._local_in_flight.get(engine_id, 0) + 1
+        self._local_prefill[engine_id] = self._local_prefill.get(engine_id, 0) + prefill_tokens
+        if self.up:
+            keys = array.array("Q", block_keys).tobytes() if block_keys else b""
+            self._queue.put_nowait(("reserve", engine_id, prefill_tokens, keys))
+
+    def first_byte(self, engine_id: str, prefill_tokens: int) -> None:
+        """The engine answered: that request's prefill is no longer queued."""
+        self._local_prefill[engine_id] = self._local_prefill.get(engine_id, 0) - prefill_tokens
+        if self.up and prefill_tokens:
+            self._queue.put_nowait(("add", _PREFILL + engine_id, -prefill_tokens))
+
+    def end(self, engine_id: str) -> None:
+        self._local_in_flight[engine_id] = self._local_in_flight.get(engine_id, 0) - 1
+        if self.up:
+            self._queue.put_nowait(("add", _IN_FLIGHT + engine_id, -1))
+
+    def local_share(self) -> dict[str, tuple[int, int]]:
+        """This replica's own (in-flight, queued prefill tokens) per engine."""
+        engines = self._local_in_flight.keys() | self._local_prefill.keys()
+        return {e: (self._local_in_flight.get(e, 0), self._local_prefill.get(e, 0)) for e in engines}
+
+    # -- background -----------------------------------------------------------------------------
+
+    def _enqueue_rewrite(self) -> None:
+        # Taken now, applied in queue order: every earlier delta is already in these figures and
+        # lands before the rewrite; every later one lands after it.
+        fields: dict[str, int] = {}
+        for engine_id, (in_flight, prefill) in self.local_share().items():
+            fields[_IN_FLIGHT + engine_id] = in_flight
+            fields[_PREFILL + engine_id] = prefill
+        self._queue.put_nowait(("rewrite", fields))
+
+    async def _write_loop(self) -> None:
+        while True:
+            ops = [await self._queue.get()]
+            while not self._queue.empty():
+                ops.append(self._queue.get_nowait())
+            if not self.up:
+                continue  # the rewrite after recovery restores our share
+            pipe = self._writer.pipeline(transaction=False)
+            now_ms = int(time.time() * 1000)
+            for op in ops:
+                kind = op[0]
+                if kind == "reserve":
+                    _, engine_id, prefill, keys = op
+                    pipe.hincrby(self._load_key, _IN_FLIGHT + engine_id, 1)
+                    pipe.hincrby(self._load_key, _PREFILL + engine_id, prefill)
+                    if keys:
+                        pipe.xadd(
+                            self._stream_key,
+                            {"e": engine_id, "k": keys, "r": self.replica_id},
+                            minid=now_ms - int(self.retention_s * 1000),
+                            approximate=True,
+                        )
+                elif kind == "add":
+                    pipe.hincrby(self._load_key, op[1], op[2])
+                elif kind == "rewrite":
+                    pipe.delete(self._load_key)
+                    if op[1]:
+                        pipe.hset(self._load_key, mapping=op[1])
+                    pipe.zadd(self._registry_key, {self.replica_id: now_ms})
+            pipe.pexpire(self._load_key, int(self.ttl_s * 1000))
+            try:
+                await asyncio.wait_for(pipe.execute(), self.timeout_s * 4)
+            except Exception as exc:
+                self._set_down("write", exc)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            if self.up:
+                # The full rewrite also heals any delta lost in a failed write.
+                self._enqueue_rewrite()
+                with contextlib.suppress(Exception):
+                    # Drop replicas whose heartbeat stopped (their load hash has expired too).
+                    await self._writer.zremrangebyscore(
+                        self._registry_key, "-inf", int(time.time() * 1000) - 2 * int(self.ttl_s * 1000)
+                    )
+            else:
+                await self._probe()
+
+    async def _tail_loop(self) -> None:
+        """Apply the other replicas' routing records: first the retained history, then live."""
+        replayed = False
+        while True:
+            if not self.up:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
+                continue
+            try:
+                if not replayed:
+                    since_ms = int(time.time() * 1000) - int(self.retention_s * 1000)
+                    start = max(since_ms, 0)
+                    entries = await self._tail.xrange(self._stream_key, min=f"{start}-0", max="+")
+                    self._apply(entries)
+                    replayed = True
+                    if entries:
+                        log.info("shared state: relearned %d routing records of other replicas", len(entries))
+                    continue
+                reply = await self._tail.xread(
+                    {self._stream_key: self._last_stream_id}, block=int(self.heartbeat_s * 1000), count=1000
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._set_down("tail", exc)
+                continue
+            for _stream, entries in reply or ():
+                self._apply(entries)
+
+    def _apply(self, entries: Sequence[Any]) -> None:
+        now_ms = time.time() * 1000
+        for entry_id, data in entries:
+            self._last_stream_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            if data.get(b"r", b"").decode() == self.replica_id:
+                continue
+            engine_id = data.get(b"e", b"").decode()
+            keys = array.array("Q", data.get(b"k", b"")).tolist()
+            if not engine_id or not keys:
+                continue
+            age_s = max(0.0, (now_ms - int(self._last_stream_id.split("-")[0])) / 1000)
+            self.m_remote_routed.inc()
+            for listener in self._listeners:
+                try:
+                    listener(engine_id, keys, age_s)
+                except Exception:
+                    log.exception("shared state: routed listener %r failed", listener)
+
+    def ready_detail(self) -> dict[str, Any]:
+        """The ``shared_state`` part of GET /ready."""
+        return {
+            "ok": self.up,
+            "mode": "shared" if self.up else "local",
+            "replica_id": self.replica_id,
+            "other_replicas": self.remote.replicas,
+            "error": self.last_error,
+        }
