@@ -40,7 +40,7 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - owned by the child
+        log = open(self.workdir / "redis.log", "ab")  # the child process writes to it
         argv = [
             self.binary,
             "--port", str(self.port),

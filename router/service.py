@@ -565,7 +565,27 @@ class RouterServices:
             if math.isfinite(value):
                 gauge.add_metric(list(labels.values()), value)
         families.extend(grouped.values())
+        families.extend(prior_families(self.costs.snapshot()))
         return families
+
+
+def prior_families(snapshot: dict[str, Any]) -> list[GaugeMetricFamily]:
+    """The cost model's configured priors per engine, to plot next to the calibrated estimates."""
+    prefill = GaugeMetricFamily(
+        "kvroute_cost_prior_prefill_tokens_per_second", "Configured prefill-rate prior", labels=["engine"]
+    )
+    bandwidth = GaugeMetricFamily(
+        "kvroute_cost_prior_load_bandwidth_bytes_per_second",
+        "Configured tier load-bandwidth prior",
+        labels=["engine", "tier"],
+    )
+    for engine_id, row in sorted(snapshot.get("engines", {}).items()):
+        prior = row["prior"]
+        prefill.add_metric([engine_id], prior["prefill_tokens_per_s"])
+        for tier, values in prior["tiers"].items():
+            if values["bandwidth_bytes_per_s"] is not None:
+                bandwidth.add_metric([engine_id, tier.upper()], values["bandwidth_bytes_per_s"])
+    return [prefill, bandwidth]
 
 
 def event_sources(

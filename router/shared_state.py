@@ -282,13 +282,17 @@ class SharedState:
         self.m_replicas.set(remote.replicas)
         return remote
 
-    def reserve(self, engine_id: str, prefill_tokens: int, block_keys: Sequence[int] = ()) -> None:
-        """This replica sent a request to ``engine_id``; ``block_keys`` are shared as routed there."""
+    def reserve(self, engine_id: str, prefill_tokens: int) -> None:
+        """This replica sent a request to ``engine_id`` with ``prefill_tokens`` still to compute."""
         self._local_in_flight[engine_id] = self._local_in_flight.get(engine_id, 0) + 1
         self._local_prefill[engine_id] = self._local_prefill.get(engine_id, 0) + prefill_tokens
         if self.up:
-            keys = array.array("Q", block_keys).tobytes() if block_keys else b""
-            self._queue.put_nowait(("reserve", engine_id, prefill_tokens, keys))
+            self._queue.put_nowait(("reserve", engine_id, prefill_tokens))
+
+    def routed(self, engine_id: str, block_keys: Sequence[int]) -> None:
+        """Tell the other replicas that a prompt with ``block_keys`` went to ``engine_id``."""
+        if self.up and block_keys:
+            self._queue.put_nowait(("routed", engine_id, array.array("Q", block_keys).tobytes()))
 
     def first_byte(self, engine_id: str, prefill_tokens: int) -> None:
         """The engine answered: that request's prefill is no longer queued."""
@@ -329,16 +333,17 @@ class SharedState:
             for op in ops:
                 kind = op[0]
                 if kind == "reserve":
-                    _, engine_id, prefill, keys = op
+                    _, engine_id, prefill = op
                     pipe.hincrby(self._load_key, _IN_FLIGHT + engine_id, 1)
                     pipe.hincrby(self._load_key, _PREFILL + engine_id, prefill)
-                    if keys:
-                        pipe.xadd(
-                            self._stream_key,
-                            {"e": engine_id, "k": keys, "r": self.replica_id},
-                            minid=now_ms - int(self.retention_s * 1000),
-                            approximate=True,
-                        )
+                elif kind == "routed":
+                    _, engine_id, keys = op
+                    pipe.xadd(
+                        self._stream_key,
+                        {"e": engine_id, "k": keys, "r": self.replica_id},
+                        minid=now_ms - int(self.retention_s * 1000),
+                        approximate=True,
+                    )
                 elif kind == "add":
                     pipe.hincrby(self._load_key, op[1], op[2])
                 elif kind == "rewrite":

@@ -50,7 +50,8 @@ async def test_replicas_see_each_others_load_and_routing(redis_server: RedisServ
     try:
         assert a.up and b.up
         big_key = 2**64 - 3  # keys are unsigned 64-bit; the top bit must survive the trip
-        a.reserve("e0", 300, [11, big_key])
+        a.reserve("e0", 300)
+        a.routed("e0", [11, big_key])
         a.reserve("e0", 50)
         a.reserve("e1", 7)
 
@@ -150,8 +151,8 @@ async def test_a_restarted_replica_relearns_what_the_others_routed(redis_server:
     a = _state(redis_server.url, "a")
     await a.start()
     try:
-        a.reserve("e2", 64, [1, 2, 3])
-        a.reserve("e1", 64, [4, 5])
+        a.routed("e2", [1, 2, 3])
+        a.routed("e1", [4, 5])
         await asyncio.sleep(0.2)  # let the writer flush
         seen: list[tuple[str, list[int]]] = []
         restarted = _state(redis_server.url, "b")
