@@ -34,7 +34,7 @@ from router.config import ConfigError, EngineConfig, RouterConfig, load_config
 from router.errors import RouterError
 from router.events import EventBatch, EventManager, EventSource, debug_index_payload, explain_payload
 from router.experiments import Experiments
-from router.load import LoadTracker
+from router.load import LoadTicket, LoadTracker
 from router.metrics import RouterMetrics, create_metrics
 from router.routing import (
     CHAT,
@@ -47,6 +47,7 @@ from router.routing import (
     parse_request,
 )
 from router.scrape import parse_engine_metrics
+from router.shared_state import SharedState, SharedStateAnnotator, SharedStateObserver
 from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer
 
 log = logging.getLogger("kvroute.service")
@@ -621,12 +622,63 @@ def build_index(config: RouterConfig) -> PrefixIndex | None:
     )
 
 
+class SharedLoadTracker(LoadTracker):
+    """Pre-ledger wiring: this replica's accounting plus the other replicas' load."""
+
+    shared: SharedState
+
+    def begin(self, engine_id: str, prompt_tokens: int) -> LoadTicket:
+        ticket = super().begin(engine_id, prompt_tokens)
+        self.shared.reserve(engine_id, prompt_tokens)
+        return ticket
+
+    def first_byte(self, ticket: LoadTicket) -> None:
+        if ticket.prefill_pending and not ticket.done:
+            self.shared.first_byte(ticket.engine_id, ticket.prompt_tokens)
+        super().first_byte(ticket)
+
+    def end(self, ticket: LoadTicket) -> None:
+        if not ticket.done:
+            if ticket.prefill_pending:
+                self.shared.first_byte(ticket.engine_id, ticket.prompt_tokens)
+            self.shared.end(ticket.engine_id)
+        super().end(ticket)
+
+    def view(self, state: Any) -> Any:
+        view = super().view(state)
+        remote = self.shared.remote
+        view.in_flight += remote.in_flight.get(view.engine_id, 0)
+        view.queued_prefill_tokens += remote.queued_prefill_tokens.get(view.engine_id, 0)
+        return view
+
+
+def build_shared_state(config: RouterConfig, metrics: RouterMetrics) -> SharedState | None:
+    """The replicas' shared state when ``shared.redis_url`` is set (else None: one replica)."""
+    shared = config.shared
+    if not shared.redis_url:
+        return None
+    return SharedState(
+        shared.redis_url,
+        cluster=shared.cluster,
+        replica_id=shared.replica_id,
+        ttl_s=shared.ttl_s,
+        timeout_s=shared.timeout_s,
+        retention_s=shared.retention_s,
+        registry=metrics.registry,
+    )
+
+
 def build_router_app(
     config: RouterConfig, config_path: str | Path | None = None, *, install_sighup: bool = False
 ) -> FastAPI:
     """The full router used by ``kvroute serve``; ``config_path`` is what /admin/reload re-reads."""
     metrics = create_metrics()
-    tracker = LoadTracker(config.engines, metrics)
+    shared = build_shared_state(config, metrics)
+    if shared is None:
+        tracker = LoadTracker(config.engines, metrics)
+    else:
+        tracker = SharedLoadTracker(config.engines, metrics)
+        tracker.shared = shared
     index = build_index(config)
     try:
         costs = CostModel.from_config(config.costs.priors)
@@ -654,8 +706,21 @@ def build_router_app(
         install_sighup=install_sighup,
     )
     metrics.add_collector(services.collect)
-    annotator = IndexAnnotator(config, tokenizer, index, namespace=namespace_seed(config.tokenizer.namespace))
+    annotator: Any = IndexAnnotator(
+        config, tokenizer, index, namespace=namespace_seed(config.tokenizer.namespace)
+    )
     observers: list[Any] = [services, CalibrationObserver(costs), ExperimentObserver(experiments)]
+    if shared is not None:
+        annotator = SharedStateAnnotator(annotator, shared)
+        observers.append(
+            SharedStateObserver(
+                shared,
+                engine_ids=[e.id for e in config.engines],
+                index=index,
+                speculation_ttl_s=config.index.speculation_ttl_s,
+                policies=lambda: [arm.policy for arm in experiments.arms],
+            )
+        )
     if index is not None and config.index.speculation_ttl_s > 0:
         observers.append(SpeculationObserver(index, config.index.speculation_ttl_s))
     if config.trace.path:
@@ -678,6 +743,7 @@ def build_router_app(
     app.state.index = index
     app.state.tokenizer = tokenizer
     app.state.services = services
+    app.state.shared_state = shared
     app.state.costs = costs
     app.state.experiments = experiments
     _add_endpoints(app, config, services)

@@ -428,3 +428,109 @@ class SharedState:
             "other_replicas": self.remote.replicas,
             "error": self.last_error,
         }
+
+
+class SharedLoadLedger:
+    """The routing core's load ledger for a replica: its own accounting (``local``, any ledger)
+    plus the other replicas' load as of the last ``SharedState.refresh``. Every change of the
+    local share is also queued for Redis; reads never wait on Redis."""
+
+    def __init__(self, local: Any, state: SharedState) -> None:
+        self.local = local
+        self.state = state
+
+    def reserve(self, engine_id: str, prefill_tokens: int) -> Any:
+        ticket = self.local.reserve(engine_id, prefill_tokens)
+        self.state.reserve(engine_id, prefill_tokens)
+        return ticket
+
+    def first_token(self, ticket: Any) -> None:
+        if ticket.prefill_pending and not ticket.done:
+            self.state.first_byte(ticket.engine_id, ticket.prefill_tokens)
+        self.local.first_token(ticket)
+
+    def finish(self, ticket: Any) -> None:
+        if ticket.done:
+            return
+        if ticket.prefill_pending:
+            self.state.first_byte(ticket.engine_id, ticket.prefill_tokens)
+        self.state.end(ticket.engine_id)
+        self.local.finish(ticket)
+
+    def load(self, engine_id: str) -> tuple[int, int]:
+        in_flight, queued = self.local.load(engine_id)
+        remote = self.state.remote
+        return (
+            in_flight + remote.in_flight.get(engine_id, 0),
+            queued + remote.queued_prefill_tokens.get(engine_id, 0),
+        )
+
+    def least_loaded(self) -> list[str]:
+        engines = list(self.local.least_loaded())
+        return sorted(engines, key=lambda e: (self.load(e)[1], self.load(e)[0]))
+
+
+class SharedStateAnnotator:
+    """Runs the router's annotator, then reads the other replicas' load: the read is the last await
+    before the choice, so the policy sees load as fresh as one round trip allows."""
+
+    def __init__(self, inner: Any, state: SharedState) -> None:
+        self.inner = inner
+        self.state = state
+
+    async def annotate(self, ctx: Any) -> None:
+        if self.inner is not None:
+            await self.inner.annotate(ctx)
+        await self.state.refresh()
+
+
+class SharedStateObserver:
+    """Route observer that owns the SharedState's lifecycle and publishes each routing record
+    (engine + prompt block keys); applies the other replicas' records to this replica's index
+    (speculation for what is left of its TTL) and to every arm's policy (approx_prefix learns)."""
+
+    def __init__(
+        self,
+        state: SharedState,
+        *,
+        engine_ids: Sequence[str],
+        index: Any = None,
+        speculation_ttl_s: float = 0.0,
+        policies: Callable[[], Sequence[Any]] = list,
+    ) -> None:
+        self.state = state
+        self._engine_ids = set(engine_ids)
+        self._index = index
+        self._speculation_ttl_s = speculation_ttl_s
+        self._policies = policies
+        state.add_routed_listener(self.apply_remote)
+
+    async def start(self) -> None:
+        await self.state.start()
+
+    async def stop(self) -> None:
+        await self.state.stop()
+
+    def on_routed(self, ctx: Any) -> None:
+        keys = ctx.route_request.block_keys
+        if keys and ctx.decision is not None:
+            self.state.routed(ctx.decision.engine_id, keys)
+
+    def on_first_byte(self, ctx: Any) -> None:
+        return None
+
+    def on_finished(self, ctx: Any) -> None:
+        return None
+
+    def apply_remote(self, engine_id: str, keys: Sequence[int], age_s: float) -> None:
+        from policies.base import Decision, RouteRequest
+
+        if engine_id not in self._engine_ids:
+            return  # another fleet's config, or an engine this replica does not route to
+        left_s = self._speculation_ttl_s - age_s
+        if self._index is not None and left_s > 0:
+            self._index.speculate(engine_id, keys, left_s, time.monotonic())
+        request = RouteRequest(request_id="remote", block_keys=tuple(keys))
+        for policy in self._policies():
+            decision = Decision(engine_id, policy.name, "routed by another replica")
+            policy.on_routed(request, decision)

@@ -226,13 +226,14 @@ def live_metric_names(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tupl
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
             messages = [{"role": "user", "content": sim_tokenizer.filler_text(200, seed=3)}]
             for _ in range(3):
-                client.chat.completions.create(
+                stream = client.chat.completions.create(
                     model=sim_tokenizer.NAME,
                     messages=messages,  # type: ignore[arg-type]
                     max_tokens=4,
                     stream=True,
                     stream_options={"include_usage": True},
-                ).close()
+                )
+                assert [chunk for chunk in stream]
             time.sleep(0.5)  # a scrape of the engine and a batch of events
             router_text = httpx.get(f"{server.url}/metrics").text
             engine_text = httpx.get(f"{engines[0].url}/metrics").text
@@ -240,7 +241,13 @@ def live_metric_names(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tupl
             server.stop()
 
     def names(text: str) -> set[str]:
-        return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+        # Families without samples yet (a labelled counter nobody incremented) count by their type.
+        out: set[str] = set()
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum")}
+        for family in text_string_to_metric_families(text):
+            out.update(s.name for s in family.samples)
+            out.update(family.name + suffix for suffix in suffixes.get(family.type, ("",)))
+        return out
 
     yield names(router_text), names(engine_text)
 
