@@ -235,6 +235,14 @@ class SharedState:
 
     async def _probe(self) -> None:
         """PING; on success after an outage: load the script, rewrite our share, replay the stream."""
+        if self.last_error != "not started":
+            # Connections that saw the outage may be half-closed: start every pool afresh.
+            for conn in (self._reader, self._writer, self._tail):
+                with contextlib.suppress(Exception):
+                    await conn.connection_pool.disconnect()
+            with contextlib.suppress(Exception):
+                if self._writer.connection is not None:
+                    await self._writer.connection.disconnect()
         try:
             await asyncio.wait_for(self._writer.ping(), self.timeout_s * 4)
             self._read_sha = await self._writer.script_load(_READ_SCRIPT)
@@ -527,10 +535,15 @@ class SharedStateObserver:
 
         if engine_id not in self._engine_ids:
             return  # another fleet's config, or an engine this replica does not route to
+        now = time.monotonic()
         left_s = self._speculation_ttl_s - age_s
         if self._index is not None and left_s > 0:
-            self._index.speculate(engine_id, keys, left_s, time.monotonic())
+            self._index.speculate(engine_id, keys, left_s, now)
         request = RouteRequest(request_id="remote", block_keys=tuple(keys))
         for policy in self._policies():
             decision = Decision(engine_id, policy.name, "routed by another replica")
-            policy.on_routed(request, decision)
+            learn = getattr(policy, "learn_routed", None)
+            if learn is not None:  # a policy that keeps time: the record is age_s old
+                learn(request, decision, now - age_s)
+            else:
+                policy.on_routed(request, decision)
