@@ -60,7 +60,7 @@ class Replicas:
     ports: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for i in range(self.count):
+        for _ in range(self.count):
             server = ThreadedServer(self.make_app()).start()
             self.servers.append(server)
             self.ports.append(server.port)
@@ -111,9 +111,7 @@ class Front:
 
 
 @pytest.fixture
-def replicas(
-    fleet: list[FleetEngine], redis_server: RedisServer
-) -> Iterator[Callable[..., Replicas]]:
+def replicas(fleet: list[FleetEngine], redis_server: RedisServer) -> Iterator[Callable[..., Replicas]]:
     started: list[Replicas] = []
 
     def start(count: int, policy: str, *, shared: bool = True, **params: Any) -> Replicas:
@@ -226,7 +224,7 @@ def _burst(front: Front, size: int, prefix: str) -> Counter[str]:
         for i in range(size):
             body = {
                 "model": sim_tokenizer.NAME,
-                "messages": [{"role": "user", "content": prefix + f" [{i}] " + sim_tokenizer.filler_text(20)}],
+                "messages": [{"role": "user", "content": f"{prefix} [{i}] {sim_tokenizer.filler_text(20)}"}],
                 "max_tokens": 1000,
                 "stream": True,
             }
