@@ -117,6 +117,7 @@ class SharedState:
         self._read_sha = ""
         self._last_stream_id = "0-0"
         self._wake = asyncio.Event()
+        self._read_task: asyncio.Future[RemoteLoad] | None = None
         self._metrics(registry)
 
     # -- metrics --------------------------------------------------------------------------------
@@ -141,7 +142,7 @@ class SharedState:
         )
         self.m_read_s = Histogram(
             "kvroute_shared_state_read_seconds",
-            "Time of the one shared-state read made before each routing decision",
+            "Time of a shared-state read of the other replicas' load (concurrent requests share one)",
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
             registry=reg,
         )
@@ -262,9 +263,18 @@ class SharedState:
     # -- the request path -----------------------------------------------------------------------
 
     async def refresh(self) -> RemoteLoad:
-        """Read the other replicas' load (one round trip); an empty RemoteLoad when down."""
+        """The other replicas' load (one round trip); the last known (empty) one when down.
+
+        Requests that arrive while a read is on its way share it (single flight): under load a
+        replica keeps one read in flight, and each answer is at most one round trip old."""
         if not self.up:
             return self.remote
+        task = self._read_task
+        if task is None or task.done():
+            task = self._read_task = asyncio.ensure_future(self._read())
+        return await asyncio.shield(task)
+
+    async def _read(self) -> RemoteLoad:
         started_s = time.perf_counter()
         try:
             stale_ms = int(self.ttl_s * 1000)
