@@ -103,11 +103,18 @@ class Router:
         self._log.close()
 
 
+#: Policy parameters used in the quality runs (approx_prefix: a match must cover half the prompt,
+#: else the shared system prompt alone would pull every conversation onto one engine).
+POLICY_PARAMS: dict[str, dict[str, Any]] = {"approx_prefix": {"min_match_ratio": 0.5}}
+
+
 def write_config(path: Path, engines: Sequence[FleetEngine], policy: str, cluster: str) -> Path:
+    params = ", ".join(f"{k} = {json.dumps(v)}" for k, v in POLICY_PARAMS.get(policy, {}).items())
     lines = [
         'log_level = "warning"',
         "[policy]",
         f'name = "{policy}"',
+        f"params = {{ {params} }}",
         "[tokenizer]",
         'backend = "sim"',
         "[health]",
@@ -228,10 +235,71 @@ def bench_cost(workdir: Path, redis: RedisServer, args: argparse.Namespace) -> l
     return rows
 
 
+# ----------------------------------------------------------------------------- micro
+
+
+async def _micro(redis_url: str, n: int, concurrency: int) -> dict[str, Any]:
+    """The shared-state work of one request, alone: read the others' load, reserve, publish the
+    routing record (32 block keys), first token, finish; ``concurrency`` requests at a time."""
+    from router.shared_state import SharedState
+
+    state = SharedState(redis_url, cluster=f"micro-{concurrency}", replica_id="micro")
+    other = SharedState(redis_url, cluster=f"micro-{concurrency}", replica_id="other")
+    await state.start()
+    await other.start()
+    other.reserve("e1", 10)  # a second replica with load, so the read has something to sum
+    keys = list(range(1000, 1032))
+    try:
+
+        async def one(i: int) -> None:
+            engine = f"e{i % 4}"
+            await state.refresh()
+            state.reserve(engine, 500)
+            state.routed(engine, keys)
+            await asyncio.sleep(0)  # the request is forwarded; the writer runs
+            state.first_byte(engine, 500)
+            state.end(engine)
+
+        async def lane(lane_no: int) -> None:
+            for i in range(lane_no, n, concurrency):
+                await one(i)
+
+        await asyncio.gather(*(lane(k) for k in range(min(concurrency, 8))))  # warm up
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(lane(k) for k in range(concurrency)))
+        for _ in range(1000):  # the writer's backlog belongs to these requests
+            if state._queue.empty():
+                break
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)
+        cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
+        return {
+            "concurrency": concurrency,
+            "requests": n,
+            "wall_us_per_request": 1e6 * wall_s / n,
+            "cpu_us_per_request": 1e6 * cpu_s / n,
+            "requests_per_s": n / wall_s,
+        }
+    finally:
+        await state.stop()
+        await other.stop()
+
+
+def bench_micro(redis: RedisServer, args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for run in range(args.runs):
+        for concurrency in (1, 16):
+            row = asyncio.run(_micro(redis.url, args.micro_requests, concurrency))
+            row["run"] = run
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    return rows
+
+
 # ----------------------------------------------------------------------------- quality
 
 
-async def _run_workload(urls: list[str], workload: Workload) -> list[TurnResult]:
+async def run_round_robin(urls: list[str], workload: Workload) -> list[TurnResult]:
     """Closed-loop multi-turn load; each request goes to the next replica (round robin)."""
     results: list[TurnResult] = []
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -316,7 +384,7 @@ def bench_quality(workdir: Path, redis: RedisServer, args: argparse.Namespace) -
                         workdir, engines, policy, setup.replicas, redis.url if setup.shared else "", tag
                     )
                     try:
-                        results = asyncio.run(_run_workload([r.url for r in routers], workload))
+                        results = asyncio.run(run_round_robin([r.url for r in routers], workload))
                     finally:
                         for router in routers:
                             router.stop()
@@ -354,10 +422,30 @@ def _median(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def report(cost: list[dict[str, Any]], quality: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def report(
+    micro: list[dict[str, Any]],
+    cost: list[dict[str, Any]],
+    quality: list[dict[str, Any]],
+    args: argparse.Namespace,
+) -> str:
+    load = os.getloadavg()
     out = [
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
-        f"runs: {args.runs} (medians)",
+        f"runs: {args.runs} (medians); load average at the end {load[0]:.1f} (shared machine)",
+        "",
+        f"Shared-state work of one request alone (read, reserve, routing record with 32 keys, first "
+        f"token, finish) against a local redis-server, {args.micro_requests} requests",
+        "",
+        "| concurrent requests | wall us / request | CPU us / request (this process) | requests/s |",
+        "|---|---|---|---|",
+    ]
+    for concurrency in (1, 16):
+        rows = [r for r in micro if r["concurrency"] == concurrency]
+        out.append(
+            f"| {concurrency} | {_median(rows, 'wall_us_per_request'):.0f} "
+            f"| {_median(rows, 'cpu_us_per_request'):.0f} | {_median(rows, 'requests_per_s'):.0f} |"
+        )
+    out += [
         "",
         f"Cost: 1 router (tier_cost, sim tokenizer), 2 zero-delay engines, {args.concurrency} "
         f"concurrent clients, {args.seconds} s per point",
@@ -384,7 +472,8 @@ def report(cost: list[dict[str, Any]], quality: list[dict[str, Any]], args: argp
     for policy in args.policies:
         out += [
             "",
-            f"Quality: {policy}, ladder chat ({args.conversations} conversations x {args.turns} turns, "
+            f"Quality: {policy} {POLICY_PARAMS.get(policy, {})}, ladder chat "
+            f"({args.conversations} conversations x {args.turns} turns, "
             f"1500-token first prompt, +500 per turn), 4 simulated engines (1200 GPU blocks each), "
             "round robin over the replicas",
             "",
@@ -412,20 +501,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--time-scale", type=float, default=10.0)
     p.add_argument("--policies", nargs="+", default=["tier_cost", "approx_prefix"])
+    p.add_argument("--micro-requests", type=int, default=5000)
     p.add_argument("--json", help="also write all rows to this file")
     args = p.parse_args(argv)
     if args.quick:
         args.runs, args.seconds, args.conversations, args.turns = 1, 0.5, 3, 2
+        args.micro_requests = 200
         args.policies = args.policies[:1]
     with tempfile.TemporaryDirectory(prefix="kvroute-bench-replicas-") as tmp:
         workdir = Path(tmp)
         with RedisServer(workdir / "redis") as redis:
+            micro = bench_micro(redis, args)
             cost = bench_cost(workdir, redis, args)
             quality = bench_quality(workdir, redis, args)
-    text = report(cost, quality, args)
+    text = report(micro, cost, quality, args)
     print(text)
     if args.json:
-        Path(args.json).write_text(json.dumps({"cost": cost, "quality": quality}, indent=2))
+        Path(args.json).write_text(json.dumps({"micro": micro, "cost": cost, "quality": quality}, indent=2))
     return 0
 
 

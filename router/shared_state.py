@@ -5,9 +5,10 @@ fast-changing facts the events cannot tell live here (docs/deployment.md, "Repli
 - load: every replica writes its own in-flight requests and queued prefill tokens per engine into
   one hash ``<prefix>load:<replica>`` with a TTL the heartbeat renews, so a dead replica's
   reservations vanish on their own; one Lua script reads the sum of the other live replicas.
-- routed: one stream entry per routed request (engine, block keys), trimmed by age; every replica
-  tails it and feeds its speculation and approx_prefix's learned table, and a restarted replica
-  replays it to relearn what the others routed.
+- routed: one stream entry per routed request (engine, block keys) in the replica's own stream
+  ``<prefix>routed:<replica>``, trimmed by age; every replica tails the others' streams and feeds
+  its speculation and approx_prefix's learned table, and a restarted replica replays them to
+  relearn what the others routed.
 One awaited round trip per request (the read before the policy chooses); the writes go through a
 single writer task that batches whatever is pending into one pipeline, in order. When Redis is
 unreachable the replica routes on local knowledge, says so (``up`` False, /ready, metrics) and
@@ -115,7 +116,8 @@ class SharedState:
         self._writer: Any = None  # redis.asyncio.Redis with one connection, used by the writer task
         self._tail: Any = None  # blocking XREAD connection
         self._read_sha = ""
-        self._last_stream_id = "0-0"
+        #: Last entry id applied per other replica's routing stream.
+        self._stream_ids: dict[str, str] = {}
         self._wake = asyncio.Event()
         self._read_task: asyncio.Future[RemoteLoad] | None = None
         self._metrics(registry)
@@ -198,12 +200,12 @@ class SharedState:
         if self.up:
             # A clean exit takes its share out at once instead of waiting for the TTL.
             with contextlib.suppress(Exception):
-                await self._writer.delete(self._load_key)
-                await self._writer.zrem(self._registry_key, self.replica_id)
+                await asyncio.wait_for(self._writer.delete(self._load_key), self.timeout_s * 4)
+                await asyncio.wait_for(self._writer.zrem(self._registry_key, self.replica_id), self.timeout_s)
         for conn in (self._reader, self._writer, self._tail):
             if conn is not None:
                 with contextlib.suppress(Exception):
-                    await conn.aclose()
+                    await asyncio.wait_for(conn.aclose(), self.timeout_s * 4)
         self.up = False
         self.m_up.set(0)
 
@@ -217,7 +219,11 @@ class SharedState:
 
     @property
     def _stream_key(self) -> str:
-        return f"{self.prefix}routed"
+        return f"{self.prefix}routed:{self.replica_id}"
+
+    @property
+    def _streams_key(self) -> str:
+        return f"{self.prefix}routed-streams"
 
     def _set_down(self, op: str, exc: BaseException) -> None:
         self.m_errors.labels(op).inc()
@@ -348,6 +354,7 @@ class SharedState:
                 continue  # the rewrite after recovery restores our share
             pipe = self._writer.pipeline(transaction=False)
             now_ms = int(time.time() * 1000)
+            routed = False
             for op in ops:
                 kind = op[0]
                 if kind == "reserve":
@@ -358,10 +365,11 @@ class SharedState:
                     _, engine_id, keys = op
                     pipe.xadd(
                         self._stream_key,
-                        {"e": engine_id, "k": keys, "r": self.replica_id},
+                        {"e": engine_id, "k": keys},
                         minid=now_ms - int(self.retention_s * 1000),
                         approximate=True,
                     )
+                    routed = True
                 elif kind == "add":
                     pipe.hincrby(self._load_key, op[1], op[2])
                 elif kind == "rewrite":
@@ -370,6 +378,10 @@ class SharedState:
                         pipe.hset(self._load_key, mapping=op[1])
                     pipe.zadd(self._registry_key, {self.replica_id: now_ms})
             pipe.pexpire(self._load_key, int(self.ttl_s * 1000))
+            if routed:
+                # The stream outlives its replica by the retention (a restart relearns it).
+                pipe.pexpire(self._stream_key, int(self.retention_s * 1000))
+                pipe.zadd(self._streams_key, {self._stream_key: now_ms})
             try:
                 await asyncio.wait_for(pipe.execute(), self.timeout_s * 4)
             except Exception as exc:
@@ -383,15 +395,20 @@ class SharedState:
                 self._enqueue_rewrite()
                 with contextlib.suppress(Exception):
                     # Drop replicas whose heartbeat stopped (their load hash has expired too).
+                    now_ms = int(time.time() * 1000)
                     await self._writer.zremrangebyscore(
-                        self._registry_key, "-inf", int(time.time() * 1000) - 2 * int(self.ttl_s * 1000)
+                        self._registry_key, "-inf", now_ms - 2 * int(self.ttl_s * 1000)
+                    )
+                    await self._writer.zremrangebyscore(
+                        self._streams_key, "-inf", now_ms - int(self.retention_s * 1000)
                     )
             else:
                 await self._probe()
 
     async def _tail_loop(self) -> None:
-        """Apply the other replicas' routing records: first the retained history, then live."""
-        replayed = False
+        """Apply the other replicas' routing records: each stream from its oldest retained entry
+        (what a restarted replica relearns), then live. Every replica writes its own stream, so
+        none reads back its own records."""
         while True:
             if not self.up:
                 self._wake.clear()
@@ -399,37 +416,36 @@ class SharedState:
                     await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
                 continue
             try:
-                if not replayed:
-                    since_ms = int(time.time() * 1000) - int(self.retention_s * 1000)
-                    start = max(since_ms, 0)
-                    entries = await self._tail.xrange(self._stream_key, min=f"{start}-0", max="+")
-                    self._apply(entries)
-                    replayed = True
-                    if entries:
-                        log.info("shared state: relearned %d routing records of other replicas", len(entries))
+                since_ms = int(time.time() * 1000) - int(self.retention_s * 1000)
+                names = await self._tail.zrangebyscore(self._streams_key, since_ms, "+inf")
+                streams = {(n.decode() if isinstance(n, bytes) else str(n)): None for n in names}
+                streams.pop(self._stream_key, None)
+                if not streams:
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
                     continue
-                reply = await self._tail.xread(
-                    {self._stream_key: self._last_stream_id}, block=int(self.heartbeat_s * 1000), count=1000
-                )
+                wanted = {name: self._stream_ids.get(name, "0-0") for name in streams}
+                reply = await self._tail.xread(wanted, block=int(self.heartbeat_s * 1000), count=1000)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self._set_down("tail", exc)
                 continue
-            for _stream, entries in reply or ():
-                self._apply(entries)
+            for stream, entries in reply or ():
+                name = stream.decode() if isinstance(stream, bytes) else str(stream)
+                self._apply(name, entries)
 
-    def _apply(self, entries: Sequence[Any]) -> None:
+    def _apply(self, stream: str, entries: Sequence[Any]) -> None:
         now_ms = time.time() * 1000
         for entry_id, data in entries:
-            self._last_stream_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-            if data.get(b"r", b"").decode() == self.replica_id:
-                continue
+            last = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            self._stream_ids[stream] = last
+            age_s = max(0.0, (now_ms - int(last.split("-")[0])) / 1000)
             engine_id = data.get(b"e", b"").decode()
             keys = array.array("Q", data.get(b"k", b"")).tolist()
-            if not engine_id or not keys:
-                continue
-            age_s = max(0.0, (now_ms - int(self._last_stream_id.split("-")[0])) / 1000)
+            if not engine_id or not keys or age_s > self.retention_s:
+                continue  # MINID trimming is approximate: older entries may linger
             self.m_remote_routed.inc()
             for listener in self._listeners:
                 try:
