@@ -194,18 +194,19 @@ class SharedState:
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.timeout_s * 8)
         if self.up:
             # A clean exit takes its share out at once instead of waiting for the TTL.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._writer.delete(self._load_key), self.timeout_s * 4)
-                await asyncio.wait_for(self._writer.zrem(self._registry_key, self.replica_id), self.timeout_s)
+                async with asyncio.timeout(self.timeout_s * 4):
+                    await self._writer.delete(self._load_key)
+                    await self._writer.zrem(self._registry_key, self.replica_id)
         for conn in (self._reader, self._writer, self._tail):
             if conn is not None:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(conn.aclose(), self.timeout_s * 4)
+                    async with asyncio.timeout(self.timeout_s * 4):
+                        await conn.aclose()
         self.up = False
         self.m_up.set(0)
 
@@ -251,7 +252,8 @@ class SharedState:
                 if self._writer.connection is not None:
                     await self._writer.connection.disconnect()
         try:
-            await asyncio.wait_for(self._writer.ping(), self.timeout_s * 4)
+            async with asyncio.timeout(self.timeout_s * 4):
+                await self._writer.ping()
             self._read_sha = await self._writer.script_load(_READ_SCRIPT)
         except Exception as exc:
             self._set_down("probe", exc)
@@ -284,12 +286,10 @@ class SharedState:
         started_s = time.perf_counter()
         try:
             stale_ms = int(self.ttl_s * 1000)
-            raw = await asyncio.wait_for(
-                self._reader.evalsha(
+            async with asyncio.timeout(self.timeout_s):
+                raw = await self._reader.evalsha(
                     self._read_sha, 1, self._registry_key, self.prefix, self.replica_id, stale_ms
-                ),
-                self.timeout_s,
-            )
+                )
         except Exception as exc:
             self._set_down("read", exc)
             return self.remote
@@ -383,7 +383,8 @@ class SharedState:
                 pipe.pexpire(self._stream_key, int(self.retention_s * 1000))
                 pipe.zadd(self._streams_key, {self._stream_key: now_ms})
             try:
-                await asyncio.wait_for(pipe.execute(), self.timeout_s * 4)
+                async with asyncio.timeout(self.timeout_s * 4):
+                    await pipe.execute()
             except Exception as exc:
                 self._set_down("write", exc)
 
@@ -411,9 +412,7 @@ class SharedState:
         none reads back its own records."""
         while True:
             if not self.up:
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
+                await self._nap()
                 continue
             try:
                 since_ms = int(time.time() * 1000) - int(self.retention_s * 1000)
@@ -421,9 +420,7 @@ class SharedState:
                 streams = {(n.decode() if isinstance(n, bytes) else str(n)): None for n in names}
                 streams.pop(self._stream_key, None)
                 if not streams:
-                    self._wake.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
+                    await self._nap()
                     continue
                 wanted = {name: self._stream_ids.get(name, "0-0") for name in streams}
                 reply = await self._tail.xread(wanted, block=int(self.heartbeat_s * 1000), count=1000)
@@ -435,6 +432,13 @@ class SharedState:
             for stream, entries in reply or ():
                 name = stream.decode() if isinstance(stream, bytes) else str(stream)
                 self._apply(name, entries)
+
+    async def _nap(self) -> None:
+        """Wait one heartbeat, or less when Redis comes back (``_probe`` sets the event)."""
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.heartbeat_s):
+                await self._wake.wait()
 
     def _apply(self, stream: str, entries: Sequence[Any]) -> None:
         now_ms = time.time() * 1000

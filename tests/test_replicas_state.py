@@ -38,6 +38,8 @@ async def _until(check: Callable[[], Awaitable[Any]], what: str, timeout_s: floa
 
 def _state(url: str, replica: str, **kwargs: Any) -> SharedState:
     kwargs.setdefault("ttl_s", 1.0)
+    # Generous: these tests check behaviour, and the machine running them may be busy.
+    kwargs.setdefault("timeout_s", 1.0)
     return SharedState(url, cluster="t", replica_id=replica, **kwargs)
 
 
@@ -134,7 +136,7 @@ async def test_redis_outage_degrades_then_restart_restores_every_share(redis_ser
 
 async def test_unreachable_at_start_routes_locally_and_joins_later(tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "late")
-    state = _state(server.url, "late", timeout_s=0.1)
+    state = _state(server.url, "late", timeout_s=0.2)
     await state.start()
     try:
         assert not state.up and state.ready_detail()["ok"] is False
