@@ -1,8 +1,9 @@
 """What the router knows about each engine's load and health, and the task that polls engines.
 
-``LoadTracker`` is plain state (no I/O): in-flight requests and queued prefill tokens per engine
-(incremented when a request is sent, prefill part cleared at its first byte, decremented at finish),
-health flags and the models each engine serves; it produces the ``EngineView``s policies read.
+``LoadTracker`` is plain state (no I/O): health flags, drain and the models each engine serves, and
+the load ledger (``kvcore.core.InMemoryLoadLedger``: in-flight requests and queued prefill tokens,
+driven by the routing core's reserve / first token / finish); it produces the ``EngineView``s the
+core filters.
 ``EnginePoller`` is the async shell: it polls GET /health (and GET /v1/models once per engine).
 Scraped engine metrics (vllm:num_requests_waiting, ...) go into ``EngineState.scraped`` through
 ``LoadTracker.update_scraped``; the poller is the place to add that scrape.
@@ -19,6 +20,7 @@ from typing import Any
 
 import aiohttp
 
+from kvcore.core import InMemoryLoadLedger, LoadLedger
 from policies.base import EngineView
 from router.config import EngineConfig
 from router.metrics import RouterMetrics
@@ -30,8 +32,6 @@ log = logging.getLogger("kvroute.load")
 class EngineState:
     config: EngineConfig
     healthy: bool = True
-    in_flight: int = 0
-    queued_prefill_tokens: int = 0
     #: Model ids the engine serves (config model plus what GET /v1/models reported).
     models: set[str] = field(default_factory=set)
     #: The engine's own /v1/models entries, for the router's union.
@@ -42,24 +42,37 @@ class EngineState:
     last_error: str = ""
     #: Taken out of routing by POST /admin/engines/{id}/drain (health polls do not undo it).
     drained: bool = False
-
-
-@dataclass(slots=True)
-class LoadTicket:
-    """One request's share of an engine's load; ``LoadTracker`` methods on it are idempotent."""
-
-    engine_id: str
-    prompt_tokens: int
-    prefill_pending: bool = True
-    done: bool = False
+    #: Consecutive failed health polls (reset by a good one).
+    poll_failures: int = 0
+    #: Monotonic time of the engine's latest answer to a proxied request (0 = none yet).
+    last_answer_s: float = 0.0
+    #: Circuit breaker: consecutive failures (proxied requests and health polls) and the monotonic
+    #: time until which the engine is out of routing (0 = closed).
+    breaker_failures: int = 0
+    breaker_open_until_s: float = 0.0
+    #: Block size the engine reports in vllm:cache_config_info (wins over the configured one).
+    reported_block_size: int | None = None
 
 
 class LoadTracker:
     """In-flight accounting and health per engine; the source of the policies' ``EngineView``s."""
 
-    def __init__(self, engines: Sequence[EngineConfig], metrics: RouterMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engines: Sequence[EngineConfig],
+        metrics: RouterMetrics | None = None,
+        *,
+        ledger: LoadLedger | None = None,
+    ) -> None:
+        """``ledger``: where load is accounted (default: in this process; replicas share one)."""
         self._metrics = metrics
+        self.breaker_threshold, self.breaker_open_s = 3, 5.0  # configure_breaker sets the config's
+        self.ledger: LoadLedger = ledger or InMemoryLoadLedger(
+            [e.id for e in engines], on_change=metrics.set_in_flight if metrics else None
+        )
         self.engines: dict[str, EngineState] = {}
+        #: LoRA adapter id -> its base model, from the engines' GET /v1/models.
+        self.lora_adapters: dict[str, str] = {}
         for engine in engines:
             state = EngineState(config=engine)
             if engine.model:
@@ -68,31 +81,6 @@ class LoadTracker:
             if metrics:
                 metrics.engine_healthy.labels(engine.id).set(1)
                 metrics.in_flight.labels(engine.id).set(0)
-
-    # -- request accounting ------------------------------------------------------------------
-    def begin(self, engine_id: str, prompt_tokens: int) -> LoadTicket:
-        state = self.engines[engine_id]
-        state.in_flight += 1
-        state.queued_prefill_tokens += prompt_tokens
-        if self._metrics:
-            self._metrics.set_in_flight(engine_id, state.in_flight)
-        return LoadTicket(engine_id, prompt_tokens)
-
-    def first_byte(self, ticket: LoadTicket) -> None:
-        """The engine answered: its prefill of this prompt is over."""
-        if ticket.prefill_pending and not ticket.done:
-            ticket.prefill_pending = False
-            self.engines[ticket.engine_id].queued_prefill_tokens -= ticket.prompt_tokens
-
-    def end(self, ticket: LoadTicket) -> None:
-        if ticket.done:
-            return
-        self.first_byte(ticket)
-        ticket.done = True
-        state = self.engines[ticket.engine_id]
-        state.in_flight -= 1
-        if self._metrics:
-            self._metrics.set_in_flight(ticket.engine_id, state.in_flight)
 
     # -- health and models -------------------------------------------------------------------
     def set_health(self, engine_id: str, healthy: bool, reason: str = "") -> None:
@@ -109,11 +97,61 @@ class LoadTracker:
         if self._metrics:
             self._metrics.engine_healthy.labels(engine_id).set(1 if healthy else 0)
 
+    # -- circuit breaker -----------------------------------------------------------------------
+    def configure_breaker(self, failures: int, open_s: float) -> None:
+        self.breaker_threshold = failures
+        self.breaker_open_s = open_s
+
+    def record_failure(self, engine_id: str, reason: str, now_s: float | None = None) -> None:
+        """A failed exchange with the engine (refused, reset, no first byte in time, broken stream,
+        failed health poll): ``breaker_threshold`` in a row open the breaker for ``breaker_open_s``."""
+        state = self.engines[engine_id]
+        now_s = time.monotonic() if now_s is None else now_s
+        state.breaker_failures += 1
+        if state.breaker_failures >= self.breaker_threshold:
+            was_open = state.breaker_open_until_s > now_s
+            state.breaker_open_until_s = now_s + self.breaker_open_s
+            if not was_open:
+                log.warning(
+                    "engine %s: circuit breaker OPEN for %.1f s after %d failures in a row (last: %s)",
+                    engine_id,
+                    state.breaker_open_until_s - now_s,
+                    state.breaker_failures,
+                    reason,
+                )
+                if self._metrics:
+                    self._metrics.engine_healthy.labels(engine_id).set(0)
+
+    def record_success(self, engine_id: str) -> None:
+        """The engine answered: the breaker closes and the failure count restarts."""
+        state = self.engines[engine_id]
+        if state.breaker_open_until_s:
+            log.warning("engine %s: circuit breaker closed (the engine answered)", engine_id)
+            state.breaker_open_until_s = 0.0
+            if self._metrics:
+                self._metrics.engine_healthy.labels(engine_id).set(1 if state.healthy else 0)
+        state.breaker_failures = 0
+
+    @staticmethod
+    def breaker_open(state: EngineState, now_s: float) -> bool:
+        """Open: out of routing. After ``breaker_open_s`` requests may try it again (half-open);
+        the next failure reopens it at once, a success closes it."""
+        return state.breaker_open_until_s > now_s
+
     def set_models(self, engine_id: str, cards: list[dict[str, Any]]) -> None:
         state = self.engines[engine_id]
         state.model_cards = cards
         state.models_discovered = True
         state.models |= {str(c["id"]) for c in cards if isinstance(c, dict) and "id" in c}
+        # vLLM lists each LoRA adapter as its own model with "parent" = the base model; requests
+        # to it carry the adapter's name in their blocks' extra keys (kvcore.keys).
+        for card in cards:
+            if isinstance(card, dict) and card.get("parent") and "id" in card:
+                self.lora_adapters[str(card["id"])] = str(card["parent"])
+
+    def lora_name(self, model: str) -> str | None:
+        """The LoRA adapter name a request for ``model`` runs with (None: a base model)."""
+        return model if model in self.lora_adapters else None
 
     def update_scraped(self, engine_id: str, values: dict[str, float]) -> None:
         self.engines[engine_id].scraped.update(values)
@@ -138,31 +176,46 @@ class LoadTracker:
         return list(cards.values())
 
     # -- views for policies ------------------------------------------------------------------
+    def load(self, engine_id: str) -> tuple[int, int]:
+        """(in-flight requests, queued prefill tokens) from the ledger."""
+        return self.ledger.load(engine_id)
+
+    def drain(self, engine_id: str) -> None:
+        """Take an engine out of routing until undrained (in-flight requests finish normally)."""
+        self.engines[engine_id].drained = True
+
     def view(self, state: EngineState) -> EngineView:
         scraped = state.scraped
         running = scraped.get("num_requests_running")
         waiting = scraped.get("num_requests_waiting")
+        in_flight, queued = self.ledger.load(state.config.id)
         return EngineView(
             engine_id=state.config.id,
             url=state.config.url,
-            healthy=state.healthy,
-            in_flight=state.in_flight,
-            queued_prefill_tokens=state.queued_prefill_tokens,
+            # An open circuit breaker takes the engine out like a failed health check.
+            healthy=state.healthy
+            and not (state.breaker_open_until_s and state.breaker_open_until_s > time.monotonic()),
+            drained=state.drained,
+            models=frozenset(state.models),
+            in_flight=in_flight,
+            queued_prefill_tokens=queued,
             num_requests_running=None if running is None else int(running),
             num_requests_waiting=None if waiting is None else int(waiting),
             kv_cache_usage=scraped.get("kv_cache_usage_perc"),
-            block_size=state.config.block_size,
+            block_size=state.reported_block_size or state.config.block_size,
         )
 
-    def candidates(self, model: str) -> list[EngineView]:
-        """Healthy engines serving ``model``, in config order."""
+    def serving(self) -> list[EngineState]:
+        """Engines that take new requests: healthy, not drained, breaker closed (GET /ready counts)."""
+        now_s = time.monotonic()
         return [
-            self.view(s)
+            s
             for s in self.engines.values()
-            if s.healthy and not s.drained and self.serves(s, model)
+            if s.healthy and not s.drained and not self.breaker_open(s, now_s)
         ]
 
     def all_views(self) -> list[EngineView]:
+        """Every engine's view; the routing core's ``filter`` picks the candidates."""
         return [self.view(s) for s in self.engines.values()]
 
 
@@ -170,11 +223,20 @@ class EnginePoller:
     """Background task polling each engine's GET /health every ``interval_s`` (owner: the app)."""
 
     def __init__(
-        self, tracker: LoadTracker, session: aiohttp.ClientSession, *, interval_s: float, timeout_s: float
+        self,
+        tracker: LoadTracker,
+        session: aiohttp.ClientSession,
+        *,
+        interval_s: float,
+        timeout_s: float,
+        failures_before_unhealthy: int = 3,
+        answer_liveness_s: float = 10.0,
     ) -> None:
         self._tracker = tracker
         self._session = session
         self._interval_s = interval_s
+        self._failures_before_unhealthy = failures_before_unhealthy
+        self._answer_liveness_s = answer_liveness_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._task: asyncio.Task[None] | None = None
 
@@ -198,14 +260,36 @@ class EnginePoller:
             await asyncio.sleep(max(0.0, self._interval_s - (time.monotonic() - started_s)))
 
     async def poll_once(self, state: EngineState) -> None:
+        """One GET /health. A refused connection marks the engine unhealthy at once (nothing
+        listens); a slow or failing answer only after ``failures_before_unhealthy`` in a row, and
+        not while the engine answered a proxied request within ``answer_liveness_s`` (a busy
+        engine's /health can be slow while it serves fine)."""
         engine = state.config
+        refused = False
         try:
             async with self._session.get(f"{engine.url}/health", timeout=self._timeout) as resp:
                 await resp.read()
                 healthy, reason = resp.status == 200, f"GET /health returned {resp.status}"
+        except aiohttp.ClientConnectorError as exc:
+            healthy, reason, refused = False, f"GET /health failed: {exc}", True
         except (TimeoutError, aiohttp.ClientError) as exc:
             healthy, reason = False, f"GET /health failed: {type(exc).__name__}: {exc}"
-        self._tracker.set_health(engine.id, healthy, reason)
+        if healthy:
+            state.poll_failures = 0
+            self._tracker.set_health(engine.id, True)
+        else:
+            state.poll_failures += 1
+            answered_recently = time.monotonic() - state.last_answer_s < self._answer_liveness_s
+            if refused or (state.poll_failures >= self._failures_before_unhealthy and not answered_recently):
+                self._tracker.set_health(engine.id, False, f"{reason} ({state.poll_failures} in a row)")
+            elif state.healthy:
+                log.info(
+                    "engine %s: %s (%d in a row%s); still routed",
+                    engine.id,
+                    reason,
+                    state.poll_failures,
+                    ", answered requests recently" if answered_recently else "",
+                )
         if healthy and not state.models_discovered:
             await self._discover_models(state)
 

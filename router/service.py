@@ -1,8 +1,9 @@
 """Builds the running router from its configuration: ``build_router_app(config, config_path)``.
 
 Wires the prefix index, the KV-event manager, the tokenizer, the cost model, the experiments, the
-annotator (prompt -> block keys -> index matches), speculation, calibration and experiment
-observers, per-engine /metrics scrapers, the silent-event-source watchdog and the extra endpoints
+routing core (``kvcore.core.RoutingCore``: load, speculation, calibration, self-check, experiment
+recording), the annotator (prompt -> block keys -> index matches), the trace observer,
+per-engine /metrics scrapers, the silent-event-source watchdog and the extra endpoints
 (/v1/route/explain, /debug/index, /debug/costs, /v1/experiments, /admin/*) onto ``create_app``.
 """
 
@@ -10,31 +11,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
-import msgspec
 from fastapi import FastAPI, Request
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import JSONResponse, Response
 
 from kvcore import sim_tokenizer
+from kvcore.core import CoreConfig, InMemoryLoadLedger, RoutingCore
 from kvcore.index import PrefixIndex
 from kvcore.keys import block_keys, namespace_seed, request_extra_keys
-from policies.base import NO_MATCH, TIERS, RouteRequest
-from policies.costs import CostModel, PredictedParts
-from router.app import create_app
+from policies.base import TIERS
+from policies.costs import CostModel
+from router import openapi
+from router.app import create_app, error_response, request_id_of
 from router.config import ConfigError, EngineConfig, RouterConfig, load_config
 from router.errors import RouterError
-from router.events import EventBatch, EventManager, EventSource, debug_index_payload, explain_payload
+from router.events import (
+    EventManager,
+    EventSource,
+    debug_index_payload,
+    explain_payload,
+    sources_for_engine,
+)
 from router.experiments import Experiments
-from router.load import LoadTicket, LoadTracker
+from router.load import LoadTracker
 from router.metrics import RouterMetrics, create_metrics
 from router.routing import (
     CHAT,
@@ -43,14 +54,15 @@ from router.routing import (
     build_arm_selector,
     experiment_arms,
     needs_block_keys,
-    new_request_id,
-    parse_request,
 )
-from router.scrape import parse_engine_metrics
-from router.shared_state import SharedState, SharedStateAnnotator, SharedStateObserver
+from router.scrape import EngineMetrics, parse_engine_metrics
+from router.shared_state import SharedLoadLedger, SharedState, SharedStateAnnotator, SharedStateObserver
 from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer
 
 log = logging.getLogger("kvroute.service")
+
+#: Prompts longer than this are hashed into block keys in a worker thread, off the event loop.
+_INLINE_KEY_TOKENS = 8192
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -61,8 +73,9 @@ class HealthyEngineTokenizer:
 
     The aiohttp session is set by ``RouterServices.start`` (it lives on the event loop)."""
 
-    def __init__(self, tracker: LoadTracker) -> None:
+    def __init__(self, tracker: LoadTracker, *, cache_max_bytes: int) -> None:
         self._tracker = tracker
+        self.cache_max_bytes = cache_max_bytes
         self.session: aiohttp.ClientSession | None = None
         self._clients: dict[str, EngineChatTokenizer] = {}
 
@@ -74,13 +87,16 @@ class HealthyEngineTokenizer:
                 client = self._clients.get(state.config.id)
                 if client is None:
                     client = self._clients[state.config.id] = EngineChatTokenizer(
-                        self.session, state.config.url, model=state.config.model
+                        self.session,
+                        state.config.url,
+                        model=state.config.model,
+                        cache_max_bytes=self.cache_max_bytes // max(1, len(self._tracker.engines)),
                     )
                 return await client.chat_tokens(messages, model=model)
         raise RuntimeError(f"no healthy engine serving {model!r} to tokenise with")
 
     def cache_stats(self) -> dict[str, int]:
-        total = {"entries": 0, "hits": 0, "misses": 0}
+        total = {"entries": 0, "bytes": 0, "max_bytes": 0, "hits": 0, "misses": 0}
         for client in self._clients.values():
             for key, value in client.cache_stats().items():
                 total[key] = total.get(key, 0) + value
@@ -90,17 +106,18 @@ class HealthyEngineTokenizer:
 def build_tokenizer(config: RouterConfig, tracker: LoadTracker) -> Any:
     """The configured chat tokenizer, or None for backend "none"."""
     backend = config.tokenizer.backend
+    cache_max_bytes = config.tokenizer.cache_max_bytes
     if backend == "sim":
-        return SimChatTokenizer()
+        return SimChatTokenizer(cache_max_bytes=cache_max_bytes)
     if backend == "hf":
         if not config.tokenizer.path:
             raise ConfigError('tokenizer.backend "hf" needs tokenizer.path (a tokenizer directory)')
         try:
-            return HfChatTokenizer.from_dir(config.tokenizer.path)
+            return HfChatTokenizer.from_dir(config.tokenizer.path, cache_max_bytes=cache_max_bytes)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"tokenizer.path {config.tokenizer.path!r}: {exc}") from None
     if backend == "engine":
-        return HealthyEngineTokenizer(tracker)
+        return HealthyEngineTokenizer(tracker, cache_max_bytes=cache_max_bytes)
     return None
 
 
@@ -111,9 +128,16 @@ class IndexAnnotator:
     """Prompt -> token ids -> router block keys (engine block size, cache_salt) -> index matches."""
 
     def __init__(
-        self, config: RouterConfig, tokenizer: Any, index: PrefixIndex | None, *, namespace: int
+        self,
+        config: RouterConfig,
+        tokenizer: Any,
+        index: PrefixIndex | None,
+        *,
+        namespace: int,
+        lora_of: Callable[[str], str | None] | None = None,
     ) -> None:
         self._config = config
+        self._lora_of = lora_of
         self._tokenizer = tokenizer
         self._index = index
         self._namespace = namespace
@@ -148,102 +172,37 @@ class IndexAnnotator:
             return
         ctx.prompt_token_ids = tokens
         engines = ctx.fleet.engines if ctx.fleet is not None else ()
-        block_size = engines[0].block_size if engines else self._default_block_size
+        # Keys per block size: an engine's events are keyed in its own (reported) block size.
+        by_size: dict[int, list[str]] = {}
+        for view in engines:
+            by_size.setdefault(view.block_size, []).append(view.engine_id)
+        if not by_size:
+            by_size[self._default_block_size] = []
         salt = ctx.body.get("cache_salt")
-        n_blocks = len(tokens) // block_size
-        extra = request_extra_keys(n_blocks, cache_salt=salt if isinstance(salt, str) else None)
-        keys = block_keys(tokens, block_size, parent=self._namespace, extra_keys=extra)
+        lora = self._lora_of(request.model) if self._lora_of is not None else None
         request.prompt_tokens = len(tokens)
-        request.block_size = block_size
-        request.block_keys = keys
-        if self._index is not None and keys:
-            request.prefix_matches = self._index.match(
-                keys, [e.engine_id for e in engines], now=time.monotonic()
+        matches: dict[str, Any] = {}
+        for i, (block_size, engine_ids) in enumerate(by_size.items()):
+            n_blocks = len(tokens) // block_size
+            extra = request_extra_keys(
+                n_blocks, lora_name=lora, cache_salt=salt if isinstance(salt, str) else None
             )
-
-
-def hit_tokens_by_tier(request: RouteRequest, engine_id: str, cached_tokens: int | None) -> list[float]:
-    """The chosen engine's index match in tokens per tier, capped (cheapest tier first) by what
-    the engine reported as cached, else by prompt - 1 (the last token is always computed)."""
-    match = request.prefix_matches.get(engine_id, NO_MATCH)
-    cap = float(cached_tokens) if cached_tokens is not None else max(0.0, request.prompt_tokens - 1.0)
-    out = [0.0, 0.0, 0.0]
-    for tier in TIERS:
-        take = min(float(match.blocks_by_tier[tier] * request.block_size), cap - sum(out))
-        out[tier] = max(0.0, take)
-    return out
+            if len(tokens) > _INLINE_KEY_TOKENS:  # hashing a long prompt would stall every request
+                keys = await asyncio.to_thread(
+                    block_keys, tokens, block_size, parent=self._namespace, extra_keys=extra
+                )
+            else:
+                keys = block_keys(tokens, block_size, parent=self._namespace, extra_keys=extra)
+            if i == 0:  # speculation, trace and pricing use the first group's chain
+                request.block_size = block_size
+                request.block_keys = keys
+            if self._index is not None and keys:
+                matches.update(self._index.match(keys, engine_ids, now=time.monotonic()))
+        if self._index is not None:
+            request.prefix_matches = matches
 
 
 # ----------------------------------------------------------------------------- observers
-
-
-class SpeculationObserver:
-    """After routing, the prompt's blocks count as GPU entries of the chosen engine for ttl_s."""
-
-    def __init__(self, index: PrefixIndex, ttl_s: float) -> None:
-        self._index = index
-        self._ttl_s = ttl_s
-
-    def on_routed(self, ctx: RouteContext) -> None:
-        keys = ctx.route_request.block_keys
-        if keys and ctx.decision is not None:
-            self._index.speculate(ctx.decision.engine_id, keys, self._ttl_s, time.monotonic())
-
-    def on_first_byte(self, ctx: RouteContext) -> None:
-        return None
-
-    def on_finished(self, ctx: RouteContext) -> None:
-        return None
-
-
-class CalibrationObserver:
-    """Feeds finished requests to the cost model: tier_cost's predicted parts vs the observed TTFT
-    (which also runs the index self-check), or only the self-check for other policies."""
-
-    def __init__(self, costs: CostModel) -> None:
-        self._costs = costs
-
-    def on_routed(self, ctx: RouteContext) -> None:
-        return None
-
-    def on_first_byte(self, ctx: RouteContext) -> None:
-        return None
-
-    def on_finished(self, ctx: RouteContext) -> None:
-        if not ctx.ok or ctx.decision is None or not ctx.engine_id:
-            return
-        cached = ctx.cached_tokens
-        scores = ctx.decision.scores.get(ctx.engine_id, {})
-        ttft_s = ctx.ttft_s
-        if "prefill_tokens" in scores and ttft_s is not None:
-            parts = PredictedParts.from_scores(scores)
-            self._costs.observe(ctx.engine_id, parts, ttft_s, cached, time.monotonic())
-        elif cached is not None and ctx.route_request.block_keys:
-            predicted = sum(hit_tokens_by_tier(ctx.route_request, ctx.engine_id, None))
-            self._costs.selfcheck.observe(ctx.engine_id, predicted, cached)
-
-
-class ExperimentObserver:
-    """Records each finished request to its arm: TTFT, ok, hit tokens by tier, prompt tokens."""
-
-    def __init__(self, experiments: Experiments) -> None:
-        self._experiments = experiments
-
-    def on_routed(self, ctx: RouteContext) -> None:
-        return None
-
-    def on_first_byte(self, ctx: RouteContext) -> None:
-        return None
-
-    def on_finished(self, ctx: RouteContext) -> None:
-        if not ctx.arm or ctx.http_status == 499:  # the client left: says nothing about the arm
-            return
-        usage = ctx.usage or {}
-        prompt_tokens = usage.get("prompt_tokens")
-        if not isinstance(prompt_tokens, int):
-            prompt_tokens = ctx.route_request.prompt_tokens
-        hits = hit_tokens_by_tier(ctx.route_request, ctx.engine_id, ctx.cached_tokens) if ctx.ok else []
-        self._experiments.record(ctx.arm, ctx.ttft_s, ctx.ok, hits or (0.0, 0.0, 0.0), float(prompt_tokens))
 
 
 class TraceObserver:
@@ -285,10 +244,41 @@ class TraceObserver:
 # ----------------------------------------------------------------------------- services
 
 
+class TrafficCounter:
+    """Observer counting requests routed to each engine (the silent-source rule needs how many
+    requests an engine's prefix-cache counters moved for). No start/stop: only the services
+    object is a lifespan component, so exactly one EventManager exists."""
+
+    def __init__(self) -> None:
+        self.routed: dict[str, int] = {}
+
+    def on_routed(self, ctx: RouteContext) -> None:
+        if ctx.decision is not None:
+            engine_id = ctx.decision.engine_id
+            self.routed[engine_id] = self.routed.get(engine_id, 0) + 1
+
+    def on_first_byte(self, ctx: RouteContext) -> None:
+        return None
+
+    def on_finished(self, ctx: RouteContext) -> None:
+        return None
+
+
+@dataclass(slots=True)
+class _CounterSample:
+    """One scrape's figures the silent-source rule compares with the next one."""
+
+    at_s: float
+    missed_tokens: float
+    routed: int
+    in_flight: int
+    engine_requests: float | None
+
+
 class RouterServices:
     """The background parts of a router, started and stopped by the app's lifespan: the HTTP
-    session for discovery/scrapes/tokenize, the EventManager, one /metrics scraper per engine, the
-    silent-source watchdog and the SIGHUP handler. Also an observer (traffic per engine)."""
+    session for discovery/scrapes/tokenize, the one EventManager, one /metrics scraper per engine,
+    the silent-source watchdog and the SIGHUP handler. ``traffic`` is its routing observer."""
 
     def __init__(
         self,
@@ -302,9 +292,13 @@ class RouterServices:
         experiments: Experiments,
         tokenizer: Any,
         install_sighup: bool = False,
+        reload_config: Callable[[], RouterConfig] | None = None,
     ) -> None:
+        """``reload_config``: re-reads every layer the router started with (file, env, command
+        line, fleet file); default: the file at ``config_path`` alone."""
         self.config = config
         self.config_path = config_path
+        self.reload_config = reload_config
         self.tracker = tracker
         self.metrics = metrics
         self.index = index
@@ -316,15 +310,26 @@ class RouterServices:
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._sighup_installed = False
-        #: Engine id -> monotonic time of its first finished request not yet followed by a KV-event
-        #: batch: the watchdog reports it silent once that is older than events.silent_after_s.
-        self._unconfirmed_since: dict[str, float] = {}
+        self.traffic = TrafficCounter()
+        self._started = False
+        #: Engine id -> its previous scrape's counters, and -> (monotonic time from which the
+        #: engine must have published, what proves it): set when its prefix-cache counters moved
+        #: more than requests without new blocks can explain.
+        self._counters: dict[str, _CounterSample] = {}
+        self._evidence: dict[str, tuple[float, str]] = {}
         self._silent: dict[str, str] = {}
         self.scrape_errors: dict[str, str] = {}
+        #: Engine id -> why its configured block size was overridden by the one it reports.
+        self.block_size_mismatch: dict[str, str] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self._started:
+            # Two starts would mean two EventManagers: two SUB sockets per engine, every batch
+            # applied twice, a second bind failing with "Address already in use".
+            raise RuntimeError("RouterServices.start() called twice")
+        self._started = True
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0))
         if isinstance(self.tokenizer, HealthyEngineTokenizer):
             self.tokenizer.session = self.session
@@ -337,7 +342,6 @@ class RouterServices:
                 http_session=self.session,
                 silent_after_s=self.config.events.silent_after_s,
                 replay_timeout_s=self.config.events.replay_timeout_s,
-                on_batch=self._on_batch,
             )
             await self.manager.start()
             self._tasks.append(asyncio.create_task(self._watchdog(), name="kvroute-events-watchdog"))
@@ -368,44 +372,71 @@ class RouterServices:
             await self.session.close()
             self.session = None
 
-    # -- observer: traffic per engine, for the silent-source check ------------------------------
-
-    def on_routed(self, ctx: RouteContext) -> None:
-        return None
-
-    def on_first_byte(self, ctx: RouteContext) -> None:
-        return None
-
-    def on_finished(self, ctx: RouteContext) -> None:
-        if ctx.ok and ctx.engine_id:
-            self._unconfirmed_since.setdefault(ctx.engine_id, time.monotonic())
-
-    def _on_batch(self, source: EventSource, batch: EventBatch) -> None:
-        self._unconfirmed_since.pop(source.engine_id, None)
-
     # -- silent sources -------------------------------------------------------------------------
 
+    def _note_counters(self, engine: EngineConfig, parsed: EngineMetrics) -> None:
+        """Compare the engine's prefix-cache counters with its previous scrape. A request that
+        stores no new full block misses at most one block of tokens (a partial last block, or the
+        recomputed last block of a fully cached prompt), so more missed tokens than block_size x
+        requests prove that the engine stored blocks and must have published BlockStored.
+        Short answers, repeated prompts, prompts under one block and rejected requests prove
+        nothing (they were the false alarms of the old "no event for a while" rule)."""
+        queries, hits = parsed.prefix_cache_queries_total, parsed.prefix_cache_hits_total
+        if queries is None or hits is None:
+            return
+        now = time.monotonic()
+        in_flight, _queued = self.tracker.ledger.load(engine.id)
+        sample = _CounterSample(
+            at_s=now,
+            missed_tokens=queries - hits,
+            routed=self.traffic.routed.get(engine.id, 0),
+            in_flight=int(in_flight),
+            engine_requests=parsed.request_success_total,
+        )
+        prev = self._counters.get(engine.id)
+        self._counters[engine.id] = sample
+        if prev is None or sample.missed_tokens < prev.missed_tokens:
+            return  # first look, or the engine restarted (counters reset)
+        requests = sample.routed - prev.routed + prev.in_flight
+        if sample.engine_requests is not None and prev.engine_requests is not None:
+            requests = max(requests, int(sample.engine_requests - prev.engine_requests) + prev.in_flight)
+        if requests <= 0:
+            return  # traffic the router did not see and the engine does not count: no evidence
+        missed = sample.missed_tokens - prev.missed_tokens
+        if missed > engine.block_size * requests and engine.id not in self._evidence:
+            self._evidence[engine.id] = (
+                prev.at_s,
+                f"its prefix-cache counters show {missed:.0f} newly computed prompt tokens over "
+                f"{requests} request(s) (more than {engine.block_size} per request: new blocks were "
+                "cached)",
+            )
+
     def silent_engines(self) -> dict[str, str]:
-        """Engine id -> why it is reported: traffic went there but no KV event came back."""
+        """Engine id -> why it is reported: the engine's own counters prove it cached new blocks,
+        but no KV-event batch arrived for events.silent_after_s after that."""
         if self.manager is None:
             return {}
         now = time.monotonic()
         limit_s = self.config.events.silent_after_s
         with_source = {h.source.engine_id for h in self.manager.source_health().values()}
         out: dict[str, str] = {}
-        for engine_id, since in self._unconfirmed_since.items():
+        for engine_id, (since, proof) in list(self._evidence.items()):
+            last_batch = self.manager.last_batch_at(engine_id)
+            if last_batch is not None and last_batch >= since:
+                del self._evidence[engine_id]  # the events came: no alarm
+                continue
             waited_s = now - since
             if waited_s <= limit_s:
                 continue
             if engine_id in with_source:
                 out[engine_id] = (
-                    f"served traffic but its KV-event source published nothing for {waited_s:.1f} s "
+                    f"{proof}, but its KV-event source published nothing for {waited_s:.1f} s "
                     f"(events.silent_after_s = {limit_s:g}); check kv_events_endpoint and the engine's "
                     "--kv-events-config"
                 )
             else:
                 out[engine_id] = (
-                    "served traffic but has no KV-event source (no kv_events_endpoint configured and "
+                    f"{proof}, but it has no KV-event source (no kv_events_endpoint configured and "
                     "discovery found none); its cache is invisible to the index"
                 )
         return out
@@ -440,6 +471,7 @@ class RouterServices:
         }
         return {
             "ok": not silent and not problems and not health["discovery_errors"],
+            "block_size_mismatch": dict(self.block_size_mismatch),
             "silent_engines": silent,
             "source_problems": problems,
             "discovery_errors": health["discovery_errors"],
@@ -479,6 +511,8 @@ class RouterServices:
             self.scrape_errors[engine.id] = f"{type(exc).__name__}: {exc}"
             return
         self.scrape_errors.pop(engine.id, None)
+        self._check_block_size(engine, parsed.block_size)
+        self._note_counters(engine, parsed)
         values = {
             name: value
             for name, value in (
@@ -493,6 +527,24 @@ class RouterServices:
             engine.id, parsed.offload_load_bytes_by_tier, parsed.offload_load_time_s_by_tier, time.monotonic()
         )
 
+    def _check_block_size(self, engine: EngineConfig, reported: int | None) -> None:
+        """The engine's real block size (vllm:cache_config_info) wins over the configured one:
+        keys in the wrong block size would match nothing, silently."""
+        if reported is None or reported <= 0:
+            return
+        state = self.tracker.engines[engine.id]
+        if state.reported_block_size == reported:
+            return
+        state.reported_block_size = reported
+        if reported != engine.block_size:
+            self.block_size_mismatch[engine.id] = (
+                f"engine reports block_size {reported} (vllm:cache_config_info) but its config says "
+                f"{engine.block_size}; prefix keys use {reported}: fix engines[].block_size"
+            )
+            log.error("engine %s: %s", engine.id, self.block_size_mismatch[engine.id])
+        else:
+            self.block_size_mismatch.pop(engine.id, None)
+
     # -- reload ---------------------------------------------------------------------------------
 
     def reload(self) -> dict[str, Any]:
@@ -504,7 +556,7 @@ class RouterServices:
                 code="no_config_file",
             )
         try:
-            new_config = load_config(self.config_path)
+            new_config = self.reload_config() if self.reload_config else load_config(self.config_path)
         except ConfigError as exc:
             raise RouterError(400, f"reload failed, old config kept: {exc}", code="invalid_config") from None
         self.experiments.reload(experiment_arms(new_config))
@@ -597,13 +649,14 @@ def event_sources(
     to_discover: dict[str, str] = {}
     for engine in engines:
         if engine.kv_events_endpoint:
-            sources.append(
-                EventSource(
-                    engine.id,
-                    engine.kv_events_endpoint,
-                    engine.kv_replay_endpoint or None,
-                    topic=engine.kv_events_topic,
-                )
+            sources += sources_for_engine(
+                engine.id,
+                urlsplit(engine.url).hostname or "127.0.0.1",
+                engine.kv_events_endpoint,
+                engine.kv_replay_endpoint or None,
+                topic=engine.kv_events_topic,
+                data_parallel_size=engine.data_parallel_size,
+                bind={"auto": None, "bind": True, "connect": False}[engine.kv_events_mode],
             )
         elif discover:
             to_discover[engine.id] = engine.url
@@ -620,36 +673,6 @@ def build_index(config: RouterConfig) -> PrefixIndex | None:
         engine_storage_pool={e.id: e.storage_pool for e in config.engines if e.storage_pool},
         namespace=namespace_seed(config.tokenizer.namespace),
     )
-
-
-class SharedLoadTracker(LoadTracker):
-    """Pre-ledger wiring: this replica's accounting plus the other replicas' load."""
-
-    shared: SharedState
-
-    def begin(self, engine_id: str, prompt_tokens: int) -> LoadTicket:
-        ticket = super().begin(engine_id, prompt_tokens)
-        self.shared.reserve(engine_id, prompt_tokens)
-        return ticket
-
-    def first_byte(self, ticket: LoadTicket) -> None:
-        if ticket.prefill_pending and not ticket.done:
-            self.shared.first_byte(ticket.engine_id, ticket.prompt_tokens)
-        super().first_byte(ticket)
-
-    def end(self, ticket: LoadTicket) -> None:
-        if not ticket.done:
-            if ticket.prefill_pending:
-                self.shared.first_byte(ticket.engine_id, ticket.prompt_tokens)
-            self.shared.end(ticket.engine_id)
-        super().end(ticket)
-
-    def view(self, state: Any) -> Any:
-        view = super().view(state)
-        remote = self.shared.remote
-        view.in_flight += remote.in_flight.get(view.engine_id, 0)
-        view.queued_prefill_tokens += remote.queued_prefill_tokens.get(view.engine_id, 0)
-        return view
 
 
 def build_shared_state(config: RouterConfig, metrics: RouterMetrics) -> SharedState | None:
@@ -669,30 +692,37 @@ def build_shared_state(config: RouterConfig, metrics: RouterMetrics) -> SharedSt
 
 
 def build_router_app(
-    config: RouterConfig, config_path: str | Path | None = None, *, install_sighup: bool = False
+    config: RouterConfig,
+    config_path: str | Path | None = None,
+    *,
+    install_sighup: bool = False,
+    reload_config: Callable[[], RouterConfig] | None = None,
 ) -> FastAPI:
-    """The full router used by ``kvroute serve``; ``config_path`` is what /admin/reload re-reads."""
+    """The full router used by ``kvroute serve``. /admin/reload and SIGHUP call ``reload_config``
+    (``kvroute serve`` passes one that re-applies the environment and its command-line flags
+    over the re-read file), else re-read ``config_path`` alone."""
     metrics = create_metrics()
     shared = build_shared_state(config, metrics)
-    if shared is None:
-        tracker = LoadTracker(config.engines, metrics)
-    else:
-        tracker = SharedLoadTracker(config.engines, metrics)
-        tracker.shared = shared
+    ledger = None
+    if shared is not None:
+        # This replica's own accounting (its in-flight gauge) plus the other replicas' load.
+        local = InMemoryLoadLedger([e.id for e in config.engines], on_change=metrics.set_in_flight)
+        ledger = SharedLoadLedger(local, shared)
+    tracker = LoadTracker(config.engines, metrics, ledger=ledger)
     index = build_index(config)
     try:
         costs = CostModel.from_config(config.costs.priors)
     except ValueError as exc:
         raise ConfigError(f"costs.priors: {exc}") from None
     experiments = build_arm_selector(config)
+    experiments.bound_sessions(config.limits.session_map_bytes)
     tokenizer = build_tokenizer(config, tracker)
     for arm in experiments.arms:
         if needs_block_keys(arm.policy) and tokenizer is None:
-            log.warning(
-                'arm %s: policy %s needs prompt block keys but tokenizer.backend is "none"; chat '
-                "requests get no keys (set tokenizer.backend to sim, hf or engine)",
-                arm.name,
-                arm.policy.name,
+            # Without keys such a policy would silently fall back to its load tiebreak.
+            raise ConfigError(
+                f"experiment arm {arm.name!r}: policy {arm.policy.name!r} needs prompt block keys but "
+                'tokenizer.backend is "none"; set tokenizer.backend to "sim", "hf" or "engine"'
             )
     services = RouterServices(
         config,
@@ -704,13 +734,29 @@ def build_router_app(
         experiments=experiments,
         tokenizer=tokenizer,
         install_sighup=install_sighup,
+        reload_config=reload_config,
     )
     metrics.add_collector(services.collect)
     annotator: Any = IndexAnnotator(
-        config, tokenizer, index, namespace=namespace_seed(config.tokenizer.namespace)
+        config,
+        tokenizer,
+        index,
+        namespace=namespace_seed(config.tokenizer.namespace),
+        lora_of=tracker.lora_name,
     )
-    observers: list[Any] = [services, CalibrationObserver(costs), ExperimentObserver(experiments)]
+    core = RoutingCore(
+        ledger=tracker.ledger,
+        costs=costs,
+        index=index,
+        config=CoreConfig(speculation_ttl_s=config.index.speculation_ttl_s if index is not None else 0.0),
+        recorder=experiments,
+        index_trusted=services.index_trusted,
+    )
+    # The services object is the lifespan component (event_manager=) only; listing it among the
+    # observers too made the app start it twice: two EventManagers per router.
+    observers: list[Any] = [services.traffic]
     if shared is not None:
+        # The read of the other replicas' load is the last await before the choice.
         annotator = SharedStateAnnotator(annotator, shared)
         observers.append(
             SharedStateObserver(
@@ -721,8 +767,6 @@ def build_router_app(
                 policies=lambda: [arm.policy for arm in experiments.arms],
             )
         )
-    if index is not None and config.index.speculation_ttl_s > 0:
-        observers.append(SpeculationObserver(index, config.index.speculation_ttl_s))
     if config.trace.path:
         observers.append(
             TraceObserver(config.trace.path, config.engines[0].block_size, config.trace.block_tokens)
@@ -737,8 +781,7 @@ def build_router_app(
         tokenizer=None,
         annotator=annotator,
         observers=observers,
-        costs=costs,
-        index_trusted=services.index_trusted,
+        core=core,
     )
     app.state.index = index
     app.state.tokenizer = tokenizer
@@ -746,40 +789,27 @@ def build_router_app(
     app.state.shared_state = shared
     app.state.costs = costs
     app.state.experiments = experiments
+    app.state.core = core
     _add_endpoints(app, config, services)
     return app
-
-
-def _json_error(err: RouterError, request_id: str = "") -> Response:
-    headers = {"x-request-id": request_id} if request_id else None
-    return Response(err.body(), status_code=err.status, media_type="application/json", headers=headers)
 
 
 def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices) -> None:
     router = app.state.router
 
-    @app.post("/v1/route/explain")
+    @app.post("/v1/route/explain", openapi_extra=openapi.operation(openapi.EXPLAIN_BODY))
     async def explain(request: Request) -> Response:
         """Where a chat or completion body would go and why; nothing is sent upstream."""
-        request_id = request.headers.get("x-request-id") or new_request_id()
+        request_id = request_id_of(request.headers)
+        reader = app.state.reader
         try:
-            raw = await request.body()
-            try:
-                doc = msgspec.json.decode(raw)
-            except msgspec.DecodeError:
-                doc = None  # parse_request answers with the 400
-            endpoint = CHAT if isinstance(doc, dict) and "messages" in doc else COMPLETIONS
-            ctx = parse_request(
-                endpoint,
-                raw,
-                request.headers,
-                request_id=request_id,
-                started_s=time.monotonic(),
-                config=config,
-            )
+            # The same door as the chat path: content type, size and time limits, validation.
+            raw = await reader.body(request)
+            endpoint = CHAT if b'"messages"' in raw else COMPLETIONS
+            ctx = reader.parse(endpoint, raw, request, request_id)
             arm, decision = await router.decide(ctx)
         except RouterError as err:
-            return _json_error(err, request_id)
+            return error_response(err, request_id)
         body = explain_payload(ctx.route_request, ctx.fleet, decision, arm.policy.name)
         body["arm"] = arm.name
         body["session_key"] = ctx.route_request.session_key
@@ -795,54 +825,53 @@ def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices)
     async def debug_costs() -> Response:
         body = services.costs.snapshot()
         body["scrape_errors"] = dict(services.scrape_errors)
+        body["block_size_mismatch"] = dict(services.block_size_mismatch)
+        body["core"] = dataclasses.asdict(router.core.counters)
         return JSONResponse(body)
 
     @app.get("/v1/experiments")
     async def experiments_report() -> Response:
-        return JSONResponse(services.experiments.report())
+        # The bootstrap is CPU work (numpy): copy on the loop, compute in a thread.
+        snapshot = services.experiments.snapshot()
+        return JSONResponse(await asyncio.to_thread(services.experiments.report, snapshot))
 
-    def check_admin(request: Request) -> None:
-        token = config.admin.token
-        if not token:
-            raise RouterError(
-                404,
-                "admin endpoints are disabled; set admin.token to enable them",
-                type="not_found_error",
-                code="admin_disabled",
-            )
-        header = request.headers.get("authorization", "")
-        if not header.lower().startswith("bearer "):
-            raise RouterError(
-                401,
-                "missing 'Authorization: Bearer <admin.token>' header",
-                type="authentication_error",
-                code="missing_admin_token",
-            )
-        if header[7:].strip() != token:
-            raise RouterError(403, "wrong admin token", type="permission_error", code="invalid_admin_token")
+    # /admin/* is authenticated by router.guard (admin.token, constant-time, failures rate-limited).
 
     @app.post("/admin/reload")
     async def admin_reload(request: Request) -> Response:
         try:
-            check_admin(request)
             return JSONResponse(services.reload())
         except RouterError as err:
-            return _json_error(err)
+            return error_response(err)
+
+    def engine_state(engine_id: str) -> Any:
+        state = services.tracker.engines.get(engine_id)
+        if state is None:
+            raise RouterError(
+                404,
+                f"unknown engine {engine_id!r}; engines: {', '.join(services.tracker.engines)}",
+                type="not_found_error",
+                code="engine_not_found",
+            )
+        return state
 
     @app.post("/admin/engines/{engine_id}/drain")
     async def admin_drain(engine_id: str, request: Request) -> Response:
-        """Take an engine out of routing until restart; in-flight requests finish normally."""
+        """Take an engine out of routing until undrained; in-flight requests finish normally."""
         try:
-            check_admin(request)
-            if engine_id not in services.tracker.engines:
-                raise RouterError(
-                    404,
-                    f"unknown engine {engine_id!r}; engines: {', '.join(services.tracker.engines)}",
-                    type="not_found_error",
-                    code="engine_not_found",
-                )
+            engine_state(engine_id)
         except RouterError as err:
-            return _json_error(err)
-        services.tracker.engines[engine_id].drained = True
+            return error_response(err)
+        services.tracker.drain(engine_id)
         log.warning("engine %s drained by admin: no new requests go there", engine_id)
         return JSONResponse({"drained": engine_id})
+
+    @app.post("/admin/engines/{engine_id}/undrain")
+    async def admin_undrain(engine_id: str, request: Request) -> Response:
+        """Put a drained engine back into routing (health checks still apply)."""
+        try:
+            engine_state(engine_id).drained = False
+        except RouterError as err:
+            return error_response(err)
+        log.warning("engine %s undrained by admin: it takes new requests again", engine_id)
+        return JSONResponse({"undrained": engine_id})
