@@ -1,6 +1,7 @@
 # kvroute: the two set-up commands are `make demo` and `make test`; both build .venv themselves.
 # Each target installs only what it needs, one stamp per set of extras: `make demo` the package
-# alone, `make test` and `make bench` add [test,plots], `make lint` adds [dev], `make load` [load].
+# alone; `make test`, `make validate` and `make bench` add [test,plots,load,scale] (the suite
+# covers plots, the locustfile and redis replicas); `make lint` adds [dev]; `make load` [load].
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,20 +9,20 @@ PY := $(VENV)/bin/python
 # it is not a deprecation and says nothing about this project, so it is filtered by its text.
 PIP_INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test lint bench load fmt clean
+.PHONY: demo test lint validate bench load fmt clean
 
-$(VENV)/.core: pyproject.toml
+$(VENV)/.core: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) --upgrade pip  # the bundled pip resolves from the index about twice as slowly
 	$(PIP_INSTALL) -e .
 	touch $@
 
 $(VENV)/.test: $(VENV)/.core
-	$(PIP_INSTALL) -e '.[test,plots]'  # the suite checks the plots too
+	$(PIP_INSTALL) -e '.[test,plots,load,scale]'  # the suite checks plots, the locustfile, redis
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.test
-	$(PIP_INSTALL) -e '.[test,plots,dev]'
+	$(PIP_INSTALL) -e '.[test,plots,load,scale,dev]'
 	touch $@
 
 $(VENV)/.load: $(VENV)/.core
@@ -43,6 +44,13 @@ lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check kvcore router policies sim loadtest tests
 	$(VENV)/bin/ruff format --check kvcore router policies sim loadtest tests
 	$(VENV)/bin/mypy
+
+# compose.yaml, the Prometheus config and alert rules, and the Grafana dashboard's queries
+# (needs docker-compose and promtool: Debian packages docker-compose and prometheus; .ci/run installs them).
+validate: $(VENV)/.test
+	docker-compose -f compose.yaml config -q
+	promtool check config deploy/prometheus/prometheus.yml
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_deploy.py
 
 fmt: $(VENV)/.dev
 	$(VENV)/bin/ruff format kvcore router policies sim loadtest tests
