@@ -18,6 +18,7 @@ import msgspec
 
 from kvcore.index import PrefixIndex
 from kvcore.keys import block_keys
+from kvcore.stats import percentile, percentiles
 from router.events import BlockStored, decode_payload
 from sim.engine import placeholder_stored_event
 
@@ -150,8 +151,8 @@ def bench_match(
         wall_samples.append(time.perf_counter() - wall0)
     wall_samples.sort()
     cpu_samples.sort()
-    i99 = min(len(wall_samples) - 1, int(len(wall_samples) * 0.99))
-    p50, p99, cpu_p99 = statistics.median(wall_samples) * 1e3, wall_samples[i99] * 1e3, cpu_samples[i99] * 1e3
+    p50, p99 = (v * 1e3 for v in percentiles(wall_samples, (50, 99)))
+    cpu_p99 = percentile(cpu_samples, 99) * 1e3
     print(
         f"match: {prompt_blocks}-block prompt, {engines} engines, {len(index):,} keys "
         f"(built in {build_s:.1f} s): p50 {p50:.3f} ms, p99 {p99:.3f} ms (CPU p99 {cpu_p99:.3f} ms) "

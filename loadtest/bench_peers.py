@@ -192,10 +192,13 @@ def wait_routes(
 
 
 @contextlib.contextmanager
-def start_target(target: Target, engines: Sequence[Any], workdir: Path, peers_dir: Path) -> Iterator[str]:
-    """Start ``target`` in front of ``engines``; yield the URL to load; stop it on exit."""
+def start_target(
+    target: Target, engines: Sequence[Any], workdir: Path, peers_dir: Path
+) -> Iterator[tuple[str, int | None]]:
+    """Start ``target`` in front of ``engines``; yield (URL to load, its process group id); stop it
+    on exit."""
     if target.kind == "direct":
-        yield engines[0].url
+        yield engines[0].url, None
         return
     port = free_port()
     log_path = workdir / f"{target.spec.replace(':', '_').replace('+', '_')}.log"
@@ -221,9 +224,27 @@ def start_target(target: Target, engines: Sequence[Any], workdir: Path, peers_di
         except RuntimeError as exc:
             tail = log_path.read_text(errors="replace")[-1500:]
             raise RuntimeError(f"{target.spec}: {exc}\n--- log tail ---\n{tail}") from None
-        yield url
+        yield url, proc.pid
     finally:
         stop_process(proc)
+
+
+def group_cpu_s(pgid: int | None) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid`` (all threads, all
+    workers), from /proc: the cost of the router itself, whatever else the shared machine runs."""
+    if pgid is None:
+        return 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # After the ")": state ppid pgrp ... utime is field 14, stime 15 of the full line.
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
 
 
 # -- load: wrk -------------------------------------------------------------------------------------------
@@ -346,7 +367,7 @@ def run_matrix(m: Matrix, peers_dir: Path, workdir: Path) -> list[dict[str, Any]
                     continue
                 try:
                     ctx = start_target(target, engines, workdir, peers_dir)
-                    url = ctx.__enter__()
+                    url, pgid = ctx.__enter__()
                 except RuntimeError as exc:
                     m.unavailable[target.spec] = str(exc)
                     print(f"  {target.spec}: UNAVAILABLE: {exc}", file=sys.stderr, flush=True)
@@ -358,7 +379,11 @@ def run_matrix(m: Matrix, peers_dir: Path, workdir: Path) -> list[dict[str, Any]
                             if m.warmup_s > 0:
                                 run_wrk(url, body, 4, m.warmup_s, workdir)
                             for conc in m.concurrencies:
+                                cpu0 = group_cpu_s(pgid)
                                 point = run_wrk(url, body, conc, m.duration_s, workdir)
+                                cpu_s = group_cpu_s(pgid) - cpu0
+                                if pgid is not None and point["requests"]:
+                                    point["cpu_us_per_req"] = cpu_s / point["requests"] * 1e6
                                 point.update(
                                     target=target.spec,
                                     concurrency=conc,
@@ -401,7 +426,8 @@ def summarise(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
             target=target, prompt=prompt, stream=stream, concurrency=conc, repeats=len(ps),
             errors=sum(p["errors"] for p in ps),
         )  # fmt: skip
-        for key in ("rps", "p50_ms", "p99_ms", "added_p50_ms", "added_p99_ms", "rps_vs_direct"):
+        keys = ("rps", "p50_ms", "p99_ms", "added_p50_ms", "added_p99_ms", "rps_vs_direct", "cpu_us_per_req")
+        for key in keys:
             values = [p[key] for p in ps if key in p]
             row[key] = statistics.median(values) if values else float("nan")
             row[key + "_range"] = (min(values), max(values)) if values else (float("nan"),) * 2
@@ -412,9 +438,8 @@ def summarise(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def markdown(rows: list[dict[str, Any]], target_order: Sequence[str]) -> str:
     lines = [
         "| prompt | stream | conc. | target | req/s | x direct | p50 ms | p99 ms | added p50 ms "
-        "| added p99 ms "
-        "| errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| added p99 ms | router CPU µs/req | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def rng(r: dict[str, Any], key: str, digits: int) -> str:
@@ -435,7 +460,7 @@ def markdown(rows: list[dict[str, Any]], target_order: Sequence[str]) -> str:
             f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} "
             f"| {'-' if is_direct else rng(r, 'added_p50_ms', 2)} "
             f"| {'-' if is_direct else rng(r, 'added_p99_ms', 2)} "
-            f"| {r['errors']} |"
+            f"| {'-' if is_direct else format(r['cpu_us_per_req'], '.0f')} | {r['errors']} |"
         )
     return "\n".join(lines)
 

@@ -74,14 +74,18 @@ class Run:
     turns_per_s: float = 0.0
     prompt_tokens: float = 0.0
     cached: dict[str, float] | None = None
+    #: max / mean prompt tokens per engine (from the engines' prefix-cache query counters).
+    imbalance: float = float("nan")
     error: str = ""
 
 
-def scrape_cached_by_tier(engines: Sequence[FleetEngine]) -> tuple[dict[str, float], float]:
-    """(cached prompt tokens by tier, prompt tokens queried on GPU) summed over the engines' /metrics."""
+def scrape_cached_by_tier(engines: Sequence[FleetEngine]) -> tuple[dict[str, float], list[float]]:
+    """(cached prompt tokens by tier summed over the engines' /metrics, prompt tokens each engine was
+    asked to prefill: its prefix-cache queries)."""
     by_tier: dict[str, float] = {}
-    queried = 0.0
+    per_engine: list[float] = []
     for e in engines:
+        queried = 0.0
         text = httpx.get(e.url + "/metrics", timeout=10).text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -90,7 +94,8 @@ def scrape_cached_by_tier(engines: Sequence[FleetEngine]) -> tuple[dict[str, flo
                     by_tier[tier] = by_tier.get(tier, 0.0) + sample.value
                 elif sample.name == "vllm:prefix_cache_queries_total":
                     queried += sample.value
-    return by_tier, queried
+        per_engine.append(queried)
+    return by_tier, per_engine
 
 
 def locust_args(workload: str, think_mean_s: float) -> list[str]:
@@ -147,6 +152,7 @@ def one_run(
     spec: str,
     *,
     engines_n: int,
+    profile: FleetProfile,
     run_time_s: int,
     think_mean_s: float,
     peers_dir: Path,
@@ -156,7 +162,7 @@ def one_run(
     run = Run(workload, users, spec)
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-quality-"))
     with Fleet(workdir) as fleet:
-        engines = fleet.start(engines_n, QUALITY_PROFILE)
+        engines = fleet.start(engines_n, profile)
         proc = None
         try:
             if target.kind == "kvroute":
@@ -164,7 +170,7 @@ def one_run(
                 url = ctx.__enter__()
             else:
                 proc, url = start_peer(target, engines, workdir, peers_dir)
-            before, _ = scrape_cached_by_tier(engines)
+            before, queried_before = scrape_cached_by_tier(engines)
             prefix = str(out / "csv" / f"{workload}-u{users}-{spec.replace(':', '_')}")
             spawn = max(1.0, users / max(think_mean_s, 1.0))
             res = run_locust(
@@ -172,7 +178,9 @@ def one_run(
             )
             if res.returncode not in (0, 1):  # 1 = some requests failed: still a result
                 raise RuntimeError(f"locust exited {res.returncode}: {res.stderr[-800:]}")
-            after, _ = scrape_cached_by_tier(engines)
+            after, queried_after = scrape_cached_by_tier(engines)
+            loads = [a - b for a, b in zip(queried_after, queried_before, strict=True)]
+            run.imbalance = max(loads) / (sum(loads) / len(loads)) if sum(loads) else float("nan")
             rows = list(csv.DictReader(open(f"{prefix}_turns.csv")))
             overall = rows[-1]
             run.ttft_p50_s = float(overall["ttft_p50_ms"]) / 1000
@@ -198,14 +206,13 @@ def one_run(
 
 
 def des_ladder(
-    policy: str, users: int, run_time_s: int, think_mean_s: float, engines_n: int
+    policy: str, users: int, run_time_s: int, think_mean_s: float, engines_n: int, prof: FleetProfile
 ) -> dict[str, Any]:
     """The same ladder on the same fleet in the offline simulator (virtual time)."""
     from loadtest.workloads import LadderConfig, ladder_workload
     from sim.des import EngineSpec, FleetSpec, SimConfig, simulate
     from sim.engine import EngineProfile
 
-    prof: FleetProfile = QUALITY_PROFILE
     workload = ladder_workload(
         LadderConfig(
             first_prompt_tokens=LADDER["first"],
@@ -241,19 +248,19 @@ def des_ladder(
 def fmt_runs(runs: Sequence[Run]) -> str:
     lines = [
         "| workload | users | router | TTFT p50 s | p90 s | p99 s | turns/s | cached GPU | CPU | STORAGE "
-        "| cached / prompt | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cached / prompt | imbalance | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         if r.error:
-            lines.append(f"| {r.workload} | {r.users} | {r.target} | failed: {r.error} |||||||||")
+            lines.append(f"| {r.workload} | {r.users} | {r.target} | failed: {r.error} ||||||||||")
             continue
         c = r.cached or {}
         frac = sum(c.values()) / r.prompt_tokens if r.prompt_tokens else float("nan")
         lines.append(
             f"| {r.workload} | {r.users} | {r.target} | {r.ttft_p50_s:.3f} | {r.ttft_p90_s:.3f} "
             f"| {r.ttft_p99_s:.3f} | {r.turns_per_s:.2f} | {c.get('GPU', 0):.0f} | {c.get('CPU', 0):.0f} "
-            f"| {c.get('STORAGE', 0):.0f} | {frac:.3f} | {r.failures} |"
+            f"| {c.get('STORAGE', 0):.0f} | {frac:.3f} | {r.imbalance:.2f} | {r.failures} |"
         )
     return "\n".join(lines)
 
@@ -318,6 +325,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--time", type=int, default=60, help="seconds of Locust per run")
     parser.add_argument("--think-time-mean", type=float, default=2.0)
     parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument(
+        "--storage-blocks",
+        type=int,
+        default=QUALITY_PROFILE.storage_blocks,
+        help="shared STORAGE pool size in blocks (0 = no storage tier: misses are recomputed)",
+    )
     parser.add_argument("--des", action="store_true", help="also simulate kvroute's ladder rows (B1 live)")
     parser.add_argument("--peers-dir", type=Path, default=default_peers_dir())
     parser.add_argument("--out", type=Path, default=Path("runs/bench/quality"))
@@ -329,12 +342,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     plan = [("ladder", int(u)) for u in args.ladder_users.split(",") if u]
     plan += [("agentic", int(u)) for u in args.agentic_users.split(",") if u]
+    profile = replace(QUALITY_PROFILE, storage_blocks=args.storage_blocks)
     started = time.time()
     runs: list[Run] = []
     for workload, users in plan:
         for spec in targets:
             run = one_run(
-                workload, users, spec, engines_n=args.engines, run_time_s=args.time,
+                workload, users, spec, engines_n=args.engines, profile=profile, run_time_s=args.time,
                 think_mean_s=args.think_time_mean, peers_dir=args.peers_dir, out=args.out,
             )  # fmt: skip
             runs.append(run)
@@ -348,15 +362,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if spec.startswith("kvroute:"):
                     policy = spec.split(":", 1)[1]
                     des[(policy, users)] = des_ladder(
-                        policy, users, args.time, args.think_time_mean, args.engines
+                        policy, users, args.time, args.think_time_mean, args.engines, profile
                     )
     command = "python -m loadtest.bench_quality_live " + " ".join(sys.argv[1:] if argv is None else argv)
     parts = [
         f"Command: `{command}`",
         f"Machine: {machine_note()}; wall {time.time() - started:.0f} s.",
-        f"Fleet: {args.engines} simulated engines, GPU {QUALITY_PROFILE.gpu_blocks} x "
-        f"{QUALITY_PROFILE.block_size}-token blocks each, CPU {QUALITY_PROFILE.cpu_blocks}, shared STORAGE "
-        f"{QUALITY_PROFILE.storage_blocks}, sha256_cbor hashes, real time; fresh fleet per run. Ladder: "
+        f"Fleet: {args.engines} simulated engines, GPU {profile.gpu_blocks} x "
+        f"{profile.block_size}-token blocks each, CPU {profile.cpu_blocks}, shared STORAGE "
+        f"{profile.storage_blocks}, sha256_cbor hashes, real time; fresh fleet per run. Ladder: "
         f"{LADDER}, think time exp(mean {args.think_time_mean} s), {args.time} s of Locust per run. "
         "Cached tokens: the engines' own counters, summed over the fleet.",
         fmt_runs(runs),

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from policies.base import BasePolicy, Decision, FleetView, RouteRequest, register, require_engines
-from policies.tier_cost import tiebreak
+from policies.base import BasePolicy, Decision, FleetView, RouteRequest, register, require_engines, tiebreak
 
 
 @register("approx_prefix")
@@ -25,6 +24,8 @@ class ApproxPrefixPolicy(BasePolicy):
 
     name = "approx_prefix"
     uses_index = False
+    #: Learns from the prompt's block keys (its own memory, not the index): needs a tokenizer.
+    needs_block_keys = True
 
     def __init__(
         self,
@@ -129,6 +130,12 @@ class ApproxPrefixPolicy(BasePolicy):
             self._last_used.move_to_end(entry)
             self._holders.setdefault(key, set()).add(engine_id)
         self._evict(now)
+
+    def learn_routed(self, request: RouteRequest, decision: Decision, now: float) -> None:
+        """``on_routed`` for a decision made elsewhere (another router replica) at ``now``, on the
+        same monotonic clock as ``choose``: the entries age from then, not from an unset clock."""
+        self._now = max(self._now, now)
+        self.on_routed(request, decision)
 
     def forget_engine(self, engine_id: str) -> None:
         """Drop everything learned about an engine (removed, restarted or cache reset)."""

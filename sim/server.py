@@ -1138,6 +1138,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--hash-algo", choices=("sha256", "sha256_cbor"), default="sha256")
     p.add_argument("--self-describing-cpu-events", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile-overrides",
+        default=None,
+        help="JSON object of other EngineProfile fields, e.g. '{\"prefill_tokens_per_s\": 8000}'",
+    )
     p.add_argument("--lora-modules", nargs="*", default=(), help="LoRA adapter names served on the model")
     p.add_argument("--log-level", default="warning")
     return p
@@ -1163,6 +1168,7 @@ def config_from_args(args: argparse.Namespace) -> EngineServerConfig:
         hash_algo=args.hash_algo,
         self_describing_cpu_events=args.self_describing_cpu_events,
         seed=args.seed,
+        profile_overrides=json.loads(args.profile_overrides) if args.profile_overrides else {},
         lora_modules=tuple(args.lora_modules),
     )
 
