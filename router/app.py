@@ -403,6 +403,10 @@ def create_app(
         doc: dict[str, Any] = {"ready": healthy > 0, "healthy_engines": healthy, "engines": engines}
         if event_manager is not None and hasattr(event_manager, "ready_detail"):
             doc["events"] = event_manager.ready_detail()
+        shared = getattr(app.state, "shared_state", None)
+        if shared is not None:
+            # Redis away is a degraded mode (local knowledge), not unreadiness: requests still work.
+            doc["shared_state"] = shared.ready_detail()
         return JSONResponse(doc, status_code=200 if healthy else 503)
 
     @app.get("/metrics")

@@ -233,6 +233,25 @@ class TraceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     block_tokens: int = 512
 
 
+class SharedConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """State shared by router replicas through Redis (router/shared_state.py, docs/deployment.md)."""
+
+    #: e.g. "redis://redis:6379/0"; "" = this router shares nothing (one replica).
+    redis_url: str = ""
+    #: Key prefix: replicas of one fleet use the same name, other fleets another.
+    cluster: str = "kvroute"
+    #: This replica's id in Redis; "" = host name, pid and a random suffix.
+    replica_id: str = ""
+    #: A replica's load share expires this long after its last heartbeat (a crashed replica's
+    #: reservations vanish); heartbeats run every ttl_s / 4.
+    ttl_s: float = 10.0
+    #: Longest wait for Redis on the request path before routing on local knowledge.
+    timeout_s: float = 0.25
+    #: How long routing records (engine, block keys) stay in Redis for speculation, approx_prefix
+    #: and replicas that restart.
+    retention_s: float = 300.0
+
+
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Everything ``kvroute serve`` needs."""
 
@@ -250,6 +269,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     tenancy: TenancyConfig = msgspec.field(default_factory=TenancyConfig)
     trace: TraceConfig = msgspec.field(default_factory=TraceConfig)
+    shared: SharedConfig = msgspec.field(default_factory=SharedConfig)
     #: Fleet file whose engines are appended to ``engines``.
     fleet_file: str = ""
     log_level: str = "info"
@@ -269,6 +289,7 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "auth": AuthConfig,
     "tenancy": TenancyConfig,
     "trace": TraceConfig,
+    "shared": SharedConfig,
 }
 #: Keys whose env-var values are JSON (dicts and lists).
 _JSON_KEYS = ("params", "arms", "pools", "priors", "api_keys")
@@ -512,6 +533,14 @@ def _validate_index_events_costs(config: RouterConfig) -> None:
         CostModel.from_config(config.costs.priors)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"costs.priors: {exc}") from None
+    shared = config.shared
+    if shared.redis_url and urlsplit(shared.redis_url).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(
+            f"shared.redis_url {shared.redis_url!r} must be redis://host:port/db, rediss://... or unix://..."
+        )
+    for key in ("ttl_s", "timeout_s", "retention_s"):
+        if not getattr(shared, key) > 0:
+            raise ConfigError(f"shared.{key} must be positive, got {getattr(shared, key)}")
     if config.trace.block_tokens <= 0:
         raise ConfigError(f"trace.block_tokens must be positive, got {config.trace.block_tokens}")
     for i, engine in enumerate(config.engines):

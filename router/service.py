@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import JSONResponse, Response
 
 from kvcore import sim_tokenizer
-from kvcore.core import CoreConfig, RoutingCore
+from kvcore.core import CoreConfig, InMemoryLoadLedger, RoutingCore
 from kvcore.index import PrefixIndex
 from kvcore.keys import block_keys, namespace_seed, request_extra_keys
 from policies.base import TIERS
@@ -56,6 +56,7 @@ from router.routing import (
     needs_block_keys,
 )
 from router.scrape import EngineMetrics, parse_engine_metrics
+from router.shared_state import SharedLoadLedger, SharedState, SharedStateAnnotator, SharedStateObserver
 from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer
 
 log = logging.getLogger("kvroute.service")
@@ -617,7 +618,27 @@ class RouterServices:
             if math.isfinite(value):
                 gauge.add_metric(list(labels.values()), value)
         families.extend(grouped.values())
+        families.extend(prior_families(self.costs.snapshot()))
         return families
+
+
+def prior_families(snapshot: dict[str, Any]) -> list[GaugeMetricFamily]:
+    """The cost model's configured priors per engine, to plot next to the calibrated estimates."""
+    prefill = GaugeMetricFamily(
+        "kvroute_cost_prior_prefill_tokens_per_second", "Configured prefill-rate prior", labels=["engine"]
+    )
+    bandwidth = GaugeMetricFamily(
+        "kvroute_cost_prior_load_bandwidth_bytes_per_second",
+        "Configured tier load-bandwidth prior",
+        labels=["engine", "tier"],
+    )
+    for engine_id, row in sorted(snapshot.get("engines", {}).items()):
+        prior = row["prior"]
+        prefill.add_metric([engine_id], prior["prefill_tokens_per_s"])
+        for tier, values in prior["tiers"].items():
+            if values["bandwidth_bytes_per_s"] is not None:
+                bandwidth.add_metric([engine_id, tier.upper()], values["bandwidth_bytes_per_s"])
+    return [prefill, bandwidth]
 
 
 def event_sources(
@@ -654,6 +675,22 @@ def build_index(config: RouterConfig) -> PrefixIndex | None:
     )
 
 
+def build_shared_state(config: RouterConfig, metrics: RouterMetrics) -> SharedState | None:
+    """The replicas' shared state when ``shared.redis_url`` is set (else None: one replica)."""
+    shared = config.shared
+    if not shared.redis_url:
+        return None
+    return SharedState(
+        shared.redis_url,
+        cluster=shared.cluster,
+        replica_id=shared.replica_id,
+        ttl_s=shared.ttl_s,
+        timeout_s=shared.timeout_s,
+        retention_s=shared.retention_s,
+        registry=metrics.registry,
+    )
+
+
 def build_router_app(
     config: RouterConfig,
     config_path: str | Path | None = None,
@@ -665,7 +702,13 @@ def build_router_app(
     (``kvroute serve`` passes one that re-applies the environment and its command-line flags
     over the re-read file), else re-read ``config_path`` alone."""
     metrics = create_metrics()
-    tracker = LoadTracker(config.engines, metrics)
+    shared = build_shared_state(config, metrics)
+    ledger = None
+    if shared is not None:
+        # This replica's own accounting (its in-flight gauge) plus the other replicas' load.
+        local = InMemoryLoadLedger([e.id for e in config.engines], on_change=metrics.set_in_flight)
+        ledger = SharedLoadLedger(local, shared)
+    tracker = LoadTracker(config.engines, metrics, ledger=ledger)
     index = build_index(config)
     try:
         costs = CostModel.from_config(config.costs.priors)
@@ -694,7 +737,7 @@ def build_router_app(
         reload_config=reload_config,
     )
     metrics.add_collector(services.collect)
-    annotator = IndexAnnotator(
+    annotator: Any = IndexAnnotator(
         config,
         tokenizer,
         index,
@@ -712,6 +755,18 @@ def build_router_app(
     # The services object is the lifespan component (event_manager=) only; listing it among the
     # observers too made the app start it twice: two EventManagers per router.
     observers: list[Any] = [services.traffic]
+    if shared is not None:
+        # The read of the other replicas' load is the last await before the choice.
+        annotator = SharedStateAnnotator(annotator, shared)
+        observers.append(
+            SharedStateObserver(
+                shared,
+                engine_ids=[e.id for e in config.engines],
+                index=index,
+                speculation_ttl_s=config.index.speculation_ttl_s,
+                policies=lambda: [arm.policy for arm in experiments.arms],
+            )
+        )
     if config.trace.path:
         observers.append(
             TraceObserver(config.trace.path, config.engines[0].block_size, config.trace.block_tokens)
@@ -731,6 +786,7 @@ def build_router_app(
     app.state.index = index
     app.state.tokenizer = tokenizer
     app.state.services = services
+    app.state.shared_state = shared
     app.state.costs = costs
     app.state.experiments = experiments
     app.state.core = core
