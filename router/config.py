@@ -457,7 +457,12 @@ def validate(config: RouterConfig) -> RouterConfig:
         try:
             build_policy(name, params)
         except ValueError as exc:
-            raise ConfigError(f"{key}: {exc}") from None
+            # An unknown name is the policy key's fault, anything else its parameters'.
+            if name not in REGISTRY:
+                where = key
+            else:
+                where = "policy.params" if key == "policy" else key.removesuffix(".policy") + ".params"
+            raise ConfigError(f"{where}: {exc}") from None
         _refuse_blind(config, key, name, REGISTRY)
     return config
 

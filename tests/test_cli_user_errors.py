@@ -56,7 +56,9 @@ def test_bad_policy_parameter_lists_the_valid_ones() -> None:
     proc = kvroute(
         "serve", "--engine", ENGINE, "--tokenizer", "sim", "--policy", "tier_cost", "--policy-param", "wrok=1"
     )
-    assert_clean_refusal(proc, "policy 'tier_cost' has no parameter wrok", "work_weight (default 1.0)")
+    assert_clean_refusal(
+        proc, "policy.params: policy 'tier_cost' has no parameter wrok", "work_weight (default 1.0)"
+    )
     assert "__init__" not in proc.stderr  # no Python signature
 
 
