@@ -382,8 +382,8 @@ class FleetSimulator:
             for s in fleet.engines
         ]
         self.index = PrefixIndex(
-            storage_pools={SHARED_POOL_ID: fleet.storage_pool_blocks} if self.storage else {},
-            engine_storage_pool={e: SHARED_POOL_ID for e in self.engine_ids} if self.storage else {},
+            storage_pools={SHARED_POOL_ID: fleet.storage_pool_blocks} if self.storage is not None else {},
+            engine_storage_pool={e: SHARED_POOL_ID for e in self.engine_ids} if self.storage is not None else {},
         )
         for e in self.engine_ids:
             self.index.add_engine(e)
