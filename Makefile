@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench fmt clean
+.PHONY: demo test lint bench load fmt clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ lint: $(STAMP)
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format kvcore router policies sim loadtest tests
 	$(VENV)/bin/ruff check --fix kvcore router policies sim loadtest tests
+
+# Locust multi-turn load on a simulated fleet + router, e.g. make load LOAD_ARGS="--policy round_robin --time 2m"
+LOAD_ARGS ?= --users 16 --time 60s --out runs/load
+load: $(STAMP)
+	$(PY) -m loadtest.load $(LOAD_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m loadtest.bench all

@@ -73,6 +73,11 @@ class EngineView:
     #: False when the engine's index picture is known to be incomplete (gap without replay,
     #: publisher missing, self-check shortfall); policies may penalise such engines.
     index_trusted: bool = True
+    #: Taken out of routing by an operator (in-flight requests finish; no new ones).
+    drained: bool = False
+    #: Model ids the engine serves; empty = not known yet (assumed to serve anything: the engine
+    #: answers 404 itself for a wrong model).
+    models: frozenset[str] = frozenset()
     #: Free-form extra numbers a policy may use (e.g. measured costs); keys documented by the producer.
     extra: dict[str, Any] = field(default_factory=dict)
 

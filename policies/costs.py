@@ -188,9 +188,10 @@ def predicted_prefill_tokens(request: RouteRequest, decision: Decision, engine_i
 class CalibrationConfig:
     """How fast and how far the online estimates may move."""
 
-    #: Step of the log-space update per observation (0..1); larger follows changes faster, noisier.
-    learning_rate: float = 0.15
-    #: Observed/predicted ratios are clipped to [1/max_ratio, max_ratio] before use (outlier guard).
+    #: Forgetting factor of the recursive least squares (0 < f <= 1): observations older than
+    #: ~1 / (1 - f) requests fade, so a changed engine is followed; 1 = never forget.
+    forgetting: float = 0.99
+    #: Observed TTFTs are clipped to [predicted / max_ratio, predicted x max_ratio] (outlier guard).
     max_ratio: float = 4.0
     #: Estimates stay within [prior / max_drift, prior * max_drift].
     max_drift: float = 50.0
@@ -198,9 +199,6 @@ class CalibrationConfig:
     metrics_weight: float = 0.3
     #: Counter deltas below this many bytes are too small to time reliably; they are accumulated.
     min_metrics_bytes: float = 8 * 2**20
-    #: Wait is a queue prediction, much noisier than a prefill; its share counts this much toward
-    #: the prefill rate's update.
-    wait_share_weight: float = 0.5
 
 
 @dataclass(slots=True)
@@ -209,10 +207,33 @@ class _CounterBaseline:
     time_total_s: float
 
 
+#: RLS parameters: per-request overhead seconds, then multipliers of the prior's prefill time,
+#: CPU load time, STORAGE load time and queue wait (1.0 = the prior is right; 2.0 = twice as slow).
+#: The wait has its own multiplier: the router's queue figure is a guess, and folding it into the
+#: prefill rate would let a bad guess bias the rate.
+_N_PARAMS = 5
+#: Initial covariance: weak priors (worth about one observation), so data dominate at once.
+_P0 = (1.0, 100.0, 100.0, 100.0, 100.0)
+_MAX_OVERHEAD_S = 10.0
+
+
+@dataclass(slots=True)
+class _Rls:
+    theta: list[float] = field(default_factory=lambda: [0.0, 1.0, 1.0, 1.0, 1.0])
+    cov: list[list[float]] = field(
+        default_factory=lambda: [
+            [_P0[i] if i == j else 0.0 for j in range(_N_PARAMS)] for i in range(_N_PARAMS)
+        ]
+    )
+
+
 @dataclass(slots=True)
 class _EngineState:
     prior: EngineCosts
     current: EngineCosts
+    rls: _Rls = field(default_factory=_Rls)
+    #: Tiers whose bandwidth the engine's offload counters have measured.
+    counter_tiers: set[Tier] = field(default_factory=set)
     observations: int = 0
     metric_samples: int = 0
     last_update_s: float = 0.0
@@ -285,11 +306,18 @@ class CostModel:
     Two kinds of evidence:
     - ``update_offload_counters``: cumulative ``vllm:kv_offload_load_bytes_total`` and
       ``..._load_time_total`` per tier; their deltas give a measured bandwidth per tier.
-    - ``observe``: the router's observed TTFT against the ``PredictedParts`` of the same request.
-      The log error log(observed / predicted) is clipped, then each parameter moves in log space by
-      ``learning_rate x error x (its share of the prediction)``: the prefill rate by the share of
-      prefill (+ weighted wait) time, a tier bandwidth by the share of that tier's transfer time.
-      This is normalised gradient descent on the squared log error; bounded by ``max_drift``.
+    - ``observe``: the router's observed TTFT (sent -> first streamed token) against the parts
+      of the same request. Recursive least squares with forgetting fits
+
+          ttft = overhead_s + a x prefill_s_prior + b_cpu x cpu_load_s_prior
+                 + b_storage x storage_load_s_prior + c x wait_s_prior + tier latencies
+
+      where ``*_prior`` are the times the prior would predict (uncached tokens / prefill rate;
+      hit tokens x kv_bytes_per_token / bandwidth; queued tokens / prefill rate) and a, b, c are
+      multipliers (estimate = prior / multiplier), weighted by 1 / prediction (relative error).
+      The intercept absorbs what every request pays whatever its size (HTTP, scheduling, a
+      step), which would otherwise be mistaken for a slow prefill. Observations are clipped to
+      ``max_ratio`` of the prediction and the estimates stay within ``max_drift`` of the prior.
     """
 
     def __init__(
@@ -379,6 +407,7 @@ class CostModel:
                 bandwidth[tier] = math.exp(math.log(old) + cal.metrics_weight * math.log(measured / old))
             bandwidth[tier] = self._bounded(bandwidth[tier], state.prior.load_bandwidth_bytes_per_s[tier])
             state.baselines[tier] = _CounterBaseline(bytes_total, time_total_s)
+            state.counter_tiers.add(tier)
             state.metric_samples += 1
             changed = True
         if changed:
@@ -402,8 +431,9 @@ class CostModel:
         ``cached_tokens`` (usage.prompt_tokens_details.cached_tokens, all tiers) corrects the
         predicted split first: a shortfall is taken from the deepest tier first and added to the
         prefill; extra cached tokens beyond the prediction are assumed GPU hits. It also feeds the
-        index self-check. The request is then re-priced with the current estimate, so a late
-        observation is compared with today's model, not with the one that routed it.
+        index self-check. The features are rebuilt from the priors and the corrected split, so
+        a late observation is compared with today's fit, not with the model that routed it. A
+        tier whose bandwidth the engine's own offload counters measure keeps that measurement.
         """
         state = self._state(engine_id)
         hits = list(parts.hit_tokens)
@@ -421,39 +451,54 @@ class CostModel:
             prefill_tokens = prefill_tokens + predicted_hits - sum(hits)
         if not observed_ttft_s > 0 or not math.isfinite(observed_ttft_s):
             return state.current
-        costs = state.current
-        repriced = predict_parts(costs, (hits[0], hits[1], hits[2]), prefill_tokens, parts.wait_tokens)
-        total_s = repriced.total_s
-        if total_s <= 0:
-            return costs
         cal = self.calibration
-        ratio = min(cal.max_ratio, max(1.0 / cal.max_ratio, observed_ttft_s / total_s))
-        error = math.log(ratio)
-        prefill_share = (repriced.prefill_s + cal.wait_share_weight * repriced.wait_s) / total_s
-        bandwidth = list(costs.load_bandwidth_bytes_per_s)
-        transfer_shares = [0.0, 0.0, 0.0]
-        for tier in TIERS:
-            if not math.isinf(bandwidth[tier]) and hits[tier] > 0:
-                transfer_shares[tier] = hits[tier] * costs.kv_bytes_per_token / bandwidth[tier] / total_s
-        # Normalised LMS: dividing by the squared norm of the shares lets a parameter that explains
-        # only part of the time still converge at a useful speed (stable for learning_rate < 1).
-        norm = max(0.25, prefill_share**2 + sum(s * s for s in transfer_shares))
-        step = cal.learning_rate * error / norm
-        rate = costs.prefill_tokens_per_s * math.exp(-step * prefill_share)
-        for tier in TIERS:
-            if transfer_shares[tier] > 0:
-                bandwidth[tier] = self._bounded(
-                    bandwidth[tier] * math.exp(-step * transfer_shares[tier]),
-                    state.prior.load_bandwidth_bytes_per_s[tier],
-                )
+        prior = state.prior
+        kvb = prior.kv_bytes_per_token
+        latency_s = sum(prior.load_latency_s[t] for t in TIERS if hits[t] > 0)
+        x = [
+            1.0,
+            prior.prefill_time_s(prefill_tokens),
+            0.0
+            if math.isinf(prior.load_bandwidth_bytes_per_s[Tier.CPU])
+            else hits[Tier.CPU] * kvb / prior.load_bandwidth_bytes_per_s[Tier.CPU],
+            0.0
+            if math.isinf(prior.load_bandwidth_bytes_per_s[Tier.STORAGE])
+            else hits[Tier.STORAGE] * kvb / prior.load_bandwidth_bytes_per_s[Tier.STORAGE],
+            prior.prefill_time_s(parts.wait_tokens),
+        ]
+        rls = state.rls
+        predicted_s = latency_s + sum(t * xi for t, xi in zip(rls.theta, x, strict=True))
+        if predicted_s > 0:
+            observed_ttft_s = min(
+                predicted_s * cal.max_ratio, max(predicted_s / cal.max_ratio, observed_ttft_s)
+            )
+        # Weighted by 1 / prediction: relative errors count, as TTFT noise grows with the TTFT
+        # (a 5% jitter on a 2 s prefill must not drown a 20 ms load term of another request).
+        weight = 1.0 / max(predicted_s, 1e-3)
+        _rls_update(rls, [v * weight for v in x], (observed_ttft_s - latency_s) * weight, cal.forgetting)
+        drift = cal.max_drift
+        theta = rls.theta
+        theta[0] = min(_MAX_OVERHEAD_S, max(0.0, theta[0]))
+        for k in (1, 2, 3, 4):
+            theta[k] = min(drift, max(1.0 / drift, theta[k]))
+        bandwidth = list(state.current.load_bandwidth_bytes_per_s)
+        for k, tier in ((2, Tier.CPU), (3, Tier.STORAGE)):
+            if tier in state.counter_tiers:
+                continue  # measured by the engine itself: more direct than a TTFT regression
+            if x[k] > 0 or rls.cov[k][k] < _P0[k]:  # this tier was ever observed
+                bandwidth[tier] = prior.load_bandwidth_bytes_per_s[tier] / theta[k]
         state.current = replace(
-            costs,
-            prefill_tokens_per_s=self._bounded(rate, state.prior.prefill_tokens_per_s),
+            state.current,
+            prefill_tokens_per_s=prior.prefill_tokens_per_s / theta[1],
             load_bandwidth_bytes_per_s=(bandwidth[0], bandwidth[1], bandwidth[2]),
         )
         state.observations += 1
         state.last_update_s = now
         return state.current
+
+    def overhead_s(self, engine_id: str) -> float:
+        """The calibration's estimate of the fixed seconds every request pays on ``engine_id``."""
+        return self._state(engine_id).rls.theta[0]
 
     def _bounded(self, value: float, prior: float) -> float:
         if math.isinf(prior):
@@ -491,6 +536,7 @@ class CostModel:
                     "estimate": costs_json(s.current),
                     "prior": costs_json(s.prior),
                     "observations": s.observations,
+                    "overhead_s": s.rls.theta[0],
                     "metric_samples": s.metric_samples,
                     "last_update_s": s.last_update_s,
                     "index_trusted": self.selfcheck.trusted(e),
@@ -527,3 +573,27 @@ class CostModel:
                 )
             )
         return rows
+
+
+def _rls_update(rls: _Rls, x: list[float], y: float, forgetting: float) -> None:
+    """One recursive-least-squares step with forgetting; the covariance of directions the data do
+    not excite is capped at its initial value (no wind-up while, e.g., no STORAGE hit arrives)."""
+    n = _N_PARAMS
+    cov = rls.cov
+    px = [sum(cov[i][j] * x[j] for j in range(n)) for i in range(n)]
+    denom = forgetting + sum(x[i] * px[i] for i in range(n))
+    if denom <= 0:
+        return
+    gain = [v / denom for v in px]
+    error = y - sum(rls.theta[i] * x[i] for i in range(n))
+    for i in range(n):
+        rls.theta[i] += gain[i] * error
+    for i in range(n):
+        for j in range(n):
+            cov[i][j] = (cov[i][j] - gain[i] * px[j]) / forgetting
+    for i in range(n):
+        if cov[i][i] > _P0[i]:
+            scale = math.sqrt(_P0[i] / cov[i][i])
+            for j in range(n):
+                cov[i][j] *= scale
+                cov[j][i] *= scale

@@ -19,6 +19,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
+from kvcore.core import CoreConfig, RoutingCore
+from policies.costs import CostModel
 from router.config import RouterConfig
 from router.errors import RouterError, error_body
 from router.load import EnginePoller, LoadTracker
@@ -61,13 +63,14 @@ def create_app(
     observers: Sequence[RouteObserver] = (),
     costs: Any = None,
     index_trusted: Callable[[str], bool] | None = None,
+    core: RoutingCore | None = None,
 ) -> FastAPI:
     """The router app. ``experiments`` replaces the config's arm selection (and is also an observer
     if it has ``on_finished``); ``index``/``tokenizer`` are kept on ``app.state`` for the annotator
     and the explain endpoint; ``event_manager`` is started by the lifespan and asked for
     ``ready_detail()`` (dict) by GET /ready when it has one. ``costs`` (the CostModel) and
-    ``index_trusted`` go to the Router (FleetView.costs, EngineView.index_trusted). The full wiring
-    from a config is ``router.service.build_router_app``."""
+    ``index_trusted`` build the routing core when ``core`` is not given (no index, no speculation).
+    The full wiring from a config is ``router.service.build_router_app``."""
     metrics = metrics or create_metrics()
     tracker = tracker or LoadTracker(config.engines, metrics)
     client = UpstreamClient(
@@ -75,19 +78,24 @@ def create_app(
         read_timeout_s=config.limits.read_timeout_s,
         max_connections_per_engine=config.limits.max_connections_per_engine,
     )
-    all_observers = list(observers)
-    if experiments is not None and hasattr(experiments, "on_finished") and experiments not in all_observers:
-        all_observers.append(experiments)  # type: ignore[arg-type]
+    arm_selector = experiments or build_arm_selector(config)
+    if core is None:
+        core = RoutingCore(
+            ledger=tracker.ledger,
+            costs=costs if costs is not None else CostModel(),
+            config=CoreConfig(speculation_ttl_s=0.0),
+            recorder=arm_selector if hasattr(arm_selector, "record_turn") else None,  # type: ignore[arg-type]
+            index_trusted=index_trusted,
+        )
     router = Router(
         config,
         tracker=tracker,
         client=client,
         metrics=metrics,
-        arm_selector=experiments or build_arm_selector(config),
+        arm_selector=arm_selector,
+        core=core,
         annotator=annotator,
-        observers=all_observers,
-        costs=costs,
-        index_trusted=index_trusted,
+        observers=list(observers),
     )
     components = [
         c
@@ -150,10 +158,11 @@ def create_app(
         return b"".join(parts)
 
     async def proxy(request: Request, endpoint: str) -> Response:
-        started_s = time.monotonic()
         request_id = request.headers.get("x-request-id") or new_request_id()
         try:
             raw_body = await read_body(request)
+            # The router's clock starts once the body is in: its upload is the client's network.
+            started_s = time.monotonic()
             ctx = parse_request(
                 endpoint, raw_body, request.headers, request_id=request_id, started_s=started_s, config=config
             )
@@ -183,10 +192,16 @@ def create_app(
     @app.get("/ready")
     async def ready() -> Response:
         engines = {
-            s.config.id: {"healthy": s.healthy, "in_flight": s.in_flight, "error": s.last_error}
+            s.config.id: {
+                "healthy": s.healthy,
+                "drained": s.drained,
+                "in_flight": tracker.load(s.config.id)[0],
+                "error": s.last_error,
+            }
             for s in tracker.engines.values()
         }
-        healthy = sum(1 for s in tracker.engines.values() if s.healthy)
+        # Drained engines take no new requests: they do not make the router ready.
+        healthy = len(tracker.serving())
         doc: dict[str, Any] = {"ready": healthy > 0, "healthy_engines": healthy, "engines": engines}
         if event_manager is not None and hasattr(event_manager, "ready_detail"):
             doc["events"] = event_manager.ready_detail()

@@ -104,7 +104,14 @@ def serve(argv: Sequence[str]) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         # SIGHUP re-reads the config file (like POST /admin/reload).
-        app = build_router_app(config, config_path, install_sighup=True)
+        def reload_config() -> Any:  # every layer again: file, env, these flags, the fleet file
+            return load_config(
+                config_path,
+                overrides=flag_overrides(args),
+                fleet_file=args.fleet or os.environ.get("KVROUTE_FLEET"),
+            )
+
+        app = build_router_app(config, config_path, install_sighup=True, reload_config=reload_config)
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2

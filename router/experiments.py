@@ -2,11 +2,14 @@
 
 Assignment hashes the session key into weight buckets, so it is the same after a restart and on every
 router replica; sessions already seen keep their arm across ``reload``. ``report()`` is the body of
-``GET /v1/experiments``: per-arm TTFT percentiles, hit tokens per tier, and a Welch CI vs. control.
+``GET /v1/experiments``: per arm, TTFT percentiles (streamed requests), the hit rate from the
+engines' reported cached tokens, the index's predicted tier split (labelled predicted), and
+cluster-bootstrap intervals (conversations resampled) of the differences to the control arm.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from collections import OrderedDict
@@ -16,6 +19,7 @@ from typing import Any
 
 import xxhash
 
+from kvcore.stats import ConversationTotals, cluster_bootstrap_diff, hit_rate, mean_ttft, percentiles
 from policies.base import TIERS, Policy, build_policy
 
 #: Header whose value forces an arm for one request (for tests and manual comparisons).
@@ -89,98 +93,30 @@ def session_bucket(session_key: str) -> float:
     return xxhash.xxh3_64_intdigest(session_key.encode()) / 2.0**64
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]) of already-sorted values; nan when empty."""
-    if not sorted_values:
-        return math.nan
-    pos = (len(sorted_values) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-def t_quantile(p: float, df: float) -> float:
-    """Student-t quantile by the Cornish-Fisher expansion around the normal (good to ~1% for df >= 3)."""
-    z = _normal_quantile(p)
-    g1 = (z**3 + z) / 4
-    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
-    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
-    return z + g1 / df + g2 / df**2 + g3 / df**3
-
-
-def _normal_quantile(p: float) -> float:
-    # Acklam's rational approximation (relative error < 1.2e-9).
-    a = (
-        -3.969683028665376e01,
-        2.209460984245205e02,
-        -2.759285104469687e02,
-        1.383577518672690e02,
-        -3.066479806614716e01,
-        2.506628277459239e00,
-    )
-    b = (
-        -5.447609879822406e01,
-        1.615858368580409e02,
-        -1.556989798598866e02,
-        6.680131188771972e01,
-        -1.328068155288572e01,
-    )
-    c = (
-        -7.784894002430293e-03,
-        -3.223964580411365e-01,
-        -2.400758277161838e00,
-        -2.549732539343734e00,
-        4.374664141464968e00,
-        2.938163982698783e00,
-    )
-    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e00, 3.754408661907416e00)
-    if p < 0.02425:
-        q = math.sqrt(-2 * math.log(p))
-        return (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / (
-            (((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1
-        )
-    if p > 1 - 0.02425:
-        return -_normal_quantile(1 - p)
-    q = p - 0.5
-    r = q * q
-    return (
-        (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5])
-        * q
-        / (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
-    )
-
-
-def welch_interval(
-    a: Sequence[float], b: Sequence[float], confidence: float = 0.95
-) -> dict[str, float] | None:
-    """CI of mean(b) - mean(a) by Welch's t; None with fewer than 2 samples on a side."""
-    na, nb = len(a), len(b)
-    if na < 2 or nb < 2:
-        return None
-    ma, mb = sum(a) / na, sum(b) / nb
-    va = sum((x - ma) ** 2 for x in a) / (na - 1)
-    vb = sum((x - mb) ** 2 for x in b) / (nb - 1)
-    se2 = va / na + vb / nb
-    diff = mb - ma
-    if se2 == 0:
-        return {"diff": diff, "low": diff, "high": diff, "df": float(na + nb - 2)}
-    df = se2**2 / ((va / na) ** 2 / (na - 1) + (vb / nb) ** 2 / (nb - 1))
-    half = t_quantile(0.5 + confidence / 2, df) * math.sqrt(se2)
-    return {"diff": diff, "low": diff - half, "high": diff + half, "df": df}
-
-
 @dataclass(slots=True)
 class ArmStats:
-    """Counters and a bounded uniform reservoir of TTFTs (Vitter's algorithm R) for one arm."""
+    """One arm's counters, a bounded uniform reservoir of TTFTs (Vitter's algorithm R) for the
+    percentiles, and per-conversation totals (the clusters of the confidence intervals)."""
 
     reservoir_size: int
+    max_conversations: int
     rng: random.Random
     requests: int = 0
     errors: int = 0
+    #: Successful requests with a measured TTFT (streams) / without (non-stream answers).
     ttft_seen: int = 0
+    no_ttft: int = 0
     ttft_samples_s: list[float] = field(default_factory=list)
-    hit_tokens_by_tier: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    #: Successful requests whose engine reported usage (cached tokens and prompt tokens).
+    usage_reported: int = 0
+    cached_tokens: float = 0.0
+    usage_prompt_tokens: float = 0.0
+    #: The index's predicted hits of the chosen engine by tier (a prediction, not a measurement).
+    predicted_hit_tokens_by_tier: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     prompt_tokens: float = 0.0
+    #: session key -> [ttft_sum_s, ttft_count, cached_tokens, prompt_tokens]; conversations past
+    #: ``max_conversations`` count in the totals but not in the intervals.
+    conversations: dict[str, list[float]] = field(default_factory=dict)
 
     def add_ttft(self, ttft_s: float) -> None:
         self.ttft_seen += 1
@@ -190,6 +126,15 @@ class ArmStats:
             slot = self.rng.randrange(self.ttft_seen)
             if slot < self.reservoir_size:
                 self.ttft_samples_s[slot] = ttft_s
+
+    def conversation(self, session_key: str) -> list[float] | None:
+        row = self.conversations.get(session_key)
+        if row is None and len(self.conversations) < self.max_conversations:
+            row = self.conversations[session_key] = [0.0, 0.0, 0.0, 0.0]
+        return row
+
+    def clusters(self) -> list[ConversationTotals]:
+        return [ConversationTotals(r[0], int(r[1]), r[2], r[3]) for r in self.conversations.values()]
 
 
 class Experiments:
@@ -201,11 +146,15 @@ class Experiments:
         *,
         reservoir_size: int = 10_000,
         max_sessions: int = 1_000_000,
+        max_conversations_per_arm: int = 100_000,
+        bootstrap_resamples: int = 2000,
         confidence: float = 0.95,
         seed: int = 0,
         policy_factory: Callable[[str, Mapping[str, Any]], Policy] = build_policy,
     ) -> None:
         self._reservoir_size = reservoir_size
+        self._max_conversations = max_conversations_per_arm
+        self._resamples = bootstrap_resamples
         self._max_sessions = max_sessions
         self._confidence = confidence
         self._seed = seed
@@ -237,7 +186,7 @@ class Experiments:
         for i, a in enumerate(arms):
             if a.name not in self._stats:
                 self._stats[a.name] = ArmStats(
-                    self._reservoir_size, random.Random(f"{self._seed}:{i}:{a.name}")
+                    self._reservoir_size, self._max_conversations, random.Random(f"{self._seed}:{i}:{a.name}")
                 )
 
     def arm(self, name: str) -> Arm:
@@ -272,29 +221,43 @@ class Experiments:
         """``assign`` without a forced arm: fits router.routing's ArmSelector protocol (name, policy)."""
         return self.assign(session_key)
 
-    def record(
+    def record_turn(
         self,
-        arm: Arm | str,
-        ttft_s: float | None,
+        arm: str,
+        session_key: str,
+        *,
         ok: bool,
-        hit_tokens_by_tier: Sequence[float] = (0.0, 0.0, 0.0),
-        prompt_tokens: float = 0.0,
+        ttft_s: float | None,
+        cached_tokens: int | None,
+        prompt_tokens: int,
+        predicted_hit_tokens_by_tier: Sequence[float] = (0.0, 0.0, 0.0),
     ) -> None:
-        """Account one finished request to its arm (TTFT only counts for successful requests)."""
-        name = arm if isinstance(arm, str) else arm.name
-        stats = self._stats.get(name)
+        """Account one finished turn to its arm and conversation (``kvcore.core.ExperimentRecorder``).
+        ``ttft_s`` only for streamed requests; ``cached_tokens`` as the engine reported it."""
+        stats = self._stats.get(arm)
         if stats is None:
-            raise ValueError(f"unknown experiment arm {name!r}")
+            raise ValueError(f"unknown experiment arm {arm!r}")
         stats.requests += 1
         if not ok:
             stats.errors += 1
             return
+        row = stats.conversation(session_key)
         if ttft_s is not None and math.isfinite(ttft_s):
             stats.add_ttft(ttft_s)
+            if row is not None:
+                row[0] += ttft_s
+                row[1] += 1
+        else:
+            stats.no_ttft += 1
+        if cached_tokens is not None:
+            stats.usage_reported += 1
+            stats.cached_tokens += cached_tokens
+            stats.usage_prompt_tokens += prompt_tokens
+            if row is not None:
+                row[2] += cached_tokens
+                row[3] += prompt_tokens
         for tier in TIERS:
-            stats.hit_tokens_by_tier[tier] += (
-                hit_tokens_by_tier[tier] if tier < len(hit_tokens_by_tier) else 0.0
-            )
+            stats.predicted_hit_tokens_by_tier[tier] += predicted_hit_tokens_by_tier[tier]
         stats.prompt_tokens += prompt_tokens
 
     def reload(self, new_config: Any) -> None:
@@ -304,18 +267,25 @@ class Experiments:
         for session in [s for s, name in self._sessions.items() if name not in live]:
             del self._sessions[session]
 
-    def report(self) -> dict[str, Any]:
-        """Per-arm statistics and Welch CIs of the mean TTFT difference to the first (control) arm."""
-        control = self.arms[0].name
-        control_samples = self._stats[control].ttft_samples_s
+    def snapshot(self) -> tuple[list[Arm], dict[str, ArmStats]]:
+        """A copy of the arms and their statistics, for ``report`` off the event loop."""
+        return list(self.arms), copy.deepcopy(self._stats)
+
+    def report(self, snapshot: tuple[list[Arm], dict[str, ArmStats]] | None = None) -> dict[str, Any]:
+        """Per-arm statistics and conversation-level intervals of the differences to the first
+        (control) arm: mean TTFT (streamed turns) and hit rate (engine-reported cached tokens)."""
+        arms, stats = snapshot if snapshot is not None else (self.arms, self._stats)
+        control = arms[0].name
+        control_clusters = stats[control].clusters()
+        control_ttfts = stats[control].ttft_samples_s
+        live = {a.name: a for a in arms}
         arms_out = []
-        names = [a.name for a in self.arms] + [n for n in self._stats if n not in {a.name for a in self.arms}]
-        for name in names:
-            s = self._stats[name]
-            arm = next((a for a in self.arms if a.name == name), None)
-            values = sorted(s.ttft_samples_s)
+        for name in [*live, *(n for n in stats if n not in live)]:
+            s = stats[name]
+            arm = live.get(name)
+            p50, p90, p99 = percentiles(s.ttft_samples_s, (50, 90, 99))
             ok = s.requests - s.errors
-            hits = sum(s.hit_tokens_by_tier)
+            predicted = sum(s.predicted_hit_tokens_by_tier)
             entry: dict[str, Any] = {
                 "name": name,
                 "policy": arm.policy_name if arm else None,
@@ -323,26 +293,51 @@ class Experiments:
                 "active": arm is not None,
                 "requests": s.requests,
                 "errors": s.errors,
-                "ttft_samples": len(values),
-                "ttft_p50_s": _none_if_nan(percentile(values, 50)),
-                "ttft_p90_s": _none_if_nan(percentile(values, 90)),
-                "ttft_p99_s": _none_if_nan(percentile(values, 99)),
-                "ttft_mean_s": sum(values) / len(values) if values else None,
-                "mean_hit_tokens": {
-                    t.name.lower(): (s.hit_tokens_by_tier[t] / ok if ok else None) for t in TIERS
+                "conversations": len(s.conversations),
+                "ttft_samples": len(s.ttft_samples_s),
+                "requests_without_ttft": s.no_ttft,
+                "ttft_p50_s": _none_if_nan(p50),
+                "ttft_p90_s": _none_if_nan(p90),
+                "ttft_p99_s": _none_if_nan(p99),
+                "ttft_mean_s": sum(s.ttft_samples_s) / len(s.ttft_samples_s) if s.ttft_samples_s else None,
+                "requests_with_usage": s.usage_reported,
+                "hit_rate": s.cached_tokens / s.usage_prompt_tokens if s.usage_prompt_tokens > 0 else None,
+                "predicted": {
+                    "note": "the router's index prediction for the chosen engine, not engine-reported",
+                    "mean_hit_tokens": {
+                        t.name.lower(): (s.predicted_hit_tokens_by_tier[t] / ok if ok else None)
+                        for t in TIERS
+                    },
+                    "hit_rate": predicted / s.prompt_tokens if s.prompt_tokens > 0 else None,
                 },
-                "hit_rate": hits / s.prompt_tokens if s.prompt_tokens > 0 else None,
             }
             if name != control:
-                ci = welch_interval(control_samples, s.ttft_samples_s, self._confidence)
-                control_sorted = sorted(control_samples)
+                clusters = s.clusters()
+                ttft_ci = cluster_bootstrap_diff(
+                    control_clusters,
+                    clusters,
+                    mean_ttft,
+                    confidence=self._confidence,
+                    resamples=self._resamples,
+                )
+                hit_ci = cluster_bootstrap_diff(
+                    control_clusters,
+                    clusters,
+                    hit_rate,
+                    confidence=self._confidence,
+                    resamples=self._resamples,
+                )
+                c50 = percentiles(control_ttfts, (50,))[0]
                 entry["vs_control"] = {
                     "control": control,
-                    "median_diff_s": _none_if_nan(percentile(values, 50) - percentile(control_sorted, 50)),
-                    "mean_diff_s": ci["diff"] if ci else None,
-                    "mean_diff_ci_s": [ci["low"], ci["high"]] if ci else None,
+                    "median_diff_s": _none_if_nan(p50 - c50),
+                    "mean_ttft_diff_s": ttft_ci.diff if ttft_ci else None,
+                    "mean_ttft_diff_ci_s": [ttft_ci.low, ttft_ci.high] if ttft_ci else None,
+                    "hit_rate_diff": hit_ci.diff if hit_ci else None,
+                    "hit_rate_diff_ci": [hit_ci.low, hit_ci.high] if hit_ci else None,
+                    "conversations": [len(control_clusters), len(clusters)],
                     "confidence": self._confidence,
-                    "method": "welch_t",
+                    "method": "cluster bootstrap over conversations (percentile interval)",
                 }
             arms_out.append(entry)
         return {"control": control, "arms": arms_out}

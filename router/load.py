@@ -1,8 +1,9 @@
 """What the router knows about each engine's load and health, and the task that polls engines.
 
-``LoadTracker`` is plain state (no I/O): in-flight requests and queued prefill tokens per engine
-(incremented when a request is sent, prefill part cleared at its first byte, decremented at finish),
-health flags and the models each engine serves; it produces the ``EngineView``s policies read.
+``LoadTracker`` is plain state (no I/O): health flags, drain and the models each engine serves, and
+the load ledger (``kvcore.core.InMemoryLoadLedger``: in-flight requests and queued prefill tokens,
+driven by the routing core's reserve / first token / finish); it produces the ``EngineView``s the
+core filters.
 ``EnginePoller`` is the async shell: it polls GET /health (and GET /v1/models once per engine).
 Scraped engine metrics (vllm:num_requests_waiting, ...) go into ``EngineState.scraped`` through
 ``LoadTracker.update_scraped``; the poller is the place to add that scrape.
@@ -19,6 +20,7 @@ from typing import Any
 
 import aiohttp
 
+from kvcore.core import InMemoryLoadLedger, LoadLedger
 from policies.base import EngineView
 from router.config import EngineConfig
 from router.metrics import RouterMetrics
@@ -30,8 +32,6 @@ log = logging.getLogger("kvroute.load")
 class EngineState:
     config: EngineConfig
     healthy: bool = True
-    in_flight: int = 0
-    queued_prefill_tokens: int = 0
     #: Model ids the engine serves (config model plus what GET /v1/models reported).
     models: set[str] = field(default_factory=set)
     #: The engine's own /v1/models entries, for the router's union.
@@ -44,21 +44,21 @@ class EngineState:
     drained: bool = False
 
 
-@dataclass(slots=True)
-class LoadTicket:
-    """One request's share of an engine's load; ``LoadTracker`` methods on it are idempotent."""
-
-    engine_id: str
-    prompt_tokens: int
-    prefill_pending: bool = True
-    done: bool = False
-
-
 class LoadTracker:
     """In-flight accounting and health per engine; the source of the policies' ``EngineView``s."""
 
-    def __init__(self, engines: Sequence[EngineConfig], metrics: RouterMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engines: Sequence[EngineConfig],
+        metrics: RouterMetrics | None = None,
+        *,
+        ledger: LoadLedger | None = None,
+    ) -> None:
+        """``ledger``: where load is accounted (default: in this process; replicas share one)."""
         self._metrics = metrics
+        self.ledger: LoadLedger = ledger or InMemoryLoadLedger(
+            [e.id for e in engines], on_change=metrics.set_in_flight if metrics else None
+        )
         self.engines: dict[str, EngineState] = {}
         for engine in engines:
             state = EngineState(config=engine)
@@ -68,31 +68,6 @@ class LoadTracker:
             if metrics:
                 metrics.engine_healthy.labels(engine.id).set(1)
                 metrics.in_flight.labels(engine.id).set(0)
-
-    # -- request accounting ------------------------------------------------------------------
-    def begin(self, engine_id: str, prompt_tokens: int) -> LoadTicket:
-        state = self.engines[engine_id]
-        state.in_flight += 1
-        state.queued_prefill_tokens += prompt_tokens
-        if self._metrics:
-            self._metrics.set_in_flight(engine_id, state.in_flight)
-        return LoadTicket(engine_id, prompt_tokens)
-
-    def first_byte(self, ticket: LoadTicket) -> None:
-        """The engine answered: its prefill of this prompt is over."""
-        if ticket.prefill_pending and not ticket.done:
-            ticket.prefill_pending = False
-            self.engines[ticket.engine_id].queued_prefill_tokens -= ticket.prompt_tokens
-
-    def end(self, ticket: LoadTicket) -> None:
-        if ticket.done:
-            return
-        self.first_byte(ticket)
-        ticket.done = True
-        state = self.engines[ticket.engine_id]
-        state.in_flight -= 1
-        if self._metrics:
-            self._metrics.set_in_flight(ticket.engine_id, state.in_flight)
 
     # -- health and models -------------------------------------------------------------------
     def set_health(self, engine_id: str, healthy: bool, reason: str = "") -> None:
@@ -138,31 +113,39 @@ class LoadTracker:
         return list(cards.values())
 
     # -- views for policies ------------------------------------------------------------------
+    def load(self, engine_id: str) -> tuple[int, int]:
+        """(in-flight requests, queued prefill tokens) from the ledger."""
+        return self.ledger.load(engine_id)
+
+    def drain(self, engine_id: str) -> None:
+        """Take an engine out of routing until restart (in-flight requests finish normally)."""
+        self.engines[engine_id].drained = True
+
     def view(self, state: EngineState) -> EngineView:
         scraped = state.scraped
         running = scraped.get("num_requests_running")
         waiting = scraped.get("num_requests_waiting")
+        in_flight, queued = self.ledger.load(state.config.id)
         return EngineView(
             engine_id=state.config.id,
             url=state.config.url,
             healthy=state.healthy,
-            in_flight=state.in_flight,
-            queued_prefill_tokens=state.queued_prefill_tokens,
+            drained=state.drained,
+            models=frozenset(state.models),
+            in_flight=in_flight,
+            queued_prefill_tokens=queued,
             num_requests_running=None if running is None else int(running),
             num_requests_waiting=None if waiting is None else int(waiting),
             kv_cache_usage=scraped.get("kv_cache_usage_perc"),
             block_size=state.config.block_size,
         )
 
-    def candidates(self, model: str) -> list[EngineView]:
-        """Healthy engines serving ``model``, in config order."""
-        return [
-            self.view(s)
-            for s in self.engines.values()
-            if s.healthy and not s.drained and self.serves(s, model)
-        ]
+    def serving(self) -> list[EngineState]:
+        """Engines that take new requests: healthy and not drained (what GET /ready counts)."""
+        return [s for s in self.engines.values() if s.healthy and not s.drained]
 
     def all_views(self) -> list[EngineView]:
+        """Every engine's view; the routing core's ``filter`` picks the candidates."""
         return [self.view(s) for s in self.engines.values()]
 
 

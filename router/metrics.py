@@ -36,6 +36,8 @@ _LATENCY_BUCKETS_S = (
     120,
     300,
 )
+# Router time: from 50 us (no tokenizer) to 250 ms (a cold engine /tokenize round trip).
+_ROUTER_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 NO_ENGINE = "none"
 
 
@@ -60,9 +62,17 @@ class RouterMetrics:
         )
         self.ttft_s = Histogram(
             "kvroute_ttft_seconds",
-            "Time from request arrival to the first content byte from the engine",
+            "Streamed requests: request body received -> first streamed event from the engine "
+            "(non-stream answers have no first token and are not counted)",
             labels,
             buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.router_s = Histogram(
+            "kvroute_router_seconds",
+            "Router time per request: parse, tokenise, route (body received -> sent to the engine)",
+            ("arm",),
+            buckets=_ROUTER_BUCKETS_S,
             registry=self.registry,
         )
         self.upstream_errors = Counter(
@@ -113,6 +123,9 @@ class RouterMetrics:
         self._child(self.requests, engine, ctx.policy_name, ctx.arm, str(ctx.http_status)).inc()
         if ctx.latency_s is not None:
             self._child(self.latency_s, engine, ctx.policy_name, ctx.arm).observe(ctx.latency_s)
+        router_s = ctx.router_s
+        if router_s is not None:
+            self._child(self.router_s, ctx.arm).observe(router_s)
 
     def set_in_flight(self, engine_id: str, count: int) -> None:
         self._child(self.in_flight, engine_id).set(count)

@@ -1,18 +1,18 @@
-"""The request pipeline: validate -> RouteRequest -> arm/policy -> (index) -> choose -> proxy.
+"""The request pipeline, the async shell around the routing core (``kvcore.core.RoutingCore``).
 
 ``Router.handle`` runs, for each chat/completion request:
-  1. ``parse_request``: JSON and field checks (OpenAI-shaped 400/404/413 errors), session key,
-     prompt-token estimate -> ``RouteContext`` holding a ``policies.base.RouteRequest``;
-  2. ``ArmSelector.select(session_key)`` -> ``Arm`` (name, policy): ``router.experiments.Experiments``
-     (one arm "default" without an experiment); the x-kvroute-arm header forces an arm;
-  3. ``PrefixAnnotator.annotate(ctx)`` (when one is configured; router/service.py) fills
-     ``block_keys`` and ``prefix_matches`` (tokenizer + keys + index);
-  4. ``FleetView`` of healthy engines serving the model from ``router.load.LoadTracker``;
-  5. ``policy.choose`` -> ``Decision``; the request goes to ``decision.engine_id``, and once more
-     to the first fallback if that engine refuses the connection;
-  6. the engine's answer streams back unbuffered; ``RouteObserver``s get ``on_routed``,
-     ``on_first_byte`` (TTFT) and ``on_finished`` (status, usage, cached tokens). Metrics are one
-     observer; the cost model and experiment statistics add theirs without touching this file.
+  1. ``parse_request``: JSON and field checks (OpenAI-shaped 400/404/413 errors), session key
+     (stable from turn 1), prompt-token estimate -> ``RouteContext`` with a ``RouteRequest``;
+  2. ``ArmSelector.select(session_key)`` -> ``Arm`` (name, policy); x-kvroute-arm forces an arm;
+  3. ``PrefixAnnotator.annotate(ctx)`` fills ``block_keys`` and ``prefix_matches``;
+  4. core.filter -> core.score (the arm's policy) -> core.reserve, with no await in between;
+  5. the request goes to the chosen engine (once more to the first fallback if it refuses the
+     connection); streams ask the engine for usage (``stream_options.include_usage``) and the
+     extra usage chunk is removed again when the client did not ask for it;
+  6. core.on_first_token at the first streamed event (the only TTFT there is: a non-stream body
+     comes when generation is over, so non-stream requests record latency, no TTFT), and
+     core.on_finished with the engine's usage: load, calibration, self-check, experiments.
+``RouteObserver``s (metrics, trace, event watchdog) see ``on_routed``/``on_first_byte``/``on_finished``.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ import msgspec
 import xxhash
 from starlette.responses import Response, StreamingResponse
 
+from kvcore.core import Outcome, Reservation, RoutingCore
 from policies.base import Decision, FleetView, NoEngineAvailable, Policy, RouteRequest
-from policies.costs import predicted_prefill_tokens
 from router.config import RouterConfig
 from router.errors import RouterError, bad_request
 from router.experiments import FORCED_ARM_HEADER, Arm, Experiments
-from router.load import LoadTicket, LoadTracker
+from router.load import LoadTracker
 from router.metrics import RouterMetrics
 from router.proxy import (
     FORWARDED_REQUEST_HEADERS,
@@ -85,7 +85,7 @@ def experiment_arms(config: RouterConfig) -> list[dict[str, Any]]:
 def needs_block_keys(policy: Policy) -> bool:
     """Whether ``policy`` reads ``request.block_keys``: its ``needs_block_keys`` attribute when it
     has one (approx_prefix learns from keys without using the index), else ``uses_index``."""
-    return bool(getattr(policy, "needs_block_keys", policy.uses_index))
+    return bool(getattr(policy, "needs_block_keys", False) or policy.uses_index)
 
 
 @dataclass(slots=True)
@@ -98,6 +98,7 @@ class RouteContext:
     body: dict[str, Any]
     stream: bool
     route_request: RouteRequest
+    #: Monotonic time the whole request body had arrived (the router's clock starts here).
     started_s: float
     arm: str = ""
     policy_name: str = ""
@@ -106,8 +107,15 @@ class RouteContext:
     engine_id: str = ""
     #: Engine ids tried in order (2 when the first refused the connection).
     attempts: list[str] = field(default_factory=list)
-    first_byte_s: float | None = None
+    #: When the request was handed to the engine (the last attempt's send).
+    sent_s: float | None = None
+    #: First streamed event from the engine; None for non-stream answers (no token is seen).
+    first_token_s: float | None = None
     finished_s: float | None = None
+    #: The core's reservation of the engine serving (or last tried for) the request.
+    reservation: Reservation | None = None
+    #: The router added stream_options.include_usage: the usage chunk is removed for the client.
+    strip_usage: bool = False
     http_status: int = 0
     #: The engine's usage object (final stream chunk or JSON body), when it sent one.
     usage: dict[str, Any] | None = None
@@ -121,7 +129,14 @@ class RouteContext:
 
     @property
     def ttft_s(self) -> float | None:
-        return None if self.first_byte_s is None else self.first_byte_s - self.started_s
+        """Body received -> first streamed token (what the client waits through the router);
+        None for non-stream requests."""
+        return None if self.first_token_s is None else self.first_token_s - self.started_s
+
+    @property
+    def router_s(self) -> float | None:
+        """Router time: parse, tokenise, route (body received -> sent upstream)."""
+        return None if self.sent_s is None else self.sent_s - self.started_s
 
     @property
     def latency_s(self) -> float | None:
@@ -210,8 +225,19 @@ def _validate_prompt(prompt: Any) -> None:
         )
 
 
+def conversation_start(messages: Sequence[Any]) -> list[Any]:
+    """The messages up to and including the first user message: what every turn of a chat
+    resends unchanged (system/developer prompt, first question). Turn 1 ([user1]) and turn 2
+    ([user1, assistant1, user2]) share it, so the key does not change between turns."""
+    for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("role") == "user":
+            return list(messages[: i + 1])
+    return list(messages[:1])
+
+
 def session_key_of(endpoint: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> str:
-    """x-session-id header, else the body's ``user``, else a hash of how the conversation starts."""
+    """x-session-id header, else the body's ``user``, else a hash of how the conversation starts:
+    for chat the messages up to the first user message plus ``tools`` when present."""
     header = headers.get("x-session-id")
     if header:
         return header
@@ -219,7 +245,10 @@ def session_key_of(endpoint: str, body: Mapping[str, Any], headers: Mapping[str,
     if isinstance(user, str) and user:
         return user
     if endpoint == CHAT:
-        start: Any = body["messages"][:2]
+        start: Any = conversation_start(body["messages"])
+        tools = body.get("tools")
+        if tools:
+            start = [start, tools]
     else:
         prompt = body["prompt"]
         # The start of the prompt: later turns resend (and extend) the same text.
@@ -327,22 +356,23 @@ class Router:
         client: UpstreamClient,
         metrics: RouterMetrics,
         arm_selector: ArmSelector,
+        core: RoutingCore,
         annotator: PrefixAnnotator | None = None,
         observers: Sequence[RouteObserver] = (),
-        costs: Any = None,
-        index_trusted: Callable[[str], bool] | None = None,
     ) -> None:
-        """``costs``: the CostModel handed to policies as ``FleetView.costs``; ``index_trusted``:
-        engine id -> whether its index picture is trustworthy (``EngineView.index_trusted``)."""
+        """``core``: the routing core (load ledger, cost model, index, experiment recorder)."""
         self.config = config
-        self.costs = costs
-        self.index_trusted = index_trusted
+        self.core = core
         self.tracker = tracker
         self.client = client
         self.metrics = metrics
         self.arm_selector = arm_selector
         self.annotator = annotator
         self.observers: list[RouteObserver] = [metrics, *observers]
+
+    @property
+    def costs(self) -> Any:
+        return self.core.costs
 
     def _notify(self, hook: str, ctx: RouteContext) -> None:
         for observer in self.observers:
@@ -352,7 +382,7 @@ class Router:
                 log.exception("observer %r failed in %s (request %s)", observer, hook, ctx.request_id)
 
     async def decide(self, ctx: RouteContext) -> tuple[Arm, Decision]:
-        """Steps 2-5: arm, index annotation, fleet view, policy choice (no upstream traffic)."""
+        """Steps 2-4 up to the policy's choice (no load taken, no upstream traffic)."""
         request = ctx.route_request
         arm = self._select_arm(ctx)
         ctx.arm, ctx.policy_name = arm.name, arm.policy.name
@@ -363,17 +393,16 @@ class Router:
                 type="not_found_error",
                 code="model_not_found",
             )
-        candidates = self.tracker.candidates(request.model)
+        uses_index = arm.policy.uses_index
         if self.annotator is not None:
-            # Annotated for every arm, not only index-aware ones: experiment statistics compare
-            # the hit tokens by tier of every arm, and the trace records every request's keys.
-            ctx.fleet = FleetView(candidates)
+            # Annotated for every arm, not only index-aware ones: the index self-check, the
+            # experiments' predicted tier split and the trace need every request's keys.
+            ctx.fleet = FleetView(self.core.filter(request, self.tracker.all_views()))
             await self.annotator.annotate(ctx)
-            # Other requests were routed while this one was tokenised: choose on fresh load figures.
-            candidates = self.tracker.candidates(request.model)
-        if self.index_trusted is not None:
-            for view in candidates:
-                view.index_trusted = self.index_trusted(view.engine_id)
+        # No await from here to reserve: other requests' load is what it is at the choice.
+        candidates = self.core.filter(request, self.tracker.all_views(), uses_index=uses_index)
+        now = time.monotonic()
+        ctx.fleet = FleetView(candidates, now=now, costs=self.core.costs)
         if not candidates:
             raise RouterError(
                 503,
@@ -382,11 +411,10 @@ class Router:
                 code="no_healthy_engine",
             )
         try:
-            fleet = FleetView(candidates, now=time.monotonic(), costs=self.costs)
-            decision = arm.policy.choose(request, fleet)
+            decision = self.core.score(arm.policy, request, candidates, now)
         except NoEngineAvailable as exc:
             raise RouterError(503, str(exc), type="service_unavailable", code="no_healthy_engine") from None
-        ctx.decision, ctx.fleet = decision, fleet
+        ctx.decision = decision
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "request %s: arm %s policy %s -> %s (%s)",
@@ -417,31 +445,24 @@ class Router:
         arm, decision = await self.decide(ctx)
         # Reserve the engine's load now, with no await since the choice: requests that arrive
         # together must see each other's load, or a burst piles onto the engine that looked idle.
-        tickets: list[LoadTicket] = [self._begin(ctx, decision, decision.engine_id)]
+        fleet = ctx.fleet.engines if ctx.fleet is not None else ()
+        ctx.reservation = self.core.reserve(
+            arm.policy, ctx.route_request, decision, time.monotonic(), arm=arm.name, candidates=fleet
+        )
         self._notify("on_routed", ctx)
-        arm.policy.on_routed(ctx.route_request, decision)
         try:
             # One disconnect watcher for the whole wait on the engine (headers, and the body of a
             # non-stream answer); once streaming, Starlette's StreamingResponse watches instead.
-            return await _unless_disconnected(self._forward(ctx, arm, decision, headers, tickets), receive)
+            return await _unless_disconnected(self._forward(ctx, decision, headers), receive)
         except ClientGone:
-            if tickets:
-                self._finish(
-                    ctx,
-                    arm,
-                    tickets[-1],
-                    STATUS_CLIENT_GONE,
-                    "client disconnected; upstream request cancelled",
-                )
+            self._finish(ctx, STATUS_CLIENT_GONE, "client disconnected; upstream request cancelled")
             return Response(status_code=STATUS_CLIENT_GONE)
 
-    def _upstream_failure(
-        self, ctx: RouteContext, arm: Arm, ticket: LoadTicket, engine_id: str, exc: UpstreamError
-    ) -> RouterError:
+    def _upstream_failure(self, ctx: RouteContext, engine_id: str, exc: UpstreamError) -> RouterError:
         """Account a failed upstream exchange and the client error for it: 504 on a timeout, else 502."""
         self.metrics.upstream_error(engine_id, exc.kind)
         status = 504 if exc.kind == "timeout" else 502
-        self._finish(ctx, arm, ticket, status, str(exc), log_error=False)
+        self._finish(ctx, status, str(exc), log_error=False)
         return RouterError(
             status,
             f"engine {engine_id}: {exc}",
@@ -449,21 +470,27 @@ class Router:
             code="upstream_timeout" if status == 504 else "upstream_error",
         )
 
-    def _begin(self, ctx: RouteContext, decision: Decision, engine_id: str) -> LoadTicket:
-        # Queue only what the engine must compute: a mostly cached prompt counted whole makes its
-        # engine look busy and pushes the conversation's next turn away from its history.
-        return self.tracker.begin(engine_id, predicted_prefill_tokens(ctx.route_request, decision, engine_id))
+    def _upstream_body(self, ctx: RouteContext) -> bytes:
+        """The body to send: the client's bytes, plus ``stream_options.include_usage`` for a
+        stream whose client did not ask for usage (the router needs cached_tokens of every
+        request; the extra chunk is removed from the client's stream again)."""
+        if not ctx.stream:
+            return ctx.raw_body
+        options = ctx.body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            return ctx.raw_body
+        ctx.strip_usage = True
+        if options is None:
+            # Splice instead of re-encoding: the body is a JSON object without that key.
+            start = ctx.raw_body.index(b"{") + 1
+            return ctx.raw_body[:start] + b'"stream_options":{"include_usage":true},' + ctx.raw_body[start:]
+        body = dict(ctx.body)
+        body["stream_options"] = {**options, "include_usage": True}
+        return _encode_json(body)
 
-    async def _forward(
-        self,
-        ctx: RouteContext,
-        arm: Arm,
-        decision: Decision,
-        headers: Mapping[str, str],
-        tickets: list[LoadTicket],
-    ) -> Response:
+    async def _forward(self, ctx: RouteContext, decision: Decision, headers: Mapping[str, str]) -> Response:
         """Send to the chosen engine (one retry on the next choice if it refuses) and build the
-        response; ``tickets`` receives each attempt's load ticket for the caller's cleanup."""
+        response."""
 
         upstream_headers = {"content-type": "application/json", "x-request-id": ctx.request_id}
         for name in FORWARDED_REQUEST_HEADERS:
@@ -471,21 +498,32 @@ class Router:
             if value is not None:
                 upstream_headers[name] = value
         path = ENDPOINT_PATHS[ctx.endpoint]
+        body = self._upstream_body(ctx)
         order = [decision.engine_id, *decision.fallbacks][:2]  # the choice, then one retry
         response: aiohttp.ClientResponse | None = None
-        ticket: LoadTicket | None = None
         for attempt, engine_id in enumerate(order):
             ctx.engine_id = engine_id
             ctx.attempts.append(engine_id)
             engine = self.tracker.engines[engine_id].config
-            if attempt > 0:  # the first attempt's ticket was taken when the engine was chosen
-                tickets.append(self._begin(ctx, decision, engine_id))
-            ticket = tickets[-1]
+            if attempt > 0:  # the first attempt's load was reserved when the engine was chosen
+                assert ctx.reservation is not None
+                ctx.reservation = self.core.reserve(
+                    ctx.reservation.policy,
+                    ctx.route_request,
+                    decision,
+                    time.monotonic(),
+                    engine_id=engine_id,
+                    arm=ctx.arm,
+                    candidates=ctx.fleet.engines if ctx.fleet is not None else (),
+                )
+            reservation = ctx.reservation
+            assert reservation is not None
+            ctx.sent_s = reservation.sent_s = time.monotonic()
             try:
-                response = await self.client.send(engine.url + path, ctx.raw_body, upstream_headers)
+                response = await self.client.send(engine.url + path, body, upstream_headers)
                 break
             except UpstreamConnectError as exc:
-                self.tracker.end(ticket)  # this attempt's share; the retry takes a new ticket
+                self.core.abandon(reservation)  # this attempt's share; the retry reserves anew
                 self.tracker.set_health(engine_id, False, str(exc))
                 self.metrics.upstream_error(engine_id, exc.kind)
                 log.warning(
@@ -496,7 +534,7 @@ class Router:
                     "; retrying on the next choice" if attempt + 1 < len(order) else "",
                 )
                 if attempt + 1 >= len(order):
-                    self._finish(ctx, arm, ticket, 502, str(exc), log_error=False)
+                    self._finish(ctx, 502, str(exc), log_error=False)
                     raise RouterError(
                         502,
                         f"engine {engine_id} is unreachable: {exc}",
@@ -504,11 +542,11 @@ class Router:
                         code="upstream_connect_error",
                     ) from None
             except UpstreamError as exc:
-                raise self._upstream_failure(ctx, arm, ticket, engine_id, exc) from None
+                raise self._upstream_failure(ctx, engine_id, exc) from None
             except BaseException:  # cancelled (server shutdown) or a bug: give the load back
-                self.tracker.end(ticket)
+                self.core.abandon(reservation)
                 raise
-        assert response is not None and ticket is not None
+        assert response is not None
         out_headers = {
             "x-kvroute-engine": ctx.engine_id,
             "x-kvroute-policy": ctx.policy_name,
@@ -520,46 +558,55 @@ class Router:
 
             def on_close() -> None:  # runs even if the stream never started (client gone at once)
                 response.close()
-                self._finish(
-                    ctx, arm, ticket, STATUS_CLIENT_GONE, "client disconnected before the stream began"
-                )
+                self._finish(ctx, STATUS_CLIENT_GONE, "client disconnected before the stream began")
 
             return _ProxyStream(
-                self._stream(ctx, arm, response, ticket),
+                self._stream(ctx, response),
                 on_close=on_close,
                 status_code=200,
                 headers=out_headers,
                 media_type=content_type,
             )
-        return await self._complete(ctx, arm, response, ticket, out_headers, content_type)
+        reservation = ctx.reservation
+        if reservation is not None:
+            # A non-stream body arrives only when generation is over: no token to time. The
+            # engine's prefill is assumed over at the predicted TTFT, so the queue does not
+            # count it for the whole answer (the scraped waiting gauge corrects the guess).
+            delay_s = reservation.parts.total_s
+            if 0 < delay_s < 3600:
+                asyncio.get_running_loop().call_later(delay_s, self.core.release_prefill, reservation)
+            else:
+                self.core.release_prefill(reservation)
+        return await self._complete(ctx, response, out_headers, content_type)
 
-    def _first_byte(self, ctx: RouteContext, ticket: LoadTicket) -> None:
-        ctx.first_byte_s = time.monotonic()
-        self.tracker.first_byte(ticket)
+    def _first_token(self, ctx: RouteContext) -> None:
+        ctx.first_token_s = now = time.monotonic()
+        if ctx.reservation is not None:
+            self.core.on_first_token(ctx.reservation, now)
         self._notify("on_first_byte", ctx)
 
-    def _finish(
-        self,
-        ctx: RouteContext,
-        arm: Arm,
-        ticket: LoadTicket,
-        status: int,
-        error: str = "",
-        *,
-        log_error: bool = True,
-    ) -> None:
+    def _finish(self, ctx: RouteContext, status: int, error: str = "", *, log_error: bool = True) -> None:
         """Account the end of a request once (later calls are no-ops). ``log_error=False`` when the
         caller raises a RouterError, which the app logs."""
         if ctx.finished_s is not None:
             return
-        self.tracker.end(ticket)
         ctx.http_status, ctx.finished_s = status, time.monotonic()
         ctx.error = error
         if error and log_error:
             log.warning(
                 "request %s on engine %s: %s (status %d)", ctx.request_id, ctx.engine_id, error, status
             )
-        arm.policy.on_finished(ctx.route_request, ctx.engine_id, ctx.ok)
+        if ctx.reservation is not None:
+            usage = ctx.usage or {}
+            prompt_tokens = usage.get("prompt_tokens")
+            outcome = Outcome(
+                ok=ctx.ok,
+                cached_tokens=ctx.cached_tokens,
+                prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) else None,
+                client_gone=status == STATUS_CLIENT_GONE,
+                client_ttft_s=ctx.ttft_s,
+            )
+            self.core.on_finished(ctx.reservation, outcome, ctx.finished_s)
         self._notify("on_finished", ctx)
         if log.isEnabledFor(logging.INFO):
             ttft_s = ctx.ttft_s
@@ -574,76 +621,123 @@ class Router:
                 (ctx.usage or {}).get("prompt_tokens"),
             )
 
-    async def _stream(
-        self, ctx: RouteContext, arm: Arm, response: aiohttp.ClientResponse, ticket: LoadTicket
-    ) -> AsyncIterator[bytes]:
-        """Forward SSE bytes as they arrive; keep the tail to read the final usage chunk."""
+    async def _stream(self, ctx: RouteContext, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        """Forward SSE bytes as they arrive; keep the tail to read the final usage chunk, or take
+        the usage chunk out when the router asked for it on the client's behalf."""
         tail: deque[bytes] = deque()  # the last chunks, about _USAGE_TAIL_BYTES of them
         tail_bytes = 0
+        strip = _UsageChunkStripper() if ctx.strip_usage else None
         status, error = 200, ""
         try:
             async for chunk in iter_body(response):
-                if ctx.first_byte_s is None and b"data:" in chunk:  # not a keep-alive comment
-                    self._first_byte(ctx, ticket)
-                tail.append(chunk)
-                tail_bytes += len(chunk)
-                while tail_bytes - len(tail[0]) >= _USAGE_TAIL_BYTES:
-                    tail_bytes -= len(tail.popleft())
+                if ctx.first_token_s is None and b"data:" in chunk:  # not a keep-alive comment
+                    self._first_token(ctx)
+                if strip is not None:
+                    chunk = strip.feed(chunk)
+                    if not chunk:
+                        continue
+                else:
+                    tail.append(chunk)
+                    tail_bytes += len(chunk)
+                    while tail_bytes - len(tail[0]) >= _USAGE_TAIL_BYTES:
+                        tail_bytes -= len(tail.popleft())
                 yield chunk
+            if strip is not None and strip.pending:
+                yield strip.flush()
         except UpstreamError as exc:
             # Headers are sent: the client sees a truncated stream (no [DONE]); count it as 502.
             self.metrics.upstream_error(ctx.engine_id, exc.kind)
             status, error = 502, f"stream broke off: {exc}"
         except (asyncio.CancelledError, GeneratorExit):
             # A client that hangs up right after the final [DONE] got the whole answer.
-            if not (tail and b"data: [DONE]" in tail[-1]):
+            done = strip.done if strip is not None else bool(tail and b"data: [DONE]" in tail[-1])
+            if not done:
                 status, error = STATUS_CLIENT_GONE, "client disconnected; upstream request cancelled"
             raise
         finally:
             response.close()  # closing the socket is what cancels the request in the engine
-            ctx.usage = usage_from_stream_tail(b"".join(tail))
-            self._finish(ctx, arm, ticket, status, error)
+            ctx.usage = strip.usage if strip is not None else usage_from_stream_tail(b"".join(tail))
+            self._finish(ctx, status, error)
 
     async def _complete(
         self,
         ctx: RouteContext,
-        arm: Arm,
         response: aiohttp.ClientResponse,
-        ticket: LoadTicket,
         out_headers: dict[str, str],
         content_type: str,
     ) -> Response:
         """Read a whole (non-stream or error) answer."""
         try:
-            data = await self._read_all(ctx, response, ticket)
+            parts = [chunk async for chunk in iter_body(response)]
         except UpstreamError as exc:
-            raise self._upstream_failure(ctx, arm, ticket, ctx.engine_id, exc) from None
+            raise self._upstream_failure(ctx, ctx.engine_id, exc) from None
         finally:
             response.close()
+        data = b"".join(parts)
         if response.status >= 500:
             self.metrics.upstream_error(ctx.engine_id, f"http_{response.status}")
         if response.status == 200:
             ctx.usage = _usage_from_json(data)
         self._finish(
-            ctx,
-            arm,
-            ticket,
-            response.status,
-            "" if response.status < 400 else f"engine answered {response.status}",
+            ctx, response.status, "" if response.status < 400 else f"engine answered {response.status}"
         )
         return Response(
             content=data, status_code=response.status, headers=out_headers, media_type=content_type
         )
 
-    async def _read_all(
-        self, ctx: RouteContext, response: aiohttp.ClientResponse, ticket: LoadTicket
-    ) -> bytes:
-        parts: list[bytes] = []
-        async for chunk in iter_body(response):
-            if ctx.first_byte_s is None:
-                self._first_byte(ctx, ticket)
-            parts.append(chunk)
-        return b"".join(parts)
+
+class _UsageChunkStripper:
+    """Removes the usage-only SSE event (``"choices": []`` with ``usage``) that the router asked
+    the engine for, passing every other byte through unchanged. Bytes are held back only up to
+    the end of the current event (a client cannot use half an event anyway)."""
+
+    __slots__ = ("_buffer", "done", "usage")
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self.usage: dict[str, Any] | None = None
+        self.done = False
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._buffer)
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._buffer + chunk if self._buffer else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._buffer = data
+            return b""
+        complete, self._buffer = data[: cut + 2], data[cut + 2 :]
+        if b"data: [DONE]" in complete:
+            self.done = True
+        if b'"usage"' not in complete:
+            return complete
+        kept: list[bytes] = []
+        for event in complete.split(b"\n\n")[:-1]:
+            usage = self._usage_only(event)
+            if usage is not None:
+                self.usage = usage
+                continue
+            kept.append(event + b"\n\n")
+        return b"".join(kept)
+
+    def flush(self) -> bytes:
+        out, self._buffer = self._buffer, b""
+        return out
+
+    @staticmethod
+    def _usage_only(event: bytes) -> dict[str, Any] | None:
+        line = event.strip()
+        if b'"usage"' not in line or not line.startswith(b"data:"):
+            return None
+        try:
+            doc = _decode_json(line[5:].strip())
+        except msgspec.DecodeError:
+            return None
+        if isinstance(doc, dict) and doc.get("choices") == [] and isinstance(doc.get("usage"), dict):
+            return doc["usage"]
+        return None
 
 
 class _ProxyStream(StreamingResponse):

@@ -1,8 +1,9 @@
 """Builds the running router from its configuration: ``build_router_app(config, config_path)``.
 
 Wires the prefix index, the KV-event manager, the tokenizer, the cost model, the experiments, the
-annotator (prompt -> block keys -> index matches), speculation, calibration and experiment
-observers, per-engine /metrics scrapers, the silent-event-source watchdog and the extra endpoints
+routing core (``kvcore.core.RoutingCore``: load, speculation, calibration, self-check, experiment
+recording), the annotator (prompt -> block keys -> index matches), the trace observer,
+per-engine /metrics scrapers, the silent-event-source watchdog and the extra endpoints
 (/v1/route/explain, /debug/index, /debug/costs, /v1/experiments, /admin/*) onto ``create_app``.
 """
 
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +27,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import JSONResponse, Response
 
 from kvcore import sim_tokenizer
+from kvcore.core import CoreConfig, RoutingCore
 from kvcore.index import PrefixIndex
 from kvcore.keys import block_keys, namespace_seed, request_extra_keys
-from policies.base import NO_MATCH, TIERS, RouteRequest
-from policies.costs import CostModel, PredictedParts
+from policies.base import TIERS
+from policies.costs import CostModel
 from router.app import create_app
 from router.config import ConfigError, EngineConfig, RouterConfig, load_config
 from router.errors import RouterError
@@ -161,88 +164,7 @@ class IndexAnnotator:
             )
 
 
-def hit_tokens_by_tier(request: RouteRequest, engine_id: str, cached_tokens: int | None) -> list[float]:
-    """The chosen engine's index match in tokens per tier, capped (cheapest tier first) by what
-    the engine reported as cached, else by prompt - 1 (the last token is always computed)."""
-    match = request.prefix_matches.get(engine_id, NO_MATCH)
-    cap = float(cached_tokens) if cached_tokens is not None else max(0.0, request.prompt_tokens - 1.0)
-    out = [0.0, 0.0, 0.0]
-    for tier in TIERS:
-        take = min(float(match.blocks_by_tier[tier] * request.block_size), cap - sum(out))
-        out[tier] = max(0.0, take)
-    return out
-
-
 # ----------------------------------------------------------------------------- observers
-
-
-class SpeculationObserver:
-    """After routing, the prompt's blocks count as GPU entries of the chosen engine for ttl_s."""
-
-    def __init__(self, index: PrefixIndex, ttl_s: float) -> None:
-        self._index = index
-        self._ttl_s = ttl_s
-
-    def on_routed(self, ctx: RouteContext) -> None:
-        keys = ctx.route_request.block_keys
-        if keys and ctx.decision is not None:
-            self._index.speculate(ctx.decision.engine_id, keys, self._ttl_s, time.monotonic())
-
-    def on_first_byte(self, ctx: RouteContext) -> None:
-        return None
-
-    def on_finished(self, ctx: RouteContext) -> None:
-        return None
-
-
-class CalibrationObserver:
-    """Feeds finished requests to the cost model: tier_cost's predicted parts vs the observed TTFT
-    (which also runs the index self-check), or only the self-check for other policies."""
-
-    def __init__(self, costs: CostModel) -> None:
-        self._costs = costs
-
-    def on_routed(self, ctx: RouteContext) -> None:
-        return None
-
-    def on_first_byte(self, ctx: RouteContext) -> None:
-        return None
-
-    def on_finished(self, ctx: RouteContext) -> None:
-        if not ctx.ok or ctx.decision is None or not ctx.engine_id:
-            return
-        cached = ctx.cached_tokens
-        scores = ctx.decision.scores.get(ctx.engine_id, {})
-        ttft_s = ctx.ttft_s
-        if "prefill_tokens" in scores and ttft_s is not None:
-            parts = PredictedParts.from_scores(scores)
-            self._costs.observe(ctx.engine_id, parts, ttft_s, cached, time.monotonic())
-        elif cached is not None and ctx.route_request.block_keys:
-            predicted = sum(hit_tokens_by_tier(ctx.route_request, ctx.engine_id, None))
-            self._costs.selfcheck.observe(ctx.engine_id, predicted, cached)
-
-
-class ExperimentObserver:
-    """Records each finished request to its arm: TTFT, ok, hit tokens by tier, prompt tokens."""
-
-    def __init__(self, experiments: Experiments) -> None:
-        self._experiments = experiments
-
-    def on_routed(self, ctx: RouteContext) -> None:
-        return None
-
-    def on_first_byte(self, ctx: RouteContext) -> None:
-        return None
-
-    def on_finished(self, ctx: RouteContext) -> None:
-        if not ctx.arm or ctx.http_status == 499:  # the client left: says nothing about the arm
-            return
-        usage = ctx.usage or {}
-        prompt_tokens = usage.get("prompt_tokens")
-        if not isinstance(prompt_tokens, int):
-            prompt_tokens = ctx.route_request.prompt_tokens
-        hits = hit_tokens_by_tier(ctx.route_request, ctx.engine_id, ctx.cached_tokens) if ctx.ok else []
-        self._experiments.record(ctx.arm, ctx.ttft_s, ctx.ok, hits or (0.0, 0.0, 0.0), float(prompt_tokens))
 
 
 class TraceObserver:
@@ -301,9 +223,13 @@ class RouterServices:
         experiments: Experiments,
         tokenizer: Any,
         install_sighup: bool = False,
+        reload_config: Callable[[], RouterConfig] | None = None,
     ) -> None:
+        """``reload_config``: re-reads every layer the router started with (file, env, command
+        line, fleet file); default: the file at ``config_path`` alone."""
         self.config = config
         self.config_path = config_path
+        self.reload_config = reload_config
         self.tracker = tracker
         self.metrics = metrics
         self.index = index
@@ -503,7 +429,7 @@ class RouterServices:
                 code="no_config_file",
             )
         try:
-            new_config = load_config(self.config_path)
+            new_config = self.reload_config() if self.reload_config else load_config(self.config_path)
         except ConfigError as exc:
             raise RouterError(400, f"reload failed, old config kept: {exc}", code="invalid_config") from None
         self.experiments.reload(experiment_arms(new_config))
@@ -602,9 +528,15 @@ def build_index(config: RouterConfig) -> PrefixIndex | None:
 
 
 def build_router_app(
-    config: RouterConfig, config_path: str | Path | None = None, *, install_sighup: bool = False
+    config: RouterConfig,
+    config_path: str | Path | None = None,
+    *,
+    install_sighup: bool = False,
+    reload_config: Callable[[], RouterConfig] | None = None,
 ) -> FastAPI:
-    """The full router used by ``kvroute serve``; ``config_path`` is what /admin/reload re-reads."""
+    """The full router used by ``kvroute serve``. /admin/reload and SIGHUP call ``reload_config``
+    (``kvroute serve`` passes one that re-applies the environment and its command-line flags
+    over the re-read file), else re-read ``config_path`` alone."""
     metrics = create_metrics()
     tracker = LoadTracker(config.engines, metrics)
     index = build_index(config)
@@ -616,11 +548,10 @@ def build_router_app(
     tokenizer = build_tokenizer(config, tracker)
     for arm in experiments.arms:
         if needs_block_keys(arm.policy) and tokenizer is None:
-            log.warning(
-                'arm %s: policy %s needs prompt block keys but tokenizer.backend is "none"; chat '
-                "requests get no keys (set tokenizer.backend to sim, hf or engine)",
-                arm.name,
-                arm.policy.name,
+            # Without keys such a policy would silently fall back to its load tiebreak.
+            raise ConfigError(
+                f"experiment arm {arm.name!r}: policy {arm.policy.name!r} needs prompt block keys but "
+                'tokenizer.backend is "none"; set tokenizer.backend to "sim", "hf" or "engine"'
             )
     services = RouterServices(
         config,
@@ -632,12 +563,19 @@ def build_router_app(
         experiments=experiments,
         tokenizer=tokenizer,
         install_sighup=install_sighup,
+        reload_config=reload_config,
     )
     metrics.add_collector(services.collect)
     annotator = IndexAnnotator(config, tokenizer, index, namespace=namespace_seed(config.tokenizer.namespace))
-    observers: list[Any] = [services, CalibrationObserver(costs), ExperimentObserver(experiments)]
-    if index is not None and config.index.speculation_ttl_s > 0:
-        observers.append(SpeculationObserver(index, config.index.speculation_ttl_s))
+    core = RoutingCore(
+        ledger=tracker.ledger,
+        costs=costs,
+        index=index,
+        config=CoreConfig(speculation_ttl_s=config.index.speculation_ttl_s if index is not None else 0.0),
+        recorder=experiments,
+        index_trusted=services.index_trusted,
+    )
+    observers: list[Any] = [services]
     if config.trace.path:
         observers.append(
             TraceObserver(config.trace.path, config.engines[0].block_size, config.trace.block_tokens)
@@ -652,14 +590,14 @@ def build_router_app(
         tokenizer=None,
         annotator=annotator,
         observers=observers,
-        costs=costs,
-        index_trusted=services.index_trusted,
+        core=core,
     )
     app.state.index = index
     app.state.tokenizer = tokenizer
     app.state.services = services
     app.state.costs = costs
     app.state.experiments = experiments
+    app.state.core = core
     _add_endpoints(app, config, services)
     return app
 
@@ -709,11 +647,14 @@ def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices)
     async def debug_costs() -> Response:
         body = services.costs.snapshot()
         body["scrape_errors"] = dict(services.scrape_errors)
+        body["core"] = dataclasses.asdict(router.core.counters)
         return JSONResponse(body)
 
     @app.get("/v1/experiments")
     async def experiments_report() -> Response:
-        return JSONResponse(services.experiments.report())
+        # The bootstrap is CPU work (numpy): copy on the loop, compute in a thread.
+        snapshot = services.experiments.snapshot()
+        return JSONResponse(await asyncio.to_thread(services.experiments.report, snapshot))
 
     def check_admin(request: Request) -> None:
         token = config.admin.token
@@ -757,6 +698,6 @@ def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices)
                 )
         except RouterError as err:
             return _json_error(err)
-        services.tracker.engines[engine_id].drained = True
+        services.tracker.drain(engine_id)
         log.warning("engine %s drained by admin: no new requests go there", engine_id)
         return JSONResponse({"drained": engine_id})

@@ -1,10 +1,10 @@
 """Offline fleet simulator: N sim/engine.py EngineCores in virtual time behind any routing policy.
 
-A discrete-event simulation (heap of (time, seq, event)) that runs the router's own parts - the
-policy from policies/, router.index.PrefixIndex fed with the engines' KV events through
-router.events.decode_events after a configurable delay, speculation, in-flight accounting and the
-policies.costs.CostModel calibrated from simulated TTFTs - and reports TTFT, throughput, hit rate by
-tier against the ideal (infinite shared cache). Deterministic for a given seed. CLI: ``main(argv)``.
+A discrete-event simulation (heap of (time, seq, event)) that drives the router's own routing core
+(``kvcore.core.RoutingCore``: candidate filter and large-fleet pre-filter, the policy, load ledger,
+speculation, calibration, self-check) with the PrefixIndex fed by the engines' KV events after a
+configurable delay, and reports TTFT, throughput, hit rate by tier against the ideal (infinite
+shared cache). Deterministic for a given seed. CLI: ``main(argv)``.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sortedcontainers import SortedList
-
+from kvcore.core import CoreConfig, InMemoryLoadLedger, Outcome, Reservation, RoutingCore
 from kvcore.index import PrefixIndex
 from kvcore.keys import block_keys
+from kvcore.stats import percentile as _percentile
 from loadtest.workloads import (
     Conversation,
     LadderConfig,
@@ -49,7 +49,7 @@ from policies.base import (
     build_policy,
     require_engines,
 )
-from policies.costs import CostModel, EngineCosts, PredictedParts, predicted_prefill_tokens
+from policies.costs import CostModel, EngineCosts
 from sim.cache import StoragePool
 from sim.engine import EngineCore, EngineProfile, SimRequest, StepOutput
 from sim.hashing import BlockHashCache, HashChain
@@ -259,11 +259,8 @@ class _Req:
     engine: int
     arrival_s: float
     prompt_tokens: int
-    route: RouteRequest
-    parts: PredictedParts | None
-    #: What this request added to its engine's ``queued_prefill_tokens`` (removed at first token).
-    queued_tokens: int = 0
-    first_token_s: float | None = None
+    #: The routing core's reservation (load, predicted parts, first token).
+    reservation: Reservation
 
 
 @dataclass(slots=True)
@@ -316,12 +313,9 @@ class SimResult:
         return d
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending sequence (0.0 when empty)."""
-    if not sorted_values:
-        return 0.0
-    rank = max(1, math.ceil(q / 100.0 * len(sorted_values)))
-    return sorted_values[min(rank, len(sorted_values)) - 1]
+def percentile(values: Sequence[float], q: float) -> float:
+    """The project's one percentile (``kvcore.stats.percentile``), 0.0 when empty (tables)."""
+    return _percentile(values, q) if len(values) else 0.0
 
 
 class FleetSimulator:
@@ -400,10 +394,22 @@ class FleetSimulator:
         self.policy_name = getattr(self.policy, "name", str(policy))
         #: Engines that stepped since the last scrape (the others' metrics did not change).
         self._stepped: set[int] = set()
-        #: (queued prefill tokens, in flight, engine position) of every engine, when pre-filtering.
-        self._load_order: SortedList | None = None
-        if 0 < cfg.prefilter_above_engines < len(self.views):
-            self._load_order = SortedList((0, 0, i) for i in range(len(self.views)))
+        # The router's own core: a sorted ledger only when the pre-filter will ask for least loaded.
+        self.ledger = InMemoryLoadLedger(
+            self.engine_ids, ordered=0 < cfg.prefilter_above_engines < len(self.views)
+        )
+        self.core = RoutingCore(
+            ledger=self.ledger,
+            costs=self.costs,
+            index=self.index,
+            config=CoreConfig(
+                speculation_ttl_s=cfg.speculate_ttl_s,
+                prefilter_above_engines=cfg.prefilter_above_engines,
+                prefilter_keep=cfg.prefilter_least_loaded,
+                queue_whole_prompt=cfg.queue_whole_prompt,
+                calibrate=cfg.calibrate,
+            ),
+        )
         # Trace mode keys: one pseudo-token per block id (block_size 1), as the engine's events.
         self._key_block_size = fleet.block_size if cfg.token_mode else 1
 
@@ -627,36 +633,9 @@ class FleetSimulator:
                 for block_id in turn.block_ids:
                     chain.append((block_id,))
             self.clairvoyant.hashes = chain.hashes
-        candidates = self.views
-        if self._load_order is not None and uses_index:
-            # The engines with the longest local (GPU or CPU) hits - a shared storage pool's copy is
-            # everyone's - plus the least loaded ones.
-            limit = self.config.prefilter_least_loaded
-            local = heapq.nlargest(
-                limit,
-                (
-                    (m.blocks_by_tier[0] + m.blocks_by_tier[1], e)
-                    for e, m in route.prefix_matches.items()
-                    if m.blocks_by_tier[0] or m.blocks_by_tier[1]
-                ),
-            )
-            candidates = [self.views[self._pos[e]] for _, e in local]
-            seen = {v.engine_id for v in candidates}
-            for _, _, idx in self._load_order.islice(0, limit + len(seen)):
-                view_i = self.views[idx]
-                if view_i.engine_id not in seen:
-                    candidates.append(view_i)
-                    if len(candidates) >= len(seen) + limit:
-                        break
-        fleet = FleetView(engines=candidates, now=now, costs=self.costs)
-        decision = self.policy.choose(route, fleet)
-        self.policy.on_routed(route, decision)
-        engine = self._pos[decision.engine_id]
-        if uses_index and self.config.speculate_ttl_s > 0:
-            self.index.speculate(decision.engine_id, keys, self.config.speculate_ttl_s, now)
-        self._add_load(engine, 1, 0)
-        score = decision.scores.get(decision.engine_id)
-        parts = PredictedParts.from_scores(score) if score and "wait_tokens" in score else None
+        # filter -> score -> reserve: the same calls the router makes.
+        reservation = self.core.route(self.policy, route, self.views, now)
+        engine = self._pos[reservation.engine_id]
         if tokens is not None:
             sim_req = SimRequest(request_id, tokens, max_tokens=turn.output_tokens)
         else:
@@ -671,27 +650,9 @@ class FleetSimulator:
             self.cores[engine].add_request(sim_req)
         except ValueError:
             # A real engine answers 400; the router counts the failure and the client moves on.
-            self._add_load(engine, -1, 0)
-            self.policy.on_finished(route, decision.engine_id, False)
+            self.core.on_finished(reservation, Outcome(ok=False), now)
             return None
-        # Queue only what the chosen engine is predicted to compute: a mostly cached prompt barely
-        # delays the next one, and counting it whole pushes the next turn away from its history.
-        queued = (
-            prompt_tokens if self.config.queue_whole_prompt else predicted_prefill_tokens(route, decision)
-        )
-        self._add_load(engine, 0, queued)
-        return _Req(request_id, slot, k, engine, now, prompt_tokens, route, parts, queued)
-
-    def _add_load(self, i: int, in_flight: int, queued_tokens: int) -> None:
-        """Change engine i's in-flight accounting (and its place in the pre-filter order)."""
-        view = self.views[i]
-        order = self._load_order
-        if order is not None:
-            order.remove((view.queued_prefill_tokens, view.in_flight, i))
-        view.in_flight += in_flight
-        view.queued_prefill_tokens += queued_tokens
-        if order is not None:
-            order.add((view.queued_prefill_tokens, view.in_flight, i))
+        return _Req(request_id, slot, k, engine, now, prompt_tokens, reservation)
 
     def _on_step(
         self,
@@ -703,22 +664,22 @@ class FleetSimulator:
         ttfts: list[float],
         push: Callable[[float, int, Any], None],
     ) -> None:
-        engine_id = self.engine_ids[i]
+        core = self.core
         for rid, toks in out.new_token_ids.items():
             if not toks:
                 continue
             r = reqs.get(rid)
-            if r is not None and r.first_token_s is None:
-                r.first_token_s = now
+            if r is not None and r.reservation.first_token_s is None:
+                core.on_first_token(r.reservation, now)
                 ttfts.append(now - r.arrival_s)
-                self._add_load(i, 0, -r.queued_tokens)
         for fin in out.finished:
             r = reqs[fin.request_id]
-            self._add_load(i, -1, 0)
-            ok = fin.finish_reason != "abort"
-            self.policy.on_finished(r.route, engine_id, ok)
-            if self.config.calibrate and r.parts is not None and r.first_token_s is not None:
-                self.costs.observe(engine_id, r.parts, r.first_token_s - r.arrival_s, fin.cached_tokens, now)
+            outcome = Outcome(
+                ok=fin.finish_reason != "abort",
+                cached_tokens=fin.cached_tokens,
+                prompt_tokens=fin.prompt_tokens,
+            )
+            core.on_finished(r.reservation, outcome, now)
         if out.events:
             push(now + self.config.event_delay_s, _DELIVER, (i, out.events))
 
@@ -746,7 +707,6 @@ class FleetSimulator:
                     },
                     now,
                 )
-            view.index_trusted = self.costs.index_trusted(core.engine_id)
 
     def _slow_down(self, engine_id: str, factor: float) -> None:
         core = self.cores[self._pos[engine_id]]

@@ -8,6 +8,9 @@ from collections import Counter
 import msgspec
 import pytest
 
+from kvcore.core import RoutingCore
+from policies.base import RouteRequest
+from policies.costs import CostModel
 from router.config import EngineConfig, RouterConfig
 from router.errors import RouterError
 from router.load import LoadTracker
@@ -99,7 +102,7 @@ def test_weighted_arms_are_sticky_and_weighted() -> None:
     assert build_arm_selector(RouterConfig()).select("x").name == "default"
 
 
-def test_load_tracker_accounting_and_candidates() -> None:
+def test_load_tracker_ledger_and_core_filter() -> None:
     metrics = create_metrics()
     tracker = LoadTracker(
         [
@@ -109,24 +112,31 @@ def test_load_tracker_accounting_and_candidates() -> None:
         ],
         metrics,
     )
-    ticket = tracker.begin("a", 1000)
-    second = tracker.begin("a", 500)
-    view = {v.engine_id: v for v in tracker.candidates("m")}
+    core = RoutingCore(ledger=tracker.ledger, costs=CostModel())
+    request = RouteRequest("r", model="m")
+    ticket = tracker.ledger.reserve("a", 1000)
+    second = tracker.ledger.reserve("a", 500)
+    view = {v.engine_id: v for v in core.filter(request, tracker.all_views())}
     assert set(view) == {"a", "c"}
     assert (view["a"].in_flight, view["a"].queued_prefill_tokens) == (2, 1500)
-    tracker.first_byte(ticket)
-    tracker.first_byte(ticket)  # idempotent
-    assert tracker.engines["a"].queued_prefill_tokens == 500
-    tracker.end(ticket)
-    tracker.end(ticket)
-    tracker.end(second)  # ends without a first byte: its prefill share goes too
-    assert (tracker.engines["a"].in_flight, tracker.engines["a"].queued_prefill_tokens) == (0, 0)
+    assert 'kvroute_in_flight{engine="a"} 2.0' in metrics.render().decode()
+    tracker.ledger.first_token(ticket)
+    tracker.ledger.first_token(ticket)  # idempotent
+    assert tracker.load("a") == (2, 500)
+    tracker.ledger.finish(ticket)
+    tracker.ledger.finish(ticket)
+    tracker.ledger.finish(second)  # ends without a first token: its prefill share goes too
+    assert tracker.load("a") == (0, 0)
     tracker.set_health("a", False, "refused")
-    assert [v.engine_id for v in tracker.candidates("m")] == ["c"]
+    assert [v.engine_id for v in core.filter(request, tracker.all_views())] == ["c"]
+    tracker.set_health("a", True)
+    tracker.drain("c")
+    assert [v.engine_id for v in core.filter(request, tracker.all_views())] == ["a"]
+    assert [s.config.id for s in tracker.serving()] == ["a", "b"]
     assert tracker.knows_model("other") and tracker.knows_model("anything")  # thanks to "c"
     tracker.set_models("c", [{"id": "m2", "object": "model"}])
     assert not tracker.knows_model("anything")
     assert sorted(card["id"] for card in tracker.model_cards()) == ["m", "m2", "other"]
     tracker.update_scraped("c", {"num_requests_waiting": 4.0})
-    assert tracker.candidates("m2")[0].num_requests_waiting == 4
-    assert 'kvroute_engine_healthy{engine="a"} 0.0' in metrics.render().decode()
+    assert tracker.view(tracker.engines["c"]).num_requests_waiting == 4
+    assert 'kvroute_engine_healthy{engine="a"} 1.0' in metrics.render().decode()

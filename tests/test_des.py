@@ -290,8 +290,7 @@ def test_in_flight_accounting_queues_predicted_uncached_tokens_and_balances_out(
         sim = FleetSimulator(wl, "tier_cost", fleet, SimConfig(seed=1, queue_whole_prompt=whole))
         runs[whole] = sim.run()
         # Every request's queued tokens were removed at its first token: nothing leaks.
-        assert [v.queued_prefill_tokens for v in sim.views] == [0, 0, 0, 0]
-        assert [v.in_flight for v in sim.views] == [0, 0, 0, 0]
+        assert [sim.ledger.load(e) for e in sim.engine_ids] == [(0, 0)] * 4
     assert runs[False].requests == runs[True].requests == wl.num_requests
     # Counting cached history as pending prefill pushes turns off their engine: fewer GPU hits.
     assert runs[False].hit_gpu >= runs[True].hit_gpu

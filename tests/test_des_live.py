@@ -95,7 +95,9 @@ def _live_hit_rate(
     return cached_total / prompt_total, prompt_total
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "session_affinity"])
+@pytest.mark.parametrize(
+    "policy", ["round_robin", "session_affinity", "kv_gpu", "kv_fixed_credit", "tier_cost"]
+)
 def test_des_and_live_fleet_agree_on_hit_rate(
     policy: str, tmp_path: Path, serve_asgi: Callable[..., ThreadedServer]
 ) -> None:

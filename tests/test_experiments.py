@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from router.experiments import Experiments, parse_experiment_config, percentile, t_quantile, welch_interval
+from kvcore.stats import ConversationTotals, cluster_bootstrap_diff, hit_rate, mean_ttft, percentile
+from router.experiments import Experiments, parse_experiment_config
 
 # Chi-square critical values at p = 0.001: 1 degree of freedom.
 CHI2_CRIT_1DF = 10.83
@@ -93,52 +94,102 @@ def test_single_policy_config_and_errors() -> None:
 def test_report_numbers_on_known_samples() -> None:
     exp = two_arms(50, 50)
     for i in range(1, 101):
-        exp.record("control", i / 100, ok=True, hit_tokens_by_tier=(100, 50, 0), prompt_tokens=300)
-        exp.record("treat", i / 100 - 0.2, ok=True, hit_tokens_by_tier=(0, 0, 200), prompt_tokens=400)
-    exp.record("treat", None, ok=False)
+        conv = f"c{i % 20}"  # 20 conversations of 5 turns per arm
+        exp.record_turn(
+            "control",
+            conv,
+            ok=True,
+            ttft_s=i / 100,
+            cached_tokens=150,
+            prompt_tokens=300,
+            predicted_hit_tokens_by_tier=(100, 50, 0),
+        )
+        exp.record_turn(
+            "treat",
+            conv,
+            ok=True,
+            ttft_s=i / 100 - 0.2,
+            cached_tokens=300,
+            prompt_tokens=400,
+            predicted_hit_tokens_by_tier=(0, 0, 400),
+        )
+    exp.record_turn("treat", "c1", ok=False, ttft_s=None, cached_tokens=None, prompt_tokens=10)
+    # A non-stream turn: no TTFT, but its usage counts for the hit rate.
+    exp.record_turn("treat", "c1", ok=True, ttft_s=None, cached_tokens=0, prompt_tokens=400)
     report = exp.report()
     assert report["control"] == "control"
     control, treat = report["arms"]
     assert control["requests"] == 100 and control["errors"] == 0
-    assert treat["requests"] == 101 and treat["errors"] == 1
+    assert treat["requests"] == 102 and treat["errors"] == 1
+    assert treat["requests_without_ttft"] == 1 and treat["ttft_samples"] == 100
+    assert control["conversations"] == 20
     assert control["ttft_p50_s"] == pytest.approx(0.505)
     assert control["ttft_p90_s"] == pytest.approx(0.901)
     assert control["ttft_p99_s"] == pytest.approx(0.9901)
-    assert control["mean_hit_tokens"] == {"gpu": 100, "cpu": 50, "storage": 0}
+    # The hit rate is what the engines reported; the index's tier split is labelled a prediction.
     assert control["hit_rate"] == pytest.approx(0.5)
-    assert treat["hit_rate"] == pytest.approx(0.5)
+    assert treat["hit_rate"] == pytest.approx(30_000 / 40_400)
+    assert control["predicted"]["mean_hit_tokens"] == {"gpu": 100, "cpu": 50, "storage": 0}
+    assert treat["predicted"]["hit_rate"] == pytest.approx(40_000 / 40_400)
     vs = treat["vs_control"]
     assert vs["median_diff_s"] == pytest.approx(-0.2)
-    assert vs["mean_diff_s"] == pytest.approx(-0.2)
-    # Same spread on both sides: se = sqrt(2 x var/100), var of 0.01..1.00 = 0.084167.
-    se = math.sqrt(2 * 0.0841666 / 100)
-    low, high = vs["mean_diff_ci_s"]
-    assert low == pytest.approx(-0.2 - 1.9720 * se, rel=1e-3)  # t(0.975, df=198) = 1.9720
-    assert high == pytest.approx(-0.2 + 1.9720 * se, rel=1e-3)
+    assert vs["mean_ttft_diff_s"] == pytest.approx(-0.2)
+    low, high = vs["mean_ttft_diff_ci_s"]
+    assert low < -0.2 < high
+    assert vs["hit_rate_diff"] == pytest.approx(30_000 / 40_400 - 0.5)
+    assert vs["conversations"] == [20, 20]
     assert "vs_control" not in control
 
 
 def test_reservoir_is_bounded_and_uniform() -> None:
     exp = Experiments({"policy": "tier_cost"}, reservoir_size=500)
     for i in range(20_000):
-        exp.record("tier_cost", float(i), ok=True)
+        exp.record_turn("tier_cost", f"c{i}", ok=True, ttft_s=float(i), cached_tokens=None, prompt_tokens=1)
     arm = exp.report()["arms"][0]
     assert arm["ttft_samples"] == 500 and arm["requests"] == 20_000
     assert 8_000 < arm["ttft_p50_s"] < 12_000  # the median of 0..19,999 is ~10,000
 
 
-def test_statistics_helpers() -> None:
+def test_percentile_is_numpy_linear() -> None:
     assert math.isnan(percentile([], 50))
     assert percentile([3.0], 99) == 3.0
-    assert t_quantile(0.975, 10) == pytest.approx(2.228, abs=0.005)
-    assert t_quantile(0.975, 1e6) == pytest.approx(1.960, abs=0.001)
-    assert welch_interval([1.0], [1.0, 2.0]) is None
-    rng = random.Random(5)
-    covered = 0
-    for _ in range(200):
-        a = [rng.gauss(1.0, 0.3) for _ in range(40)]
-        b = [rng.gauss(1.1, 0.6) for _ in range(25)]
-        ci = welch_interval(a, b)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
+
+
+def _clustered_arm(rng: random.Random, mean_s: float, conversations: int) -> list[ConversationTotals]:
+    """Conversations of 8 turns sharing a strong per-conversation effect (sd 0.5 s) plus turn noise
+    (sd 0.1 s): turns of one conversation are far from independent."""
+    out = []
+    for _ in range(conversations):
+        effect = rng.gauss(0.0, 0.5)
+        ttfts = [mean_s + effect + rng.gauss(0.0, 0.1) for _ in range(8)]
+        out.append(ConversationTotals(sum(ttfts), len(ttfts), 0.0, 1.0))
+    return out
+
+
+def test_cluster_bootstrap_covers_the_true_difference_where_per_request_intervals_do_not() -> None:
+    rng = random.Random(7)
+    trials, cluster_cover, naive_cover = 120, 0, 0
+    for trial in range(trials):
+        a = _clustered_arm(rng, 1.0, 30)
+        b = _clustered_arm(rng, 1.2, 30)
+        ci = cluster_bootstrap_diff(a, b, mean_ttft, resamples=400, seed=trial)
         assert ci is not None
-        covered += ci["low"] <= 0.1 <= ci["high"]
-    assert 180 <= covered <= 199  # ~95% coverage of the true difference
+        cluster_cover += ci.low <= 0.2 <= ci.high
+        # The same data as 240 independent requests per arm (what a per-request Welch interval
+        # assumes): each conversation becomes 8 requests at its mean, the interval shrinks ~sqrt(8).
+        flat_a = [ConversationTotals(c.ttft_sum_s / 8, 1, 0, 1) for c in a for _ in range(8)]
+        flat_b = [ConversationTotals(c.ttft_sum_s / 8, 1, 0, 1) for c in b for _ in range(8)]
+        naive = cluster_bootstrap_diff(flat_a, flat_b, mean_ttft, resamples=400, seed=trial)
+        assert naive is not None
+        naive_cover += naive.low <= 0.2 <= naive.high
+    assert cluster_cover / trials >= 0.88  # nominal 95%, percentile bootstrap with 30 clusters
+    assert naive_cover / trials <= 0.70  # treating turns as independent is far too narrow
+
+
+def test_bootstrap_needs_two_conversations_per_side() -> None:
+    one = [ConversationTotals(1.0, 1, 0.0, 1.0)]
+    assert cluster_bootstrap_diff(one, one * 3, mean_ttft) is None
+    no_usage = [ConversationTotals(1.0, 1, 0.0, 0.0)] * 3  # streamed, but no usage reported
+    assert cluster_bootstrap_diff(no_usage, no_usage, hit_rate) is None

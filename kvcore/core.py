@@ -1,0 +1,473 @@
+"""The routing core: one synchronous library, no I/O, called by the router and by the DES.
+
+Every request goes through the same named steps (in the spirit of the Kubernetes scheduling
+framework and the Gateway API inference extension):
+
+    filter(request, engines)          -> candidates: healthy, not drained, serving the model,
+                                         load figures from the ledger, index trust, and for large
+                                         fleets a pre-filter (longest local hits + least loaded)
+    score(policy, request, candidates)-> Decision (the policy: one file per policy in policies/)
+    reserve(policy, request, decision)-> Reservation: load taken in the ledger (predicted uncached
+                                         prefill tokens), speculation in the index, the predicted
+                                         TTFT parts kept for calibration, policy.on_routed
+    on_first_token(reservation, now)  -> the engine's prefill is over: queued prefill released;
+                                         the TTFT is real (a streamed token was seen)
+    release_prefill(reservation)      -> prefill assumed over without a measured token (non-stream
+                                         answers): load released, nothing measured
+    on_finished(reservation, outcome) -> load released; policy.on_finished; calibration (only
+                                         with a measured TTFT); index self-check (every policy,
+                                         from engine-reported cached tokens); experiment record
+
+The async router (router/routing.py) and the discrete-event simulator (sim/des.py) both drive
+this object, so a result of the simulator is a result of the router's own decision code.
+
+Load accounting sits behind ``LoadLedger`` (reserve / first_token / finish, and reads for the
+filter). ``InMemoryLoadLedger`` is the single-process implementation; a replicated router can
+back the same protocol with a shared store (e.g. Redis hashes per engine: HINCRBY on reserve,
+first token and finish; a sorted set for ``least_loaded``) without touching the core.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from sortedcontainers import SortedList
+
+from kvcore.index import PrefixIndex
+from policies.base import (
+    NO_MATCH,
+    TIERS,
+    Decision,
+    EngineView,
+    FleetView,
+    NoEngineAvailable,
+    Policy,
+    RouteRequest,
+)
+from policies.costs import CostModel, PredictedParts, predict_parts, predicted_prefill_tokens
+
+log = logging.getLogger("kvroute.core")
+
+
+# ----------------------------------------------------------------------------- load ledger
+
+
+@dataclass(slots=True)
+class LoadTicket:
+    """One request's share of an engine's load; ledger methods on it are idempotent."""
+
+    engine_id: str
+    prefill_tokens: int
+    prefill_pending: bool = True
+    done: bool = False
+
+
+class LoadLedger(Protocol):
+    """In-flight requests and queued prefill tokens per engine (what ``filter`` reads)."""
+
+    def reserve(self, engine_id: str, prefill_tokens: int) -> LoadTicket:
+        """Count a request sent to ``engine_id`` with ``prefill_tokens`` still to compute."""
+        ...
+
+    def first_token(self, ticket: LoadTicket) -> None:
+        """The engine finished this request's prefill (idempotent)."""
+        ...
+
+    def finish(self, ticket: LoadTicket) -> None:
+        """The request is over, whatever the outcome (idempotent; also ends a pending prefill)."""
+        ...
+
+    def load(self, engine_id: str) -> tuple[int, int]:
+        """(in-flight requests, queued prefill tokens) of ``engine_id``."""
+        ...
+
+    def least_loaded(self) -> Iterable[str]:
+        """Engine ids from the fewest queued prefill tokens (then in-flight requests) upwards,
+        lazily: the pre-filter stops after a few."""
+        ...
+
+
+class InMemoryLoadLedger:
+    """The single-process ledger. ``on_change(engine_id, in_flight)`` runs after every change of an
+    engine's in-flight count (the router's gauge). ``ordered=True`` keeps a sorted structure so
+    ``least_loaded`` is O(n log engines) for 1,000-engine fleets (the DES's large-fleet runs)."""
+
+    def __init__(
+        self,
+        engine_ids: Sequence[str] = (),
+        *,
+        on_change: Callable[[str, int], None] | None = None,
+        ordered: bool = False,
+    ) -> None:
+        self._in_flight: dict[str, int] = {}
+        self._queued: dict[str, int] = {}
+        self._on_change = on_change
+        self._order: SortedList | None = SortedList() if ordered else None
+        for engine_id in engine_ids:
+            self.add_engine(engine_id)
+
+    def add_engine(self, engine_id: str) -> None:
+        if engine_id in self._in_flight:
+            return
+        self._in_flight[engine_id] = 0
+        self._queued[engine_id] = 0
+        if self._order is not None:
+            self._order.add((0, 0, engine_id))
+
+    def _change(self, engine_id: str, in_flight: int, queued: int) -> None:
+        old_in_flight = self._in_flight.get(engine_id)
+        if old_in_flight is None:
+            self.add_engine(engine_id)
+            old_in_flight = 0
+        old_queued = self._queued[engine_id]
+        if self._order is not None:
+            self._order.remove((old_queued, old_in_flight, engine_id))
+        new_in_flight = old_in_flight + in_flight
+        self._in_flight[engine_id] = new_in_flight
+        self._queued[engine_id] = old_queued + queued
+        if self._order is not None:
+            self._order.add((old_queued + queued, new_in_flight, engine_id))
+        if in_flight and self._on_change is not None:
+            self._on_change(engine_id, new_in_flight)
+
+    def reserve(self, engine_id: str, prefill_tokens: int) -> LoadTicket:
+        self._change(engine_id, 1, prefill_tokens)
+        return LoadTicket(engine_id, prefill_tokens)
+
+    def first_token(self, ticket: LoadTicket) -> None:
+        if ticket.prefill_pending and not ticket.done:
+            ticket.prefill_pending = False
+            self._change(ticket.engine_id, 0, -ticket.prefill_tokens)
+
+    def finish(self, ticket: LoadTicket) -> None:
+        if ticket.done:
+            return
+        self.first_token(ticket)
+        ticket.done = True
+        self._change(ticket.engine_id, -1, 0)
+
+    def load(self, engine_id: str) -> tuple[int, int]:
+        return self._in_flight.get(engine_id, 0), self._queued.get(engine_id, 0)
+
+    def least_loaded(self) -> Iterator[str]:
+        if self._order is not None:
+            return (engine_id for _, _, engine_id in self._order)
+        return iter(sorted(self._in_flight, key=lambda e: (self._queued[e], self._in_flight[e])))
+
+
+# ----------------------------------------------------------------------------- reservations
+
+
+@dataclass(slots=True)
+class Reservation:
+    """A routed request between ``reserve`` and ``on_finished`` (owned by the caller)."""
+
+    request: RouteRequest
+    decision: Decision
+    policy: Policy
+    engine_id: str
+    ticket: LoadTicket
+    #: Clock value when the request was handed to the engine (TTFT for calibration counts from here).
+    sent_s: float
+    #: Predicted TTFT parts on ``engine_id`` (the policy's own when it priced them, else the core's).
+    parts: PredictedParts
+    arm: str = ""
+    first_token_s: float | None = None
+    finished: bool = False
+
+    @property
+    def engine_ttft_s(self) -> float | None:
+        """Seconds from sending to the first streamed token; None when no token was seen."""
+        return None if self.first_token_s is None else self.first_token_s - self.sent_s
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a request ended, as the engine reported it."""
+
+    ok: bool
+    #: usage.prompt_tokens_details.cached_tokens (None when the engine did not report usage).
+    cached_tokens: int | None = None
+    #: usage.prompt_tokens (None when not reported; the request's own count is used then).
+    prompt_tokens: int | None = None
+    #: The client left before the end: says nothing about the arm or the engine.
+    client_gone: bool = False
+    #: TTFT as the client saw it through the router (for experiments), when a token was streamed.
+    client_ttft_s: float | None = None
+
+
+class ExperimentRecorder(Protocol):
+    """Where finished requests are accounted per arm (router.experiments.Experiments)."""
+
+    def record_turn(
+        self,
+        arm: str,
+        session_key: str,
+        *,
+        ok: bool,
+        ttft_s: float | None,
+        cached_tokens: int | None,
+        prompt_tokens: int,
+        predicted_hit_tokens_by_tier: Sequence[float],
+    ) -> None: ...
+
+
+def predicted_hit_tokens_by_tier(request: RouteRequest, engine_id: str) -> tuple[float, float, float]:
+    """The index's prediction of the chosen engine's hits, in tokens per tier (cheapest tier
+    first), capped at prompt - 1 (vLLM always computes the last prompt token)."""
+    match = request.prefix_matches.get(engine_id, NO_MATCH)
+    prompt_tokens = request.prompt_tokens or len(request.block_keys) * request.block_size
+    cap = max(0.0, prompt_tokens - 1.0)
+    out = [0.0, 0.0, 0.0]
+    for tier in TIERS:
+        take = min(float(match.blocks_by_tier[tier] * request.block_size), cap - sum(out))
+        out[tier] = max(0.0, take)
+    return out[0], out[1], out[2]
+
+
+# ----------------------------------------------------------------------------- the core
+
+
+@dataclass(slots=True)
+class CoreConfig:
+    """Tunables of the core (router config: index.speculation_ttl_s; DES: SimConfig)."""
+
+    #: Seconds a routed prompt's blocks count as GPU entries of the chosen engine before events
+    #: confirm them (0 disables speculation).
+    speculation_ttl_s: float = 2.0
+    #: Fleets with more candidates than this are pre-filtered for index-reading policies: the
+    #: ``prefilter_keep`` engines with the longest GPU/CPU hits plus as many least loaded ones.
+    prefilter_above_engines: int = 64
+    prefilter_keep: int = 8
+    #: What-if (the old accounting): queue the whole prompt as pending prefill, not the predicted
+    #: uncached tokens of the chosen engine.
+    queue_whole_prompt: bool = False
+    #: Feed measured TTFTs to the cost model.
+    calibrate: bool = True
+
+
+@dataclass(slots=True)
+class CoreCounters:
+    """What the core did (exposed by /debug/costs and the DES)."""
+
+    routed: int = 0
+    finished: int = 0
+    calibrations: int = 0
+    selfchecks: int = 0
+    prefiltered: int = 0
+
+
+class RoutingCore:
+    """filter -> score -> reserve -> on_first_token -> on_finished; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        ledger: LoadLedger,
+        costs: CostModel,
+        index: PrefixIndex | None = None,
+        config: CoreConfig | None = None,
+        recorder: ExperimentRecorder | None = None,
+        index_trusted: Callable[[str], bool] | None = None,
+    ) -> None:
+        """``index_trusted``: extra per-engine distrust from the shell (e.g. an event gap without
+        replay); the cost model's self-check verdict is always applied."""
+        self.ledger = ledger
+        self.costs = costs
+        self.index = index
+        self.config = config or CoreConfig()
+        self.recorder = recorder
+        self._index_trusted = index_trusted
+        self.counters = CoreCounters()
+
+    # -- filter -----------------------------------------------------------------------------
+
+    def filter(
+        self, request: RouteRequest, engines: Sequence[EngineView], *, uses_index: bool = False
+    ) -> list[EngineView]:
+        """The candidates for ``request``: healthy, not drained, serving its model; their load
+        figures and index trust refreshed in place (callers run filter -> score -> reserve with no
+        await in between, so the views are consistent). Large fleets are pre-filtered for
+        index-reading policies (``CoreConfig.prefilter_above_engines``)."""
+        model = request.model
+        out = [
+            v
+            for v in engines
+            if v.healthy and not v.drained and (not model or not v.models or model in v.models)
+        ]
+        cfg = self.config
+        if uses_index and 0 < cfg.prefilter_above_engines < len(out):
+            out = self._prefilter(request, out)
+            self.counters.prefiltered += 1
+        ledger, costs, extra = self.ledger, self.costs, self._index_trusted
+        for view in out:
+            view.in_flight, view.queued_prefill_tokens = ledger.load(view.engine_id)
+            trusted = costs.index_trusted(view.engine_id)
+            view.index_trusted = trusted and (extra is None or extra(view.engine_id))
+        return out
+
+    def _prefilter(self, request: RouteRequest, engines: list[EngineView]) -> list[EngineView]:
+        """The engines with the longest local (GPU or CPU) hits - a shared storage pool's copy is
+        everyone's - plus the ``prefilter_keep`` least loaded others."""
+        keep = self.config.prefilter_keep
+        by_id = {v.engine_id: v for v in engines}
+        local = heapq.nlargest(
+            keep,
+            (
+                (m.blocks_by_tier[0] + m.blocks_by_tier[1], e)
+                for e, m in request.prefix_matches.items()
+                if (m.blocks_by_tier[0] or m.blocks_by_tier[1]) and e in by_id
+            ),
+        )
+        chosen = [by_id[e] for _, e in local]
+        seen = {v.engine_id for v in chosen}
+        for engine_id in self.ledger.least_loaded():
+            if engine_id not in seen and engine_id in by_id:
+                chosen.append(by_id[engine_id])
+                seen.add(engine_id)
+                if len(chosen) >= len(local) + keep:
+                    break
+        return chosen
+
+    # -- score ------------------------------------------------------------------------------
+
+    def score(
+        self, policy: Policy, request: RouteRequest, candidates: Sequence[EngineView], now: float
+    ) -> Decision:
+        """The policy's choice among ``candidates``; NoEngineAvailable when there are none."""
+        if not candidates:
+            raise NoEngineAvailable(
+                f"no healthy engine serves model {request.model!r}" if request.model else "no healthy engine"
+            )
+        return policy.choose(request, FleetView(candidates, now=now, costs=self.costs))
+
+    # -- reserve ----------------------------------------------------------------------------
+
+    def reserve(
+        self,
+        policy: Policy,
+        request: RouteRequest,
+        decision: Decision,
+        now: float,
+        *,
+        engine_id: str | None = None,
+        arm: str = "",
+        candidates: Sequence[EngineView] = (),
+    ) -> Reservation:
+        """Take the chosen engine's load, speculate its prompt blocks and keep the predicted parts.
+
+        ``engine_id``: a fallback engine of the same decision (a retry after a refused
+        connection); speculation and ``policy.on_routed`` happen only for the first choice.
+        ``candidates``: the views the policy saw (to price the wait when the policy did not)."""
+        target = decision.engine_id if engine_id is None else engine_id
+        prompt_tokens = request.prompt_tokens or len(request.block_keys) * request.block_size
+        queued = (
+            prompt_tokens
+            if self.config.queue_whole_prompt
+            else predicted_prefill_tokens(request, decision, target)
+        )
+        ticket = self.ledger.reserve(target, queued)
+        parts = self._parts(request, decision, target, candidates)
+        if engine_id is None:
+            ttl_s = self.config.speculation_ttl_s
+            if self.index is not None and ttl_s > 0 and request.block_keys:
+                # Every arm speculates: the engine will hold these blocks whatever chose it.
+                self.index.speculate(target, request.block_keys, ttl_s, now)
+            policy.on_routed(request, decision)
+        self.counters.routed += 1
+        return Reservation(request, decision, policy, target, ticket, now, parts, arm)
+
+    def _parts(
+        self, request: RouteRequest, decision: Decision, engine_id: str, candidates: Sequence[EngineView]
+    ) -> PredictedParts:
+        """The policy's priced parts (tier_cost), else the same formula on the index's match and
+        the engine's queue, so every policy's requests calibrate the same cost model."""
+        scores = decision.scores.get(engine_id)
+        if scores is not None and "prefill_tokens" in scores and "wait_tokens" in scores:
+            return PredictedParts.from_scores(scores)
+        hits = predicted_hit_tokens_by_tier(request, engine_id)
+        prompt_tokens = request.prompt_tokens or len(request.block_keys) * request.block_size
+        wait_tokens = 0.0
+        for view in candidates:
+            if view.engine_id == engine_id:
+                wait_tokens = float(view.queued_prefill_tokens)
+                break
+        return predict_parts(self.costs.estimates(engine_id), hits, prompt_tokens - sum(hits), wait_tokens)
+
+    # -- post-response ----------------------------------------------------------------------
+
+    def on_first_token(self, reservation: Reservation, now: float) -> None:
+        """A streamed token arrived: the TTFT is measured and the prefill is over."""
+        if reservation.first_token_s is None:
+            reservation.first_token_s = now
+        self.ledger.first_token(reservation.ticket)
+
+    def release_prefill(self, reservation: Reservation) -> None:
+        """The prefill is assumed over without a measured token (non-stream answers: vLLM sends
+        the body only when generation ends); frees the queued prefill, measures nothing."""
+        self.ledger.first_token(reservation.ticket)
+
+    def abandon(self, reservation: Reservation) -> None:
+        """Give the load back without any accounting (a connection the engine refused: the next
+        attempt takes a new reservation)."""
+        self.ledger.finish(reservation.ticket)
+        reservation.finished = True
+
+    def on_finished(self, reservation: Reservation, outcome: Outcome, now: float) -> None:
+        """Release the load and learn from the request (once; later calls are no-ops)."""
+        if reservation.finished:
+            return
+        reservation.finished = True
+        self.ledger.finish(reservation.ticket)
+        request, engine_id = reservation.request, reservation.engine_id
+        reservation.policy.on_finished(request, engine_id, outcome.ok)
+        self.counters.finished += 1
+        if outcome.client_gone:
+            return
+        cached = outcome.cached_tokens
+        if outcome.ok:
+            ttft_s = reservation.engine_ttft_s
+            if self.config.calibrate and ttft_s is not None:
+                # observe() also runs the index self-check when cached tokens are known.
+                self.costs.observe(engine_id, reservation.parts, ttft_s, cached, now)
+                self.counters.calibrations += 1
+                if cached is not None:
+                    self.counters.selfchecks += 1
+            elif cached is not None and request.block_keys:
+                self.costs.selfcheck.observe(engine_id, sum(reservation.parts.hit_tokens), cached)
+                self.counters.selfchecks += 1
+        if self.recorder is not None and reservation.arm:
+            prompt_tokens = outcome.prompt_tokens
+            if prompt_tokens is None:
+                prompt_tokens = request.prompt_tokens
+            self.recorder.record_turn(
+                reservation.arm,
+                request.session_key,
+                ok=outcome.ok,
+                ttft_s=outcome.client_ttft_s if outcome.client_ttft_s is not None else None,
+                cached_tokens=cached,
+                prompt_tokens=prompt_tokens,
+                predicted_hit_tokens_by_tier=predicted_hit_tokens_by_tier(request, engine_id)
+                if outcome.ok
+                else (0.0, 0.0, 0.0),
+            )
+
+    # -- one-call convenience (DES, explain) -------------------------------------------------
+
+    def route(
+        self,
+        policy: Policy,
+        request: RouteRequest,
+        engines: Sequence[EngineView],
+        now: float,
+        *,
+        arm: str = "",
+    ) -> Reservation:
+        """filter -> score -> reserve in one synchronous call."""
+        candidates = self.filter(request, engines, uses_index=bool(getattr(policy, "uses_index", False)))
+        decision = self.score(policy, request, candidates, now)
+        return self.reserve(policy, request, decision, now, arm=arm, candidates=candidates)

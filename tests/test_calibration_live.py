@@ -1,0 +1,173 @@
+"""Live calibration: the real router in front of a simulated engine whose true costs are known.
+
+Streamed requests (fresh prompts, histories reloaded from CPU, and from STORAGE) must bring the
+router's prefill-rate and per-tier bandwidth estimates from priors 3x off to within 25% of the
+engine's true values; the same traffic without streaming (no first token is seen) must leave the
+estimates exactly at the priors. The offload-counter scrape is off so only the TTFT path learns.
+
+True values as the router sees them: the engine's model-time figures x ``TIME_SCALE`` (the engine
+runs that much faster than its model time).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvcore.sim_tokenizer import NAME
+from router.config import load_config
+from router.service import build_router_app
+from sim.server import EngineServerConfig, create_engine_app
+from sim.zmq_publisher import KVEventsConfig
+from tests.conftest import ThreadedServer
+
+TIME_SCALE = 1.0  # real time: the engine's own CPU work per token stays small next to the model's
+MODEL_PREFILL_TOKENS_PER_S = 10_000.0
+MODEL_CPU_BYTES_PER_S = 1.0e9
+MODEL_STORAGE_BYTES_PER_S = 0.4e9
+TRUE_PREFILL = MODEL_PREFILL_TOKENS_PER_S * TIME_SCALE
+TRUE_CPU = MODEL_CPU_BYTES_PER_S * TIME_SCALE
+TRUE_STORAGE = MODEL_STORAGE_BYTES_PER_S * TIME_SCALE
+PROMPT_BLOCKS = 125  # 2,000 tokens: the GPU pool holds one prompt, the CPU tier two
+ROUNDS = 10
+
+
+def _engine(serve_asgi: Callable[..., ThreadedServer], tmp_path: Path) -> tuple[str, str]:
+    # An ipc:// endpoint binds on the engine side (vLLM's rule) and never leaves the machine.
+    events = f"ipc://{tmp_path}/kv-events.sock"
+    config = EngineServerConfig(
+        engine_id="e0",
+        block_size=16,
+        gpu_blocks=PROMPT_BLOCKS + 8,
+        cpu_blocks=2 * PROMPT_BLOCKS + 16,
+        storage_pool="p0",
+        storage_blocks=8192,
+        time_scale=TIME_SCALE,
+        default_max_tokens=1,
+        kv_events=KVEventsConfig(enable_kv_cache_events=True, endpoint=events),
+        profile_overrides={
+            "prefill_tokens_per_s": MODEL_PREFILL_TOKENS_PER_S,
+            "cpu_load_bytes_per_s": MODEL_CPU_BYTES_PER_S,
+            "storage_load_bytes_per_s": MODEL_STORAGE_BYTES_PER_S,
+            "cpu_latency_s": 0.0,
+            "storage_latency_s": 0.0,
+            "step_overhead_s": 0.0002,
+        },
+    )
+    return serve_asgi(create_engine_app(config)).url, events
+
+
+def _router(serve_asgi: Callable[..., ThreadedServer], engine_url: str, events: str) -> str:
+    config = load_config(
+        environ={},
+        overrides={
+            "engines": [
+                {
+                    "id": "e0",
+                    "url": engine_url,
+                    "model": NAME,
+                    "kv_events_endpoint": events,
+                    "storage_pool": "p0",
+                }
+            ],
+            "policy": {"name": "tier_cost"},
+            "tokenizer": {"backend": "sim"},
+            # Speculative GPU entries would hide the CPU/STORAGE placement the test needs.
+            "index": {"speculation_ttl_s": 0},
+            "health": {"interval_s": 0.5},
+            # Priors 3x too optimistic; no /metrics scrape: only observed TTFTs may move them.
+            "costs": {
+                "scrape_interval_s": 0,
+                "priors": {
+                    "prefill_tokens_per_s": 3 * TRUE_PREFILL,
+                    "tiers": {
+                        "cpu": {"bandwidth_bytes_per_s": 3 * TRUE_CPU, "latency_s": 0.0},
+                        "storage": {"bandwidth_bytes_per_s": 3 * TRUE_STORAGE, "latency_s": 0.0},
+                    },
+                },
+            },
+            "log_level": "warning",
+        },
+    )
+    return serve_asgi(build_router_app(config)).url
+
+
+def _prompt(seed: int, blocks: int = PROMPT_BLOCKS) -> list[int]:
+    return [1000 + (seed * 7919 + i * 31) % 20000 for i in range(blocks * 16)]
+
+
+def _fresh(seed: int) -> list[int]:
+    """A new prompt of 40 to 125 blocks: varied sizes separate the per-token rate from the
+    fixed per-request overhead."""
+    return _prompt(seed, 40 + (seed * 37) % (PROMPT_BLOCKS - 40 + 1))
+
+
+def _drive(url: str, *, stream: bool, rounds: int = ROUNDS) -> list[int]:
+    """Rounds of: fresh P, fresh Q, P again (its history now in CPU), fresh R, fresh S, P again
+    (pushed out of CPU: in STORAGE). Returns the cached tokens the engine reported per request."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    cached: list[int] = []
+
+    def send(prompt: list[int]) -> None:
+        if stream:
+            chunks = client.completions.create(
+                model=NAME, prompt=prompt, max_tokens=1, stream=True, stream_options={"include_usage": True}
+            )
+            usage: Any = None
+            for chunk in chunks:
+                usage = chunk.usage or usage
+        else:
+            usage = client.completions.create(model=NAME, prompt=prompt, max_tokens=1).usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        cached.append(usage.prompt_tokens_details.cached_tokens or 0)
+        time.sleep(0.03)  # KV events reach the index before the next choice
+
+    for r in range(rounds):
+        base = 10 * r
+        p = _fresh(base)
+        send(p)
+        send(_prompt(base + 1))
+        send(p + _prompt(base + 2, 1))
+        send(_prompt(base + 3))
+        send(_prompt(base + 4))
+        send(p + _prompt(base + 5, 1))
+    return cached
+
+
+def _estimate(url: str) -> dict[str, Any]:
+    return httpx.get(f"{url}/debug/costs").json()["engines"]["e0"]
+
+
+@pytest.mark.slow
+def test_streaming_traffic_calibrates_to_the_true_costs_and_non_stream_does_not(
+    serve_asgi: Callable[..., ThreadedServer], tmp_path: Path
+) -> None:
+    engine_url, events = _engine(serve_asgi, tmp_path)
+    streamed = _router(serve_asgi, engine_url, events)
+    cached = _drive(streamed, stream=True)
+    assert sum(cached) > 0
+    entry = _estimate(streamed)
+    est = entry["estimate"]
+    prefill = est["prefill_tokens_per_s"]
+    cpu = est["tiers"]["cpu"]["bandwidth_bytes_per_s"]
+    storage = est["tiers"]["storage"]["bandwidth_bytes_per_s"]
+    print(
+        f"after {entry['observations']} streamed requests: prefill {prefill:,.0f} tok/s "
+        f"(true {TRUE_PREFILL:,.0f}), cpu {cpu / 1e9:.2f} GB/s (true {TRUE_CPU / 1e9:.2f}), "
+        f"storage {storage / 1e9:.2f} GB/s (true {TRUE_STORAGE / 1e9:.2f})"
+    )
+    assert prefill == pytest.approx(TRUE_PREFILL, rel=0.25)
+    assert cpu == pytest.approx(TRUE_CPU, rel=0.25)
+    assert storage == pytest.approx(TRUE_STORAGE, rel=0.25)
+
+    still = _router(serve_asgi, engine_url, events)
+    _drive(still, stream=False, rounds=3)
+    entry = _estimate(still)
+    assert entry["observations"] == 0
+    assert entry["estimate"] == entry["prior"]

@@ -1,0 +1,96 @@
+"""The Locust multi-turn users (loadtest/locustfile.py), headless for a few seconds against a real
+router over real simulated engines: every turn's prompt has the workload's exact token count as the
+engine counted it, history is resent (later turns hit the cache), and trace replay renders block-id
+chains into prompts whose shared ids are shared tokens.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from kvcore.sim_tokenizer import encode_chat
+from loadtest.load import kvroute_router, run_locust
+from loadtest.trace_prompts import trace_messages
+from sim.fleet import Fleet, FleetProfile
+
+PROFILE = FleetProfile(gpu_blocks=512, cpu_blocks=0, storage_blocks=0, time_scale=50.0)
+FIRST, PER_TURN, TURNS = 400, 100, 3
+
+
+def _turns_csv(prefix: str) -> list[dict[str, str]]:
+    with open(f"{prefix}_turns.csv") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _stats_names(prefix: str) -> set[tuple[str, str]]:
+    with open(f"{prefix}_stats.csv") as fh:
+        return {(r["Type"], r["Name"]) for r in csv.DictReader(fh)}
+
+
+@pytest.fixture(scope="module")
+def router_url(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    workdir = tmp_path_factory.mktemp("locust-fleet")
+    with Fleet(workdir) as fleet:
+        fleet.start(2, PROFILE)
+        with kvroute_router(fleet, "session_affinity", workdir) as url:
+            yield url
+
+
+def test_headless_ladder_run_reports_per_turn_metrics(router_url: str, tmp_path: Path) -> None:
+    prefix = str(tmp_path / "run")
+    ladder = [
+        "--first-prompt-tokens", str(FIRST), "--system-prefix-tokens", "64",
+        "--tokens-per-turn", str(PER_TURN), "--turns", str(TURNS), "--answer-tokens", "8",
+        "--think-time-mean", "0.05",
+    ]  # fmt: skip
+    proc = run_locust(router_url, 4, 4, "4s", prefix, ladder, capture=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {int(r["turn"]): r for r in _turns_csv(prefix)}
+    assert set(rows) == set(range(TURNS)), rows
+    for k, row in rows.items():
+        # The engine's own prompt count: the ladder's exact size, so history was resent with the
+        # real answers (8 tokens, as long as the assumed ones).
+        assert int(row["prompt_tokens"]) == int(row["requests"]) * (FIRST + k * PER_TURN), row
+    # A later turn re-reads its history on the same engine (session_affinity): mostly cached.
+    assert float(rows[TURNS - 1]["cached_fraction"]) > 0.5, rows
+    names = _stats_names(prefix)
+    for k in range(TURNS):
+        assert {("POST", f"turn {k}"), ("TTFT", f"turn {k}"), ("ITL", f"turn {k}")} <= names, names
+        assert ("USAGE", f"cached tokens turn {k}") in names
+    assert "per turn" in proc.stdout
+
+
+def test_headless_agentic_trace_replay_runs(router_url: str, tmp_path: Path) -> None:
+    prefix = str(tmp_path / "agentic")
+    args = [
+        "--workload",
+        "agentic",
+        "--trace-limit",
+        "2",
+        "--trace-token-scale",
+        "16",
+        "--think-scale",
+        "0",
+        "--max-prompt-tokens",
+        "6000",
+    ]
+    args += ["--max-output-tokens", "4"]
+    proc = run_locust(router_url, 2, 2, "3s", prefix, args, capture=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _turns_csv(prefix)
+    assert rows and sum(int(r["requests"]) for r in rows) >= 2, rows
+    # Agent calls resend their growing context: some prompt tokens come from the cache.
+    assert sum(int(r["cached_tokens"]) for r in rows) > 0, rows
+
+
+def test_trace_prompts_share_tokens_exactly_where_ids_are_shared() -> None:
+    block = 64
+    a = encode_chat(trace_messages([1, 2, 3], block, 3 * block + 10))
+    b = encode_chat(trace_messages([1, 2, 9], block, 3 * block + 10))
+    assert len(a) == 3 * block + 10 + 1  # + the generation prompt token
+    common = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+    # BOS + role, then two shared blocks: the prompts part inside the third block, not before.
+    assert 2 + 2 * block <= common < 2 + 3 * block
