@@ -156,10 +156,12 @@ class StoragePool(LruBlockTier):
 
     Like vLLM's fs tier it never announces removals. Several EngineCore objects may share one
     instance (a shared directory mounted by several engines): a block written by one is a hit for
-    all. ``load_bytes_per_s`` / ``latency_s`` override the engine profile's storage figures.
+    all. ``load_bytes_per_s`` / ``latency_s`` override the engine profile's storage figures (one
+    engine's read rate). ``shared_bytes_per_s``: the pool's aggregate bandwidth, which every read
+    and write of every mounting engine books (``reserve``); None = no shared limit.
     """
 
-    __slots__ = ("latency_s", "load_bytes_per_s", "pool_id")
+    __slots__ = ("busy_until_s", "latency_s", "load_bytes_per_s", "pool_id", "shared_bytes_per_s")
 
     def __init__(
         self,
@@ -167,12 +169,27 @@ class StoragePool(LruBlockTier):
         capacity_blocks: int,
         load_bytes_per_s: float | None = None,
         latency_s: float | None = None,
+        shared_bytes_per_s: float | None = None,
     ) -> None:
         super().__init__(capacity_blocks)
-        if load_bytes_per_s is not None and load_bytes_per_s <= 0:
+        if load_bytes_per_s is not None and not load_bytes_per_s > 0:
             raise ValueError(f"storage pool {pool_id!r}: load_bytes_per_s must be positive")
         if latency_s is not None and latency_s < 0:
             raise ValueError(f"storage pool {pool_id!r}: latency_s must be >= 0")
+        if shared_bytes_per_s is not None and not shared_bytes_per_s > 0:
+            raise ValueError(f"storage pool {pool_id!r}: shared_bytes_per_s must be positive or None")
         self.pool_id = pool_id
         self.load_bytes_per_s = load_bytes_per_s
         self.latency_s = latency_s
+        self.shared_bytes_per_s = shared_bytes_per_s
+        #: When the pool's aggregate bandwidth is free again (FIFO over all mounting engines).
+        self.busy_until_s = 0.0
+
+    def reserve(self, start_s: float, nbytes: float) -> float:
+        """Book ``nbytes`` of the pool's shared bandwidth from ``start_s`` on (after what is already
+        booked); returns when that share is done. Without a shared limit: ``start_s``."""
+        if not self.shared_bytes_per_s:
+            return start_s
+        begin_s = max(start_s, self.busy_until_s)
+        self.busy_until_s = begin_s + nbytes / self.shared_bytes_per_s
+        return self.busy_until_s

@@ -85,6 +85,15 @@ class EngineSpec:
     profile: EngineProfile
 
 
+#: Capacity that never fills (an "unbounded" pool): far above any workload's distinct blocks.
+UNBOUNDED_STORAGE_BLOCKS = 1 << 40
+
+#: Aggregate bandwidth of the shared pool per mounting engine, as a fraction of one engine's own
+#: storage read rate: the pool (a shared filesystem of a few servers) moves half of what all its
+#: clients' links could. An assumption, not a published figure: ``--storage-bandwidth`` sets it.
+SHARED_POOL_BANDWIDTH_PER_ENGINE = 0.5
+
+
 @dataclass(slots=True)
 class FleetSpec:
     """The simulated engines and their shared STORAGE pool."""
@@ -93,6 +102,8 @@ class FleetSpec:
     storage_pool_blocks: int = 0  # 0 = no shared storage tier
     storage_load_bytes_per_s: float | None = None  # None = each engine's profile figure
     storage_latency_s: float | None = None
+    #: The pool's aggregate bandwidth (reads and writes of all engines); None = no shared limit.
+    storage_shared_bytes_per_s: float | None = None
     #: Heterogeneous fleet: at this fraction of the workload's requests, divide this engine's
     #: storage bandwidth by ``slowdown_factor`` (a noisy neighbour). None = never.
     slowdown_engine: str | None = None
@@ -112,33 +123,131 @@ def b1_fleet(
     mean_conversation_tokens: float = LadderConfig().mean_prompt_tokens(),
     cpu_ratio: float = 2.0,
     storage_blocks: int | None = None,
+    storage_shared_bytes_per_s: float | str | None = "default",
     hetero: bool = False,
     base: EngineProfile | None = None,
+    engine_model: str = "vllm",
+    engine_variation: float = 0.0,
+    variation_seed: int = 0,
 ) -> FleetSpec:
     """The B1 fleet: GPU pools sized so the fleet's HBM holds ``conversations_in_hbm`` average
-    conversations, CPU tier ``cpu_ratio`` x GPU per engine, one shared STORAGE pool large enough for
-    everything. ``hetero`` (B1b): engines 2 and 3 load CPU at 1/4 PCIe 5 speed, engine 1 reads
-    storage 4x slower, and halfway through engine 0's storage slows down 4x (noisy neighbour)."""
+    conversations, CPU tier ``cpu_ratio`` x GPU per engine, one shared STORAGE pool.
+
+    ``storage_blocks``: None = unbounded (never fills), 0 = no storage tier, N = N blocks
+    (``storage_blocks_for`` turns "1/4" of a workload's working set into blocks).
+    ``storage_shared_bytes_per_s``: the pool's aggregate bandwidth; "default" =
+    SHARED_POOL_BANDWIDTH_PER_ENGINE x engines x one engine's read rate, None = no shared limit.
+    ``engine_model``: "vllm" (asynchronous loads, context-dependent costs) or "legacy" (the model
+    before issue 16: loads stall the step, context-free costs, no shared pool bandwidth).
+    ``engine_variation``: each engine's prefill rate and load bandwidths are scaled by a factor drawn
+    uniformly in [1 - v, 1 + v] (seeded by ``variation_seed``); the router is not told.
+    ``hetero`` (B1b): engines 2 and 3 load CPU at 1/4 PCIe 5 speed, engine 1 reads storage 4x
+    slower, and halfway through engine 0's storage slows down 4x (noisy neighbour)."""
     if num_engines < 1:
         raise ValueError("--engines must be >= 1")
+    if storage_blocks is not None and storage_blocks < 0:
+        raise ValueError(f"storage_blocks must be >= 0 (0 = no storage tier), got {storage_blocks}")
+    if engine_model not in ENGINE_MODELS:
+        raise ValueError(f"engine_model {engine_model!r} is unknown; accepted: {', '.join(ENGINE_MODELS)}")
+    if not 0 <= engine_variation < 1:
+        raise ValueError(f"engine_variation must be in [0, 1), got {engine_variation}")
     base = base or EngineProfile()
+    if engine_model == "legacy":
+        base = base.legacy_model()
     gpu_blocks = max(8, math.ceil(conversations_in_hbm * mean_conversation_tokens / num_engines / block_size))
     cpu_blocks = int(gpu_blocks * cpu_ratio)
     profile = dataclasses.replace(
         base, block_size=block_size, num_gpu_blocks=gpu_blocks, num_cpu_blocks=cpu_blocks
     )
     specs = [EngineSpec(f"e{i}", dataclasses.replace(profile)) for i in range(num_engines)]
+    if storage_shared_bytes_per_s == "default":
+        shared: float | None = (
+            None
+            if engine_model == "legacy"
+            else SHARED_POOL_BANDWIDTH_PER_ENGINE * num_engines * base.storage_load_bytes_per_s
+        )
+    elif storage_shared_bytes_per_s is None or isinstance(storage_shared_bytes_per_s, float | int):
+        shared = storage_shared_bytes_per_s
+        if shared is not None and not shared > 0:
+            raise ValueError(f"storage_shared_bytes_per_s must be positive or None, got {shared}")
+    else:
+        raise ValueError(
+            f"storage_shared_bytes_per_s {storage_shared_bytes_per_s!r}: a number, None or 'default'"
+        )
     fleet = FleetSpec(
-        specs, storage_pool_blocks=storage_blocks or max(1_000_000, 50 * gpu_blocks * num_engines)
+        specs,
+        storage_pool_blocks=UNBOUNDED_STORAGE_BLOCKS if storage_blocks is None else storage_blocks,
+        storage_shared_bytes_per_s=shared,
     )
+    if engine_variation:
+        rng = random.Random(f"variation:{variation_seed}")
+        for spec in specs:
+            p = spec.profile
+            p.prefill_tokens_per_s *= rng.uniform(1 - engine_variation, 1 + engine_variation)
+            p.cpu_load_bytes_per_s *= rng.uniform(1 - engine_variation, 1 + engine_variation)
+            p.storage_load_bytes_per_s *= rng.uniform(1 - engine_variation, 1 + engine_variation)
     if hetero:
         for i, spec in enumerate(specs):
             if i % 4 in (2, 3):
-                spec.profile.cpu_load_bytes_per_s = base.cpu_load_bytes_per_s / 4
+                spec.profile.cpu_load_bytes_per_s = spec.profile.cpu_load_bytes_per_s / 4
             if i % 4 == 1:
-                spec.profile.storage_load_bytes_per_s = base.storage_load_bytes_per_s / 4
+                spec.profile.storage_load_bytes_per_s = spec.profile.storage_load_bytes_per_s / 4
         fleet.slowdown_engine = specs[0].engine_id
     return fleet
+
+
+ENGINE_MODELS = ("vllm", "legacy")
+ROUTER_PRIORS = ("defaults", "nominal")
+
+
+def working_set_blocks(workload: Workload) -> int:
+    """Distinct blocks the workload's prompts hold: what a pool must keep to miss nothing."""
+    seen: set[int] = set()
+    for conv in workload.conversations:
+        for turn in conv.turns:
+            seen.update(turn.block_ids)
+    return len(seen)
+
+
+def parse_storage(text: str) -> str:
+    """Validate one ``--storage`` value: "none", "unbounded", a block count, or a fraction of the
+    working set ("1/4", "0.25"). Returns it normalised; ValueError says what is accepted."""
+    value = text.strip().lower()
+    if value in ("none", "unbounded"):
+        return value
+    try:
+        if "/" in value:
+            num, _, den = value.partition("/")
+            fraction = float(num) / float(den)
+        elif "." in value or "e" in value:
+            fraction = float(value)
+        else:
+            blocks = int(value)
+            if blocks < 1:
+                raise ValueError
+            return str(blocks)
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(
+            f"--storage {text!r}: accepted values are none, unbounded, a block count (e.g. 500000) "
+            "or a fraction of the working set (e.g. 1/4 or 0.25)"
+        ) from None
+    if not 0 < fraction <= 1:
+        raise ValueError(f"--storage {text!r}: a fraction of the working set must be in (0, 1]")
+    return value
+
+
+def storage_blocks_for(spec: str, working_set: int) -> int | None:
+    """Pool capacity for a ``parse_storage`` value: None = unbounded, 0 = no storage tier."""
+    value = parse_storage(spec)
+    if value == "none":
+        return 0
+    if value == "unbounded":
+        return None
+    if "/" in value or "." in value or "e" in value:
+        num, _, den = value.partition("/")
+        fraction = float(num) / float(den) if den else float(num)
+        return max(1, round(fraction * working_set))
+    return int(value)
 
 
 def prior_costs(profile: EngineProfile) -> EngineCosts:
@@ -249,6 +358,9 @@ class SimConfig:
     #: engines. 0 disables.
     prefilter_above_engines: int = 64
     prefilter_least_loaded: int = 8
+    #: Where the router's cost model starts: "defaults" (policies.costs' configured defaults, as a
+    #: deployed router would) or "nominal" (the fleet's nominal engine profile: the old what-if).
+    router_priors: str = "defaults"
 
 
 @dataclass(slots=True)
@@ -351,8 +463,9 @@ class FleetSimulator:
                 fleet.storage_pool_blocks,
                 fleet.storage_load_bytes_per_s,
                 fleet.storage_latency_s,
+                fleet.storage_shared_bytes_per_s,
             )
-            if fleet.storage_pool_blocks
+            if fleet.storage_pool_blocks > 0
             else None
         )
         # One memo of block hashes for the whole fleet: a history resent to any engine is hashed once.
@@ -376,12 +489,25 @@ class FleetSimulator:
             for s in fleet.engines
         ]
         self.index = PrefixIndex(
+            # ``is not None``: an empty StoragePool is falsy (it has __len__).
             storage_pools={SHARED_POOL_ID: fleet.storage_pool_blocks} if self.storage is not None else {},
-            engine_storage_pool={e: SHARED_POOL_ID for e in self.engine_ids} if self.storage is not None else {},
+            engine_storage_pool=(
+                {e: SHARED_POOL_ID for e in self.engine_ids} if self.storage is not None else {}
+            ),
         )
         for e in self.engine_ids:
             self.index.add_engine(e)
-        self.costs = CostModel(prior_costs(fleet.engines[0].profile))
+        # The router starts from its own configured defaults (policies.costs), not from the engines'
+        # true parameters: calibration has to earn what it knows. "nominal" = the old what-if.
+        if cfg.router_priors not in ROUTER_PRIORS:
+            raise ValueError(
+                f"router_priors {cfg.router_priors!r} is unknown; accepted: {', '.join(ROUTER_PRIORS)}"
+            )
+        self.costs = (
+            CostModel(prior_costs(fleet.engines[0].profile))
+            if cfg.router_priors == "nominal"
+            else CostModel()
+        )
         self.clairvoyant: ClairvoyantPolicy | None = None
         if isinstance(policy, str):
             if policy == "clairvoyant":
@@ -484,7 +610,7 @@ class FleetSimulator:
 
         def start_step(i: int, t: float) -> None:
             self._stepped.add(i)
-            out = self.cores[i].step()
+            out = self.cores[i].step(t)
             busy[i] = True
             push(t + out.duration_s, _STEP_DONE, (i, out))
 
@@ -800,6 +926,45 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _storage_list(text: str) -> list[str]:
+    try:
+        values = [parse_storage(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not values:
+        raise argparse.ArgumentTypeError("--storage needs at least one value")
+    return values
+
+
+def _storage_bandwidth(text: str) -> float | str | None:
+    value = text.strip().lower()
+    if value in ("default", "none"):
+        return None if value == "none" else "default"
+    try:
+        bandwidth = float(value)
+    except ValueError:
+        bandwidth = -1.0
+    if not bandwidth > 0:
+        raise ValueError(
+            f"--storage-bandwidth {text!r}: accepted values are default, none or bytes per second > 0"
+        )
+    return bandwidth
+
+
+def _fleet_options(args: argparse.Namespace) -> dict[str, Any]:
+    """b1_fleet keyword arguments from the fleet CLI options (storage size aside)."""
+    if not 0 <= args.engine_variation < 1:
+        raise ValueError(f"--engine-variation must be in [0, 1), got {args.engine_variation}")
+    if args.counter_noise < 0:
+        raise ValueError(f"--counter-noise must be >= 0, got {args.counter_noise}")
+    return {
+        "storage_shared_bytes_per_s": _storage_bandwidth(args.storage_bandwidth),
+        "engine_model": args.engine_model,
+        "engine_variation": args.engine_variation,
+        "variation_seed": args.seed,
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvroute sim",
@@ -862,6 +1027,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="ladder: size GPU pools so the fleet's HBM holds this many average conversations",
     )
     fl.add_argument(
+        "--storage",
+        type=_storage_list,
+        default=["unbounded"],
+        help="shared STORAGE pool size, comma-separated for a sweep: none, unbounded, a block count, "
+        "or a fraction of the workload's working set (1/4, 0.5). Default unbounded",
+    )
+    fl.add_argument(
+        "--storage-bandwidth",
+        default="default",
+        help="the shared pool's aggregate bytes/s (reads + writes of all engines), 'none' for no shared "
+        f"limit; default {SHARED_POOL_BANDWIDTH_PER_ENGINE:g} x engines x one engine's storage read rate",
+    )
+    fl.add_argument(
+        "--engine-model",
+        choices=ENGINE_MODELS,
+        default="vllm",
+        help="vllm = asynchronous KV loads + context-dependent costs (docs/simulator.md); legacy = the "
+        "model before issue 16 (loads stall the step), for before/after comparisons",
+    )
+    fl.add_argument(
+        "--engine-variation",
+        type=float,
+        default=0.1,
+        help="each engine's prefill rate and bandwidths scaled by a seeded factor in [1-v, 1+v] the "
+        "router is not told (default 0.1; 0 = identical engines)",
+    )
+    fl.add_argument(
+        "--counter-noise",
+        type=float,
+        default=0.2,
+        help="log-normal sigma of the noise on the engines' offload time counters (default 0.2)",
+    )
+    fl.add_argument(
         "--gpu-tokens",
         type=int,
         default=27_852 * 16,
@@ -874,6 +1072,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated policy names (registered ones, plus 'clairvoyant')",
     )
     pol.add_argument("--event-delay-ms", type=float, default=5.0, help="KV event delivery delay")
+    pol.add_argument(
+        "--router-priors",
+        choices=ROUTER_PRIORS,
+        default="defaults",
+        help="the cost model's starting point: the router's configured defaults, or the fleet's "
+        "nominal engine profile (the old what-if)",
+    )
     pol.add_argument("--speculate-ttl-s", type=float, default=2.0)
     pol.add_argument("--scrape-interval-s", type=float, default=1.0)
     pol.add_argument(
@@ -951,7 +1156,14 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         track_ideal=not args.no_ideal,
         queue_whole_prompt=args.queue_whole_prompt,
         progress=not args.no_progress,
+        router_priors=args.router_priors,
     )
+    fleet_options = _fleet_options(args)
+    storage_values: list[str] = args.storage
+
+    def storage_label(label: str, storage: str) -> str:
+        return label if len(storage_values) == 1 else f"{label} s={storage}"
+
     runs: list[_RunSpec] = []
     hetero = args.fleet == "hetero"
     if args.trace:
@@ -965,19 +1177,24 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
             wl = agentic_workload(
                 read_agentic_sessions(path, limit=args.limit), stagger_s=args.stagger_s, speed=args.speed
             )
-        base = dataclasses.replace(EngineProfile(), max_model_len=1 << 22)
+        base = dataclasses.replace(EngineProfile(), max_model_len=1 << 22, counter_noise=args.counter_noise)
+        working_set = working_set_blocks(wl)
         for n in args.engines:
             gpu_blocks = max(8, args.gpu_tokens // wl.block_size)
-            fleet = b1_fleet(
-                n,
-                block_size=wl.block_size,
-                hetero=hetero,
-                base=base,
-                conversations_in_hbm=gpu_blocks * n * wl.block_size,
-                mean_conversation_tokens=1.0,
-            )
-            for spec, pol, params in parsed:
-                runs.append(_RunSpec(f"{n}e x{args.speed:g}", wl, fleet, pol, config, params, spec))
+            for storage in storage_values:
+                fleet = b1_fleet(
+                    n,
+                    block_size=wl.block_size,
+                    hetero=hetero,
+                    base=base,
+                    conversations_in_hbm=gpu_blocks * n * wl.block_size,
+                    mean_conversation_tokens=1.0,
+                    storage_blocks=storage_blocks_for(storage, working_set),
+                    **fleet_options,
+                )
+                for spec, pol, params in parsed:
+                    label = storage_label(f"{n}e x{args.speed:g}", storage)
+                    runs.append(_RunSpec(label, wl, fleet, pol, config, params, spec))
         return runs, "engines x speed"
     lo, hi = (int(x) for x in args.answer_tokens.split(","))
     for c in args.concurrency:
@@ -995,17 +1212,22 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
             seed=args.seed,
         )
         wl = ladder_workload(lcfg)
+        working_set = working_set_blocks(wl)
         for n in args.engines:
-            fleet = b1_fleet(
-                n,
-                block_size=args.block_size,
-                hetero=hetero,
-                conversations_in_hbm=args.hbm_conversations,
-                mean_conversation_tokens=lcfg.mean_prompt_tokens(),
-            )
-            for spec, pol, params in parsed:
-                label = str(c) if len(args.engines) == 1 else f"{c}@{n}e"
-                runs.append(_RunSpec(label, wl, fleet, pol, config, params, spec))
+            for storage in storage_values:
+                fleet = b1_fleet(
+                    n,
+                    block_size=args.block_size,
+                    hetero=hetero,
+                    conversations_in_hbm=args.hbm_conversations,
+                    mean_conversation_tokens=lcfg.mean_prompt_tokens(),
+                    storage_blocks=storage_blocks_for(storage, working_set),
+                    base=EngineProfile(counter_noise=args.counter_noise),
+                    **fleet_options,
+                )
+                for spec, pol, params in parsed:
+                    label = storage_label(str(c) if len(args.engines) == 1 else f"{c}@{n}e", storage)
+                    runs.append(_RunSpec(label, wl, fleet, pol, config, params, spec))
     return runs, "concurrency"
 
 
@@ -1059,7 +1281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd = "kvroute sim " + " ".join(sys.argv[1:] if argv is None else argv)
         (out / "results.md").write_text(f"`{cmd}`\n\n{table}\n")
         (out / "results.json").write_text(json.dumps([r.as_dict() for r in results], indent=1))
-        if label_header == "concurrency" and len(args.concurrency) > 1:
+        if label_header == "concurrency" and len(args.concurrency) > 1 and len(args.storage) == 1:
             for path in plot_vs_concurrency(
                 results,
                 out,

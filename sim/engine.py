@@ -1,18 +1,26 @@
 """The simulated vLLM engine core: continuous batching in scheduler steps, a tiered prefix cache
-(GPU / CPU / STORAGE) and a time model. A pure, deterministic state machine with no I/O and no
-clock: time only advances by the ``duration_s`` each ``step()`` returns (sim/server.py, sim/des.py).
+(GPU / CPU / STORAGE) and a time model. A pure, deterministic state machine with no I/O: its clock
+``now_s`` advances by the ``duration_s`` each ``step()`` returns, or jumps to the ``now_s`` a driver
+passes (sim/server.py, sim/des.py).
 
-Step time model, in seconds:
+Step time model, in seconds (docs/simulator.md gives the source of every default figure):
     duration_s = step_overhead_s
                + prefill_tokens_computed / prefill_tokens_per_s
+               + prefill_attention_s_per_token_ctx * sum over prefill tokens of their context length
                + decoding_requests * decode_s_per_seq
-               + sum over (request, tier) loads this step: latency_s(tier) + bytes / load_bytes_per_s(tier)
-with bytes = blocks * block_size * kv_bytes_per_token (trace mode too: block_size tokens per id).
+               + decode context tokens * kv_bytes_per_token / hbm_bytes_per_s   (KV read per decode)
+KV loads from CPU / STORAGE are asynchronous (``async_loads``, vLLM's offloading connector): they
+queue on one host->GPU link per engine (``latency + bytes / bandwidth``; a shared STORAGE pool also
+books its aggregate ``shared_bytes_per_s``, writes included) and only the loading request waits for
+its blocks; the batch goes on. ``async_loads=False`` is the old model: the step stalls for the loads.
+bytes = blocks * block_size * kv_bytes_per_token (trace mode too: block_size tokens per id).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import random
 import zlib
 from collections import deque
 from collections.abc import Sequence
@@ -50,13 +58,28 @@ class EngineProfile:
     max_model_len: int = 131072
     #: KV-cache bytes of one token (Llama-3-8B bf16: 32 layers x 8 KV heads x 128 dims x 2 x 2 bytes).
     kv_bytes_per_token: int = 131072
-    #: Prefill rate. 22,000 tok/s makes recompute ~22x slower than a host reload at 64 GB/s
-    #: (131,072 bytes / 64e9 B/s = 2.05 us per token reloaded vs 45 us per token computed).
+    #: Prefill rate of the context-free part (weights' FLOPs). 22,000 tok/s makes recompute ~22x
+    #: slower than a host reload at 64 GB/s (131,072 B / 64e9 B/s = 2.05 us per token reloaded vs
+    #: 45 us per token computed); 2 x 8.03e9 FLOPs x 22,000 = 353 TFLOP/s, 36% of H100 bf16 peak.
     prefill_tokens_per_s: float = 22_000.0
-    #: Fixed cost of every step (scheduling, kernel launches, sampling).
+    #: Attention of one prefill token over one token of context before it, in seconds:
+    #: 4 x 32 layers x 4,096 (QK^T and AV, 2 FLOPs per multiply-add) = 524,288 FLOPs at the same
+    #: 353 TFLOP/s as the rest of the prefill = 1.48 ns. A 40K-token prompt from scratch then costs
+    #: 1.82 s linear + 1.19 s attention. 0 = the old context-free model.
+    prefill_attention_s_per_token_ctx: float = 1.48e-9
+    #: Fixed cost of every step: one read of the 16 GB of bf16 weights (4.8 ms at 3.35 TB/s;
+    #: kernels overlap part of it), scheduling, sampling.
     step_overhead_s: float = 0.004
-    #: Added per decoding request in a step (memory-bound decode of an 8B model on an H100).
-    decode_s_per_seq: float = 0.00006
+    #: Added per decoding request in a step: its 16 GFLOPs of matmuls at the H100's 989 TFLOP/s.
+    decode_s_per_seq: float = 0.000016
+    #: HBM bandwidth a decode reads its KV cache at (H100 SXM: 3.35 TB/s): a 40K-token KV of
+    #: 5.2 GB takes 1.57 ms per step. inf = the old model (decode cost independent of context).
+    hbm_bytes_per_s: float = 3.35e12
+    #: KV loads overlap compute (vLLM's asynchronous offloading connector); False = the step stalls.
+    async_loads: bool = True
+    #: Log-normal sigma of the noise on the reported offload load/store times (the router's
+    #: measured bandwidths); 0 = exact counters.
+    counter_noise: float = 0.0
     #: Host -> GPU bandwidth (PCIe 5.0 x16, one direction).
     cpu_load_bytes_per_s: float = 64e9
     #: Fixed cost of one CPU -> GPU load operation.
@@ -89,16 +112,40 @@ class EngineProfile:
                 raise ValueError(f"EngineProfile.{name} must be positive, got {getattr(self, name)}")
         if self.num_cpu_blocks < 0:
             raise ValueError(f"EngineProfile.num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
-        for name in ("prefill_tokens_per_s", "cpu_load_bytes_per_s", "storage_load_bytes_per_s"):
-            if getattr(self, name) <= 0:
+        for name in (
+            "prefill_tokens_per_s",
+            "cpu_load_bytes_per_s",
+            "storage_load_bytes_per_s",
+            "hbm_bytes_per_s",
+        ):
+            if not getattr(self, name) > 0:
                 raise ValueError(f"EngineProfile.{name} must be positive, got {getattr(self, name)}")
-        for name in ("step_overhead_s", "decode_s_per_seq", "cpu_latency_s", "storage_latency_s"):
+        for name in (
+            "step_overhead_s",
+            "decode_s_per_seq",
+            "cpu_latency_s",
+            "storage_latency_s",
+            "prefill_attention_s_per_token_ctx",
+            "counter_noise",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineProfile.{name} must be >= 0, got {getattr(self, name)}")
         if self.hash_algo not in HASH_ALGOS:
             raise ValueError(
                 f"EngineProfile.hash_algo {self.hash_algo!r} is unknown; accepted: {', '.join(HASH_ALGOS)}"
             )
+
+    def legacy_model(self) -> EngineProfile:
+        """The model before issue 16, for before/after comparisons: loads stall the step, no
+        context-dependent costs, a flat 60 us per decoding request, exact counters."""
+        return dataclasses.replace(
+            self,
+            async_loads=False,
+            prefill_attention_s_per_token_ctx=0.0,
+            decode_s_per_seq=0.00006,
+            hbm_bytes_per_s=math.inf,
+            counter_noise=0.0,
+        )
 
     def scaled_down(self, factor: float) -> EngineProfile:
         """The same engine with GPU and CPU pools ``factor`` times smaller (at least one block of
@@ -199,6 +246,7 @@ class _Request:
         "chain",
         "extra_every_block",
         "extra_first_block",
+        "loading_hashes",
         "max_output",
         "num_committed_blocks",
         "num_computed",
@@ -206,6 +254,7 @@ class _Request:
         "output_offset",
         "output_token_ids",
         "prompt_len",
+        "ready_at_s",
         "request",
         "tokens",
     )
@@ -243,6 +292,10 @@ class _Request:
         self.output_token_ids: list[int] = []
         self.output_offset = output_offset
         self.cached_by_tier: tuple[int, int, int] | None = None
+        #: Engine time its loaded blocks are on the GPU (0 = nothing in flight): it waits till then.
+        self.ready_at_s = 0.0
+        #: Hashes this request is loading (their GPU copies are not usable before ready_at_s).
+        self.loading_hashes: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -314,6 +367,13 @@ class EngineCore:
         self._load_time_s = [0.0, 0.0, 0.0]
         self._store_bytes = [0, 0, 0]
         self._store_time_s = [0.0, 0.0, 0.0]
+        #: Engine clock (seconds): advanced by each step, or set forward by the driver.
+        self.now_s = 0.0
+        #: When the host->GPU link is free again (loads from CPU and STORAGE queue on it).
+        self._link_free_s = 0.0
+        #: Hash -> time its GPU copy finishes loading, for blocks loaded asynchronously.
+        self._ready_at: dict[int, float] = {}
+        self._noise_rng = random.Random(f"counters:{engine_id}:{seed}") if profile.counter_noise else None
         if storage is not None:
             self._storage_bw = storage.load_bytes_per_s or profile.storage_load_bytes_per_s
             self._storage_latency_s = (
@@ -418,10 +478,17 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the scheduler step
 
-    def step(self) -> StepOutput:
-        """One scheduler step: schedule running requests (chunked prefill or one decode token each),
-        admit waiting ones while the token budget, max_num_seqs and free GPU blocks allow, then
-        advance them, cache newly full blocks and emit their events."""
+    def step(self, now_s: float | None = None) -> StepOutput:
+        """One scheduler step: schedule running requests (chunked prefill or one decode token each)
+        whose KV is on the GPU, admit waiting ones while the token budget, max_num_seqs and free GPU
+        blocks allow (a request with CPU/STORAGE hits starts its loads and waits for them), then
+        advance them, cache newly full blocks and emit their events.
+
+        ``now_s``: the driver's clock (virtual or scaled real time); the engine's clock moves
+        forward to it when the engine was idle. Loads are booked on that clock."""
+        if now_s is not None and now_s > self.now_s:
+            self.now_s = now_s
+        now = self.now_s
         p = self.profile
         bs = self._block_size
         gpu = self.gpu
@@ -432,7 +499,10 @@ class EngineCore:
         budget = p.max_num_batched_tokens
         scheduled: list[tuple[_Request, int]] = []
         prefill_tokens = 0
+        #: Sum over prefill tokens computed of the context before them (attention cost).
+        prefill_token_ctx = 0.0
         num_decoding = 0
+        decode_ctx_tokens = 0
         load_s = 0.0
         preempted = False
 
@@ -440,6 +510,11 @@ class EngineCore:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if req.ready_at_s:
+                if req.ready_at_s > now:  # its KV is still on the way: the batch goes on without it
+                    i += 1
+                    continue
+                self._loaded(req)
             remaining = req.num_tokens - req.num_computed
             n_new = remaining if remaining < budget else budget
             need = -(-(req.num_computed + n_new) // bs) - len(req.blocks)
@@ -458,31 +533,42 @@ class EngineCore:
             budget -= n_new
             if remaining == 1 and req.output_token_ids:
                 num_decoding += 1
+                decode_ctx_tokens += req.num_computed
             else:
                 prefill_tokens += n_new
+                prefill_token_ctx += n_new * (req.num_computed + (n_new - 1) / 2)
             i += 1
 
         # Admission stops for the step once anything was preempted (as vLLM does): the pool is full.
         if not preempted:
             waiting = self._waiting
             while waiting and budget > 0 and len(running) < p.max_num_seqs:
-                admitted = self._try_admit(waiting[0], budget, events)
+                admitted = self._try_admit(waiting[0], budget, events, now)
                 if admitted is None:
                     break
                 req = waiting.popleft()
                 n_new, req_load_s = admitted
                 running.append(req)
-                scheduled.append((req, n_new))
-                budget -= n_new
-                prefill_tokens += n_new
                 load_s += req_load_s
+                if n_new:
+                    scheduled.append((req, n_new))
+                    budget -= n_new
+                    prefill_tokens += n_new
+                    prefill_token_ctx += n_new * (req.num_computed + (n_new - 1) / 2)
 
-        duration_s = (
-            p.step_overhead_s
-            + prefill_tokens / p.prefill_tokens_per_s
-            + num_decoding * p.decode_s_per_seq
-            + load_s
-        )
+        if scheduled or not running:
+            duration_s = (
+                p.step_overhead_s
+                + prefill_tokens / p.prefill_tokens_per_s
+                + prefill_token_ctx * p.prefill_attention_s_per_token_ctx
+                + num_decoding * p.decode_s_per_seq
+                + decode_ctx_tokens * p.kv_bytes_per_token / p.hbm_bytes_per_s
+                + load_s
+            )
+        else:
+            # Every running request waits for its KV: the engine idles until the first load lands.
+            first_ready = min((r.ready_at_s for r in running if r.ready_at_s > now), default=now)
+            duration_s = max(first_ready - now, 1e-6) + load_s
 
         new_token_ids: dict[str, list[int]] = {}
         cycle = self._output_cycle
@@ -491,7 +577,7 @@ class EngineCore:
             req.num_computed += n_new
             full_blocks = req.num_computed // bs
             if full_blocks > req.num_committed_blocks:
-                self._commit_blocks(req, full_blocks, events)
+                self._commit_blocks(req, full_blocks, events, now)
             if req.num_computed == req.num_tokens:
                 outputs = req.output_token_ids
                 token = cycle[(req.output_offset + len(outputs)) % _OUTPUT_CYCLE_TOKENS]
@@ -508,6 +594,9 @@ class EngineCore:
         s.generation_tokens += num_generated
         s.busy_time_s += duration_s
         s.num_events += len(events)
+        self.now_s = now + duration_s
+        if len(self._ready_at) > 4096 and s.num_steps % 64 == 0:
+            self._ready_at = {h: t for h, t in self._ready_at.items() if t > self.now_s}
         return StepOutput(
             duration_s=duration_s,
             new_token_ids=new_token_ids,
@@ -544,10 +633,12 @@ class EngineCore:
         return len(req.tokens) // self._block_size
 
     def _try_admit(
-        self, req: _Request, budget: int, events: list[dict[str, Any]]
+        self, req: _Request, budget: int, events: list[dict[str, Any]], now: float
     ) -> tuple[int, float] | None:
         """Admit ``req`` if its prefix hits plus this step's new tokens fit the free GPU blocks.
-        Returns (tokens to compute this step, load seconds) or None (it stays queued)."""
+        Returns (tokens to compute this step, seconds the step stalls for loads) or None (it stays
+        queued). With asynchronous loads a request with CPU/STORAGE hits (or GPU hits whose load is
+        still in flight) computes nothing this step: it starts its loads and waits for them."""
         bs = self._block_size
         gpu = self.gpu
         cpu = self.cpu
@@ -574,8 +665,20 @@ class EngineCore:
                 break
         hit_blocks = len(tiers)
         hit_tokens = hit_blocks * bs
-        n_new = min(num_tokens - hit_tokens, budget)
         num_loaded = hit_blocks - tiers.count(_GPU)
+        # GPU hits on blocks another request is still loading are usable only once they land.
+        wait_until = 0.0
+        if self._ready_at:
+            ready_at = self._ready_at
+            for b, tier in enumerate(tiers):
+                if tier == _GPU:
+                    t = ready_at.get(hashes[b], 0.0)
+                    if t > wait_until:
+                        wait_until = t
+            if wait_until <= now:
+                wait_until = 0.0
+        asynchronous = self.profile.async_loads and (num_loaded > 0 or wait_until > 0.0)
+        n_new = 0 if asynchronous else min(num_tokens - hit_tokens, budget)
         new_blocks = -(-(hit_tokens + n_new) // bs) - hit_blocks
         if pin_cost + num_loaded + new_blocks > gpu.num_free():
             return None
@@ -591,6 +694,7 @@ class EngineCore:
         load_s = 0.0
         stored_runs: list[tuple[int, int]] = []
         run_start = -1
+        loading: list[int] = []
         for b, tier in enumerate(tiers):
             h = hashes[b]
             if tier == _GPU:
@@ -601,6 +705,7 @@ class EngineCore:
                 continue
             gpu.commit(h)
             req.blocks[b] = h
+            loading.append(h)
             if run_start < 0:
                 run_start = b
             if tier == _CPU:
@@ -611,16 +716,24 @@ class EngineCore:
                 storage.touch(h)
         if run_start >= 0:
             stored_runs.append((run_start, hit_blocks))
-        for tier, latency_s, bandwidth in (
-            (_CPU, self.profile.cpu_latency_s, self.profile.cpu_load_bytes_per_s),
-            (_STORAGE, self._storage_latency_s, self._storage_bw),
-        ):
+        ready_s = wait_until
+        for tier in (_CPU, _STORAGE):
             if n_by_tier[tier]:
                 nbytes = n_by_tier[tier] * self._bytes_per_block
-                t_s = latency_s + nbytes / bandwidth
-                load_s += t_s
+                if asynchronous:
+                    start_s, done_s = self._transfer(tier, nbytes, now)
+                    ready_s = max(ready_s, done_s)
+                    t_s = done_s - start_s
+                else:
+                    t_s = self._latency_s(tier) + nbytes / self._bandwidth(tier)
+                    load_s += t_s
                 self._load_bytes[tier] += nbytes
-                self._load_time_s[tier] += t_s
+                self._load_time_s[tier] += self._noisy(t_s)
+        if asynchronous:
+            req.ready_at_s = ready_s
+            req.loading_hashes = loading
+            for h in loading:
+                self._ready_at[h] = ready_s
         for start, end in stored_runs:
             self._emit_gpu_stored(req, start, end, events)
             # Blocks loaded from STORAGE also land in the CPU tier (tiering reads through host memory).
@@ -643,6 +756,39 @@ class EngineCore:
             s.external_prefix_cache_hits_tokens += (n_by_tier[_CPU] + n_by_tier[_STORAGE]) * bs
         return n_new, load_s
 
+    def _bandwidth(self, tier: int) -> float:
+        return self.profile.cpu_load_bytes_per_s if tier == _CPU else self._storage_bw
+
+    def _latency_s(self, tier: int) -> float:
+        return self.profile.cpu_latency_s if tier == _CPU else self._storage_latency_s
+
+    def _transfer(self, tier: int, nbytes: int, now: float) -> tuple[float, float]:
+        """Queue one load on this engine's host->GPU link (FIFO); a STORAGE load also books the
+        shared pool's aggregate bandwidth. Returns (start, done) on the engine clock."""
+        start_s = max(now, self._link_free_s)
+        done_s = start_s + nbytes / self._bandwidth(tier)
+        self._link_free_s = done_s
+        storage = self.storage
+        if tier == _STORAGE and storage is not None and storage.shared_bytes_per_s:
+            done_s = max(done_s, storage.reserve(start_s, nbytes))
+        return start_s, done_s + self._latency_s(tier)
+
+    def _noisy(self, seconds: float) -> float:
+        """A measured duration as the engine's counters report it (log-normal noise, if set)."""
+        rng = self._noise_rng
+        if rng is None:
+            return seconds
+        return seconds * math.exp(rng.gauss(0.0, self.profile.counter_noise))
+
+    def _loaded(self, req: _Request) -> None:
+        """``req``'s loads have landed: its blocks are plain GPU blocks from now on."""
+        ready_at = self._ready_at
+        for h in req.loading_hashes or ():
+            if ready_at.get(h) == req.ready_at_s:
+                del ready_at[h]
+        req.ready_at_s = 0.0
+        req.loading_hashes = None
+
     def _allocate(self, num_blocks: int, events: list[dict[str, Any]]) -> None:
         """Take anonymous GPU blocks, evicting the oldest free cached ones if needed; vLLM's GPU
         pool sends one BlockRemoved per evicted hash."""
@@ -654,7 +800,9 @@ class EngineCore:
                 for h in evicted
             )
 
-    def _commit_blocks(self, req: _Request, full_blocks: int, events: list[dict[str, Any]]) -> None:
+    def _commit_blocks(
+        self, req: _Request, full_blocks: int, events: list[dict[str, Any]], now: float
+    ) -> None:
         """Cache the request's newly full blocks on GPU and write prompt blocks through to the
         offload tiers; one GPU BlockStored per contiguous run of newly cached blocks."""
         end = min(full_blocks, self._num_hashable_blocks(req))
@@ -685,7 +833,7 @@ class EngineCore:
             if self.cpu is not None:
                 self._write_cpu(req, new_prompt_blocks, events)
             if self.storage is not None:
-                self._write_storage(req, new_prompt_blocks, events)
+                self._write_storage(req, new_prompt_blocks, events, now)
 
     def _event_tokens(self, req: _Request, start: int, end: int) -> tuple[list[int], int]:
         """Token ids and block_size of blocks [start, end) as events carry them: in trace mode the
@@ -733,7 +881,8 @@ class EngineCore:
             return
         nbytes = len(stored) * self._bytes_per_block
         self._store_bytes[_CPU] += nbytes
-        self._store_time_s[_CPU] += nbytes / self.profile.cpu_load_bytes_per_s
+        # GPU->host copies use the other direction of the link: they cost time, block nobody.
+        self._store_time_s[_CPU] += self._noisy(nbytes / self.profile.cpu_load_bytes_per_s)
         if not self._emit:
             return
         if evicted:
@@ -746,9 +895,10 @@ class EngineCore:
             events.extend(placeholder_stored_event([hashes[b]]) for b in stored)
 
     def _write_storage(
-        self, req: _Request, block_indices: Sequence[int], events: list[dict[str, Any]]
+        self, req: _Request, block_indices: Sequence[int], events: list[dict[str, Any]], now: float
     ) -> None:
-        """Write-through to the STORAGE pool: self-describing stores, never a removal."""
+        """Write-through to the STORAGE pool: self-describing stores, never a removal. A shared
+        pool's writes take their share of its aggregate bandwidth (reads queue behind them)."""
         storage = self.storage
         assert storage is not None
         evicted: list[int] = []  # silently dropped: the fs tier never announces removals
@@ -758,7 +908,10 @@ class EngineCore:
             return
         nbytes = len(stored) * self._bytes_per_block
         self._store_bytes[_STORAGE] += nbytes
-        self._store_time_s[_STORAGE] += nbytes / self._storage_bw
+        store_s = nbytes / self._storage_bw
+        if storage.shared_bytes_per_s:
+            store_s = max(store_s, storage.reserve(now, nbytes) - now)
+        self._store_time_s[_STORAGE] += self._noisy(store_s)
         if self._emit and self.profile.emit_storage_events:
             for start, end in _runs(stored):
                 event = self._stored_event(req, start, end, "STORAGE")
@@ -783,6 +936,9 @@ class EngineCore:
         self._free_blocks(req)
         req.num_computed = 0
         req.num_committed_blocks = 0
+        # Its loads may still be in flight; _ready_at keeps their blocks unusable until they land.
+        req.ready_at_s = 0.0
+        req.loading_hashes = None
         self._waiting.appendleft(req)
         self._stats.num_preemptions += 1
 

@@ -13,13 +13,27 @@ import pytest
 from kvcore.keys import block_keys
 from kvcore.trace import TraceRecorder
 from loadtest.workloads import (
+    Conversation,
     LadderConfig,
+    Turn,
+    Workload,
     ideal_hit_rate,
     ladder_workload,
     mooncake_workload,
     read_mooncake_records,
 )
-from sim.des import FleetSpec, SimConfig, SimResult, b1_fleet, main, simulate
+from sim.des import (
+    EngineSpec,
+    FleetSpec,
+    SimConfig,
+    SimResult,
+    b1_fleet,
+    main,
+    parse_storage,
+    simulate,
+    storage_blocks_for,
+    working_set_blocks,
+)
 from sim.engine import EngineProfile
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -100,7 +114,9 @@ def test_tier_cost_beats_round_robin_on_a_small_ladder() -> None:
     assert tc.hit > rr.hit + 0.2
     assert tc.ttft_p50_s < rr.ttft_p50_s
     assert tc.fraction_of_ideal > 0.8
-    assert clair.ttft_p50_s < rr.ttft_p50_s
+    # The greedy clairvoyant is no bound (issue 15: it piles every turn on one engine); it only
+    # has to run and to beat round robin on hits.
+    assert clair.hit > rr.hit
     for r in (rr, tc, clair):
         assert r.hit_cpu == r.hit_storage == 0.0  # the fleet has no such tiers
         assert 0.0 < r.ideal_hit <= 1.0 and r.hit <= r.ideal_hit + 1e-9
@@ -287,7 +303,10 @@ def test_in_flight_accounting_queues_predicted_uncached_tokens_and_balances_out(
     )
     runs = {}
     for whole in (False, True):
-        sim = FleetSimulator(wl, "tier_cost", fleet, SimConfig(seed=1, queue_whole_prompt=whole))
+        # Nominal priors: this is about the accounting, not calibration (from the router's default
+        # storage prices the 64-request comparison is within noise either way).
+        config = SimConfig(seed=1, queue_whole_prompt=whole, router_priors="nominal")
+        sim = FleetSimulator(wl, "tier_cost", fleet, config)
         runs[whole] = sim.run()
         # Every request's queued tokens were removed at its first token: nothing leaks.
         assert [sim.ledger.load(e) for e in sim.engine_ids] == [(0, 0)] * 4
@@ -346,3 +365,131 @@ def test_large_fleet_prefilter_hands_few_candidates_and_still_balances() -> None
     # The pre-filter keeps the engines that matter: the same TTFT and GPU hits as the full view.
     assert result.ttft_p50_s == pytest.approx(unfiltered.ttft_p50_s, rel=0.1)
     assert result.hit_gpu == pytest.approx(unfiltered.hit_gpu, abs=0.05)
+
+
+# ------------------------------------------------------------ the time model, pinned by hand
+
+# Round figures: 1 block = 16 tokens x 1,000 bytes = 16,000 bytes.
+HAND = dict(
+    block_size=16,
+    kv_bytes_per_token=1000,
+    prefill_tokens_per_s=1000.0,
+    prefill_attention_s_per_token_ctx=1e-6,
+    step_overhead_s=0.01,
+    decode_s_per_seq=0.001,
+    hbm_bytes_per_s=16e6,
+    cpu_load_bytes_per_s=1e6,
+    cpu_latency_s=0.002,
+    storage_load_bytes_per_s=1e6,
+    storage_latency_s=0.005,
+)
+
+
+def hand_workload() -> Workload:
+    """A: 320-token turn at 0 s, then a 480-token turn (same 20 first blocks) at 5 s;
+    B: a 496-token turn at 2 s (31 blocks of its own)."""
+    a = Conversation(
+        "A",
+        [
+            Turn(320, 1, list(range(20)), at_s=0.0),
+            Turn(480, 1, list(range(30)), at_s=5.0),
+        ],
+    )
+    b = Conversation("B", [Turn(496, 1, list(range(1000, 1031)), at_s=0.0)], start_s=2.0)
+    return Workload("hand", 16, [a, b])
+
+
+def prefill_s(tokens: int, context: int) -> float:
+    """overhead + linear + attention of ``tokens`` tokens after ``context`` cached ones."""
+    attention = sum(context + j for j in range(tokens))
+    return 0.01 + tokens / 1000.0 + attention * 1e-6
+
+
+def test_des_ttfts_match_the_time_model_by_hand_for_gpu_and_cpu_hits() -> None:
+    # One engine: 40 GPU blocks, a CPU tier. B (31 blocks) evicts A's 11 deepest blocks from the GPU
+    # (freed last block first), so A's second turn hits 9 blocks on GPU and 11 in the CPU tier.
+    profile = EngineProfile(num_gpu_blocks=40, num_cpu_blocks=200, **HAND)  # type: ignore[arg-type]
+    fleet = FleetSpec([EngineSpec("e0", profile)])
+    res = simulate(hand_workload(), "round_robin", fleet, SimConfig(scrape_interval_s=0))
+    cpu_load_s = 0.002 + 11 * 16_000 / 1e6  # 0.178 s on the link, overlapped with nothing else
+    expected = sorted([prefill_s(320, 0), prefill_s(496, 0), cpu_load_s + prefill_s(160, 320)])
+    assert res.ttfts_s == pytest.approx(expected)  # [0.38104, 0.41192, 0.62876]
+    assert res.hit_gpu == pytest.approx(9 * 16 / 1296)
+    assert res.hit_cpu == pytest.approx(11 * 16 / 1296)
+    assert res.requests == 3 and res.virtual_s == pytest.approx(5.0 + expected[1])
+
+    # The old model stalls the step for the load and has no attention term.
+    legacy = dataclasses.replace(profile).legacy_model()
+    res = simulate(hand_workload(), "round_robin", FleetSpec([EngineSpec("e0", legacy)]))
+    assert res.ttfts_s == pytest.approx(sorted([0.01 + 0.32, 0.01 + 0.496, 0.01 + 0.16 + cpu_load_s]))
+
+
+def test_des_storage_load_books_the_shared_pool_and_the_index_sees_the_pool() -> None:
+    # Three engines on one pool whose aggregate bandwidth (0.5 MB/s) is below one engine's read
+    # rate (1 MB/s): A's second turn goes to e1 (round robin) and waits for the pool.
+    profile = EngineProfile(num_gpu_blocks=64, **HAND)  # type: ignore[arg-type]
+    fleet = FleetSpec(
+        [EngineSpec(f"e{i}", dataclasses.replace(profile)) for i in range(3)],
+        storage_pool_blocks=1000,
+        storage_shared_bytes_per_s=0.5e6,
+    )
+    wl = hand_workload()
+    wl.conversations = wl.conversations[:1]
+    from sim.des import FleetSimulator
+
+    sim = FleetSimulator(wl, "round_robin", fleet, SimConfig(scrape_interval_s=0))
+    res = sim.run()
+    pool_s = 20 * 16_000 / 0.5e6  # 0.64 s of the pool (the engine's own link needs 0.32 s)
+    assert res.ttfts_s == pytest.approx([prefill_s(320, 0), pool_s + 0.005 + prefill_s(160, 320)])
+    assert res.hit_storage == pytest.approx(320 / 800)
+    # The router's index mounts the pool on every engine (an empty pool at start is falsy: the
+    # index used to be built without it), so e2, which never ran anything, sees A's 30 blocks there.
+    keys = block_keys(list(range(30)), 1)
+    assert sim.index.match(keys)["e2"].blocks_by_tier == (0, 0, 30)
+    assert sim.index.stats()["storage_pools"]["shared"]["capacity_blocks"] == 1000
+
+
+# ------------------------------------------------------------ storage size option
+
+
+def test_storage_option_accepts_sizes_and_fractions_and_refuses_nonsense() -> None:
+    wl = ladder_workload(small_ladder(4))
+    ws = working_set_blocks(wl)
+    # 8 conversations x (3000 + 3 x 1000) tokens / 16, with the 500-token system prompt shared.
+    assert ws == 8 * (6000 - 496) // 16 + 496 // 16
+    assert storage_blocks_for("none", ws) == 0
+    assert storage_blocks_for("unbounded", ws) is None
+    assert storage_blocks_for("1/4", ws) == round(ws / 4) == storage_blocks_for("0.25", ws)
+    assert storage_blocks_for("12345", ws) == 12345
+    for bad in ("0", "-5", "2/1", "0/4", "1/0", "abc", "0.0", "1.5", ""):
+        with pytest.raises(ValueError, match="--storage"):
+            parse_storage(bad)
+    with pytest.raises(ValueError, match="storage_blocks"):
+        b1_fleet(4, storage_blocks=-1)
+    # 0 means no storage tier, never a silent default pool.
+    fleet = b1_fleet(4, block_size=16, storage_blocks=0)
+    from sim.des import FleetSimulator
+
+    sim = FleetSimulator(wl, "round_robin", fleet)
+    assert sim.storage is None and all(c.storage is None for c in sim.cores)
+    assert sim.index.stats()["storage_pools"] == {}
+    assert b1_fleet(4, storage_blocks=None).storage_pool_blocks >= 1 << 40
+
+
+def test_cli_storage_sweep_labels_runs_and_rejects_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "--concurrency", "2", "--conversations", "1", "--turns", "2", "--first-prompt-tokens", "1000",
+        "--tokens-per-turn", "400", "--system-tokens", "200", "--answer-tokens", "10,20",
+        "--block-size", "64", "--policies", "round_robin", "--no-progress",
+    ]  # fmt: skip
+    assert main([*argv, "--storage", "none,1/2,unbounded"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 2 s=")]
+    assert [r.split("|")[1].strip() for r in rows] == ["2 s=none", "2 s=1/2", "2 s=unbounded"]
+    # No storage tier: nothing can come from STORAGE (column 10 of the table).
+    assert rows[0].split("|")[10].strip() == "0.000"
+    with pytest.raises(SystemExit):
+        main([*argv, "--storage", "lots"])
+    assert "accepted values are none, unbounded" in capsys.readouterr().err
+    assert main([*argv, "--storage-bandwidth", "-3"]) == 2
+    assert main([*argv, "--engine-variation", "1.5"]) == 2

@@ -4,6 +4,7 @@ prefix caching (hits, LRU, pinning, promotion, shared storage) and vLLM-shaped K
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,9 @@ def profile(**overrides: Any) -> EngineProfile:
         cpu_latency_s=CPU_LAT_S,
         storage_load_bytes_per_s=STO_BW,
         storage_latency_s=STO_LAT_S,
+        # Context-dependent costs off unless a test turns them on (their own hand-computed tests).
+        prefill_attention_s_per_token_ctx=0.0,
+        hbm_bytes_per_s=math.inf,
     )
     fields.update(overrides)
     return EngineProfile(**fields)
@@ -267,7 +271,9 @@ def test_cpu_write_through_hit_load_time_and_promotion() -> None:
     outs = run(engine)
     assert finished(outs)["a2"].cached_tokens_by_tier == (0, 64, 0)
     load_s = CPU_LAT_S + 4 * BLOCK_BYTES / CPU_BW
-    assert outs[0].duration_s == pytest.approx(OVERHEAD_S + 1 / PREFILL_TOK_PER_S + load_s)
+    # Asynchronous load: the engine idles until the blocks land, then computes the last token.
+    assert [o.duration_s for o in outs] == pytest.approx([load_s, OVERHEAD_S + 1 / PREFILL_TOK_PER_S])
+    assert outs[1].new_token_ids and not outs[0].new_token_ids
     promoted = of(events(outs), "BlockStored", "GPU")
     assert promoted[0]["block_hashes"] == a_hashes and promoted[0]["token_ids"] == T_TOKENS[:64]
 
@@ -316,7 +322,7 @@ def test_shared_storage_pool_is_visible_to_a_second_engine() -> None:
     assert finished(outs)["a"].cached_tokens_by_tier == (0, 0, 64)
     # The pool's own figures override the profile's storage figures.
     load_s = 0.004 + 4 * BLOCK_BYTES / 2e5
-    assert outs[0].duration_s == pytest.approx(OVERHEAD_S + 1 / PREFILL_TOK_PER_S + load_s)
+    assert [o.duration_s for o in outs] == pytest.approx([load_s, OVERHEAD_S + 1 / PREFILL_TOK_PER_S])
     # Already in the pool: e2 does not announce it again; it announces the promotion to its GPU.
     assert not of(events(outs), "BlockStored", "STORAGE")
     assert of(events(outs), "BlockStored", "GPU")[0]["block_hashes"] == stored[0]["block_hashes"]
@@ -496,6 +502,180 @@ def test_default_profile_matches_reference_numbers() -> None:
     recompute_s_per_token = 1 / p.prefill_tokens_per_s
     assert 20 <= recompute_s_per_token / host_reload_s_per_token <= 24
     assert p.num_gpu_blocks * p.block_size == 445_632
+
+
+# ---------------------------------------------------------------- asynchronous loads, context costs
+
+CPU_LOAD_4_BLOCKS_S = CPU_LAT_S + 4 * BLOCK_BYTES / CPU_BW  # 0.066 s
+
+
+def engine_with_a_in_cpu_only(**overrides: Any) -> EngineCore:
+    """An engine whose CPU tier holds T's first 4 blocks and whose GPU holds nothing."""
+    engine = EngineCore("e0", profile(num_cpu_blocks=32, **overrides))
+    engine.add_request(SimRequest("a", T_TOKENS[:65], max_tokens=1))
+    run(engine)
+    engine.reset_prefix_cache()
+    return engine
+
+
+def test_async_cpu_load_overlaps_the_running_decode() -> None:
+    engine = engine_with_a_in_cpu_only()
+    engine.add_request(SimRequest("d", list(range(5000, 5017)), max_tokens=50))
+    engine.step()  # d's prefill
+    t0 = engine.now_s
+    engine.add_request(SimRequest("a2", T_TOKENS[:49], max_tokens=2))  # 3 blocks in CPU
+    outs = [engine.step() for _ in range(7)]
+    load_s = CPU_LAT_S + 3 * BLOCK_BYTES / CPU_BW  # 0.050 s
+    # d decodes every step while a2's blocks cross the link: no step stalls.
+    decode_step_s = OVERHEAD_S + DECODE_S  # 0.011 s
+    assert [o.duration_s for o in outs[:5]] == pytest.approx([decode_step_s] * 5)
+    assert all("d" in o.new_token_ids for o in outs)
+    # The first step starting after the load lands (t0 + 5 x 0.011 = 0.055 >= 0.050) computes a2's
+    # last prompt token next to d's decode.
+    assert [("a2" in o.new_token_ids) for o in outs] == [False] * 5 + [True, True]
+    assert outs[5].duration_s == pytest.approx(OVERHEAD_S + 1 / PREFILL_TOK_PER_S + DECODE_S)
+    assert 4 * decode_step_s < load_s <= 5 * decode_step_s
+    first_token_s = t0 + 5 * decode_step_s + outs[5].duration_s
+    assert first_token_s - t0 == pytest.approx(0.067)
+    assert finished(outs + run(engine))["a2"].cached_tokens_by_tier == (0, 48, 0)
+
+
+def test_legacy_model_stalls_the_whole_step_for_the_load() -> None:
+    engine = engine_with_a_in_cpu_only()
+    engine.profile = engine.profile.legacy_model()
+    # legacy_model restores the 60 us decode; use the test's own figure to compare by hand.
+    engine.profile.decode_s_per_seq = DECODE_S
+    engine.add_request(SimRequest("d", list(range(5000, 5017)), max_tokens=50))
+    engine.step()
+    engine.add_request(SimRequest("a2", T_TOKENS[:65], max_tokens=2))
+    out = engine.step()
+    assert out.duration_s == pytest.approx(
+        OVERHEAD_S + DECODE_S + 1 / PREFILL_TOK_PER_S + CPU_LOAD_4_BLOCKS_S
+    )
+    assert {"d", "a2"} <= set(out.new_token_ids)
+
+
+def test_loads_queue_on_one_link_per_engine() -> None:
+    engine = EngineCore("e0", profile(num_cpu_blocks=32))
+    b_tokens = list(range(7000, 7033))  # 2 full blocks + 1
+    for rid, toks in (("a", T_TOKENS[:65]), ("b", b_tokens)):
+        engine.add_request(SimRequest(rid, toks, max_tokens=1))
+    run(engine)
+    engine.reset_prefix_cache()
+    t0 = engine.now_s
+    engine.add_request(SimRequest("a2", T_TOKENS[:65], max_tokens=1))
+    engine.add_request(SimRequest("b2", b_tokens, max_tokens=1))
+    outs = run(engine)
+    done = {}
+    t = t0
+    for o in outs:
+        t += o.duration_s
+        for rid in o.new_token_ids:
+            done.setdefault(rid, t - t0)
+    a_ready = CPU_LOAD_4_BLOCKS_S  # 0.066
+    b_ready = 4 * BLOCK_BYTES / CPU_BW + CPU_LAT_S + 2 * BLOCK_BYTES / CPU_BW  # queued behind a2: 0.098
+    assert outs[0].duration_s == pytest.approx(a_ready)  # idle until the first load lands
+    assert done["a2"] == pytest.approx(a_ready + OVERHEAD_S + 1 / PREFILL_TOK_PER_S)
+    # b2 lands at 0.098: after a2's step (0.066-0.077) the engine idles until then.
+    assert done["b2"] == pytest.approx(b_ready + OVERHEAD_S + 1 / PREFILL_TOK_PER_S)
+    assert engine.stats().load_time_s_by_tier["CPU"] == pytest.approx(a_ready + (b_ready - 0.064))
+
+
+def test_shared_pool_bandwidth_is_shared_by_its_engines_reads_and_writes() -> None:
+    # Each engine reads at 1e5 B/s; the pool as a whole moves 1e5 B/s too, so two engines'
+    # loads at the same instant take turns.
+    pool = StoragePool("fs", capacity_blocks=100, shared_bytes_per_s=STO_BW)
+    writer = EngineCore("w", profile(), storage=pool)
+    writer.add_request(SimRequest("a", T_TOKENS[:65], max_tokens=1))
+    run(writer)
+    # The write of 4 blocks booked 0.64 s of the pool's bandwidth from the write's step start (0).
+    assert pool.busy_until_s == pytest.approx(4 * BLOCK_BYTES / STO_BW)
+    readers = [EngineCore(f"r{i}", profile(), storage=pool) for i in range(2)]
+    start_s = 1.0  # after the write
+    ready = []
+    for r in readers:
+        r.add_request(SimRequest("a", T_TOKENS[:65], max_tokens=1))
+        out = r.step(start_s)
+        ready.append(start_s + out.duration_s)
+    transfer_s = 4 * BLOCK_BYTES / STO_BW  # 0.64 s on either the engine's link or the pool
+    assert ready[0] == pytest.approx(start_s + transfer_s + STO_LAT_S)
+    assert ready[1] == pytest.approx(start_s + 2 * transfer_s + STO_LAT_S)
+    # Without a shared limit a booking costs nothing.
+    assert StoragePool("fs2", capacity_blocks=100).reserve(5.0, 1e9) == 5.0
+
+
+def test_writes_to_a_shared_pool_delay_its_reads() -> None:
+    pool = StoragePool("fs", capacity_blocks=100, shared_bytes_per_s=STO_BW)
+    e1 = EngineCore("e1", profile(), storage=pool)
+    e1.add_request(SimRequest("a", T_TOKENS[:65], max_tokens=1))
+    run(e1)
+    e2 = EngineCore("e2", profile(), storage=pool)
+    e2.add_request(SimRequest("a", T_TOKENS[:65], max_tokens=1))
+    out = e2.step(0.0)  # at 0 the pool is still busy with e1's write until 0.64 s
+    assert out.duration_s == pytest.approx(2 * 4 * BLOCK_BYTES / STO_BW + STO_LAT_S)
+
+
+def test_prefill_attention_grows_with_context_and_decode_reads_the_kv() -> None:
+    attn_s = 1e-6  # per prefill token per token of context before it
+    hbm = 16e6  # bytes/s: a 1,000-byte token of KV costs 62.5 us to read per decode step
+    engine = EngineCore(
+        "e0", profile(prefill_attention_s_per_token_ctx=attn_s, hbm_bytes_per_s=hbm, num_gpu_blocks=64)
+    )
+    engine.add_request(SimRequest("a", list(range(100)), max_tokens=3))
+    outs = run(engine)
+    # Prefill of 100 tokens from scratch: token j attends to j tokens before it: 0+1+...+99 = 4,950.
+    assert outs[0].duration_s == pytest.approx(OVERHEAD_S + 100 / PREFILL_TOK_PER_S + 4950 * attn_s)
+    # Decodes read the KV of the 100 and 101 tokens before the new one.
+    assert outs[1].duration_s == pytest.approx(OVERHEAD_S + DECODE_S + 100 * 1000 / hbm)
+    assert outs[2].duration_s == pytest.approx(OVERHEAD_S + DECODE_S + 101 * 1000 / hbm)
+
+    # With a GPU prefix hit of 96 tokens only the last 4 are computed, each over 96+ tokens.
+    engine.add_request(SimRequest("b", list(range(100)), max_tokens=1))
+    out = run(engine)[0]
+    assert out.duration_s == pytest.approx(OVERHEAD_S + 4 / PREFILL_TOK_PER_S + (96 + 97 + 98 + 99) * attn_s)
+
+
+def test_chunked_prefill_attention_counts_the_chunks_before() -> None:
+    attn_s = 1e-6
+    engine = EngineCore(
+        "e0", profile(prefill_attention_s_per_token_ctx=attn_s, max_num_batched_tokens=60, num_gpu_blocks=64)
+    )
+    engine.add_request(SimRequest("a", list(range(100)), max_tokens=1))
+    outs = run(engine)
+    first = sum(range(60))  # tokens 0..59
+    second = sum(range(60, 100))  # tokens 60..99 over everything before them
+    assert [o.duration_s for o in outs] == pytest.approx(
+        [
+            OVERHEAD_S + 60 / PREFILL_TOK_PER_S + first * attn_s,
+            OVERHEAD_S + 40 / PREFILL_TOK_PER_S + second * attn_s,
+        ]
+    )
+
+
+def test_counter_noise_blurs_measured_times_not_bytes_and_is_seeded() -> None:
+    def measured() -> tuple[int, float]:
+        engine = engine_with_a_in_cpu_only(counter_noise=0.3)
+        engine.add_request(SimRequest("a2", T_TOKENS[:65], max_tokens=1))
+        run(engine)
+        st_ = engine.stats()
+        return st_.load_bytes_by_tier["CPU"], st_.load_time_s_by_tier["CPU"]
+
+    nbytes, noisy_s = measured()
+    assert nbytes == 4 * BLOCK_BYTES
+    assert noisy_s != pytest.approx(CPU_LOAD_4_BLOCKS_S, rel=1e-3)
+    assert 0.2 * CPU_LOAD_4_BLOCKS_S < noisy_s < 5 * CPU_LOAD_4_BLOCKS_S
+    assert measured() == (nbytes, noisy_s)
+
+
+def test_default_profile_context_costs_match_published_figures() -> None:
+    p = EngineProfile()
+    # Reading a 40K-token KV cache on an H100 (3.35 TB/s) takes ~1.6 ms per decode step.
+    assert 40_000 * p.kv_bytes_per_token / p.hbm_bytes_per_s == pytest.approx(1.565e-3, rel=0.01)
+    # Attention FLOPs of Llama-3-8B (4 x 32 layers x 4096) at the prefill's own FLOP rate
+    # (2 x 8.03e9 FLOPs per token at 22,000 tokens/s).
+    flops_per_s = 2 * 8.03e9 * p.prefill_tokens_per_s
+    assert p.prefill_attention_s_per_token_ctx == pytest.approx(4 * 32 * 4096 / flops_per_s, rel=0.01)
+    assert p.async_loads and p.legacy_model().async_loads is False
 
 
 # ---------------------------------------------------------------- invariants under random workloads
