@@ -18,7 +18,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +30,19 @@ from loadtest.workloads import (
     read_agentic_sessions,
     read_mooncake_records,
 )
-from sim.des import FleetSimulator, FleetSpec, SimConfig, b1_fleet, parse_policy_spec
+from sim.des import (
+    UNBOUNDED_STORAGE_BLOCKS,
+    FleetSimulator,
+    FleetSpec,
+    SimConfig,
+    b1_fleet,
+    parse_policy_spec,
+    parse_storage,
+    storage_blocks_for,
+    working_set_blocks,
+)
 from sim.engine import EngineProfile
 from sim.oracle import ArrivalRecorder, capacity_bound
-
-UNBOUNDED_POOL_BLOCKS = 1 << 40
 
 
 @dataclass(slots=True)
@@ -57,21 +64,11 @@ class Cell:
     limit: int | None = None
 
 
-def storage_blocks(storage: str, working_set_blocks: float) -> int:
-    """Pool size in blocks: "none" = 0, "unbounded", or a fraction of the working set ("1/4")."""
-    if storage == "none":
-        return 0
-    if storage == "unbounded":
-        return UNBOUNDED_POOL_BLOCKS
-    try:
-        frac = Fraction(storage)
-    except (ValueError, ZeroDivisionError):
-        raise ValueError(
-            f"--storage: expected none, unbounded or a fraction like 1/4, got {storage!r}"
-        ) from None
-    if frac <= 0:
-        raise ValueError(f"--storage: a fraction must be positive, got {storage!r}")
-    return max(1, round(float(frac) * working_set_blocks))
+def storage_blocks(storage: str, workload: Workload) -> int:
+    """Pool size in blocks (sim.des.parse_storage values: none, unbounded, N blocks, or a fraction
+    of the workload's working set = its distinct blocks, as ``kvroute sim --storage``)."""
+    blocks = storage_blocks_for(storage, working_set_blocks(workload))
+    return UNBOUNDED_STORAGE_BLOCKS if blocks is None else blocks
 
 
 def build(cell: Cell) -> tuple[Workload, FleetSpec]:
@@ -92,7 +89,6 @@ def build(cell: Cell) -> tuple[Workload, FleetSpec]:
             conversations_in_hbm=gpu_blocks * cell.engines * wl.block_size,
             mean_conversation_tokens=1.0,
         )
-        working_set = sum(len(c.turns[-1].block_ids) for c in wl.conversations)
     else:
         lcfg = LadderConfig(
             concurrency=cell.concurrency,
@@ -107,8 +103,7 @@ def build(cell: Cell) -> tuple[Workload, FleetSpec]:
             hetero=cell.hetero,
             mean_conversation_tokens=lcfg.mean_prompt_tokens(),
         )
-        working_set = cell.concurrency * lcfg.mean_prompt_tokens() / cell.block_size
-    fleet.storage_pool_blocks = storage_blocks(cell.storage, working_set)
+    fleet.storage_pool_blocks = storage_blocks(cell.storage, wl)
     return wl, fleet
 
 
@@ -129,7 +124,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     capacity = sum(s.profile.num_gpu_blocks + s.profile.num_cpu_blocks for s in fleet.engines)
     capacity += fleet.storage_pool_blocks
     rate = max(s.profile.prefill_tokens_per_s for s in fleet.engines)
-    bound = capacity_bound(recorder.arrivals, min(capacity, UNBOUNDED_POOL_BLOCKS), rate)
+    bound = capacity_bound(recorder.arrivals, min(capacity, UNBOUNDED_STORAGE_BLOCKS), rate)
     row = result.as_dict()
     row.update(
         label=cell.label,
@@ -183,6 +178,8 @@ def plan(args: argparse.Namespace) -> list[Cell]:
     seeds = [int(s) for s in _list(args.seeds)]
     for policy in _list(args.policies):
         parse_policy_spec(policy)  # fail early on a malformed spec
+    for storage in _list(args.storage):
+        parse_storage(storage)
     if args.trace:
         path = Path(args.trace)
         fmt = args.trace_format or ("agentic" if path.is_dir() or path.suffix == ".json" else "mooncake")
