@@ -377,6 +377,9 @@ class RoutingCore:
             if self.index is not None and ttl_s > 0 and request.block_keys:
                 # Every arm speculates: the engine will hold these blocks whatever chose it.
                 self.index.speculate(target, request.block_keys, ttl_s, now)
+            if self.index is not None and request.block_keys:
+                # The engine will read its pool-only prefix blocks: the pool's LRU refreshes them.
+                self.index.refresh_pool_reads(target, request.block_keys, now)
             policy.on_routed(request, decision)
         self.counters.routed += 1
         return Reservation(request, decision, policy, target, ticket, now, parts, arm)
@@ -429,6 +432,16 @@ class RoutingCore:
         if outcome.client_gone:
             return
         cached = outcome.cached_tokens
+        if outcome.ok and cached is not None and self.index is not None and request.block_keys:
+            # A shortfall against the index's promise: the pool evicted what it never announced.
+            bs = max(1, request.block_size)
+            self.index.learn_delivered(
+                engine_id,
+                request.block_keys,
+                int(cached) // bs,
+                int(sum(reservation.parts.hit_tokens)) // bs,
+                reservation.sent_s,
+            )
         if outcome.ok:
             ttft_s = reservation.engine_ttft_s
             if self.config.calibrate and ttft_s is not None:

@@ -72,7 +72,12 @@ def _event_kind(cls: type) -> int:
 
 @dataclass(slots=True)
 class _StoragePool:
-    """STORAGE blocks of one pool: LRU order, a capacity, and the engines that mount it."""
+    """STORAGE blocks of one pool: LRU order, a capacity, and the engines that mount it.
+
+    The pool itself evicts its least recently *used* block (written or read), and announces neither
+    reads nor removals. So the index refreshes a block on its stores and on the reads the router's
+    own routing causes (``refresh_pool_reads``), and drops a block the engine proved absent
+    (``learn_delivered``). ``lru`` maps key -> index clock of its last announced store."""
 
     pool_id: str
     slot: int
@@ -81,8 +86,12 @@ class _StoragePool:
     mount_positions: int = 0
     #: Ids of the mounting engines, in mount order: match fills pool-only hits from this list.
     member_ids: list[str] = field(default_factory=list)
-    lru: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    lru: OrderedDict[int, float] = field(default_factory=OrderedDict)
     evicted_blocks: int = 0
+    #: Blocks refreshed because routing sent a request that reads them from the pool.
+    refreshed_blocks: int = 0
+    #: Blocks dropped because an engine delivered fewer cached tokens than the pool promised.
+    shortfall_drops: int = 0
 
     @property
     def bit(self) -> int:
@@ -417,8 +426,9 @@ class PrefixIndex:
         lru = pool.lru
         if key in lru:
             lru.move_to_end(key)
+            lru[key] = self._now
             return
-        lru[key] = None
+        lru[key] = self._now
         self._masks[key] = self._intern(self._masks.get(key, 0) | pool.bit)
         while len(lru) > pool.capacity_blocks:
             old, _ = lru.popitem(last=False)
@@ -475,6 +485,62 @@ class PrefixIndex:
             for key in pool.lru:
                 self._clear_bits(key, pool.bit)
             pool.lru.clear()
+
+    # ----------------------------------------------------------------------------- pool recency
+
+    def refresh_pool_reads(self, engine_id: str, keys: Sequence[int], now: float | None = None) -> int:
+        """``engine_id`` was just sent a request with prompt ``keys``: the blocks of its prefix that
+        the engine holds only in its STORAGE pool (not on its GPU or CPU, as the events say) will be
+        read from the pool, which makes them the pool's most recently used. Mirror that in the
+        index's LRU, as the pool does, since the pool never says so. Returns blocks refreshed."""
+        if now is not None:
+            self._advance(now)
+        state = self._engines.get(engine_id)
+        if state is None or state.pool is None:
+            return 0
+        pool = state.pool
+        lru = pool.lru
+        masks = self._masks
+        local = state.gpu_bit | state.cpu_bit
+        refreshed = 0
+        for key in keys:  # the engine's own walk: GPU, then CPU, then the pool, stop at a miss
+            mask = masks.get(key)
+            if mask is None:
+                break
+            if mask & local:
+                continue
+            if key not in lru:
+                break
+            lru.move_to_end(key)  # the stamp stays: a read proves nothing about a later store
+            refreshed += 1
+        pool.refreshed_blocks += refreshed
+        return refreshed
+
+    def learn_delivered(
+        self,
+        engine_id: str,
+        keys: Sequence[int],
+        delivered_blocks: int,
+        predicted_blocks: int,
+        routed_s: float,
+    ) -> bool:
+        """An engine reported ``delivered_blocks`` cached blocks of ``keys`` where the index had
+        predicted ``predicted_blocks`` at ``routed_s``. A shortfall means block ``delivered_blocks``
+        was in none of the engine's tiers, its pool included: drop it from the pool (the pool evicted
+        it silently) unless a store announced it again since the routing. True when dropped."""
+        if not 0 <= delivered_blocks < min(predicted_blocks, len(keys)):
+            return False
+        state = self._engines.get(engine_id)
+        if state is None or state.pool is None:
+            return False
+        pool = state.pool
+        key = keys[delivered_blocks]
+        stamp = pool.lru.get(key)
+        if stamp is None or stamp >= routed_s:
+            return False
+        self._pool_remove(pool, key)
+        pool.shortfall_drops += 1
+        return True
 
     # ----------------------------------------------------------------------------- speculation
 
@@ -674,6 +740,8 @@ class PrefixIndex:
                 "blocks": len(pool.lru),
                 "capacity_blocks": pool.capacity_blocks,
                 "evicted_blocks": pool.evicted_blocks,
+                "refreshed_blocks": pool.refreshed_blocks,
+                "shortfall_drops": pool.shortfall_drops,
             }
             for pool in self._all_pools()
         }

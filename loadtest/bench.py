@@ -4,6 +4,10 @@
   kvroute bench index [...]   event ingestion, match latency, bytes per entry (B4; loadtest/bench_index.py)
   kvroute bench engine [...]  engine-model steps/s and events/s (loadtest/bench_engine.py)
   kvroute bench sim [...]     offline fleet simulation, e.g. the B1 ladder (sim/des.py; same as `kvroute sim`)
+  kvroute bench peers [...]   B3 side by side: direct vs kvroute vs vllm-router/sglang-router/smg, wrk load
+                              (loadtest/bench_peers.py; peers installed into their own venvs)
+  kvroute bench quality [...] live routing quality vs the peers + B1 live vs DES, Locust workload
+                              (loadtest/bench_quality_live.py)
   kvroute bench all           each of the above at its default size, one after the other
 Results and the commands that produced them are recorded in docs/benchmarks.md.
 """
@@ -19,6 +23,8 @@ BENCHES: dict[str, str] = {
     "index": "loadtest.bench_index",
     "engine": "loadtest.bench_engine",
     "sim": "sim.des",
+    "peers": "loadtest.bench_peers",
+    "quality": "loadtest.bench_quality_live",
 }
 #: What `all` runs: moderate sizes that finish in minutes on 2 cores.
 ALL_ARGS: dict[str, list[str]] = {
@@ -26,6 +32,8 @@ ALL_ARGS: dict[str, list[str]] = {
     "index": ["--repeats", "3"],
     "proxy": ["--concurrency", "1,64", "--duration", "5", "--runs", "3"],
     "sim": ["--workload", "ladder", "--concurrency", "16,64,128", "--engines", "4", "--block-size", "64"],
+    "peers": ["--prompt-tokens", "1000", "--duration", "3", "--repeats", "3", "--out", "runs/bench/b3"],
+    "quality": ["--time", "45", "--des", "--out", "runs/bench/quality"],
 }
 
 

@@ -18,6 +18,7 @@ import msgspec
 
 from kvcore.index import PrefixIndex
 from kvcore.keys import block_keys
+from kvcore.stats import percentile, percentiles
 from router.events import BlockStored, decode_payload
 from sim.engine import placeholder_stored_event
 
@@ -117,10 +118,14 @@ def populate(
             gpu = rng.randint(0, held)
             index.apply_batch(
                 f"e{engine}",
-                [BlockStored(hashes[:held], None, tokens[: held * BLOCK_TOKENS], BLOCK_TOKENS, medium="CPU")],
+                [
+                    BlockStored(
+                        hashes[:held], None, tokens[: held * BLOCK_TOKENS], BLOCK_TOKENS, None, "CPU", None
+                    )
+                ],
             )
             if gpu:
-                index.apply_batch(f"e{engine}", [BlockStored(hashes[:gpu], None, [], 0, medium="GPU")])
+                index.apply_batch(f"e{engine}", [BlockStored(hashes[:gpu], None, [], 0, None, "GPU", None)])
     return chains
 
 
@@ -146,8 +151,8 @@ def bench_match(
         wall_samples.append(time.perf_counter() - wall0)
     wall_samples.sort()
     cpu_samples.sort()
-    i99 = min(len(wall_samples) - 1, int(len(wall_samples) * 0.99))
-    p50, p99, cpu_p99 = statistics.median(wall_samples) * 1e3, wall_samples[i99] * 1e3, cpu_samples[i99] * 1e3
+    p50, p99 = (v * 1e3 for v in percentiles(wall_samples, (50, 99)))
+    cpu_p99 = percentile(cpu_samples, 99) * 1e3
     print(
         f"match: {prompt_blocks}-block prompt, {engines} engines, {len(index):,} keys "
         f"(built in {build_s:.1f} s): p50 {p50:.3f} ms, p99 {p99:.3f} ms (CPU p99 {cpu_p99:.3f} ms) "
@@ -189,9 +194,9 @@ def bench_memory(total_keys: int, engines: int, max_holders: int, cpu_copy: bool
             # Fresh hash ints per event, as decoding allocates them: the index keeps them.
             hashes: list[int | bytes] = list(range(next_hash, next_hash + n))
             next_hash += n
-            batch = [BlockStored(hashes, None, tokens, BLOCK_TOKENS, medium="GPU")]
+            batch = [BlockStored(hashes, None, tokens, BLOCK_TOKENS, None, "GPU", None)]
             if cpu_copy:
-                batch.append(BlockStored(list(hashes), None, [], 0, medium="CPU"))
+                batch.append(BlockStored(list(hashes), None, [], 0, None, "CPU", None))
             index.apply_batch(f"e{engine}", batch)
             entries += n * len(batch)
         del tokens, batch, hashes

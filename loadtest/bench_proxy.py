@@ -29,6 +29,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from kvcore.stats import percentile
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "bench-model"
 TARGETS = ("direct", "httpx_proxy", "aiohttp_proxy", "kvroute")
@@ -223,9 +225,7 @@ async def _load(
     latencies_s.sort()
 
     def pct(q: float) -> float:
-        return (
-            latencies_s[min(len(latencies_s) - 1, int(q * len(latencies_s)))] if latencies_s else float("nan")
-        )
+        return percentile(latencies_s, q * 100)  # the project's one definition (kvcore.stats)
 
     return {
         "requests": len(latencies_s),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from typing import Any
 import aiohttp
 
 from kvcore.sim_tokenizer import NAME as SIM_MODEL
+from kvcore.stats import percentile
 from loadtest.workloads import Workload
 
 
@@ -60,11 +60,8 @@ class LoadResult:
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    if len(sorted_values) == 1:
-        return sorted_values[0]
-    return statistics.quantiles(sorted_values, n=100, method="inclusive")[max(0, min(98, round(q * 100) - 1))]
+    """The project's one percentile definition (kvcore.stats), q in [0, 1]."""
+    return percentile(sorted_values, q * 100)
 
 
 async def _one_turn(

@@ -97,26 +97,37 @@ def format_report(report: dict[str, Any]) -> str:
         return f"{value:8.0f}" if isinstance(value, int | float) else f"{'-':>8}"
 
     head = (
-        f"{'arm':<14}{'policy':<14}{'reqs':>6}{'errs':>6}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
-        f"{'gpu tok':>9}{'cpu tok':>9}{'stor tok':>9}{'hit rate':>9}"
+        f"{'arm':<14}{'policy':<14}{'convs':>6}{'reqs':>6}{'errs':>6}{'p50 ms':>9}{'p90 ms':>9}"
+        f"{'p99 ms':>9}{'hit rate':>9}{'pred gpu':>9}{'pred cpu':>9}{'pred sto':>9}"
     )
     rows = [head, "-" * len(head)]
     for arm in report.get("arms", []):
-        hits = arm.get("mean_hit_tokens") or {}
+        predicted = (arm.get("predicted") or {}).get("mean_hit_tokens") or {}
         rate = arm.get("hit_rate")
         rows.append(
-            f"{arm['name']:<14}{arm.get('policy') or '-':<14}{arm['requests']:>6}{arm['errors']:>6}"
+            f"{arm['name']:<14}{arm.get('policy') or '-':<14}{arm.get('conversations', 0):>6}"
+            f"{arm['requests']:>6}{arm['errors']:>6}"
             f"{ms(arm.get('ttft_p50_s'))} {ms(arm.get('ttft_p90_s'))} {ms(arm.get('ttft_p99_s'))}"
-            f"{num(hits.get('gpu'))} {num(hits.get('cpu'))} {num(hits.get('storage'))}"
-            f"{(f'{rate:9.2f}' if isinstance(rate, float) else f'{chr(45):>9}')}"
+            f"{(f'{rate:9.3f}' if isinstance(rate, float) else f'{chr(45):>9}')}"
+            f"{num(predicted.get('gpu'))} {num(predicted.get('cpu'))} {num(predicted.get('storage'))}"
         )
         vs = arm.get("vs_control")
-        if vs and vs.get("mean_diff_ci_s"):
-            low, high = vs["mean_diff_ci_s"]
-            rows.append(
-                f"  vs {vs['control']}: mean TTFT diff {vs['mean_diff_s'] * 1000:+.1f} ms "
-                f"({int(vs['confidence'] * 100)}% CI {low * 1000:+.1f} .. {high * 1000:+.1f} ms)"
+        if vs and vs.get("mean_ttft_diff_ci_s"):
+            low, high = vs["mean_ttft_diff_ci_s"]
+            line = (
+                f"  vs {vs['control']}: mean TTFT {vs['mean_ttft_diff_s'] * 1000:+.1f} ms "
+                f"({int(vs['confidence'] * 100)}% CI {low * 1000:+.1f} .. {high * 1000:+.1f})"
             )
+            if vs.get("hit_rate_diff_ci"):
+                h_low, h_high = vs["hit_rate_diff_ci"]
+                line += f"; hit rate {vs['hit_rate_diff']:+.3f} (CI {h_low:+.3f} .. {h_high:+.3f})"
+            convs = vs.get("conversations") or [0, 0]
+            line += f"; conversations {convs[0]} vs {convs[1]}, cluster bootstrap"
+            rows.append(line)
+    rows.append(
+        "hit rate = engine-reported cached tokens / prompt tokens; pred = the index's predicted hit "
+        "tokens per request by tier"
+    )
     return "\n".join(rows)
 
 

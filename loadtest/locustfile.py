@@ -15,7 +15,6 @@ from __future__ import annotations
 import csv
 import itertools
 import json
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from locust import User, events, task
 from locust.env import Environment
 
 from kvcore.sim_tokenizer import NAME as SIM_MODEL
+from kvcore.stats import percentile
 from loadtest.trace_prompts import trace_messages
 from loadtest.workloads import (
     Conversation,
@@ -136,16 +136,22 @@ _SOURCE: list[Source] = []
 
 
 def _quantile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    """The project's one percentile definition (kvcore.stats), q in [0, 1]."""
+    return percentile(values, q * 100)
 
 
 def turn_rows() -> list[dict[str, Any]]:
+    """One row per turn number, then an "all" row over every turn."""
     rows = []
-    for turn in sorted(TURN_TOKENS):
-        t = TURN_TOKENS[turn]
+    overall = TurnTokens()
+    for t in TURN_TOKENS.values():
+        overall.requests += t.requests
+        overall.prompt_tokens += t.prompt_tokens
+        overall.cached_tokens += t.cached_tokens
+        overall.ttfts_ms.extend(t.ttfts_ms)
+    keys: list[int | str] = [*sorted(TURN_TOKENS), "all"] if TURN_TOKENS else []
+    for turn in keys:
+        t = overall if turn == "all" else TURN_TOKENS[int(turn)]
         rows.append(
             {
                 "turn": turn,

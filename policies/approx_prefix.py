@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from policies.base import BasePolicy, Decision, FleetView, RouteRequest, register, require_engines
-from policies.tier_cost import tiebreak
+from policies.base import BasePolicy, Decision, FleetView, RouteRequest, register, require_engines, tiebreak
 
 
 @register("approx_prefix")
@@ -25,6 +24,8 @@ class ApproxPrefixPolicy(BasePolicy):
 
     name = "approx_prefix"
     uses_index = False
+    #: Learns from the prompt's block keys (its own memory, not the index): needs a tokenizer.
+    needs_block_keys = True
 
     def __init__(
         self,

@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import xxhash
+
 
 class Tier(enum.IntEnum):
     """Where a KV block sits, cheapest to load first."""
@@ -183,6 +185,78 @@ def require_engines(fleet: FleetView, policy: str) -> Sequence[EngineView]:
     if not fleet.engines:
         raise NoEngineAvailable(f"policy {policy!r}: no healthy engine serves this request")
     return fleet.engines
+
+
+# -- shared helpers of the policies (one module, so a new policy file imports from here) -------
+
+
+def tiebreak(request_id: str, engine_id: str) -> int:
+    """Deterministic per-request tiebreak: same inputs, same order, on every router replica."""
+    return xxhash.xxh3_64_intdigest(f"{request_id}\x00{engine_id}".encode())
+
+
+def prompt_tokens_of(request: RouteRequest) -> int:
+    """Prompt length, falling back to the full blocks the router keyed when the length is unknown."""
+    return request.prompt_tokens or len(request.block_keys) * request.block_size
+
+
+def wait_tokens_of(engine: EngineView, request_prompt_tokens: int) -> float:
+    """Prefill tokens queued ahead on ``engine``.
+
+    The router's own accounting misses traffic from other routers or clients; the scraped
+    ``num_requests_waiting`` catches it, priced at the router's mean queued request size (or this
+    request's size when the router has nothing in flight there).
+    """
+    queued = float(engine.queued_prefill_tokens)
+    waiting = engine.num_requests_waiting
+    if waiting:
+        per_request = queued / engine.in_flight if engine.in_flight > 0 else float(request_prompt_tokens)
+        queued = max(queued, waiting * per_request)
+    return queued
+
+
+def load_key(engine: EngineView) -> tuple[int, int]:
+    """Lower is less loaded: requests in flight, then prompt tokens still waiting for prefill."""
+    return (engine.in_flight, engine.queued_prefill_tokens)
+
+
+def load_scores(engines: list[EngineView] | tuple[EngineView, ...]) -> dict[str, dict[str, float]]:
+    return {
+        e.engine_id: {
+            "in_flight": float(e.in_flight),
+            "queued_prefill_tokens": float(e.queued_prefill_tokens),
+        }
+        for e in engines
+    }
+
+
+def overloaded_engines(
+    engines: Sequence[EngineView], *, factor: float, min_in_flight: int, min_queued_tokens: int
+) -> set[str]:
+    """Ids of engines above ``factor`` x the fleet mean of in-flight requests or of queued prefill
+    tokens. The floors keep a nearly idle fleet (mean ~0) from calling every busy engine overloaded."""
+    if not engines:
+        return set()
+    n = len(engines)
+    mean_in_flight = sum(e.in_flight for e in engines) / n
+    mean_queued_tokens = sum(e.queued_prefill_tokens for e in engines) / n
+    in_flight_limit = max(factor * mean_in_flight, float(min_in_flight))
+    queued_limit = max(factor * mean_queued_tokens, float(min_queued_tokens))
+    return {
+        e.engine_id
+        for e in engines
+        if e.in_flight > in_flight_limit or e.queued_prefill_tokens > queued_limit
+    }
+
+
+def validate_guard(policy: str, overload_factor: float, min_in_flight: int, min_queued_tokens: int) -> None:
+    """ValueError naming the bad guard parameter of ``policy``."""
+    if overload_factor < 1.0:
+        raise ValueError(
+            f"{policy}: overload_factor must be >= 1.0 (a multiple of the mean), got {overload_factor}"
+        )
+    if min_in_flight < 0 or min_queued_tokens < 0:
+        raise ValueError(f"{policy}: min_in_flight and min_queued_tokens must be >= 0")
 
 
 # Registry: policy name -> factory(**params) -> Policy. Filled by policies/__init__.py.

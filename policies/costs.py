@@ -149,6 +149,22 @@ class PredictedParts:
         )
 
 
+def predicted_ttft_s(
+    costs: EngineCosts, hit_tokens: tuple[float, float, float], prefill_tokens: float, wait_tokens: float
+) -> float:
+    """The TTFT formula (docs/routing.md), in seconds:
+
+        ttft = wait_tokens / prefill_rate + sum_t [hit_t > 0] (latency_t + hit_t x kv_bytes / bw_t)
+               + prefill_tokens / prefill_rate
+
+    ``predict_parts`` returns the same figure split into its parts (``PredictedParts.total_s``)."""
+    load_s = 0.0
+    for tier in TIERS:
+        if hit_tokens[tier] > 0:
+            load_s += costs.load_time_s(tier, hit_tokens[tier])
+    return costs.prefill_time_s(wait_tokens) + load_s + costs.prefill_time_s(prefill_tokens)
+
+
 def predict_parts(
     costs: EngineCosts, hit_tokens: tuple[float, float, float], prefill_tokens: float, wait_tokens: float
 ) -> PredictedParts:

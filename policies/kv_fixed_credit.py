@@ -2,7 +2,7 @@
 
 cost_blocks_e = prompt_blocks - sum_t credit_t x hit_blocks_e,t + decode_blocks_per_request x in_flight_e
 (credits GPU 1.0, CPU 0.8, STORAGE 0.3 by default). Lowest cost wins among engines that are not
-overloaded (the peers' balance guard, ``policies.kv_gpu.overloaded_engines``); ties: fewer in-flight,
+overloaded (the peers' balance guard, ``policies.base.overloaded_engines``); ties: fewer in-flight,
 then a hash of (request_id, engine_id). The baseline ``tier_cost`` must beat when the guess is wrong.
 """
 
@@ -17,11 +17,12 @@ from policies.base import (
     Decision,
     FleetView,
     RouteRequest,
+    overloaded_engines,
     register,
     require_engines,
+    tiebreak,
+    validate_guard,
 )
-from policies.kv_gpu import overloaded_engines, validate_guard
-from policies.tier_cost import tiebreak
 
 DEFAULT_CREDITS: dict[str, float] = {"gpu": 1.0, "cpu": 0.8, "storage": 0.3}
 

@@ -8,7 +8,6 @@ no *useful* GPU hit (under ``min_hit_fraction`` of its prompt) goes to the least
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 
 from policies.base import (
     NO_MATCH,
@@ -17,38 +16,11 @@ from policies.base import (
     EngineView,
     FleetView,
     RouteRequest,
+    overloaded_engines,
     register,
     require_engines,
+    validate_guard,
 )
-
-
-def overloaded_engines(
-    engines: Sequence[EngineView], *, factor: float, min_in_flight: int, min_queued_tokens: int
-) -> set[str]:
-    """Ids of engines above ``factor`` x the fleet mean of in-flight requests or of queued prefill
-    tokens. The floors keep a nearly idle fleet (mean ~0) from calling every busy engine overloaded."""
-    if not engines:
-        return set()
-    n = len(engines)
-    mean_in_flight = sum(e.in_flight for e in engines) / n
-    mean_queued_tokens = sum(e.queued_prefill_tokens for e in engines) / n
-    in_flight_limit = max(factor * mean_in_flight, float(min_in_flight))
-    queued_limit = max(factor * mean_queued_tokens, float(min_queued_tokens))
-    return {
-        e.engine_id
-        for e in engines
-        if e.in_flight > in_flight_limit or e.queued_prefill_tokens > queued_limit
-    }
-
-
-def validate_guard(policy: str, overload_factor: float, min_in_flight: int, min_queued_tokens: int) -> None:
-    """ValueError naming the bad guard parameter of ``policy``."""
-    if overload_factor < 1.0:
-        raise ValueError(
-            f"{policy}: overload_factor must be >= 1.0 (a multiple of the mean), got {overload_factor}"
-        )
-    if min_in_flight < 0 or min_queued_tokens < 0:
-        raise ValueError(f"{policy}: min_in_flight and min_queued_tokens must be >= 0")
 
 
 @register("kv_gpu")

@@ -8,22 +8,16 @@ from __future__ import annotations
 
 import random
 
-from policies.base import BasePolicy, Decision, EngineView, FleetView, RouteRequest, register, require_engines
-
-
-def load_key(engine: EngineView) -> tuple[int, int]:
-    """Lower is less loaded: requests in flight, then prompt tokens still waiting for prefill."""
-    return (engine.in_flight, engine.queued_prefill_tokens)
-
-
-def load_scores(engines: list[EngineView] | tuple[EngineView, ...]) -> dict[str, dict[str, float]]:
-    return {
-        e.engine_id: {
-            "in_flight": float(e.in_flight),
-            "queued_prefill_tokens": float(e.queued_prefill_tokens),
-        }
-        for e in engines
-    }
+from policies.base import (
+    BasePolicy,
+    Decision,
+    FleetView,
+    RouteRequest,
+    load_key,
+    load_scores,
+    register,
+    require_engines,
+)
 
 
 @register("least_loaded")

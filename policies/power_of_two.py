@@ -8,8 +8,16 @@ from __future__ import annotations
 
 import random
 
-from policies.base import BasePolicy, Decision, FleetView, RouteRequest, register, require_engines
-from policies.least_loaded import load_key, load_scores
+from policies.base import (
+    BasePolicy,
+    Decision,
+    FleetView,
+    RouteRequest,
+    load_key,
+    load_scores,
+    register,
+    require_engines,
+)
 
 
 @register("power_of_two")

@@ -47,36 +47,13 @@ from policies.base import (
     EngineView,
     FleetView,
     RouteRequest,
-    Tier,
+    prompt_tokens_of,
     register,
     require_engines,
+    tiebreak,
+    wait_tokens_of,
 )
-from policies.costs import CostModel, PredictedParts, predict_parts
-
-
-def tiebreak(request_id: str, engine_id: str) -> int:
-    """Deterministic per-request tiebreak: same inputs, same order, on every router replica."""
-    return xxhash.xxh3_64_intdigest(f"{request_id}\x00{engine_id}".encode())
-
-
-def prompt_tokens_of(request: RouteRequest) -> int:
-    """Prompt length, falling back to the full blocks the router keyed when the length is unknown."""
-    return request.prompt_tokens or len(request.block_keys) * request.block_size
-
-
-def wait_tokens_of(engine: EngineView, request_prompt_tokens: int) -> float:
-    """Prefill tokens queued ahead on ``engine``.
-
-    The router's own accounting misses traffic from other routers or clients; the scraped
-    ``num_requests_waiting`` catches it, priced at the router's mean queued request size (or this
-    request's size when the router has nothing in flight there).
-    """
-    queued = float(engine.queued_prefill_tokens)
-    waiting = engine.num_requests_waiting
-    if waiting:
-        per_request = queued / engine.in_flight if engine.in_flight > 0 else float(request_prompt_tokens)
-        queued = max(queued, waiting * per_request)
-    return queued
+from policies.costs import CostModel, PredictedParts, predict_parts, predicted_ttft_s
 
 
 @register("tier_cost")
@@ -159,11 +136,12 @@ class TierCostPolicy(BasePolicy):
         hit = float(max(0, min(match.blocks_by_tier[2] * request.block_size, prompt_tokens - 1)))
         if not engine.index_trusted:
             hit *= self.stale_hit_factor
-        prefill_s = (prompt_tokens - hit) / est.prefill_tokens_per_s
-        load_s = est.load_time_s(Tier.STORAGE, hit)
+        wait_tokens = wait_tokens_of(engine, prompt_tokens)
+        # The one TTFT formula (policies.costs.predicted_ttft_s), without building PredictedParts.
+        total_s = predicted_ttft_s(est, (0.0, 0.0, hit), prompt_tokens - hit, wait_tokens)
+        work_s = self.work_weight * (total_s - est.prefill_time_s(wait_tokens))
         decode_s, pressure_s = self.secondary_s(engine)
-        wait_s = wait_tokens_of(engine, prompt_tokens) / est.prefill_tokens_per_s
-        return wait_s + (1.0 + self.work_weight) * (load_s + prefill_s) + decode_s + pressure_s
+        return total_s + work_s + decode_s + pressure_s
 
     def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
         all_engines = require_engines(fleet, self.name)

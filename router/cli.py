@@ -10,10 +10,10 @@ import argparse
 import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from router.config import ConfigError, load_config
+from router.config import ConfigError, RouterConfig, load_config
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("sim.server", "run one simulated vLLM engine"),
@@ -46,7 +46,73 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (default 8000)")
     parser.add_argument("--log-level", help="critical, error, warning, info or debug")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="router processes sharing the port (SO_REUSEPORT; default 1); each keeps its own index "
+        "from the same events and its own in-flight load view",
+    )
     return parser
+
+
+SIBLING_ENV = "_KVROUTE_SIBLING_WORKER"
+
+
+def _reuse_port_socket(host: str, port: int) -> Any:
+    """A listening TCP socket that other processes may bind too (the kernel spreads connections)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def _start_sibling_workers(argv: Sequence[str], count: int) -> list[Any]:
+    """``count`` more `kvroute serve` processes with the same flags, as workers of this one."""
+    import os
+    import subprocess
+
+    # Not a KVROUTE_* name: the config layer rejects unknown ones.
+    env = {**os.environ, SIBLING_ENV: "1"}
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", *argv, "--workers", "1"],
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
+        for _ in range(count)
+    ]
+
+
+def _die_with_parent() -> None:
+    """In a sibling, before exec: SIGTERM when the first worker exits, however it exits (uvicorn
+    re-raises the stop signal after its shutdown, so the first worker's own cleanup may not run)."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def config_loader(args: argparse.Namespace, config_path: str | None) -> Callable[[], RouterConfig]:
+    """Loads the config from every layer ``kvroute serve`` was started with - file, environment,
+    these command-line flags, the fleet file - so /admin/reload and SIGHUP re-read the file
+    without dropping what the command line added (engines, policy)."""
+    import os
+
+    def load() -> RouterConfig:
+        return load_config(
+            config_path,
+            overrides=flag_overrides(args),
+            fleet_file=args.fleet or os.environ.get("KVROUTE_FLEET"),
+        )
+
+    return load
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -91,12 +157,9 @@ def serve(argv: Sequence[str]) -> int:
 
     args = serve_parser().parse_args(list(argv))
     config_path = args.config or os.environ.get("KVROUTE_CONFIG")
+    reload_config = config_loader(args, config_path)
     try:
-        config = load_config(
-            config_path,
-            overrides=flag_overrides(args),
-            fleet_file=args.fleet or os.environ.get("KVROUTE_FLEET"),
-        )
+        config = reload_config()
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2
@@ -104,13 +167,6 @@ def serve(argv: Sequence[str]) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         # SIGHUP re-reads the config file (like POST /admin/reload).
-        def reload_config() -> Any:  # every layer again: file, env, these flags, the fleet file
-            return load_config(
-                config_path,
-                overrides=flag_overrides(args),
-                fleet_file=args.fleet or os.environ.get("KVROUTE_FLEET"),
-            )
-
         app = build_router_app(config, config_path, install_sighup=True, reload_config=reload_config)
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
@@ -121,7 +177,11 @@ def serve(argv: Sequence[str]) -> int:
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
-    uvicorn.run(
+    workers = args.workers if args.workers is not None else 1
+    if workers < 1:
+        print(f"kvroute serve: --workers must be >= 1, got {workers}", file=sys.stderr)
+        return 2
+    uv_config = uvicorn.Config(
         app,
         host=config.listen.host,
         port=config.listen.port,
@@ -131,6 +191,20 @@ def serve(argv: Sequence[str]) -> int:
         access_log=False,
         timeout_keep_alive=30,
     )
+    if workers == 1 and not os.environ.get(SIBLING_ENV):
+        uvicorn.Server(uv_config).run()
+        return 0
+    # Multi-worker: every process binds the same port with SO_REUSEPORT and runs the whole router
+    # (event subscribers, index, scraping); the first one starts the others and stops them on exit.
+    sock = _reuse_port_socket(config.listen.host, config.listen.port)
+    siblings = [] if os.environ.get(SIBLING_ENV) else _start_sibling_workers(argv, workers - 1)
+    try:
+        uvicorn.Server(uv_config).run(sockets=[sock])
+    finally:
+        for child in siblings:
+            child.terminate()
+        for child in siblings:
+            child.wait(10)
     return 0
 
 

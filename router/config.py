@@ -41,6 +41,12 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     kv_replay_endpoint: str = ""
     #: Topic the engine publishes on ("" = all).
     kv_events_topic: str = ""
+    #: "auto": vLLM's rule - an endpoint with a wildcard (``*``, ``::``) or ipc is bound by the
+    #: engine and we connect (wildcard -> the url's host); a concrete host other than the engine's
+    #: means the engine connects out to us and we bind there. "bind" / "connect" force the mode.
+    kv_events_mode: str = "auto"
+    #: vLLM --data-parallel-size: rank r publishes on the event and replay ports + r.
+    data_parallel_size: int = 1
     #: Id of the shared storage pool this engine mounts ("" = none / private).
     storage_pool: str = ""
     #: Tokens per KV block of this engine.
@@ -203,6 +209,7 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
 _JSON_KEYS = ("params", "arms", "pools", "priors")
 _TOP_SCALARS = {"fleet_file", "log_level"}
 _TOKENIZER_BACKENDS = ("none", "sim", "hf", "engine")
+_KV_EVENTS_MODES = ("auto", "connect", "bind")
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -321,6 +328,15 @@ def validate(config: RouterConfig) -> RouterConfig:
             value = getattr(engine, key)
             if value and "://" not in value:
                 raise ConfigError(f"{where}.{key} {value!r} must be a ZMQ endpoint like tcp://host:port")
+        if engine.kv_events_mode not in _KV_EVENTS_MODES:
+            raise ConfigError(
+                f"{where}.kv_events_mode {engine.kv_events_mode!r} unknown; accepted: "
+                f"{', '.join(_KV_EVENTS_MODES)}"
+            )
+        if not isinstance(engine.data_parallel_size, int) or engine.data_parallel_size < 1:
+            raise ConfigError(
+                f"{where}.data_parallel_size must be an integer >= 1, got {engine.data_parallel_size!r}"
+            )
     if not 0 <= config.listen.port <= 65535:
         raise ConfigError(f"listen.port must be 0..65535, got {config.listen.port}")
     limits = config.limits

@@ -1,8 +1,10 @@
-"""KV-event ingestion: decode vLLM's ZMQ frames and keep the prefix index in step with each engine.
+"""KV-event ingestion: keep the prefix index in step with each engine's vLLM ZMQ event stream.
 
-Decoding is pure (``decode_payload`` / ``decode_events``, both wire layouts). ``EventManager`` owns
-one SUB task per (engine, data-parallel rank): seq tracking, replay of gaps through a DEALER,
-restart detection, reconnect with backoff, and per-source health for ``/ready`` and ``/debug``.
+``EventManager`` owns one supervised task per (engine, data-parallel rank): SUB socket (connect, or
+bind for publishers that connect out), replay through a DEALER on every (re)connect and on gaps,
+restart detection by seq and by the replay answer, fair sharing of the event loop under bursts, rate
+limits on resyncs, and per-source health for ``/ready``, ``/debug/index`` and ``/metrics``.
+The wire format itself (structs, decoding, endpoint rules) is ``kvcore.wire``.
 """
 
 from __future__ import annotations
@@ -10,173 +12,75 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import msgspec
+import xxhash
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvcore.index import PrefixIndex
+from kvcore.wire import (
+    CLEARED_TYPES,
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    decode_events,
+    decode_payload,
+    offset_endpoint_port,
+    parse_live_frames,
+    parse_replay_frames,
+    publisher_binds,
+    replay_request,
+    split_tcp,
+    with_host,
+)
 from policies.base import Tier
 
 log = logging.getLogger(__name__)
 
-Hash = int | bytes
+__all__ = [
+    "END_SEQ",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "EventManager",
+    "EventSource",
+    "KVEvent",
+    "SourceHealth",
+    "decode_events",
+    "decode_payload",
+    "discover_sources",
+    "sources_for_engine",
+    "sources_from_publisher_config",
+]
 
-
-# --------------------------------------------------------------------------------- wire structs
-# One struct per event serves both layouts: the map form is tagged by "type"; the array form
-# (vLLM before mid-2026) is the array_like subclass whose first element is the type name.
-# Every field after the first has a default so old arrays that stop early still decode, and
-# unknown map keys / extra trailing array elements are ignored (msgspec's default).
-
-
-class BlockStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None = None
-    token_ids: list[int] = msgspec.field(default_factory=list)
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[Any] | None = None
-
-
-class BlockRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
-    block_hashes: list[Hash]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
-    pass
-
-
-class _ArrayBlockStored(BlockStored, array_like=True, tag="BlockStored"):
-    pass
-
-
-class _ArrayBlockRemoved(BlockRemoved, array_like=True, tag="BlockRemoved"):
-    pass
-
-
-class _ArrayAllBlocksCleared(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-_MapEvent = BlockStored | BlockRemoved | AllBlocksCleared
-_ArrayEvent = _ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared
-
-
-class _MapBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[_MapEvent]
-    data_parallel_rank: int | None = None
-
-
-class _ArrayBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[_ArrayEvent]
-    data_parallel_rank: int | None = None
-
-
-class _RawBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-@dataclass(slots=True)
-class EventBatch:
-    """One decoded batch (one engine scheduler step). ``skipped_events``: undecodable events."""
-
-    ts: float
-    events: list[KVEvent]
-    dp_rank: int | None = None
-    skipped_events: int = 0
-
-
-_decode_map_batch = msgspec.msgpack.Decoder(_MapBatch).decode
-_decode_array_batch = msgspec.msgpack.Decoder(_ArrayBatch).decode
-_decode_raw_batch = msgspec.msgpack.Decoder(_RawBatch).decode
-
-
-def decode_payload(payload: bytes) -> EventBatch:
-    """Decode one msgpack batch payload, either layout, 2- or 3-element batch.
-
-    Raises ValueError when the payload is not a batch at all; single undecodable events (e.g. an
-    event type this router does not know) are skipped and counted in ``skipped_events``."""
-    batch: _MapBatch | _ArrayBatch | _RawBatch
-    try:
-        batch = _decode_map_batch(payload)
-    except msgspec.MsgspecError:
-        try:
-            batch = _decode_array_batch(payload)
-        except msgspec.MsgspecError:
-            try:
-                batch = _decode_raw_batch(payload)
-            except msgspec.MsgspecError as exc:
-                raise ValueError(f"not a KV-event batch payload: {exc}") from None
-            events, skipped = _convert_events(batch.events)
-            return EventBatch(batch.ts, events, batch.data_parallel_rank, skipped)
-    return EventBatch(batch.ts, list(batch.events), batch.data_parallel_rank)
-
-
-def _convert_events(objs: Iterable[Any]) -> tuple[list[KVEvent], int]:
-    events: list[KVEvent] = []
-    skipped = 0
-    for obj in objs:
-        try:
-            if isinstance(obj, Mapping):
-                events.append(msgspec.convert(obj, _MapEvent))  # type: ignore[arg-type]
-            elif isinstance(obj, list | tuple):
-                events.append(msgspec.convert(list(obj), _ArrayEvent))  # type: ignore[arg-type]
-            else:
-                skipped += 1
-        except msgspec.MsgspecError:
-            skipped += 1
-    return events, skipped
-
-
-def decode_events(objs: Sequence[Any]) -> list[KVEvent]:
-    """The same normalisation on already-decoded Python objects (map dicts or legacy arrays).
-
-    Raises ValueError naming the first event that is not a known KV event."""
-    events: list[KVEvent] = []
-    for i, obj in enumerate(objs):
-        converted, skipped = _convert_events([obj])
-        if skipped:
-            raise ValueError(f"event {i} is not a BlockStored/BlockRemoved/AllBlocksCleared: {obj!r:.200}")
-        events.extend(converted)
-    return events
+_digest = xxhash.xxh3_64_intdigest
+#: Digests of this many recently applied batches are kept per source: a live frame whose seq was
+#: already applied is a duplicate (same bytes, e.g. after a replay overlap) or a new incarnation.
+_DIGESTS_KEPT = 20_000
 
 
 # --------------------------------------------------------------------------------- sources
-
-END_SEQ = 0xFFFFFFFFFFFFFFFF
 
 
 @dataclass(frozen=True, slots=True)
 class EventSource:
     """One publisher: an engine's data-parallel rank.
 
-    ``bind``: True when the engine's publisher connects out (its endpoint names a host that is
-    not ``*``), so this subscriber must bind. All ranks of an engine update the index entries of
-    ``engine_id`` (a block counts as held when any rank holds it)."""
+    ``bind``: True when the engine's publisher connects out (vLLM's rule: its endpoint has no
+    wildcard), so this subscriber must bind there. All ranks of an engine update the index entries
+    of ``engine_id`` (a block counts as held when any rank holds it)."""
 
     engine_id: str
     endpoint: str
@@ -190,28 +94,57 @@ class EventSource:
         return f"{self.engine_id}/dp{self.dp_rank}"
 
 
-def _publisher_binds(endpoint: str) -> bool:
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return True
-    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
-    return host in ("*", "::", "[::]", "")
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
-def _with_host(endpoint: str, host: str) -> str:
-    scheme, rest = endpoint.split("://", 1)
-    addr, port = rest.rsplit(":", 1)
-    if addr in ("*", "::", "[::]", "", "0.0.0.0"):
-        addr = f"[{host}]" if ":" in host and not host.startswith("[") else host
-    return f"{scheme}://{addr}:{port}"
+def _same_host(a: str, b: str) -> bool:
+    a, b = a.strip("[]").lower(), b.strip("[]").lower()
+    return a == b or (a in _LOOPBACK and b in _LOOPBACK)
+
+
+def sources_for_engine(
+    engine_id: str,
+    engine_host: str,
+    endpoint: str,
+    replay_endpoint: str | None = None,
+    *,
+    topic: str = "",
+    data_parallel_size: int = 1,
+    bind: bool | None = None,
+) -> list[EventSource]:
+    """The sources of one engine from its publisher endpoints as configured in vLLM (rank 0).
+
+    Rank r uses port + r on both endpoints (vLLM's offset). ``bind`` None applies vLLM's rule: a
+    publisher that binds (wildcard, ``::``, ipc) is connected to, its wildcard host replaced by
+    ``engine_host``; a publisher with a concrete host connects out and we bind - unless that host
+    is the engine's own host, which is how a server reports a wildcard it resolved itself (the
+    simulator and ``GET /kv_event_sources`` do). ``bind`` True/False forces the mode."""
+    if data_parallel_size < 1:
+        raise ValueError(f"engine {engine_id!r}: data_parallel_size must be >= 1, got {data_parallel_size}")
+    sources = []
+    for rank in range(data_parallel_size):
+        ep = offset_endpoint_port(endpoint, rank)
+        if bind is None:
+            parts = split_tcp(ep)
+            we_bind = not publisher_binds(ep) and not (
+                parts is not None and _same_host(parts[0], engine_host)
+            )
+        else:
+            we_bind = bind
+        if not we_bind:
+            ep = with_host(ep, engine_host)
+        replay = offset_endpoint_port(replay_endpoint, rank) if replay_endpoint else None
+        if replay:
+            replay = with_host(replay, engine_host)  # the replay ROUTER always binds on the engine
+        sources.append(EventSource(engine_id, ep, replay, topic=topic, dp_rank=rank, bind=we_bind))
+    return sources
 
 
 def sources_from_publisher_config(
     engine_id: str, engine_host: str, config_by_rank: Mapping[str, Mapping[str, Any]]
 ) -> list[EventSource]:
-    """EventSources from an engine's ``GET /kv_event_sources`` body (keyed by rank as a string).
-
-    A ``*`` host is replaced by ``engine_host``; a publisher that connects out (a concrete host)
-    makes us bind at its endpoint. Raises ValueError on a body without endpoints."""
+    """EventSources from an engine's ``GET /kv_event_sources`` body (keyed by rank as a string;
+    each rank's endpoints are already offset). Raises ValueError on a body without endpoints."""
     sources = []
     for rank_text, cfg in sorted(config_by_rank.items(), key=lambda kv: int(kv[0])):
         endpoint = cfg.get("endpoint")
@@ -220,20 +153,17 @@ def sources_from_publisher_config(
                 f"engine {engine_id!r} rank {rank_text}: /kv_event_sources gave no usable endpoint "
                 f"({endpoint!r}); configure the source explicitly"
             )
-        publisher_binds = _publisher_binds(endpoint)
-        if publisher_binds and not endpoint.startswith(("ipc://", "inproc://")):
-            endpoint = _with_host(endpoint, engine_host)
         replay = cfg.get("replay_endpoint")
-        if isinstance(replay, str) and replay.startswith("tcp://"):
-            replay = _with_host(replay, engine_host)
+        (source,) = sources_for_engine(
+            engine_id,
+            engine_host,
+            endpoint,
+            replay if isinstance(replay, str) and replay else None,
+            topic=str(cfg.get("topic") or ""),
+        )
         sources.append(
             EventSource(
-                engine_id=engine_id,
-                endpoint=endpoint,
-                replay_endpoint=replay if isinstance(replay, str) and replay else None,
-                topic=str(cfg.get("topic") or ""),
-                dp_rank=int(rank_text),
-                bind=not publisher_binds,
+                engine_id, source.endpoint, source.replay_endpoint, source.topic, int(rank_text), source.bind
             )
         )
     return sources
@@ -258,7 +188,10 @@ class SourceHealth:
     """What one source's stream looks like; read by ``health()``."""
 
     source: EventSource
+    #: The SUB socket is open (connected or bound).
     connected: bool = False
+    #: A publisher completed the ZMQ handshake and has not disconnected since.
+    peer_connected: bool = False
     last_seq: int | None = None
     last_event_at: float | None = None  # monotonic
     last_event_ts: float | None = None  # engine's wall clock
@@ -266,19 +199,51 @@ class SourceHealth:
     batches: int = 0
     events: int = 0
     gaps: int = 0
+    #: Batches lost (seq gaps), replayed or not: drops of a full backlog show up here.
     missed_batches: int = 0
     replays: int = 0
     replayed_batches: int = 0
     replay_failures: int = 0
+    #: Seconds the last complete replay took, and how many batches it brought.
+    last_replay_s: float | None = None
+    last_replay_batches: int = 0
     restarts: int = 0
     clears: int = 0
     decode_errors: int = 0
+    apply_errors: int = 0
     skipped_events: int = 0
+    duplicates: int = 0
+    seq_regressions: int = 0
+    #: Resyncs wanted but held back by the rate limit (fault: regressing seqs amplified work).
+    resyncs_deferred: int = 0
     reconnects: int = 0
-    #: True when batches were lost and could not be replayed (picture incomplete until reset).
+    peer_connects: int = 0
+    #: The source's task died on an unexpected error and was restarted.
+    task_restarts: int = 0
+    #: True when the picture is known incomplete (lost batches, replay short or failed).
     stale: bool = False
+    stale_reason: str | None = None
     last_error: str | None = None
     started_at: float = 0.0
+    # -- private bookkeeping (not in health()) --
+    pending_resync: str | None = None
+    resync_restart: bool = False
+    digests: OrderedDict[int, int] = field(default_factory=OrderedDict)
+    tokens: float = 0.0
+    tokens_at: float = 0.0
+    logged: dict[str, float] = field(default_factory=dict)
+
+    def mark_stale(self, reason: str) -> None:
+        if not self.stale:
+            log.warning("kv events %s: index of this engine is now untrusted: %s", self.source.name, reason)
+        self.stale = True
+        self.stale_reason = reason
+
+    def trust(self) -> None:
+        if self.stale:
+            log.info("kv events %s: index of this engine is trusted again", self.source.name)
+        self.stale = False
+        self.stale_reason = None
 
 
 @dataclass(slots=True)
@@ -287,6 +252,22 @@ class _Options:
     replay_timeout_s: float
     backoff_initial_s: float
     backoff_max_s: float
+    rcvhwm: int
+    slice_s: float
+    resync_burst: int
+    resync_per_s: float
+
+
+@dataclass(slots=True)
+class _ReplayResult:
+    complete: bool = False
+    #: First seq in the answer (None: the buffer held nothing from the asked seq on).
+    first: int | None = None
+    applied: int = 0
+    #: Applied onto an empty picture (fresh join, or a new incarnation found in the answer).
+    fresh: bool = False
+    #: Batches missing between two consecutive seqs of the answer.
+    holes: int = 0
 
 
 class EventManager:
@@ -294,7 +275,12 @@ class EventManager:
 
     ``sources``: configured publishers. ``discover``: engine id -> base URL of engines whose
     publishers are found via ``GET /kv_event_sources`` (needs ``http_session``, an aiohttp
-    ClientSession). Call ``await start()`` once and ``await stop()`` on shutdown."""
+    ClientSession). Call ``await start()`` once and ``await stop()`` on shutdown.
+
+    ``replay_timeout_s``: longest silence inside a replay answer (not its total length).
+    ``rcvhwm``: bounded backlog per source (messages); beyond it ZMQ drops, seen as seq gaps.
+    ``slice_s``: ingestion yields the event loop after this much work. ``resync_burst`` /
+    ``resync_per_s``: token bucket for replays and restart handling per source."""
 
     def __init__(
         self,
@@ -307,7 +293,11 @@ class EventManager:
         silent_after_s: float = 30.0,
         replay_timeout_s: float = 2.0,
         backoff_initial_s: float = 0.1,
-        backoff_max_s: float = 5.0,
+        backoff_max_s: float = 1.0,
+        rcvhwm: int = 10_000,
+        slice_s: float = 0.005,
+        resync_burst: int = 4,
+        resync_per_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         on_batch: Callable[[EventSource, EventBatch], None] | None = None,
     ) -> None:
@@ -319,12 +309,22 @@ class EventManager:
         self._http_session = http_session
         self._own_context = context is None
         self._context = context
-        self._opts = _Options(silent_after_s, replay_timeout_s, backoff_initial_s, backoff_max_s)
+        self._opts = _Options(
+            silent_after_s,
+            replay_timeout_s,
+            backoff_initial_s,
+            backoff_max_s,
+            rcvhwm,
+            slice_s,
+            resync_burst,
+            resync_per_s,
+        )
         self._clock = clock
         self._on_batch = on_batch
         self._health: dict[str, SourceHealth] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._discovery_errors: dict[str, str] = {}
+        self._started = False
 
     @property
     def index(self) -> PrefixIndex:
@@ -332,8 +332,9 @@ class EventManager:
 
     async def start(self) -> None:
         """Start one task per source (and per engine to discover)."""
-        if self._tasks:
+        if self._started:
             raise RuntimeError("EventManager.start() called twice")
+        self._started = True
         if self._context is None:
             self._context = zmq.asyncio.Context()
         for source in self._sources:
@@ -346,10 +347,13 @@ class EventManager:
     def _start_source(self, source: EventSource) -> None:
         if source.name in self._health:
             raise ValueError(f"event source {source.name} configured twice")
-        health = SourceHealth(source, started_at=self._clock())
+        now = time.monotonic()
+        health = SourceHealth(
+            source, started_at=self._clock(), tokens=float(self._opts.resync_burst), tokens_at=now
+        )
         self._health[source.name] = health
         self._index.add_engine(source.engine_id)
-        self._tasks.append(asyncio.create_task(self._run_source(health), name=f"kv-events:{source.name}"))
+        self._tasks.append(asyncio.create_task(self._supervise(health), name=f"kv-events:{source.name}"))
 
     async def stop(self) -> None:
         """Cancel every task and close the sockets (and the ZMQ context if we made it)."""
@@ -363,6 +367,11 @@ class EventManager:
             self._context.term()
             self._context = None
 
+    def _backoff(self, delay_s: float) -> float:
+        """Next reconnect delay: doubling, capped at backoff_max_s, with +-20 % jitter so that many
+        routers (or sources) that lost an engine together do not retry in lockstep."""
+        return min(delay_s * 2, self._opts.backoff_max_s) * random.uniform(0.8, 1.2)
+
     async def _discover_loop(self, engine_id: str, url: str) -> None:
         delay = self._opts.backoff_initial_s
         while True:
@@ -373,47 +382,95 @@ class EventManager:
             except Exception as exc:  # any discovery failure: retry, report in health
                 self._discovery_errors[engine_id] = f"{type(exc).__name__}: {exc}"
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, self._opts.backoff_max_s)
+                delay = self._backoff(delay)
                 continue
             self._discovery_errors.pop(engine_id, None)
             for source in sources:
                 self._start_source(source)
             return
 
+    def _log_limited(self, health: SourceHealth, key: str, level: int, msg: str, *args: Any) -> None:
+        """Log ``msg`` the first time and then at most once a minute per (source, key)."""
+        now = time.monotonic()
+        last = health.logged.get(key)
+        if last is None or now - last >= 60.0:
+            health.logged[key] = now
+            log.log(level, "kv events %s: " + msg, health.source.name, *args)
+
+    def _take_resync_token(self, health: SourceHealth) -> bool:
+        now = time.monotonic()
+        health.tokens = min(
+            float(self._opts.resync_burst),
+            health.tokens + (now - health.tokens_at) * self._opts.resync_per_s,
+        )
+        health.tokens_at = now
+        if health.tokens >= 1.0:
+            health.tokens -= 1.0
+            return True
+        return False
+
     # ----------------------------------------------------------------------------- per source
+
+    async def _supervise(self, health: SourceHealth) -> None:
+        """Run the source; an unexpected error is counted, logged and the source restarted."""
+        delay = self._opts.backoff_initial_s
+        while True:
+            try:
+                await self._run_source(health)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                health.task_restarts += 1
+                health.last_error = f"task crashed: {type(exc).__name__}: {exc}"[:300]
+                if health.task_restarts == 1:
+                    log.exception("kv events %s: ingestion task crashed; restarting it", health.source.name)
+                else:
+                    self._log_limited(health, "crash", logging.ERROR, "%s; restarting", health.last_error)
+                health.connected = health.peer_connected = False
+                await asyncio.sleep(delay)
+                delay = self._backoff(delay)
 
     async def _run_source(self, health: SourceHealth) -> None:
         source = health.source
         delay = self._opts.backoff_initial_s
         while True:
-            sub = self._open_sub(source, health)
-            if sub is None:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self._opts.backoff_max_s)
-                health.reconnects += 1
-                continue
-            delay = self._opts.backoff_initial_s
-            try:
-                health.connected = True
-                await self._receive_loop(sub, health)
-            except (zmq.ZMQError, OSError) as exc:
-                health.last_error = f"{type(exc).__name__}: {exc}"
-                log.warning("kv events %s: socket error %s; reconnecting", source.name, exc)
-                health.reconnects += 1
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self._opts.backoff_max_s)
-            finally:
-                health.connected = False
-                sub.close(linger=0)
+            opened = self._open_sub(source, health)
+            if opened is not None:
+                break
+            health.reconnects += 1
+            await asyncio.sleep(delay)
+            delay = self._backoff(delay)
+        sub, monitor = opened
+        try:
+            health.connected = True
+            await self._receive_loop(sub, zmq.Socket.shadow(monitor.underlying), health)
+        finally:
+            health.connected = health.peer_connected = False
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
 
-    def _open_sub(self, source: EventSource, health: SourceHealth) -> zmq.asyncio.Socket | None:
+    def _open_sub(
+        self, source: EventSource, health: SourceHealth
+    ) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket] | None:
         assert self._context is not None
         sub = self._context.socket(zmq.SUB)
+        # The monitor is attached before connect/bind: a fast handshake must not be missed (it
+        # triggers the replay on connect).
+        monitor = sub.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+        )
         try:
-            sub.setsockopt(zmq.RCVHWM, 100_000)
-            # Native ZMQ reconnect with backoff covers a publisher that dies and comes back.
-            sub.setsockopt(zmq.RECONNECT_IVL, max(1, int(self._opts.backoff_initial_s * 1000)))
-            sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(self._opts.backoff_max_s * 1000)))
+            sub.setsockopt(zmq.RCVHWM, self._opts.rcvhwm)
+            # ZMQ's own reconnect covers a publisher that dies and comes back; cap it near 1 s
+            # (a short-lived publisher must not be missed) and jitter it per socket.
+            ivl_ms = max(1, int(self._opts.backoff_initial_s * 1000 * random.uniform(0.8, 1.2)))
+            sub.setsockopt(zmq.RECONNECT_IVL, ivl_ms)
+            sub.setsockopt(
+                zmq.RECONNECT_IVL_MAX,
+                max(ivl_ms, int(self._opts.backoff_max_s * 1000 * random.uniform(0.8, 1.0))),
+            )
             sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
             if source.bind:
                 sub.bind(source.endpoint)
@@ -421,67 +478,146 @@ class EventManager:
                 sub.connect(source.endpoint)
         except zmq.ZMQError as exc:
             health.last_error = f"cannot {'bind' if source.bind else 'connect'} {source.endpoint}: {exc}"
-            log.warning("kv events %s: %s", source.name, health.last_error)
+            self._log_limited(health, "open", logging.WARNING, "%s", health.last_error)
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
             return None
-        return sub
+        return sub, monitor
 
-    async def _receive_loop(self, sub: zmq.asyncio.Socket, health: SourceHealth) -> None:
+    def _poll_monitor(self, monitor: zmq.Socket, health: SourceHealth) -> None:
         while True:
-            frames = await sub.recv_multipart()
-            parsed = self._parse_live(frames, health)
-            if parsed is None:
+            try:
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                health.peer_connected = True
+                health.peer_connects += 1
+                if health.source.replay_endpoint:
+                    # First connect: fetch what the engine announced before we listened. Reconnect:
+                    # the replay answer also tells whether the engine restarted meanwhile.
+                    why = "first connect" if health.peer_connects == 1 else "reconnect"
+                    health.pending_resync = health.pending_resync or why
+            elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                health.peer_connected = False
+                health.reconnects += 1
+
+    async def _receive_loop(self, sub: zmq.asyncio.Socket, monitor: zmq.Socket, health: SourceHealth) -> None:
+        loop = asyncio.get_running_loop()
+        raw: zmq.Socket[Any] = zmq.Socket.shadow(sub.underlying)
+        while True:
+            self._poll_monitor(monitor, health)
+            if health.pending_resync is not None and self._take_resync_token(health):
+                await self._resync(health)
                 continue
-            seq, payload = parsed
-            await self._handle(health, seq, payload)
+            if not await sub.poll(100):
+                continue
+            # Drain what is queued, but yield the loop every slice_s: awaiting recv on a socket
+            # with queued messages returns a finished future and would never yield (bursts froze
+            # /health and every stream).
+            slice_end = loop.time() + self._opts.slice_s
+            while True:
+                try:
+                    frames = raw.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                gap = self._on_live(health, frames)
+                if gap is not None:
+                    await self._fill_gap(health, *gap)
+                if loop.time() >= slice_end:
+                    await asyncio.sleep(0)
+                    self._poll_monitor(monitor, health)
+                    if health.pending_resync is not None:
+                        break
+                    slice_end = loop.time() + self._opts.slice_s
 
-    def _parse_live(self, frames: list[bytes], health: SourceHealth) -> tuple[int, bytes] | None:
-        if len(frames) == 3:
-            _topic, seq_bytes, payload = frames
-        elif len(frames) == 2:  # publisher without a topic frame
-            seq_bytes, payload = frames
-        else:
-            health.decode_errors += 1
-            return None
-        if len(seq_bytes) != 8:
-            health.decode_errors += 1
-            return None
-        return int.from_bytes(seq_bytes, "big"), payload
+    # ----------------------------------------------------------------------------- live frames
 
-    async def _handle(self, health: SourceHealth, seq: int, payload: bytes) -> None:
+    def _on_live(
+        self, health: SourceHealth, frames: list[bytes]
+    ) -> tuple[int, int, bytes, EventBatch] | None:
+        """Handle one live message. Returns (first missing seq, seq, payload, batch) when batches
+        before this one must be replayed before it is applied."""
+        parsed = parse_live_frames(frames)
+        if parsed is None:
+            health.decode_errors += 1
+            self._log_limited(health, "frames", logging.WARNING, "malformed message (%d frames)", len(frames))
+            return None
+        seq, payload = parsed
+        batch = self._decode(health, payload)
+        if batch is None:
+            return None  # an undecodable frame says nothing about the stream: seq untouched
         last = health.last_seq
         if last is not None and seq <= last:
-            self._engine_restarted(health, seq)
+            if health.digests.get(seq) == _digest(payload):
+                health.duplicates += 1  # the same batch again (replay and live overlapped)
+                return None
+            health.seq_regressions += 1
+            if not self._take_resync_token(health):
+                # Rate limited: follow the new stream, resync (clear + replay) when allowed.
+                health.resyncs_deferred += 1
+                self._log_limited(
+                    health, "regress", logging.WARNING, "seq went back (%s -> %s); resync deferred", last, seq
+                )
+                health.mark_stale("seq regressions faster than the resync limit")
+                health.pending_resync = "seq regression"
+                health.resync_restart = True
+                self._apply(health, seq, payload, batch)
+                return None
+            self._log_limited(
+                health,
+                "restart",
+                logging.WARNING,
+                "seq went back from %s to %s: engine restarted, dropping its GPU/CPU entries",
+                last,
+                seq,
+            )
+            self._engine_restarted(health)
             last = None
-        if last is not None and seq > last + 1:
+        if last is None:
+            if seq > 0 and health.source.replay_endpoint:
+                return (0, seq, payload, batch)
+            if seq > 0:
+                health.mark_stale(f"joined at seq {seq} without a replay endpoint: earlier blocks unknown")
+            self._apply(health, seq, payload, batch)
+        elif seq == last + 1:
+            self._apply(health, seq, payload, batch)
+        else:
             health.gaps += 1
-            await self._replay(health, last + 1, seq)
-        elif last is None and seq > 0 and health.source.replay_endpoint:
-            # Joined late (router or engine restart): fetch what the publisher still buffers.
-            await self._replay(health, 0, seq, joined_late=True)
-        self._apply(health, seq, payload)
+            health.missed_batches += seq - last - 1
+            return (last + 1, seq, payload, batch)
+        return None
 
-    def _engine_restarted(self, health: SourceHealth, seq: int) -> None:
-        source = health.source
-        log.warning(
-            "kv events %s: seq went back from %s to %s: engine restarted, dropping its GPU/CPU entries",
-            source.name,
-            health.last_seq,
-            seq,
-        )
-        health.restarts += 1
-        health.stale = False
-        health.last_seq = None
-        self._index.clear_engine(source.engine_id, (Tier.GPU, Tier.CPU))
-
-    def _apply(self, health: SourceHealth, seq: int, payload: bytes) -> bool:
-        health.last_seq = seq
+    def _decode(self, health: SourceHealth, payload: bytes) -> EventBatch | None:
         try:
-            batch = decode_payload(payload)
-        except ValueError as exc:
+            return decode_payload(payload)
+        except Exception as exc:  # ValueError, and anything a hostile payload might raise
             health.decode_errors += 1
-            health.last_error = str(exc)[:300]
-            return False
+            health.last_error = f"undecodable payload: {exc}"[:300]
+            self._log_limited(health, "decode", logging.WARNING, "%s", health.last_error)
+            return None
+
+    def _engine_restarted(self, health: SourceHealth) -> None:
+        health.restarts += 1
+        health.trust()
+        health.last_seq = None
+        health.digests.clear()
+        self._index.clear_engine(health.source.engine_id, (Tier.GPU, Tier.CPU))
+        # Other ranks of the engine shared those entries: they must re-announce theirs.
+        for other in self._health.values():
+            if other is not health and other.source.engine_id == health.source.engine_id:
+                other.pending_resync = other.pending_resync or "another rank of the engine restarted"
+                other.resync_restart = True
+
+    def _apply(self, health: SourceHealth, seq: int, payload: bytes, batch: EventBatch) -> None:
+        health.last_seq = seq
+        digests = health.digests
+        digests[seq] = _digest(payload)
+        if len(digests) > _DIGESTS_KEPT:
+            digests.popitem(last=False)
         now = self._clock()
         health.batches += 1
         health.events += len(batch.events)
@@ -489,82 +625,216 @@ class EventManager:
         health.last_event_at = now
         health.last_event_ts = batch.ts
         health.lag_s = max(0.0, time.time() - batch.ts)
-        if any(type(e) in (AllBlocksCleared, _ArrayAllBlocksCleared) for e in batch.events):
+        if any(type(e) in CLEARED_TYPES for e in batch.events):
             health.clears += 1
-            health.stale = False
-        self._index.apply_batch(health.source.engine_id, batch.events, now)
+            health.trust()
+        try:
+            self._index.apply_batch(health.source.engine_id, batch.events, now)
+        except Exception as exc:  # a batch the index cannot take must not end ingestion
+            health.apply_errors += 1
+            health.last_error = f"index rejected batch {seq}: {type(exc).__name__}: {exc}"[:300]
+            self._log_limited(health, "apply", logging.ERROR, "%s", health.last_error)
+            health.mark_stale(f"batch {seq} could not be applied")
         if self._on_batch is not None:
             self._on_batch(health.source, batch)
-        return True
 
-    async def _replay(
-        self, health: SourceHealth, start_seq: int, stop_seq: int, *, joined_late: bool = False
+    # ----------------------------------------------------------------------------- replay
+
+    async def _fill_gap(
+        self, health: SourceHealth, start: int, seq: int, payload: bytes, batch: EventBatch
     ) -> None:
-        """Fetch batches [start_seq, stop_seq) through the DEALER and apply them in order."""
-        source = health.source
-        missed = stop_seq - start_seq
-        if not joined_late:
-            health.missed_batches += missed
-        if not source.replay_endpoint:
-            if not joined_late:
-                health.stale = True
-                health.replay_failures += 1
+        """Replay [start, seq) then apply the live batch ``seq``; without replay: mark stale."""
+        joined = health.last_seq is None
+        if not health.source.replay_endpoint:
+            health.replay_failures += 1
+            health.mark_stale(f"lost batches {start}..{seq - 1} and the engine has no replay endpoint")
+            self._apply(health, seq, payload, batch)
             return
-        assert self._context is not None
+        if joined:
+            # A fresh picture: this replay is the (re)connect resync.
+            if not health.resync_restart:
+                health.pending_resync = None
+        elif not self._take_resync_token(health):
+            health.resyncs_deferred += 1
+            health.mark_stale(f"lost batches {start}..{seq - 1}; replay held back by the rate limit")
+            health.pending_resync = "gap"
+            health.resync_restart = True
+            self._apply(health, seq, payload, batch)
+            return
+        result = await self._replay(health, start, stop_seq=seq)
+        if not result.complete:
+            health.replay_failures += 1
+            health.mark_stale(f"replay of batches {start}..{seq - 1} failed or was incomplete")
+            health.pending_resync = "catch up after a failed replay"
+            health.resync_restart = True
+        elif result.first is None or result.first > start:
+            if not joined:
+                health.replay_failures += 1
+            reached = "nothing" if result.first is None else f"seq {result.first}"
+            health.mark_stale(f"replay buffer does not reach back to seq {start} (starts at {reached})")
+        if health.last_seq is None or seq > health.last_seq:
+            self._apply(health, seq, payload, batch)
+
+    async def _resync(self, health: SourceHealth) -> None:
+        """Replay the whole buffer. Clears the engine first after a restart or when the picture is
+        stale; otherwise the answer is checked against what was applied: a batch at our last seq
+        with other bytes, or a buffer that ends below it, is a new incarnation (the engine
+        restarted while we were not listening) and the engine is cleared then."""
+        reason = health.pending_resync
+        clear = health.resync_restart or health.stale
+        health.pending_resync = None
+        health.resync_restart = False
+        if clear:
+            self._engine_restarted(health)
+        if not health.source.replay_endpoint:
+            if clear:
+                health.mark_stale(f"cleared after {reason}; no replay endpoint to rebuild from")
+            return
+        log.info("kv events %s: replaying the publisher's buffer (%s)", health.source.name, reason)
+        known_last = health.last_seq
+        result = await self._replay(health, 0, stop_seq=None)
+        if not result.complete:
+            health.replay_failures += 1
+            health.mark_stale(f"replay after {reason} failed or was incomplete")
+            health.pending_resync = reason  # try again when the rate limit allows
+            health.resync_restart = True
+        elif result.fresh:
+            if result.first not in (None, 0):
+                health.mark_stale(f"replay buffer starts at seq {result.first}: earlier blocks unknown")
+        elif known_last is not None and result.first is not None and result.first > known_last + 1:
+            health.missed_batches += result.first - known_last - 1
+            health.mark_stale(f"batches {known_last + 1}..{result.first - 1} lost: no longer in the buffer")
+
+    async def _replay(self, health: SourceHealth, start_seq: int, *, stop_seq: int | None) -> _ReplayResult:
+        """Ask the replay ROUTER for batches >= start_seq and apply them in order (below
+        ``stop_seq`` if given). Times out per silence, not per replay, and yields the loop every
+        slice. When we already hold a picture, the answer is checked against it first."""
+        source = health.source
+        assert self._context is not None and source.replay_endpoint
         health.replays += 1
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        expected = start_seq
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        result = _ReplayResult(fresh=health.last_seq is None)
+        held: list[tuple[int, bytes, EventBatch]] = []  # batches <= our last seq, until verified
+        known_last = health.last_seq
+        decided = known_last is None
+        expected: int | None = None
+        if known_last is not None:
+            # Ask from our last applied seq: its bytes in the answer tell whether the publisher is
+            # still the incarnation we followed (a restart is otherwise invisible when the new
+            # seqs happen to run past ours).
+            start_seq = min(start_seq, known_last)
         try:
             dealer.connect(source.replay_endpoint)
-            await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self._opts.replay_timeout_s
+            await dealer.send_multipart(replay_request(start_seq))
+            slice_end = loop.time() + self._opts.slice_s
             while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0 or not await dealer.poll(int(remaining * 1000) + 1):
-                    raise TimeoutError(f"replay from {source.replay_endpoint} timed out")
-                frames = await dealer.recv_multipart()
-                if len(frames) == 4:  # [b"", topic, seq, payload]
-                    seq_bytes, payload = frames[2], frames[3]
-                elif len(frames) == 3:  # older vLLM: [b"", seq, payload]
-                    seq_bytes, payload = frames[1], frames[2]
-                else:
+                if not await dealer.poll(int(self._opts.replay_timeout_s * 1000) + 1):
+                    raise TimeoutError(
+                        f"replay from {source.replay_endpoint} silent for {self._opts.replay_timeout_s:g} s "
+                        f"after {result.applied} batches"
+                    )
+                parsed = parse_replay_frames(await dealer.recv_multipart())
+                if parsed is None:
                     health.decode_errors += 1
                     continue
-                if len(seq_bytes) != 8:
-                    health.decode_errors += 1
-                    continue
-                seq = int.from_bytes(seq_bytes, "big")
+                seq, payload = parsed
                 if seq == END_SEQ:
+                    result.complete = True
                     break
-                if seq < expected:
-                    continue
-                if seq >= stop_seq:
-                    continue  # arrives live too
-                if seq > expected and not (joined_late and expected == start_seq):
-                    # The publisher's buffer no longer reaches back this far.
-                    health.stale = True
-                self._apply(health, seq, payload)
-                health.replayed_batches += 1
+                if result.first is None:
+                    result.first = seq
+                elif expected is not None and seq != expected:
+                    # A hole inside the answer (a ROUTER drops beyond its send high-water mark).
+                    result.holes += abs(seq - expected)
                 expected = seq + 1
+                if stop_seq is not None and seq >= stop_seq:
+                    continue  # arrives live too
+                batch = self._decode(health, payload)
+                if batch is None:
+                    continue
+                if not decided:
+                    assert known_last is not None
+                    if seq < known_last:
+                        held.append((seq, payload, batch))
+                        continue
+                    decided = True
+                    if seq == known_last and health.digests.get(seq) == _digest(payload):
+                        held.clear()
+                        continue  # same incarnation: everything up to here is applied already
+                    # Here seq >= known_last. Other bytes at our last seq, or a buffer that skips
+                    # it, is another incarnation; a buffer starting above it cannot tell.
+                    if seq == known_last or held:
+                        self._new_incarnation(health, known_last, seq)
+                        result.fresh = True
+                        for item in held:
+                            self._apply(health, *item)
+                            result.applied += 1
+                        held.clear()
+                elif health.last_seq is not None and seq <= health.last_seq:
+                    continue
+                self._apply(health, seq, payload, batch)
+                result.applied += 1
+                if loop.time() >= slice_end:
+                    await asyncio.sleep(0)
+                    slice_end = loop.time() + self._opts.slice_s
         except (TimeoutError, zmq.ZMQError) as exc:
-            health.replay_failures += 1
             health.last_error = f"replay failed: {exc}"
-            log.warning("kv events %s: %s", source.name, health.last_error)
+            self._log_limited(health, "replay", logging.WARNING, "%s", health.last_error)
         finally:
             dealer.close(linger=0)
-        if expected < stop_seq and not joined_late:
-            health.stale = True
+        if not decided and result.complete:
+            # The whole buffer lies below our last seq (or is empty): a younger incarnation.
+            assert known_last is not None
+            self._new_incarnation(health, known_last, None)
+            result.fresh = True
+            for item in held:
+                self._apply(health, *item)
+                result.applied += 1
+        health.replayed_batches += result.applied
+        if result.holes:
+            health.missed_batches += result.holes
+            self._log_limited(
+                health, "holes", logging.WARNING, "replay answer lacked %d batches", result.holes
+            )
+            result.complete = False
+        if result.complete:
+            health.last_replay_s = loop.time() - started
+            health.last_replay_batches = result.applied
+        return result
+
+    def _new_incarnation(self, health: SourceHealth, known_last: int, seen: int | None) -> None:
+        self._log_limited(
+            health,
+            "incarnation",
+            logging.WARNING,
+            "the replay answer does not continue what was applied up to seq %s (at seq %s): the engine "
+            "restarted while we were not listening; dropping its GPU/CPU entries",
+            known_last,
+            seen,
+        )
+        self._engine_restarted(health)
 
     # ----------------------------------------------------------------------------- health
 
     def source_health(self) -> dict[str, SourceHealth]:
         return dict(self._health)
 
+    def last_batch_at(self, engine_id: str) -> float | None:
+        """Clock time of the newest batch from any rank of ``engine_id`` (None: none yet)."""
+        times = [
+            h.last_event_at
+            for h in self._health.values()
+            if h.source.engine_id == engine_id and h.last_event_at is not None
+        ]
+        return max(times) if times else None
+
     def health(self) -> dict[str, Any]:
-        """A JSON-ready snapshot: per source, stream position and problems; "silent" when no
-        event for ``silent_after_s`` (the app combines it with traffic to flag a missing publisher)."""
+        """A JSON-ready snapshot: per source, stream position and problems. "silent" is only
+        informative (no event for ``silent_after_s``); whether that is a problem is decided by
+        the service from evidence (the engine's own counters)."""
         now = self._clock()
         sources: dict[str, Any] = {}
         for name, h in self._health.items():
@@ -582,10 +852,13 @@ class EventManager:
                 "engine_id": h.source.engine_id,
                 "dp_rank": h.source.dp_rank,
                 "endpoint": h.source.endpoint,
+                "mode": "bind" if h.source.bind else "connect",
                 "status": status,
                 "connected": h.connected,
+                "peer_connected": h.peer_connected,
                 "silent": silent,
                 "stale": h.stale,
+                "stale_reason": h.stale_reason,
                 "last_seq": h.last_seq,
                 "seconds_since_last_event": None
                 if h.last_event_at is None
@@ -598,11 +871,18 @@ class EventManager:
                 "replays": h.replays,
                 "replayed_batches": h.replayed_batches,
                 "replay_failures": h.replay_failures,
+                "last_replay_s": None if h.last_replay_s is None else round(h.last_replay_s, 3),
+                "last_replay_batches": h.last_replay_batches,
                 "restarts": h.restarts,
                 "clears": h.clears,
                 "decode_errors": h.decode_errors,
+                "apply_errors": h.apply_errors,
                 "skipped_events": h.skipped_events,
+                "duplicates": h.duplicates,
+                "seq_regressions": h.seq_regressions,
+                "resyncs_deferred": h.resyncs_deferred,
                 "reconnects": h.reconnects,
+                "task_restarts": h.task_restarts,
                 "last_error": h.last_error,
             }
         return {"sources": sources, "discovery_errors": dict(self._discovery_errors)}

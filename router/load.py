@@ -42,6 +42,8 @@ class EngineState:
     last_error: str = ""
     #: Taken out of routing by POST /admin/engines/{id}/drain (health polls do not undo it).
     drained: bool = False
+    #: Block size the engine reports in vllm:cache_config_info (wins over the configured one).
+    reported_block_size: int | None = None
 
 
 class LoadTracker:
@@ -60,6 +62,8 @@ class LoadTracker:
             [e.id for e in engines], on_change=metrics.set_in_flight if metrics else None
         )
         self.engines: dict[str, EngineState] = {}
+        #: LoRA adapter id -> its base model, from the engines' GET /v1/models.
+        self.lora_adapters: dict[str, str] = {}
         for engine in engines:
             state = EngineState(config=engine)
             if engine.model:
@@ -89,6 +93,15 @@ class LoadTracker:
         state.model_cards = cards
         state.models_discovered = True
         state.models |= {str(c["id"]) for c in cards if isinstance(c, dict) and "id" in c}
+        # vLLM lists each LoRA adapter as its own model with "parent" = the base model; requests
+        # to it carry the adapter's name in their blocks' extra keys (kvcore.keys).
+        for card in cards:
+            if isinstance(card, dict) and card.get("parent") and "id" in card:
+                self.lora_adapters[str(card["id"])] = str(card["parent"])
+
+    def lora_name(self, model: str) -> str | None:
+        """The LoRA adapter name a request for ``model`` runs with (None: a base model)."""
+        return model if model in self.lora_adapters else None
 
     def update_scraped(self, engine_id: str, values: dict[str, float]) -> None:
         self.engines[engine_id].scraped.update(values)
@@ -137,7 +150,7 @@ class LoadTracker:
             num_requests_running=None if running is None else int(running),
             num_requests_waiting=None if waiting is None else int(waiting),
             kv_cache_usage=scraped.get("kv_cache_usage_perc"),
-            block_size=state.config.block_size,
+            block_size=state.reported_block_size or state.config.block_size,
         )
 
     def serving(self) -> list[EngineState]:

@@ -51,6 +51,8 @@ class EngineMetrics:
     prefix_cache_hits_total: float | None = None
     external_prefix_cache_queries_total: float | None = None
     external_prefix_cache_hits_total: float | None = None
+    #: Finished requests (all finish reasons summed).
+    request_success_total: float | None = None
     prompt_tokens_cached_by_source: dict[str, float] = field(default_factory=dict)
     #: Cumulative counters per tier, bytes and seconds.
     offload_load_bytes_by_tier: dict[Tier, float] = field(default_factory=dict)
@@ -70,6 +72,7 @@ _SUMMED = {
     "vllm:prefix_cache_hits_total": "prefix_cache_hits_total",
     "vllm:external_prefix_cache_queries_total": "external_prefix_cache_queries_total",
     "vllm:external_prefix_cache_hits_total": "external_prefix_cache_hits_total",
+    "vllm:request_success_total": "request_success_total",
 }
 _PER_TIER = {
     "vllm:kv_offload_load_bytes_total": "offload_load_bytes_by_tier",

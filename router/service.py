@@ -17,8 +17,10 @@ import math
 import signal
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -35,7 +37,13 @@ from policies.costs import CostModel
 from router.app import create_app
 from router.config import ConfigError, EngineConfig, RouterConfig, load_config
 from router.errors import RouterError
-from router.events import EventBatch, EventManager, EventSource, debug_index_payload, explain_payload
+from router.events import (
+    EventManager,
+    EventSource,
+    debug_index_payload,
+    explain_payload,
+    sources_for_engine,
+)
 from router.experiments import Experiments
 from router.load import LoadTracker
 from router.metrics import RouterMetrics, create_metrics
@@ -49,7 +57,7 @@ from router.routing import (
     new_request_id,
     parse_request,
 )
-from router.scrape import parse_engine_metrics
+from router.scrape import EngineMetrics, parse_engine_metrics
 from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer
 
 log = logging.getLogger("kvroute.service")
@@ -113,9 +121,16 @@ class IndexAnnotator:
     """Prompt -> token ids -> router block keys (engine block size, cache_salt) -> index matches."""
 
     def __init__(
-        self, config: RouterConfig, tokenizer: Any, index: PrefixIndex | None, *, namespace: int
+        self,
+        config: RouterConfig,
+        tokenizer: Any,
+        index: PrefixIndex | None,
+        *,
+        namespace: int,
+        lora_of: Callable[[str], str | None] | None = None,
     ) -> None:
         self._config = config
+        self._lora_of = lora_of
         self._tokenizer = tokenizer
         self._index = index
         self._namespace = namespace
@@ -150,18 +165,29 @@ class IndexAnnotator:
             return
         ctx.prompt_token_ids = tokens
         engines = ctx.fleet.engines if ctx.fleet is not None else ()
-        block_size = engines[0].block_size if engines else self._default_block_size
+        # Keys per block size: an engine's events are keyed in its own (reported) block size.
+        by_size: dict[int, list[str]] = {}
+        for view in engines:
+            by_size.setdefault(view.block_size, []).append(view.engine_id)
+        if not by_size:
+            by_size[self._default_block_size] = []
         salt = ctx.body.get("cache_salt")
-        n_blocks = len(tokens) // block_size
-        extra = request_extra_keys(n_blocks, cache_salt=salt if isinstance(salt, str) else None)
-        keys = block_keys(tokens, block_size, parent=self._namespace, extra_keys=extra)
+        lora = self._lora_of(request.model) if self._lora_of is not None else None
         request.prompt_tokens = len(tokens)
-        request.block_size = block_size
-        request.block_keys = keys
-        if self._index is not None and keys:
-            request.prefix_matches = self._index.match(
-                keys, [e.engine_id for e in engines], now=time.monotonic()
+        matches: dict[str, Any] = {}
+        for i, (block_size, engine_ids) in enumerate(by_size.items()):
+            n_blocks = len(tokens) // block_size
+            extra = request_extra_keys(
+                n_blocks, lora_name=lora, cache_salt=salt if isinstance(salt, str) else None
             )
+            keys = block_keys(tokens, block_size, parent=self._namespace, extra_keys=extra)
+            if i == 0:  # speculation, trace and pricing use the first group's chain
+                request.block_size = block_size
+                request.block_keys = keys
+            if self._index is not None and keys:
+                matches.update(self._index.match(keys, engine_ids, now=time.monotonic()))
+        if self._index is not None:
+            request.prefix_matches = matches
 
 
 # ----------------------------------------------------------------------------- observers
@@ -206,10 +232,41 @@ class TraceObserver:
 # ----------------------------------------------------------------------------- services
 
 
+class TrafficCounter:
+    """Observer counting requests routed to each engine (the silent-source rule needs how many
+    requests an engine's prefix-cache counters moved for). No start/stop: only the services
+    object is a lifespan component, so exactly one EventManager exists."""
+
+    def __init__(self) -> None:
+        self.routed: dict[str, int] = {}
+
+    def on_routed(self, ctx: RouteContext) -> None:
+        if ctx.decision is not None:
+            engine_id = ctx.decision.engine_id
+            self.routed[engine_id] = self.routed.get(engine_id, 0) + 1
+
+    def on_first_byte(self, ctx: RouteContext) -> None:
+        return None
+
+    def on_finished(self, ctx: RouteContext) -> None:
+        return None
+
+
+@dataclass(slots=True)
+class _CounterSample:
+    """One scrape's figures the silent-source rule compares with the next one."""
+
+    at_s: float
+    missed_tokens: float
+    routed: int
+    in_flight: int
+    engine_requests: float | None
+
+
 class RouterServices:
     """The background parts of a router, started and stopped by the app's lifespan: the HTTP
-    session for discovery/scrapes/tokenize, the EventManager, one /metrics scraper per engine, the
-    silent-source watchdog and the SIGHUP handler. Also an observer (traffic per engine)."""
+    session for discovery/scrapes/tokenize, the one EventManager, one /metrics scraper per engine,
+    the silent-source watchdog and the SIGHUP handler. ``traffic`` is its routing observer."""
 
     def __init__(
         self,
@@ -241,15 +298,26 @@ class RouterServices:
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._sighup_installed = False
-        #: Engine id -> monotonic time of its first finished request not yet followed by a KV-event
-        #: batch: the watchdog reports it silent once that is older than events.silent_after_s.
-        self._unconfirmed_since: dict[str, float] = {}
+        self.traffic = TrafficCounter()
+        self._started = False
+        #: Engine id -> its previous scrape's counters, and -> (monotonic time from which the
+        #: engine must have published, what proves it): set when its prefix-cache counters moved
+        #: more than requests without new blocks can explain.
+        self._counters: dict[str, _CounterSample] = {}
+        self._evidence: dict[str, tuple[float, str]] = {}
         self._silent: dict[str, str] = {}
         self.scrape_errors: dict[str, str] = {}
+        #: Engine id -> why its configured block size was overridden by the one it reports.
+        self.block_size_mismatch: dict[str, str] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self._started:
+            # Two starts would mean two EventManagers: two SUB sockets per engine, every batch
+            # applied twice, a second bind failing with "Address already in use".
+            raise RuntimeError("RouterServices.start() called twice")
+        self._started = True
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0))
         if isinstance(self.tokenizer, HealthyEngineTokenizer):
             self.tokenizer.session = self.session
@@ -262,7 +330,6 @@ class RouterServices:
                 http_session=self.session,
                 silent_after_s=self.config.events.silent_after_s,
                 replay_timeout_s=self.config.events.replay_timeout_s,
-                on_batch=self._on_batch,
             )
             await self.manager.start()
             self._tasks.append(asyncio.create_task(self._watchdog(), name="kvroute-events-watchdog"))
@@ -293,44 +360,71 @@ class RouterServices:
             await self.session.close()
             self.session = None
 
-    # -- observer: traffic per engine, for the silent-source check ------------------------------
-
-    def on_routed(self, ctx: RouteContext) -> None:
-        return None
-
-    def on_first_byte(self, ctx: RouteContext) -> None:
-        return None
-
-    def on_finished(self, ctx: RouteContext) -> None:
-        if ctx.ok and ctx.engine_id:
-            self._unconfirmed_since.setdefault(ctx.engine_id, time.monotonic())
-
-    def _on_batch(self, source: EventSource, batch: EventBatch) -> None:
-        self._unconfirmed_since.pop(source.engine_id, None)
-
     # -- silent sources -------------------------------------------------------------------------
 
+    def _note_counters(self, engine: EngineConfig, parsed: EngineMetrics) -> None:
+        """Compare the engine's prefix-cache counters with its previous scrape. A request that
+        stores no new full block misses at most one block of tokens (a partial last block, or the
+        recomputed last block of a fully cached prompt), so more missed tokens than block_size x
+        requests prove that the engine stored blocks and must have published BlockStored.
+        Short answers, repeated prompts, prompts under one block and rejected requests prove
+        nothing (they were the false alarms of the old "no event for a while" rule)."""
+        queries, hits = parsed.prefix_cache_queries_total, parsed.prefix_cache_hits_total
+        if queries is None or hits is None:
+            return
+        now = time.monotonic()
+        in_flight, _queued = self.tracker.ledger.load(engine.id)
+        sample = _CounterSample(
+            at_s=now,
+            missed_tokens=queries - hits,
+            routed=self.traffic.routed.get(engine.id, 0),
+            in_flight=int(in_flight),
+            engine_requests=parsed.request_success_total,
+        )
+        prev = self._counters.get(engine.id)
+        self._counters[engine.id] = sample
+        if prev is None or sample.missed_tokens < prev.missed_tokens:
+            return  # first look, or the engine restarted (counters reset)
+        requests = sample.routed - prev.routed + prev.in_flight
+        if sample.engine_requests is not None and prev.engine_requests is not None:
+            requests = max(requests, int(sample.engine_requests - prev.engine_requests) + prev.in_flight)
+        if requests <= 0:
+            return  # traffic the router did not see and the engine does not count: no evidence
+        missed = sample.missed_tokens - prev.missed_tokens
+        if missed > engine.block_size * requests and engine.id not in self._evidence:
+            self._evidence[engine.id] = (
+                prev.at_s,
+                f"its prefix-cache counters show {missed:.0f} newly computed prompt tokens over "
+                f"{requests} request(s) (more than {engine.block_size} per request: new blocks were "
+                "cached)",
+            )
+
     def silent_engines(self) -> dict[str, str]:
-        """Engine id -> why it is reported: traffic went there but no KV event came back."""
+        """Engine id -> why it is reported: the engine's own counters prove it cached new blocks,
+        but no KV-event batch arrived for events.silent_after_s after that."""
         if self.manager is None:
             return {}
         now = time.monotonic()
         limit_s = self.config.events.silent_after_s
         with_source = {h.source.engine_id for h in self.manager.source_health().values()}
         out: dict[str, str] = {}
-        for engine_id, since in self._unconfirmed_since.items():
+        for engine_id, (since, proof) in list(self._evidence.items()):
+            last_batch = self.manager.last_batch_at(engine_id)
+            if last_batch is not None and last_batch >= since:
+                del self._evidence[engine_id]  # the events came: no alarm
+                continue
             waited_s = now - since
             if waited_s <= limit_s:
                 continue
             if engine_id in with_source:
                 out[engine_id] = (
-                    f"served traffic but its KV-event source published nothing for {waited_s:.1f} s "
+                    f"{proof}, but its KV-event source published nothing for {waited_s:.1f} s "
                     f"(events.silent_after_s = {limit_s:g}); check kv_events_endpoint and the engine's "
                     "--kv-events-config"
                 )
             else:
                 out[engine_id] = (
-                    "served traffic but has no KV-event source (no kv_events_endpoint configured and "
+                    f"{proof}, but it has no KV-event source (no kv_events_endpoint configured and "
                     "discovery found none); its cache is invisible to the index"
                 )
         return out
@@ -365,6 +459,7 @@ class RouterServices:
         }
         return {
             "ok": not silent and not problems and not health["discovery_errors"],
+            "block_size_mismatch": dict(self.block_size_mismatch),
             "silent_engines": silent,
             "source_problems": problems,
             "discovery_errors": health["discovery_errors"],
@@ -404,6 +499,8 @@ class RouterServices:
             self.scrape_errors[engine.id] = f"{type(exc).__name__}: {exc}"
             return
         self.scrape_errors.pop(engine.id, None)
+        self._check_block_size(engine, parsed.block_size)
+        self._note_counters(engine, parsed)
         values = {
             name: value
             for name, value in (
@@ -417,6 +514,24 @@ class RouterServices:
         self.costs.update_offload_counters(
             engine.id, parsed.offload_load_bytes_by_tier, parsed.offload_load_time_s_by_tier, time.monotonic()
         )
+
+    def _check_block_size(self, engine: EngineConfig, reported: int | None) -> None:
+        """The engine's real block size (vllm:cache_config_info) wins over the configured one:
+        keys in the wrong block size would match nothing, silently."""
+        if reported is None or reported <= 0:
+            return
+        state = self.tracker.engines[engine.id]
+        if state.reported_block_size == reported:
+            return
+        state.reported_block_size = reported
+        if reported != engine.block_size:
+            self.block_size_mismatch[engine.id] = (
+                f"engine reports block_size {reported} (vllm:cache_config_info) but its config says "
+                f"{engine.block_size}; prefix keys use {reported}: fix engines[].block_size"
+            )
+            log.error("engine %s: %s", engine.id, self.block_size_mismatch[engine.id])
+        else:
+            self.block_size_mismatch.pop(engine.id, None)
 
     # -- reload ---------------------------------------------------------------------------------
 
@@ -502,13 +617,14 @@ def event_sources(
     to_discover: dict[str, str] = {}
     for engine in engines:
         if engine.kv_events_endpoint:
-            sources.append(
-                EventSource(
-                    engine.id,
-                    engine.kv_events_endpoint,
-                    engine.kv_replay_endpoint or None,
-                    topic=engine.kv_events_topic,
-                )
+            sources += sources_for_engine(
+                engine.id,
+                urlsplit(engine.url).hostname or "127.0.0.1",
+                engine.kv_events_endpoint,
+                engine.kv_replay_endpoint or None,
+                topic=engine.kv_events_topic,
+                data_parallel_size=engine.data_parallel_size,
+                bind={"auto": None, "bind": True, "connect": False}[engine.kv_events_mode],
             )
         elif discover:
             to_discover[engine.id] = engine.url
@@ -566,7 +682,13 @@ def build_router_app(
         reload_config=reload_config,
     )
     metrics.add_collector(services.collect)
-    annotator = IndexAnnotator(config, tokenizer, index, namespace=namespace_seed(config.tokenizer.namespace))
+    annotator = IndexAnnotator(
+        config,
+        tokenizer,
+        index,
+        namespace=namespace_seed(config.tokenizer.namespace),
+        lora_of=tracker.lora_name,
+    )
     core = RoutingCore(
         ledger=tracker.ledger,
         costs=costs,
@@ -575,7 +697,9 @@ def build_router_app(
         recorder=experiments,
         index_trusted=services.index_trusted,
     )
-    observers: list[Any] = [services]
+    # The services object is the lifespan component (event_manager=) only; listing it among the
+    # observers too made the app start it twice: two EventManagers per router.
+    observers: list[Any] = [services.traffic]
     if config.trace.path:
         observers.append(
             TraceObserver(config.trace.path, config.engines[0].block_size, config.trace.block_tokens)
@@ -647,6 +771,7 @@ def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices)
     async def debug_costs() -> Response:
         body = services.costs.snapshot()
         body["scrape_errors"] = dict(services.scrape_errors)
+        body["block_size_mismatch"] = dict(services.block_size_mismatch)
         body["core"] = dataclasses.asdict(router.core.counters)
         return JSONResponse(body)
 

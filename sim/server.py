@@ -69,6 +69,9 @@ class EngineServerConfig:
     hash_algo: str = "sha256"
     self_describing_cpu_events: bool = False
     seed: int = 0
+    #: LoRA adapter names served on top of ``model`` (vLLM's --lora-modules), listed by
+    #: GET /v1/models with ``parent`` = the base model.
+    lora_modules: tuple[str, ...] = ()
     #: Any other EngineProfile fields (e.g. prefill_tokens_per_s), applied after the flags above.
     profile_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -426,7 +429,7 @@ def _check_model(state: ServerState, body: Mapping[str, Any]) -> None:
         return
     if not isinstance(model, str):
         raise ApiError("'model' must be a string")
-    if model != state.config.model:
+    if model != state.config.model and model not in state.config.lora_modules:
         raise ApiError(f"The model `{model}` does not exist.", status=404, err_type="NotFoundError")
 
 
@@ -473,6 +476,8 @@ class _Sampling:
     cache_salt: str | None
     request_id: str
     raw: dict[str, Any]
+    #: The LoRA adapter the request names as its model (vLLM folds it into every block's key).
+    lora_name: str | None = None
 
 
 def _parse_sampling(
@@ -527,7 +532,9 @@ def _parse_sampling(
         "ignore_eos": True,
         "seed": body.get("seed"),
     }
-    return _Sampling(max_tokens, stream, include_usage, cache_salt, request_id, raw)
+    model = body.get("model")
+    lora_name = model if isinstance(model, str) and model in state.config.lora_modules else None
+    return _Sampling(max_tokens, stream, include_usage, cache_salt, request_id, raw, lora_name)
 
 
 def _chat_prompt(body: Mapping[str, Any]) -> list[int]:
@@ -610,6 +617,7 @@ async def _generate(
                 prompt_token_ids=prompt,
                 max_tokens=sampling.max_tokens,
                 cache_salt=sampling.cache_salt,
+                lora_name=sampling.lora_name,
             )
         )
     except ValueError as exc:
@@ -763,7 +771,19 @@ def create_engine_app(config: EngineServerConfig) -> FastAPI:
                     "root": config.model,
                     "parent": None,
                     "max_model_len": profile.max_model_len,
-                }
+                },
+                *(
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": state.created_s,
+                        "owned_by": "vllm",
+                        "root": f"/adapters/{name}",
+                        "parent": config.model,
+                        "max_model_len": profile.max_model_len,
+                    }
+                    for name in config.lora_modules
+                ),
             ],
         }
 
@@ -1118,6 +1138,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--hash-algo", choices=("sha256", "sha256_cbor"), default="sha256")
     p.add_argument("--self-describing-cpu-events", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile-overrides",
+        default=None,
+        help="JSON object of other EngineProfile fields, e.g. '{\"prefill_tokens_per_s\": 8000}'",
+    )
+    p.add_argument("--lora-modules", nargs="*", default=(), help="LoRA adapter names served on the model")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -1142,6 +1168,8 @@ def config_from_args(args: argparse.Namespace) -> EngineServerConfig:
         hash_algo=args.hash_algo,
         self_describing_cpu_events=args.self_describing_cpu_events,
         seed=args.seed,
+        profile_overrides=json.loads(args.profile_overrides) if args.profile_overrides else {},
+        lora_modules=tuple(args.lora_modules),
     )
 
 

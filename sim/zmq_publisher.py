@@ -16,14 +16,39 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
+
+from kvcore.wire import (
+    END_SEQ_BYTES,
+    AllBlocksCleared,
+    BatchEncoder,
+    BlockRemoved,
+    BlockStored,
+    event_struct,
+    offset_endpoint_port,
+    publisher_binds,
+    with_host,
+)
 
 log = logging.getLogger(__name__)
 
 #: Replay end marker's seq frame (vLLM sends -1 as 8 signed bytes).
-END_SEQ = b"\xff" * 8
+END_SEQ = END_SEQ_BYTES
+__all__ = [
+    "END_SEQ",
+    "AllBlocksCleared",
+    "BatchEncoder",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEventsConfig",
+    "ZmqEventPublisher",
+    "endpoint_binds",
+    "event_struct",
+    "offset_endpoint_port",
+    "parse_kv_events_config",
+    "resolved_source",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,94 +98,19 @@ def parse_kv_events_config(raw: str | Mapping[str, Any] | None) -> KVEventsConfi
     return cfg
 
 
-def endpoint_binds(endpoint: str) -> bool:
-    """vLLM's rule: bind for wildcard hosts and local transports, connect otherwise."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-def offset_endpoint_port(endpoint: str, offset: int) -> str:
-    """Endpoint of data-parallel rank ``offset``: tcp port + rank (other transports get a suffix)."""
-    if offset == 0:
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        host, _, port = endpoint.rpartition(":")
-        return f"{host}:{int(port) + offset}"
-    return f"{endpoint}_dp{offset}"
+#: vLLM's bind-or-connect rule and rank offset: one implementation, shared with the router.
+endpoint_binds = publisher_binds
 
 
 def resolved_source(cfg: KVEventsConfig, server_host: str, dp_rank: int = 0) -> dict[str, Any]:
-    """One rank's publisher config as ``GET /kv_event_sources`` shows it ('*' -> the server's host)."""
+    """One rank's publisher config as ``GET /kv_event_sources`` shows it (wildcard host -> the
+    server's host, IPv6 in brackets; port + rank)."""
     out = asdict(cfg)
     for key in ("endpoint", "replay_endpoint"):
         value = out[key]
         if value:
-            out[key] = offset_endpoint_port(value, dp_rank).replace("*", server_host)
+            out[key] = with_host(offset_endpoint_port(value, dp_rank), server_host)
     return out
-
-
-class BlockStored(msgspec.Struct, tag_field="type", tag="BlockStored", omit_defaults=True):
-    """Field order and defaults from the contract (vllm-contract.md §2); defaults are left out."""
-
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[Any] | None = None
-
-
-class BlockRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", omit_defaults=True):
-    block_hashes: list[int | bytes]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", omit_defaults=True):
-    pass
-
-
-_EVENT_TYPES: dict[str, type[msgspec.Struct]] = {
-    "BlockStored": BlockStored,
-    "BlockRemoved": BlockRemoved,
-    "AllBlocksCleared": AllBlocksCleared,
-}
-
-
-def event_struct(event: Mapping[str, Any]) -> msgspec.Struct:
-    """The typed form of one engine event dict (``{"type": ..., fields...}``).
-
-    Typed structs, not dicts, because msgspec writes a struct's map header from its field count
-    (map16 for BlockStored's 16 possible keys) exactly like vLLM's own encoder; a dict would give
-    a fixmap and different bytes."""
-    kind = event.get("type")
-    cls = _EVENT_TYPES.get(kind)  # type: ignore[arg-type]
-    if cls is None:
-        raise ValueError(f"unknown KV event type {kind!r}; expected one of {sorted(_EVENT_TYPES)}")
-    try:
-        return cls(**{k: v for k, v in event.items() if k != "type"})
-    except TypeError as exc:
-        raise ValueError(f"malformed {kind} event: {exc}") from None
-
-
-class BatchEncoder:
-    """Encodes ``[ts, events, dp_rank]`` byte-for-byte as vLLM 0.33 does (ts is a float64)."""
-
-    def __init__(self) -> None:
-        self._encoder = msgspec.msgpack.Encoder()
-
-    def encode(self, ts_s: float, events: Sequence[Mapping[str, Any]], dp_rank: int = 0) -> bytes:
-        return self._encoder.encode([float(ts_s), [event_struct(ev) for ev in events], dp_rank])
 
 
 class ZmqEventPublisher:
@@ -198,6 +148,9 @@ class ZmqEventPublisher:
             if self.replay_endpoint:
                 self._replay = self._actx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # A ROUTER drops what exceeds its send high-water mark (default 1,000): a whole
+                # buffer (10,000 batches by default) plus the end marker must fit in one answer.
+                self._replay.setsockopt(zmq.SNDHWM, cfg.buffer_steps + 2)
                 self._replay.bind(self.replay_endpoint)
         except zmq.ZMQError as exc:
             self._close_sockets()

@@ -143,3 +143,47 @@ def test_cli_serve_rejects_bad_config_before_starting(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "listen.port must be 0..65535" in proc.stderr
+
+
+def test_reload_keeps_the_command_line_layer(tmp_path, monkeypatch) -> None:
+    """`kvroute serve --config f --engine e0=... --policy tier_cost`: the file has no engines, so
+    re-reading the file alone fails; the serve loader re-applies the flags."""
+    from router.cli import config_loader, serve_parser
+    from router.errors import RouterError
+    from router.service import build_router_app
+
+    monkeypatch.delenv("KVROUTE_FLEET", raising=False)
+    path = tmp_path / "router.toml"
+    path.write_text('[tokenizer]\nbackend = "sim"\n')
+    args = serve_parser().parse_args(
+        ["--config", str(path), "--engine", "e0=http://127.0.0.1:9", "--policy", "tier_cost"]
+    )
+    loader = config_loader(args, str(path))
+    config = loader()
+    path.write_text(
+        '[tokenizer]\nbackend = "sim"\n[experiment]\narms = [{name = "a", policy = "tier_cost"},'
+        ' {name = "b", policy = "round_robin"}]\n'
+    )
+    with_flags = build_router_app(config, str(path), reload_config=loader).state.services
+    assert with_flags.reload()["arms"] == ["a", "b"]
+    assert [e.id for e in loader().engines] == ["e0"]
+    file_only = build_router_app(config, str(path)).state.services
+    with pytest.raises(RouterError, match="engine"):
+        file_only.reload()
+
+
+@pytest.mark.parametrize("policy", ["approx_prefix", "kv_gpu", "tier_cost"])
+def test_policy_needing_block_keys_without_a_tokenizer_is_a_config_error(policy: str) -> None:
+    """Without keys such a policy would quietly route by load alone."""
+    from router.service import build_router_app
+
+    config = load_config(
+        environ={},
+        overrides={
+            "engines": [{"id": "e0", "url": "http://127.0.0.1:9"}],
+            "policy": {"name": policy},
+            "tokenizer": {"backend": "none"},
+        },
+    )
+    with pytest.raises(ConfigError, match=f"{policy}.*tokenizer.backend"):
+        build_router_app(config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +37,20 @@ def test_bench_unknown_name_is_refused() -> None:
     )
     assert proc.returncode == 2
     assert "accepted" in proc.stderr
+
+
+def test_bench_peers_quick_measures_direct_and_kvroute(tmp_path: Path) -> None:
+    """The B3 side-by-side bench runs wrk against a zero-delay upstream directly and through kvroute,
+    and writes its table (the peers are left out of the smoke run: they are a download)."""
+    if shutil.which("wrk") is None:
+        import pytest
+
+        pytest.skip("wrk (Debian package) is not installed: apt-get install wrk")
+    out = _run("peers", "--quick", "--out", str(tmp_path))
+    table = (tmp_path / "b3.md").read_text()
+    assert table in out or "kvroute:round_robin" in out
+    rows = [ln for ln in table.splitlines() if ln.startswith("| 1000 |")]
+    assert {r.split("|")[4].strip() for r in rows} == {"direct", "kvroute:round_robin"}, table
+    for r in rows:  # every point answered: requests/s > 0 and no errors
+        cells = [c.strip() for c in r.split("|")]
+        assert float(cells[5].split()[0]) > 0 and cells[-2] == "0", r

@@ -11,9 +11,9 @@ runs that much faster than its model time).
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -23,8 +23,7 @@ import pytest
 from kvcore.sim_tokenizer import NAME
 from router.config import load_config
 from router.service import build_router_app
-from sim.server import EngineServerConfig, create_engine_app
-from sim.zmq_publisher import KVEventsConfig
+from sim.fleet import Fleet, FleetEngine, FleetProfile
 from tests.conftest import ThreadedServer
 
 TIME_SCALE = 1.0  # real time: the engine's own CPU work per token stays small next to the model's
@@ -38,44 +37,35 @@ PROMPT_BLOCKS = 125  # 2,000 tokens: the GPU pool holds one prompt, the CPU tier
 ROUNDS = 10
 
 
-def _engine(serve_asgi: Callable[..., ThreadedServer], tmp_path: Path) -> tuple[str, str]:
-    # An ipc:// endpoint binds on the engine side (vLLM's rule) and never leaves the machine.
-    events = f"ipc://{tmp_path}/kv-events.sock"
-    config = EngineServerConfig(
-        engine_id="e0",
-        block_size=16,
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetEngine]:
+    """One engine process (its own interpreter: no GIL shared with the router under test)."""
+    overrides = {
+        "prefill_tokens_per_s": MODEL_PREFILL_TOKENS_PER_S,
+        "cpu_load_bytes_per_s": MODEL_CPU_BYTES_PER_S,
+        "storage_load_bytes_per_s": MODEL_STORAGE_BYTES_PER_S,
+        "cpu_latency_s": 0.0,
+        "storage_latency_s": 0.0,
+        "step_overhead_s": 0.0002,
+    }
+    profile = FleetProfile(
         gpu_blocks=PROMPT_BLOCKS + 8,
         cpu_blocks=2 * PROMPT_BLOCKS + 16,
-        storage_pool="p0",
         storage_blocks=8192,
+        shared_storage=False,
         time_scale=TIME_SCALE,
         default_max_tokens=1,
-        kv_events=KVEventsConfig(enable_kv_cache_events=True, endpoint=events),
-        profile_overrides={
-            "prefill_tokens_per_s": MODEL_PREFILL_TOKENS_PER_S,
-            "cpu_load_bytes_per_s": MODEL_CPU_BYTES_PER_S,
-            "storage_load_bytes_per_s": MODEL_STORAGE_BYTES_PER_S,
-            "cpu_latency_s": 0.0,
-            "storage_latency_s": 0.0,
-            "step_overhead_s": 0.0002,
-        },
+        extra_args=("--profile-overrides", json.dumps(overrides)),
     )
-    return serve_asgi(create_engine_app(config)).url, events
+    with Fleet(tmp_path_factory.mktemp("calibration")) as fleet:
+        yield fleet.start(1, profile)[0]
 
 
-def _router(serve_asgi: Callable[..., ThreadedServer], engine_url: str, events: str) -> str:
+def _router(serve_asgi: Callable[..., ThreadedServer], engine: FleetEngine) -> str:
     config = load_config(
         environ={},
         overrides={
-            "engines": [
-                {
-                    "id": "e0",
-                    "url": engine_url,
-                    "model": NAME,
-                    "kv_events_endpoint": events,
-                    "storage_pool": "p0",
-                }
-            ],
+            "engines": [engine.fleet_entry()],
             "policy": {"name": "tier_cost"},
             "tokenizer": {"backend": "sim"},
             # Speculative GPU entries would hide the CPU/STORAGE placement the test needs.
@@ -146,10 +136,9 @@ def _estimate(url: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_streaming_traffic_calibrates_to_the_true_costs_and_non_stream_does_not(
-    serve_asgi: Callable[..., ThreadedServer], tmp_path: Path
+    serve_asgi: Callable[..., ThreadedServer], engine: FleetEngine
 ) -> None:
-    engine_url, events = _engine(serve_asgi, tmp_path)
-    streamed = _router(serve_asgi, engine_url, events)
+    streamed = _router(serve_asgi, engine)
     cached = _drive(streamed, stream=True)
     assert sum(cached) > 0
     entry = _estimate(streamed)
@@ -166,7 +155,7 @@ def test_streaming_traffic_calibrates_to_the_true_costs_and_non_stream_does_not(
     assert cpu == pytest.approx(TRUE_CPU, rel=0.25)
     assert storage == pytest.approx(TRUE_STORAGE, rel=0.25)
 
-    still = _router(serve_asgi, engine_url, events)
+    still = _router(serve_asgi, engine)
     _drive(still, stream=False, rounds=3)
     entry = _estimate(still)
     assert entry["observations"] == 0

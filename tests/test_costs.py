@@ -181,3 +181,15 @@ def test_predicted_prefill_tokens_is_what_the_load_tracker_should_queue() -> Non
     assert predicted_prefill_tokens(req, Decision("c", "round_robin")) == 10_000
     # A retry on a fallback engine is priced for that engine.
     assert predicted_prefill_tokens(req, Decision("c", "kv_gpu"), "b") == 1
+
+
+def test_one_ttft_formula_for_parts_and_fast_path() -> None:
+    from policies.costs import predicted_ttft_s
+
+    costs = EngineCosts(prefill_tokens_per_s=9_000.0, load_bandwidth_bytes_per_s=(INF, 16e9, 1e9))
+    rng = random.Random(9)
+    for _ in range(200):
+        hits, prefill, wait = synthetic_request(rng)
+        assert predicted_ttft_s(costs, hits, prefill, wait) == pytest.approx(
+            predict_parts(costs, hits, prefill, wait).total_s, rel=1e-12
+        )

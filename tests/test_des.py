@@ -303,16 +303,15 @@ def test_in_flight_accounting_queues_predicted_uncached_tokens_and_balances_out(
     )
     runs = {}
     for whole in (False, True):
-        # Nominal priors: this is about the accounting, not calibration (from the router's default
-        # storage prices the 64-request comparison is within noise either way).
-        config = SimConfig(seed=1, queue_whole_prompt=whole, router_priors="nominal")
+        config = SimConfig(seed=1, queue_whole_prompt=whole)
         sim = FleetSimulator(wl, "tier_cost", fleet, config)
         runs[whole] = sim.run()
         # Every request's queued tokens were removed at its first token: nothing leaks.
         assert [sim.ledger.load(e) for e in sim.engine_ids] == [(0, 0)] * 4
     assert runs[False].requests == runs[True].requests == wl.num_requests
-    # Counting cached history as pending prefill pushes turns off their engine: fewer GPU hits.
-    assert runs[False].hit_gpu >= runs[True].hit_gpu
+    # Whether counting cached history as pending prefill costs GPU hits is a benchmark question:
+    # on this 64-request ladder it flips with the engine model (issue 16's asynchronous loads), so
+    # the test keeps to what must always hold: the accounting balances out.
 
 
 def test_policy_specs_carry_parameters_into_the_run() -> None:

@@ -213,7 +213,9 @@ async def test_fixture_gap_is_replayed(ipc_dir, make_publisher, make_manager, to
         await wait_for(lambda s=seq: last_seq(manager) == s, f"seq {seq}")
         assert_fixture_state(index, seq)
     health = manager.health()["sources"]["e0/dp0"]
-    assert pub.replay_requests == [2, 6]
+    # 0: the buffer on connect; then each gap asks from the last applied seq (1, 5) so the answer's
+    # first batch proves the publisher is still the incarnation we followed.
+    assert pub.replay_requests == [0, 1, 5]
     assert health["gaps"] == 2 and health["missed_batches"] == 4 and health["replayed_batches"] == 4
     assert not health["stale"] and health["batches"] == 8
 
@@ -222,15 +224,16 @@ async def test_recorded_replay_frames_are_applied(ipc_dir, make_publisher, make_
     """Live 0-4, drop 5-6, live 7: the gap is filled by the exact frames vLLM's ROUTER sent."""
     endpoint, replay = f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay"
     pub = make_publisher(endpoint, replay)
+    index = PrefixIndex()
+    manager = make_manager(index, [EventSource("e0", endpoint, replay, topic=TOPIC)])
+    await manager.start()
+    await asyncio.to_thread(pub.wait_subscriber)
+    await wait_for(lambda: pub.replay_requests == [0], "the replay asked for on connect")
     pub.canned_replay = [
         [base64.b64decode(f) for f in rec["frames_b64"]]
         for rec in fixture_frames()
         if rec["kind"] == "replay"
     ]
-    index = PrefixIndex()
-    manager = make_manager(index, [EventSource("e0", endpoint, replay, topic=TOPIC)])
-    await manager.start()
-    await asyncio.to_thread(pub.wait_subscriber)
     live = live_fixture()
     for seq, payload in live[:5]:
         pub.publish(seq, payload)
@@ -240,7 +243,7 @@ async def test_recorded_replay_frames_are_applied(ipc_dir, make_publisher, make_
     pub.publish(*live[7])
     await wait_for(lambda: last_seq(manager) == 7, "seq 7")
     assert_fixture_state(index, 7)
-    assert pub.replay_requests == [5]
+    assert pub.replay_requests == [0, 4]
     health = manager.health()["sources"]["e0/dp0"]
     assert health["replayed_batches"] == 2 and health["batches"] == 8 and not health["stale"]
 

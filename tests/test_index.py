@@ -28,6 +28,7 @@ def stored(hashes, tokens=(), parent=None, medium="GPU", block_size=16, extra_ke
         parent_block_hash=parent,
         token_ids=list(tokens),
         block_size=block_size if tokens else 0,
+        lora_id=None,
         medium=medium,
         extra_keys=extra_keys,
         lora_name=lora_name,
@@ -139,7 +140,13 @@ def test_shared_storage_pool_is_indexed_once_with_lru_capacity() -> None:
     index.apply_batch(
         "b", [stored([1], toks(0, 1), medium="STORAGE"), stored([7, 8], toks(100, 2), medium="STORAGE")]
     )
-    assert index.stats()["storage_pools"]["nfs"] == {"blocks": 3, "capacity_blocks": 3, "evicted_blocks": 1}
+    assert index.stats()["storage_pools"]["nfs"] == {
+        "blocks": 3,
+        "capacity_blocks": 3,
+        "evicted_blocks": 1,
+        "refreshed_blocks": 0,
+        "shortfall_drops": 0,
+    }
     assert index.match(chain, ["a"])["a"] == PrefixMatch(1, (0, 0, 1))
     # Restarting an engine leaves the shared pool alone.
     index.clear_engine("a")

@@ -22,9 +22,9 @@ def hashes(start: int, n: int) -> list[int]:
 def indexed_fleet() -> PrefixIndex:
     index = PrefixIndex()
     # a: 6 blocks on GPU; b: 8 blocks on CPU; c: 3 on GPU.
-    index.apply_batch("a", [BlockStored(hashes(0, 6), None, TOKENS[: 16 * 6], 16, medium="GPU")])
-    index.apply_batch("b", [BlockStored(hashes(0, 8), None, TOKENS, 16, medium="CPU")])
-    index.apply_batch("c", [BlockStored(hashes(0, 3), None, TOKENS[:48], 16, medium="GPU")])
+    index.apply_batch("a", [BlockStored(hashes(0, 6), None, TOKENS[: 16 * 6], 16, None, "GPU", None)])
+    index.apply_batch("b", [BlockStored(hashes(0, 8), None, TOKENS, 16, None, "CPU", None)])
+    index.apply_batch("c", [BlockStored(hashes(0, 3), None, TOKENS[:48], 16, None, "GPU", None)])
     return index
 
 

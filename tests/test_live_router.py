@@ -250,8 +250,12 @@ def test_ready_reports_an_engine_whose_events_never_arrive(
     url = serve_asgi(build_router_app(load_config(environ={}, overrides=data))).url
     before = httpx.get(f"{url}/ready").json()
     assert before["events"]["silent_engines"] == {}  # no traffic yet: nothing to expect
+    # A prompt of several blocks: the engine's prefix-cache counters then prove it cached new
+    # blocks (a prompt under one block would prove nothing and must not raise the alarm).
     _client(url).chat.completions.create(
-        model=tokenizer.NAME, messages=[{"role": "user", "content": "anyone listening?"}], max_tokens=2
+        model=tokenizer.NAME,
+        messages=[{"role": "user", "content": "anyone listening? " * 20}],
+        max_tokens=2,
     )
     deadline = time.monotonic() + 5.0
     while True:
@@ -261,8 +265,116 @@ def test_ready_reports_an_engine_whose_events_never_arrive(
         assert time.monotonic() < deadline, ready
         time.sleep(0.1)
     assert ready["events"]["ok"] is False
-    assert "kv_events_endpoint" in ready["events"]["silent_engines"][engine.id]
+    reason = ready["events"]["silent_engines"][engine.id]
+    assert "kv_events_endpoint" in reason and "prefix-cache counters" in reason
     deadline = time.monotonic() + 5.0
     while f'kvroute_event_source_silent{{engine="{engine.id}"}} 1.0' not in httpx.get(f"{url}/metrics").text:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def test_engine_block_size_wins_over_a_wrong_config(
+    fleet: list[FleetEngine], serve_asgi: Callable[..., ThreadedServer]
+) -> None:
+    """Configured block_size 32 against engines using 16: the scraped vllm:cache_config_info
+    corrects the keys (else every match would silently be zero) and the mismatch is reported."""
+    entries = [{**e.fleet_entry(), "block_size": 32} for e in fleet]
+    data = _router_data(fleet, experiment={"arms": []}, policy={"name": "kv_gpu"})
+    data["engines"] = entries
+    url = serve_asgi(build_router_app(load_config(environ={}, overrides=data))).url
+    deadline = time.monotonic() + 5.0
+    while not httpx.get(f"{url}/debug/costs").json()["block_size_mismatch"]:
+        assert time.monotonic() < deadline, "no scrape reported the engines' block size"
+        time.sleep(0.05)
+    chat = Chat(url, "default", seed=77)
+    chat.turn(0)
+    _settle(url)
+    explained = chat.explain()
+    assert explained["block_size"] == 16
+    assert max(e["prefix_blocks"] for e in explained["engines"]) > 0
+    ready = httpx.get(f"{url}/ready").json()
+    assert "block_size 16" in ready["events"]["block_size_mismatch"][fleet[0].id]
+
+
+def test_stream_without_include_usage_gets_no_usage_chunk_but_the_router_counts_cached_tokens(
+    router_url: Callable[..., str],
+) -> None:
+    url = router_url()
+    body = {
+        "model": tokenizer.NAME,
+        "messages": [{"role": "user", "content": tokenizer.filler_text(80, seed=5)}],
+        "max_tokens": 4,
+        "stream": True,
+    }
+    headers = {"x-kvroute-arm": "tc", "x-session-id": "usage-strip"}
+    events: list[bytes] = []
+    for _ in range(2):  # the second turn hits the first one's blocks
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
+            assert resp.status_code == 200
+            raw = b"".join(resp.iter_bytes())
+        events = [e for e in raw.split(b"\n\n") if e.strip()]
+        assert events[-1] == b"data: [DONE]"
+        assert all(b'"usage"' not in e for e in events), raw  # the client did not ask for usage
+    assert any(b'"content"' in e for e in events)
+    arm = next(a for a in httpx.get(f"{url}/v1/experiments").json()["arms"] if a["name"] == "tc")
+    assert arm["requests_with_usage"] == arm["requests"] >= 2
+    assert arm["hit_rate"] is not None and arm["hit_rate"] > 0
+    # A client that asks for usage still gets the engine's chunk, unchanged.
+    with_usage = {**body, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=with_usage, headers=headers) as resp:
+        raw = b"".join(resp.iter_bytes())
+    assert b'"choices":[],' in raw.replace(b" ", b"") and b'"cached_tokens"' in raw
+
+
+def _old_session_key(messages: list[dict[str, Any]]) -> str:
+    """The rule before the fix: a hash of the first two messages."""
+    import msgspec
+    import xxhash
+
+    return "h" + xxhash.xxh3_64_hexdigest(msgspec.json.encode(messages[:2]))
+
+
+def test_no_arm_flips_over_40_conversations_without_system_prompt_or_session_header(
+    router_url: Callable[..., str],
+) -> None:
+    """vLLM's multi-turn benchmark client at its defaults: no system prompt, no X-Session-ID,
+    no ``user``. Turn 1 is [user1], turn 2 [user1, assistant1, user2]: the arm must not change."""
+    from router.experiments import Experiments
+
+    url = router_url()
+    client = _client(url)
+    flips = old_rule_flips = 0
+    old_rule = Experiments({"arms": ARMS})
+    for conv in range(40):
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": f"conversation {conv}: " + tokenizer.filler_text(30, seed=conv)}
+        ]
+        arms = []
+        for turn in range(2):
+            raw = client.chat.completions.with_raw_response.create(
+                model=tokenizer.NAME,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=3,
+            )
+            arms.append(raw.headers["x-kvroute-arm"])
+            if turn == 0:
+                old_first = old_rule.assign(_old_session_key(messages)).name
+            else:
+                old_rule_flips += old_rule.assign(_old_session_key(messages)).name != old_first
+            reply = raw.parse().choices[0].message.content or ""
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
+        flips += arms[0] != arms[1]
+    print(f"arm flips over 40 conversations: {flips} (old first-two-messages rule: {old_rule_flips})")
+    assert flips == 0
+    assert old_rule_flips > 0  # the workload does exercise the old bug
+
+
+def test_ready_does_not_count_drained_engines(router_url: Callable[..., str]) -> None:
+    url = router_url(admin={"token": "t"})
+    auth = {"authorization": "Bearer t"}
+    assert httpx.get(f"{url}/ready").json()["healthy_engines"] == 3
+    for engine_id in ("e0", "e1", "e2"):
+        assert httpx.post(f"{url}/admin/engines/{engine_id}/drain", headers=auth).status_code == 200
+    ready = httpx.get(f"{url}/ready")
+    assert ready.status_code == 503
+    assert ready.json()["healthy_engines"] == 0 and ready.json()["engines"]["e0"]["drained"] is True

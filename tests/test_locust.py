@@ -48,8 +48,12 @@ def test_headless_ladder_run_reports_per_turn_metrics(router_url: str, tmp_path:
     ]  # fmt: skip
     proc = run_locust(router_url, 4, 4, "4s", prefix, ladder, capture=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {int(r["turn"]): r for r in _turns_csv(prefix)}
+    all_rows = _turns_csv(prefix)
+    rows = {int(r["turn"]): r for r in all_rows if r["turn"] != "all"}
     assert set(rows) == set(range(TURNS)), rows
+    overall = all_rows[-1]
+    assert overall["turn"] == "all"
+    assert int(overall["requests"]) == sum(int(r["requests"]) for r in rows.values())
     for k, row in rows.items():
         # The engine's own prompt count: the ladder's exact size, so history was resent with the
         # real answers (8 tokens, as long as the assumed ones).
@@ -80,7 +84,7 @@ def test_headless_agentic_trace_replay_runs(router_url: str, tmp_path: Path) -> 
     args += ["--max-output-tokens", "4"]
     proc = run_locust(router_url, 2, 2, "3s", prefix, args, capture=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = _turns_csv(prefix)
+    rows = [r for r in _turns_csv(prefix) if r["turn"] != "all"]
     assert rows and sum(int(r["requests"]) for r in rows) >= 2, rows
     # Agent calls resend their growing context: some prompt tokens come from the cache.
     assert sum(int(r["cached_tokens"]) for r in rows) > 0, rows

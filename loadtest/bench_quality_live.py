@@ -1,0 +1,401 @@
+"""Routing quality, live, side by side: kvroute's policies and the peers' cache-aware modes on the same
+tiered simulated fleet, driven by the same Locust workload (loadtest/locustfile.py).
+
+Per (workload, target) a FRESH fleet is started (empty caches), the router in front of it, then
+Locust headless for ``--time``. Reported: TTFT p50/p90/p99 at the client, turns/s, and the cached
+prompt tokens by tier as the engines count them (``vllm:prompt_tokens_cached_by_source`` summed
+over the fleet's /metrics). The engines run vLLM's sha256_cbor block hashes so that vllm-router's
+kv_aware policy (which recomputes them from ``/v1/chat/completions/render``) can read their events.
+With ``--des`` the ladder rows of kvroute's policies are also simulated in virtual time (sim/des.py)
+on the same fleet and workload: the B1-live table. Writes quality.md / quality.json / PNGs to --out.
+
+    python -m loadtest.bench_quality_live --out runs/bench/quality --des
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.bench_peers import (
+    Target,
+    default_peers_dir,
+    exit_on_sigterm,
+    install_peer,
+    machine_note,
+    peer_command,
+    wait_routes,
+)
+from loadtest.demo import DEMO_PROFILE
+from loadtest.load import kvroute_router, run_locust, stop_process
+from sim.fleet import Fleet, FleetEngine, FleetProfile
+from sim.server import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TARGETS = (
+    "kvroute:round_robin",
+    "kvroute:session_affinity",
+    "kvroute:kv_fixed_credit",
+    "kvroute:tier_cost",
+    "vllm-router:round_robin",
+    "vllm-router:cache_aware",
+    "vllm-router:kv_aware",
+    "sglang-router:cache_aware",
+)
+#: The live fleet: the demo's tiered engines (GPU 1,024 x 16-token blocks = 16K tokens each, CPU 2x,
+#: one shared STORAGE pool), in vLLM's sha256_cbor hash mode, real time (time_scale 1).
+QUALITY_PROFILE = replace(DEMO_PROFILE, hash_algo="sha256_cbor")
+#: The scaled-down ladder (loadtest/locustfile.py defaults): 2,400-token first prompt with a
+#: 600-token shared system prompt, +448 tokens a turn, 5 turns, 48-token answers.
+LADDER = {"first": 2400, "system": 600, "per_turn": 448, "turns": 5, "answer": 48}
+
+
+@dataclass(slots=True)
+class Run:
+    workload: str
+    users: int
+    target: str
+    ttft_p50_s: float = float("nan")
+    ttft_p90_s: float = float("nan")
+    ttft_p99_s: float = float("nan")
+    turns: int = 0
+    failures: int = 0
+    turns_per_s: float = 0.0
+    prompt_tokens: float = 0.0
+    cached: dict[str, float] | None = None
+    #: max / mean prompt tokens per engine (from the engines' prefix-cache query counters).
+    imbalance: float = float("nan")
+    error: str = ""
+
+
+def scrape_cached_by_tier(engines: Sequence[FleetEngine]) -> tuple[dict[str, float], list[float]]:
+    """(cached prompt tokens by tier summed over the engines' /metrics, prompt tokens each engine was
+    asked to prefill: its prefix-cache queries)."""
+    by_tier: dict[str, float] = {}
+    per_engine: list[float] = []
+    for e in engines:
+        queried = 0.0
+        text = httpx.get(e.url + "/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "vllm:prompt_tokens_cached_by_source_total":
+                    tier = sample.labels.get("source", "?")
+                    by_tier[tier] = by_tier.get(tier, 0.0) + sample.value
+                elif sample.name == "vllm:prefix_cache_queries_total":
+                    queried += sample.value
+        per_engine.append(queried)
+    return by_tier, per_engine
+
+
+def locust_args(workload: str, think_mean_s: float) -> list[str]:
+    if workload == "ladder":
+        return [
+            "--first-prompt-tokens", str(LADDER["first"]), "--system-prefix-tokens", str(LADDER["system"]),
+            "--tokens-per-turn", str(LADDER["per_turn"]), "--turns", str(LADDER["turns"]),
+            "--answer-tokens", str(LADDER["answer"]), "--think-time-mean", str(think_mean_s),
+        ]  # fmt: skip
+    # Agentic sessions scaled 16x down (a 64-token trace block = 4 tokens; median call ~6.5K tokens),
+    # calls over 12K tokens skipped (they would not fit a 16K-token GPU pool with anything else).
+    return [
+        "--workload", "agentic", "--trace-token-scale", "16", "--max-prompt-tokens", "12000",
+        "--max-output-tokens", "32", "--think-scale", "0.1",
+    ]  # fmt: skip
+
+
+def start_peer(
+    target: Target, engines: Sequence[FleetEngine], workdir: Path, peers_dir: Path
+) -> tuple[Any, str]:
+    port = free_port()
+    extra: list[str] = []
+    if target.policy == "kv_aware":
+        # vllm-router reads each engine's ZMQ events itself (no discovery offline), recomputes vLLM's
+        # sha256_cbor hashes from /render's token ids; --kv-event-model is required with static sources.
+        extra = [
+            "--kv-event-block-size",
+            str(QUALITY_PROFILE.block_size),
+            "--kv-event-model",
+            engines[0].model,
+        ]
+        for e in engines:
+            extra += ["--kv-event-source", f"{e.url}={e.kv_events_endpoint}"]
+    args = peer_command(
+        install_peer(peers_dir, target.kind), target.kind, target.policy, port, engines, extra
+    )
+    import subprocess
+
+    log = open(workdir / f"{target.kind}-{target.policy}.log", "wb")
+    proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_routes(url, proc)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, url
+
+
+def one_run(
+    workload: str,
+    users: int,
+    spec: str,
+    *,
+    engines_n: int,
+    profile: FleetProfile,
+    run_time_s: int,
+    think_mean_s: float,
+    peers_dir: Path,
+    out: Path,
+) -> Run:
+    target = Target.parse(spec)
+    run = Run(workload, users, spec)
+    workdir = Path(tempfile.mkdtemp(prefix="kvroute-quality-"))
+    with Fleet(workdir) as fleet:
+        engines = fleet.start(engines_n, profile)
+        proc = None
+        try:
+            if target.kind == "kvroute":
+                ctx = kvroute_router(fleet, target.policy, workdir)
+                url = ctx.__enter__()
+            else:
+                proc, url = start_peer(target, engines, workdir, peers_dir)
+            before, queried_before = scrape_cached_by_tier(engines)
+            prefix = str(out / "csv" / f"{workload}-u{users}-{spec.replace(':', '_')}")
+            spawn = max(1.0, users / max(think_mean_s, 1.0))
+            res = run_locust(
+                url, users, spawn, f"{run_time_s}s", prefix, locust_args(workload, think_mean_s), capture=True
+            )
+            if res.returncode not in (0, 1):  # 1 = some requests failed: still a result
+                raise RuntimeError(f"locust exited {res.returncode}: {res.stderr[-800:]}")
+            after, queried_after = scrape_cached_by_tier(engines)
+            loads = [a - b for a, b in zip(queried_after, queried_before, strict=True)]
+            run.imbalance = max(loads) / (sum(loads) / len(loads)) if sum(loads) else float("nan")
+            rows = list(csv.DictReader(open(f"{prefix}_turns.csv")))
+            overall = rows[-1]
+            run.ttft_p50_s = float(overall["ttft_p50_ms"]) / 1000
+            run.ttft_p90_s = float(overall["ttft_p90_ms"]) / 1000
+            run.ttft_p99_s = float(overall["ttft_p99_ms"]) / 1000
+            run.turns = int(overall["requests"])
+            run.turns_per_s = run.turns / run_time_s
+            run.prompt_tokens = float(overall["prompt_tokens"])
+            run.cached = {t: after.get(t, 0.0) - before.get(t, 0.0) for t in ("GPU", "CPU", "STORAGE")}
+            with open(f"{prefix}_stats.csv") as fh:
+                run.failures = sum(int(r["Failure Count"]) for r in csv.DictReader(fh) if r["Type"] == "POST")
+        except Exception as exc:
+            run.error = str(exc).splitlines()[0][:300]
+            print(f"  {workload} u={users} {spec}: FAILED: {exc}", file=sys.stderr, flush=True)
+        finally:
+            if target.kind == "kvroute":
+                try:
+                    ctx.__exit__(None, None, None)
+                except NameError:
+                    pass
+            stop_process(proc)
+    return run
+
+
+def des_ladder(
+    policy: str, users: int, run_time_s: int, think_mean_s: float, engines_n: int, prof: FleetProfile
+) -> dict[str, Any]:
+    """The same ladder on the same fleet in the offline simulator (virtual time)."""
+    from loadtest.workloads import LadderConfig, ladder_workload
+    from sim.des import EngineSpec, FleetSpec, SimConfig, simulate
+    from sim.engine import EngineProfile
+
+    workload = ladder_workload(
+        LadderConfig(
+            first_prompt_tokens=LADDER["first"],
+            system_prefix_tokens=LADDER["system"],
+            tokens_per_turn=LADDER["per_turn"],
+            turns=LADDER["turns"],
+            answer_min_tokens=LADDER["answer"],
+            answer_max_tokens=LADDER["answer"],
+            think_time_mean_s=think_mean_s,
+            concurrency=users,
+            duration_s=float(run_time_s),
+            block_size=prof.block_size,
+        )
+    )
+    engine = EngineProfile(
+        block_size=prof.block_size, num_gpu_blocks=prof.gpu_blocks, num_cpu_blocks=prof.cpu_blocks
+    )
+    fleet = FleetSpec(
+        [EngineSpec(f"e{i}", engine) for i in range(engines_n)], storage_pool_blocks=prof.storage_blocks
+    )
+    r = simulate(workload, policy, fleet, SimConfig(token_mode=True, seed=0))
+    return {
+        "ttft_p50_s": r.ttft_p50_s,
+        "ttft_p90_s": r.ttft_p90_s,
+        "ttft_p99_s": r.ttft_p99_s,
+        "turns_per_s": r.turns_per_s,
+        "hit_gpu": r.hit_gpu,
+        "hit_cpu": r.hit_cpu,
+        "hit_storage": r.hit_storage,
+    }
+
+
+def fmt_runs(runs: Sequence[Run]) -> str:
+    lines = [
+        "| workload | users | router | TTFT p50 s | p90 s | p99 s | turns/s | cached GPU | CPU | STORAGE "
+        "| cached / prompt | imbalance | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        if r.error:
+            lines.append(f"| {r.workload} | {r.users} | {r.target} | failed: {r.error} ||||||||||")
+            continue
+        c = r.cached or {}
+        frac = sum(c.values()) / r.prompt_tokens if r.prompt_tokens else float("nan")
+        lines.append(
+            f"| {r.workload} | {r.users} | {r.target} | {r.ttft_p50_s:.3f} | {r.ttft_p90_s:.3f} "
+            f"| {r.ttft_p99_s:.3f} | {r.turns_per_s:.2f} | {c.get('GPU', 0):.0f} | {c.get('CPU', 0):.0f} "
+            f"| {c.get('STORAGE', 0):.0f} | {frac:.3f} | {r.imbalance:.2f} | {r.failures} |"
+        )
+    return "\n".join(lines)
+
+
+def fmt_b1_live(runs: Sequence[Run], des: dict[tuple[str, int], dict[str, Any]]) -> str:
+    lines = [
+        "| users | policy | live TTFT p50 s | DES p50 s | live p90 s | DES p90 s | live turns/s "
+        "| DES turns/s "
+        "| live cached/prompt | DES hit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        if r.workload != "ladder" or not r.target.startswith("kvroute:") or r.error:
+            continue
+        d = des.get((r.target.split(":", 1)[1], r.users))
+        if d is None:
+            continue
+        c = r.cached or {}
+        frac = sum(c.values()) / r.prompt_tokens if r.prompt_tokens else float("nan")
+        lines.append(
+            f"| {r.users} | {r.target.split(':', 1)[1]} | {r.ttft_p50_s:.3f} | {d['ttft_p50_s']:.3f} "
+            f"| {r.ttft_p90_s:.3f} | {d['ttft_p90_s']:.3f} | {r.turns_per_s:.2f} | {d['turns_per_s']:.2f} "
+            f"| {frac:.3f} | {d['hit_gpu'] + d['hit_cpu'] + d['hit_storage']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(runs: Sequence[Run], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    ladder = [r for r in runs if r.workload == "ladder" and not r.error]
+    if not ladder:
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for target in dict.fromkeys(r.target for r in ladder):
+        pts = sorted((r.users, r.ttft_p50_s, r.turns_per_s) for r in ladder if r.target == target)
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=target)
+        axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=target)
+    axes[0].set_title("TTFT p50 (s), live ladder")
+    axes[1].set_title("turns/s")
+    for ax in axes:
+        ax.set_xlabel("concurrent conversations (Locust users)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "quality_ladder.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return [path]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_quality_live", description=__doc__)
+    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS))
+    parser.add_argument("--ladder-users", default="32,64", help="ladder concurrencies (HBM holds ~20)")
+    parser.add_argument("--agentic-users", default="8", help="agentic concurrencies ('' = skip)")
+    parser.add_argument("--time", type=int, default=60, help="seconds of Locust per run")
+    parser.add_argument("--think-time-mean", type=float, default=2.0)
+    parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument(
+        "--storage-blocks",
+        type=int,
+        default=QUALITY_PROFILE.storage_blocks,
+        help="shared STORAGE pool size in blocks (0 = no storage tier: misses are recomputed)",
+    )
+    parser.add_argument("--des", action="store_true", help="also simulate kvroute's ladder rows (B1 live)")
+    parser.add_argument("--peers-dir", type=Path, default=default_peers_dir())
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/quality"))
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    exit_on_sigterm()
+    targets = [t for t in args.targets.split(",") if t]
+    for t in targets:
+        Target.parse(t)
+    args.out.mkdir(parents=True, exist_ok=True)
+    plan = [("ladder", int(u)) for u in args.ladder_users.split(",") if u]
+    plan += [("agentic", int(u)) for u in args.agentic_users.split(",") if u]
+    profile = replace(QUALITY_PROFILE, storage_blocks=args.storage_blocks)
+    started = time.time()
+    runs: list[Run] = []
+    for workload, users in plan:
+        for spec in targets:
+            run = one_run(
+                workload, users, spec, engines_n=args.engines, profile=profile, run_time_s=args.time,
+                think_mean_s=args.think_time_mean, peers_dir=args.peers_dir, out=args.out,
+            )  # fmt: skip
+            runs.append(run)
+            print(fmt_runs([run]).splitlines()[-1], file=sys.stderr, flush=True)
+    des: dict[tuple[str, int], dict[str, Any]] = {}
+    if args.des:
+        for workload, users in plan:
+            if workload != "ladder":
+                continue
+            for spec in targets:
+                if spec.startswith("kvroute:"):
+                    policy = spec.split(":", 1)[1]
+                    des[(policy, users)] = des_ladder(
+                        policy, users, args.time, args.think_time_mean, args.engines, profile
+                    )
+    command = "python -m loadtest.bench_quality_live " + " ".join(sys.argv[1:] if argv is None else argv)
+    parts = [
+        f"Command: `{command}`",
+        f"Machine: {machine_note()}; wall {time.time() - started:.0f} s.",
+        f"Fleet: {args.engines} simulated engines, GPU {profile.gpu_blocks} x "
+        f"{profile.block_size}-token blocks each, CPU {profile.cpu_blocks}, shared STORAGE "
+        f"{profile.storage_blocks}, sha256_cbor hashes, real time; fresh fleet per run. Ladder: "
+        f"{LADDER}, think time exp(mean {args.think_time_mean} s), {args.time} s of Locust per run. "
+        "Cached tokens: the engines' own counters, summed over the fleet.",
+        fmt_runs(runs),
+    ]
+    if des:
+        parts += ["B1 live vs DES (kvroute policies, same ladder and fleet):", fmt_b1_live(runs, des)]
+    parts += [f"![{p.stem}]({p.name})" for p in plot(runs, args.out)]
+    text = "\n\n".join(parts) + "\n"
+    (args.out / "quality.md").write_text(text)
+    (args.out / "quality.json").write_text(
+        json.dumps(
+            {
+                "runs": [r.__dict__ if hasattr(r, "__dict__") else _asdict(r) for r in runs],
+                "des": {f"{k[0]}@{k[1]}": v for k, v in des.items()},
+            },
+            indent=1,
+        )
+    )
+    print(text)
+    return 0
+
+
+def _asdict(run: Run) -> dict[str, Any]:
+    return {name: getattr(run, name) for name in run.__slots__}  # type: ignore[attr-defined]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""`kvroute serve --workers 2`: two router processes on one port (SO_REUSEPORT), both serving; stopping
+the first stops the other. Real processes, a real zero-delay simulated engine, the openai SDK.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+
+from kvcore.sim_tokenizer import NAME
+from loadtest.load import wait_http_ok
+from sim.fleet import Fleet
+from sim.server import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _group_members(pgid: int) -> set[int]:
+    members = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.add(int(stat.parent.name))
+    return members
+
+
+def _listening_pids(port: int, pids: set[int]) -> set[int]:
+    """Which of ``pids`` hold a listening socket on ``port`` (inode match via /proc/net/tcp)."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        cols = line.split()
+        if int(cols[1].split(":")[1], 16) == port and cols[3] == "0A":  # 0A = LISTEN
+            inodes.add(cols[9])
+    holders = set()
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                holders.add(pid)
+    return holders
+
+
+def test_two_workers_share_the_port_and_both_route(tmp_path: Path) -> None:
+    with Fleet(tmp_path) as fleet:
+        (engine,) = fleet.start(1, "zero-delay")
+        port = free_port()
+        args = ["serve", "--engine", f"e0={engine.url}", "--port", str(port), "--policy", "round_robin"]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", *args, "--workers", "2", "--log-level", "warning"],
+            cwd=REPO,
+            start_new_session=True,
+        )
+        try:
+            wait_http_ok(f"http://127.0.0.1:{port}/health", proc)
+            deadline = time.monotonic() + 30
+            while len(_listening_pids(port, _group_members(proc.pid))) < 2:
+                assert time.monotonic() < deadline, "the second worker never listened on the port"
+                time.sleep(0.2)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+            for _ in range(20):  # new connections: the kernel spreads them over both listeners
+                fresh = client.with_options(http_client=None)
+                resp = fresh.chat.completions.create(
+                    model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+                assert resp.choices[0].message.content
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(15)
+        # The first worker stopped its sibling on the way out.
+        deadline = time.monotonic() + 15
+        while _group_members(proc.pid):
+            assert time.monotonic() < deadline, f"workers left running: {_group_members(proc.pid)}"
+            time.sleep(0.2)
