@@ -492,3 +492,26 @@ def test_cli_storage_sweep_labels_runs_and_rejects_bad_values(capsys: pytest.Cap
     assert "accepted values are none, unbounded" in capsys.readouterr().err
     assert main([*argv, "--storage-bandwidth", "-3"]) == 2
     assert main([*argv, "--engine-variation", "1.5"]) == 2
+
+
+def test_routing_keeps_the_index_pool_in_read_order_on_a_finite_pool() -> None:
+    from sim.des import FleetSimulator
+
+    cfg = small_ladder(8)
+    wl = ladder_workload(cfg)
+    fleet = b1_fleet(
+        4,
+        block_size=16,
+        conversations_in_hbm=6,
+        mean_conversation_tokens=cfg.mean_prompt_tokens(),
+        cpu_ratio=0,
+        storage_blocks=storage_blocks_for("1/4", working_set_blocks(wl)),
+    )
+    sim = FleetSimulator(wl, "round_robin", fleet)
+    res = sim.run()
+    pool = sim.index.stats()["storage_pools"]["shared"]
+    # Round robin sends turns away from their GPU copy: they read the pool, and the routing core
+    # mirrors each read in the index's LRU; the pool is small enough to evict.
+    assert res.hit_storage > 0 and pool["evicted_blocks"] > 0
+    assert pool["refreshed_blocks"] > 0
+    assert pool["blocks"] == pool["capacity_blocks"] == sim.storage.capacity_blocks  # type: ignore[union-attr]
