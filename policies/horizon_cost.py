@@ -107,20 +107,22 @@ class HorizonCostPolicy(TierCostPolicy):
         self,
         *,
         work_weight: float = 1.0,
-        max_work_weight: float = 8.0,
+        max_work_weight: float = 3.0,
         evict_weight: float = 1.0,
-        future_weight: float = 1.0,
+        future_weight: float = 0.0,
         rate_window_s: float = 60.0,
         gpu_capacity_tokens: float | None = None,
         cpu_capacity_tokens: float | None = None,
         storage_capacity_tokens: float | None = None,
         max_sessions: int = 1_000_000,
-        overload_factor: float | None = None,
+        overload_factor: float | None = 3.0,
         min_in_flight: int = 4,
         min_queued_tokens: int = 16_384,
         **tier_cost_params: Any,
     ) -> None:
-        """Params of tier_cost plus: ``max_work_weight`` (8, cap of omega), ``evict_weight`` (1),
+        """Params of tier_cost plus: ``max_work_weight`` (3, cap of omega), ``evict_weight`` (1),
+        ``future_weight`` (0: the next-turn term did not help on the tuning cell, docs/routing.md),
+        the balance guard of kv_fixed_credit (``overload_factor`` 3, None = off),
         ``rate_window_s`` (60, EWMA time constant of rates and queue), capacities in tokens (None =
         from ``EngineView.extra``, else unknown), ``max_sessions`` (sessions remembered, LRU)."""
         super().__init__(work_weight=work_weight, **tier_cost_params)

@@ -17,7 +17,7 @@ def brute_force_max_hits(keys: tuple[int, ...], capacity: int) -> int:
     """Most hits any cache of ``capacity`` blocks can get on ``keys`` (a miss may be cached, evicting
     any one block, or not): exhaustive search, independent of Belady's rule."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(i: int, cache: frozenset[int]) -> int:
         if i == len(keys):
             return 0

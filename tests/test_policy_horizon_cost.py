@@ -137,7 +137,7 @@ def test_with_nothing_learned_it_routes_as_tier_cost() -> None:
 def test_a_busy_fleet_keeps_the_turn_where_its_history_is() -> None:
     """The home engine's queue makes moving look faster for this turn; with requests queued on every
     engine the recompute elsewhere delays them, so horizon_cost stays and tier_cost moves."""
-    horizon = HorizonCostPolicy()
+    horizon = HorizonCostPolicy(max_work_weight=8.0, overload_factor=None)
     tier = build_policy("tier_cost")
     hit = PROMPT_BLOCKS - 16  # 7936 tokens of history in home's CPU tier
     home = EngineView("home", in_flight=12, queued_prefill_tokens=30_000)
