@@ -8,10 +8,12 @@ every request that queues behind it while the engine is busy. For engine e (seco
     cost_s = total_s                          tier_cost's predicted TTFT (wait + loads + prefill)
            + omega_e x work_s                 queueing externality of the work placed on e
            + evict_s                          expected future reload / recompute caused by evictions
+           + future_s                         this conversation's next turn (future_weight, default 0)
            + decode_s + pressure_s            as tier_cost
+    among engines not overloaded (kv_fixed_credit's guard, overload_factor 3), lowest cost_s wins.
 
     work_s  = load_s[CPU] + load_s[STORAGE] + prefill_s          (GPU seconds this request takes on e)
-    omega_e = min(max_work_weight, work_weight + L_e)            (requests delayed per second of work)
+    omega_e = min(max_work_weight (3), work_weight (1) + L_e)    (requests delayed per second of work)
     L_e     = EWMA over decisions (time constant rate_window_s) of wait_tokens_e / prefill tokens per
               routed request: the mean number of requests queued for prefill on e. In an M/G/1
               queue a job of size x delays the jobs behind it by x x L in total; work_weight (1.0,
@@ -35,6 +37,9 @@ every request that queues behind it while the engine is busy. For engine e (seco
       c_CPU   = r x kv_bytes_per_token / bw_STORAGE_e + (1 - r) / prefill_tokens_per_s_e,
                 r = 1 - S(T_STOR) / S(T_CPU): share of returns after T_CPU that the pool still holds
       c_STOR  = 1 / prefill_tokens_per_s_e                a token lost from the pool is recomputed
+
+    future_s = future_weight x (1 - q) x (prompt + output) x [(S(T_GPU) - S(T_CPU)) kv / bw_CPU
+               + (S(T_CPU) - S(T_STOR)) kv / bw_STOR + S(T_STOR) / prefill_tokens_per_s]
 
 Capacities come from ``EngineView.extra`` (``gpu_capacity_tokens``, ``cpu_capacity_tokens``,
 ``storage_capacity_tokens``: vLLM's ``cache_config_info`` num_gpu_blocks x block_size and the

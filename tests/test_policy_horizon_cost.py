@@ -64,7 +64,7 @@ def test_gap_distribution_is_learned_from_routed_sessions() -> None:
 def test_next_turn_cost_is_zero_on_a_quiet_engine_and_a_recompute_on_a_thrashing_one() -> None:
     # GPU 100K tokens, CPU 200K; gaps of 10 s.
     policy = HorizonCostPolicy(
-        gpu_capacity_tokens=100_000, cpu_capacity_tokens=200_000, storage_capacity_tokens=0
+        gpu_capacity_tokens=100_000, cpu_capacity_tokens=200_000, storage_capacity_tokens=0, future_weight=1.0
     )
     teach_gaps(policy, gap_s=10.0, sessions=4, turns=5)
     quiet, hot = EngineView("quiet"), EngineView("hot")
