@@ -28,6 +28,7 @@ class Arrival:
     keys: Sequence[int]
     prompt_tokens: int
     block_size: int
+    request_id: str = ""
 
 
 @dataclass(slots=True)
@@ -44,22 +45,34 @@ class Bound:
 
 
 class ArrivalRecorder:
-    """Wraps a policy and records every request it routes, in arrival order (nothing else changes)."""
+    """Wraps a policy and records every request it routes, in arrival order (nothing else changes).
+
+    ``arrivals`` leaves out requests that finished with ok=False (the engine refused them: they
+    cached nothing and the simulator's hit rates do not count them either)."""
 
     def __init__(self, inner: Policy) -> None:
         self.inner = inner
         self.name = inner.name
         self.uses_index = inner.uses_index
-        self.arrivals: list[Arrival] = []
+        self._arrivals: list[Arrival] = []
+        self._failed: set[str] = set()
+
+    @property
+    def arrivals(self) -> list[Arrival]:
+        return [a for a in self._arrivals if a.request_id not in self._failed]
 
     def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
         return self.inner.choose(request, fleet)
 
     def on_routed(self, request: RouteRequest, decision: Decision) -> None:
-        self.arrivals.append(Arrival(list(request.block_keys), request.prompt_tokens, request.block_size))
+        self._arrivals.append(
+            Arrival(list(request.block_keys), request.prompt_tokens, request.block_size, request.request_id)
+        )
         self.inner.on_routed(request, decision)
 
     def on_finished(self, request: RouteRequest, engine_id: str, ok: bool) -> None:
+        if not ok:
+            self._failed.add(request.request_id)
         self.inner.on_finished(request, engine_id, ok)
 
 

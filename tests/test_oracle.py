@@ -96,3 +96,19 @@ def test_sweep_driver_writes_a_table(tmp_path, capsys) -> None:  # type: ignore[
     )
     assert main(["--storage", "lots"]) == 2
     assert "--storage" in capsys.readouterr().err
+
+
+def test_recorder_keeps_arrival_order_and_drops_refused_requests() -> None:
+    from policies.base import EngineView, FleetView, RouteRequest, build_policy
+    from sim.oracle import ArrivalRecorder
+
+    recorder = ArrivalRecorder(build_policy("round_robin"))
+    fleet = FleetView([EngineView("a"), EngineView("b")])
+    for i in range(3):
+        req = RouteRequest(f"r{i}", prompt_tokens=32, block_keys=(i, i + 10), block_size=16)
+        recorder.on_routed(req, recorder.choose(req, fleet))
+    refused = RouteRequest("r1", prompt_tokens=32, block_keys=(1, 11), block_size=16)
+    recorder.on_finished(refused, "b", False)  # the engine refused it: it cached nothing
+    recorder.on_finished(RouteRequest("r2"), "a", True)
+    assert [a.request_id for a in recorder.arrivals] == ["r0", "r2"]
+    assert [list(a.keys) for a in recorder.arrivals] == [[0, 10], [2, 12]]
