@@ -4,12 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench load fmt clean
+.PHONY: demo test lint validate bench load fmt clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,dev,load,plots]'
+	$(PY) -m pip install -q -e '.[test,dev,load,plots,scale]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -22,6 +22,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check kvcore router policies sim loadtest tests
 	$(VENV)/bin/ruff format --check kvcore router policies sim loadtest tests
 	$(VENV)/bin/mypy
+
+# compose.yaml, the Prometheus config and alert rules, and the Grafana dashboard's queries
+# (needs docker-compose and promtool: Debian packages docker-compose and prometheus; .ci/run installs them).
+validate: $(STAMP)
+	docker-compose -f compose.yaml config -q
+	promtool check config deploy/prometheus/prometheus.yml
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_deploy.py
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format kvcore router policies sim loadtest tests

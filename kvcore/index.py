@@ -715,6 +715,10 @@ class PrefixIndex:
                 out[state.engine_id] = tiers
         return out
 
+    def engine_hashes(self, engine_id: str) -> set[EngineHash]:
+        """Engine hashes the engine holds in GPU or CPU per its events (checks against its cache)."""
+        return set(self._engine(engine_id).hash_to_key)
+
     def __len__(self) -> int:
         """Number of distinct keys held anywhere (not counting speculative entries)."""
         return len(self._masks)

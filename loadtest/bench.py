@@ -8,6 +8,8 @@
                               (loadtest/bench_peers.py; peers installed into their own venvs)
   kvroute bench quality [...] live routing quality vs the peers + B1 live vs DES, Locust workload
                               (loadtest/bench_quality_live.py)
+  kvroute bench events [...] KV-event ingestion under floods, restarts and late joins
+                              (loadtest/bench_events.py)
   kvroute bench all           each of the above at its default size, one after the other
 Results and the commands that produced them are recorded in docs/benchmarks.md.
 """
@@ -25,6 +27,7 @@ BENCHES: dict[str, str] = {
     "sim": "sim.des",
     "peers": "loadtest.bench_peers",
     "quality": "loadtest.bench_quality_live",
+    "events": "loadtest.bench_events",
 }
 #: What `all` runs: moderate sizes that finish in minutes on 2 cores.
 ALL_ARGS: dict[str, list[str]] = {
@@ -34,6 +37,7 @@ ALL_ARGS: dict[str, list[str]] = {
     "sim": ["--workload", "ladder", "--concurrency", "16,64,128", "--engines", "4", "--block-size", "64"],
     "peers": ["--prompt-tokens", "1000", "--duration", "3", "--repeats", "3", "--out", "runs/bench/b3"],
     "quality": ["--time", "45", "--des", "--out", "runs/bench/quality"],
+    "events": ["flood", "--rate", "100000", "--duration", "10", "--repeats", "3"],
 }
 
 

@@ -131,6 +131,12 @@ class ApproxPrefixPolicy(BasePolicy):
             self._holders.setdefault(key, set()).add(engine_id)
         self._evict(now)
 
+    def learn_routed(self, request: RouteRequest, decision: Decision, now: float) -> None:
+        """``on_routed`` for a decision made elsewhere (another router replica) at ``now``, on the
+        same monotonic clock as ``choose``: the entries age from then, not from an unset clock."""
+        self._now = max(self._now, now)
+        self.on_routed(request, decision)
+
     def forget_engine(self, engine_id: str) -> None:
         """Drop everything learned about an engine (removed, restarted or cache reset)."""
         for entry in [k for k in self._last_used if k[0] == engine_id]:

@@ -1,28 +1,35 @@
 """The router's HTTP service: ``create_app(config, ...)`` builds a FastAPI app from its parts.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (via ``router.routing.Router``),
-GET /v1/models, /health, /ready, /metrics. Components built elsewhere (index, event manager,
-experiments, tokenizer, prefix annotator, observers) are passed in; objects with async
+GET /v1/models, /health, /ready, /metrics, /openapi.json. Components built elsewhere (index, event
+manager, experiments, tokenizer, prefix annotator, observers) are passed in; objects with async
 ``start()``/``stop()`` are started and stopped by the app's lifespan, after/before the upstream
 client and the health poller. Every error is an OpenAI-shaped JSON body plus a log line with the
-request id.
+request id. ``RequestReader`` is the one way a body gets in (JSON content type, size and time
+limits, validation, prompt-size limit, tenant cache_salt); ``router.guard`` sits in front.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from kvcore.core import CoreConfig, RoutingCore
 from policies.costs import CostModel
+from router import openapi
 from router.config import RouterConfig
-from router.errors import RouterError, error_body
+from router.errors import RouterError, bad_request
+from router.guard import TENANT_STATE_KEY, AccessGuard, Authenticator
 from router.load import EnginePoller, LoadTracker
 from router.metrics import CONTENT_TYPE, RouterMetrics, create_metrics
 from router.proxy import UpstreamClient
@@ -31,6 +38,7 @@ from router.routing import (
     COMPLETIONS,
     ArmSelector,
     PrefixAnnotator,
+    RouteContext,
     RouteObserver,
     Router,
     build_arm_selector,
@@ -40,14 +48,205 @@ from router.routing import (
 
 log = logging.getLogger("kvroute.app")
 
+_encode_json = msgspec.json.encode
+STATUS_CLIENT_GONE = 499
+#: Longest client-sent x-request-id kept (it is echoed in answers and logs); else a new id.
+_MAX_REQUEST_ID_CHARS = 128
 
-def _error_response(err: RouterError, request_id: str) -> Response:
-    return Response(
-        err.body(),
-        status_code=err.status,
-        media_type="application/json",
-        headers={"x-request-id": request_id},
-    )
+
+def error_response(err: RouterError, request_id: str = "") -> Response:
+    headers = dict(err.headers or {})
+    if request_id:
+        headers["x-request-id"] = request_id
+    return Response(err.body(), status_code=err.status, media_type="application/json", headers=headers)
+
+
+def request_id_of(headers: Mapping[str, str]) -> str:
+    """The client's x-request-id when it is short printable ASCII, else a new id."""
+    value = headers.get("x-request-id")
+    if value and len(value) <= _MAX_REQUEST_ID_CHARS and value.isascii() and value.isprintable():
+        return value
+    return new_request_id()
+
+
+def _is_json_type(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _check_number(body: Mapping[str, Any], key: str, low: float, high: float, what: str) -> None:
+    value = body.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise bad_request(f"'{key}' must be {what}, got {str(value)[:40]}", "invalid_value")
+
+
+def validate_body(endpoint: str, body: Mapping[str, Any]) -> None:
+    """Checks beyond ``parse_request`` that an engine would also make, so the explain endpoint and
+    the router's own prompt estimate never work on values the engine rejects: message content is
+    a string, a list of parts with string text, or null; counts and sampling values in range."""
+    if endpoint == CHAT:
+        messages = body.get("messages")
+        for i, message in enumerate(messages if isinstance(messages, list) else ()):
+            if not isinstance(message, dict):
+                continue  # parse_request names it
+            content = message.get("content")
+            if content is None or isinstance(content, str):
+                continue
+            if not isinstance(content, list):
+                raise bad_request(
+                    f"'messages[{i}].content' must be a string, a list of content parts or null",
+                    "invalid_type",
+                )
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("type", ""), str):
+                    raise bad_request(
+                        f"'messages[{i}].content[{j}]' must be an object with a string 'type'", "invalid_type"
+                    )
+                if "text" in part and not isinstance(part["text"], str):
+                    raise bad_request(f"'messages[{i}].content[{j}].text' must be a string", "invalid_type")
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        _check_number(body, key, 1, 2**31 - 1, "an integer >= 1")
+    _check_number(body, "temperature", 0.0, 1e6, "a number >= 0")
+    _check_number(body, "top_p", 1e-9, 1.0, "a number in (0, 1]")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad_request("'cache_salt' must be a non-empty string", "invalid_type")
+
+
+class LivenessObserver:
+    """Each engine answer is proof of life: it feeds the health poller's liveness window and closes
+    the engine's circuit breaker (a stream's first token, or any complete answer from the engine)."""
+
+    def __init__(self, tracker: LoadTracker) -> None:
+        self._tracker = tracker
+        self._engines = tracker.engines
+
+    def _answered(self, engine_id: str) -> None:
+        state = self._engines.get(engine_id)
+        if state is not None:
+            state.last_answer_s = time.monotonic()
+            if state.breaker_failures:
+                self._tracker.record_success(engine_id)
+
+    def on_routed(self, ctx: RouteContext) -> None:
+        return None
+
+    def on_first_byte(self, ctx: RouteContext) -> None:
+        self._answered(ctx.engine_id)
+
+    def on_finished(self, ctx: RouteContext) -> None:
+        # 2xx and 4xx come from a working engine; 5xx, 499 and router-made errors say nothing good.
+        if ctx.engine_id and 200 <= ctx.http_status < 500 and not ctx.error.startswith("stream broke"):
+            self._answered(ctx.engine_id)
+
+
+class RequestReader:
+    """Reads and validates a chat/completions body into a ``RouteContext`` (chat path and explain):
+    JSON content type only (415: a browser's cross-site "simple request" cannot send one), body
+    size (413) and time (408) limits, validation (400, never a crash), the prompt-size limit before
+    any tokenising (400), and the tenant's cache_salt."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.max_body_bytes = config.limits.max_body_bytes
+        self.body_timeout_s = config.limits.body_timeout_s
+        self.max_prompt_tokens = config.limits.max_prompt_tokens
+        source = config.tenancy.source
+        if source == "auto":
+            source = "api_key" if config.auth.api_keys else "none"
+        self.tenancy = source
+        self.tenant_header = config.tenancy.header.lower()
+
+    async def body(self, request: Request) -> bytes:
+        content_type = request.headers.get("content-type", "")
+        if not _is_json_type(content_type):
+            raise RouterError(
+                415,
+                f"Content-Type must be application/json, got {content_type[:80]!r}",
+                code="unsupported_media_type",
+                headers={"connection": "close"},
+            )
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise RouterError(
+                413,
+                f"request body of {declared} bytes exceeds limits.max_body_bytes ({self.max_body_bytes})",
+                code="request_too_large",
+                headers={"connection": "close"},
+            )
+        parts: list[bytes] = []
+        size_bytes = 0
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.stream():
+                    size_bytes += len(chunk)
+                    if size_bytes > self.max_body_bytes:
+                        raise RouterError(
+                            413,
+                            f"request body exceeds limits.max_body_bytes ({self.max_body_bytes})",
+                            code="request_too_large",
+                            headers={"connection": "close"},
+                        )
+                    parts.append(chunk)
+        except TimeoutError:
+            raise RouterError(
+                408,
+                f"request body not received within limits.body_timeout_s ({self.body_timeout_s} s)",
+                code="body_timeout",
+                headers={"connection": "close"},
+            ) from None
+        return b"".join(parts)
+
+    def tenant(self, request: Request) -> str | None:
+        """The tenant whose cache_salt this request gets, or None without tenancy."""
+        if self.tenancy == "none":
+            return None
+        if self.tenancy == "header":
+            return request.headers.get(self.tenant_header) or "_anonymous"
+        return str(request.scope.get("state", {}).get(TENANT_STATE_KEY) or "_anonymous")
+
+    def parse(self, endpoint: str, raw_body: bytes, request: Request, request_id: str) -> RouteContext:
+        try:
+            ctx = parse_request(
+                endpoint,
+                raw_body,
+                request.headers,
+                request_id=request_id,
+                started_s=time.monotonic(),
+                config=self.config,
+            )
+        except RecursionError:
+            raise bad_request("request body is nested too deeply", "invalid_json") from None
+        except RouterError:
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+            # parse_request is a validator of client input: a crash in it is a bad request. Name
+            # the field when the router's own checks can (only on this error path: decode again).
+            doc = msgspec.json.decode(raw_body)
+            if isinstance(doc, dict):
+                validate_body(endpoint, doc)
+            raise bad_request(
+                f"request body is malformed ({type(exc).__name__})", "invalid_request"
+            ) from None
+        validate_body(endpoint, ctx.body)
+        prompt_tokens = ctx.route_request.prompt_tokens
+        if self.max_prompt_tokens and prompt_tokens > self.max_prompt_tokens:
+            raise bad_request(
+                f"prompt of about {prompt_tokens} tokens exceeds limits.max_prompt_tokens "
+                f"({self.max_prompt_tokens})",
+                "prompt_too_long",
+            )
+        tenant = self.tenant(request)
+        if tenant is not None:
+            # The tenant's salt first: whatever cache_salt a client sends, it can only ever match
+            # blocks of its own tenant. (The digest keeps tenant names out of the engines' logs.)
+            salt = "t-" + hashlib.sha256(tenant.encode()).hexdigest()[:32]
+            client_salt = ctx.body.get("cache_salt")
+            ctx.body["cache_salt"] = f"{salt}:{client_salt}" if client_salt else salt
+            ctx.raw_body = _encode_json(ctx.body)
+        return ctx
 
 
 def create_app(
@@ -78,6 +277,7 @@ def create_app(
         read_timeout_s=config.limits.read_timeout_s,
         max_connections_per_engine=config.limits.max_connections_per_engine,
     )
+    tracker.configure_breaker(config.health.breaker_failures, config.health.breaker_open_s)
     arm_selector = experiments or build_arm_selector(config)
     if core is None:
         core = RoutingCore(
@@ -95,8 +295,9 @@ def create_app(
         arm_selector=arm_selector,
         core=core,
         annotator=annotator,
-        observers=list(observers),
+        observers=[LivenessObserver(tracker), *observers],
     )
+    reader = RequestReader(config)
     components = [
         c
         for c in (index, tokenizer, event_manager, experiments, annotator, *observers)
@@ -107,7 +308,12 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
         poller = EnginePoller(
-            tracker, client.session, interval_s=config.health.interval_s, timeout_s=config.health.timeout_s
+            tracker,
+            client.session,
+            interval_s=config.health.interval_s,
+            timeout_s=config.health.timeout_s,
+            failures_before_unhealthy=config.health.failures_before_unhealthy,
+            answer_liveness_s=config.health.answer_liveness_s,
         )
         started: list[Any] = []
         try:
@@ -125,8 +331,18 @@ def create_app(
             await poller.stop()
             await client.close()
 
-    app = FastAPI(title="kvroute", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="kvroute",
+        summary="Cache-aware router for vLLM fleets (OpenAI-compatible)",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
+    app.add_middleware(AccessGuard, auth=Authenticator(config))
     app.state.config = config
+    app.state.reader = reader
     app.state.router = router
     app.state.tracker = tracker
     app.state.metrics = metrics
@@ -134,50 +350,32 @@ def create_app(
     app.state.tokenizer = tokenizer
     app.state.event_manager = event_manager
 
-    max_body_bytes = config.limits.max_body_bytes
-
-    async def read_body(request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-            raise RouterError(
-                413,
-                f"request body of {declared} bytes exceeds limits.max_body_bytes ({max_body_bytes})",
-                code="request_too_large",
-            )
-        parts: list[bytes] = []
-        size_bytes = 0
-        async for chunk in request.stream():
-            size_bytes += len(chunk)
-            if size_bytes > max_body_bytes:
-                raise RouterError(
-                    413,
-                    f"request body exceeds limits.max_body_bytes ({max_body_bytes})",
-                    code="request_too_large",
-                )
-            parts.append(chunk)
-        return b"".join(parts)
-
     async def proxy(request: Request, endpoint: str) -> Response:
-        request_id = request.headers.get("x-request-id") or new_request_id()
+        request_id = request_id_of(request.headers)
         try:
-            raw_body = await read_body(request)
+            raw_body = await reader.body(request)
             # The router's clock starts once the body is in: its upload is the client's network.
             started_s = time.monotonic()
-            ctx = parse_request(
-                endpoint, raw_body, request.headers, request_id=request_id, started_s=started_s, config=config
-            )
+            ctx = reader.parse(endpoint, raw_body, request, request_id)
+            ctx.started_s = started_s
             return await router.handle(ctx, request.headers, request.receive)
         except RouterError as err:
             log.warning("request %s: %d %s: %s", request_id, err.status, err.code, err.message)
             if err.status < 500 or err.code == "no_healthy_engine":
                 metrics.requests.labels("none", "", "", str(err.status)).inc()
-            return _error_response(err, request_id)
+            return error_response(err, request_id)
+        except ClientDisconnect:
+            # The client went away while sending its body: counted, no traceback (a flood of
+            # aborted uploads must not flood the log).
+            log.debug("request %s: client disconnected during the upload", request_id)
+            metrics.requests.labels("none", "", "", str(STATUS_CLIENT_GONE)).inc()
+            return Response(status_code=STATUS_CLIENT_GONE)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi.operation(openapi.CHAT_BODY, streams=True))
     async def chat_completions(request: Request) -> Response:
         return await proxy(request, CHAT)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi.operation(openapi.COMPLETION_BODY, streams=True))
     async def completions(request: Request) -> Response:
         return await proxy(request, COMPLETIONS)
 
@@ -200,27 +398,19 @@ def create_app(
             }
             for s in tracker.engines.values()
         }
-        # Drained engines take no new requests: they do not make the router ready.
+        # Ready = some engine would take a new request: healthy, not drained, breaker closed.
         healthy = len(tracker.serving())
         doc: dict[str, Any] = {"ready": healthy > 0, "healthy_engines": healthy, "engines": engines}
         if event_manager is not None and hasattr(event_manager, "ready_detail"):
             doc["events"] = event_manager.ready_detail()
+        shared = getattr(app.state, "shared_state", None)
+        if shared is not None:
+            # Redis away is a degraded mode (local knowledge), not unreadiness: requests still work.
+            doc["shared_state"] = shared.ready_detail()
         return JSONResponse(doc, status_code=200 if healthy else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> Response:
-        request_id = request.headers.get("x-request-id", "-")
-        log.exception("request %s: unexpected error", request_id)
-        return Response(
-            error_body(
-                "internal router error; see the router log", type="server_error", code="internal_error"
-            ),
-            status_code=500,
-            media_type="application/json",
-        )
 
     return app

@@ -177,6 +177,8 @@ def serve(argv: Sequence[str]) -> int:
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
+    from router.guard import guarded_http_protocol
+
     workers = args.workers if args.workers is not None else 1
     if workers < 1:
         print(f"kvroute serve: --workers must be >= 1, got {workers}", file=sys.stderr)
@@ -186,7 +188,8 @@ def serve(argv: Sequence[str]) -> int:
         host=config.listen.host,
         port=config.listen.port,
         loop=loop,
-        http="auto",
+        # httptools with header timeouts, header limits and a connection cap (router/guard.py).
+        http=guarded_http_protocol(config.limits),
         log_level=config.log_level.lower(),
         access_log=False,
         timeout_keep_alive=30,

@@ -88,6 +88,8 @@ class TokenizerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     namespace: str = ""
     #: Characters per token when only estimating prompt length.
     chars_per_token: float = 4.0
+    #: Memory bound of the tokenizer's conversation-prefix cache (entries evicted by size).
+    cache_max_bytes: int = 64 * 1024 * 1024
 
 
 class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -103,6 +105,25 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_connections_per_engine: int = 0
     #: Output tokens assumed when a request sets no max_tokens.
     default_output_tokens: int = 256
+    #: Largest prompt accepted, in tokens as estimated from its characters (chars_per_token)
+    #: before any tokenising (400 prompt_too_long above); 0 = no limit.
+    max_prompt_tokens: int = 262_144
+    #: Longest wait for an engine's first byte of an answer (its prefill included); on expiry the
+    #: request fails over to the next engine if nothing was sent to the client yet, else 504.
+    first_byte_timeout_s: float = 120.0
+    #: A client must send its complete request headers within this time (408, connection closed).
+    header_timeout_s: float = 10.0
+    #: A client must send its complete request body within this time (408).
+    body_timeout_s: float = 60.0
+    #: Request line + headers larger than this are refused (431, connection closed).
+    max_header_bytes: int = 32 * 1024
+    #: Requests with more header lines than this are refused (431).
+    max_headers: int = 100
+    #: Open client connections beyond this are closed at once; keep it below the process's
+    #: open-file limit (ulimit -n) so /health and the engines stay reachable. 0 = no limit.
+    max_connections: int = 900
+    #: Approximate memory for the conversation -> experiment-arm map (fixed-size entries).
+    session_map_bytes: int = 32 * 1024 * 1024
 
 
 class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -112,6 +133,16 @@ class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     interval_s: float = 2.0
     #: Timeout of one poll.
     timeout_s: float = 2.0
+    #: Consecutive failed polls before an engine is marked unhealthy (one slow /health is not death).
+    failures_before_unhealthy: int = 3
+    #: A proxied answer from the engine within this many seconds counts as proof of life: failed
+    #: polls do not mark it unhealthy meanwhile.
+    answer_liveness_s: float = 10.0
+    #: Circuit breaker: consecutive failed proxied requests (refused, reset, first-byte timeout)
+    #: that take an engine out of routing.
+    breaker_failures: int = 3
+    #: Seconds an open breaker keeps the engine out before one trial request is let through.
+    breaker_open_s: float = 5.0
 
 
 class ListenConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -163,6 +194,36 @@ class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     token: str = ""
 
 
+class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Client API keys and access to the introspection endpoints (docs/security.md)."""
+
+    #: Client API key -> tenant name. Non-empty: /v1/* needs "Authorization: Bearer <key>" (401).
+    #: Keys mapped to the same tenant share cached prefixes (see tenancy).
+    api_keys: dict[str, str] = msgspec.field(default_factory=dict)
+    #: Production mode: the introspection endpoints default to "admin" instead of "open".
+    production: bool = False
+    #: Who may call /v1/route/explain, /debug/*, /v1/experiments: "open" (anyone), "api_key"
+    #: (any client key or the admin token), "admin" (admin.token only), "off" (404); "" = "open",
+    #: or "admin" in production mode.
+    debug_access: str = ""
+    #: Failed authentications per client address per minute before answering 429.
+    max_failures_per_minute: int = 30
+
+    def debug_mode(self) -> str:
+        return self.debug_access or ("admin" if self.production else "open")
+
+
+class TenancyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Per-tenant cache isolation: the router puts a tenant's own ``cache_salt`` into every request,
+    so two tenants never share KV blocks (nor learn through timing what the other sent)."""
+
+    #: Where the tenant comes from: "auto" (the API key's tenant when auth.api_keys is set, else
+    #: none), "api_key", "header" (``header``, set by a trusted gateway) or "none".
+    source: str = "auto"
+    #: Request header naming the tenant for source "header".
+    header: str = "x-tenant-id"
+
+
 class TraceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Recording the router's traffic as a Mooncake-format JSONL trace (hashes only, no text)."""
 
@@ -170,6 +231,25 @@ class TraceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     path: str = ""
     #: Tokens per trace block (Mooncake uses 512); a multiple of the engines' block size.
     block_tokens: int = 512
+
+
+class SharedConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """State shared by router replicas through Redis (router/shared_state.py, docs/deployment.md)."""
+
+    #: e.g. "redis://redis:6379/0"; "" = this router shares nothing (one replica).
+    redis_url: str = ""
+    #: Key prefix: replicas of one fleet use the same name, other fleets another.
+    cluster: str = "kvroute"
+    #: This replica's id in Redis; "" = host name, pid and a random suffix.
+    replica_id: str = ""
+    #: A replica's load share expires this long after its last heartbeat (a crashed replica's
+    #: reservations vanish); heartbeats run every ttl_s / 4.
+    ttl_s: float = 10.0
+    #: Longest wait for Redis on the request path before routing on local knowledge.
+    timeout_s: float = 0.25
+    #: How long routing records (engine, block keys) stay in Redis for speculation, approx_prefix
+    #: and replicas that restart.
+    retention_s: float = 300.0
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -186,7 +266,10 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     events: EventsConfig = msgspec.field(default_factory=EventsConfig)
     costs: CostsConfig = msgspec.field(default_factory=CostsConfig)
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    tenancy: TenancyConfig = msgspec.field(default_factory=TenancyConfig)
     trace: TraceConfig = msgspec.field(default_factory=TraceConfig)
+    shared: SharedConfig = msgspec.field(default_factory=SharedConfig)
     #: Fleet file whose engines are appended to ``engines``.
     fleet_file: str = ""
     log_level: str = "info"
@@ -203,10 +286,13 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "events": EventsConfig,
     "costs": CostsConfig,
     "admin": AdminConfig,
+    "auth": AuthConfig,
+    "tenancy": TenancyConfig,
     "trace": TraceConfig,
+    "shared": SharedConfig,
 }
 #: Keys whose env-var values are JSON (dicts and lists).
-_JSON_KEYS = ("params", "arms", "pools", "priors")
+_JSON_KEYS = ("params", "arms", "pools", "priors", "api_keys")
 _TOP_SCALARS = {"fleet_file", "log_level"}
 _TOKENIZER_BACKENDS = ("none", "sim", "hf", "engine")
 _KV_EVENTS_MODES = ("auto", "connect", "bind")
@@ -224,7 +310,7 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
     if "name" in over and over.get("name") != out.get("name") and "params" not in over:
         out.pop("params", None)
     for key, value in over.items():
-        replaced_whole = key in ("params", "priors", "pools")
+        replaced_whole = key in ("params", "priors", "pools", "api_keys")
         if not replaced_whole and isinstance(value, Mapping) and isinstance(out.get(key), dict):
             out[key] = _deep_merge(out[key], value)
         else:
@@ -345,6 +431,7 @@ def validate(config: RouterConfig) -> RouterConfig:
             raise ConfigError(f"limits.{key} must be positive, got {getattr(limits, key)}")
     if config.health.interval_s < 0 or config.health.timeout_s <= 0:
         raise ConfigError("health.interval_s must be >= 0 (0 disables) and health.timeout_s > 0")
+    _validate_limits_auth(config)
     if config.tokenizer.backend not in _TOKENIZER_BACKENDS:
         raise ConfigError(
             f"tokenizer.backend {config.tokenizer.backend!r} unknown; "
@@ -374,6 +461,57 @@ def validate(config: RouterConfig) -> RouterConfig:
     return config
 
 
+_DEBUG_ACCESS = ("", "open", "api_key", "admin", "off")
+_TENANCY_SOURCES = ("auto", "none", "api_key", "header")
+
+
+def _validate_limits_auth(config: RouterConfig) -> None:
+    limits, health = config.limits, config.health
+    for key in (
+        "first_byte_timeout_s",
+        "header_timeout_s",
+        "body_timeout_s",
+        "max_header_bytes",
+        "max_headers",
+        "session_map_bytes",
+    ):
+        if getattr(limits, key) <= 0:
+            raise ConfigError(f"limits.{key} must be positive, got {getattr(limits, key)}")
+    for key in ("max_prompt_tokens", "max_connections"):
+        if getattr(limits, key) < 0:
+            raise ConfigError(f"limits.{key} must be >= 0 (0 = no limit), got {getattr(limits, key)}")
+    if config.tokenizer.cache_max_bytes < 0:
+        raise ConfigError(f"tokenizer.cache_max_bytes must be >= 0, got {config.tokenizer.cache_max_bytes}")
+    for key in ("failures_before_unhealthy", "breaker_failures"):
+        if getattr(health, key) < 1:
+            raise ConfigError(f"health.{key} must be >= 1, got {getattr(health, key)}")
+    for key in ("answer_liveness_s", "breaker_open_s"):
+        if getattr(health, key) < 0:
+            raise ConfigError(f"health.{key} must be >= 0, got {getattr(health, key)}")
+    auth = config.auth
+    if auth.debug_access not in _DEBUG_ACCESS:
+        raise ConfigError(
+            f"auth.debug_access {auth.debug_access!r} unknown; accepted: open, api_key, admin, off "
+            '(or "" for the mode\'s default)'
+        )
+    for key, tenant in auth.api_keys.items():
+        if not key or not isinstance(tenant, str) or not tenant:
+            raise ConfigError(
+                f"auth.api_keys maps non-empty keys to non-empty tenant names; got a key -> {tenant!r}"
+            )
+    if auth.max_failures_per_minute < 1:
+        raise ConfigError(f"auth.max_failures_per_minute must be >= 1, got {auth.max_failures_per_minute}")
+    tenancy = config.tenancy
+    if tenancy.source not in _TENANCY_SOURCES:
+        raise ConfigError(
+            f"tenancy.source {tenancy.source!r} unknown; accepted: {', '.join(_TENANCY_SOURCES)}"
+        )
+    if tenancy.source == "api_key" and not auth.api_keys:
+        raise ConfigError('tenancy.source "api_key" needs auth.api_keys')
+    if tenancy.source == "header" and not tenancy.header:
+        raise ConfigError('tenancy.source "header" needs tenancy.header (a header name)')
+
+
 def _validate_index_events_costs(config: RouterConfig) -> None:
     from policies.costs import CostModel
 
@@ -395,6 +533,14 @@ def _validate_index_events_costs(config: RouterConfig) -> None:
         CostModel.from_config(config.costs.priors)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"costs.priors: {exc}") from None
+    shared = config.shared
+    if shared.redis_url and urlsplit(shared.redis_url).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(
+            f"shared.redis_url {shared.redis_url!r} must be redis://host:port/db, rediss://... or unix://..."
+        )
+    for key in ("ttl_s", "timeout_s", "retention_s"):
+        if not getattr(shared, key) > 0:
+            raise ConfigError(f"shared.{key} must be positive, got {getattr(shared, key)}")
     if config.trace.block_tokens <= 0:
         raise ConfigError(f"trace.block_tokens must be positive, got {config.trace.block_tokens}")
     for i, engine in enumerate(config.engines):

@@ -2,6 +2,8 @@
 
 Raise ``RouterError`` anywhere on the request path; ``router.app`` turns it into
 ``{"error": {"message", "type", "code"}}`` with the status, and logs it with the request id.
+Messages are clipped (``MAX_MESSAGE_CHARS``): client-supplied values quoted in them (a 10 MB model
+name) must not be echoed whole into answers and logs.
 """
 
 from __future__ import annotations
@@ -10,16 +12,37 @@ import msgspec
 
 _encode = msgspec.json.Encoder().encode
 
+#: Longest error message sent or logged; longer ones keep their start and say how long they were.
+MAX_MESSAGE_CHARS = 512
+
+
+def clip(text: str, max_chars: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` cut to ``max_chars`` (plus a note of the original length) when longer."""
+    if len(text) <= max_chars:
+        return text
+    return f"{text[:max_chars]}... ({len(text)} characters, clipped)"
+
 
 class RouterError(Exception):
     """A request the router answers with an error instead of an engine's response."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str = ""):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str = "",
+        headers: dict[str, str] | None = None,
+    ):
+        message = clip(message)
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.code = code or type
+        #: Extra response headers (e.g. ``connection: close`` after an unread body).
+        self.headers = headers
 
     def body(self) -> bytes:
         return error_body(self.message, type=self.type, code=self.code)
@@ -28,6 +51,11 @@ class RouterError(Exception):
 def error_body(message: str, *, type: str, code: str) -> bytes:
     """JSON bytes of an OpenAI-style error object."""
     return _encode({"error": {"message": message, "type": type, "code": code}})
+
+
+def sse_error_event(message: str, *, type: str, code: str) -> bytes:
+    """An OpenAI-style error as one SSE event (what vLLM sends when a stream fails midway)."""
+    return b"data: " + error_body(message, type=type, code=code) + b"\n\n"
 
 
 def bad_request(message: str, code: str = "invalid_request") -> RouterError:

@@ -231,6 +231,10 @@ class SourceHealth:
     digests: OrderedDict[int, int] = field(default_factory=OrderedDict)
     tokens: float = 0.0
     tokens_at: float = 0.0
+    #: After failed replays, none before this monotonic time (doubling up to a minute): a dead
+    #: replay socket must not stall the live stream for replay_timeout_s again and again.
+    replay_not_before: float = 0.0
+    replay_failures_in_row: int = 0
     logged: dict[str, float] = field(default_factory=dict)
 
     def mark_stale(self, reason: str) -> None:
@@ -295,7 +299,7 @@ class EventManager:
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 1.0,
         rcvhwm: int = 10_000,
-        slice_s: float = 0.005,
+        slice_s: float = 0.0005,
         resync_burst: int = 4,
         resync_per_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
@@ -399,6 +403,8 @@ class EventManager:
 
     def _take_resync_token(self, health: SourceHealth) -> bool:
         now = time.monotonic()
+        if now < health.replay_not_before:
+            return False
         health.tokens = min(
             float(self._opts.resync_burst),
             health.tokens + (now - health.tokens_at) * self._opts.resync_per_s,
@@ -730,13 +736,19 @@ class EventManager:
             dealer.connect(source.replay_endpoint)
             await dealer.send_multipart(replay_request(start_seq))
             slice_end = loop.time() + self._opts.slice_s
+            raw: zmq.Socket[Any] = zmq.Socket.shadow(dealer.underlying)
             while True:
-                if not await dealer.poll(int(self._opts.replay_timeout_s * 1000) + 1):
-                    raise TimeoutError(
-                        f"replay from {source.replay_endpoint} silent for {self._opts.replay_timeout_s:g} s "
-                        f"after {result.applied} batches"
-                    )
-                parsed = parse_replay_frames(await dealer.recv_multipart())
+                # Drain without a future per message; wait (and time out) only on silence.
+                try:
+                    frames = raw.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    if not await dealer.poll(int(self._opts.replay_timeout_s * 1000) + 1):
+                        raise TimeoutError(
+                            f"replay from {source.replay_endpoint} silent for "
+                            f"{self._opts.replay_timeout_s:g} s after {result.applied} batches"
+                        ) from None
+                    continue
+                parsed = parse_replay_frames(frames)
                 if parsed is None:
                     health.decode_errors += 1
                     continue
@@ -794,6 +806,11 @@ class EventManager:
                 self._apply(health, *item)
                 result.applied += 1
         health.replayed_batches += result.applied
+        if result.complete and not result.holes:
+            health.replay_failures_in_row = 0
+        else:
+            health.replay_failures_in_row += 1
+            health.replay_not_before = time.monotonic() + min(60.0, 2.0**health.replay_failures_in_row)
         if result.holes:
             health.missed_batches += result.holes
             self._log_limited(

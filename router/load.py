@@ -42,6 +42,14 @@ class EngineState:
     last_error: str = ""
     #: Taken out of routing by POST /admin/engines/{id}/drain (health polls do not undo it).
     drained: bool = False
+    #: Consecutive failed health polls (reset by a good one).
+    poll_failures: int = 0
+    #: Monotonic time of the engine's latest answer to a proxied request (0 = none yet).
+    last_answer_s: float = 0.0
+    #: Circuit breaker: consecutive failures (proxied requests and health polls) and the monotonic
+    #: time until which the engine is out of routing (0 = closed).
+    breaker_failures: int = 0
+    breaker_open_until_s: float = 0.0
     #: Block size the engine reports in vllm:cache_config_info (wins over the configured one).
     reported_block_size: int | None = None
 
@@ -58,6 +66,7 @@ class LoadTracker:
     ) -> None:
         """``ledger``: where load is accounted (default: in this process; replicas share one)."""
         self._metrics = metrics
+        self.breaker_threshold, self.breaker_open_s = 3, 5.0  # configure_breaker sets the config's
         self.ledger: LoadLedger = ledger or InMemoryLoadLedger(
             [e.id for e in engines], on_change=metrics.set_in_flight if metrics else None
         )
@@ -87,6 +96,47 @@ class LoadTracker:
         state.last_error = "" if healthy else reason
         if self._metrics:
             self._metrics.engine_healthy.labels(engine_id).set(1 if healthy else 0)
+
+    # -- circuit breaker -----------------------------------------------------------------------
+    def configure_breaker(self, failures: int, open_s: float) -> None:
+        self.breaker_threshold = failures
+        self.breaker_open_s = open_s
+
+    def record_failure(self, engine_id: str, reason: str, now_s: float | None = None) -> None:
+        """A failed exchange with the engine (refused, reset, no first byte in time, broken stream,
+        failed health poll): ``breaker_threshold`` in a row open the breaker for ``breaker_open_s``."""
+        state = self.engines[engine_id]
+        now_s = time.monotonic() if now_s is None else now_s
+        state.breaker_failures += 1
+        if state.breaker_failures >= self.breaker_threshold:
+            was_open = state.breaker_open_until_s > now_s
+            state.breaker_open_until_s = now_s + self.breaker_open_s
+            if not was_open:
+                log.warning(
+                    "engine %s: circuit breaker OPEN for %.1f s after %d failures in a row (last: %s)",
+                    engine_id,
+                    state.breaker_open_until_s - now_s,
+                    state.breaker_failures,
+                    reason,
+                )
+                if self._metrics:
+                    self._metrics.engine_healthy.labels(engine_id).set(0)
+
+    def record_success(self, engine_id: str) -> None:
+        """The engine answered: the breaker closes and the failure count restarts."""
+        state = self.engines[engine_id]
+        if state.breaker_open_until_s:
+            log.warning("engine %s: circuit breaker closed (the engine answered)", engine_id)
+            state.breaker_open_until_s = 0.0
+            if self._metrics:
+                self._metrics.engine_healthy.labels(engine_id).set(1 if state.healthy else 0)
+        state.breaker_failures = 0
+
+    @staticmethod
+    def breaker_open(state: EngineState, now_s: float) -> bool:
+        """Open: out of routing. After ``breaker_open_s`` requests may try it again (half-open);
+        the next failure reopens it at once, a success closes it."""
+        return state.breaker_open_until_s > now_s
 
     def set_models(self, engine_id: str, cards: list[dict[str, Any]]) -> None:
         state = self.engines[engine_id]
@@ -131,7 +181,7 @@ class LoadTracker:
         return self.ledger.load(engine_id)
 
     def drain(self, engine_id: str) -> None:
-        """Take an engine out of routing until restart (in-flight requests finish normally)."""
+        """Take an engine out of routing until undrained (in-flight requests finish normally)."""
         self.engines[engine_id].drained = True
 
     def view(self, state: EngineState) -> EngineView:
@@ -142,7 +192,9 @@ class LoadTracker:
         return EngineView(
             engine_id=state.config.id,
             url=state.config.url,
-            healthy=state.healthy,
+            # An open circuit breaker takes the engine out like a failed health check.
+            healthy=state.healthy
+            and not (state.breaker_open_until_s and state.breaker_open_until_s > time.monotonic()),
             drained=state.drained,
             models=frozenset(state.models),
             in_flight=in_flight,
@@ -154,8 +206,13 @@ class LoadTracker:
         )
 
     def serving(self) -> list[EngineState]:
-        """Engines that take new requests: healthy and not drained (what GET /ready counts)."""
-        return [s for s in self.engines.values() if s.healthy and not s.drained]
+        """Engines that take new requests: healthy, not drained, breaker closed (GET /ready counts)."""
+        now_s = time.monotonic()
+        return [
+            s
+            for s in self.engines.values()
+            if s.healthy and not s.drained and not self.breaker_open(s, now_s)
+        ]
 
     def all_views(self) -> list[EngineView]:
         """Every engine's view; the routing core's ``filter`` picks the candidates."""
@@ -166,11 +223,20 @@ class EnginePoller:
     """Background task polling each engine's GET /health every ``interval_s`` (owner: the app)."""
 
     def __init__(
-        self, tracker: LoadTracker, session: aiohttp.ClientSession, *, interval_s: float, timeout_s: float
+        self,
+        tracker: LoadTracker,
+        session: aiohttp.ClientSession,
+        *,
+        interval_s: float,
+        timeout_s: float,
+        failures_before_unhealthy: int = 3,
+        answer_liveness_s: float = 10.0,
     ) -> None:
         self._tracker = tracker
         self._session = session
         self._interval_s = interval_s
+        self._failures_before_unhealthy = failures_before_unhealthy
+        self._answer_liveness_s = answer_liveness_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._task: asyncio.Task[None] | None = None
 
@@ -194,14 +260,36 @@ class EnginePoller:
             await asyncio.sleep(max(0.0, self._interval_s - (time.monotonic() - started_s)))
 
     async def poll_once(self, state: EngineState) -> None:
+        """One GET /health. A refused connection marks the engine unhealthy at once (nothing
+        listens); a slow or failing answer only after ``failures_before_unhealthy`` in a row, and
+        not while the engine answered a proxied request within ``answer_liveness_s`` (a busy
+        engine's /health can be slow while it serves fine)."""
         engine = state.config
+        refused = False
         try:
             async with self._session.get(f"{engine.url}/health", timeout=self._timeout) as resp:
                 await resp.read()
                 healthy, reason = resp.status == 200, f"GET /health returned {resp.status}"
+        except aiohttp.ClientConnectorError as exc:
+            healthy, reason, refused = False, f"GET /health failed: {exc}", True
         except (TimeoutError, aiohttp.ClientError) as exc:
             healthy, reason = False, f"GET /health failed: {type(exc).__name__}: {exc}"
-        self._tracker.set_health(engine.id, healthy, reason)
+        if healthy:
+            state.poll_failures = 0
+            self._tracker.set_health(engine.id, True)
+        else:
+            state.poll_failures += 1
+            answered_recently = time.monotonic() - state.last_answer_s < self._answer_liveness_s
+            if refused or (state.poll_failures >= self._failures_before_unhealthy and not answered_recently):
+                self._tracker.set_health(engine.id, False, f"{reason} ({state.poll_failures} in a row)")
+            elif state.healthy:
+                log.info(
+                    "engine %s: %s (%d in a row%s); still routed",
+                    engine.id,
+                    reason,
+                    state.poll_failures,
+                    ", answered requests recently" if answered_recently else "",
+                )
         if healthy and not state.models_discovered:
             await self._discover_models(state)
 

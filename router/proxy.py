@@ -4,12 +4,13 @@ aiohttp was chosen over httpx by measurement (docs/benchmarks.md, loadtest/bench
 2 cores a FastAPI proxy on aiohttp's client served ~10x the requests/s of the same proxy on httpx.
 ``UpstreamClient.send`` posts the original body bytes and returns the open response once its
 headers are in, so the caller can stream the body through; failures are classified into
-``UpstreamConnectError`` (nothing reached the engine: safe to retry elsewhere) and
-``UpstreamTimeout`` (the engine took longer than the read timeout to answer).
+``UpstreamConnectError`` (refused, or the connection broke before any byte of an answer: safe to
+retry elsewhere) and ``UpstreamTimeout`` (the engine took longer than the read timeout to answer).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
@@ -35,6 +36,13 @@ class UpstreamTimeout(UpstreamError):
     """The engine did not answer within the configured timeout."""
 
     kind = "timeout"
+
+
+class UpstreamFirstByteTimeout(UpstreamConnectError):
+    """No first byte of an answer within the request's time-to-first-byte budget (a hung or
+    stopped engine): nothing reached the client, so it may go elsewhere like a refused one."""
+
+    kind = "first_byte_timeout"
 
 
 class UpstreamClient:
@@ -78,18 +86,55 @@ class UpstreamClient:
             await self._session.close()
             self._session = None
 
-    async def send(self, url: str, body: bytes, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
-        """POST ``body`` unchanged to ``url``; the response is open (caller must ``release`` it)."""
+    async def send(
+        self, url: str, body: bytes, headers: Mapping[str, str], *, first_byte_timeout_s: float | None = None
+    ) -> aiohttp.ClientResponse:
+        """POST ``body`` unchanged to ``url``; the response is open (caller must ``release`` it).
+        ``first_byte_timeout_s`` bounds the wait for the response headers."""
         try:
-            return await self.session.post(url, data=body, headers=headers, allow_redirects=False)
+            if first_byte_timeout_s is None:
+                return await self.session.post(url, data=body, headers=headers, allow_redirects=False)
+            try:
+                async with asyncio.timeout(first_byte_timeout_s):
+                    return await self.session.post(url, data=body, headers=headers, allow_redirects=False)
+            except TimeoutError:
+                raise UpstreamFirstByteTimeout(
+                    f"{url} sent no answer within the first-byte budget ({first_byte_timeout_s:.1f} s)"
+                ) from None
         except aiohttp.ClientConnectorError as exc:  # refused, unreachable, DNS, connect timeout
             raise UpstreamConnectError(f"cannot connect to {url}: {exc.os_error or exc}") from exc
         except aiohttp.ServerDisconnectedError as exc:
             raise UpstreamConnectError(f"{url} closed the connection before answering") from exc
+        except aiohttp.ClientOSError as exc:
+            # ECONNRESET / EPIPE on a pooled keep-alive socket ("Can not write request body"): the
+            # engine answered nothing, so the request may go elsewhere like a refused one.
+            raise UpstreamConnectError(f"connection to {url} broke before any answer: {exc}") from exc
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise UpstreamTimeout(f"{url} did not answer within the read timeout") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"request to {url} failed: {type(exc).__name__}: {exc}") from exc
+
+
+async def first_event(
+    chunks: AsyncIterator[bytes], timeout_s: float
+) -> tuple[list[bytes], AsyncIterator[bytes]]:
+    """Read ``chunks`` up to the first one holding an SSE ``data:`` event (keep-alive comments
+    before it are kept) within ``timeout_s``; UpstreamFirstByteTimeout when it does not come, and
+    an error before it is retryable too (UpstreamConnectError): no byte reached the client."""
+    head: list[bytes] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in chunks:
+                head.append(chunk)
+                if b"data:" in chunk:
+                    return head, chunks
+    except TimeoutError:
+        raise UpstreamFirstByteTimeout(
+            f"no first token within the first-byte budget ({timeout_s:.1f} s)"
+        ) from None
+    except UpstreamError as exc:
+        raise UpstreamConnectError(f"the stream broke before its first event: {exc}") from exc
+    return head, chunks  # the stream ended without an event: passed on as it is
 
 
 async def iter_body(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

@@ -34,7 +34,7 @@ from starlette.responses import Response, StreamingResponse
 from kvcore.core import Outcome, Reservation, RoutingCore
 from policies.base import Decision, FleetView, NoEngineAvailable, Policy, RouteRequest
 from router.config import RouterConfig
-from router.errors import RouterError, bad_request
+from router.errors import RouterError, bad_request, sse_error_event
 from router.experiments import FORCED_ARM_HEADER, Arm, Experiments
 from router.load import LoadTracker
 from router.metrics import RouterMetrics
@@ -43,6 +43,7 @@ from router.proxy import (
     UpstreamClient,
     UpstreamConnectError,
     UpstreamError,
+    first_event,
     iter_body,
 )
 
@@ -501,6 +502,9 @@ class Router:
         body = self._upstream_body(ctx)
         order = [decision.engine_id, *decision.fallbacks][:2]  # the choice, then one retry
         response: aiohttp.ClientResponse | None = None
+        head: list[bytes] = []  # a stream's bytes up to its first event, read before answering
+        chunks: AsyncIterator[bytes] | None = None
+        budget_s = self.config.limits.first_byte_timeout_s
         for attempt, engine_id in enumerate(order):
             ctx.engine_id = engine_id
             ctx.attempts.append(engine_id)
@@ -520,26 +524,48 @@ class Router:
             assert reservation is not None
             ctx.sent_s = reservation.sent_s = time.monotonic()
             try:
-                response = await self.client.send(engine.url + path, body, upstream_headers)
+                # Streams: the time-to-first-byte budget covers the headers and the first event
+                # (the long read timeout only applies once tokens flow). Until that event nothing
+                # is sent to the client, so a hung engine is left for the next choice.
+                response = await self.client.send(
+                    engine.url + path,
+                    body,
+                    upstream_headers,
+                    first_byte_timeout_s=budget_s if ctx.stream else None,
+                )
+                if ctx.stream and response.status == 200:
+                    remaining_s = budget_s - (time.monotonic() - ctx.sent_s)
+                    try:
+                        head, chunks = await first_event(iter_body(response), max(0.001, remaining_s))
+                    except BaseException:
+                        response.close()
+                        raise
+                    if head and b"data:" in head[-1]:
+                        self._first_token(ctx)  # its arrival time, not when the stream is sent on
                 break
             except UpstreamConnectError as exc:
                 self.core.abandon(reservation)  # this attempt's share; the retry reserves anew
-                self.tracker.set_health(engine_id, False, str(exc))
+                if exc.kind == "connect":  # nothing listens, or the connection broke: poll again
+                    self.tracker.set_health(engine_id, False, str(exc))
+                self.tracker.record_failure(engine_id, str(exc))
                 self.metrics.upstream_error(engine_id, exc.kind)
                 log.warning(
-                    "request %s: engine %s refused (%s)%s",
+                    "request %s: engine %s failed before answering (%s)%s",
                     ctx.request_id,
                     engine_id,
                     exc,
                     "; retrying on the next choice" if attempt + 1 < len(order) else "",
                 )
                 if attempt + 1 >= len(order):
-                    self._finish(ctx, 502, str(exc), log_error=False)
+                    timed_out = exc.kind == "first_byte_timeout"
+                    status = 504 if timed_out else 502
+                    what = "sent no first byte in time" if timed_out else "is unreachable"
+                    self._finish(ctx, status, str(exc), log_error=False)
                     raise RouterError(
-                        502,
-                        f"engine {engine_id} is unreachable: {exc}",
-                        type="upstream_error",
-                        code="upstream_connect_error",
+                        status,
+                        f"engine {engine_id} {what}: {exc}",
+                        type="timeout_error" if timed_out else "upstream_error",
+                        code="upstream_first_byte_timeout" if timed_out else "upstream_connect_error",
                     ) from None
             except UpstreamError as exc:
                 raise self._upstream_failure(ctx, engine_id, exc) from None
@@ -560,8 +586,9 @@ class Router:
                 response.close()
                 self._finish(ctx, STATUS_CLIENT_GONE, "client disconnected before the stream began")
 
+            assert chunks is not None
             return _ProxyStream(
-                self._stream(ctx, response),
+                self._stream(ctx, response, head, chunks),
                 on_close=on_close,
                 status_code=200,
                 headers=out_headers,
@@ -621,15 +648,23 @@ class Router:
                 (ctx.usage or {}).get("prompt_tokens"),
             )
 
-    async def _stream(self, ctx: RouteContext, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        """Forward SSE bytes as they arrive; keep the tail to read the final usage chunk, or take
-        the usage chunk out when the router asked for it on the client's behalf."""
+    async def _stream(
+        self,
+        ctx: RouteContext,
+        response: aiohttp.ClientResponse,
+        head: list[bytes],
+        chunks: AsyncIterator[bytes],
+    ) -> AsyncIterator[bytes]:
+        """Forward SSE bytes as they arrive (``head`` were read before answering); keep the tail to
+        read the final usage chunk, or take the usage chunk out when the router asked for it on
+        the client's behalf. A stream that breaks off ends with an OpenAI-shaped error event and
+        an aborted connection: a client must never take it for a complete answer."""
         tail: deque[bytes] = deque()  # the last chunks, about _USAGE_TAIL_BYTES of them
         tail_bytes = 0
         strip = _UsageChunkStripper() if ctx.strip_usage else None
         status, error = 200, ""
         try:
-            async for chunk in iter_body(response):
+            async for chunk in _chain(head, chunks):
                 if ctx.first_token_s is None and b"data:" in chunk:  # not a keep-alive comment
                     self._first_token(ctx)
                 if strip is not None:
@@ -645,9 +680,18 @@ class Router:
             if strip is not None and strip.pending:
                 yield strip.flush()
         except UpstreamError as exc:
-            # Headers are sent: the client sees a truncated stream (no [DONE]); count it as 502.
+            # Headers are sent, so no retry and no status: tell the client in the stream (the way
+            # vLLM reports a failure midway), then abort the connection (StreamAborted) so that
+            # no client, whatever it does with the event, can see a cleanly ended answer.
             self.metrics.upstream_error(ctx.engine_id, exc.kind)
+            self.tracker.record_failure(ctx.engine_id, f"stream broke off: {exc}")
             status, error = 502, f"stream broke off: {exc}"
+            yield sse_error_event(
+                f"engine {ctx.engine_id} failed during the answer: {exc}; the answer is incomplete",
+                type="upstream_error",
+                code="upstream_stream_error",
+            )
+            raise StreamAborted(error) from None
         except (asyncio.CancelledError, GeneratorExit):
             # A client that hangs up right after the final [DONE] got the whole answer.
             done = strip.done if strip is not None else bool(tail and b"data: [DONE]" in tail[-1])
@@ -740,8 +784,20 @@ class _UsageChunkStripper:
         return None
 
 
+async def _chain(head: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    for chunk in head:
+        yield chunk
+    async for chunk in rest:
+        yield chunk
+
+
+class StreamAborted(Exception):
+    """A proxied stream broke off after its headers were sent: the connection must be aborted."""
+
+
 class _ProxyStream(StreamingResponse):
-    """StreamingResponse that always runs ``on_close`` after sending, whatever happened."""
+    """StreamingResponse that always runs ``on_close`` after sending, whatever happened, and
+    aborts the connection (no final chunk) when the stream raised StreamAborted."""
 
     def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], None], **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
@@ -750,6 +806,10 @@ class _ProxyStream(StreamingResponse):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except StreamAborted:
+            # Returning without the final empty body makes the server close the connection
+            # without the chunked terminator: HTTP clients report an incomplete answer.
+            return
         finally:
             self._on_close()
 

@@ -23,18 +23,18 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-import msgspec
 from fastapi import FastAPI, Request
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import JSONResponse, Response
 
 from kvcore import sim_tokenizer
-from kvcore.core import CoreConfig, RoutingCore
+from kvcore.core import CoreConfig, InMemoryLoadLedger, RoutingCore
 from kvcore.index import PrefixIndex
 from kvcore.keys import block_keys, namespace_seed, request_extra_keys
 from policies.base import TIERS
 from policies.costs import CostModel
-from router.app import create_app
+from router import openapi
+from router.app import create_app, error_response, request_id_of
 from router.config import ConfigError, EngineConfig, RouterConfig, load_config
 from router.errors import RouterError
 from router.events import (
@@ -54,13 +54,15 @@ from router.routing import (
     build_arm_selector,
     experiment_arms,
     needs_block_keys,
-    new_request_id,
-    parse_request,
 )
 from router.scrape import EngineMetrics, parse_engine_metrics
+from router.shared_state import SharedLoadLedger, SharedState, SharedStateAnnotator, SharedStateObserver
 from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer
 
 log = logging.getLogger("kvroute.service")
+
+#: Prompts longer than this are hashed into block keys in a worker thread, off the event loop.
+_INLINE_KEY_TOKENS = 8192
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -71,8 +73,9 @@ class HealthyEngineTokenizer:
 
     The aiohttp session is set by ``RouterServices.start`` (it lives on the event loop)."""
 
-    def __init__(self, tracker: LoadTracker) -> None:
+    def __init__(self, tracker: LoadTracker, *, cache_max_bytes: int) -> None:
         self._tracker = tracker
+        self.cache_max_bytes = cache_max_bytes
         self.session: aiohttp.ClientSession | None = None
         self._clients: dict[str, EngineChatTokenizer] = {}
 
@@ -84,13 +87,16 @@ class HealthyEngineTokenizer:
                 client = self._clients.get(state.config.id)
                 if client is None:
                     client = self._clients[state.config.id] = EngineChatTokenizer(
-                        self.session, state.config.url, model=state.config.model
+                        self.session,
+                        state.config.url,
+                        model=state.config.model,
+                        cache_max_bytes=self.cache_max_bytes // max(1, len(self._tracker.engines)),
                     )
                 return await client.chat_tokens(messages, model=model)
         raise RuntimeError(f"no healthy engine serving {model!r} to tokenise with")
 
     def cache_stats(self) -> dict[str, int]:
-        total = {"entries": 0, "hits": 0, "misses": 0}
+        total = {"entries": 0, "bytes": 0, "max_bytes": 0, "hits": 0, "misses": 0}
         for client in self._clients.values():
             for key, value in client.cache_stats().items():
                 total[key] = total.get(key, 0) + value
@@ -100,17 +106,18 @@ class HealthyEngineTokenizer:
 def build_tokenizer(config: RouterConfig, tracker: LoadTracker) -> Any:
     """The configured chat tokenizer, or None for backend "none"."""
     backend = config.tokenizer.backend
+    cache_max_bytes = config.tokenizer.cache_max_bytes
     if backend == "sim":
-        return SimChatTokenizer()
+        return SimChatTokenizer(cache_max_bytes=cache_max_bytes)
     if backend == "hf":
         if not config.tokenizer.path:
             raise ConfigError('tokenizer.backend "hf" needs tokenizer.path (a tokenizer directory)')
         try:
-            return HfChatTokenizer.from_dir(config.tokenizer.path)
+            return HfChatTokenizer.from_dir(config.tokenizer.path, cache_max_bytes=cache_max_bytes)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"tokenizer.path {config.tokenizer.path!r}: {exc}") from None
     if backend == "engine":
-        return HealthyEngineTokenizer(tracker)
+        return HealthyEngineTokenizer(tracker, cache_max_bytes=cache_max_bytes)
     return None
 
 
@@ -180,7 +187,12 @@ class IndexAnnotator:
             extra = request_extra_keys(
                 n_blocks, lora_name=lora, cache_salt=salt if isinstance(salt, str) else None
             )
-            keys = block_keys(tokens, block_size, parent=self._namespace, extra_keys=extra)
+            if len(tokens) > _INLINE_KEY_TOKENS:  # hashing a long prompt would stall every request
+                keys = await asyncio.to_thread(
+                    block_keys, tokens, block_size, parent=self._namespace, extra_keys=extra
+                )
+            else:
+                keys = block_keys(tokens, block_size, parent=self._namespace, extra_keys=extra)
             if i == 0:  # speculation, trace and pricing use the first group's chain
                 request.block_size = block_size
                 request.block_keys = keys
@@ -606,7 +618,27 @@ class RouterServices:
             if math.isfinite(value):
                 gauge.add_metric(list(labels.values()), value)
         families.extend(grouped.values())
+        families.extend(prior_families(self.costs.snapshot()))
         return families
+
+
+def prior_families(snapshot: dict[str, Any]) -> list[GaugeMetricFamily]:
+    """The cost model's configured priors per engine, to plot next to the calibrated estimates."""
+    prefill = GaugeMetricFamily(
+        "kvroute_cost_prior_prefill_tokens_per_second", "Configured prefill-rate prior", labels=["engine"]
+    )
+    bandwidth = GaugeMetricFamily(
+        "kvroute_cost_prior_load_bandwidth_bytes_per_second",
+        "Configured tier load-bandwidth prior",
+        labels=["engine", "tier"],
+    )
+    for engine_id, row in sorted(snapshot.get("engines", {}).items()):
+        prior = row["prior"]
+        prefill.add_metric([engine_id], prior["prefill_tokens_per_s"])
+        for tier, values in prior["tiers"].items():
+            if values["bandwidth_bytes_per_s"] is not None:
+                bandwidth.add_metric([engine_id, tier.upper()], values["bandwidth_bytes_per_s"])
+    return [prefill, bandwidth]
 
 
 def event_sources(
@@ -643,6 +675,22 @@ def build_index(config: RouterConfig) -> PrefixIndex | None:
     )
 
 
+def build_shared_state(config: RouterConfig, metrics: RouterMetrics) -> SharedState | None:
+    """The replicas' shared state when ``shared.redis_url`` is set (else None: one replica)."""
+    shared = config.shared
+    if not shared.redis_url:
+        return None
+    return SharedState(
+        shared.redis_url,
+        cluster=shared.cluster,
+        replica_id=shared.replica_id,
+        ttl_s=shared.ttl_s,
+        timeout_s=shared.timeout_s,
+        retention_s=shared.retention_s,
+        registry=metrics.registry,
+    )
+
+
 def build_router_app(
     config: RouterConfig,
     config_path: str | Path | None = None,
@@ -654,13 +702,20 @@ def build_router_app(
     (``kvroute serve`` passes one that re-applies the environment and its command-line flags
     over the re-read file), else re-read ``config_path`` alone."""
     metrics = create_metrics()
-    tracker = LoadTracker(config.engines, metrics)
+    shared = build_shared_state(config, metrics)
+    ledger = None
+    if shared is not None:
+        # This replica's own accounting (its in-flight gauge) plus the other replicas' load.
+        local = InMemoryLoadLedger([e.id for e in config.engines], on_change=metrics.set_in_flight)
+        ledger = SharedLoadLedger(local, shared)
+    tracker = LoadTracker(config.engines, metrics, ledger=ledger)
     index = build_index(config)
     try:
         costs = CostModel.from_config(config.costs.priors)
     except ValueError as exc:
         raise ConfigError(f"costs.priors: {exc}") from None
     experiments = build_arm_selector(config)
+    experiments.bound_sessions(config.limits.session_map_bytes)
     tokenizer = build_tokenizer(config, tracker)
     for arm in experiments.arms:
         if needs_block_keys(arm.policy) and tokenizer is None:
@@ -682,7 +737,7 @@ def build_router_app(
         reload_config=reload_config,
     )
     metrics.add_collector(services.collect)
-    annotator = IndexAnnotator(
+    annotator: Any = IndexAnnotator(
         config,
         tokenizer,
         index,
@@ -700,6 +755,18 @@ def build_router_app(
     # The services object is the lifespan component (event_manager=) only; listing it among the
     # observers too made the app start it twice: two EventManagers per router.
     observers: list[Any] = [services.traffic]
+    if shared is not None:
+        # The read of the other replicas' load is the last await before the choice.
+        annotator = SharedStateAnnotator(annotator, shared)
+        observers.append(
+            SharedStateObserver(
+                shared,
+                engine_ids=[e.id for e in config.engines],
+                index=index,
+                speculation_ttl_s=config.index.speculation_ttl_s,
+                policies=lambda: [arm.policy for arm in experiments.arms],
+            )
+        )
     if config.trace.path:
         observers.append(
             TraceObserver(config.trace.path, config.engines[0].block_size, config.trace.block_tokens)
@@ -719,6 +786,7 @@ def build_router_app(
     app.state.index = index
     app.state.tokenizer = tokenizer
     app.state.services = services
+    app.state.shared_state = shared
     app.state.costs = costs
     app.state.experiments = experiments
     app.state.core = core
@@ -726,36 +794,22 @@ def build_router_app(
     return app
 
 
-def _json_error(err: RouterError, request_id: str = "") -> Response:
-    headers = {"x-request-id": request_id} if request_id else None
-    return Response(err.body(), status_code=err.status, media_type="application/json", headers=headers)
-
-
 def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices) -> None:
     router = app.state.router
 
-    @app.post("/v1/route/explain")
+    @app.post("/v1/route/explain", openapi_extra=openapi.operation(openapi.EXPLAIN_BODY))
     async def explain(request: Request) -> Response:
         """Where a chat or completion body would go and why; nothing is sent upstream."""
-        request_id = request.headers.get("x-request-id") or new_request_id()
+        request_id = request_id_of(request.headers)
+        reader = app.state.reader
         try:
-            raw = await request.body()
-            try:
-                doc = msgspec.json.decode(raw)
-            except msgspec.DecodeError:
-                doc = None  # parse_request answers with the 400
-            endpoint = CHAT if isinstance(doc, dict) and "messages" in doc else COMPLETIONS
-            ctx = parse_request(
-                endpoint,
-                raw,
-                request.headers,
-                request_id=request_id,
-                started_s=time.monotonic(),
-                config=config,
-            )
+            # The same door as the chat path: content type, size and time limits, validation.
+            raw = await reader.body(request)
+            endpoint = CHAT if b'"messages"' in raw else COMPLETIONS
+            ctx = reader.parse(endpoint, raw, request, request_id)
             arm, decision = await router.decide(ctx)
         except RouterError as err:
-            return _json_error(err, request_id)
+            return error_response(err, request_id)
         body = explain_payload(ctx.route_request, ctx.fleet, decision, arm.policy.name)
         body["arm"] = arm.name
         body["session_key"] = ctx.route_request.session_key
@@ -781,48 +835,43 @@ def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices)
         snapshot = services.experiments.snapshot()
         return JSONResponse(await asyncio.to_thread(services.experiments.report, snapshot))
 
-    def check_admin(request: Request) -> None:
-        token = config.admin.token
-        if not token:
-            raise RouterError(
-                404,
-                "admin endpoints are disabled; set admin.token to enable them",
-                type="not_found_error",
-                code="admin_disabled",
-            )
-        header = request.headers.get("authorization", "")
-        if not header.lower().startswith("bearer "):
-            raise RouterError(
-                401,
-                "missing 'Authorization: Bearer <admin.token>' header",
-                type="authentication_error",
-                code="missing_admin_token",
-            )
-        if header[7:].strip() != token:
-            raise RouterError(403, "wrong admin token", type="permission_error", code="invalid_admin_token")
+    # /admin/* is authenticated by router.guard (admin.token, constant-time, failures rate-limited).
 
     @app.post("/admin/reload")
     async def admin_reload(request: Request) -> Response:
         try:
-            check_admin(request)
             return JSONResponse(services.reload())
         except RouterError as err:
-            return _json_error(err)
+            return error_response(err)
+
+    def engine_state(engine_id: str) -> Any:
+        state = services.tracker.engines.get(engine_id)
+        if state is None:
+            raise RouterError(
+                404,
+                f"unknown engine {engine_id!r}; engines: {', '.join(services.tracker.engines)}",
+                type="not_found_error",
+                code="engine_not_found",
+            )
+        return state
 
     @app.post("/admin/engines/{engine_id}/drain")
     async def admin_drain(engine_id: str, request: Request) -> Response:
-        """Take an engine out of routing until restart; in-flight requests finish normally."""
+        """Take an engine out of routing until undrained; in-flight requests finish normally."""
         try:
-            check_admin(request)
-            if engine_id not in services.tracker.engines:
-                raise RouterError(
-                    404,
-                    f"unknown engine {engine_id!r}; engines: {', '.join(services.tracker.engines)}",
-                    type="not_found_error",
-                    code="engine_not_found",
-                )
+            engine_state(engine_id)
         except RouterError as err:
-            return _json_error(err)
+            return error_response(err)
         services.tracker.drain(engine_id)
         log.warning("engine %s drained by admin: no new requests go there", engine_id)
         return JSONResponse({"drained": engine_id})
+
+    @app.post("/admin/engines/{engine_id}/undrain")
+    async def admin_undrain(engine_id: str, request: Request) -> Response:
+        """Put a drained engine back into routing (health checks still apply)."""
+        try:
+            engine_state(engine_id).drained = False
+        except RouterError as err:
+            return error_response(err)
+        log.warning("engine %s undrained by admin: it takes new requests again", engine_id)
+        return JSONResponse({"undrained": engine_id})

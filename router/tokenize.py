@@ -1,6 +1,7 @@
 """Prompt token ids for a chat request: local HF tokenizer + jinja chat template, the engine's
 ``/tokenize``, or the simulator's tokenizer. Results are cached per conversation prefix so a long
-history is not re-tokenised every turn; heavy work runs in a thread, never on the event loop.
+history is not re-tokenised every turn; heavy work runs in a thread, never on the event loop. The
+caches are bounded by their estimated size in bytes (one huge prompt must not pin gigabytes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ _encode_msg = msgspec.msgpack.Encoder(order="deterministic").encode
 
 #: Below this many new characters tokenisation is cheaper than a thread hop.
 _INLINE_CHARS = 4096
+#: Default bound of one tokenizer's prefix cache (config: tokenizer.cache_max_bytes).
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+#: Bytes a cached token id costs: a list slot (8) plus the int object (28; ids above 256 are not
+#: shared by CPython).
+_TOKEN_BYTES = 36
+_ENTRY_OVERHEAD_BYTES = 200  # dict slot, key int, tuple/list headers
 
 
 def prefix_hashes(messages: Messages) -> list[int]:
@@ -34,24 +41,52 @@ def prefix_hashes(messages: Messages) -> list[int]:
     return out
 
 
+def entry_bytes(value: Any) -> int:
+    """Estimated memory of a cache value: a token list, or (rendered text, token list)."""
+    if isinstance(value, tuple):
+        text, tokens = value
+        return _ENTRY_OVERHEAD_BYTES + len(text) + _TOKEN_BYTES * len(tokens)
+    return _ENTRY_OVERHEAD_BYTES + _TOKEN_BYTES * len(value)
+
+
 class _Lru:
-    def __init__(self, max_entries: int) -> None:
-        self.max_entries = max_entries
-        self.data: OrderedDict[Any, Any] = OrderedDict()
+    """Least-recently-used map bounded by the summed ``entry_bytes`` of its values."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.data: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
+        self.size_bytes = 0
         self.hits = 0
         self.misses = 0
 
     def get(self, key: Any) -> Any:
-        value = self.data.get(key)
-        if value is not None:
-            self.data.move_to_end(key)
-        return value
+        item = self.data.get(key)
+        if item is None:
+            return None
+        self.data.move_to_end(key)
+        return item[0]
 
     def put(self, key: Any, value: Any) -> None:
-        self.data[key] = value
-        self.data.move_to_end(key)
-        while len(self.data) > self.max_entries:
-            self.data.popitem(last=False)
+        size = entry_bytes(value)
+        if size > self.max_bytes:
+            return  # larger than the whole cache: keeping it would evict everything else
+        old = self.data.pop(key, None)
+        if old is not None:
+            self.size_bytes -= old[1]
+        self.data[key] = (value, size)
+        self.size_bytes += size
+        while self.size_bytes > self.max_bytes:
+            _, (_, evicted) = self.data.popitem(last=False)
+            self.size_bytes -= evicted
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "entries": len(self.data),
+            "bytes": self.size_bytes,
+            "max_bytes": self.max_bytes,
+            "hits": self.hits,
+            "misses": self.misses,
+        }
 
 
 class ChatTokenizer(Protocol):
@@ -65,8 +100,8 @@ class ChatTokenizer(Protocol):
 class SimChatTokenizer:
     """The simulator's tokenizer and template (prefix-stable: only new messages are encoded)."""
 
-    def __init__(self, *, max_cached_prefixes: int = 4096) -> None:
-        self._cache = _Lru(max_cached_prefixes)
+    def __init__(self, *, cache_max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self._cache = _Lru(cache_max_bytes)
 
     async def chat_tokens(self, messages: Messages, *, model: str = "") -> list[int]:
         hashes = prefix_hashes(messages)
@@ -92,7 +127,7 @@ class SimChatTokenizer:
         return [*history, sim_tokenizer.ROLE_TOKENS["assistant"]]
 
     def cache_stats(self) -> dict[str, int]:
-        return {"entries": len(self._cache.data), "hits": self._cache.hits, "misses": self._cache.misses}
+        return self._cache.stats()
 
 
 class HfChatTokenizer:
@@ -110,7 +145,7 @@ class HfChatTokenizer:
         *,
         bos_token: str = "",
         eos_token: str = "",
-        max_cached_prefixes: int = 4096,
+        cache_max_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         import jinja2.sandbox
 
@@ -125,7 +160,7 @@ class HfChatTokenizer:
         self._specials = {"bos_token": bos_token, "eos_token": eos_token}
         added = tokenizer.get_added_tokens_decoder() if hasattr(tokenizer, "get_added_tokens_decoder") else {}
         self._boundary_tokens = tuple(t.content for t in added.values() if getattr(t, "special", False))
-        self._cache = _Lru(max_cached_prefixes)
+        self._cache = _Lru(cache_max_bytes)
 
     @classmethod
     def from_dir(cls, path: str | Path, **kwargs: Any) -> HfChatTokenizer:
@@ -197,7 +232,7 @@ class HfChatTokenizer:
         return tokens
 
     def cache_stats(self) -> dict[str, int]:
-        return {"entries": len(self._cache.data), "hits": self._cache.hits, "misses": self._cache.misses}
+        return self._cache.stats()
 
 
 class EngineChatTokenizer:
@@ -212,14 +247,14 @@ class EngineChatTokenizer:
         engine_url: str,
         *,
         model: str = "",
-        max_cached: int = 4096,
+        cache_max_bytes: int = DEFAULT_CACHE_BYTES,
         timeout_s: float = 10.0,
     ) -> None:
         self._session = session
         self._url = engine_url.rstrip("/") + "/tokenize"
         self._model = model
         self._timeout_s = timeout_s
-        self._cache = _Lru(max_cached)
+        self._cache = _Lru(cache_max_bytes)
 
     async def chat_tokens(self, messages: Messages, *, model: str = "") -> list[int]:
         hashes = prefix_hashes(messages)
@@ -246,4 +281,4 @@ class EngineChatTokenizer:
         return list(tokens)
 
     def cache_stats(self) -> dict[str, int]:
-        return {"entries": len(self._cache.data), "hits": self._cache.hits, "misses": self._cache.misses}
+        return self._cache.stats()

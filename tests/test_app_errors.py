@@ -18,6 +18,7 @@ from tests.conftest import ThreadedServer, free_port
 MODEL = "test-model"
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
+JSON = {"content-type": "application/json"}
 
 
 def router_for(serve_asgi: Callable[..., ThreadedServer], urls: list[tuple[str, str]], **overrides: Any):
@@ -56,11 +57,13 @@ def one_engine(serve_asgi, upstreams):
 def test_malformed_json(one_engine) -> None:
     _, router = one_engine
     resp = httpx.post(
-        router.url + CHAT, content=b'{"model": "test-model", "messages": [', headers={"x-request-id": "r1"}
+        router.url + CHAT,
+        content=b'{"model": "test-model", "messages": [',
+        headers={"x-request-id": "r1", **JSON},
     )
     assert_error(resp, 400, "invalid_json")
     assert resp.headers["x-request-id"] == "r1"
-    assert_error(httpx.post(router.url + CHAT, content=b"[1, 2]"), 400, "invalid_json")
+    assert_error(httpx.post(router.url + CHAT, content=b"[1, 2]", headers=JSON), 400, "invalid_json")
 
 
 @pytest.mark.parametrize(
@@ -116,7 +119,7 @@ def test_body_over_limit_is_413(one_engine) -> None:
             yield b"y" * 1000
         yield b'"}]}'
 
-    assert_error(httpx.post(router.url + CHAT, content=chunked()), 413, "request_too_large")
+    assert_error(httpx.post(router.url + CHAT, content=chunked(), headers=JSON), 413, "request_too_large")
     assert upstream.bodies == []
 
 

@@ -1,0 +1,329 @@
+"""Inputs that used to crash or stall the router, a reset pooled connection, a slow /health, drained
+fleets and byte-bounded memory: each against real HTTP servers on loopback (issue 13 items 3, 4, 6,
+7, 8, 10, 12)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from router.app import create_app
+from router.config import load_config
+from router.experiments import Experiments
+from router.tokenize import SimChatTokenizer
+from tests.conftest import ThreadedServer
+
+MODEL = "test-model"
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+JSON = {"content-type": "application/json"}
+
+
+def router_for(serve_asgi: Callable[..., ThreadedServer], urls: list[tuple[str, str]], **sections: Any):
+    data: dict[str, Any] = {
+        "engines": [{"id": eid, "url": url, "model": MODEL} for eid, url in urls],
+        "policy": {"name": "round_robin"},
+        "health": {"interval_s": 0},
+        **sections,
+    }
+    return serve_asgi(create_app(load_config(environ={}, overrides=data)))
+
+
+@pytest.fixture
+def one_engine(serve_asgi, upstreams):
+    ((upstream, url),) = upstreams(1)
+    return upstream, router_for(serve_asgi, [("e0", url)], limits={"max_body_bytes": 65536})
+
+
+# -- item 6: no 500 from the router's own code, keep-alive survives errors ----------------------
+
+
+def test_bad_bodies_are_400_and_the_keep_alive_connection_survives(one_engine) -> None:
+    upstream, router = one_engine
+    text_not_string = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+    }
+    nested = b'{"model": "test-model", "messages": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    good = {"model": MODEL, "messages": MESSAGES}
+    statuses = []
+    with httpx.Client(base_url=router.url, timeout=10) as client:
+        for body in (text_not_string, good, nested, good, text_not_string, good):
+            raw = body if isinstance(body, bytes) else httpx.Request("POST", "/", json=body).content
+            resp = client.post(CHAT, content=raw, headers=JSON)
+            statuses.append(resp.status_code)
+            if resp.status_code != 200:
+                assert resp.json()["error"]["code"] in ("invalid_type", "invalid_json")
+    assert statuses == [400, 200, 400, 200, 400, 200]
+    assert len(upstream.bodies) == 3  # only the good ones reached the engine
+
+
+def test_out_of_range_values_are_rejected_like_the_engine_would(one_engine) -> None:
+    upstream, router = one_engine
+    for extra in ({"max_tokens": 0}, {"n": 0}, {"temperature": -1}, {"top_p": 2}, {"cache_salt": ""}):
+        resp = httpx.post(router.url + CHAT, json={"model": MODEL, "messages": MESSAGES, **extra})
+        assert resp.status_code == 400, extra
+    assert upstream.bodies == []
+
+
+# -- item 7 / 10: limits, content type, clipped echoes -----------------------------------------
+
+
+def test_explain_has_the_chat_paths_limits_and_validation(serve_asgi, upstreams) -> None:
+    from router.service import build_router_app
+
+    ((_, url),) = upstreams(1)
+    config = load_config(
+        environ={},
+        overrides={
+            "engines": [{"id": "e0", "url": url, "model": MODEL}],
+            "health": {"interval_s": 0},
+            "index": {"enabled": False},
+            "costs": {"scrape_interval_s": 0},
+            "tokenizer": {"backend": "sim"},
+            "limits": {"max_body_bytes": 65536},
+        },
+    )
+    router = serve_asgi(build_router_app(config))
+    explain = router.url + "/v1/route/explain"
+    ok = httpx.post(explain, json={"model": MODEL, "messages": MESSAGES})
+    assert ok.status_code == 200 and ok.json()["choice"] == "e0"
+    big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 70000}]}
+    assert httpx.post(explain, json=big).json()["error"]["code"] == "request_too_large"
+    bad = httpx.post(explain, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 0})
+    assert bad.status_code == 400
+    plain = httpx.post(
+        explain, content=b'{"model": "test-model", "prompt": "x"}', headers={"content-type": "text/plain"}
+    )
+    assert plain.status_code == 415
+
+
+def test_non_json_content_types_are_415_and_never_reach_an_engine(one_engine) -> None:
+    upstream, router = one_engine
+    body = b'{"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}'
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None):
+        headers = {"content-type": content_type} if content_type else {}
+        resp = httpx.post(router.url + CHAT, content=body, headers=headers)
+        assert resp.status_code == 415
+        assert resp.json()["error"]["code"] == "unsupported_media_type"
+    ok = httpx.post(
+        router.url + CHAT, content=body, headers={"content-type": "application/json; charset=utf-8"}
+    )
+    assert ok.status_code == 200
+    assert len(upstream.bodies) == 1
+
+
+def test_prompt_limit_applies_before_any_tokenising(serve_asgi, upstreams) -> None:
+    ((upstream, url),) = upstreams(1)
+    router = router_for(serve_asgi, [("e0", url)], limits={"max_prompt_tokens": 1000})
+    long_prompt = {"model": MODEL, "prompt": "word " * 1000}  # ~1,250 tokens at 4 chars per token
+    resp = httpx.post(router.url + "/v1/completions", json=long_prompt)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "prompt_too_long"
+    token_ids = {"model": MODEL, "prompt": list(range(1001))}
+    assert httpx.post(router.url + "/v1/completions", json=token_ids).status_code == 400
+    assert upstream.bodies == []
+    assert (
+        httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}).status_code == 200
+    )
+
+
+def test_unknown_model_name_and_request_id_are_not_echoed_whole(one_engine, caplog) -> None:
+    _, router = one_engine
+    name = "m" * 50_000
+    resp = httpx.post(
+        router.url + CHAT, json={"model": name, "messages": MESSAGES}, headers={"x-request-id": "r" * 5000}
+    )
+    assert resp.status_code == 404
+    assert len(resp.text) < 1000 and "characters, clipped" in resp.json()["error"]["message"]
+    assert len(resp.headers["x-request-id"]) < 64
+    assert all(len(r.getMessage()) < 2000 for r in caplog.records)
+
+
+# -- item 3: a reset pooled connection is retried like a refused one ---------------------------
+
+
+@pytest.fixture
+def resetting_engine() -> Iterator[str]:
+    """An 'engine' that reads each request and answers with a TCP reset (a dying keep-alive socket)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    stop = threading.Event()
+
+    def serve() -> None:
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                continue
+            conn.recv(65536)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    stop.set()
+    thread.join(2)
+    sock.close()
+
+
+def test_connection_reset_before_any_answer_fails_over(serve_asgi, upstreams, resetting_engine) -> None:
+    ((upstream, url),) = upstreams(1)
+    router = router_for(serve_asgi, [("rst", resetting_engine), ("e0", url)])  # round robin: rst first
+    resp = httpx.post(router.url + CHAT, json={"model": MODEL, "messages": MESSAGES})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-kvroute-engine"] == "e0"
+    assert len(upstream.bodies) == 1
+    text = httpx.get(router.url + "/metrics").text
+    assert 'kvroute_upstream_errors_total{engine="rst",kind="connect"} 1.0' in text
+
+
+# -- item 4: one slow /health is not death ------------------------------------------------------
+
+
+class SlowHealthEngine:
+    """Answers chat at once but GET /health only after ``health_delay_s``."""
+
+    def __init__(self, health_delay_s: float) -> None:
+        self.health_delay_s = health_delay_s
+        self.requests = 0
+
+    def app(self) -> Starlette:
+        async def health(request: Request) -> Response:
+            await asyncio.sleep(self.health_delay_s)
+            return Response()
+
+        async def chat(request: Request) -> Response:
+            await request.body()
+            self.requests += 1
+            return JSONResponse({"id": "x", "object": "chat.completion", "choices": [], "usage": None})
+
+        return Starlette(routes=[Route("/health", health), Route(CHAT, chat, methods=["POST"])])
+
+
+def test_slow_health_does_not_mark_a_serving_engine_dead(serve_asgi) -> None:
+    engine = SlowHealthEngine(health_delay_s=1.0)
+    server = serve_asgi(engine.app())
+    router = router_for(
+        serve_asgi,
+        [("e0", server.url)],
+        health={
+            "interval_s": 0.1,
+            "timeout_s": 0.2,
+            "failures_before_unhealthy": 3,
+            "answer_liveness_s": 5.0,
+        },
+    )
+    statuses = []
+    deadline = time.monotonic() + 2.0  # ~10 failed polls
+    while time.monotonic() < deadline:
+        statuses.append(
+            httpx.post(router.url + CHAT, json={"model": MODEL, "messages": MESSAGES}).status_code
+        )
+        time.sleep(0.05)
+    assert set(statuses) == {200}
+    assert engine.requests == len(statuses)
+    # No traffic: the failed polls alone take it out once the last answer is old enough.
+    engine.health_delay_s = 1.0
+    router2 = router_for(
+        serve_asgi,
+        [("e0", server.url)],
+        health={
+            "interval_s": 0.1,
+            "timeout_s": 0.2,
+            "failures_before_unhealthy": 3,
+            "answer_liveness_s": 0.5,
+        },
+    )
+    deadline = time.monotonic() + 10
+    while httpx.get(router2.url + "/ready").status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ready = httpx.get(router2.url + "/ready").json()
+    assert not ready["engines"]["e0"]["healthy"] and "in a row" in ready["engines"]["e0"]["error"]
+
+
+# -- item 12: /ready with a drained fleet, undrain ----------------------------------------------
+
+
+def test_ready_is_false_when_every_engine_is_drained_and_undrain_restores(serve_asgi, upstreams) -> None:
+    from router.service import build_router_app
+
+    ((_, url),) = upstreams(1)
+    config = load_config(
+        environ={},
+        overrides={
+            "engines": [{"id": "e0", "url": url, "model": MODEL}],
+            "health": {"interval_s": 0},
+            "index": {"enabled": False},
+            "costs": {"scrape_interval_s": 0},
+            "admin": {"token": "admin-token-123456"},
+        },
+    )
+    router = serve_asgi(build_router_app(config))
+    admin = {"authorization": "Bearer admin-token-123456"}
+    assert httpx.get(router.url + "/ready").status_code == 200
+    assert httpx.post(router.url + "/admin/engines/e0/drain", headers=admin).status_code == 200
+    ready = httpx.get(router.url + "/ready")
+    assert ready.status_code == 503 and ready.json()["engines"]["e0"]["drained"]
+    assert httpx.post(router.url + CHAT, json={"model": MODEL, "messages": MESSAGES}).status_code == 503
+    assert httpx.post(router.url + "/admin/engines/e0/undrain", headers=admin).status_code == 200
+    assert httpx.get(router.url + "/ready").status_code == 200
+    assert httpx.post(router.url + CHAT, json={"model": MODEL, "messages": MESSAGES}).status_code == 200
+
+
+# -- item 8: memory bounded by bytes --------------------------------------------------------------
+
+
+def test_tokenizer_prefix_cache_is_bounded_in_bytes() -> None:
+    bound_bytes = 1024 * 1024
+    tok = SimChatTokenizer(cache_max_bytes=bound_bytes)
+
+    async def feed() -> None:
+        for i in range(8):  # 8 conversations of ~40 KB (~490 KB of token lists each when cached)
+            messages = [{"role": "user", "content": f"conversation {i} " + "lorem ipsum " * 3400}]
+            await tok.chat_tokens(messages)
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        asyncio.run(feed())
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    stats = tok.cache_stats()
+    assert stats["bytes"] <= bound_bytes and 0 < stats["entries"] < 8
+    # Independent truth: what the interpreter really holds, not the cache's own estimate.
+    assert grown < 2 * bound_bytes
+
+
+def test_experiment_session_map_does_not_keep_huge_keys() -> None:
+    experiments = Experiments({"policy": "round_robin"})
+    experiments.bound_sessions(64 * 1024)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(30):
+            experiments.assign(f"{i}" + "u" * 1_000_000)  # a 1 MB ``user`` value each
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert experiments.session_count() == 30
+    assert grown < 64 * 1024
+    for i in range(2000):
+        experiments.assign(f"s{i}")
+    assert experiments.session_count() <= 64 * 1024 // 144
