@@ -1,45 +1,67 @@
 # kvroute: the two set-up commands are `make demo` and `make test`; both build .venv themselves.
+# Each target installs only what it needs, one stamp per set of extras: `make demo` the package
+# alone; `make test`, `make validate` and `make bench` add [test,plots,load,scale] (the suite
+# covers plots, the locustfile and redis replicas); `make lint` adds [dev]; `make load` [load].
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# setuptools prints an information-only "Editable installation" notice on every editable build;
+# it is not a deprecation and says nothing about this project, so it is filtered by its text.
+PIP_INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: demo test lint validate bench load fmt clean
 
-$(STAMP): pyproject.toml Makefile
+$(VENV)/.core: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,dev,load,plots,scale]'
-	touch $(STAMP)
+	$(PIP_INSTALL) --upgrade pip  # the bundled pip resolves from the index about twice as slowly
+	$(PIP_INSTALL) -e .
+	touch $@
 
-demo: $(STAMP)
+$(VENV)/.test: $(VENV)/.core
+	$(PIP_INSTALL) -e '.[test,plots,load,scale]'  # the suite checks plots, the locustfile, redis
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.test
+	$(PIP_INSTALL) -e '.[test,plots,load,scale,dev]'
+	touch $@
+
+$(VENV)/.load: $(VENV)/.core
+	$(PIP_INSTALL) -e '.[load]'
+	touch $@
+
+# Everything, for development (every extra, including load and scale).
+$(VENV)/.installed: $(VENV)/.dev
+	$(PIP_INSTALL) -e '.[test,dev,plots,tokenizers,load,scale]'
+	touch $@
+
+demo: $(VENV)/.core
 	$(PY) -m loadtest.demo
 
-test: $(STAMP)
+test: $(VENV)/.test
 	$(PY) -m pytest -q -p no:cacheprovider
 
-lint: $(STAMP)
+lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check kvcore router policies sim loadtest tests
 	$(VENV)/bin/ruff format --check kvcore router policies sim loadtest tests
 	$(VENV)/bin/mypy
 
 # compose.yaml, the Prometheus config and alert rules, and the Grafana dashboard's queries
 # (needs docker-compose and promtool: Debian packages docker-compose and prometheus; .ci/run installs them).
-validate: $(STAMP)
+validate: $(VENV)/.test
 	docker-compose -f compose.yaml config -q
 	promtool check config deploy/prometheus/prometheus.yml
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_deploy.py
 
-fmt: $(STAMP)
+fmt: $(VENV)/.dev
 	$(VENV)/bin/ruff format kvcore router policies sim loadtest tests
 	$(VENV)/bin/ruff check --fix kvcore router policies sim loadtest tests
 
 # Locust multi-turn load on a simulated fleet + router, e.g. make load LOAD_ARGS="--policy round_robin --time 2m"
 LOAD_ARGS ?= --users 16 --time 60s --out runs/load
-load: $(STAMP)
+load: $(VENV)/.load
 	$(PY) -m loadtest.load $(LOAD_ARGS)
 
-bench: $(STAMP)
+bench: $(VENV)/.test
 	$(PY) -m loadtest.bench all
 
 clean:

@@ -4,14 +4,18 @@ It drives a synthetic ``loadtest.workloads.Workload`` (the same conversations th
 replays): each conversation resends its whole history every turn (shared system prompt, growing user text and
 the previous answers), streams the answer, measures TTFT at the client and records what the router
 said in its response headers (engine, arm) and what the engine reported as cached prompt tokens.
+``main`` is ``kvroute load``: the demo's conversations against any router or engine URL.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import sys
 import time
+import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +24,7 @@ import aiohttp
 
 from kvcore.sim_tokenizer import NAME as SIM_MODEL
 from kvcore.stats import percentile
-from loadtest.workloads import Workload
+from loadtest.workloads import LadderConfig, Workload, ladder_workload
 
 
 @dataclass(slots=True)
@@ -201,3 +205,109 @@ def print_progress(done: int, total: int) -> None:
     elif done == total or (done * 10 // max(total, 1)) != ((done - 1) * 10 // max(total, 1)):
         sys.stderr.write(f"  turns {done}/{total} ({100 * done // max(total, 1)}%)\n")
     sys.stderr.flush()
+
+
+def chat_workload(
+    *,
+    conversations: int,
+    concurrency: int,
+    turns: int,
+    think_time_s: float,
+    seed: int = 0,
+    block_size: int = 16,
+) -> Workload:
+    """The B1 ladder scaled down (the demo's load): 2,400-token first prompts sharing a 600-token
+    system prompt, +448 tokens a turn (the previous 48-token answer and new user text)."""
+    return ladder_workload(
+        LadderConfig(
+            first_prompt_tokens=2400,
+            system_prefix_tokens=600,
+            tokens_per_turn=448,
+            turns=turns,
+            answer_min_tokens=48,
+            answer_max_tokens=48,
+            think_time_mean_s=think_time_s,
+            concurrency=concurrency,
+            total_conversations=conversations,
+            block_size=block_size,
+            seed=seed,
+        )
+    )
+
+
+def _wait_ready(url: str, wait_s: float) -> str:
+    """Poll GET /health until it answers 200; "" when ready, else why not."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + wait_s
+    error = ""
+    while True:
+        try:
+            with opener.open(f"{url}/health", timeout=2.0) as resp:
+                if resp.status == 200:
+                    return ""
+        except OSError as exc:
+            error = str(exc)
+        if time.monotonic() >= deadline:
+            return error or "no answer"
+        time.sleep(0.25)
+
+
+def format_summary(result: LoadResult) -> str:
+    s = result.summary()
+    per_engine = Counter(t.engine or "-" for t in result.turns if t.ok)
+    lines = [
+        f"{s['ok']} turns ok, {s['errors']} errors in {result.wall_s:.1f} s ({s['turns_per_s']:.1f} turns/s)",
+        f"TTFT p50 {s['ttft_p50_s'] * 1000:.1f} ms, p90 {s['ttft_p90_s'] * 1000:.1f} ms (at this client)",
+        f"prompt tokens the engines reported as cached: {s['cached_fraction']:.1%}",
+        "turns per engine: " + ", ".join(f"{e} {n}" for e, n in sorted(per_engine.items())),
+    ]
+    errors = [t.error for t in result.turns if not t.ok and t.error]
+    if errors:
+        lines.append(f"first error: {errors[0]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvroute load``: multi-turn streaming chats against an OpenAI-compatible URL, then a summary."""
+    p = argparse.ArgumentParser(
+        prog="kvroute load",
+        description="Drive multi-turn streaming chat conversations (full history resent each turn) against "
+        "a kvroute router or any OpenAI-compatible server, and print TTFT and cache figures.",
+    )
+    p.add_argument("--url", default="http://127.0.0.1:9000", help="server base URL, without /v1")
+    p.add_argument("--model", default=SIM_MODEL, help=f"model name to send (default {SIM_MODEL})")
+    p.add_argument("--conversations", type=int, default=24, help="conversations in total (default 24)")
+    p.add_argument("--concurrency", type=int, default=6, help="conversations at a time (default 6)")
+    p.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
+    p.add_argument("--think-time-s", type=float, default=0.3, help="mean pause between turns (default 0.3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wait-s", type=float, default=60.0, help="wait this long for GET /health first")
+    args = p.parse_args(argv)
+    url = args.url.rstrip("/").removesuffix("/v1")
+    try:
+        workload = chat_workload(
+            conversations=args.conversations,
+            concurrency=args.concurrency,
+            turns=args.turns,
+            think_time_s=args.think_time_s,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        print(f"kvroute load: {exc}", file=sys.stderr)
+        return 2
+    why = _wait_ready(url, args.wait_s)
+    if why:
+        print(f"kvroute load: {url}/health did not answer within {args.wait_s:g} s ({why})", file=sys.stderr)
+        return 1
+    print(
+        f"{len(workload.conversations)} conversations x {args.turns} turns, "
+        f"{workload.concurrency} at a time, against {url} ...",
+        file=sys.stderr,
+    )
+    result = asyncio.run(run_load(url, workload, model=args.model, progress=print_progress))
+    print(format_summary(result))
+    return 0 if result.summary()["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -298,8 +298,23 @@ class MooncakeRecord:
     hash_ids: list[int]
 
 
-def read_mooncake_records(path: str | Path, *, limit: int | None = None) -> list[MooncakeRecord]:
-    """Parse a Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids)."""
+#: The public traces the repository carries (data/README.md): the readers' defaults.
+DATA_TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
+MOONCAKE_CONVERSATION_TRACE = DATA_TRACES / "mooncake" / "conversation_trace.jsonl"
+AGENTIC_SESSIONS_DIR = DATA_TRACES / "agentic-sessions"
+#: Short names ``kvroute sim --trace`` accepts for them.
+NAMED_TRACES: dict[str, Path] = {
+    "mooncake": MOONCAKE_CONVERSATION_TRACE,
+    "mooncake-synthetic": DATA_TRACES / "mooncake" / "synthetic_trace.jsonl",
+    "agentic": AGENTIC_SESSIONS_DIR,
+}
+
+
+def read_mooncake_records(
+    path: str | Path = MOONCAKE_CONVERSATION_TRACE, *, limit: int | None = None
+) -> list[MooncakeRecord]:
+    """Parse a Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids); by
+    default the Mooncake conversation trace in data/traces."""
     records: list[MooncakeRecord] = []
     with open(path, encoding="utf-8") as fh:
         for line_no, line in enumerate(fh, 1):
@@ -392,8 +407,11 @@ def read_agentic_session(path: str | Path) -> AgenticSession:
     return AgenticSession(str(obj.get("id", Path(path).stem)), block_size, shared, agents)
 
 
-def read_agentic_sessions(path: str | Path, *, limit: int | None = None) -> list[AgenticSession]:
-    """All session files of a directory (sorted by name), or one file."""
+def read_agentic_sessions(
+    path: str | Path = AGENTIC_SESSIONS_DIR, *, limit: int | None = None
+) -> list[AgenticSession]:
+    """All session files of a directory (sorted by name), or one file; by default the 48 sessions
+    in data/traces/agentic-sessions."""
     p = Path(path)
     files = sorted(p.glob("*.json")) if p.is_dir() else [p]
     if not files:

@@ -282,7 +282,33 @@ def build_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
 
     if name not in REGISTRY:
         raise ValueError(f"unknown policy {name!r}; accepted: {', '.join(sorted(REGISTRY))}")
+    given = dict(params or {})
+    accepted = policy_parameters(name)
+    takes_any = accepted is None  # a factory with **kwargs checks its own keys
+    accepted = accepted or {}
+    unknown = [] if takes_any else sorted(set(given) - set(accepted))
+    valid = ", ".join(f"{k} (default {v!r})" for k, v in accepted.items()) or "none"
+    if unknown:
+        raise ValueError(f"policy {name!r} has no parameter {', '.join(unknown)}; valid parameters: {valid}")
     try:
-        return REGISTRY[name](**dict(params or {}))
+        return REGISTRY[name](**given)
     except TypeError as exc:
-        raise ValueError(f"bad parameters for policy {name!r}: {exc}") from None
+        # A value of the wrong type; say which parameters exist rather than showing a signature.
+        raise ValueError(
+            f"bad parameter value for policy {name!r} ({exc}); valid parameters: {valid}"
+        ) from None
+
+
+def policy_parameters(name: str) -> dict[str, Any] | None:
+    """The keyword parameters of a registered policy and their defaults (for error messages);
+    None when its factory also takes ``**kwargs``."""
+    import inspect
+
+    try:
+        sig = inspect.signature(REGISTRY[name])
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        return None
+    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return {p.name: p.default for p in sig.parameters.values() if p.kind in kinds}

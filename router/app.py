@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvcore.core import CoreConfig, RoutingCore
 from policies.costs import CostModel
-from router import openapi
+from router import __version__, openapi
 from router.config import RouterConfig
 from router.errors import RouterError, bad_request
 from router.guard import TENANT_STATE_KEY, AccessGuard, Authenticator
@@ -298,11 +298,15 @@ def create_app(
         observers=[LivenessObserver(tracker), *observers],
     )
     reader = RequestReader(config)
-    components = [
-        c
-        for c in (index, tokenizer, event_manager, experiments, annotator, *observers)
-        if c is not None and hasattr(c, "start") and hasattr(c, "stop")
-    ]
+    # Each once, by identity: one object may fill two roles (the router's services are both the
+    # event manager and an observer); a second start() would leak the first start's HTTP session.
+    components = list(
+        {
+            id(c): c
+            for c in (index, tokenizer, event_manager, experiments, annotator, *observers)
+            if c is not None and hasattr(c, "start") and hasattr(c, "stop")
+        }.values()
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -386,6 +390,11 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> Response:
+        # vLLM's benchmark client probes GET /version; the same shape as vLLM's own answer.
+        return JSONResponse({"version": __version__})
 
     @app.get("/ready")
     async def ready() -> Response:

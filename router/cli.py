@@ -1,7 +1,8 @@
 """``kvroute`` command line: ``serve`` runs the router; other subcommands dispatch lazily.
 
 ``engine`` -> sim.server:main, ``fleet`` -> sim.fleet:main, ``sim`` -> sim.des:main,
-``bench`` -> loadtest.bench:main, ``demo`` -> loadtest.demo:main; each gets the remaining argv.
+``load`` -> loadtest.chat_client:main, ``bench`` -> loadtest.bench:main, ``demo`` ->
+loadtest.demo:main; each gets the remaining argv.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("sim.server", "run one simulated vLLM engine"),
     "fleet": ("sim.fleet", "start N simulated engines and write a fleet file"),
     "sim": ("sim.des", "discrete-event simulation of a fleet behind a policy"),
+    "load": ("loadtest.chat_client", "multi-turn streaming chat load against a router or engine URL"),
     "bench": ("loadtest.bench", "side-by-side benchmark runs and report"),
     "demo": ("loadtest.demo", "the end-to-end demo"),
 }
@@ -43,6 +46,13 @@ def serve_parser() -> argparse.ArgumentParser:
         metavar="ID=URL",
         help="an engine (repeatable), e.g. e0=http://127.0.0.1:8001",
     )
+    parser.add_argument(
+        "--tokenizer",
+        choices=("none", "sim", "hf", "engine"),
+        help="how prompts become tokens for cache-aware policies: hf (with --tokenizer-path), engine "
+        "(the engines' POST /tokenize), sim (simulated engines), none",
+    )
+    parser.add_argument("--tokenizer-path", help='backend "hf": the model\'s tokenizer directory')
     parser.add_argument("--host", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (default 8000)")
     parser.add_argument("--log-level", help="critical, error, warning, info or debug")
@@ -57,19 +67,6 @@ def serve_parser() -> argparse.ArgumentParser:
 
 
 SIBLING_ENV = "_KVROUTE_SIBLING_WORKER"
-
-
-def _reuse_port_socket(host: str, port: int) -> Any:
-    """A listening TCP socket that other processes may bind too (the kernel spreads connections)."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    return sock
 
 
 def _start_sibling_workers(argv: Sequence[str], count: int) -> list[Any]:
@@ -139,6 +136,10 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
                 raise ConfigError(f"--engine {item!r} must be ID=URL, e.g. e0=http://127.0.0.1:8001")
             engines.append({"id": engine_id, "url": url})
         out["engines"] = engines
+    if args.tokenizer:
+        out.setdefault("tokenizer", {})["backend"] = args.tokenizer
+    if args.tokenizer_path:
+        out.setdefault("tokenizer", {})["path"] = args.tokenizer_path
     if args.host:
         out.setdefault("listen", {})["host"] = args.host
     if args.port is not None:
@@ -148,10 +149,76 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A bound TCP socket for ``host:port`` (as uvicorn binds it); raises OSError when taken.
+    ``reuse_port``: other processes may bind it too (the kernel spreads connections: --workers).
+
+    Binding before the server starts means a busy port fails before any startup work or message."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(
+    app: Any,
+    *,
+    prog: str,
+    host: str,
+    port: int,
+    on_started: Callable[[str], None],
+    reuse_port: bool = False,
+    on_bound: Callable[[], Callable[[], None]] | None = None,
+    **uvicorn_options: Any,
+) -> int:
+    """Bind ``host:port`` first (a clear one-line error and exit 2 when taken), then serve ``app``
+    with uvicorn; ``on_started(url)`` runs once the app's startup finished and requests are taken.
+    ``on_bound()`` runs right after the bind and returns a cleanup run when the server stops."""
+    import uvicorn
+
+    try:
+        sock = listen_socket(host, port, reuse_port=reuse_port)
+    except OSError as exc:
+        print(
+            f"{prog}: cannot listen on {host}:{port}: {exc.strerror or exc}; another process holds the "
+            "port or the address is not on this machine (choose another with --port)",
+            file=sys.stderr,
+        )
+        return 2
+    url_host = f"[{host}]" if ":" in host else host
+    url = f"http://{url_host}:{sock.getsockname()[1]}"
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started and not self.should_exit:
+                on_started(url)
+
+    server = _Server(uvicorn.Config(app, host=host, port=port, **uvicorn_options))
+    cleanup = on_bound() if on_bound is not None else None
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        # uvicorn shut down gracefully, then re-raised the captured Ctrl-C (as uvicorn.run does,
+        # it is the expected way out, not an error).
+        pass
+    finally:
+        sock.close()
+        if cleanup is not None:
+            cleanup()
+    return 0 if server.started else 1
+
+
 def serve(argv: Sequence[str]) -> int:
     import os
-
-    import uvicorn
 
     from router.service import build_router_app
 
@@ -183,10 +250,48 @@ def serve(argv: Sequence[str]) -> int:
     if workers < 1:
         print(f"kvroute serve: --workers must be >= 1, got {workers}", file=sys.stderr)
         return 2
-    uv_config = uvicorn.Config(
+    sibling = bool(os.environ.get(SIBLING_ENV))
+    arms = config.experiment.arms
+    policy = (
+        "experiment " + ", ".join(f"{a.name}={a.policy}" for a in arms)
+        if arms
+        else f"policy {config.policy.name}"
+    )
+
+    def started(url: str) -> None:
+        if sibling:  # the first worker speaks for all
+            return
+        print(
+            f"kvroute serve: listening on {url} (OpenAI base_url {url}/v1); {policy}, "
+            f"{len(config.engines)} engines, tokenizer {config.tokenizer.backend}, {workers} worker(s); "
+            "Ctrl-C stops",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def start_siblings() -> Callable[[], None]:
+        # Multi-worker: every process binds the same port with SO_REUSEPORT and runs the whole
+        # router (event subscribers, index, scraping); the first one starts the others and stops
+        # them on exit.
+        siblings = [] if sibling else _start_sibling_workers(argv, workers - 1)
+
+        def stop() -> None:
+            for child in siblings:
+                child.terminate()
+            for child in siblings:
+                child.wait(10)
+
+        return stop
+
+    multi = workers > 1 or sibling
+    return run_server(
         app,
+        prog="kvroute serve",
         host=config.listen.host,
         port=config.listen.port,
+        on_started=started,
+        reuse_port=multi,
+        on_bound=start_siblings if multi else None,
         loop=loop,
         # httptools with header timeouts, header limits and a connection cap (router/guard.py).
         http=guarded_http_protocol(config.limits),
@@ -194,25 +299,41 @@ def serve(argv: Sequence[str]) -> int:
         access_log=False,
         timeout_keep_alive=30,
     )
-    if workers == 1 and not os.environ.get(SIBLING_ENV):
-        uvicorn.Server(uv_config).run()
-        return 0
-    # Multi-worker: every process binds the same port with SO_REUSEPORT and runs the whole router
-    # (event subscribers, index, scraping); the first one starts the others and stops them on exit.
-    sock = _reuse_port_socket(config.listen.host, config.listen.port)
-    siblings = [] if os.environ.get(SIBLING_ENV) else _start_sibling_workers(argv, workers - 1)
-    try:
-        uvicorn.Server(uv_config).run(sockets=[sock])
-    finally:
-        for child in siblings:
-            child.terminate()
-        for child in siblings:
-            child.wait(10)
-    return 0
+
+
+#: Packages that only an extra installs -> the extra (for the message when one is missing).
+_EXTRAS = {
+    "matplotlib": "plots",
+    "numpy": "plots",
+    "tokenizers": "tokenizers",
+    "jinja2": "tokenizers",
+    "locust": "load",
+    "redis": "scale",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        # Ctrl-C before a server took over its signals (imports, startup): no traceback.
+        print("interrupted", file=sys.stderr)
+        return 130
+    except ModuleNotFoundError as exc:
+        top = (exc.name or "").split(".")[0]
+        if top in ("router", "sim", "loadtest", "policies", "kvcore") or not top:
+            raise
+        extra = _EXTRAS.get(top)
+        hint = f"pip install 'kvroute[{extra}]'" if extra else f"pip install {top}"
+        print(
+            f"kvroute: this command needs the Python package {top!r}, which is not installed ({hint})",
+            file=sys.stderr,
+        )
+        return 2
+
+
+def _dispatch(args: list[str]) -> int:
     commands = ", ".join(["serve", *SUBCOMMANDS])
     if not args or args[0] in ("-h", "--help"):
         print(f"usage: kvroute {{{commands}}} [options]\n\n  serve    run the router")
@@ -225,17 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command not in SUBCOMMANDS:
         print(f"kvroute: unknown command {command!r}; accepted: {commands}", file=sys.stderr)
         return 2
-    module_name = SUBCOMMANDS[command][0]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):
-            print(
-                f"kvroute {command}: module {module_name} is not available in this install ({exc})",
-                file=sys.stderr,
-            )
-            return 2
-        raise
+    module = importlib.import_module(SUBCOMMANDS[command][0])
     result = module.main(rest)
     return int(result or 0)
 

@@ -457,8 +457,41 @@ def validate(config: RouterConfig) -> RouterConfig:
         try:
             build_policy(name, params)
         except ValueError as exc:
-            raise ConfigError(f"{key}: {exc} (registered: {', '.join(sorted(REGISTRY))})") from None
+            # An unknown name is the policy key's fault, anything else its parameters'.
+            if name not in REGISTRY:
+                where = key
+            else:
+                where = "policy.params" if key == "policy" else key.removesuffix(".policy") + ".params"
+            raise ConfigError(f"{where}: {exc}") from None
+        _refuse_blind(config, key, name, REGISTRY)
     return config
+
+
+def _needs_block_keys(factory: Any) -> bool:
+    # The router's rule (router/routing.py needs_block_keys), read off the registered class.
+    return bool(getattr(factory, "needs_block_keys", getattr(factory, "uses_index", False)))
+
+
+def _refuse_blind(config: RouterConfig, key: str, name: str, registry: Mapping[str, Any]) -> None:
+    """Refuse a policy that matches prompt blocks (index, approx_prefix) when the config gives it
+    none. Refused, not warned: such a router starts and serves, but every cache-aware decision is
+    made on zero predicted hits, which looks like a working router with a bad policy."""
+    factory = registry[name]
+    if _needs_block_keys(factory) and config.tokenizer.backend == "none":
+        keyless = ", ".join(sorted(n for n, f in registry.items() if not _needs_block_keys(f)))
+        raise ConfigError(
+            f'{key} "{name}" matches prompt blocks, but tokenizer.backend = "none" gives it no '
+            "tokens to match: it would route blind. Set [tokenizer] backend to "
+            '"hf" with path = the model\'s tokenizer directory (tokenizer.json + chat template), '
+            '"engine" (the engines\' POST /tokenize) or "sim" (simulated engines only); '
+            f"or use a policy that needs no tokens: {keyless}"
+        )
+    if getattr(factory, "uses_index", False) and not config.index.enabled:
+        no_index = ", ".join(sorted(n for n, f in registry.items() if not getattr(f, "uses_index", False)))
+        raise ConfigError(
+            f'{key} "{name}" reads the prefix index, but index.enabled = false: it would see no '
+            f"cached blocks. Set index.enabled = true or use a policy that does not read it: {no_index}"
+        )
 
 
 _DEBUG_ACCESS = ("", "open", "api_key", "admin", "off")
@@ -568,6 +601,15 @@ def load_config(
         except FileNotFoundError:
             raise ConfigError(
                 f"config file {path} not found; pass an existing TOML file to --config"
+            ) from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path} is a directory; pass a TOML file to --config") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {path} is not UTF-8 text (byte {exc.object[exc.start : exc.start + 1]!r} "
+                f"at offset {exc.start}); TOML files must be UTF-8"
             ) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None

@@ -14,6 +14,7 @@ import dataclasses
 import heapq
 import json
 import math
+import os
 import random
 import resource
 import sys
@@ -28,6 +29,8 @@ from kvcore.index import PrefixIndex
 from kvcore.keys import block_keys
 from kvcore.stats import percentile as _percentile
 from loadtest.workloads import (
+    DATA_TRACES,
+    NAMED_TRACES,
     Conversation,
     LadderConfig,
     Workload,
@@ -796,33 +799,39 @@ def _decode(events: list[dict[str, Any]]) -> list[Any]:
 
 
 class _Progress:
-    """A one-line progress bar on stderr, redrawn at most every 0.5 s of wall time."""
+    """Reports one run's finished requests to the sweep's single progress bar: ``_Progress.sink``
+    (set by ``main`` in this process or, with --jobs, in each worker) gets the newly finished count
+    at most every 0.2 s, and the rest up to ``total`` at ``close``. Without a sink (tests, the
+    Python API) nothing is drawn."""
+
+    #: Called with a count of newly finished requests; None = no progress reporting.
+    sink: Callable[[int], None] | None = None
 
     def __init__(self, total: int, *, enabled: bool, label: str) -> None:
-        self.total = max(total, 1)
-        self.enabled = enabled
+        self.total = max(total, 0)
+        self.enabled = enabled and _Progress.sink is not None
         self.label = label
-        self._last_draw = 0.0
-        self._t0 = time.perf_counter()
+        self._reported = 0
+        self._last_s = 0.0
 
     def update(self, done: int) -> None:
         if not self.enabled:
             return
-        t = time.perf_counter()
-        if t - self._last_draw < 0.5 and done < self.total:
+        now = time.monotonic()
+        if now - self._last_s < 0.2:
             return
-        self._last_draw = t
-        frac = min(1.0, done / self.total)
-        bar = "#" * int(frac * 30)
-        sys.stderr.write(
-            f"\r{self.label[:40]:40s} [{bar:30s}] {frac:6.1%} {done}/{self.total} {t - self._t0:6.1f}s"
-        )
-        sys.stderr.flush()
+        self._last_s = now
+        self._report(min(done, self.total))
+
+    def _report(self, done: int) -> None:
+        if done > self._reported and _Progress.sink is not None:
+            _Progress.sink(done - self._reported)
+            self._reported = done
 
     def close(self) -> None:
+        # Rejected or unfinished requests still count: the sweep's bar advances by exactly ``total``.
         if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+            self._report(self.total)
 
 
 def simulate(
@@ -906,7 +915,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     src.add_argument(
         "--trace",
-        help="replay a trace instead: a Mooncake JSONL file or an agentic-session directory / JSON file",
+        help="replay a trace instead: a Mooncake JSONL file, an agentic-session directory / JSON file, or "
+        "a trace the repository carries: "
+        + ", ".join(
+            f"{name} ({path.relative_to(DATA_TRACES.parent.parent)})" for name, path in NAMED_TRACES.items()
+        ),
     )
     src.add_argument(
         "--trace-format",
@@ -919,8 +932,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--concurrency",
         type=_int_list,
-        default=[16, 32, 64, 128, 256],
-        help="ladder: comma-separated concurrent conversations (default 16,32,64,128,256)",
+        default=[16, 32, 64],
+        help="ladder: comma-separated concurrent conversations (default 16,32,64: with the 8 default "
+        "policies about 2 CPU-minutes, 1-2 minutes on 2 cores; the B1 figures use 16,32,64,128,256)",
     )
     src.add_argument(
         "--conversations",
@@ -937,8 +951,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--block-size",
         type=int,
-        default=16,
-        help="ladder: tokens per KV block (engines and block ids); larger = faster, coarser",
+        default=64,
+        help="ladder: tokens per KV block (engines and block ids; default 64: token counts and timings "
+        "stay full size, the per-block work is 4x less than vLLM's 16); larger = faster, coarser",
     )
     fl = p.add_argument_group("fleet")
     fl.add_argument("--engines", type=_int_list, default=[4], help="engine counts (comma-separated)")
@@ -1023,10 +1038,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-ideal", action="store_true", help="skip the ideal hit rate (it keeps a set of every block id)"
     )
     out = p.add_argument_group("output")
-    out.add_argument("--out", help="directory for results.md, results.json and PNG plots")
+    out.add_argument(
+        "--out",
+        help="directory for results.jsonl / results.md / results.json (written as each run finishes) "
+        "and PNG plots (hits by tier; TTFT and throughput against concurrency)",
+    )
     out.add_argument("--seed", type=int, default=0)
-    out.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
-    out.add_argument("--no-progress", action="store_true")
+    out.add_argument(
+        "--jobs", type=int, default=None, help="runs in parallel processes (default: one per CPU core)"
+    )
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 
@@ -1076,6 +1097,12 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         raise ValueError(
             f"unknown policies {unknown}; accepted: {', '.join(sorted([*REGISTRY, 'clairvoyant']))}"
         )
+    for spec, name, params in parsed:
+        if name != "clairvoyant":
+            try:  # a bad parameter fails now, with the valid ones listed, not in the middle of a sweep
+                build_policy(name, params)
+            except ValueError as exc:
+                raise ValueError(f"--policies {spec}: {exc}") from None
     config = SimConfig(
         seed=args.seed,
         event_delay_s=args.event_delay_ms / 1000.0,
@@ -1096,7 +1123,11 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
     runs: list[_RunSpec] = []
     hetero = args.fleet == "hetero"
     if args.trace:
-        path = Path(args.trace)
+        path = NAMED_TRACES.get(args.trace, Path(args.trace))
+        if not path.exists():
+            raise ValueError(
+                f"--trace {args.trace}: no such file or directory; named traces: {', '.join(NAMED_TRACES)}"
+            )
         fmt = args.trace_format or ("agentic" if path.is_dir() or path.suffix == ".json" else "mooncake")
         if fmt == "mooncake":
             wl = mooncake_workload(
@@ -1169,54 +1200,170 @@ def _execute(spec: _RunSpec) -> SimResult:
     return result
 
 
+def _execute_indexed(item: tuple[int, _RunSpec]) -> tuple[int, SimResult]:
+    index, spec = item
+    return index, _execute(spec)
+
+
+def _count_into(counter: Any) -> None:
+    """Worker initializer: this process's runs report finished requests into ``counter``."""
+
+    def add(n: int) -> None:
+        with counter.get_lock():
+            counter.value += n
+
+    _Progress.sink = add
+
+
+def _run_line(result: SimResult) -> str:
+    d = result.as_dict()
+    return (
+        f"{result.label} {result.policy}: TTFT p50 {d['ttft_p50_s']:.3f} s p99 {d['ttft_p99_s']:.3f} s, "
+        f"hits GPU {d['hit_gpu']:.1%} CPU {d['hit_cpu']:.1%} STORAGE {d['hit_storage']:.1%} "
+        f"miss {d['miss']:.1%}, {d['turns_per_s']:.3g} turns/s, wall {result.wall_s:.1f} s"
+    )
+
+
+class _ResultFiles:
+    """``--out DIR``: results.jsonl gets a line as each run finishes; results.md and results.json
+    are rewritten then too (plan order), so a stopped sweep leaves what it finished."""
+
+    def __init__(self, out: Path | None, command: str, label_header: str, total_runs: int) -> None:
+        self.out = out
+        self.command = command
+        self.label_header = label_header
+        self.total_runs = total_runs
+        self.done: dict[int, SimResult] = {}
+        if out is not None:
+            (out / "results.jsonl").write_text("")
+
+    def add(self, index: int, result: SimResult) -> None:
+        self.done[index] = result
+        if self.out is None:
+            return
+        from sim.report import markdown_table
+
+        with open(self.out / "results.jsonl", "a") as fh:
+            fh.write(json.dumps(result.as_dict()) + "\n")
+        ordered = [self.done[i] for i in sorted(self.done)]
+        partial = (
+            "" if len(ordered) == self.total_runs else f" ({len(ordered)} of {self.total_runs} runs so far)"
+        )
+        table = markdown_table(ordered, label_header=self.label_header)
+        (self.out / "results.md").write_text(f"`{self.command}`{partial}\n\n{table}\n")
+        (self.out / "results.json").write_text(json.dumps([r.as_dict() for r in ordered], indent=1))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``kvroute sim ...``: run every (workload, engines, policy) combination, print a markdown
-    table, and with --out write results.md, results.json and PNG plots."""
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    """``kvroute sim ...``: run every (workload, engines, policy) combination with one progress bar
+    over the sweep, print each run's figures as it finishes and a markdown table at the end; with
+    --out, write results.jsonl / results.md / results.json as runs finish and PNG plots at the end."""
+    from tqdm import tqdm
+
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv_list)
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        # Checked before any run: a sweep must not end in an error about where to write.
+        if out.exists() and not out.is_dir():
+            print(
+                f"kvroute sim: --out {out} is an existing file; --out names a directory for "
+                "results.md, results.jsonl, results.json and the plots",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(f"kvroute sim: cannot create --out directory {out}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     try:
         runs, label_header = _plan(args)
     except (ValueError, OSError) as exc:
         print(f"kvroute sim: {exc}", file=sys.stderr)
         return 2
+    jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(runs)))
+    files = _ResultFiles(out, "kvroute sim " + " ".join(argv_list), label_header, len(runs))
+    total_requests = sum(r.workload.num_requests for r in runs)
+    print(
+        f"{len(runs)} runs ({total_requests:,} simulated requests) in {jobs} process(es)"
+        + (f"; results in {out}/ as each run finishes" if out else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    bar = tqdm(
+        total=total_requests,
+        unit="req",
+        desc="sweep",
+        disable=args.no_progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        smoothing=0.05,
+        mininterval=0.2 if sys.stderr.isatty() else 10.0,  # a log file gets a line every 10 s
+        bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} requests "
+        "[{elapsed} elapsed, ETA {remaining}]{postfix}",
+    )
     wall0 = time.perf_counter()
-    if args.jobs > 1:
-        import multiprocessing
 
-        for r in runs:
-            r.config = dataclasses.replace(r.config, progress=False)
-        with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
-            results = []
-            for n, result in enumerate(pool.imap(_execute, runs, chunksize=1), 1):
-                results.append(result)
-                if not args.no_progress:
-                    print(
-                        f"[{n}/{len(runs)}] {result.label} {result.policy}: wall {result.wall_s:.1f} s",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-    else:
-        results = [_execute(r) for r in runs]
-    from sim.report import markdown_table, plot_vs_concurrency
+    def finished(index: int, result: SimResult) -> None:
+        files.add(index, result)
+        bar.set_postfix_str(f"{len(files.done)}/{len(runs)} runs", refresh=False)
+        bar.write(f"[{len(files.done)}/{len(runs)}] {_run_line(result)}", file=sys.stdout)
 
+    try:
+        if jobs == 1:
+            _Progress.sink = bar.update
+            try:
+                for i, spec in enumerate(runs):
+                    finished(i, _execute(spec))
+            finally:
+                _Progress.sink = None
+        else:
+            import multiprocessing
+
+            ctx = multiprocessing.get_context("fork")
+            counter = ctx.Value("q", 0)
+            with ctx.Pool(jobs, initializer=_count_into, initargs=(counter,)) as pool:
+                results_iter = pool.imap_unordered(_execute_indexed, list(enumerate(runs)), chunksize=1)
+                while len(files.done) < len(runs):
+                    try:
+                        i, result = results_iter.next(timeout=0.5)
+                    except multiprocessing.TimeoutError:
+                        pass
+                    else:
+                        finished(i, result)
+                    bar.update(counter.value - bar.n)
+    except KeyboardInterrupt:
+        bar.close()
+        where = f"; they are in {out}/" if out is not None and files.done else ""
+        print(f"kvroute sim: interrupted after {len(files.done)} of {len(runs)} runs{where}", file=sys.stderr)
+        return 130
+    bar.close()
+    from sim.report import markdown_table, plot_hits_by_tier, plot_vs_concurrency
+
+    results = [files.done[i] for i in range(len(runs))]
     table = markdown_table(results, label_header=label_header)
+    print()
     print(table)
+    children_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     print(
         f"\n{len(runs)} runs, wall {time.perf_counter() - wall0:.1f} s, peak RSS "
-        f"{peak_rss_bytes() / 2**20:.0f} MiB (this process)"
+        f"{max(peak_rss_bytes(), children_rss) / 2**20:.0f} MiB (largest process)"
     )
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        cmd = "kvroute sim " + " ".join(sys.argv[1:] if argv is None else argv)
-        (out / "results.md").write_text(f"`{cmd}`\n\n{table}\n")
-        (out / "results.json").write_text(json.dumps([r.as_dict() for r in results], indent=1))
-        if label_header == "concurrency" and len(args.concurrency) > 1 and len(args.storage) == 1:
-            for path in plot_vs_concurrency(
-                results,
-                out,
-                title=f"{results[0].workload.split('-')[0]} {args.fleet}, {args.engines[0]} engines",
-            ):
+    if out is not None:
+        title = f"{results[0].workload.split('-')[0]} {args.fleet}, {args.engines[0]} engines"
+        try:
+            paths = plot_hits_by_tier(results, out, title=title, label_name=label_header)
+            if label_header == "concurrency" and len(args.concurrency) > 1 and len(args.storage) == 1:
+                paths += plot_vs_concurrency(results, out, title=title)
+        except ImportError:
+            print(
+                "plots skipped: matplotlib is not installed (pip install 'kvroute[plots]')", file=sys.stderr
+            )
+        else:
+            for path in paths:
                 print(f"wrote {path}")
+        print(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'results.jsonl'}")
     return 0
 
 

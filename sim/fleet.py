@@ -14,12 +14,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
-
-import httpx
 
 from kvcore import sim_tokenizer as tokenizer
 from sim.server import free_port
@@ -109,6 +109,7 @@ class Fleet:
         model: str = tokenizer.NAME,
         topic: str = "kv-events",
         python: str = sys.executable,
+        base_port: int | None = None,
     ) -> None:
         self._own_workdir = workdir is None
         self.workdir = (
@@ -119,6 +120,9 @@ class Fleet:
         self.model = model
         self.topic = topic
         self.python = python
+        #: None = free ports the OS picks; N = engine i serves HTTP on N+i, publishes KV events on
+        #: N+100+i and answers replays on N+200+i (room for 100 engines).
+        self.base_port = base_port
         self.engines: list[FleetEngine] = []
 
     def start(
@@ -134,10 +138,19 @@ class Fleet:
         prof = PROFILES[profile] if isinstance(profile, str) else profile
         if n < 1:
             raise ValueError(f"a fleet needs at least one engine, got n={n}")
+        if self.base_port is not None and not (
+            1024 <= self.base_port and self.base_port + 200 + len(self.engines) + n <= 65536
+        ):
+            raise ValueError(
+                f"base port {self.base_port}: needs base .. base+{200 + n - 1} within 1024..65535"
+            )
+        if self.base_port is not None and len(self.engines) + n > 100:
+            raise ValueError(f"fixed ports leave room for 100 engines, asked for {len(self.engines) + n}")
         started: list[FleetEngine] = []
         try:
             for i in range(n):
-                started.append(self._spawn(f"{id_prefix}{len(self.engines) + i}", prof, storage_pool))
+                ordinal = len(self.engines) + i
+                started.append(self._spawn(f"{id_prefix}{ordinal}", prof, storage_pool, ordinal))
             self.engines.extend(started)
             deadline = time.monotonic() + timeout_s
             for engine in started:
@@ -149,9 +162,20 @@ class Fleet:
             raise
         return started
 
-    def _spawn(self, engine_id: str, prof: FleetProfile, storage_pool: str) -> FleetEngine:
-        port = free_port(self.host)
-        pub_port, replay_port = _event_ports(self.host)
+    def _ports(self, ordinal: int) -> tuple[int, int, int]:
+        """(HTTP, KV-event, replay) ports of engine number ``ordinal``."""
+        if self.base_port is None:
+            return (free_port(self.host), *_event_ports(self.host))
+        ports = (self.base_port + ordinal, self.base_port + 100 + ordinal, self.base_port + 200 + ordinal)
+        for port in ports:
+            if not _port_is_free(self.host, port):
+                raise RuntimeError(
+                    f"port {port} on {self.host} is in use; stop what holds it or choose another --base-port"
+                )
+        return ports
+
+    def _spawn(self, engine_id: str, prof: FleetProfile, storage_pool: str, ordinal: int = 0) -> FleetEngine:
+        port, pub_port, replay_port = self._ports(ordinal)
         pub_ep = f"tcp://{self.host}:{pub_port}"
         replay_ep = f"tcp://{self.host}:{replay_port}"
         kv_cfg = {
@@ -219,22 +243,22 @@ class Fleet:
     @staticmethod
     def _wait_healthy(engine: FleetEngine, deadline: float) -> None:
         assert engine.process is not None
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while True:
-                code = engine.process.poll()
-                if code is not None:
-                    tail = Path(engine.log_path).read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"engine {engine.id} exited with code {code} while starting:\n{tail}")
-                try:
-                    if client.get(f"{engine.url}/health").status_code == 200:
+        # No proxies: the engines are on loopback (urllib would honour http_proxy otherwise).
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        while True:
+            code = engine.process.poll()
+            if code is not None:
+                tail = Path(engine.log_path).read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"engine {engine.id} exited with code {code} while starting:\n{tail}")
+            try:
+                with opener.open(f"{engine.url}/health", timeout=2.0) as resp:
+                    if resp.status == 200:
                         return
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"engine {engine.id} not healthy at {engine.url}; log: {engine.log_path}"
-                    )
-                time.sleep(0.05)
+            except (OSError, urllib.error.URLError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine {engine.id} not healthy at {engine.url}; log: {engine.log_path}")
+            time.sleep(0.05)
 
     def fleet_document(self) -> dict[str, Any]:
         return {"version": 1, "engines": [e.fleet_entry() for e in self.engines]}
@@ -270,6 +294,17 @@ class Fleet:
         self.stop()
 
 
+def _port_is_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def _signal_group(engine: FleetEngine, sig: signal.Signals) -> None:
     try:
         os.killpg(engine.pid, sig)  # start_new_session made pid the group id
@@ -294,20 +329,63 @@ def _stop_process(engine: FleetEngine, timeout_s: float = 5.0) -> None:
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvroute fleet", description="Run N simulated engines on loopback.")
-    p.add_argument("-n", "--engines", type=int, default=2)
-    p.add_argument("--profile", choices=sorted(PROFILES), default="tiered")
-    p.add_argument("--fleet-file", default="fleet.json", help="where to write the fleet file")
-    p.add_argument("--workdir", default=None, help="logs and shared storage (default: a temp dir)")
-    p.add_argument("--model", default=tokenizer.NAME)
-    p.add_argument("--topic", default="kv-events")
-    p.add_argument("--gpu-blocks", type=int, default=None)
-    p.add_argument("--cpu-blocks", type=int, default=None)
-    p.add_argument("--storage-blocks", type=int, default=None)
-    p.add_argument("--no-shared-storage", action="store_true", help="one private storage pool per engine")
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--time-scale", type=float, default=None)
-    p.add_argument("--hash-algo", choices=("sha256", "sha256_cbor"), default=None)
+    p = argparse.ArgumentParser(
+        prog="kvroute fleet",
+        description="Run N simulated vLLM engines on loopback (HTTP + KV events over ZMQ), write a fleet "
+        "file for `kvroute serve --fleet FILE`, and keep them running until Ctrl-C.",
+        epilog="Profiles (pool sizes in blocks): "
+        + "; ".join(
+            f"{name}: GPU {p.gpu_blocks}, CPU {p.cpu_blocks}, storage {p.storage_blocks}"
+            for name, p in sorted(PROFILES.items())
+        )
+        + ". Flags set after --profile override its values.",
+    )
+    p.add_argument("-n", "--engines", type=int, default=2, help="number of engines (default 2)")
+    p.add_argument(
+        "--profile", choices=sorted(PROFILES), default="tiered", help="starting pool sizes (default tiered)"
+    )
+    p.add_argument(
+        "--base-port",
+        type=int,
+        default=None,
+        help="fixed ports: engine i serves HTTP on BASE+i, KV events on BASE+100+i, replay on BASE+200+i "
+        "(default: free ports the OS picks; the fleet file says which)",
+    )
+    p.add_argument(
+        "--fleet-file", default="fleet.json", help="where to write the fleet file (default ./fleet.json)"
+    )
+    p.add_argument(
+        "--workdir", default=None, help="engine logs and the shared storage directory (default: a temp dir)"
+    )
+    p.add_argument(
+        "--model", default=tokenizer.NAME, help=f"model name the engines serve (default {tokenizer.NAME})"
+    )
+    p.add_argument("--topic", default="kv-events", help="ZMQ topic of the KV events (default kv-events)")
+    p.add_argument("--gpu-blocks", type=int, default=None, help="GPU KV pool per engine, in blocks")
+    p.add_argument(
+        "--cpu-blocks", type=int, default=None, help="CPU offload tier per engine, in blocks (0 = none)"
+    )
+    p.add_argument(
+        "--storage-blocks", type=int, default=None, help="STORAGE tier capacity in blocks (0 = none)"
+    )
+    p.add_argument(
+        "--no-shared-storage",
+        action="store_true",
+        help="one private storage pool per engine instead of one pool all engines mount",
+    )
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="run N times faster than the modelled GPU (default 10; 1 = real H100-like timings)",
+    )
+    p.add_argument(
+        "--hash-algo",
+        choices=("sha256", "sha256_cbor"),
+        default=None,
+        help="vLLM's prefix-cache hash (default sha256)",
+    )
     return p
 
 
@@ -332,25 +410,34 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, _terminate)
-    fleet = Fleet(args.workdir, model=args.model, topic=args.topic)
+    fleet = Fleet(args.workdir, model=args.model, topic=args.topic, base_port=args.base_port)
+    path: Path | None = None
     try:
+        print(f"starting {args.engines} simulated engines ...", flush=True)
         fleet.start(args.engines, prof)
         path = fleet.write_fleet_file(args.fleet_file)
-        print(f"fleet of {len(fleet.engines)} engines up ({json.dumps(asdict(prof))})", flush=True)
+        sizes = {k: v for k, v in asdict(prof).items() if k != "extra_args"}
+        print(f"fleet of {len(fleet.engines)} engines up ({json.dumps(sizes)})", flush=True)
         for e in fleet.engines:
-            print(f"  {e.id}: {e.url} events {e.kv_events_endpoint} replay {e.replay_endpoint}", flush=True)
-        print(f"fleet file: {path}  (Ctrl-C to stop)", flush=True)
+            print(f"  {e.id}: {e.url}  events {e.kv_events_endpoint}  replay {e.replay_endpoint}", flush=True)
+        print(f"engine logs: {fleet.workdir}", flush=True)
+        print(f"fleet file: {path}  ->  kvroute serve --fleet {path} --tokenizer sim", flush=True)
+        print("Ctrl-C stops the fleet", flush=True)
         while all(e.process is not None and e.process.poll() is None for e in fleet.engines):
             time.sleep(0.5)
         print("an engine exited; stopping the fleet", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print("stopping the fleet", file=sys.stderr, flush=True)
         return 0
-    except (RuntimeError, TimeoutError, ValueError) as exc:
+    except (RuntimeError, TimeoutError, ValueError, OSError) as exc:
         print(f"kvroute fleet: {exc}", file=sys.stderr)
         return 1
     finally:
         fleet.stop()
+        if path is not None:
+            # The file describes engines that no longer run; a router started from it would fail.
+            path.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

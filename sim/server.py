@@ -1185,13 +1185,32 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"kvroute engine: {exc}", file=sys.stderr)
         return 2
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level, lifespan="on")
-    )
+    from router.cli import run_server
+
+    def started(url: str) -> None:
+        events = "KV events off"
+        if config.kv_events.enable_kv_cache_events and not config.zero_delay:
+            src = resolved_source(config.kv_events, config.host)
+            replay = src["replay_endpoint"] or "-"
+            events = f"KV events {src['endpoint']} (topic {src['topic']!r}), replay {replay}"
+        print(
+            f"kvroute engine {config.engine_id}: listening on {url} (model {config.model}, block size "
+            f"{config.block_size}); {events}; Ctrl-C stops",
+            file=sys.stderr,
+            flush=True,
+        )
+
     # uvicorn turns SIGTERM/SIGINT into a graceful shutdown, which runs the lifespan's cleanup
     # (engine loop cancelled, ZMQ sockets closed).
-    server.run()
-    return 0
+    return run_server(
+        app,
+        prog="kvroute engine",
+        host=config.host,
+        port=config.port,
+        on_started=started,
+        log_level=args.log_level,
+        lifespan="on",
+    )
 
 
 if __name__ == "__main__":

@@ -177,13 +177,11 @@ def test_policy_needing_block_keys_without_a_tokenizer_is_a_config_error(policy:
     """Without keys such a policy would quietly route by load alone."""
     from router.service import build_router_app
 
-    config = load_config(
-        environ={},
-        overrides={
-            "engines": [{"id": "e0", "url": "http://127.0.0.1:9"}],
-            "policy": {"name": policy},
-            "tokenizer": {"backend": "none"},
-        },
-    )
+    overrides = {
+        "engines": [{"id": "e0", "url": "http://127.0.0.1:9"}],
+        "policy": {"name": policy},
+        "tokenizer": {"backend": "none"},
+    }
+    # Refused when the config is validated (before anything starts); build_router_app refuses too.
     with pytest.raises(ConfigError, match=f"{policy}.*tokenizer.backend"):
-        build_router_app(config)
+        build_router_app(load_config(environ={}, overrides=overrides))

@@ -33,3 +33,9 @@ def test_demo_runs_end_to_end_and_reports_both_arms(
     assert all(a["requests"] > 0 and a["errors"] == 0 for a in arms.values())
     assert sum(a["requests"] for a in arms.values()) == 8
     assert "tier_cost     tier_cost" in out and "fleet and router stopped" in out
+    assert "mean hit tokens per request" in out and "p99 rests on the slowest" in out
+    # The log the demo points to shows the router's start and one line per routed request.
+    log_path = Path(out.split("router log: ")[1].split(" (")[0])
+    log = log_path.read_text()
+    assert "kvroute serve: listening on" in log
+    assert sum(" arm control " in line or " arm tier_cost " in line for line in log.splitlines()) == 8

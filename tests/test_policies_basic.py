@@ -108,5 +108,7 @@ def test_session_affinity_bounded_load_spills_to_next_on_ring() -> None:
 def test_session_affinity_rejects_bad_params() -> None:
     with pytest.raises(ValueError, match="epsilon"):
         build_policy("session_affinity", {"epsilon": -1})
-    with pytest.raises(ValueError, match="bad parameters"):
+    with pytest.raises(ValueError, match="'round_robin' has no parameter nope; valid parameters: none"):
         build_policy("round_robin", {"nope": 1})
+    with pytest.raises(ValueError, match=r"has no parameter nope; valid parameters: epsilon \(default"):
+        build_policy("session_affinity", {"nope": 1})
