@@ -80,13 +80,14 @@ class RouterProc:
                 env=env,
                 cwd=REPO_ROOT,
             )
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # a busy machine can take half a minute to import
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
                     return
             time.sleep(0.1)
-        raise RuntimeError(f"router did not become ready; see {self.log}")
+        tail = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+        raise RuntimeError(f"router did not become ready; its log ends:\n{tail}")
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -122,10 +123,12 @@ def _toml(value: Any) -> str:
     return json.dumps(value)
 
 
-def router_toml(engines: list[dict[str, Any]], port: int, *, first_byte_timeout_s: float) -> str:
+def router_toml(
+    engines: list[dict[str, Any]], port: int, *, first_byte_timeout_s: float, policy: str = "kv_gpu"
+) -> str:
     sections: dict[str, dict[str, Any]] = {
         "listen": {"host": "127.0.0.1", "port": port},
-        "policy": {"name": "kv_gpu"},
+        "policy": {"name": policy},
         "tokenizer": {"backend": "sim"},
         "health": {"interval_s": 0.5, "timeout_s": 1.0},
         "limits": {"first_byte_timeout_s": first_byte_timeout_s, "read_timeout_s": 15.0},
@@ -181,7 +184,7 @@ async def conversation(
     messages: list[dict[str, str]] = [
         {"role": "system", "content": f"You are assistant {i}. " + "Be brief and precise. " * 20}
     ]
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=2.0)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
         while time.monotonic() < stop_at:
             messages.append({"role": "user", "content": f"question {rng.randrange(10**6)} " * 8})
             body = {"model": "kvroute-sim", "messages": messages, "stream": True, "max_tokens": max_tokens}
@@ -197,7 +200,7 @@ async def conversation(
 
 
 async def health_sampler(url: str, stop_at: float, out: list[float], failures: list[int]) -> None:
-    async with httpx.AsyncClient(timeout=2.0) as client:
+    async with httpx.AsyncClient(timeout=5.0) as client:
         while time.monotonic() < stop_at:
             started = time.monotonic()
             try:
@@ -270,7 +273,9 @@ async def run_phase(name: str, args: argparse.Namespace, workdir: Path) -> Phase
             )
         port = free_port()
         router = RouterProc(
-            workdir, router_toml(entries, port, first_byte_timeout_s=args.first_byte_timeout_s), port
+            workdir,
+            router_toml(entries, port, first_byte_timeout_s=args.first_byte_timeout_s, policy=args.policy),
+            port,
         )
         router.start()
         tally = Tally()
@@ -301,13 +306,19 @@ async def run_phase(name: str, args: argparse.Namespace, workdir: Path) -> Phase
                 router.signal(signal.SIGKILL)
                 router.wait(5)
                 await asyncio.sleep(1.0)
+                restart_s = time.monotonic()
                 await asyncio.to_thread(router.start)
-                note = "SIGKILL router, restarted after 1 s"
+                note = (
+                    f"SIGKILL router, restarted after 1 s (ready {time.monotonic() - restart_s:.0f} s later)"
+                )
             elif name == "router_sigterm":
                 router.signal(signal.SIGTERM)
                 await asyncio.to_thread(router.wait, 30)
+                restart_s = time.monotonic()
                 await asyncio.to_thread(router.start)
-                note = "SIGTERM router (graceful), restarted"
+                note = (
+                    f"SIGTERM router (graceful), restarted (ready {time.monotonic() - restart_s:.0f} s later)"
+                )
             elif name == "event_flood":
                 await flood_events(flood_ep, start + args.fault_at_s + args.stop_s, flooded)
                 note = f"{flooded[0]:,} BlockStored hashes in {args.stop_s:.0f} s from a pseudo engine"
@@ -537,7 +548,7 @@ async def run_soak(args: argparse.Namespace, workdir: Path) -> None:
 
 async def soak_conversation(i: int, url: str, stop_at: float, tally: Tally, args: argparse.Namespace) -> None:
     rng = random.Random(1000 + i)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout_s, connect=2.0)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout_s, connect=10.0)) as client:
         n = 0
         while time.monotonic() < stop_at:
             # A fresh conversation every few turns: new prefixes keep filling the caches.
@@ -571,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--request-timeout-s", type=float, default=60.0)
     p.add_argument("--first-byte-timeout-s", type=float, default=3.0)
+    p.add_argument("--policy", default="kv_gpu", help="routing policy of the router under test")
     p.add_argument("--inputs", action="store_true", help="also run the input table")
     p.add_argument("--fuzz-examples", type=int, default=50)
     p.add_argument("--soak-s", type=float, default=0.0, help="also run a soak of this many seconds")
@@ -584,7 +596,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{name} done]", file=sys.stderr, flush=True)
         if results:
             print(
-                f"{args.conversations} streaming conversations per phase, {args.phase_s:.0f} s each, "
+                f"{args.conversations} streaming conversations per phase ({args.policy}), "
+                f"{args.phase_s:.0f} s each, "
                 f"fault at {args.fault_at_s:.0f} s; router first_byte_timeout_s={args.first_byte_timeout_s}, "
                 "read_timeout_s=15"
             )
