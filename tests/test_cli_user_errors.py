@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 ENGINE = "e0=http://127.0.0.1:9"  # never contacted: these runs stop before serving
 
 
-def kvroute(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+def kvroute(*args: str, timeout_s: float = 100.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "router.cli", *args],
         cwd=REPO,
@@ -108,6 +108,7 @@ def test_blind_quick_start_is_refused_from_the_command_line() -> None:
     assert_clean_refusal(proc, 'policy "tier_cost" matches prompt blocks', 'tokenizer.backend = "none"')
 
 
+@pytest.mark.timeout(300)
 def test_port_in_use_fails_before_startup() -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
@@ -161,6 +162,7 @@ def procs() -> Iterator[list[subprocess.Popen[str]]]:
                 proc.wait(10)
 
 
+@pytest.mark.timeout(400)  # an engine and a router start, serve and stop; slow on a busy machine
 def test_engine_and_router_say_where_they_listen_and_stop_cleanly_on_ctrl_c(
     procs: list[subprocess.Popen[str]],
 ) -> None:
@@ -201,7 +203,7 @@ def test_engine_and_router_say_where_they_listen_and_stop_cleanly_on_ctrl_c(
     time.sleep(0.5)  # let the health poller, scrapers and event subscriber run with open sessions
     for proc, out in ((router, router_out), (engine, engine_out)):
         proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=30)
+        rest, _ = proc.communicate(timeout=100)
         text = "".join(out) + rest
         assert proc.returncode == 0, text
         assert "Traceback" not in text and "Unclosed" not in text and "ERROR" not in text, text

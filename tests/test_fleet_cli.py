@@ -13,6 +13,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from sim.fleet import build_arg_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +43,7 @@ def _free(port: int) -> bool:
     return True
 
 
+@pytest.mark.timeout(300)  # two engine processes start and stop; slow on a busy 2-core machine
 def test_fixed_ports_fleet_file_and_clean_stop(tmp_path: Path) -> None:
     rng = random.Random()
     base = next(
@@ -77,7 +80,8 @@ def test_fixed_ports_fleet_file_and_clean_stop(tmp_path: Path) -> None:
             with urllib.request.urlopen(f"http://127.0.0.1:{base + i}/health", timeout=10) as resp:
                 assert resp.status == 200
         proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=30)
+        # Fleet.stop is bounded (SIGTERM, 5 s, SIGKILL); the margin is for a starved machine.
+        rest, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()

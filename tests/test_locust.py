@@ -47,19 +47,20 @@ def test_headless_ladder_run_reports_per_turn_metrics(router_url: str, tmp_path:
         "--think-time-mean", "0.05",
     ]  # fmt: skip
     proc = run_locust(router_url, 4, 4, "4s", prefix, ladder, capture=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, log
     all_rows = _turns_csv(prefix)
     rows = {int(r["turn"]): r for r in all_rows if r["turn"] != "all"}
-    assert set(rows) == set(range(TURNS)), rows
+    assert set(rows) == set(range(TURNS)), (rows, log)
     overall = all_rows[-1]
     assert overall["turn"] == "all"
     assert int(overall["requests"]) == sum(int(r["requests"]) for r in rows.values())
     for k, row in rows.items():
         # The engine's own prompt count: the ladder's exact size, so history was resent with the
         # real answers (8 tokens, as long as the assumed ones).
-        assert int(row["prompt_tokens"]) == int(row["requests"]) * (FIRST + k * PER_TURN), row
+        assert int(row["prompt_tokens"]) == int(row["requests"]) * (FIRST + k * PER_TURN), (row, log)
     # A later turn re-reads its history on the same engine (session_affinity): mostly cached.
-    assert float(rows[TURNS - 1]["cached_fraction"]) > 0.5, rows
+    assert float(rows[TURNS - 1]["cached_fraction"]) > 0.5, (rows, log)
     names = _stats_names(prefix)
     for k in range(TURNS):
         assert {("POST", f"turn {k}"), ("TTFT", f"turn {k}"), ("ITL", f"turn {k}")} <= names, names

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 #: A few seconds of simulation per run: 2 engines, tiny ladder conversations.
 TINY = [
@@ -33,19 +35,20 @@ def test_out_at_an_existing_file_is_refused_before_running(tmp_path: Path) -> No
     target = tmp_path / "results.md"
     target.write_text("keep me")
     proc = sim("--out", str(target))  # the defaults: minutes of work if it started
-    stdout, stderr = proc.communicate(timeout=60)
+    stdout, stderr = proc.communicate(timeout=100)
     assert proc.returncode == 2, stderr
     assert f"--out {target} is an existing file" in stderr and "Traceback" not in stderr
     assert "runs (" not in stderr and stdout == ""  # no run was planned or started
     assert target.read_text() == "keep me"
 
 
+@pytest.mark.timeout(400)  # 4 small runs in 2 processes; slow on a busy machine
 def test_sweep_writes_each_run_shows_one_bar_and_plots_tiers(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     proc = sim(
         *TINY, "--concurrency", "2,3", "--policies", "round_robin,tier_cost", "--jobs", "2", "--out", str(out)
     )
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=350)
     assert proc.returncode == 0, stderr
     assert "4 runs (" in stderr
     # One bar over the whole sweep (the requests of all 4 runs), finished.
@@ -62,18 +65,19 @@ def test_sweep_writes_each_run_shows_one_bar_and_plots_tiers(tmp_path: Path) -> 
     assert (out / "ttft_p50.png").stat().st_size > 1000
 
 
+@pytest.mark.timeout(400)
 def test_interrupted_sweep_keeps_the_runs_it_finished(tmp_path: Path) -> None:
     out = tmp_path / "partial"
     many = ",".join(str(c) for c in range(2, 12))  # 10 runs one after another
     proc = sim(*TINY, "--concurrency", many, "--policies", "round_robin", "--jobs", "1", "--out", str(out))
     jsonl = out / "results.jsonl"
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 250
     while not (jsonl.exists() and jsonl.read_text().strip()):
         assert proc.poll() is None, proc.communicate()[1]
         assert time.monotonic() < deadline, "no run finished"
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    _, stderr = proc.communicate(timeout=100)
     if proc.returncode == 0:  # the machine finished all 10 before the signal landed: nothing to check
         return
     assert proc.returncode == 130, stderr
