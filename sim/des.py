@@ -42,22 +42,20 @@ from loadtest.workloads import (
 )
 from policies.base import (
     TIERS,
-    BasePolicy,
-    Decision,
     EngineView,
-    FleetView,
     Policy,
     RouteRequest,
     Tier,
     build_policy,
-    require_engines,
 )
 from policies.costs import CostModel, EngineCosts
 from sim.cache import StoragePool
 from sim.engine import EngineCore, EngineProfile, SimRequest, StepOutput
 from sim.hashing import BlockHashCache, HashChain
+from sim.oracle import ClairvoyantPolicy
 
-#: The B1 comparison set (clairvoyant is the simulator-only bound, built here, never registered).
+#: The B1 comparison set. "clairvoyant" (sim/oracle.py, a greedy full-information what-if, not a
+#: bound) is still accepted by name; the bound is sim.oracle.capacity_bound (loadtest/bench_quality.py).
 DEFAULT_POLICIES = (
     "round_robin",
     "least_loaded",
@@ -66,7 +64,6 @@ DEFAULT_POLICIES = (
     "kv_gpu",
     "kv_fixed_credit",
     "tier_cost",
-    "clairvoyant",
 )
 
 SHARED_POOL_ID = "shared"
@@ -261,74 +258,6 @@ def prior_costs(profile: EngineProfile) -> EngineCosts:
         load_latency_s=(0.0, profile.cpu_latency_s, profile.storage_latency_s),
         kv_bytes_per_token=profile.kv_bytes_per_token,
     )
-
-
-# ------------------------------------------------------------------------------ clairvoyant
-
-
-class ClairvoyantPolicy(BasePolicy):
-    """Simulator-only bound: reads every EngineCore's caches and queues directly and picks the
-    minimum predicted TTFT with the engines' true parameters:
-
-        ttft_e = queued_prefill_tokens_e / prefill_rate_e + sum_t (latency_t + blocks_t x bytes/bw_t)
-                 + (prompt_tokens - hit_tokens_e) / prefill_rate_e
-
-    Not registered: the router cannot see engine internals. Ties: fewer running, then fleet order.
-    """
-
-    name = "clairvoyant"
-    uses_index = False
-
-    def __init__(self, cores: Sequence[EngineCore]) -> None:
-        self._cores = {c.engine_id: c for c in cores}
-        #: request_id -> engine block hashes of the prompt (set by the simulator before choose).
-        self.hashes: list[int] = []
-
-    def _hits(self, core: EngineCore, hashes: Sequence[int], limit: int) -> list[int]:
-        by_tier = [0, 0, 0]
-        gpu, cpu, storage = core.gpu, core.cpu, core.storage
-        for h in hashes[:limit]:
-            if gpu.contains(h):
-                by_tier[Tier.GPU] += 1
-            elif cpu is not None and h in cpu:
-                by_tier[Tier.CPU] += 1
-            elif storage is not None and h in storage:
-                by_tier[Tier.STORAGE] += 1
-            else:
-                break
-        return by_tier
-
-    def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
-        engines = require_engines(fleet, self.name)
-        scores: dict[str, dict[str, float]] = {}
-        best: tuple[float, int, int] | None = None
-        chosen = engines[0].engine_id
-        for pos, view in enumerate(engines):
-            core = self._cores[view.engine_id]
-            p = core.profile
-            bs = p.block_size
-            limit = max(0, (request.prompt_tokens - 1) // bs)
-            hits = self._hits(core, self.hashes, limit)
-            bytes_per_block = bs * p.kv_bytes_per_token
-            load_s = 0.0
-            if hits[Tier.CPU]:
-                load_s += p.cpu_latency_s + hits[Tier.CPU] * bytes_per_block / p.cpu_load_bytes_per_s
-            if hits[Tier.STORAGE]:
-                bw = core._storage_bw  # the true figure (a shared pool may override the profile)
-                load_s += core._storage_latency_s + hits[Tier.STORAGE] * bytes_per_block / bw
-            prefill_tokens = request.prompt_tokens - sum(hits) * bs
-            wait_s = core.queued_prefill_tokens() / p.prefill_tokens_per_s
-            ttft_s = wait_s + load_s + prefill_tokens / p.prefill_tokens_per_s
-            scores[view.engine_id] = {
-                "total_s": ttft_s,
-                "hit_blocks_gpu": hits[0],
-                "hit_blocks_cpu": hits[1],
-                "hit_blocks_storage": hits[2],
-            }
-            key = (round(ttft_s, 6), core.num_running(), pos)
-            if best is None or key < best:
-                best, chosen = key, view.engine_id
-        return Decision(chosen, self.name, reason="min true TTFT", scores=scores)
 
 
 # ------------------------------------------------------------------------------- simulation

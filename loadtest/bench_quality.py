@@ -1,0 +1,292 @@
+"""Routing-quality sweep: storage pool size x conversations x seeds x policies on the DES, with the
+hindsight bound of every run (sim/oracle.py), written as a markdown table (median and range).
+
+    python -m loadtest.bench_quality --concurrency 64,128,192 --storage none,1/4,1/2,unbounded \
+        --seeds 1,2,3 --policies horizon_cost,kv_fixed_credit --out results.md --jobs 2
+
+A storage fraction is of the working set: conversations x mean conversation tokens (what the
+concurrent conversations hold on average). Traces (--trace) run on --engines engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtest.workloads import (
+    LadderConfig,
+    Workload,
+    agentic_workload,
+    ladder_workload,
+    mooncake_workload,
+    read_agentic_sessions,
+    read_mooncake_records,
+)
+from sim.des import (
+    UNBOUNDED_STORAGE_BLOCKS,
+    FleetSimulator,
+    FleetSpec,
+    SimConfig,
+    b1_fleet,
+    parse_policy_spec,
+    parse_storage,
+    storage_blocks_for,
+    working_set_blocks,
+)
+from sim.engine import EngineProfile
+from sim.oracle import ArrivalRecorder, capacity_bound
+
+
+@dataclass(slots=True)
+class Cell:
+    """One run: a workload x fleet x storage size x policy spec x seed."""
+
+    label: str
+    storage: str
+    policy: str
+    seed: int
+    concurrency: int = 0
+    trace: str = ""
+    trace_format: str = ""
+    engines: int = 4
+    hetero: bool = False
+    block_size: int = 64
+    conversations: float = 2.0
+    stagger_s: float = 30.0
+    limit: int | None = None
+
+
+def storage_blocks(storage: str, workload: Workload) -> int:
+    """Pool size in blocks (sim.des.parse_storage values: none, unbounded, N blocks, or a fraction
+    of the workload's working set = its distinct blocks, as ``kvroute sim --storage``)."""
+    blocks = storage_blocks_for(storage, working_set_blocks(workload))
+    return UNBOUNDED_STORAGE_BLOCKS if blocks is None else blocks
+
+
+def build(cell: Cell) -> tuple[Workload, FleetSpec]:
+    """The workload and fleet of a cell (storage pool sized as the cell says)."""
+    if cell.trace:
+        path = Path(cell.trace)
+        if cell.trace_format == "mooncake":
+            wl = mooncake_workload(read_mooncake_records(path, limit=cell.limit), name=path.stem)
+        else:
+            wl = agentic_workload(read_agentic_sessions(path, limit=cell.limit), stagger_s=cell.stagger_s)
+        base = dataclasses.replace(EngineProfile(), max_model_len=1 << 22)
+        gpu_blocks = max(8, 27_852 * 16 // wl.block_size)
+        fleet = b1_fleet(
+            cell.engines,
+            block_size=wl.block_size,
+            hetero=cell.hetero,
+            base=base,
+            conversations_in_hbm=gpu_blocks * cell.engines * wl.block_size,
+            mean_conversation_tokens=1.0,
+        )
+    else:
+        lcfg = LadderConfig(
+            concurrency=cell.concurrency,
+            total_conversations=max(cell.concurrency, round(cell.concurrency * cell.conversations)),
+            block_size=cell.block_size,
+            seed=cell.seed,
+        )
+        wl = ladder_workload(lcfg)
+        fleet = b1_fleet(
+            cell.engines,
+            block_size=cell.block_size,
+            hetero=cell.hetero,
+            mean_conversation_tokens=lcfg.mean_prompt_tokens(),
+        )
+    fleet.storage_pool_blocks = storage_blocks(cell.storage, wl)
+    return wl, fleet
+
+
+def run_cell(cell: Cell) -> dict[str, Any]:
+    """Run one cell; the result row (figures of the run and of its hindsight bound)."""
+    wl, fleet = build(cell)
+    name, params = parse_policy_spec(cell.policy)
+    sim = FleetSimulator(wl, name, fleet, SimConfig(seed=cell.seed), policy_params=params)
+    bs = fleet.block_size
+    for spec, view in zip(fleet.engines, sim.views, strict=True):
+        # What a router reads from vLLM's cache_config_info and offload config (capacities).
+        view.extra["gpu_capacity_tokens"] = spec.profile.num_gpu_blocks * bs
+        view.extra["cpu_capacity_tokens"] = spec.profile.num_cpu_blocks * bs
+        view.extra["storage_capacity_tokens"] = fleet.storage_pool_blocks * bs
+    recorder = ArrivalRecorder(sim.policy)
+    sim.policy = recorder  # type: ignore[assignment]
+    result = sim.run()
+    capacity = sum(s.profile.num_gpu_blocks + s.profile.num_cpu_blocks for s in fleet.engines)
+    capacity += fleet.storage_pool_blocks
+    rate = max(s.profile.prefill_tokens_per_s for s in fleet.engines)
+    bound = capacity_bound(recorder.arrivals, min(capacity, UNBOUNDED_STORAGE_BLOCKS), rate)
+    row = result.as_dict()
+    row.update(
+        label=cell.label,
+        storage=cell.storage,
+        policy=cell.policy,
+        seed=cell.seed,
+        bound_hit=bound.bound_hit,
+        bound_ideal_hit=bound.ideal_hit,
+        ttft_floor_p50_s=bound.ttft_floor_p50_s,
+        ttft_floor_p99_s=bound.ttft_floor_p99_s,
+        capacity_blocks=capacity,
+    )
+    return row
+
+
+def _mr(values: Sequence[float], fmt: str) -> str:
+    """median [min-max] of a cell's seeds."""
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(statistics.median(values), fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
+
+
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """One line per (label, storage, policy): medians over seeds with [min-max]."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["label"], r["storage"], r["policy"]), []).append(r)
+    out = [
+        "| workload | storage | policy | seeds | TTFT p50 s | p90 s | p99 s | turns/s | hit | bound hit |"
+        " hit / bound | TTFT floor p50 s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (label, storage, policy), rs in groups.items():
+        out.append(
+            f"| {label} | {storage} | {policy} | {len(rs)} | {_mr([r['ttft_p50_s'] for r in rs], '.3f')}"
+            f" | {_mr([r['ttft_p90_s'] for r in rs], '.3f')} | {_mr([r['ttft_p99_s'] for r in rs], '.2f')}"
+            f" | {_mr([r['turns_per_s'] for r in rs], '.2f')} | {_mr([r['hit'] for r in rs], '.3f')}"
+            f" | {_mr([r['bound_hit'] for r in rs], '.3f')}"
+            f" | {_mr([r['hit'] / r['bound_hit'] if r['bound_hit'] else 0.0 for r in rs], '.2f')}"
+            f" | {_mr([r['ttft_floor_p50_s'] for r in rs], '.3f')} |"
+        )
+    return "\n".join(out)
+
+
+def _list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def plan(args: argparse.Namespace) -> list[Cell]:
+    cells: list[Cell] = []
+    seeds = [int(s) for s in _list(args.seeds)]
+    for policy in _list(args.policies):
+        parse_policy_spec(policy)  # fail early on a malformed spec
+    for storage in _list(args.storage):
+        parse_storage(storage)
+    if args.trace:
+        path = Path(args.trace)
+        fmt = args.trace_format or ("agentic" if path.is_dir() or path.suffix == ".json" else "mooncake")
+        label = f"{path.stem} {args.engines}e{' hetero' if args.fleet == 'hetero' else ''}"
+        for storage in _list(args.storage):
+            for policy in _list(args.policies):
+                for seed in seeds:
+                    cells.append(
+                        Cell(
+                            label,
+                            storage,
+                            policy,
+                            seed,
+                            trace=args.trace,
+                            trace_format=fmt,
+                            engines=args.engines,
+                            hetero=args.fleet == "hetero",
+                            limit=args.limit,
+                            stagger_s=args.stagger_s,
+                        )
+                    )
+        return cells
+    for c in [int(x) for x in _list(args.concurrency)]:
+        for storage in _list(args.storage):
+            for policy in _list(args.policies):
+                for seed in seeds:
+                    cells.append(
+                        Cell(
+                            f"{args.fleet} {c}",
+                            storage,
+                            policy,
+                            seed,
+                            concurrency=c,
+                            engines=args.engines,
+                            hetero=args.fleet == "hetero",
+                            block_size=args.block_size,
+                            conversations=args.conversations,
+                        )
+                    )
+    return cells
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench_quality", description=__doc__.split("\n")[0])
+    p.add_argument("--fleet", choices=["b1", "hetero"], default="b1")
+    p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--concurrency", default="64,128,192", help="ladder conversations (comma-separated)")
+    p.add_argument(
+        "--conversations", type=float, default=2.0, help="ladder: conversations per run / concurrency"
+    )
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument(
+        "--storage", default="none,1/4,1/2,unbounded", help="pool sizes: none, unbounded, fractions"
+    )
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--policies", default="horizon_cost,tier_cost,kv_fixed_credit")
+    p.add_argument("--trace", help="Mooncake JSONL or agentic-session directory instead of the ladder")
+    p.add_argument("--trace-format", choices=["mooncake", "agentic"])
+    p.add_argument("--limit", type=int)
+    p.add_argument("--stagger-s", type=float, default=30.0)
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--out", help="markdown file (a .jsonl of raw rows is written next to it)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cells = plan(args)
+    except ValueError as exc:
+        print(f"bench_quality: {exc}", file=sys.stderr)
+        return 2
+    wall0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    raw = Path(args.out).with_suffix(".jsonl") if args.out else None
+    if args.jobs > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
+            for row in pool.imap(run_cell, cells, chunksize=1):
+                rows.append(row)
+                _progress(row, len(rows), len(cells), raw)
+    else:
+        for cell in cells:
+            rows.append(run_cell(cell))
+            _progress(rows[-1], len(rows), len(cells), raw)
+    table = markdown(rows)
+    cmd = "python -m loadtest.bench_quality " + " ".join(sys.argv[1:] if argv is None else argv)
+    footer = f"{len(cells)} runs, wall {time.perf_counter() - wall0:.0f} s"
+    print(table + "\n\n" + footer)
+    if args.out:
+        Path(args.out).write_text(f"`{cmd}`\n\n{table}\n\n{footer}\n")
+    return 0
+
+
+def _progress(row: dict[str, Any], n: int, total: int, raw: Path | None) -> None:
+    print(
+        f"[{n}/{total}] {row['label']} {row['storage']} {row['policy']} seed {row['seed']}: p50"
+        f" {row['ttft_p50_s']:.3f} p99 {row['ttft_p99_s']:.2f} hit {row['hit']:.3f}"
+        f" bound {row['bound_hit']:.3f} wall {row['wall_s']:.0f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    if raw is not None:
+        with raw.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

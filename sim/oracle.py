@@ -1,0 +1,222 @@
+"""Bounds on what any routing policy can achieve on a run, computed offline with hindsight.
+
+``capacity_bound``: Belady's MIN (evict the block used farthest in the future) on ONE cache as large
+as the whole fleet's memory (every engine's GPU + CPU blocks + the shared STORAGE pool), over the
+run's requests in arrival order. Any routing holds at most that many distinct blocks at a time and
+must compute what it does not hold, and MIN maximises hits for a given capacity, so no policy's hit
+rate on that arrival order can exceed it. ``ttft_floor_s``: per request, the prefill of the tokens an
+infinite cache could not have served, at the fastest engine's rate, with no queue and free loads: no
+policy's TTFT percentile can be below the same percentile of these floors.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies.base import BasePolicy, Decision, FleetView, Policy, RouteRequest, Tier, require_engines
+from sim.engine import EngineCore
+
+
+@dataclass(slots=True)
+class Arrival:
+    """One routed request: its block keys (one per full block) and prompt length in tokens."""
+
+    keys: Sequence[int]
+    prompt_tokens: int
+    block_size: int
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class Bound:
+    """Hindsight bounds of one run (hit rates are fractions of prompt tokens)."""
+
+    capacity_blocks: int
+    bound_hit: float
+    ideal_hit: float
+    ttft_floor_p50_s: float
+    ttft_floor_p99_s: float
+    requests: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ArrivalRecorder:
+    """Wraps a policy and records every request it routes, in arrival order (nothing else changes).
+
+    ``arrivals`` leaves out requests that finished with ok=False (the engine refused them: they
+    cached nothing and the simulator's hit rates do not count them either)."""
+
+    def __init__(self, inner: Policy) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.uses_index = inner.uses_index
+        self._arrivals: list[Arrival] = []
+        self._failed: set[str] = set()
+
+    @property
+    def arrivals(self) -> list[Arrival]:
+        return [a for a in self._arrivals if a.request_id not in self._failed]
+
+    def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
+        return self.inner.choose(request, fleet)
+
+    def on_routed(self, request: RouteRequest, decision: Decision) -> None:
+        self._arrivals.append(
+            Arrival(list(request.block_keys), request.prompt_tokens, request.block_size, request.request_id)
+        )
+        self.inner.on_routed(request, decision)
+
+    def on_finished(self, request: RouteRequest, engine_id: str, ok: bool) -> None:
+        if not ok:
+            self._failed.add(request.request_id)
+        self.inner.on_finished(request, engine_id, ok)
+
+
+def belady_hit_blocks(arrivals: Sequence[Arrival], capacity_blocks: int) -> list[int]:
+    """Per request, blocks MIN finds cached at its arrival (any block, not only a prefix: a bound)."""
+    flat: list[int] = [k for a in arrivals for k in a.keys]
+    never = len(flat)
+    next_use = [never] * len(flat)
+    last: dict[int, int] = {}
+    for i in range(len(flat) - 1, -1, -1):
+        next_use[i] = last.get(flat[i], never)
+        last[flat[i]] = i
+    cached: dict[int, int] = {}  # key -> its next use
+    heap: list[tuple[int, int]] = []  # (-next use, key); stale entries skipped
+    hits: list[int] = []
+    i = 0
+    for a in arrivals:
+        n = 0
+        for key in a.keys:
+            nu = next_use[i]
+            i += 1
+            if key in cached:
+                n += 1
+            if nu == never:
+                cached.pop(key, None)  # never used again: keeping it cannot help
+                continue
+            cached[key] = nu
+            heapq.heappush(heap, (-nu, key))
+            while len(cached) > capacity_blocks:
+                neg, victim = heapq.heappop(heap)
+                if cached.get(victim) == -neg:
+                    del cached[victim]
+        hits.append(n)
+    return hits
+
+
+def ideal_hit_blocks(arrivals: Sequence[Arrival]) -> list[int]:
+    """Per request, the contiguous prefix an infinite shared cache holds at its arrival."""
+    seen: set[int] = set()
+    out: list[int] = []
+    for a in arrivals:
+        n = 0
+        for key in a.keys:
+            if key not in seen:
+                break
+            n += 1
+        seen.update(a.keys)
+        out.append(n)
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered), max(1, math.ceil(q / 100.0 * len(ordered)))) - 1]
+
+
+def capacity_bound(arrivals: Sequence[Arrival], capacity_blocks: int, prefill_tokens_per_s: float) -> Bound:
+    """Both bounds for one run (module docstring). Hit tokens are capped at prompt - 1 per request,
+    as the engine always computes the last prompt token."""
+    total = sum(a.prompt_tokens for a in arrivals) or 1
+    mins = belady_hit_blocks(arrivals, capacity_blocks)
+    ideal = ideal_hit_blocks(arrivals)
+    bound_tokens = sum(
+        min(n * a.block_size, max(0, a.prompt_tokens - 1)) for n, a in zip(mins, arrivals, strict=True)
+    )
+    floors: list[float] = []
+    ideal_tokens = 0
+    for n, a in zip(ideal, arrivals, strict=True):
+        hit = min(n * a.block_size, max(0, a.prompt_tokens - 1))
+        ideal_tokens += hit
+        floors.append((a.prompt_tokens - hit) / prefill_tokens_per_s)
+    return Bound(
+        capacity_blocks=capacity_blocks,
+        bound_hit=bound_tokens / total,
+        ideal_hit=ideal_tokens / total,
+        ttft_floor_p50_s=_percentile(floors, 50),
+        ttft_floor_p99_s=_percentile(floors, 99),
+        requests=len(arrivals),
+    )
+
+
+class ClairvoyantPolicy(BasePolicy):
+    """Greedy full-information what-if (NOT a bound: per request it is greedy and does worse than
+    the router's policies under memory pressure, issue 15). Reads every EngineCore's caches and
+    queues directly and picks the minimum predicted TTFT with the engines' true parameters:
+
+        ttft_e = queued_prefill_tokens_e / prefill_rate_e + sum_t (latency_t + blocks_t x bytes/bw_t)
+                 + (prompt_tokens - hit_tokens_e) / prefill_rate_e
+
+    Not registered: the router cannot see engine internals. Ties: fewer running, then fleet order.
+    """
+
+    name = "clairvoyant"
+    uses_index = False
+
+    def __init__(self, cores: Sequence[EngineCore]) -> None:
+        self._cores = {c.engine_id: c for c in cores}
+        #: request_id -> engine block hashes of the prompt (set by the simulator before choose).
+        self.hashes: list[int] = []
+
+    def _hits(self, core: EngineCore, hashes: Sequence[int], limit: int) -> list[int]:
+        by_tier = [0, 0, 0]
+        gpu, cpu, storage = core.gpu, core.cpu, core.storage
+        for h in hashes[:limit]:
+            if gpu.contains(h):
+                by_tier[Tier.GPU] += 1
+            elif cpu is not None and h in cpu:
+                by_tier[Tier.CPU] += 1
+            elif storage is not None and h in storage:
+                by_tier[Tier.STORAGE] += 1
+            else:
+                break
+        return by_tier
+
+    def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
+        engines = require_engines(fleet, self.name)
+        scores: dict[str, dict[str, float]] = {}
+        best: tuple[float, int, int] | None = None
+        chosen = engines[0].engine_id
+        for pos, view in enumerate(engines):
+            core = self._cores[view.engine_id]
+            p = core.profile
+            bs = p.block_size
+            limit = max(0, (request.prompt_tokens - 1) // bs)
+            hits = self._hits(core, self.hashes, limit)
+            bytes_per_block = bs * p.kv_bytes_per_token
+            load_s = 0.0
+            if hits[Tier.CPU]:
+                load_s += p.cpu_latency_s + hits[Tier.CPU] * bytes_per_block / p.cpu_load_bytes_per_s
+            if hits[Tier.STORAGE]:
+                bw = core._storage_bw  # the true figure (a shared pool may override the profile)
+                load_s += core._storage_latency_s + hits[Tier.STORAGE] * bytes_per_block / bw
+            prefill_tokens = request.prompt_tokens - sum(hits) * bs
+            wait_s = core.queued_prefill_tokens() / p.prefill_tokens_per_s
+            ttft_s = wait_s + load_s + prefill_tokens / p.prefill_tokens_per_s
+            scores[view.engine_id] = {
+                "total_s": ttft_s,
+                "hit_blocks_gpu": hits[0],
+                "hit_blocks_cpu": hits[1],
+                "hit_blocks_storage": hits[2],
+            }
+            key = (round(ttft_s, 6), core.num_running(), pos)
+            if best is None or key < best:
+                best, chosen = key, view.engine_id
+        return Decision(chosen, self.name, reason="min true TTFT", scores=scores)

@@ -1,0 +1,114 @@
+"""The hindsight bound (sim/oracle.py) against brute force, and against real DES runs (it must bound
+them), plus a smoke run of the quality sweep driver (loadtest/bench_quality.py)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+
+import pytest
+
+from loadtest.bench_quality import Cell, main, run_cell
+from sim.oracle import Arrival, belady_hit_blocks, capacity_bound, ideal_hit_blocks
+
+
+def brute_force_max_hits(keys: tuple[int, ...], capacity: int) -> int:
+    """Most hits any cache of ``capacity`` blocks can get on ``keys`` (a miss may be cached, evicting
+    any one block, or not): exhaustive search, independent of Belady's rule."""
+
+    @functools.cache
+    def best(i: int, cache: frozenset[int]) -> int:
+        if i == len(keys):
+            return 0
+        k = keys[i]
+        if k in cache:
+            return 1 + best(i + 1, cache)
+        options = [best(i + 1, cache)]  # do not keep it
+        if len(cache) < capacity:
+            options.append(best(i + 1, cache | {k}))
+        else:
+            options.extend(best(i + 1, (cache - {v}) | {k}) for v in cache)
+        return max(options)
+
+    return best(0, frozenset())
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_belady_matches_exhaustive_optimum(seed: int) -> None:
+    rng = random.Random(seed)
+    keys = tuple(rng.randrange(5) for _ in range(rng.randrange(4, 13)))
+    capacity = rng.randrange(1, 4)
+    # One block per request here, so per-request hits sum to the total.
+    arrivals = [Arrival([k], 16, 16) for k in keys]
+    assert sum(belady_hit_blocks(arrivals, capacity)) == brute_force_max_hits(keys, capacity)
+
+
+def test_bound_counts_tokens_and_caps_at_prompt_minus_one() -> None:
+    # Two requests of 2 blocks; the second repeats the first exactly.
+    arrivals = [Arrival([1, 2], 32, 16), Arrival([1, 2], 32, 16)]
+    bound = capacity_bound(arrivals, capacity_blocks=10, prefill_tokens_per_s=16.0)
+    assert bound.bound_hit == pytest.approx(31 / 64)  # 31 of the second's 32 tokens (last recomputed)
+    assert bound.ideal_hit == pytest.approx(31 / 64)
+    # Floors: 32 tokens / 16 per s for the first, 1 token for the second.
+    assert sorted([bound.ttft_floor_p50_s, bound.ttft_floor_p99_s]) == [1 / 16, 2.0]
+    assert ideal_hit_blocks([Arrival([1, 2, 3], 48, 16), Arrival([1, 9, 3], 48, 16)]) == [0, 1]
+    # No memory at all: nothing can be reused.
+    assert capacity_bound(arrivals, 0, 16.0).bound_hit == 0.0
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "kv_fixed_credit", "horizon_cost"])
+def test_bound_bounds_real_runs(policy: str) -> None:
+    """On a DES run with a storage pool much smaller than the working set, the policy's measured hit
+    rate is at most the bound, and the bound's ideal equals the simulator's own ideal (computed by
+    independent code in sim/des.py)."""
+    row = run_cell(Cell("t", "1/8", policy, seed=3, concurrency=6, conversations=1.0, block_size=256))
+    assert row["requests"] > 0
+    assert row["hit"] <= row["bound_hit"] + 1e-9
+    assert row["bound_hit"] <= row["bound_ideal_hit"] + 1e-9
+    assert row["bound_ideal_hit"] == pytest.approx(row["ideal_hit"], abs=1e-9)
+    assert row["ttft_floor_p50_s"] <= row["ttft_p50_s"]
+
+
+def test_sweep_driver_writes_a_table(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "q.md"
+    code = main(
+        [
+            "--concurrency", "4",
+            "--conversations", "1",
+            "--block-size", "256",
+            "--storage", "none,unbounded",
+            "--seeds", "1,2",
+            "--policies", "kv_fixed_credit:cpu=0.5,horizon_cost",
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| b1 4 |")]
+    assert len(rows) == 4  # 2 storage sizes x 2 policies, seeds folded into median [min-max]
+    assert all("| 2 |" in line for line in rows)
+    raw = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
+    assert len(raw) == 8 and {r["seed"] for r in raw} == {1, 2}
+    # No storage tier: the bound has only GPU + CPU; unbounded: the ideal.
+    assert all(
+        r["bound_hit"] == pytest.approx(r["bound_ideal_hit"]) for r in raw if r["storage"] == "unbounded"
+    )
+    assert main(["--storage", "lots"]) == 2
+    assert "--storage" in capsys.readouterr().err
+
+
+def test_recorder_keeps_arrival_order_and_drops_refused_requests() -> None:
+    from policies.base import EngineView, FleetView, RouteRequest, build_policy
+    from sim.oracle import ArrivalRecorder
+
+    recorder = ArrivalRecorder(build_policy("round_robin"))
+    fleet = FleetView([EngineView("a"), EngineView("b")])
+    for i in range(3):
+        req = RouteRequest(f"r{i}", prompt_tokens=32, block_keys=(i, i + 10), block_size=16)
+        recorder.on_routed(req, recorder.choose(req, fleet))
+    refused = RouteRequest("r1", prompt_tokens=32, block_keys=(1, 11), block_size=16)
+    recorder.on_finished(refused, "b", False)  # the engine refused it: it cached nothing
+    recorder.on_finished(RouteRequest("r2"), "a", True)
+    assert [a.request_id for a in recorder.arrivals] == ["r0", "r2"]
+    assert [list(a.keys) for a in recorder.arrivals] == [[0, 10], [2, 12]]
