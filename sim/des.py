@@ -10,6 +10,7 @@ shared cache). Deterministic for a given seed. CLI: ``main(argv)``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import heapq
 import json
@@ -17,6 +18,7 @@ import math
 import os
 import random
 import resource
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -1262,6 +1264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv_list = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv_list)
+    # Ctrl-C must stop a sweep even when the parent passed SIGINT down as ignored (a test runner,
+    # `cmd &` in a script): Python then never raises KeyboardInterrupt on its own.
+    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     out = Path(args.out) if args.out else None
     if out is not None:
         # Checked before any run: a sweep must not end in an error about where to write.

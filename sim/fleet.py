@@ -298,6 +298,9 @@ def _port_is_free(host: str, port: int) -> bool:
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As uvicorn and libzmq bind: a port whose last connections are in TIME_WAIT (an engine of
+        # a fleet just stopped) is free for them, and must not be reported as taken.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
@@ -410,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, _terminate)
+    # Also SIGINT: a parent that ignores it (a test runner, `cmd &` in a script) passes SIG_IGN
+    # down, and Python then never raises KeyboardInterrupt: Ctrl-C would not stop the fleet.
+    signal.signal(signal.SIGINT, _terminate)
     fleet = Fleet(args.workdir, model=args.model, topic=args.topic, base_port=args.base_port)
     path: Path | None = None
     try:
