@@ -85,8 +85,14 @@ def test_fixed_ports_fleet_file_and_clean_stop(tmp_path: Path) -> None:
         rest, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+            # SIGTERM first: the fleet stops its engines (own sessions) on it; a bare SIGKILL
+            # would leave them running.
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
     assert proc.returncode == 0, "".join(seen) + rest
     assert "Traceback" not in rest
     assert not fleet_file.exists()  # it described engines that are gone
