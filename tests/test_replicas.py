@@ -4,10 +4,12 @@ retried on the following one, as nginx does in compose.yaml):
 
 - every turn of a conversation goes where one replica would send it (approx_prefix, which learns
   only from routing decisions, and tier_cost), with the engine reporting the history as cached;
-- a burst split across replicas spreads over the engines like one replica's burst;
 - a replica restart and a Redis restart cost the clients nothing: no error, and the next turns of
   every conversation still hit their history.
-Negative controls run the same traffic with sharing off, to show each check can fail.
+Negative controls run the same traffic with sharing off, to show each check can fail. That each
+replica sees the others' in-flight load is checked at the state level in test_replicas_state.py; an
+end-to-end burst test was removed: its engine counts (shared [8, 4] / [6, 6] / [4, 4, 4] vs unshared
+[12] / [10, 2] / [6, 6]) overlap run to run on correct code, so it failed by chance.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import contextlib
 import itertools
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -223,57 +224,6 @@ def test_without_sharing_approx_prefix_replicas_split_conversations(
     chats = [Chat(seed) for seed in range(20, 25)]
     _converse(two, chats, turns=3)
     assert _moved_turns(chats) > 0, [c.engines for c in chats]
-
-
-def _burst(front: Front, size: int, prefix: str) -> Counter[str]:
-    """``size`` long streaming requests sharing ``prefix``, each sent once the previous one is
-    routed (its response headers arrived) and all held open together; engines chosen, counted."""
-    chosen: Counter[str] = Counter()
-    with contextlib.ExitStack() as stack:
-        for i in range(size):
-            body = {
-                "model": sim_tokenizer.NAME,
-                "messages": [{"role": "user", "content": f"{prefix} [{i}] {sim_tokenizer.filler_text(20)}"}],
-                "max_tokens": 1000,
-                "stream": True,
-            }
-            resp = stack.enter_context(front.open_stream(body))
-            assert resp.status_code == 200
-            chosen[resp.headers["x-kvroute-engine"]] += 1
-            time.sleep(0.3)  # its prefill is over: the next choice depends on in-flight counts only
-    return chosen
-
-
-def test_a_burst_split_across_replicas_spreads_like_one_replicas(
-    fleet: list[FleetEngine], replicas: Callable[..., Replicas]
-) -> None:
-    """A burst sharing a prompt prefix that one engine holds: tier_cost sends requests there until
-    its running requests cost more than the hit saves (10 ms per running request here vs. ~36 ms
-    of prefill and work saved), then spreads. Replicas that do not share their in-flight counts
-    each see only half of that engine's load and herd onto it."""
-    prefix = sim_tokenizer.filler_text(400, seed=77)
-    warm = {
-        "model": sim_tokenizer.NAME,
-        "messages": [{"role": "user", "content": prefix + " [warm]"}],
-        "max_tokens": 1,
-    }
-    shapes = {}
-    for name, count, shared in (("one", 1, True), ("two shared", 2, True), ("two unshared", 2, False)):
-        _reset_fleet(fleet)
-        group = replicas(count, "tier_cost", shared=shared, decode_s_per_running=0.01)
-        front = Front(group.urls)
-        for _ in range(count):  # the prefix is cached on one engine, and every replica knows it
-            assert front.post("/v1/chat/completions", warm, {}).status_code == 200
-        time.sleep(0.5)
-        chosen = _burst(front, 12, prefix)
-        shapes[name] = sorted(chosen.values(), reverse=True)
-        group.close()
-        time.sleep(0.5)  # the held streams end on the engines
-    # The most loaded engine's share: sharing replicas match one replica (within one request:
-    # when a prefill ends relative to the next choice is a matter of the machine's speed), and
-    # replicas that do not share pile more onto the engine holding the prefix.
-    assert abs(shapes["two shared"][0] - shapes["one"][0]) <= 1, shapes
-    assert shapes["two unshared"][0] > shapes["two shared"][0], shapes
 
 
 def test_replica_and_redis_restarts_cost_the_clients_nothing(
