@@ -202,7 +202,8 @@ def start_target(
         return
     port = free_port()
     log_path = workdir / f"{target.spec.replace(':', '_').replace('+', '_')}.log"
-    env = dict(os.environ)
+    # KVROUTE_* variables are router config; the bench's own (KVROUTE_PEERS_DIR) would be refused.
+    env = {k: v for k, v in os.environ.items() if k != "KVROUTE_PEERS_DIR"}
     if target.kind == "kvroute":
         args = [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
         args += ["--policy", target.policy, "--log-level", "warning"]
