@@ -112,12 +112,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     wl, fleet = build(cell)
     name, params = parse_policy_spec(cell.policy)
     sim = FleetSimulator(wl, name, fleet, SimConfig(seed=cell.seed), policy_params=params)
-    bs = fleet.block_size
-    for spec, view in zip(fleet.engines, sim.views, strict=True):
-        # What a router reads from vLLM's cache_config_info and offload config (capacities).
-        view.extra["gpu_capacity_tokens"] = spec.profile.num_gpu_blocks * bs
-        view.extra["cpu_capacity_tokens"] = spec.profile.num_cpu_blocks * bs
-        view.extra["storage_capacity_tokens"] = fleet.storage_pool_blocks * bs
+    # Tier capacities reach the policy through sim.views[i].extra (FleetSimulator fills them).
     recorder = ArrivalRecorder(sim.policy)
     sim.policy = recorder  # type: ignore[assignment]
     result = sim.run()
