@@ -822,9 +822,9 @@ def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices)
         reader = app.state.reader
         try:
             # The same door as the chat path: content type, size and time limits, validation.
-            raw = await reader.body(request)
+            raw = await reader.body(request.headers, request.receive)
             endpoint = CHAT if b'"messages"' in raw else COMPLETIONS
-            ctx = reader.parse(endpoint, raw, request, request_id)
+            ctx = reader.parse(endpoint, raw, request.headers, request.scope, request_id)
             arm, decision = await router.decide(ctx)
         except RouterError as err:
             return error_response(err, request_id)
