@@ -196,6 +196,7 @@ class HorizonCostPolicy(TierCostPolicy):
         #: and per engine the history tokens of the sessions homed there that are still alive.
         self._homes: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
         self._footprint: dict[str, float] = {}
+        self._footprint_total = 0.0
         self.rate_window_s = rate_window_s
         self.capacity_params = (gpu_capacity_tokens, cpu_capacity_tokens, storage_capacity_tokens)
         self.max_sessions = max_sessions
@@ -357,6 +358,7 @@ class HorizonCostPolicy(TierCostPolicy):
                 break
             del self._homes[key]
             self._footprint[engine_id] = self._footprint.get(engine_id, 0.0) - tokens
+            self._footprint_total -= tokens
 
     def local_capacity_tokens(self, engine: EngineView) -> float | None:
         """What the engine keeps of histories: its larger local tier (the CPU tier is written
@@ -398,7 +400,7 @@ class HorizonCostPolicy(TierCostPolicy):
         per_token_s = 1.0 / est.prefill_tokens_per_s
         pool = self.capacity_tokens(engine, Tier.STORAGE)
         storage_bw = est.load_bandwidth_bytes_per_s[Tier.STORAGE]
-        total_footprint = sum(self._footprint.values())
+        total_footprint = self._footprint_total
         if pool and not math.isinf(storage_bw) and total_footprint > 0:
             in_pool = min(1.0, pool / total_footprint)
             per_token_s = in_pool * est.kv_bytes_per_token / storage_bw + (1.0 - in_pool) * per_token_s
@@ -558,11 +560,14 @@ class HorizonCostPolicy(TierCostPolicy):
         old = self._homes.pop(session_key, None)
         if old is not None:
             self._footprint[old[0]] = self._footprint.get(old[0], 0.0) - old[1]
+            self._footprint_total -= old[1]
         self._homes[session_key] = (engine_id, tokens, now)
         self._footprint[engine_id] = self._footprint.get(engine_id, 0.0) + tokens
+        self._footprint_total += tokens
         if len(self._homes) > self.max_sessions:
             _, (evicted_engine, evicted_tokens, _) = self._homes.popitem(last=False)
             self._footprint[evicted_engine] -= evicted_tokens
+            self._footprint_total -= evicted_tokens
 
     def _observe_session(self, session_key: str, now: float) -> None:
         if not session_key:
