@@ -120,6 +120,8 @@ class SharedState:
         self._stream_ids: dict[str, str] = {}
         self._wake = asyncio.Event()
         self._read_task: asyncio.Future[RemoteLoad] | None = None
+        #: Writer round trips so far (one per batch; benchmarks divide by requests).
+        self.write_batches = 0
         self._metrics(registry)
 
     # -- metrics --------------------------------------------------------------------------------
@@ -382,6 +384,7 @@ class SharedState:
                 # The stream outlives its replica by the retention (a restart relearns it).
                 pipe.pexpire(self._stream_key, int(self.retention_s * 1000))
                 pipe.zadd(self._streams_key, {self._stream_key: now_ms})
+            self.write_batches += 1
             try:
                 async with asyncio.timeout(self.timeout_s * 4):
                     await pipe.execute()
