@@ -40,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore import sim_tokenizer
 from loadtest.chat_client import TurnResult, _one_turn
+from loadtest.procs import stop_process, wait_http_ok
 from loadtest.redis_server import RedisServer
 from loadtest.workloads import LadderConfig, Workload, ladder_workload
 from sim.fleet import PROFILES, Fleet, FleetEngine
@@ -69,18 +70,7 @@ class Router:
         self.log_path = log_path
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"router exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"router not ready at {self.url}")
+        wait_http_ok(self.url + "/health", self.popen, timeout_s, output=self.log_path.read_text)
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as resp:
@@ -98,13 +88,7 @@ class Router:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        stop_process(self.popen)
         self._log.close()
 
 
