@@ -246,6 +246,8 @@ async def _micro(redis_url: str, n: int, concurrency: int) -> dict[str, Any]:
     await state.start()
     await other.start()
     other.reserve("e1", 10)  # a second replica with load, so the read has something to sum
+    tailed: list[str] = []
+    other.add_routed_listener(lambda engine, keys, age_s: tailed.append(engine))
     keys = list(range(1000, 1032))
     try:
 
@@ -264,12 +266,16 @@ async def _micro(redis_url: str, n: int, concurrency: int) -> dict[str, Any]:
                 await one(i)
 
         await asyncio.gather(*(lane(k) for k in range(min(concurrency, 8))))  # warm up
+        for _ in range(200):  # the other replica tails this one's routing records (steady state)
+            if tailed:
+                break
+            await asyncio.sleep(0.05)
         for _ in range(1000):
             if state._queue.empty():
                 break
             await asyncio.sleep(0.001)
         await asyncio.sleep(0.01)
-        commands0 = await _redis_commands(state)
+        counts0 = await _redis_counts(state)
         batches0, reads0 = state.write_batches, _read_count(state)
         cpu0, wall0 = time.process_time(), time.perf_counter()
         await asyncio.gather(*(lane(k) for k in range(concurrency)))
@@ -279,8 +285,9 @@ async def _micro(redis_url: str, n: int, concurrency: int) -> dict[str, Any]:
             await asyncio.sleep(0.001)
         await asyncio.sleep(0.01)
         cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
-        # Counted by Redis itself (INFO commandstats), minus the INFO call that reads them.
-        commands = await _redis_commands(state) - commands0 - 1
+        counts1 = await _redis_counts(state)
+        # Minus the two INFO calls of the first count (commands, reads, and about 60 bytes).
+        commands, socket_reads, bytes_in = (b - a - 2 for a, b in zip(counts0, counts1, strict=True))
         return {
             "concurrency": concurrency,
             "requests": n,
@@ -288,6 +295,8 @@ async def _micro(redis_url: str, n: int, concurrency: int) -> dict[str, Any]:
             "cpu_us_per_request": 1e6 * cpu_s / n,
             "requests_per_s": n / wall_s,
             "redis_commands_per_request": commands / n,
+            "redis_socket_reads_per_request": socket_reads / n,
+            "redis_bytes_in_per_request": bytes_in / n,
             "write_round_trips_per_request": (state.write_batches - batches0) / n,
             "read_round_trips_per_request": (_read_count(state) - reads0) / n,
         }
@@ -296,10 +305,17 @@ async def _micro(redis_url: str, n: int, concurrency: int) -> dict[str, Any]:
         await other.stop()
 
 
-async def _redis_commands(state: Any) -> int:
-    """Commands the Redis server has executed so far (all clients; the other replica is idle)."""
-    stats = await state._writer.info("commandstats")
-    return sum(int(v["calls"]) for k, v in stats.items() if k.startswith("cmdstat_"))
+async def _redis_counts(state: Any) -> tuple[int, int, int]:
+    """What the Redis server has counted so far, for all its clients (both replicas here): commands
+    executed (those a script calls included), socket reads (about one per client round trip) and
+    bytes received. Each call adds its own INFO commands and read."""
+    commands = await state._writer.info("commandstats")
+    stats = await state._writer.info("stats")
+    return (
+        sum(int(v["calls"]) for k, v in commands.items() if k.startswith("cmdstat_")),
+        int(stats["total_reads_processed"]),
+        int(stats["total_net_input_bytes"]),
+    )
 
 
 def _read_count(state: Any) -> float:
@@ -459,21 +475,26 @@ def report(
             "",
             f"Shared-state work of one request alone (read, reserve, routing record with 32 keys, first "
             f"token, finish; {1000 * ENGINE_PHASE_S:g} ms between the phases) against a local "
-            f"redis-server, {args.micro_requests} requests; Redis "
-            "commands counted by the server (INFO commandstats), including the other replica's tail",
+            f"redis-server, {args.micro_requests} requests. Both replicas live in this process (the "
+            "other one tails the routing records); the Redis figures are the server's own counts for "
+            "both (INFO: commands executed, scripts' inner calls included; socket reads ~ round "
+            "trips; bytes received); round trips are this replica's writer batches and load reads.",
             "",
             "| concurrent requests | wall us / request | CPU us / request (this process) | requests/s "
-            "| Redis commands / request | write round trips / request | read round trips / request |",
-            "|---|---|---|---|---|---|---|",
+            "| write + read round trips / request | Redis socket reads / request "
+            "| Redis commands / request | bytes to Redis / request |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for concurrency in (1, 16):
             rows = [r for r in micro if r["concurrency"] == concurrency]
             out.append(
                 f"| {concurrency} | {_median(rows, 'wall_us_per_request'):.0f} "
                 f"| {_median(rows, 'cpu_us_per_request'):.0f} | {_median(rows, 'requests_per_s'):.0f} "
+                f"| {_median(rows, 'write_round_trips_per_request'):.2f} + "
+                f"{_median(rows, 'read_round_trips_per_request'):.2f} "
+                f"| {_median(rows, 'redis_socket_reads_per_request'):.2f} "
                 f"| {_median(rows, 'redis_commands_per_request'):.2f} "
-                f"| {_median(rows, 'write_round_trips_per_request'):.2f} "
-                f"| {_median(rows, 'read_round_trips_per_request'):.2f} |"
+                f"| {_median(rows, 'redis_bytes_in_per_request'):.0f} |"
             )
     if cost:
         out += [

@@ -104,6 +104,8 @@ return i
 
 _IN_FLIGHT = "f:"
 _PREFILL = "p:"
+#: Upper bound of ``SharedState.tail_poll_s``.
+_TAIL_POLL_S = 0.5
 
 
 def write_script_args(ops: Sequence[tuple[Any, ...]]) -> list[Any]:
@@ -180,6 +182,10 @@ class SharedState:
         self.ttl_s = ttl_s
         #: Heartbeat period: three renewals fit in one TTL, so one lost beat expires nothing.
         self.heartbeat_s = ttl_s / 4
+        #: How long the tail waits on the streams it knows before looking for new ones: a new
+        #: replica's first routing records reach the others within this (two cheap commands per
+        #: period and replica when nothing is routed).
+        self.tail_poll_s = min(self.heartbeat_s, _TAIL_POLL_S)
         self.timeout_s = timeout_s
         self.retention_s = retention_s
         self.up = False
@@ -487,10 +493,10 @@ class SharedState:
                 streams = {(n.decode() if isinstance(n, bytes) else str(n)): None for n in names}
                 streams.pop(self._stream_key, None)
                 if not streams:
-                    await self._nap()
+                    await self._nap(self.tail_poll_s)
                     continue
                 wanted = {name: self._stream_ids.get(name, "0-0") for name in streams}
-                reply = await self._tail.xread(wanted, block=int(self.heartbeat_s * 1000), count=1000)
+                reply = await self._tail.xread(wanted, block=int(self.tail_poll_s * 1000), count=1000)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -500,11 +506,12 @@ class SharedState:
                 name = stream.decode() if isinstance(stream, bytes) else str(stream)
                 self._apply(name, entries)
 
-    async def _nap(self) -> None:
-        """Wait one heartbeat, or less when Redis comes back (``_probe`` sets the event)."""
+    async def _nap(self, seconds: float | None = None) -> None:
+        """Wait ``seconds`` (one heartbeat by default), or less when Redis comes back (``_probe``
+        sets the event)."""
         self._wake.clear()
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.heartbeat_s):
+            async with asyncio.timeout(self.heartbeat_s if seconds is None else seconds):
                 await self._wake.wait()
 
     def _apply(self, stream: str, entries: Sequence[Any]) -> None:
