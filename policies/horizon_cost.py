@@ -7,13 +7,18 @@ every request that queues behind it while the engine is busy. For engine e (seco
 
     cost_s = total_s                          tier_cost's predicted TTFT (wait + loads + prefill)
            + omega_e x work_s                 queueing externality of the work placed on e
-           + evict_s                          expected future reload / recompute caused by evictions
+           + footprint_s                      future reload / recompute: live footprint past capacity
+           + in_flight_s x in_flight_e        requests in flight on e (in_flight_s 0.2 s each)
+           + slot_wait_s                      wait for a running slot (slot_wait_weight, default 0)
+           + evict_s                          LRU-age eviction model (evict_weight, default 0)
            + future_s                         this conversation's next turn (future_weight, default 0)
            + decode_s + pressure_s            as tier_cost
     among engines not overloaded (kv_fixed_credit's guard, overload_factor 3), lowest cost_s wins.
+    Defaults (round 2, tuned on seeds 100-102 of B1 128 with storage none and 1/4, docs/routing.md):
+    max_work_weight 8, in_flight_s 0.2, footprint_weight 1, evict_weight 0.
 
     work_s  = load_s[CPU] + load_s[STORAGE] + prefill_s          (GPU seconds this request takes on e)
-    omega_e = min(max_work_weight (3), work_weight (1) + L_e)    (requests delayed per second of work)
+    omega_e = min(max_work_weight (8), work_weight (1) + L_e)    (requests delayed per second of work)
     L_e     = EWMA over decisions (time constant rate_window_s) of wait_tokens_e / prefill tokens per
               routed request: the mean number of requests queued for prefill on e. In an M/G/1
               queue a job of size x delays the jobs behind it by x x L in total; work_weight (1.0,
@@ -40,6 +45,20 @@ every request that queues behind it while the engine is busy. For engine e (seco
 
     future_s = future_weight x (1 - q) x (prompt + output) x [(S(T_GPU) - S(T_CPU)) kv / bw_CPU
                + (S(T_CPU) - S(T_STOR)) kv / bw_STOR + S(T_STOR) / prefill_tokens_per_s]
+
+    footprint_s = footprint_weight x (1 - q) x dOver_tokens x c_token           (the default
+                  eviction price: engines run LRU, and a working set past capacity thrashes)
+      F_e       = sum of the history tokens (prompt + expected output) of the sessions homed on e
+                  (their latest turn went there) that are alive: seen within H, where S(H) =
+                  alive_survival (0.05) of the learned gap distribution (10 x rate_window_s before)
+      C_e       = max(GPU, CPU capacity) of e: the CPU tier is written through, so it holds the GPU's
+      over(F,C) = max(0, F - C): tokens LRU must drop
+      dOver     = over(F_e + new - old_here, C_e) - over(F_e, C_e)          placing the session on e
+                  + [over(F_h - old, C_h) - over(F_h, C_h)]   moving it off its home h (<= 0: relief)
+      c_token   = p x kv_bytes_per_token / bw_STORAGE + (1 - p) / prefill_tokens_per_s,
+                  p = min(1, pool capacity / sum_e F_e): a dropped token the pool still holds
+    slot_wait_s = slot_wait_weight x max(0, waiting_e / mu_e - wait_s): requests waiting for a running
+                  slot (KV memory) start as running ones finish, mu_e = the engine's finish rate
 
 Capacities come from ``EngineView.extra`` (``gpu_capacity_tokens``, ``cpu_capacity_tokens``,
 ``storage_capacity_tokens``: vLLM's ``cache_config_info`` num_gpu_blocks x block_size and the
@@ -114,11 +133,11 @@ class HorizonCostPolicy(TierCostPolicy):
         self,
         *,
         work_weight: float = 1.0,
-        max_work_weight: float = 3.0,
-        evict_weight: float = 1.0,
+        max_work_weight: float = 8.0,
+        evict_weight: float = 0.0,
         future_weight: float = 0.0,
-        in_flight_s: float = 0.0,
-        footprint_weight: float = 0.0,
+        in_flight_s: float = 0.2,
+        footprint_weight: float = 1.0,
         slot_wait_weight: float = 0.0,
         alive_survival: float = 0.05,
         rate_window_s: float = 60.0,
@@ -131,8 +150,10 @@ class HorizonCostPolicy(TierCostPolicy):
         min_queued_tokens: int = 16_384,
         **tier_cost_params: Any,
     ) -> None:
-        """Params of tier_cost plus: ``max_work_weight`` (3, cap of omega), ``evict_weight`` (1),
-        ``future_weight`` (0: the next-turn term did not help on the tuning cell, docs/routing.md),
+        """Params of tier_cost plus: ``max_work_weight`` (8, cap of omega), ``footprint_weight`` (1),
+        ``in_flight_s`` (0.2 s per in-flight request), ``slot_wait_weight`` (0),
+        ``alive_survival`` (0.05), ``evict_weight`` (0: the LRU-age model, replaced by the
+        footprint model in round 2), ``future_weight`` (0: did not help, docs/routing.md),
         the balance guard of kv_fixed_credit (``overload_factor`` 3, None = off),
         ``rate_window_s`` (60, EWMA time constant of rates and queue), capacities in tokens (None =
         from ``EngineView.extra``, else unknown), ``max_sessions`` (sessions remembered, LRU)."""
