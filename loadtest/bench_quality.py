@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -42,7 +43,7 @@ from sim.des import (
     working_set_blocks,
 )
 from sim.engine import EngineProfile
-from sim.oracle import ArrivalRecorder, capacity_bound
+from sim.oracle import ArrivalRecorder, capacity_bound, sticky_lru_hit
 
 
 @dataclass(slots=True)
@@ -112,12 +113,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     wl, fleet = build(cell)
     name, params = parse_policy_spec(cell.policy)
     sim = FleetSimulator(wl, name, fleet, SimConfig(seed=cell.seed), policy_params=params)
-    bs = fleet.block_size
-    for spec, view in zip(fleet.engines, sim.views, strict=True):
-        # What a router reads from vLLM's cache_config_info and offload config (capacities).
-        view.extra["gpu_capacity_tokens"] = spec.profile.num_gpu_blocks * bs
-        view.extra["cpu_capacity_tokens"] = spec.profile.num_cpu_blocks * bs
-        view.extra["storage_capacity_tokens"] = fleet.storage_pool_blocks * bs
+    # Tier capacities reach the policy through sim.views[i].extra (FleetSimulator fills them).
     recorder = ArrivalRecorder(sim.policy)
     sim.policy = recorder  # type: ignore[assignment]
     result = sim.run()
@@ -125,6 +121,8 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     capacity += fleet.storage_pool_blocks
     rate = max(s.profile.prefill_tokens_per_s for s in fleet.engines)
     bound = capacity_bound(recorder.arrivals, min(capacity, UNBOUNDED_STORAGE_BLOCKS), rate)
+    local_blocks = max(max(s.profile.num_gpu_blocks, s.profile.num_cpu_blocks) for s in fleet.engines)
+    sticky = sticky_lru_hit(recorder.arrivals, len(fleet.engines), local_blocks, fleet.storage_pool_blocks)
     row = result.as_dict()
     row.update(
         label=cell.label,
@@ -133,6 +131,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         seed=cell.seed,
         bound_hit=bound.bound_hit,
         bound_ideal_hit=bound.ideal_hit,
+        sticky_lru_hit=sticky,
         ttft_floor_p50_s=bound.ttft_floor_p50_s,
         ttft_floor_p99_s=bound.ttft_floor_p99_s,
         capacity_blocks=capacity,
@@ -154,8 +153,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         groups.setdefault((r["label"], r["storage"], r["policy"]), []).append(r)
     out = [
         "| workload | storage | policy | seeds | TTFT p50 s | p90 s | p99 s | turns/s | hit | bound hit |"
-        " hit / bound | TTFT floor p50 s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " hit / bound | sticky LRU ref hit | TTFT floor p50 s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (label, storage, policy), rs in groups.items():
         out.append(
@@ -164,6 +163,7 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
             f" | {_mr([r['turns_per_s'] for r in rs], '.2f')} | {_mr([r['hit'] for r in rs], '.3f')}"
             f" | {_mr([r['bound_hit'] for r in rs], '.3f')}"
             f" | {_mr([r['hit'] / r['bound_hit'] if r['bound_hit'] else 0.0 for r in rs], '.2f')}"
+            f" | {_mr([r.get('sticky_lru_hit', math.nan) for r in rs], '.3f')}"
             f" | {_mr([r['ttft_floor_p50_s'] for r in rs], '.3f')} |"
         )
     return "\n".join(out)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -265,6 +266,37 @@ def fmt_runs(runs: Sequence[Run]) -> str:
     return "\n".join(lines)
 
 
+def fmt_summary(runs: Sequence[Run]) -> str:
+    """Per (workload, users, router): median [min-max] over the repeats."""
+    groups: dict[tuple[str, int, str], list[Run]] = {}
+    for r in runs:
+        if not r.error:
+            groups.setdefault((r.workload, r.users, r.target), []).append(r)
+
+    def cell(values: list[float], digits: int = 3) -> str:
+        med = statistics.median(values)
+        if len(values) == 1:
+            return f"{med:.{digits}f}"
+        return f"{med:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+    lines = [
+        "| workload | users | router | runs | TTFT p50 s | p90 s | p99 s | turns/s | cached / prompt "
+        "| x rr |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (workload, users, target), rs in groups.items():
+        rr = groups.get((workload, users, "kvroute:round_robin"))
+        p50 = statistics.median(r.ttft_p50_s for r in rs)
+        ratio = f"{statistics.median(r.ttft_p50_s for r in rr) / p50:.2f}" if rr and p50 > 0 else "-"
+        fracs = [sum((r.cached or {}).values()) / r.prompt_tokens for r in rs if r.prompt_tokens]
+        lines.append(
+            f"| {workload} | {users} | {target} | {len(rs)} | {cell([r.ttft_p50_s for r in rs])} "
+            f"| {cell([r.ttft_p90_s for r in rs])} | {cell([r.ttft_p99_s for r in rs])} "
+            f"| {cell([r.turns_per_s for r in rs], 2)} | {cell(fracs) if fracs else '-'} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
 def fmt_b1_live(runs: Sequence[Run], des: dict[tuple[str, int], dict[str, Any]]) -> str:
     lines = [
         "| users | policy | live TTFT p50 s | DES p50 s | live p90 s | DES p90 s | live turns/s "
@@ -331,6 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=QUALITY_PROFILE.storage_blocks,
         help="shared STORAGE pool size in blocks (0 = no storage tier: misses are recomputed)",
     )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs per cell (interleaved); medians and ranges reported"
+    )
     parser.add_argument("--des", action="store_true", help="also simulate kvroute's ladder rows (B1 live)")
     parser.add_argument("--peers-dir", type=Path, default=default_peers_dir())
     parser.add_argument("--out", type=Path, default=Path("runs/bench/quality"))
@@ -345,14 +380,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     profile = replace(QUALITY_PROFILE, storage_blocks=args.storage_blocks)
     started = time.time()
     runs: list[Run] = []
-    for workload, users in plan:
-        for spec in targets:
-            run = one_run(
-                workload, users, spec, engines_n=args.engines, profile=profile, run_time_s=args.time,
-                think_mean_s=args.think_time_mean, peers_dir=args.peers_dir, out=args.out,
-            )  # fmt: skip
-            runs.append(run)
-            print(fmt_runs([run]).splitlines()[-1], file=sys.stderr, flush=True)
+    # Repeats are interleaved (every cell once, then again), so a noisy spell of the machine hits
+    # every router rather than one.
+    cells = [(w, u, spec) for _ in range(max(1, args.repeats)) for w, u in plan for spec in targets]
+    for workload, users, spec in cells:
+        run = one_run(
+            workload, users, spec, engines_n=args.engines, profile=profile, run_time_s=args.time,
+            think_mean_s=args.think_time_mean, peers_dir=args.peers_dir, out=args.out,
+        )  # fmt: skip
+        runs.append(run)
+        print(fmt_runs([run]).splitlines()[-1], file=sys.stderr, flush=True)
     des: dict[tuple[str, int], dict[str, Any]] = {}
     if args.des:
         for workload, users in plan:
@@ -373,6 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{profile.storage_blocks}, sha256_cbor hashes, real time; fresh fleet per run. Ladder: "
         f"{LADDER}, think time exp(mean {args.think_time_mean} s), {args.time} s of Locust per run. "
         "Cached tokens: the engines' own counters, summed over the fleet.",
+        "Medians over repeats [min-max]; `x rr` = kvroute round_robin's median TTFT p50 / this one's:",
+        fmt_summary(runs),
+        "Every run:",
         fmt_runs(runs),
     ]
     if des:

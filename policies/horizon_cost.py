@@ -7,13 +7,18 @@ every request that queues behind it while the engine is busy. For engine e (seco
 
     cost_s = total_s                          tier_cost's predicted TTFT (wait + loads + prefill)
            + omega_e x work_s                 queueing externality of the work placed on e
-           + evict_s                          expected future reload / recompute caused by evictions
+           + footprint_s                      future reload / recompute: live footprint past capacity
+           + in_flight_s x in_flight_e        requests in flight on e (in_flight_s 0.2 s each)
+           + slot_wait_s                      wait for a running slot (slot_wait_weight, default 0)
+           + evict_s                          LRU-age eviction model (evict_weight, default 0)
            + future_s                         this conversation's next turn (future_weight, default 0)
            + decode_s + pressure_s            as tier_cost
     among engines not overloaded (kv_fixed_credit's guard, overload_factor 3), lowest cost_s wins.
+    Defaults (round 2, tuned on seeds 100-102 of B1 128 with storage none and 1/4, docs/routing.md):
+    max_work_weight 8, in_flight_s 0.2, footprint_weight 1, evict_weight 0.
 
     work_s  = load_s[CPU] + load_s[STORAGE] + prefill_s          (GPU seconds this request takes on e)
-    omega_e = min(max_work_weight (3), work_weight (1) + L_e)    (requests delayed per second of work)
+    omega_e = min(max_work_weight (8), work_weight (1) + L_e)    (requests delayed per second of work)
     L_e     = EWMA over decisions (time constant rate_window_s) of wait_tokens_e / prefill tokens per
               routed request: the mean number of requests queued for prefill on e. In an M/G/1
               queue a job of size x delays the jobs behind it by x x L in total; work_weight (1.0,
@@ -41,6 +46,20 @@ every request that queues behind it while the engine is busy. For engine e (seco
     future_s = future_weight x (1 - q) x (prompt + output) x [(S(T_GPU) - S(T_CPU)) kv / bw_CPU
                + (S(T_CPU) - S(T_STOR)) kv / bw_STOR + S(T_STOR) / prefill_tokens_per_s]
 
+    footprint_s = footprint_weight x (1 - q) x dOver_tokens x c_token           (the default
+                  eviction price: engines run LRU, and a working set past capacity thrashes)
+      F_e       = sum of the history tokens (prompt + expected output) of the sessions homed on e
+                  (their latest turn went there) that are alive: seen within H, where S(H) =
+                  alive_survival (0.05) of the learned gap distribution (10 x rate_window_s before)
+      C_e       = max(GPU, CPU capacity) of e: the CPU tier is written through, so it holds the GPU's
+      over(F,C) = max(0, F - C): tokens LRU must drop
+      dOver     = over(F_e + new - old_here, C_e) - over(F_e, C_e)          placing the session on e
+                  + [over(F_h - old, C_h) - over(F_h, C_h)]   moving it off its home h (<= 0: relief)
+      c_token   = p x kv_bytes_per_token / bw_STORAGE + (1 - p) / prefill_tokens_per_s,
+                  p = min(1, pool capacity / sum_e F_e): a dropped token the pool still holds
+    slot_wait_s = slot_wait_weight x max(0, waiting_e / mu_e - wait_s): requests waiting for a running
+                  slot (KV memory) start as running ones finish, mu_e = the engine's finish rate
+
 Capacities come from ``EngineView.extra`` (``gpu_capacity_tokens``, ``cpu_capacity_tokens``,
 ``storage_capacity_tokens``: vLLM's ``cache_config_info`` num_gpu_blocks x block_size and the
 offload config; 0 = no such tier) or from the policy's params; an unknown capacity prices no
@@ -55,7 +74,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.base import Decision, EngineView, FleetView, RouteRequest, Tier, register
+from policies.base import TIERS, Decision, EngineView, FleetView, RouteRequest, Tier, register
 from policies.costs import CostModel
 from policies.kv_gpu import overloaded_engines, validate_guard
 from policies.tier_cost import TierCostPolicy, prompt_tokens_of
@@ -63,6 +82,8 @@ from policies.tier_cost import TierCostPolicy, prompt_tokens_of
 #: Log-spaced session-gap histogram: bin i holds gaps in [GAP_BIN0_S x 2^(i-1), GAP_BIN0_S x 2^i).
 GAP_BIN0_S = 0.25
 GAP_BINS = 24  # up to ~0.25 x 2^23 s = 24 days; the last bin also takes anything longer
+#: ``EngineView.extra`` keys of the tier capacities in tokens (router.scrape fills them live).
+CAPACITY_KEYS = ("gpu_capacity_tokens", "cpu_capacity_tokens", "storage_capacity_tokens")
 _LN2 = math.log(2.0)
 
 
@@ -112,9 +133,13 @@ class HorizonCostPolicy(TierCostPolicy):
         self,
         *,
         work_weight: float = 1.0,
-        max_work_weight: float = 3.0,
-        evict_weight: float = 1.0,
+        max_work_weight: float = 8.0,
+        evict_weight: float = 0.0,
         future_weight: float = 0.0,
+        in_flight_s: float = 0.2,
+        footprint_weight: float = 1.0,
+        slot_wait_weight: float = 0.0,
+        alive_survival: float = 0.05,
         rate_window_s: float = 60.0,
         gpu_capacity_tokens: float | None = None,
         cpu_capacity_tokens: float | None = None,
@@ -125,8 +150,10 @@ class HorizonCostPolicy(TierCostPolicy):
         min_queued_tokens: int = 16_384,
         **tier_cost_params: Any,
     ) -> None:
-        """Params of tier_cost plus: ``max_work_weight`` (3, cap of omega), ``evict_weight`` (1),
-        ``future_weight`` (0: the next-turn term did not help on the tuning cell, docs/routing.md),
+        """Params of tier_cost plus: ``max_work_weight`` (8, cap of omega), ``footprint_weight`` (1),
+        ``in_flight_s`` (0.2 s per in-flight request), ``slot_wait_weight`` (0),
+        ``alive_survival`` (0.05), ``evict_weight`` (0: the LRU-age model, replaced by the
+        footprint model in round 2), ``future_weight`` (0: did not help, docs/routing.md),
         the balance guard of kv_fixed_credit (``overload_factor`` 3, None = off),
         ``rate_window_s`` (60, EWMA time constant of rates and queue), capacities in tokens (None =
         from ``EngineView.extra``, else unknown), ``max_sessions`` (sessions remembered, LRU)."""
@@ -135,6 +162,13 @@ class HorizonCostPolicy(TierCostPolicy):
             raise ValueError("horizon_cost.max_work_weight must be >= work_weight")
         if future_weight < 0:
             raise ValueError(f"horizon_cost.future_weight must be >= 0, got {future_weight}")
+        if in_flight_s < 0 or footprint_weight < 0 or slot_wait_weight < 0:
+            raise ValueError(
+                f"horizon_cost: in_flight_s and footprint_weight must be >= 0, got {in_flight_s},"
+                f" {footprint_weight}"
+            )
+        if not 0.0 < alive_survival < 1.0:
+            raise ValueError(f"horizon_cost.alive_survival must be in (0, 1), got {alive_survival}")
         if evict_weight < 0 or rate_window_s <= 0 or max_sessions < 1:
             raise ValueError("horizon_cost: evict_weight >= 0, rate_window_s > 0, max_sessions >= 1")
         for key, value in (
@@ -152,6 +186,16 @@ class HorizonCostPolicy(TierCostPolicy):
         self.max_work_weight = max_work_weight
         self.evict_weight = evict_weight
         self.future_weight = future_weight
+        self.in_flight_s = in_flight_s
+        self.footprint_weight = footprint_weight
+        self.slot_wait_weight = slot_wait_weight
+        #: Per engine: requests finished per second (EWMA), the engine's admission rate.
+        self._finished: dict[str, _Rate] = {}
+        self.alive_survival = alive_survival
+        #: Footprint model: session -> (home engine, history tokens, last seen s), oldest first,
+        #: and per engine the history tokens of the sessions homed there that are still alive.
+        self._homes: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
+        self._footprint: dict[str, float] = {}
         self.rate_window_s = rate_window_s
         self.capacity_params = (gpu_capacity_tokens, cpu_capacity_tokens, storage_capacity_tokens)
         self.max_sessions = max_sessions
@@ -181,8 +225,7 @@ class HorizonCostPolicy(TierCostPolicy):
         param = self.capacity_params[tier]
         if param is not None:
             return float(param)
-        key = ("gpu_capacity_tokens", "cpu_capacity_tokens", "storage_capacity_tokens")[tier]
-        value = engine.extra.get(key)
+        value = engine.extra.get(CAPACITY_KEYS[tier])
         return None if value is None else float(value)
 
     def survival(self, gap_s: float) -> float:
@@ -289,6 +332,98 @@ class HorizonCostPolicy(TierCostPolicy):
             ),
         )
 
+    def alive_horizon_s(self) -> float:
+        """H: a session unseen for longer than H is taken as finished (S(H) = alive_survival);
+        before any gap is known, 10 x rate_window_s."""
+        total = sum(self._gap_counts)
+        if total == 0:
+            return 10.0 * self.rate_window_s
+        longer = float(total)
+        for i, count in enumerate(self._gap_counts):
+            if (longer - count) / total <= self.alive_survival:
+                # Inside bin i: interpolate on its log-scale position.
+                frac = (longer / total - self.alive_survival) / (count / total) if count else 1.0
+                lo = 0.0 if i == 0 else GAP_BIN0_S * 2.0 ** (i - 1)
+                hi = GAP_BIN0_S * 2.0**i
+                return lo + (hi - lo) * min(1.0, max(0.0, frac))
+            longer -= count
+        return GAP_BIN0_S * 2.0 ** (GAP_BINS - 1)
+
+    def _expire_homes(self, now: float) -> None:
+        horizon_s = self.alive_horizon_s()
+        while self._homes:
+            key, (engine_id, tokens, last_s) = next(iter(self._homes.items()))
+            if now - last_s <= horizon_s:
+                break
+            del self._homes[key]
+            self._footprint[engine_id] = self._footprint.get(engine_id, 0.0) - tokens
+
+    def local_capacity_tokens(self, engine: EngineView) -> float | None:
+        """What the engine keeps of histories: its larger local tier (the CPU tier is written
+        through, so it holds what the GPU holds); None = unknown."""
+        known = [
+            c
+            for c in (self.capacity_tokens(engine, Tier.GPU), self.capacity_tokens(engine, Tier.CPU))
+            if c is not None
+        ]
+        return max(known) if known else None
+
+    def footprint_s(
+        self, request: RouteRequest, engine: EngineView, by_id: Mapping[str, EngineView], costs: CostModel
+    ) -> float:
+        """Expected future reload / recompute (s) caused by the history this placement homes on
+        ``engine``, from the live footprints (sum of the alive sessions' histories per engine):
+        the growth of an engine's overflow past its local capacity is lost to LRU (each overflowing
+        token comes back with probability 1 - q); moving a session away relieves its old home."""
+        if self.footprint_weight == 0 or not request.session_key:
+            return 0.0
+        capacity = self.local_capacity_tokens(engine)
+        if capacity is None:
+            return 0.0
+        new_tokens = float(prompt_tokens_of(request) + request.expected_output_tokens)
+        home = self._homes.get(request.session_key)
+        old_engine, old_tokens = (home[0], home[1]) if home is not None else ("", 0.0)
+        here = self._footprint.get(engine.engine_id, 0.0)
+        after = here + new_tokens - (old_tokens if old_engine == engine.engine_id else 0.0)
+        delta = _over(after, capacity) - _over(here, capacity)
+        old_view = by_id.get(old_engine)
+        if old_view is not None and old_engine != engine.engine_id:
+            old_capacity = self.local_capacity_tokens(old_view)
+            if old_capacity is not None:
+                there = self._footprint.get(old_engine, 0.0)
+                delta += _over(there - old_tokens, old_capacity) - _over(there, old_capacity)
+        if delta == 0:
+            return 0.0
+        est = costs.estimates(engine.engine_id)
+        per_token_s = 1.0 / est.prefill_tokens_per_s
+        pool = self.capacity_tokens(engine, Tier.STORAGE)
+        storage_bw = est.load_bandwidth_bytes_per_s[Tier.STORAGE]
+        total_footprint = sum(self._footprint.values())
+        if pool and not math.isinf(storage_bw) and total_footprint > 0:
+            in_pool = min(1.0, pool / total_footprint)
+            per_token_s = in_pool * est.kv_bytes_per_token / storage_bw + (1.0 - in_pool) * per_token_s
+        return self.footprint_weight * (1.0 - self.last_turn_share()) * delta * per_token_s
+
+    def slot_wait_s(self, engine: EngineView, wait_s: float) -> float:
+        """Wait for a running slot beyond the prefill queue (s): a request queued on an engine
+        whose KV memory is full of running requests starts only as they finish, so the N requests
+        waiting ahead take N / mu seconds (Little's law; mu = the engine's finish rate, learned
+        from the router's own finished requests). Only the excess over ``wait_s`` is added."""
+        if self.slot_wait_weight == 0:
+            return 0.0
+        waiting = engine.num_requests_waiting
+        rate = self._finished.get(engine.engine_id)
+        mu = rate.per_s(self._now) if rate is not None else 0.0
+        if not waiting or mu <= 0:
+            return 0.0
+        return self.slot_wait_weight * max(0.0, waiting / mu - wait_s)
+
+    def on_finished(self, request: RouteRequest, engine_id: str, ok: bool) -> None:
+        rate = self._finished.get(engine_id)
+        if rate is None:
+            rate = self._finished[engine_id] = _Rate(self.rate_window_s)
+        rate.add(1.0, self._now)
+
     def future_s(self, request: RouteRequest, engine: EngineView, costs: CostModel) -> float:
         """Expected cost of this conversation's next turn if it finds its history where this one
         leaves it: the history (prompt + answer) is on ``engine`` and ages there until it returns."""
@@ -321,6 +456,8 @@ class HorizonCostPolicy(TierCostPolicy):
 
     def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
         self._now = fleet.now
+        if self.footprint_weight:
+            self._expire_homes(fleet.now)
         base = super().choose(request, fleet)
         costs: CostModel = fleet.costs if fleet.costs is not None else self._own_costs
         by_id = fleet.by_id()
@@ -342,11 +479,28 @@ class HorizonCostPolicy(TierCostPolicy):
             evict_s = self.evict_s(request, engine, s, costs)
             future_s = self.future_s(request, engine, costs)
             s["future_s"] = future_s
+            s["in_flight_s"] = in_flight_s = self.in_flight_s * engine.in_flight
+            s["footprint_s"] = footprint_s = self.footprint_s(request, engine, by_id, costs)
+            s["slot_wait_s"] = slot_wait_s = self.slot_wait_s(engine, s["wait_s"])
             s["work_weight"] = omega
             s["work_s"] = work_s
             s["evict_s"] = evict_s
-            s["cost_s"] = s["total_s"] + work_s + evict_s + future_s + s["decode_s"] + s["pressure_s"]
+            s["cost_s"] = (
+                s["total_s"]
+                + work_s
+                + evict_s
+                + footprint_s
+                + future_s
+                + in_flight_s
+                + slot_wait_s
+                + s["decode_s"]
+                + s["pressure_s"]
+            )
             s["overloaded"] = float(engine_id in overloaded)
+            for tier, key in zip(TIERS, CAPACITY_KEYS, strict=True):
+                capacity = self.capacity_tokens(engine, tier)
+                if capacity is not None:  # what the eviction price used (explain shows it)
+                    s[key] = capacity
             order.append((engine_id in overloaded, round(s["cost_s"], 6), s["in_flight"], engine_id))
         # Re-rank with the full cost; tier_cost's tiebreak order (its ranking) settles exact ties.
         rank = {e: i for i, e in enumerate((base.engine_id, *base.fallbacks))}
@@ -395,6 +549,20 @@ class HorizonCostPolicy(TierCostPolicy):
         load.queued_requests += max(alpha, 0.05) * (queued_now - load.queued_requests)
         load.last_seen_s = now
         self._observe_session(request.session_key, now)
+        if self.footprint_weight and request.session_key:
+            self._rehome(
+                request.session_key, decision.engine_id, prompt + request.expected_output_tokens, now
+            )
+
+    def _rehome(self, session_key: str, engine_id: str, tokens: float, now: float) -> None:
+        old = self._homes.pop(session_key, None)
+        if old is not None:
+            self._footprint[old[0]] = self._footprint.get(old[0], 0.0) - old[1]
+        self._homes[session_key] = (engine_id, tokens, now)
+        self._footprint[engine_id] = self._footprint.get(engine_id, 0.0) + tokens
+        if len(self._homes) > self.max_sessions:
+            _, (evicted_engine, evicted_tokens, _) = self._homes.popitem(last=False)
+            self._footprint[evicted_engine] -= evicted_tokens
 
     def _observe_session(self, session_key: str, now: float) -> None:
         if not session_key:
@@ -425,6 +593,11 @@ def _residence_s(capacity_tokens: float | None, in_tokens_per_s: float, written_
     if capacity_tokens == 0:
         return 0.0
     return (capacity_tokens + max(0.0, capacity_tokens - written_tokens)) / in_tokens_per_s
+
+
+def _over(tokens: float, capacity_tokens: float) -> float:
+    """Tokens past a tier's capacity (what LRU must drop)."""
+    return max(0.0, tokens - capacity_tokens)
 
 
 def _overflow(new_tokens: float, written_tokens: float, capacity_tokens: float | None) -> float:

@@ -15,7 +15,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -29,7 +29,7 @@ from policies.costs import CostModel
 from router import __version__, openapi
 from router.config import RouterConfig
 from router.errors import RouterError, bad_request
-from router.guard import TENANT_STATE_KEY, AccessGuard, Authenticator
+from router.guard import TENANT_STATE_KEY, AccessGuard, Authenticator, send_error
 from router.load import EnginePoller, LoadTracker
 from router.metrics import CONTENT_TYPE, RouterMetrics, create_metrics
 from router.proxy import UpstreamClient
@@ -52,6 +52,52 @@ _encode_json = msgspec.json.encode
 STATUS_CLIENT_GONE = 499
 #: Longest client-sent x-request-id kept (it is echoed in answers and logs); else a new id.
 _MAX_REQUEST_ID_CHARS = 128
+
+
+Receive = Callable[[], Awaitable[Any]]
+Send = Callable[[Any], Awaitable[None]]
+#: The proxied paths -> endpoint kind; ``KvrouteApp`` answers their POSTs directly.
+PROXY_PATHS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
+
+
+class KvrouteApp(FastAPI):
+    """FastAPI for every endpoint but the two proxied ones: their POSTs go straight to
+    ``proxy_app`` (the guarded proxy), skipping the framework's routing, middleware and dependency
+    machinery, which cost about as much CPU per request as all of the routing did."""
+
+    proxy_app: Callable[[dict[str, Any], Receive, Send], Awaitable[None]] | None = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:  # type: ignore[override]
+        if (
+            self.proxy_app is not None
+            and scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] in PROXY_PATHS
+        ):
+            await self.proxy_app(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
+class _AsgiResponse(Response):
+    """A Response that hands the exchange to an ASGI callable (the OpenAPI-documented routes)."""
+
+    def __init__(self, asgi: Callable[[dict[str, Any], Receive, Send], Awaitable[None]]) -> None:
+        self._asgi = asgi
+        self.background = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self._asgi(scope, receive, send)
+
+
+def header_dict(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
+    """ASGI raw headers as a dict of lower-case names (the first value wins, as in Starlette)."""
+    out: dict[str, str] = {}
+    for name, value in raw:
+        key = name.decode("latin-1").lower()
+        if key not in out:
+            out[key] = value.decode("latin-1")
+    return out
 
 
 def error_response(err: RouterError, request_id: str = "") -> Response:
@@ -159,8 +205,10 @@ class RequestReader:
         self.tenancy = source
         self.tenant_header = config.tenancy.header.lower()
 
-    async def body(self, request: Request) -> bytes:
-        content_type = request.headers.get("content-type", "")
+    async def body(self, headers: Mapping[str, str], receive: Receive) -> bytes:
+        """The request body from ASGI ``receive`` (JSON only, within the size and time limits);
+        ClientDisconnect when the client goes away during the upload."""
+        content_type = headers.get("content-type", "")
         if not _is_json_type(content_type):
             raise RouterError(
                 415,
@@ -168,7 +216,7 @@ class RequestReader:
                 code="unsupported_media_type",
                 headers={"connection": "close"},
             )
-        declared = request.headers.get("content-length")
+        declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise RouterError(
                 413,
@@ -180,15 +228,19 @@ class RequestReader:
         size_bytes = 0
         try:
             async with asyncio.timeout(self.body_timeout_s):
-                async for chunk in request.stream():
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise ClientDisconnect()
+                    chunk = message.get("body", b"")
                     size_bytes += len(chunk)
                     if size_bytes > self.max_body_bytes:
-                        raise RouterError(
-                            413,
-                            f"request body exceeds limits.max_body_bytes ({self.max_body_bytes})",
-                            code="request_too_large",
-                            headers={"connection": "close"},
-                        )
+                        raise self._too_large()
+                    if not message.get("more_body", False):
+                        if not parts:
+                            return chunk  # the usual case: the whole body in one message
+                        parts.append(chunk)
+                        break
                     parts.append(chunk)
         except TimeoutError:
             raise RouterError(
@@ -199,20 +251,35 @@ class RequestReader:
             ) from None
         return b"".join(parts)
 
-    def tenant(self, request: Request) -> str | None:
+    def _too_large(self) -> RouterError:
+        return RouterError(
+            413,
+            f"request body exceeds limits.max_body_bytes ({self.max_body_bytes})",
+            code="request_too_large",
+            headers={"connection": "close"},
+        )
+
+    def tenant(self, headers: Mapping[str, str], scope: Mapping[str, Any]) -> str | None:
         """The tenant whose cache_salt this request gets, or None without tenancy."""
         if self.tenancy == "none":
             return None
         if self.tenancy == "header":
-            return request.headers.get(self.tenant_header) or "_anonymous"
-        return str(request.scope.get("state", {}).get(TENANT_STATE_KEY) or "_anonymous")
+            return headers.get(self.tenant_header) or "_anonymous"
+        return str(scope.get("state", {}).get(TENANT_STATE_KEY) or "_anonymous")
 
-    def parse(self, endpoint: str, raw_body: bytes, request: Request, request_id: str) -> RouteContext:
+    def parse(
+        self,
+        endpoint: str,
+        raw_body: bytes,
+        headers: Mapping[str, str],
+        scope: Mapping[str, Any],
+        request_id: str,
+    ) -> RouteContext:
         try:
             ctx = parse_request(
                 endpoint,
                 raw_body,
-                request.headers,
+                headers,
                 request_id=request_id,
                 started_s=time.monotonic(),
                 config=self.config,
@@ -238,7 +305,7 @@ class RequestReader:
                 f"({self.max_prompt_tokens})",
                 "prompt_too_long",
             )
-        tenant = self.tenant(request)
+        tenant = self.tenant(headers, scope)
         if tenant is not None:
             # The tenant's salt first: whatever cache_salt a client sends, it can only ever match
             # blocks of its own tenant. (The digest keeps tenant names out of the engines' logs.)
@@ -335,7 +402,8 @@ def create_app(
             await poller.stop()
             await client.close()
 
-    app = FastAPI(
+    auth = Authenticator(config)
+    app = KvrouteApp(
         title="kvroute",
         summary="Cache-aware router for vLLM fleets (OpenAI-compatible)",
         version="0.1.0",
@@ -344,7 +412,7 @@ def create_app(
         redoc_url=None,
         openapi_url="/openapi.json",
     )
-    app.add_middleware(AccessGuard, auth=Authenticator(config))
+    app.add_middleware(AccessGuard, auth=auth)
     app.state.config = config
     app.state.reader = reader
     app.state.router = router
@@ -354,34 +422,40 @@ def create_app(
     app.state.tokenizer = tokenizer
     app.state.event_manager = event_manager
 
-    async def proxy(request: Request, endpoint: str) -> Response:
-        request_id = request_id_of(request.headers)
+    async def proxy(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        """POST /v1/chat/completions and /v1/completions, straight from the ASGI server (no
+        framework routing, dependency solving or response objects on the hot path)."""
+        endpoint = PROXY_PATHS[scope["path"]]
+        headers = header_dict(scope["headers"])
+        request_id = request_id_of(headers)
         try:
-            raw_body = await reader.body(request)
+            raw_body = await reader.body(headers, receive)
             # The router's clock starts once the body is in: its upload is the client's network.
             started_s = time.monotonic()
-            ctx = reader.parse(endpoint, raw_body, request, request_id)
+            ctx = reader.parse(endpoint, raw_body, headers, scope, request_id)
             ctx.started_s = started_s
-            return await router.handle(ctx, request.headers, request.receive)
+            await router.serve(ctx, headers, receive, send)
         except RouterError as err:
             log.warning("request %s: %d %s: %s", request_id, err.status, err.code, err.message)
             if err.status < 500 or err.code == "no_healthy_engine":
                 metrics.requests.labels("none", "", "", str(err.status)).inc()
-            return error_response(err, request_id)
+            await send_error(send, err, request_id)
         except ClientDisconnect:
             # The client went away while sending its body: counted, no traceback (a flood of
-            # aborted uploads must not flood the log).
+            # aborted uploads must not flood the log). Nobody is left to answer.
             log.debug("request %s: client disconnected during the upload", request_id)
             metrics.requests.labels("none", "", "", str(STATUS_CLIENT_GONE)).inc()
-            return Response(status_code=STATUS_CLIENT_GONE)
+
+    # The hot path, behind the same guard (authentication, a JSON 500 for anything unhandled).
+    app.proxy_app = AccessGuard(proxy, auth=auth)
 
     @app.post("/v1/chat/completions", openapi_extra=openapi.operation(openapi.CHAT_BODY, streams=True))
     async def chat_completions(request: Request) -> Response:
-        return await proxy(request, CHAT)
+        return _AsgiResponse(proxy)  # documentation: KvrouteApp.__call__ answers this path
 
     @app.post("/v1/completions", openapi_extra=openapi.operation(openapi.COMPLETION_BODY, streams=True))
     async def completions(request: Request) -> Response:
-        return await proxy(request, COMPLETIONS)
+        return _AsgiResponse(proxy)
 
     @app.get("/v1/models")
     async def models() -> Response:

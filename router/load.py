@@ -52,6 +52,9 @@ class EngineState:
     breaker_open_until_s: float = 0.0
     #: Block size the engine reports in vllm:cache_config_info (wins over the configured one).
     reported_block_size: int | None = None
+    #: ``EngineView.extra`` of this engine: tier capacities in tokens from the /metrics scrape
+    #: (router.scrape.tier_capacities_tokens). Replaced whole, never mutated: views share it.
+    extra: dict[str, float] = field(default_factory=dict)
 
 
 class LoadTracker:
@@ -203,6 +206,7 @@ class LoadTracker:
             num_requests_waiting=None if waiting is None else int(waiting),
             kv_cache_usage=scraped.get("kv_cache_usage_perc"),
             block_size=state.reported_block_size or state.config.block_size,
+            extra=state.extra,
         )
 
     def serving(self) -> list[EngineState]:

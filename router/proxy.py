@@ -147,3 +147,13 @@ async def iter_body(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         raise UpstreamTimeout("engine stopped sending within the read timeout") from exc
     except aiohttp.ClientError as exc:
         raise UpstreamError(f"engine response broke off: {type(exc).__name__}: {exc}") from exc
+
+
+async def read_body(response: aiohttp.ClientResponse) -> bytes:
+    """The whole response body (a non-stream answer); errors mapped to UpstreamError."""
+    try:
+        return await response.read()
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise UpstreamTimeout("engine stopped sending within the read timeout") from exc
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(f"engine response broke off: {type(exc).__name__}: {exc}") from exc

@@ -22,14 +22,13 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import aiohttp
 import msgspec
 import xxhash
-from starlette.responses import Response, StreamingResponse
 
 from kvcore.core import Outcome, Reservation, RoutingCore
 from policies.base import Decision, FleetView, NoEngineAvailable, Policy, RouteRequest
@@ -45,6 +44,7 @@ from router.proxy import (
     UpstreamError,
     first_event,
     iter_body,
+    read_body,
 )
 
 log = logging.getLogger("kvroute.router")
@@ -58,7 +58,7 @@ STATUS_CLIENT_GONE = 499  # nginx's convention: the client closed the connection
 _USAGE_TAIL_BYTES = 16384  # the final usage chunk of a stream is well under this
 
 Receive = Callable[[], Awaitable[Mapping[str, Any]]]
-T = TypeVar("T")
+Send = Callable[[Any], Awaitable[None]]
 
 
 class ArmSelector(Protocol):
@@ -441,8 +441,11 @@ class Router:
             raise RouterError(400, f"{FORCED_ARM_HEADER} header: {exc}", code="unknown_arm") from None
         return arm
 
-    async def handle(self, ctx: RouteContext, headers: Mapping[str, str], receive: Receive) -> Response:
-        """Route ``ctx`` and return the response to send (streaming or complete)."""
+    async def serve(
+        self, ctx: RouteContext, headers: Mapping[str, str], receive: Receive, send: Send
+    ) -> None:
+        """Route ``ctx``, proxy it and send the answer through ASGI ``send`` (streaming or
+        complete). RouterErrors raised before any byte was sent are the caller's to answer."""
         arm, decision = await self.decide(ctx)
         # Reserve the engine's load now, with no await since the choice: requests that arrive
         # together must see each other's load, or a burst piles onto the engine that looked idle.
@@ -451,13 +454,19 @@ class Router:
             arm.policy, ctx.route_request, decision, time.monotonic(), arm=arm.name, candidates=fleet
         )
         self._notify("on_routed", ctx)
+        # One disconnect watcher for the whole exchange (the wait for the engine, a non-stream
+        # body, every streamed chunk): a client that goes away cancels the upstream request,
+        # which is what stops the engine's work.
+        watcher = _DisconnectWatcher(receive)
         try:
-            # One disconnect watcher for the whole wait on the engine (headers, and the body of a
-            # non-stream answer); once streaming, Starlette's StreamingResponse watches instead.
-            return await _unless_disconnected(self._forward(ctx, decision, headers), receive)
-        except ClientGone:
+            answer = await self._forward(ctx, decision, headers)
+            await answer.send(send, watcher)
+        except asyncio.CancelledError:
+            if not watcher.uncancel_if_fired():
+                raise
             self._finish(ctx, STATUS_CLIENT_GONE, "client disconnected; upstream request cancelled")
-            return Response(status_code=STATUS_CLIENT_GONE)
+        finally:
+            watcher.stop()
 
     def _upstream_failure(self, ctx: RouteContext, engine_id: str, exc: UpstreamError) -> RouterError:
         """Account a failed upstream exchange and the client error for it: 504 on a timeout, else 502."""
@@ -489,7 +498,7 @@ class Router:
         body["stream_options"] = {**options, "include_usage": True}
         return _encode_json(body)
 
-    async def _forward(self, ctx: RouteContext, decision: Decision, headers: Mapping[str, str]) -> Response:
+    async def _forward(self, ctx: RouteContext, decision: Decision, headers: Mapping[str, str]) -> _Answer:
         """Send to the chosen engine (one retry on the next choice if it refuses) and build the
         response."""
 
@@ -573,12 +582,12 @@ class Router:
                 self.core.abandon(reservation)
                 raise
         assert response is not None
-        out_headers = {
-            "x-kvroute-engine": ctx.engine_id,
-            "x-kvroute-policy": ctx.policy_name,
-            "x-kvroute-arm": ctx.arm,
-            "x-request-id": ctx.request_id,
-        }
+        out_headers = [
+            (b"x-kvroute-engine", ctx.engine_id.encode()),
+            (b"x-kvroute-policy", ctx.policy_name.encode()),
+            (b"x-kvroute-arm", ctx.arm.encode()),
+            (b"x-request-id", ctx.request_id.encode()),
+        ]
         content_type = response.headers.get("content-type", "application/json")
         if ctx.stream and response.status == 200:
 
@@ -587,13 +596,8 @@ class Router:
                 self._finish(ctx, STATUS_CLIENT_GONE, "client disconnected before the stream began")
 
             assert chunks is not None
-            return _ProxyStream(
-                self._stream(ctx, response, head, chunks),
-                on_close=on_close,
-                status_code=200,
-                headers=out_headers,
-                media_type=content_type,
-            )
+            out_headers.append((b"content-type", content_type.encode("latin-1")))
+            return _StreamAnswer(self._stream(ctx, response, head, chunks), out_headers, on_close)
         reservation = ctx.reservation
         if reservation is not None:
             # A non-stream body arrives only when generation is over: no token to time. The
@@ -654,7 +658,7 @@ class Router:
         response: aiohttp.ClientResponse,
         head: list[bytes],
         chunks: AsyncIterator[bytes],
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Forward SSE bytes as they arrive (``head`` were read before answering); keep the tail to
         read the final usage chunk, or take the usage chunk out when the router asked for it on
         the client's behalf. A stream that breaks off ends with an OpenAI-shaped error event and
@@ -707,17 +711,16 @@ class Router:
         self,
         ctx: RouteContext,
         response: aiohttp.ClientResponse,
-        out_headers: dict[str, str],
+        out_headers: list[tuple[bytes, bytes]],
         content_type: str,
-    ) -> Response:
+    ) -> _Answer:
         """Read a whole (non-stream or error) answer."""
         try:
-            parts = [chunk async for chunk in iter_body(response)]
+            data = await read_body(response)
         except UpstreamError as exc:
             raise self._upstream_failure(ctx, ctx.engine_id, exc) from None
         finally:
             response.close()
-        data = b"".join(parts)
         if response.status >= 500:
             self.metrics.upstream_error(ctx.engine_id, f"http_{response.status}")
         if response.status == 200:
@@ -725,9 +728,90 @@ class Router:
         self._finish(
             ctx, response.status, "" if response.status < 400 else f"engine answered {response.status}"
         )
-        return Response(
-            content=data, status_code=response.status, headers=out_headers, media_type=content_type
-        )
+        out_headers.append((b"content-type", content_type.encode("latin-1")))
+        return _BodyAnswer(response.status, out_headers, data)
+
+
+class _Answer(Protocol):
+    async def send(self, send: Send, watcher: _DisconnectWatcher) -> None: ...
+
+
+class _BodyAnswer:
+    """A complete answer: status, headers and the whole body in two ASGI messages."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status, self.headers, self.body = status, headers, body
+
+    async def send(self, send: Send, watcher: _DisconnectWatcher) -> None:
+        self.headers.append((b"content-length", b"%d" % len(self.body)))
+        watcher.answered = True  # from here on a "disconnect" is the end of the answer
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body, "more_body": False})
+
+
+class _StreamAnswer:
+    """A stream: status 200 and the headers, then every chunk as it comes. ``on_close`` runs
+    whatever happened (even when the stream never started); a stream that raised StreamAborted
+    ends without the final empty chunk, so the server aborts the connection and HTTP clients
+    report an incomplete answer."""
+
+    __slots__ = ("chunks", "headers", "on_close")
+
+    def __init__(
+        self,
+        chunks: AsyncGenerator[bytes, None],
+        headers: list[tuple[bytes, bytes]],
+        on_close: Callable[[], None],
+    ) -> None:
+        self.chunks, self.headers, self.on_close = chunks, headers, on_close
+
+    async def send(self, send: Send, watcher: _DisconnectWatcher) -> None:
+        chunks = self.chunks
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            watcher.answered = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except StreamAborted:
+            return
+        finally:
+            await chunks.aclose()  # a cancelled send: the stream's own cleanup runs now
+            self.on_close()
+
+
+class _DisconnectWatcher:
+    """Cancels the task serving a request when its client disconnects (ASGI ``http.disconnect``
+    after the body was read), until the answer's last byte is on its way. One small task per
+    request; ``uncancel_if_fired`` turns that cancellation back into a normal return."""
+
+    __slots__ = ("_task", "_watch", "answered", "fired")
+
+    def __init__(self, receive: Receive) -> None:
+        self.answered = False
+        self.fired = False
+        self._task = asyncio.current_task()
+        self._watch = asyncio.get_running_loop().create_task(self._run(receive))
+
+    async def _run(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message.get("type") == "http.disconnect":
+                break
+        if not self.answered and self._task is not None:
+            self.fired = True
+            self._task.cancel()
+
+    def uncancel_if_fired(self) -> bool:
+        """True when the cancellation came from the client's disconnect (and only from it)."""
+        if not self.fired or self._task is None:
+            return False
+        return self._task.uncancel() == 0
+
+    def stop(self) -> None:
+        self._watch.cancel()
 
 
 class _UsageChunkStripper:
@@ -793,54 +877,3 @@ async def _chain(head: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator
 
 class StreamAborted(Exception):
     """A proxied stream broke off after its headers were sent: the connection must be aborted."""
-
-
-class _ProxyStream(StreamingResponse):
-    """StreamingResponse that always runs ``on_close`` after sending, whatever happened, and
-    aborts the connection (no final chunk) when the stream raised StreamAborted."""
-
-    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], None], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        except StreamAborted:
-            # Returning without the final empty body makes the server close the connection
-            # without the chunked terminator: HTTP clients report an incomplete answer.
-            return
-        finally:
-            self._on_close()
-
-
-class ClientGone(Exception):
-    """The client closed its connection while the router waited for the engine."""
-
-
-async def _unless_disconnected(awaitable: Awaitable[T], receive: Receive) -> T:
-    """Await ``awaitable`` unless the client disconnects first: then cancel it (closing the
-    upstream connection, which is what stops the engine's work) and raise ClientGone."""
-    work = asyncio.ensure_future(awaitable)
-    gone = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # we were cancelled ourselves (server shutdown): take both down
-        gone.cancel()
-        work.cancel()
-        raise
-    gone.cancel()
-    if not work.done():
-        work.cancel()
-        # Let the cancelled request unwind (its socket closes) before answering.
-        await asyncio.wait((work,))
-        raise ClientGone
-    return work.result()
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    """Return when the ASGI server reports the client gone (the body was already read)."""
-    while True:
-        message = await receive()
-        if message.get("type") == "http.disconnect":
-            return

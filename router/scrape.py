@@ -62,6 +62,12 @@ class EngineMetrics:
     #: From ``vllm:cache_config_info`` labels.
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    #: CPU tier blocks (0 = no CPU tier; None = not reported, e.g. vLLM's "None").
+    num_cpu_blocks: int | None = None
+    #: Shared STORAGE pool the engine mounts and its size in blocks (labels ``storage_pool``,
+    #: ``storage_blocks``; None = not reported).
+    storage_pool: str | None = None
+    storage_blocks: int | None = None
     cache_config: dict[str, str] = field(default_factory=dict)
 
 
@@ -114,4 +120,32 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
                 out.cache_config = {k: v for k, v in labels.items() if k not in ("engine", "model_name")}
                 out.block_size = _optional_int(labels.get("block_size"))
                 out.num_gpu_blocks = _optional_int(labels.get("num_gpu_blocks"))
+                out.num_cpu_blocks = _optional_int(labels.get("num_cpu_blocks"))
+                out.storage_pool = labels.get("storage_pool")
+                out.storage_blocks = _optional_int(labels.get("storage_blocks"))
+    return out
+
+
+def tier_capacities_tokens(
+    parsed: EngineMetrics, *, block_size: int, configured_pool_blocks: int | None
+) -> dict[str, float]:
+    """Capacity of each tier in tokens, as ``EngineView.extra`` keys (``gpu_capacity_tokens``,
+    ``cpu_capacity_tokens``, ``storage_capacity_tokens``) for cost policies (horizon_cost prices
+    the evictions a placement causes from them). Only what is known is returned.
+
+    GPU and CPU: the engine's ``cache_config_info`` blocks x ``block_size`` (the engine's own).
+    STORAGE: the pool size the engine reports (``storage_blocks`` > 0) or else, when the router's
+    config names a shared pool for the engine, ``configured_pool_blocks`` (what the index ages the
+    pool with); an engine that reports ``storage_blocks`` 0 has none (0)."""
+    out: dict[str, float] = {}
+    if parsed.num_gpu_blocks is not None:
+        out["gpu_capacity_tokens"] = float(parsed.num_gpu_blocks * block_size)
+    if parsed.num_cpu_blocks is not None:
+        out["cpu_capacity_tokens"] = float(parsed.num_cpu_blocks * block_size)
+    if parsed.storage_blocks:
+        out["storage_capacity_tokens"] = float(parsed.storage_blocks * block_size)
+    elif configured_pool_blocks is not None:
+        out["storage_capacity_tokens"] = float(configured_pool_blocks * block_size)
+    elif parsed.storage_blocks == 0:
+        out["storage_capacity_tokens"] = 0.0
     return out

@@ -55,7 +55,7 @@ from router.routing import (
     experiment_arms,
     needs_block_keys,
 )
-from router.scrape import EngineMetrics, parse_engine_metrics
+from router.scrape import EngineMetrics, parse_engine_metrics, tier_capacities_tokens
 from router.shared_state import SharedLoadLedger, SharedState, SharedStateAnnotator, SharedStateObserver
 from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer
 
@@ -523,9 +523,27 @@ class RouterServices:
             if value is not None
         }
         self.tracker.update_scraped(engine.id, values)
+        self._note_capacities(engine, parsed)
         self.costs.update_offload_counters(
             engine.id, parsed.offload_load_bytes_by_tier, parsed.offload_load_time_s_by_tier, time.monotonic()
         )
+
+    def _note_capacities(self, engine: EngineConfig, parsed: EngineMetrics) -> None:
+        """Tier capacities (tokens) into the engine's views, for policies that price evictions."""
+        state = self.tracker.engines[engine.id]
+        pool_blocks = (
+            self.config.index.pools.get(engine.storage_pool, self.config.index.storage_pool_blocks)
+            if engine.storage_pool
+            else None
+        )
+        capacities = tier_capacities_tokens(
+            parsed,
+            block_size=parsed.block_size or state.reported_block_size or engine.block_size,
+            configured_pool_blocks=pool_blocks,
+        )
+        if any(state.extra.get(key) != value for key, value in capacities.items()):
+            log.info("engine %s: tier capacities (tokens) %s", engine.id, capacities)
+            state.extra = {**state.extra, **capacities}
 
     def _check_block_size(self, engine: EngineConfig, reported: int | None) -> None:
         """The engine's real block size (vllm:cache_config_info) wins over the configured one:
@@ -804,9 +822,9 @@ def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices)
         reader = app.state.reader
         try:
             # The same door as the chat path: content type, size and time limits, validation.
-            raw = await reader.body(request)
+            raw = await reader.body(request.headers, request.receive)
             endpoint = CHAT if b'"messages"' in raw else COMPLETIONS
-            ctx = reader.parse(endpoint, raw, request, request_id)
+            ctx = reader.parse(endpoint, raw, request.headers, request.scope, request_id)
             arm, decision = await router.decide(ctx)
         except RouterError as err:
             return error_response(err, request_id)

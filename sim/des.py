@@ -422,6 +422,13 @@ class FleetSimulator:
             )
             for s in fleet.engines
         ]
+        for spec, view in zip(fleet.engines, self.views, strict=True):
+            # What the live router reads from each engine's vllm:cache_config_info (router.scrape
+            # .tier_capacities_tokens): tier capacities in tokens, for policies pricing evictions.
+            bs = spec.profile.block_size
+            view.extra["gpu_capacity_tokens"] = float(spec.profile.num_gpu_blocks * bs)
+            view.extra["cpu_capacity_tokens"] = float(spec.profile.num_cpu_blocks * bs)
+            view.extra["storage_capacity_tokens"] = float(fleet.storage_pool_blocks * bs)
         self.index = PrefixIndex(
             # ``is not None``: an empty StoragePool is falsy (it has __len__).
             storage_pools={SHARED_POOL_ID: fleet.storage_pool_blocks} if self.storage is not None else {},

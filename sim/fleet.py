@@ -153,8 +153,24 @@ class Fleet:
                 started.append(self._spawn(f"{id_prefix}{ordinal}", prof, storage_pool, ordinal))
             self.engines.extend(started)
             deadline = time.monotonic() + timeout_s
-            for engine in started:
-                self._wait_healthy(engine, deadline)
+            for i, engine in enumerate(started):
+                for attempt in range(3):
+                    try:
+                        self._wait_healthy(engine, deadline)
+                        break
+                    except RuntimeError as exc:
+                        # Free ports are picked before the engine binds them: another process
+                        # on the machine may take one in between. Retry with new ports (never
+                        # with a fixed --base-port: that port is the user's choice).
+                        if (
+                            self.base_port is not None
+                            or "Address already in use" not in str(exc)
+                            or attempt == 2
+                        ):
+                            raise
+                        ordinal = len(self.engines) - len(started) + i
+                        replacement = self._spawn(engine.id, prof, storage_pool, ordinal)
+                        self.engines[self.engines.index(engine)] = started[i] = engine = replacement
         except BaseException:
             self.engines = [e for e in self.engines if e not in started]
             for engine in started:

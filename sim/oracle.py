@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ class Arrival:
     prompt_tokens: int
     block_size: int
     request_id: str = ""
+    session: str = ""
 
 
 @dataclass(slots=True)
@@ -66,7 +68,13 @@ class ArrivalRecorder:
 
     def on_routed(self, request: RouteRequest, decision: Decision) -> None:
         self._arrivals.append(
-            Arrival(list(request.block_keys), request.prompt_tokens, request.block_size, request.request_id)
+            Arrival(
+                list(request.block_keys),
+                request.prompt_tokens,
+                request.block_size,
+                request.request_id,
+                request.session_key,
+            )
         )
         self.inner.on_routed(request, decision)
 
@@ -122,6 +130,48 @@ def ideal_hit_blocks(arrivals: Sequence[Arrival]) -> list[int]:
         seen.update(a.keys)
         out.append(n)
     return out
+
+
+def sticky_lru_hit(
+    arrivals: Sequence[Arrival], engines: int, local_blocks: int, pool_blocks: int = 0
+) -> float:
+    """Reference (not a bound) for LRU engines: the hit rate of perfectly sticky, count-balanced
+    routing (each new session goes to the next engine in turn and never moves), each engine an
+    LRU of ``local_blocks`` (its larger local tier: the CPU tier is written through) over one
+    shared LRU pool of ``pool_blocks`` written through with every block computed. Prefix hits:
+    a request hits its blocks up to the first held by neither its engine nor the pool."""
+    if engines < 1:
+        raise ValueError(f"engines must be >= 1, got {engines}")
+    local: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(engines)]
+    pool: OrderedDict[int, None] = OrderedDict()
+    home: dict[str, int] = {}
+    total = hit_tokens = 0
+    for n, a in enumerate(arrivals):
+        e = home.setdefault(a.session or f"#{n}", len(home) % engines)
+        cache = local[e]
+        hits = 0
+        for key in a.keys:
+            if key in cache:
+                cache.move_to_end(key)
+            elif key in pool:
+                pool.move_to_end(key)
+                cache[key] = None
+            else:
+                break
+            hits += 1
+        for key in a.keys[hits:]:
+            cache[key] = None
+            cache.move_to_end(key)
+            if pool_blocks > 0:
+                pool[key] = None
+                pool.move_to_end(key)
+        while len(cache) > local_blocks:
+            cache.popitem(last=False)
+        while len(pool) > pool_blocks:
+            pool.popitem(last=False)
+        total += a.prompt_tokens
+        hit_tokens += min(hits * a.block_size, max(0, a.prompt_tokens - 1))
+    return hit_tokens / total if total else 0.0
 
 
 def _percentile(values: list[float], q: float) -> float:

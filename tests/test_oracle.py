@@ -10,7 +10,7 @@ import random
 import pytest
 
 from loadtest.bench_quality import Cell, main, run_cell
-from sim.oracle import Arrival, belady_hit_blocks, capacity_bound, ideal_hit_blocks
+from sim.oracle import Arrival, belady_hit_blocks, capacity_bound, ideal_hit_blocks, sticky_lru_hit
 
 
 def brute_force_max_hits(keys: tuple[int, ...], capacity: int) -> int:
@@ -112,3 +112,20 @@ def test_recorder_keeps_arrival_order_and_drops_refused_requests() -> None:
     recorder.on_finished(RouteRequest("r2"), "a", True)
     assert [a.request_id for a in recorder.arrivals] == ["r0", "r2"]
     assert [list(a.keys) for a in recorder.arrivals] == [[0, 10], [2, 12]]
+
+
+def test_sticky_lru_reference_by_hand() -> None:
+    """Two conversations alternating, 3 blocks of LRU: kept apart (one engine each) both hit their
+    history; in one shared LRU each evicts the other's first block and nothing hits; a shared pool
+    behind a 1-block local cache serves both histories."""
+
+    def arr(session: str, keys: list[int]) -> Arrival:
+        return Arrival(keys, 16 * len(keys), 16, f"{session}{len(keys)}", session)
+
+    trace = [arr("a", [1, 2]), arr("b", [3, 4]), arr("a", [1, 2, 5]), arr("b", [3, 4, 6])]
+    total = 16 * (2 + 2 + 3 + 3)
+    assert sticky_lru_hit(trace, engines=2, local_blocks=3) == pytest.approx(64 / total)
+    assert sticky_lru_hit(trace, engines=1, local_blocks=3) == 0.0
+    assert sticky_lru_hit(trace, engines=1, local_blocks=1, pool_blocks=10) == pytest.approx(64 / total)
+    with pytest.raises(ValueError, match="engines"):
+        sticky_lru_hit(trace, engines=0, local_blocks=3)

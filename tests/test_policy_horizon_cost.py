@@ -91,7 +91,7 @@ def test_next_turn_cost_is_zero_on_a_quiet_engine_and_a_recompute_on_a_thrashing
 
 def test_eviction_cost_is_the_hand_computed_marginal_loss() -> None:
     policy = HorizonCostPolicy(
-        gpu_capacity_tokens=100_000, cpu_capacity_tokens=200_000, storage_capacity_tokens=0
+        gpu_capacity_tokens=100_000, cpu_capacity_tokens=200_000, storage_capacity_tokens=0, evict_weight=1.0
     )
     teach_gaps(policy, gap_s=10.0, sessions=4, turns=5)
     engine = EngineView("e")
@@ -126,7 +126,8 @@ def test_queue_weight_follows_the_requests_queued_ahead() -> None:
 
 
 def test_with_nothing_learned_it_routes_as_tier_cost() -> None:
-    horizon, tier = build_policy("horizon_cost"), build_policy("tier_cost")
+    """No gaps, queue or capacities learned: only the in-flight price differs (off here)."""
+    horizon, tier = build_policy("horizon_cost", {"in_flight_s": 0.0}), build_policy("tier_cost")
     hit = PROMPT_BLOCKS - 4
     for queued in (0, 10_000, 40_000, 80_000):
         fleet = FleetView([EngineView("home", in_flight=4, queued_prefill_tokens=queued), EngineView("idle")])
@@ -137,7 +138,7 @@ def test_with_nothing_learned_it_routes_as_tier_cost() -> None:
 def test_a_busy_fleet_keeps_the_turn_where_its_history_is() -> None:
     """The home engine's queue makes moving look faster for this turn; with requests queued on every
     engine the recompute elsewhere delays them, so horizon_cost stays and tier_cost moves."""
-    horizon = HorizonCostPolicy(max_work_weight=8.0, overload_factor=None)
+    horizon = HorizonCostPolicy(max_work_weight=8.0, overload_factor=None, in_flight_s=0.0)
     tier = build_policy("tier_cost")
     hit = PROMPT_BLOCKS - 16  # 7936 tokens of history in home's CPU tier
     home = EngineView("home", in_flight=12, queued_prefill_tokens=30_000)
@@ -161,6 +162,9 @@ def test_a_busy_fleet_keeps_the_turn_where_its_history_is() -> None:
         + s["home"]["work_s"]
         + s["home"]["evict_s"]
         + s["home"]["future_s"]
+        + s["home"]["footprint_s"]
+        + s["home"]["in_flight_s"]
+        + s["home"]["slot_wait_s"]
         + s["home"]["decode_s"]
         + s["home"]["pressure_s"]
     )
@@ -184,3 +188,64 @@ def test_bad_params_say_what_to_change() -> None:
         build_policy("horizon_cost", {"cpu_capacity_tokens": -1})
     with pytest.raises(ValueError, match="overload_factor"):
         build_policy("horizon_cost", {"overload_factor": 0.5})
+
+
+def _footprint_policy() -> HorizonCostPolicy:
+    """Local capacity 20,000 tokens per engine (CPU tier), no pool; gaps of 10 s, q = 4 / 20."""
+    policy = HorizonCostPolicy(
+        footprint_weight=1.0,
+        evict_weight=0.0,
+        in_flight_s=0.0,
+        gpu_capacity_tokens=10_000,
+        cpu_capacity_tokens=20_000,
+        storage_capacity_tokens=0,
+    )
+    teach_gaps(policy, gap_s=10.0, sessions=4, turns=5)
+    return policy
+
+
+def test_alive_horizon_is_the_learned_gap_quantile() -> None:
+    assert HorizonCostPolicy(rate_window_s=30.0).alive_horizon_s() == 300.0  # prior: 10 x window
+    policy = _footprint_policy()
+    # All gaps in the bin [8, 16) s: S(H) = 0.05 at 95% of the way through it.
+    assert policy.alive_horizon_s() == pytest.approx(8.0 + 8.0 * 0.95)
+
+
+def test_footprint_cost_is_the_hand_computed_overflow_change() -> None:
+    """Three 8,192-token histories homed on A (24,576 > 20,000 tokens): a new conversation there
+    overflows by all its 8,192 tokens, on empty B by none; moving one of A's conversations to B
+    relieves A's overflow (4,576 tokens) and costs B nothing: a negative price."""
+    policy = _footprint_policy()
+    a, b = EngineView("A"), EngineView("B")
+    t = 100_000.0
+    for i in range(3):
+        req = request({}, request_id=f"x{i}", session=f"x{i}")
+        policy.on_routed(req, policy.choose(req, FleetView([a], now=t)))
+    per_token_s = (1 - policy.last_turn_share()) / PREFILL_TOKENS_PER_S
+    new = policy.choose(request({}, request_id="n", session="new"), FleetView([a, b], now=t + 1))
+    assert new.scores["A"]["footprint_s"] == pytest.approx(PROMPT_TOKENS * per_token_s, rel=1e-9)
+    assert new.scores["B"]["footprint_s"] == 0.0
+    assert new.engine_id == "B"  # everything else equal, the engine with room
+    again = policy.choose(request({}, request_id="x0#2", session="x0"), FleetView([a, b], now=t + 2))
+    assert again.scores["A"]["footprint_s"] == 0.0  # same size history, same home: no change
+    assert again.scores["B"]["footprint_s"] == pytest.approx(-(3 * PROMPT_TOKENS - 20_000) * per_token_s)
+    # Sessions unseen for longer than the alive horizon no longer count.
+    late = policy.choose(request({}, request_id="l", session="late"), FleetView([a, b], now=t + 60))
+    assert late.scores["A"]["footprint_s"] == 0.0
+
+
+def test_slot_wait_is_waiting_requests_over_the_finish_rate() -> None:
+    policy = HorizonCostPolicy(slot_wait_weight=1.0, in_flight_s=0.25, overload_factor=None)
+    busy = EngineView("busy", in_flight=14, num_requests_waiting=10)
+    idle = EngineView("idle")
+    policy._now = 100.0
+    for i in range(30):  # 30 finishes on "busy" just now: mu = 30 / rate_window_s (60 s) = 0.5 / s
+        policy.on_finished(request({}, request_id=f"f{i}"), "busy", True)
+    decision = policy.choose(request({}, request_id="r"), FleetView([busy, idle], now=100.0))
+    s = decision.scores["busy"]
+    assert s["slot_wait_s"] == pytest.approx(10 / 0.5 - s["wait_s"], rel=1e-9)
+    assert s["in_flight_s"] == pytest.approx(14 * 0.25)
+    assert decision.scores["idle"]["slot_wait_s"] == 0.0  # nothing learned, nobody waiting
+    assert decision.engine_id == "idle"
+    off = HorizonCostPolicy(overload_factor=None).choose(request({}), FleetView([busy], now=100.0))
+    assert off.scores["busy"]["slot_wait_s"] == 0.0

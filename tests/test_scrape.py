@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from policies.base import Tier
 from policies.costs import CostModel
-from router.scrape import parse_engine_metrics, tier_of_label
+from router.scrape import parse_engine_metrics, tier_capacities_tokens, tier_of_label
 
 CACHE_CONFIG_INFO = (
     'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
@@ -144,3 +144,40 @@ def test_tier_labels(label: str | None, tier: Tier) -> None:
 def test_malformed_text_raises() -> None:
     with pytest.raises(ValueError):
         parse_engine_metrics("vllm:num_requests_running{engine=0 3\n")
+
+
+def test_tier_capacities_from_vllm_cache_config_info() -> None:
+    """Real vLLM: GPU blocks known, CPU "None" (unknown, not 0), no storage labels: the router's
+    configured pool size stands in for STORAGE only when the engine mounts a configured pool."""
+    parsed = parse_engine_metrics(CACHE_CONFIG_INFO + "\n")
+    assert parsed.num_gpu_blocks == 27852 and parsed.num_cpu_blocks is None
+    assert tier_capacities_tokens(parsed, block_size=16, configured_pool_blocks=None) == {
+        "gpu_capacity_tokens": 27852 * 16
+    }
+    assert tier_capacities_tokens(parsed, block_size=16, configured_pool_blocks=1000) == {
+        "gpu_capacity_tokens": 27852 * 16,
+        "storage_capacity_tokens": 1000 * 16,
+    }
+
+
+def test_tier_capacities_reported_by_the_engine_win_over_config() -> None:
+    text = (
+        'vllm:cache_config_info{block_size="64",num_gpu_blocks="100",num_cpu_blocks="300",'
+        'storage_pool="p",storage_blocks="5000"} 1.0\n'
+    )
+    parsed = parse_engine_metrics(text)
+    assert tier_capacities_tokens(parsed, block_size=64, configured_pool_blocks=7) == {
+        "gpu_capacity_tokens": 6400.0,
+        "cpu_capacity_tokens": 19200.0,
+        "storage_capacity_tokens": 320000.0,
+    }
+    none = parse_engine_metrics(
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="8",num_cpu_blocks="0",'
+        'storage_blocks="0"} 1.0\n'
+    )
+    # 0 = the engine has no such tier (evictions from it are priced as recompute), not unknown.
+    assert tier_capacities_tokens(none, block_size=16, configured_pool_blocks=None) == {
+        "gpu_capacity_tokens": 128.0,
+        "cpu_capacity_tokens": 0.0,
+        "storage_capacity_tokens": 0.0,
+    }

@@ -168,3 +168,37 @@ def _engine_ps(parent_pid: int) -> list[str]:
         if int(fields[1]) == parent_pid and fields[0] != "Z":
             out.append(f"{parent_pid} {entry}")
     return out
+
+
+def test_an_event_port_taken_before_the_engine_binds_it_is_retried_with_new_ports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fleet picks free ports before the engine binds them; another process on the machine can
+    take one in between (seen as a flaky "Address already in use" when suites run side by side).
+    The fleet must start the engine again on new ports instead of failing."""
+    import socket
+
+    import sim.fleet as fleet_module
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    real = fleet_module._event_ports
+    calls: list[int] = []
+
+    def ports(host: str) -> tuple[int, int]:
+        calls.append(1)
+        pub, replay = real(host)
+        return (taken, replay) if len(calls) == 1 else (pub, replay)
+
+    monkeypatch.setattr(fleet_module, "_event_ports", ports)
+    try:
+        with Fleet(tmp_path) as f:
+            (engine,) = f.start(1, replace(PROFILES["tiny"], time_scale=100.0))
+            assert len(calls) == 2  # the first ports were refused by the bind, then new ones
+            assert not engine.kv_events_endpoint.endswith(f":{taken}")
+            assert httpx.get(f"{engine.url}/health", timeout=5).status_code == 200
+            assert f.engines == [engine]
+    finally:
+        squatter.close()
