@@ -33,10 +33,12 @@ from typing import Any
 
 import httpx
 
+import policies  # noqa: F401  (registers every policy)
 from kvcore.sim_tokenizer import NAME as SIM_MODEL
 from kvcore.sim_tokenizer import filler_text
 from loadtest.bench_proxy import MODEL as BENCH_PROXY_MODEL
 from loadtest.load import stop_process
+from policies.base import REGISTRY
 from sim.fleet import PROFILES, Fleet
 from sim.server import free_port
 
@@ -61,16 +63,8 @@ DEFAULT_TARGETS = (
     "sglang-router:cache_aware",
     "smg:cache_aware",
 )
-KVROUTE_POLICIES = (
-    "round_robin",
-    "least_loaded",
-    "power_of_two",
-    "session_affinity",
-    "approx_prefix",
-    "kv_gpu",
-    "kv_fixed_credit",
-    "tier_cost",
-)
+#: Every registered kvroute policy (policies/ registers each module by name on import).
+KVROUTE_POLICIES = tuple(sorted(REGISTRY))
 
 
 def default_peers_dir() -> Path:

@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kvcore.stats import percentile
+from loadtest.procs import stop_process, wait_http_ok
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "bench-model"
@@ -270,30 +271,13 @@ class Proc:
         self.health_url = health_url
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
-        import urllib.request
+        def stderr() -> str:
+            return self.popen.stderr.read().decode(errors="replace") if self.popen.stderr else ""
 
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                stderr = self.popen.stderr.read().decode() if self.popen.stderr else ""
-                raise RuntimeError(f"{self.popen.args!r} exited: {stderr[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.health_url, timeout=1) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"{self.popen.args!r} not ready at {self.health_url} after {timeout_s} s")
+        wait_http_ok(self.health_url, self.popen, timeout_s, output=stderr)
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        stop_process(self.popen)
         if self.popen.stderr:
             self.popen.stderr.close()
 

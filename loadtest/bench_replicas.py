@@ -40,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore import sim_tokenizer
 from loadtest.chat_client import TurnResult, _one_turn
+from loadtest.procs import stop_process, wait_http_ok
 from loadtest.redis_server import RedisServer
 from loadtest.workloads import LadderConfig, Workload, ladder_workload
 from sim.fleet import PROFILES, Fleet, FleetEngine
@@ -69,18 +70,7 @@ class Router:
         self.log_path = log_path
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"router exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"router not ready at {self.url}")
+        wait_http_ok(self.url + "/health", self.popen, timeout_s, output=self.log_path.read_text)
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as resp:
@@ -92,14 +82,13 @@ class Router:
                 out[key] = sample.value
         return out
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the router process has used, from /proc (Linux)."""
+        fields = Path(f"/proc/{self.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        stop_process(self.popen)
         self._log.close()
 
 
@@ -207,9 +196,11 @@ def bench_cost(workdir: Path, redis: RedisServer, args: argparse.Namespace) -> l
                 try:
                     asyncio.run(_closed_loop([r.url for r in routers], args.concurrency, 0.5))  # warm
                     before = _read_stats(routers) if shared else (0.0, 0.0, 0.0)
+                    cpu0 = routers[0].cpu_s()
                     started = time.perf_counter()
                     lat = asyncio.run(_closed_loop([r.url for r in routers], args.concurrency, args.seconds))
                     wall_s = time.perf_counter() - started
+                    router_cpu_s = routers[0].cpu_s() - cpu0
                     after = _read_stats(routers) if shared else (0.0, 0.0, 0.0)
                     reads = after[1] - before[1]
                     errors = after[2]
@@ -226,6 +217,7 @@ def bench_cost(workdir: Path, redis: RedisServer, args: argparse.Namespace) -> l
                         "p50_ms": 1000 * lat[len(lat) // 2],
                         "p99_ms": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))],
                         "redis_read_ms": 1000 * read_s if shared else None,
+                        "router_cpu_us_per_request": 1e6 * router_cpu_s / len(lat),
                         "requests": len(lat),
                         "reads": reads,
                         "shared_errors": errors,
@@ -238,9 +230,15 @@ def bench_cost(workdir: Path, redis: RedisServer, args: argparse.Namespace) -> l
 # ----------------------------------------------------------------------------- micro
 
 
+#: Time between a request's phases in the micro benchmark (routed -> first token -> finished): long
+#: enough that each phase's writes leave in their own batch when requests come one at a time.
+ENGINE_PHASE_S = 0.0005
+
+
 async def _micro(redis_url: str, n: int, concurrency: int) -> dict[str, Any]:
     """The shared-state work of one request, alone: read the others' load, reserve, publish the
-    routing record (32 block keys), first token, finish; ``concurrency`` requests at a time."""
+    routing record (32 block keys), first token, finish, with ``ENGINE_PHASE_S`` between the phases
+    (wall time includes them; CPU time does not); ``concurrency`` requests at a time."""
     from router.shared_state import SharedState
 
     state = SharedState(redis_url, cluster=f"micro-{concurrency}", replica_id="micro")
@@ -248,6 +246,8 @@ async def _micro(redis_url: str, n: int, concurrency: int) -> dict[str, Any]:
     await state.start()
     await other.start()
     other.reserve("e1", 10)  # a second replica with load, so the read has something to sum
+    tailed: list[str] = []
+    other.add_routed_listener(lambda engine, keys, age_s: tailed.append(engine))
     keys = list(range(1000, 1032))
     try:
 
@@ -256,8 +256,9 @@ async def _micro(redis_url: str, n: int, concurrency: int) -> dict[str, Any]:
             await state.refresh()
             state.reserve(engine, 500)
             state.routed(engine, keys)
-            await asyncio.sleep(0)  # the request is forwarded; the writer runs
+            await asyncio.sleep(ENGINE_PHASE_S)  # the engine prefills; the writer sends the reservation
             state.first_byte(engine, 500)
+            await asyncio.sleep(ENGINE_PHASE_S)  # the engine decodes
             state.end(engine)
 
         async def lane(lane_no: int) -> None:
@@ -265,6 +266,17 @@ async def _micro(redis_url: str, n: int, concurrency: int) -> dict[str, Any]:
                 await one(i)
 
         await asyncio.gather(*(lane(k) for k in range(min(concurrency, 8))))  # warm up
+        for _ in range(200):  # the other replica tails this one's routing records (steady state)
+            if tailed:
+                break
+            await asyncio.sleep(0.05)
+        for _ in range(1000):
+            if state._queue.empty():
+                break
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)
+        counts0 = await _redis_counts(state)
+        batches0, reads0 = state.write_batches, _read_count(state)
         cpu0, wall0 = time.process_time(), time.perf_counter()
         await asyncio.gather(*(lane(k) for k in range(concurrency)))
         for _ in range(1000):  # the writer's backlog belongs to these requests
@@ -273,16 +285,41 @@ async def _micro(redis_url: str, n: int, concurrency: int) -> dict[str, Any]:
             await asyncio.sleep(0.001)
         await asyncio.sleep(0.01)
         cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
+        counts1 = await _redis_counts(state)
+        # Minus the two INFO calls of the first count (commands, reads, and about 60 bytes).
+        commands, socket_reads, bytes_in = (b - a - 2 for a, b in zip(counts0, counts1, strict=True))
         return {
             "concurrency": concurrency,
             "requests": n,
             "wall_us_per_request": 1e6 * wall_s / n,
             "cpu_us_per_request": 1e6 * cpu_s / n,
             "requests_per_s": n / wall_s,
+            "redis_commands_per_request": commands / n,
+            "redis_socket_reads_per_request": socket_reads / n,
+            "redis_bytes_in_per_request": bytes_in / n,
+            "write_round_trips_per_request": (state.write_batches - batches0) / n,
+            "read_round_trips_per_request": (_read_count(state) - reads0) / n,
         }
     finally:
         await state.stop()
         await other.stop()
+
+
+async def _redis_counts(state: Any) -> tuple[int, int, int]:
+    """What the Redis server has counted so far, for all its clients (both replicas here): commands
+    executed (those a script calls included), socket reads (about one per client round trip) and
+    bytes received. Each call adds its own INFO commands and read."""
+    commands = await state._writer.info("commandstats")
+    stats = await state._writer.info("stats")
+    return (
+        sum(int(v["calls"]) for k, v in commands.items() if k.startswith("cmdstat_")),
+        int(stats["total_reads_processed"]),
+        int(stats["total_net_input_bytes"]),
+    )
+
+
+def _read_count(state: Any) -> float:
+    return sum(s.value for m in state.m_read_s.collect() for s in m.samples if s.name.endswith("_count"))
 
 
 def bench_micro(redis: RedisServer, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -432,44 +469,67 @@ def report(
     out = [
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
         f"runs: {args.runs} (medians); load average at the end {load[0]:.1f} (shared machine)",
-        "",
-        f"Shared-state work of one request alone (read, reserve, routing record with 32 keys, first "
-        f"token, finish) against a local redis-server, {args.micro_requests} requests",
-        "",
-        "| concurrent requests | wall us / request | CPU us / request (this process) | requests/s |",
-        "|---|---|---|---|",
     ]
-    for concurrency in (1, 16):
-        rows = [r for r in micro if r["concurrency"] == concurrency]
-        out.append(
-            f"| {concurrency} | {_median(rows, 'wall_us_per_request'):.0f} "
-            f"| {_median(rows, 'cpu_us_per_request'):.0f} | {_median(rows, 'requests_per_s'):.0f} |"
+    if micro:
+        out += [
+            "",
+            f"Shared-state work of one request alone (read, reserve, routing record with 32 keys, first "
+            f"token, finish; {1000 * ENGINE_PHASE_S:g} ms between the phases) against a local "
+            f"redis-server, {args.micro_requests} requests. Both replicas live in this process (the "
+            "other one tails the routing records); the Redis figures are the server's own counts for "
+            "both (INFO: commands executed, scripts' inner calls included; socket reads ~ round "
+            "trips; bytes received); round trips are this replica's writer batches and load reads.",
+            "",
+            "| concurrent requests | wall us / request | CPU us / request (this process) | requests/s "
+            "| write + read round trips / request | Redis socket reads / request "
+            "| Redis commands / request | bytes to Redis / request |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for concurrency in (1, 16):
+            rows = [r for r in micro if r["concurrency"] == concurrency]
+            out.append(
+                f"| {concurrency} | {_median(rows, 'wall_us_per_request'):.0f} "
+                f"| {_median(rows, 'cpu_us_per_request'):.0f} | {_median(rows, 'requests_per_s'):.0f} "
+                f"| {_median(rows, 'write_round_trips_per_request'):.2f} + "
+                f"{_median(rows, 'read_round_trips_per_request'):.2f} "
+                f"| {_median(rows, 'redis_socket_reads_per_request'):.2f} "
+                f"| {_median(rows, 'redis_commands_per_request'):.2f} "
+                f"| {_median(rows, 'redis_bytes_in_per_request'):.0f} |"
+            )
+    if cost:
+        out += [
+            "",
+            f"Cost: 1 router (tier_cost, sim tokenizer), 2 zero-delay engines, {args.concurrency} "
+            f"concurrent clients, {args.seconds} s per point; router CPU from /proc",
+            "",
+            "| shared state | req/s | p50 ms | p99 ms | router CPU us / request | Redis read, mean ms "
+            "| reads per request | errors |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for shared in (False, True):
+            rows = [r for r in cost if r["shared"] is shared]
+            read = f"{_median(rows, 'redis_read_ms'):.3f}" if shared else "-"
+            per_request = statistics.median(r["reads"] / r["requests"] for r in rows) if shared else 0.0
+            out.append(
+                f"| {'on' if shared else 'off'} | {_median(rows, 'req_s'):.0f} "
+                f"| {_median(rows, 'p50_ms'):.2f} | {_median(rows, 'p99_ms'):.2f} "
+                f"| {_median(rows, 'router_cpu_us_per_request'):.0f} "
+                f"| {read} | {per_request:.2f} | {sum(r['shared_errors'] for r in rows):.0f} |"
+            )
+        off = [r for r in cost if not r["shared"]]
+        on = [r for r in cost if r["shared"]]
+        # Side by side within each run (the machine's load drifts between runs).
+        cpu_ratio = statistics.median(
+            a["router_cpu_us_per_request"] / b["router_cpu_us_per_request"]
+            for a, b in zip(on, off, strict=True)
         )
-    out += [
-        "",
-        f"Cost: 1 router (tier_cost, sim tokenizer), 2 zero-delay engines, {args.concurrency} "
-        f"concurrent clients, {args.seconds} s per point",
-        "",
-        "| shared state | req/s | p50 ms | p99 ms | Redis read, mean ms | reads per request | errors |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for shared in (False, True):
-        rows = [r for r in cost if r["shared"] is shared]
-        read = f"{_median(rows, 'redis_read_ms'):.3f}" if shared else "-"
-        per_request = statistics.median(r["reads"] / r["requests"] for r in rows) if shared else 0.0
-        out.append(
-            f"| {'on' if shared else 'off'} | {_median(rows, 'req_s'):.0f} | {_median(rows, 'p50_ms'):.2f} "
-            f"| {_median(rows, 'p99_ms'):.2f} | {read} | {per_request:.2f} "
-            f"| {sum(r['shared_errors'] for r in rows):.0f} |"
-        )
-    off = [r for r in cost if not r["shared"]]
-    on = [r for r in cost if r["shared"]]
-    out.append("")
-    out.append(
-        f"on/off: req/s x{_median(on, 'req_s') / _median(off, 'req_s'):.3f}, "
-        f"p50 +{_median(on, 'p50_ms') - _median(off, 'p50_ms'):.2f} ms"
-    )
-    for policy in args.policies:
+        out += [
+            "",
+            f"on/off: req/s x{_median(on, 'req_s') / _median(off, 'req_s'):.3f}, "
+            f"p50 +{_median(on, 'p50_ms') - _median(off, 'p50_ms'):.2f} ms, "
+            f"router CPU per request x{cpu_ratio:.3f} (median of per-run ratios)",
+        ]
+    for policy in args.policies if quality else ():
         out += [
             "",
             f"Quality: {policy} {POLICY_PARAMS.get(policy, {})}, ladder chat "
@@ -503,6 +563,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--policies", nargs="+", default=["tier_cost", "approx_prefix"])
     p.add_argument("--micro-requests", type=int, default=5000)
     p.add_argument("--json", help="also write all rows to this file")
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        choices=("micro", "cost", "quality"),
+        default=["micro", "cost", "quality"],
+        help="which parts to run (default: all)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.runs, args.seconds, args.conversations, args.turns = 1, 0.5, 3, 2
@@ -511,9 +578,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvroute-bench-replicas-") as tmp:
         workdir = Path(tmp)
         with RedisServer(workdir / "redis") as redis:
-            micro = bench_micro(redis, args)
-            cost = bench_cost(workdir, redis, args)
-            quality = bench_quality(workdir, redis, args)
+            micro = bench_micro(redis, args) if "micro" in args.parts else []
+            cost = bench_cost(workdir, redis, args) if "cost" in args.parts else []
+            quality = bench_quality(workdir, redis, args) if "quality" in args.parts else []
     text = report(micro, cost, quality, args)
     print(text)
     if args.json:

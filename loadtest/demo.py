@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -20,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.chat_client import chat_workload, print_progress, run_load
+from loadtest.procs import stop_process, wait_http_ok
 from loadtest.workloads import Workload
 from sim.fleet import Fleet, FleetProfile
 from sim.server import free_port
@@ -42,21 +41,6 @@ def _log(msg: str) -> None:
 def _get_json(url: str, timeout_s: float = 5.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:
         return json.loads(resp.read())
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], deadline_s: float) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"router exited early with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=1.0) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"router at {url} not healthy after {deadline_s:.0f}s")
 
 
 def _wait_for_report(url: str, turns: int, deadline_s: float = 5.0) -> Any:
@@ -200,7 +184,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        _wait_ready(url, router, 30.0)
+        router_log = workdir / "router.log"
+        wait_http_ok(f"{url}/health", router, 30.0, output=lambda: router_log.read_text(errors="replace"))
         workload = demo_workload(args)
         _log(
             f"driving {len(workload.conversations)} conversations x {args.turns} turns, "
@@ -218,18 +203,11 @@ def run_demo(args: argparse.Namespace) -> int:
         line = gain_line(report)
         if line:
             print("What routing gained: " + line)
-        router_log = workdir / "router.log"
         lines = len(router_log.read_text(errors="replace").splitlines())
         print(f"router log: {router_log} ({lines} lines); engine logs and the fleet file: {workdir}")
         return 0 if summary["errors"] == 0 else 1
     finally:
-        if router is not None and router.poll() is None:
-            os.killpg(router.pid, signal.SIGTERM)
-            try:
-                router.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(router.pid, signal.SIGKILL)
-                router.wait()
+        stop_process(router)
         fleet.stop()
         _log("fleet and router stopped")
 

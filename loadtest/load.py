@@ -12,52 +12,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from loadtest.demo import DEMO_PROFILE
+from loadtest.procs import stop_process, wait_http_ok
 from sim.fleet import Fleet
 from sim.server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO / "loadtest" / "locustfile.py"
-
-
-def wait_http_ok(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float = 30.0) -> None:
-    """Wait until GET ``url`` answers 200; raise (with the process's exit code) otherwise."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with code {proc.returncode} while starting")
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
-
-
-def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
-    """SIGTERM the process group (started with start_new_session), SIGKILL after 10 s."""
-    if proc is None or proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 @contextlib.contextmanager

@@ -486,6 +486,9 @@ def create_app(
         doc: dict[str, Any] = {"ready": healthy > 0, "healthy_engines": healthy, "engines": engines}
         if event_manager is not None and hasattr(event_manager, "ready_detail"):
             doc["events"] = event_manager.ready_detail()
+        worker = getattr(app.state, "worker", None)
+        if worker is not None:
+            doc["worker"] = worker
         shared = getattr(app.state, "shared_state", None)
         if shared is not None:
             # Redis away is a degraded mode (local knowledge), not unreadiness: requests still work.

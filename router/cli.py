@@ -66,23 +66,25 @@ def serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
-SIBLING_ENV = "_KVROUTE_SIBLING_WORKER"
+SIBLING_ENV = "_KVROUTE_SIBLING_WORKER"  # the sibling's worker index (1..N-1)
+#: File descriptor of the workers' shared load board (router/worker_ledger.py), from the first worker.
+BOARD_ENV = "_KVROUTE_WORKER_BOARD"
 
 
-def _start_sibling_workers(argv: Sequence[str], count: int) -> list[Any]:
+def _start_sibling_workers(argv: Sequence[str], count: int, board_fd: int | None = None) -> list[Any]:
     """``count`` more `kvroute serve` processes with the same flags, as workers of this one."""
     import os
     import subprocess
 
     # Not a KVROUTE_* name: the config layer rejects unknown ones.
-    env = {**os.environ, SIBLING_ENV: "1"}
     return [
         subprocess.Popen(
             [sys.executable, "-m", "router.cli", "serve", *argv, "--workers", "1"],
-            env=env,
+            env={**os.environ, SIBLING_ENV: str(i + 1), **({BOARD_ENV: str(board_fd)} if board_fd else {})},
+            pass_fds=(board_fd,) if board_fd else (),
             preexec_fn=_die_with_parent,
         )
-        for _ in range(count)
+        for i in range(count)
     ]
 
 
@@ -232,9 +234,27 @@ def serve(argv: Sequence[str]) -> int:
         return 2
     level = config.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    workers = args.workers if args.workers is not None else 1
+    if workers < 1:
+        print(f"kvroute serve: --workers must be >= 1, got {workers}", file=sys.stderr)
+        return 2
+    sibling = bool(os.environ.get(SIBLING_ENV))
+    board: tuple[int, int] | None = None
+    board_fd: int | None = None
+    if sibling and os.environ.get(BOARD_ENV):
+        board = (int(os.environ[BOARD_ENV]), int(os.environ[SIBLING_ENV]))
+    elif workers > 1 and not config.shared.redis_url:
+        # The workers share their load through a small memory-mapped board (with Redis, through
+        # Redis like replicas); the siblings inherit its file descriptor.
+        from router.worker_ledger import create_board
+
+        board_fd = create_board(workers, [e.id for e in config.engines])
+        board = (board_fd, 0)
     try:
         # SIGHUP re-reads the config file (like POST /admin/reload).
-        app = build_router_app(config, config_path, install_sighup=True, reload_config=reload_config)
+        app = build_router_app(
+            config, config_path, install_sighup=True, reload_config=reload_config, worker_board=board
+        )
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2
@@ -246,11 +266,6 @@ def serve(argv: Sequence[str]) -> int:
         loop = "asyncio"
     from router.guard import guarded_http_protocol
 
-    workers = args.workers if args.workers is not None else 1
-    if workers < 1:
-        print(f"kvroute serve: --workers must be >= 1, got {workers}", file=sys.stderr)
-        return 2
-    sibling = bool(os.environ.get(SIBLING_ENV))
     arms = config.experiment.arms
     policy = (
         "experiment " + ", ".join(f"{a.name}={a.policy}" for a in arms)
@@ -273,7 +288,7 @@ def serve(argv: Sequence[str]) -> int:
         # Multi-worker: every process binds the same port with SO_REUSEPORT and runs the whole
         # router (event subscribers, index, scraping); the first one starts the others and stops
         # them on exit.
-        siblings = [] if sibling else _start_sibling_workers(argv, workers - 1)
+        siblings = [] if sibling else _start_sibling_workers(argv, workers - 1, board_fd)
 
         def stop() -> None:
             for child in siblings:

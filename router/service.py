@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import JSONResponse, Response
 
 from kvcore import sim_tokenizer
-from kvcore.core import CoreConfig, InMemoryLoadLedger, RoutingCore
+from kvcore.core import CoreConfig, InMemoryLoadLedger, LoadLedger, RoutingCore
 from kvcore.index import PrefixIndex
 from kvcore.keys import block_keys, namespace_seed, request_extra_keys
 from policies.base import TIERS
@@ -58,6 +59,7 @@ from router.routing import (
 from router.scrape import EngineMetrics, parse_engine_metrics, tier_capacities_tokens
 from router.shared_state import SharedLoadLedger, SharedState, SharedStateAnnotator, SharedStateObserver
 from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer
+from router.worker_ledger import WorkerBoard, WorkerLoadLedger
 
 log = logging.getLogger("kvroute.service")
 
@@ -715,17 +717,27 @@ def build_router_app(
     *,
     install_sighup: bool = False,
     reload_config: Callable[[], RouterConfig] | None = None,
+    worker_board: tuple[int, int] | None = None,
 ) -> FastAPI:
     """The full router used by ``kvroute serve``. /admin/reload and SIGHUP call ``reload_config``
     (``kvroute serve`` passes one that re-applies the environment and its command-line flags
-    over the re-read file), else re-read ``config_path`` alone."""
+    over the re-read file), else re-read ``config_path`` alone. ``worker_board`` = (file descriptor, worker
+    index) of the load board shared by ``--workers`` processes (router/worker_ledger.py)."""
     metrics = create_metrics()
     shared = build_shared_state(config, metrics)
-    ledger = None
+    ledger: LoadLedger | None = None
     if shared is not None:
         # This replica's own accounting (its in-flight gauge) plus the other replicas' load.
         local = InMemoryLoadLedger([e.id for e in config.engines], on_change=metrics.set_in_flight)
         ledger = SharedLoadLedger(local, shared)
+    elif worker_board is not None:
+        engine_ids = [e.id for e in config.engines]
+        local = InMemoryLoadLedger(engine_ids, on_change=metrics.set_in_flight)
+        try:
+            board = WorkerBoard(worker_board[0], worker_board[1], engine_ids)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--workers: cannot share load between the workers: {exc}") from None
+        ledger = WorkerLoadLedger(local, board)
     tracker = LoadTracker(config.engines, metrics, ledger=ledger)
     index = build_index(config)
     try:
@@ -805,6 +817,9 @@ def build_router_app(
     app.state.tokenizer = tokenizer
     app.state.services = services
     app.state.shared_state = shared
+    if isinstance(ledger, WorkerLoadLedger):
+        # GET /ready says which worker answered and that the load it shows is the workers' sum.
+        app.state.worker = {"index": ledger.board.worker, "workers": ledger.board.workers, "pid": os.getpid()}
     app.state.costs = costs
     app.state.experiments = experiments
     app.state.core = core

@@ -10,7 +10,8 @@ fast-changing facts the events cannot tell live here (docs/deployment.md, "Repli
   its speculation and approx_prefix's learned table, and a restarted replica replays them to
   relearn what the others routed.
 One awaited round trip per request (the read before the policy chooses); the writes go through a
-single writer task that batches whatever is pending into one pipeline, in order. When Redis is
+single writer task that sends whatever is pending as one call of a server-side script (one round
+trip and one command per batch, applied atomically, in order; deltas to one field are summed). When Redis is
 unreachable the replica routes on local knowledge, says so (``up`` False, /ready, metrics) and
 rewrites its whole share once Redis answers again.
 """
@@ -58,8 +59,87 @@ for _, k in ipairs(order) do out[#out + 1] = k; out[#out + 1] = tostring(sums[k]
 return out
 """
 
+# One writer batch, applied atomically (a reader never sees half of it) in one round trip.
+# KEYS = own load hash, own routing stream, replica registry, stream registry.
+# ARGV = load TTL ms, stream retention ms, own replica id, then the ops in order:
+#   'h', field, delta           HINCRBY in the load hash
+#   'w', n, field, value x n    rewrite the whole share (the heartbeat) and renew the registry entry
+#   'x', engine id, keys        append a routing record, trimming records older than the retention
+# Every batch renews the load hash's TTL (HINCRBY on an expired hash recreates it without one).
+_WRITE_SCRIPT = """
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local i = 4
+local routed = false
+while i <= #ARGV do
+  local op = ARGV[i]
+  if op == 'h' then
+    redis.call('HINCRBY', KEYS[1], ARGV[i + 1], ARGV[i + 2])
+    i = i + 3
+  elseif op == 'w' then
+    local n = tonumber(ARGV[i + 1])
+    redis.call('DEL', KEYS[1])
+    for j = 0, n - 1 do
+      redis.call('HSET', KEYS[1], ARGV[i + 2 + 2 * j], ARGV[i + 3 + 2 * j])
+    end
+    redis.call('ZADD', KEYS[3], now_ms, ARGV[3])
+    i = i + 2 + 2 * n
+  elseif op == 'x' then
+    local minid = now_ms - tonumber(ARGV[2])
+    redis.call('XADD', KEYS[2], 'MINID', '~', minid, '*', 'e', ARGV[i + 1], 'k', ARGV[i + 2])
+    routed = true
+    i = i + 3
+  else
+    return redis.error_reply('kvroute write script: unknown op ' .. tostring(op))
+  end
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if routed then
+  -- The stream outlives its replica by the retention (a restart relearns it).
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  redis.call('ZADD', KEYS[4], now_ms, KEYS[2])
+end
+return i
+"""
+
 _IN_FLIGHT = "f:"
 _PREFILL = "p:"
+#: Upper bound of ``SharedState.tail_poll_s``.
+_TAIL_POLL_S = 0.5
+
+
+def write_script_args(ops: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """The write script's ops for a batch of queued writes, in order. Deltas to the same field
+    between two rewrites are summed (a request that started and ended in the batch adds nothing)."""
+    args: list[Any] = []
+    deltas: dict[str, int] = {}
+
+    def flush() -> None:
+        for name, delta in deltas.items():
+            if delta:
+                args.extend(("h", name, delta))
+        deltas.clear()
+
+    for op in ops:
+        kind = op[0]
+        if kind == "reserve":
+            _, engine_id, prefill = op
+            deltas[_IN_FLIGHT + engine_id] = deltas.get(_IN_FLIGHT + engine_id, 0) + 1
+            deltas[_PREFILL + engine_id] = deltas.get(_PREFILL + engine_id, 0) + prefill
+        elif kind == "add":
+            deltas[op[1]] = deltas.get(op[1], 0) + op[2]
+        elif kind == "routed":
+            args.extend(("x", op[1], op[2]))
+        elif kind == "rewrite":
+            deltas.clear()  # already counted in the rewrite's figures (taken after them)
+            fields: dict[str, int] = op[1]
+            args.extend(("w", len(fields)))
+            for name, value in fields.items():
+                args.extend((name, value))
+        else:
+            raise ValueError(f"unknown shared-state write {kind!r}")
+    flush()
+    return args
 
 
 @dataclass(slots=True)
@@ -102,6 +182,10 @@ class SharedState:
         self.ttl_s = ttl_s
         #: Heartbeat period: three renewals fit in one TTL, so one lost beat expires nothing.
         self.heartbeat_s = ttl_s / 4
+        #: How long the tail waits on the streams it knows before looking for new ones: a new
+        #: replica's first routing records reach the others within this (two cheap commands per
+        #: period and replica when nothing is routed).
+        self.tail_poll_s = min(self.heartbeat_s, _TAIL_POLL_S)
         self.timeout_s = timeout_s
         self.retention_s = retention_s
         self.up = False
@@ -116,10 +200,13 @@ class SharedState:
         self._writer: Any = None  # redis.asyncio.Redis with one connection, used by the writer task
         self._tail: Any = None  # blocking XREAD connection
         self._read_sha = ""
+        self._write_sha = ""
         #: Last entry id applied per other replica's routing stream.
         self._stream_ids: dict[str, str] = {}
         self._wake = asyncio.Event()
         self._read_task: asyncio.Future[RemoteLoad] | None = None
+        #: Writer round trips so far (one per batch; benchmarks divide by requests).
+        self.write_batches = 0
         self._metrics(registry)
 
     # -- metrics --------------------------------------------------------------------------------
@@ -255,6 +342,7 @@ class SharedState:
             async with asyncio.timeout(self.timeout_s * 4):
                 await self._writer.ping()
             self._read_sha = await self._writer.script_load(_READ_SCRIPT)
+            self._write_sha = await self._writer.script_load(_WRITE_SCRIPT)
         except Exception as exc:
             self._set_down("probe", exc)
             return
@@ -352,39 +440,24 @@ class SharedState:
                 ops.append(self._queue.get_nowait())
             if not self.up:
                 continue  # the rewrite after recovery restores our share
-            pipe = self._writer.pipeline(transaction=False)
-            now_ms = int(time.time() * 1000)
-            routed = False
-            for op in ops:
-                kind = op[0]
-                if kind == "reserve":
-                    _, engine_id, prefill = op
-                    pipe.hincrby(self._load_key, _IN_FLIGHT + engine_id, 1)
-                    pipe.hincrby(self._load_key, _PREFILL + engine_id, prefill)
-                elif kind == "routed":
-                    _, engine_id, keys = op
-                    pipe.xadd(
-                        self._stream_key,
-                        {"e": engine_id, "k": keys},
-                        minid=now_ms - int(self.retention_s * 1000),
-                        approximate=True,
-                    )
-                    routed = True
-                elif kind == "add":
-                    pipe.hincrby(self._load_key, op[1], op[2])
-                elif kind == "rewrite":
-                    pipe.delete(self._load_key)
-                    if op[1]:
-                        pipe.hset(self._load_key, mapping=op[1])
-                    pipe.zadd(self._registry_key, {self.replica_id: now_ms})
-            pipe.pexpire(self._load_key, int(self.ttl_s * 1000))
-            if routed:
-                # The stream outlives its replica by the retention (a restart relearns it).
-                pipe.pexpire(self._stream_key, int(self.retention_s * 1000))
-                pipe.zadd(self._streams_key, {self._stream_key: now_ms})
+            args = write_script_args(ops)
+            if not args:
+                continue  # e.g. a request that began and ended within the batch
+            self.write_batches += 1
             try:
                 async with asyncio.timeout(self.timeout_s * 4):
-                    await pipe.execute()
+                    await self._writer.evalsha(
+                        self._write_sha,
+                        4,
+                        self._load_key,
+                        self._stream_key,
+                        self._registry_key,
+                        self._streams_key,
+                        int(self.ttl_s * 1000),
+                        int(self.retention_s * 1000),
+                        self.replica_id,
+                        *args,
+                    )
             except Exception as exc:
                 self._set_down("write", exc)
 
@@ -420,10 +493,10 @@ class SharedState:
                 streams = {(n.decode() if isinstance(n, bytes) else str(n)): None for n in names}
                 streams.pop(self._stream_key, None)
                 if not streams:
-                    await self._nap()
+                    await self._nap(self.tail_poll_s)
                     continue
                 wanted = {name: self._stream_ids.get(name, "0-0") for name in streams}
-                reply = await self._tail.xread(wanted, block=int(self.heartbeat_s * 1000), count=1000)
+                reply = await self._tail.xread(wanted, block=int(self.tail_poll_s * 1000), count=1000)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -433,11 +506,12 @@ class SharedState:
                 name = stream.decode() if isinstance(stream, bytes) else str(stream)
                 self._apply(name, entries)
 
-    async def _nap(self) -> None:
-        """Wait one heartbeat, or less when Redis comes back (``_probe`` sets the event)."""
+    async def _nap(self, seconds: float | None = None) -> None:
+        """Wait ``seconds`` (one heartbeat by default), or less when Redis comes back (``_probe``
+        sets the event)."""
         self._wake.clear()
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.heartbeat_s):
+            async with asyncio.timeout(self.heartbeat_s if seconds is None else seconds):
                 await self._wake.wait()
 
     def _apply(self, stream: str, entries: Sequence[Any]) -> None:

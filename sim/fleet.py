@@ -124,6 +124,8 @@ class Fleet:
         #: N+100+i and answers replays on N+200+i (room for 100 engines).
         self.base_port = base_port
         self.engines: list[FleetEngine] = []
+        #: Ports given to this fleet's engines (free ones are picked before the engine binds them).
+        self._handed_out: set[int] = set()
 
     def start(
         self,
@@ -178,10 +180,22 @@ class Fleet:
             raise
         return started
 
+    def _fresh_ports(self) -> tuple[int, int, int]:
+        """Free (HTTP, KV-event, replay) ports that this fleet has not handed out before: an engine
+        binds its ports only once its process is up, so the OS may offer one again for the next
+        engine (seen: an engine's HTTP port was the previous engine's replay port; both binds
+        succeeded with SO_REUSEADDR, and /health never answered)."""
+        for _ in range(100):
+            ports = (free_port(self.host), *_event_ports(self.host))
+            if len(set(ports)) == 3 and not self._handed_out.intersection(ports):
+                self._handed_out.update(ports)
+                return ports
+        raise RuntimeError(f"no three fresh free ports on {self.host} after 100 tries")
+
     def _ports(self, ordinal: int) -> tuple[int, int, int]:
         """(HTTP, KV-event, replay) ports of engine number ``ordinal``."""
         if self.base_port is None:
-            return (free_port(self.host), *_event_ports(self.host))
+            return self._fresh_ports()
         ports = (self.base_port + ordinal, self.base_port + 100 + ordinal, self.base_port + 200 + ordinal)
         for port in ports:
             if not _port_is_free(self.host, port):

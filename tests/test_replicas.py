@@ -120,8 +120,9 @@ class Front:
 
 
 @pytest.fixture
-def replicas(fleet: list[FleetEngine], redis_server: RedisServer) -> Iterator[Callable[..., Replicas]]:
-    """Factory: ``replicas(count, policy, shared=True, engines=fleet, config={}, **policy_params)``."""
+def replicas(request: pytest.FixtureRequest, redis_server: RedisServer) -> Iterator[Callable[..., Replicas]]:
+    """Factory: ``replicas(count, policy, shared=True, engines=fleet, config={}, **policy_params)``;
+    the module's ``fleet`` is started only for a test that uses it."""
     started: list[Replicas] = []
 
     def start(
@@ -134,10 +135,11 @@ def replicas(fleet: list[FleetEngine], redis_server: RedisServer) -> Iterator[Ca
         **params: Any,
     ) -> Replicas:
         cluster = uuid.uuid4().hex[:8]  # each group of replicas shares only with itself
+        targets: list[FleetEngine] = engines if engines is not None else request.getfixturevalue("fleet")
 
         def make_app() -> Any:
             data: dict[str, Any] = {
-                "engines": [e.fleet_entry() for e in (engines or fleet)],
+                "engines": [e.fleet_entry() for e in targets],
                 "tokenizer": {"backend": "sim"},
                 "policy": {"name": policy, "params": params},
                 "health": {"interval_s": 0.5},
@@ -270,8 +272,12 @@ BURST_PREFIX_TOKENS = 576
 BURST_SUFFIX_TOKENS = 128
 BURST_ROUTER_CONFIG: dict[str, Any] = {
     "costs": {"priors": {"prefill_tokens_per_s": 10_000.0}},
-    # The speculative entries must outlive the burst however slow the machine is.
+    # Nothing may change but what the burst does, however slow the machine: speculative entries
+    # outlive the burst, no health poll can time out and drop an engine, and a slow Redis answer
+    # does not put a replica into local mode.
     "index": {"speculation_ttl_s": 300.0},
+    "health": {"interval_s": 0.0},
+    "shared": {"timeout_s": 5.0},
 }
 BURST_POLICY: dict[str, Any] = {"decode_s_per_running": 0.005}
 
@@ -446,7 +452,13 @@ async def _burst(engines: list[FleetEngine], group: Replicas, redis_url: str | N
             return all(q == (0, 0) for q in queues.values()), queues
 
         await _until("the engines to drain the burst", drained)
-    print(f"burst over {group.count} replica(s), prefix {prefix_tokens} tokens: {counts}")
+        errors = await _metric_total(client, group.urls, "kvroute_shared_state_errors_total")
+    # Shared-state errors would mean a replica routed part of the burst on local knowledge.
+    print(
+        f"burst over {group.count} replica(s), prefix {prefix_tokens} tokens: {counts}, "
+        f"shared-state errors {errors:g}"
+    )
+    assert errors == 0, f"shared-state errors during the burst: {errors:g} (see the replicas' logs)"
     return counts
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from loadtest.redis_server import RedisServer, redis_binary
-from router.shared_state import SharedState
+from router.shared_state import SharedState, write_script_args
 
 pytestmark = pytest.mark.skipif(
     redis_binary() is None, reason="redis-server binary not found (apt-get install redis-server)"
@@ -167,3 +167,61 @@ async def test_a_restarted_replica_relearns_what_the_others_routed(redis_server:
             await restarted.stop()
     finally:
         await a.stop()
+
+
+def test_a_batch_sums_deltas_between_rewrites() -> None:
+    ops = [
+        ("reserve", "e0", 300),
+        ("routed", "e0", b"k1"),
+        ("add", "p:e0", -300),
+        ("rewrite", {"f:e0": 1, "p:e0": 0}),  # taken after the ops above: they are in it
+        ("reserve", "e1", 50),
+        ("add", "f:e1", -1),
+        ("add", "p:e1", -50),  # began and ended within the batch: nothing to send
+        ("reserve", "e0", 10),
+        ("routed", "e0", b"k2"),
+    ]
+    assert write_script_args(ops) == [
+        "x", "e0", b"k1",
+        "w", 2, "f:e0", 1, "p:e0", 0,
+        "x", "e0", b"k2",
+        "h", "f:e0", 1,
+        "h", "p:e0", 10,
+    ]  # fmt: skip
+
+
+async def test_a_batch_is_one_command_and_renews_the_ttl(redis_server: RedisServer) -> None:
+    """Redis itself counts the writer's commands: one script call for a batch of many writes."""
+    import redis.asyncio as aioredis
+
+    # A long TTL: no heartbeat (every TTL / 4) adds a batch while the test runs.
+    a = _state(redis_server.url, "a", ttl_s=120.0)
+    probe = aioredis.from_url(redis_server.url)
+    await a.start()
+    try:
+
+        async def registered() -> bool:
+            return await probe.zscore("kvroute:t:replicas", "a") is not None
+
+        await _until(registered, "the first rewrite")
+        stats = await probe.info("commandstats")
+        calls_before = stats.get("cmdstat_evalsha", {}).get("calls", 0)
+        batches_before = a.write_batches
+        for i in range(10):  # ten requests routed in one event-loop turn: one batch
+            a.reserve(f"e{i % 2}", 100)
+            a.routed(f"e{i % 2}", [i + 1])
+        a.first_byte("e0", 100)
+        expected = {b"f:e0": b"5", b"p:e0": b"400", b"f:e1": b"5", b"p:e1": b"500"}
+
+        async def landed() -> bool:
+            return await probe.hgetall("kvroute:t:load:a") == expected
+
+        await _until(landed, "the batch")
+        stats = await probe.info("commandstats")
+        assert stats["cmdstat_evalsha"]["calls"] - calls_before == 1
+        assert a.write_batches - batches_before == 1
+        assert await probe.xlen("kvroute:t:routed:a") == 10
+        assert 0 < await probe.pttl("kvroute:t:load:a") <= 120_000
+    finally:
+        await a.stop()
+        await probe.aclose()

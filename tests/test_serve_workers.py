@@ -4,18 +4,20 @@ the first stops the other. Real processes, a real zero-delay simulated engine, t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import openai
 
 from kvcore.sim_tokenizer import NAME
 from loadtest.load import wait_http_ok
-from sim.fleet import Fleet
+from sim.fleet import PROFILES, Fleet
 from sim.server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,3 +89,63 @@ def test_two_workers_share_the_port_and_both_route(tmp_path: Path) -> None:
         while _group_members(proc.pid):
             assert time.monotonic() < deadline, f"workers left running: {_group_members(proc.pid)}"
             time.sleep(0.2)
+
+
+def test_workers_see_each_others_load(tmp_path: Path) -> None:
+    """Load-aware routing in a multi-worker router must see the whole machine's in-flight requests,
+    not only those the kernel happened to hand its own process: with 6 long requests in flight, every
+    worker's GET /ready reports all 6 (it would report only its own share without the board)."""
+    import threading
+
+    import httpx
+
+    slow = replace(PROFILES["gpu-only"], time_scale=0.05)  # 20x slower than real: requests last
+    shm = Path("/dev/shm")
+    boards_before = set(shm.glob("kvroute-workers-*")) if shm.is_dir() else set()
+    with Fleet(tmp_path) as fleet:
+        engines = fleet.start(2, slow)
+        port = free_port()
+        args = ["serve", "--port", str(port), "--policy", "least_loaded", "--log-level", "warning"]
+        for e in engines:
+            args += ["--engine", f"{e.id}={e.url}"]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", *args, "--workers", "2"], cwd=REPO, start_new_session=True
+        )
+        url = f"http://127.0.0.1:{port}"
+        threads: list[threading.Thread] = []
+        try:
+            wait_http_ok(f"{url}/health", proc)
+            deadline = time.monotonic() + 30
+            while len(_listening_pids(port, _group_members(proc.pid))) < 2:
+                assert time.monotonic() < deadline, "the second worker never listened on the port"
+                time.sleep(0.2)
+
+            def long_request() -> None:
+                body = {"model": NAME, "messages": [{"role": "user", "content": "x " * 50}], "max_tokens": 64}
+                with contextlib.suppress(httpx.HTTPError):
+                    httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+
+            threads = [threading.Thread(target=long_request, daemon=True) for _ in range(6)]
+            for t in threads:
+                t.start()
+            seen: dict[int, list[int]] = {}  # worker index -> total in-flight it reported
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not (
+                len(seen) == 2 and all(v[-3:] == [6] * 3 for v in seen.values())
+            ):
+                doc = httpx.get(f"{url}/ready", timeout=5).json()  # a new connection each time
+                assert doc["worker"]["workers"] == 2
+                seen.setdefault(doc["worker"]["index"], []).append(
+                    sum(e["in_flight"] for e in doc["engines"].values())
+                )
+                time.sleep(0.02)
+            assert set(seen) == {0, 1}, f"only worker(s) {sorted(seen)} answered"
+            for index, totals in seen.items():
+                assert totals[-3:] == [6, 6, 6], f"worker {index} saw in-flight totals {totals[-10:]}, not 6"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(15)
+            for t in threads:
+                t.join(5)
+    boards_after = set(shm.glob("kvroute-workers-*")) if shm.is_dir() else set()
+    assert boards_after <= boards_before, "the workers' load board was left behind"

@@ -202,3 +202,17 @@ def test_an_event_port_taken_before_the_engine_binds_it_is_retried_with_new_port
             assert f.engines == [engine]
     finally:
         squatter.close()
+
+
+def test_the_fleet_never_hands_out_a_port_twice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Free ports are picked before each engine binds them, so the OS may offer a port again for the
+    next engine; seen: one engine's HTTP port was the previous engine's replay port, and its /health
+    never answered. Here the OS offers the first engine's ports again for the second."""
+    import sim.fleet as fleet_module
+
+    offered = iter([40_000, 40_100, 40_200, 40_000, 40_100, 40_200, 40_300, 40_400, 40_500])
+    monkeypatch.setattr(fleet_module, "free_port", lambda host="127.0.0.1": next(offered))
+    fleet = Fleet(tmp_path)
+    handed = [fleet._ports(i) for i in range(2)]
+    ports = [p for triple in handed for p in triple]
+    assert len(set(ports)) == 6, handed
