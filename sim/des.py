@@ -1250,10 +1250,23 @@ class _ResultFiles:
         self.done[index] = result
         if self.out is None:
             return
-        from sim.report import markdown_table
-
         with open(self.out / "results.jsonl", "a") as fh:
             fh.write(json.dumps(result.as_dict()) + "\n")
+        self._write_tables()
+
+    def sync(self) -> None:
+        """Rewrite every file from the finished runs: a Ctrl-C can land between the writes of
+        ``add``, and the three files must then still agree."""
+        if self.out is None:
+            return
+        ordered = [self.done[i] for i in sorted(self.done)]
+        (self.out / "results.jsonl").write_text("".join(json.dumps(r.as_dict()) + "\n" for r in ordered))
+        self._write_tables()
+
+    def _write_tables(self) -> None:
+        assert self.out is not None
+        from sim.report import markdown_table
+
         ordered = [self.done[i] for i in sorted(self.done)]
         partial = (
             "" if len(ordered) == self.total_runs else f" ({len(ordered)} of {self.total_runs} runs so far)"
@@ -1348,6 +1361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     bar.update(counter.value - bar.n)
     except KeyboardInterrupt:
         bar.close()
+        files.sync()
         where = f"; they are in {out}/" if out is not None and files.done else ""
         print(f"kvroute sim: interrupted after {len(files.done)} of {len(runs)} runs{where}", file=sys.stderr)
         return 130
