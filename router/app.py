@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
+from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
@@ -88,16 +89,6 @@ class _AsgiResponse(Response):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await self._asgi(scope, receive, send)
-
-
-def header_dict(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
-    """ASGI raw headers as a dict of lower-case names (the first value wins, as in Starlette)."""
-    out: dict[str, str] = {}
-    for name, value in raw:
-        key = name.decode("latin-1").lower()
-        if key not in out:
-            out[key] = value.decode("latin-1")
-    return out
 
 
 def error_response(err: RouterError, request_id: str = "") -> Response:
@@ -426,7 +417,7 @@ def create_app(
         """POST /v1/chat/completions and /v1/completions, straight from the ASGI server (no
         framework routing, dependency solving or response objects on the hot path)."""
         endpoint = PROXY_PATHS[scope["path"]]
-        headers = header_dict(scope["headers"])
+        headers = Headers(raw=scope["headers"])  # case-insensitive, first value wins
         request_id = request_id_of(headers)
         try:
             raw_body = await reader.body(headers, receive)

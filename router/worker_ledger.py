@@ -44,12 +44,8 @@ def create_board(workers: int, engine_ids: Sequence[str]) -> int:
     os.unlink(path)
     words = [MAGIC, workers, len(engine_ids), engines_hash(engine_ids)]
     words += [0] * (workers * len(engine_ids) * 2)
-    os.write(fd, _pack(words))
+    os.write(fd, array.array("q", words).tobytes())
     return fd
-
-
-def _pack(words: Sequence[int]) -> bytes:
-    return array.array("q", words).tobytes()
 
 
 class WorkerBoard:
@@ -137,5 +133,5 @@ class WorkerLoadLedger:
         return self.board.total(slot)
 
     def least_loaded(self) -> Iterator[str]:
-        engines = set(self.board.slots) | set(self.local.least_loaded())
-        return iter(sorted(engines, key=lambda e: (self.load(e)[1], self.load(e)[0])))
+        loads = {e: self.load(e) for e in set(self.board.slots) | set(self.local.least_loaded())}
+        return iter(sorted(loads, key=lambda e: (loads[e][1], loads[e][0])))
