@@ -394,12 +394,15 @@ class RoutingCore:
             return PredictedParts.from_scores(scores)
         hits = predicted_hit_tokens_by_tier(request, engine_id)
         prompt_tokens = request.prompt_tokens or len(request.block_keys) * request.block_size
-        wait_tokens = 0.0
+        wait_tokens = in_flight = 0.0
         for view in candidates:
             if view.engine_id == engine_id:
                 wait_tokens = float(view.queued_prefill_tokens)
+                in_flight = float(view.in_flight)
                 break
-        return predict_parts(self.costs.estimates(engine_id), hits, prompt_tokens - sum(hits), wait_tokens)
+        return predict_parts(
+            self.costs.estimates(engine_id), hits, prompt_tokens - sum(hits), wait_tokens, in_flight
+        )
 
     # -- post-response ----------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ Token ids: specials < 1000; a chunk of n bytes (1..3) is 1000 + (n-1) * 2**24 + 
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -35,13 +37,33 @@ VOCAB_LIMIT = _BASE + CHUNK_BYTES * _SPAN  # every valid token id is below this
 CHARS_PER_TOKEN = CHUNK_BYTES
 
 
+#: Id offset of a full 3-byte chunk.
+_FULL_OFFSET = _BASE + (CHUNK_BYTES - 1) * _SPAN
+#: An array typecode of 4-byte unsigned items (C "unsigned int" almost everywhere).
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)
+
+
 def encode_text(text: str) -> list[int]:
-    """Tokens of one segment of text (no special tokens)."""
+    """Tokens of one segment of text (no special tokens).
+
+    The full 3-byte chunks are converted in C: spread to big-endian uint32 (a zero high byte) by
+    slice assignment, read as an array, offset by ``map``. A Python loop over the chunks cost the
+    router ~1.5 ms per 16K-token prompt; this is ~10x less (tests/test_tokenize.py checks it
+    against the per-chunk definition).
+    """
     data = text.encode("utf-8")
-    out = []
-    for i in range(0, len(data), CHUNK_BYTES):
-        chunk = data[i : i + CHUNK_BYTES]
-        out.append(_BASE + (len(chunk) - 1) * _SPAN + int.from_bytes(chunk, "big"))
+    n_full = len(data) // CHUNK_BYTES
+    words = bytearray(4 * n_full)
+    for k in range(CHUNK_BYTES):
+        words[k + 1 :: 4] = data[k : CHUNK_BYTES * n_full : CHUNK_BYTES]
+    values = array(_U32)
+    values.frombytes(words)
+    if sys.byteorder == "little":
+        values.byteswap()
+    out = list(map(_FULL_OFFSET.__add__, values))
+    tail = data[CHUNK_BYTES * n_full :]
+    if tail:
+        out.append(_BASE + (len(tail) - 1) * _SPAN + int.from_bytes(tail, "big"))
     return out
 
 

@@ -37,6 +37,11 @@ class EngineCosts:
     load_latency_s: tuple[float, float, float] = DEFAULT_LOAD_LATENCY_S
     #: KV-cache bytes one token occupies (all layers, K and V).
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    #: Seconds a new request waits per request already in flight on the engine, beyond the
+    #: prefill queue: the wait for a running slot when the engine is bound by KV memory (requests
+    #: wait for running ones to finish and free blocks) or by max_num_seqs. Learned by
+    #: ``CostModel.observe``; the prior 0 says "the prefill queue is all the wait there is".
+    slot_s_per_request: float = 0.0
 
     def load_time_s(self, tier: Tier, tokens: float) -> float:
         """Seconds to bring ``tokens`` tokens of KV from ``tier`` to the GPU (0 for no tokens)."""
@@ -64,16 +69,21 @@ class EngineCosts:
                 )
             if self.load_latency_s[tier] < 0:
                 raise ValueError(f"{where}.tiers.{tier.name.lower()}.latency_s must be >= 0")
+        if not 0 <= self.slot_s_per_request <= _MAX_SLOT_S:
+            raise ValueError(
+                f"{where}.slot_s_per_request must be in [0, {_MAX_SLOT_S}], got {self.slot_s_per_request}"
+            )
         return self
 
 
 def costs_from_config(raw: Mapping[str, Any], base: EngineCosts, where: str) -> EngineCosts:
     """Overlay a config mapping on ``base``.
 
-    Keys: ``prefill_tokens_per_s``, ``kv_bytes_per_token``, and ``tiers`` = {"gpu"|"cpu"|"storage":
-    {"bandwidth_bytes_per_s": float, "latency_s": float}}. Unknown keys are an error.
+    Keys: ``prefill_tokens_per_s``, ``kv_bytes_per_token``, ``slot_s_per_request`` and ``tiers`` =
+    {"gpu"|"cpu"|"storage": {"bandwidth_bytes_per_s": float, "latency_s": float}}. Unknown keys are
+    an error.
     """
-    known = {"prefill_tokens_per_s", "kv_bytes_per_token", "tiers"}
+    known = {"prefill_tokens_per_s", "kv_bytes_per_token", "slot_s_per_request", "tiers"}
     unknown = set(raw) - known
     if unknown:
         raise ValueError(f"{where}: unknown cost keys {sorted(unknown)}; accepted: {sorted(known)}")
@@ -98,6 +108,7 @@ def costs_from_config(raw: Mapping[str, Any], base: EngineCosts, where: str) -> 
         load_bandwidth_bytes_per_s=(bandwidth[0], bandwidth[1], bandwidth[2]),
         load_latency_s=(latency[0], latency[1], latency[2]),
         kv_bytes_per_token=int(raw.get("kv_bytes_per_token", base.kv_bytes_per_token)),
+        slot_s_per_request=float(raw.get("slot_s_per_request", base.slot_s_per_request)),
     )
     return out.validate(where)
 
@@ -106,8 +117,9 @@ def costs_from_config(raw: Mapping[str, Any], base: EngineCosts, where: str) -> 
 class PredictedParts:
     """What ``tier_cost`` predicted for one request on one engine, in seconds and tokens.
 
-    ``total_s`` (the predicted TTFT) = wait_s + sum(load_s) + prefill_s. The token counts let the
-    cost model re-price the same request with newer estimates when the observation comes back.
+    ``total_s`` (the predicted TTFT) = wait_s + slot_s + sum(load_s) + prefill_s. The token and
+    request counts let the cost model re-price the same request with newer estimates when the
+    observation comes back.
     """
 
     wait_s: float = 0.0
@@ -119,14 +131,24 @@ class PredictedParts:
     hit_tokens: tuple[float, float, float] = (0.0, 0.0, 0.0)
     #: Tokens expected to be computed (prompt - expected hits).
     prefill_tokens: float = 0.0
+    #: Requests already in flight on the engine when this one was placed.
+    in_flight: float = 0.0
+    #: in_flight x the engine's learned slot_s_per_request: the wait for a running slot.
+    slot_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.wait_s + sum(self.load_s) + self.prefill_s
+        return self.wait_s + self.slot_s + sum(self.load_s) + self.prefill_s
 
     def as_scores(self) -> dict[str, float]:
         """Flat numbers for ``Decision.scores`` (the inverse of ``from_scores``)."""
-        out = {"wait_s": self.wait_s, "prefill_s": self.prefill_s, "total_s": self.total_s}
+        out = {
+            "wait_s": self.wait_s,
+            "slot_s": self.slot_s,
+            "prefill_s": self.prefill_s,
+            "total_s": self.total_s,
+            "in_flight": self.in_flight,
+        }
         for tier in TIERS:
             name = tier.name.lower()
             out[f"load_{name}_s"] = self.load_s[tier]
@@ -146,27 +168,42 @@ class PredictedParts:
             wait_tokens=float(scores.get("wait_tokens", 0.0)),
             hit_tokens=tuple(float(scores.get(f"hit_tokens_{n}", 0.0)) for n in names),  # type: ignore[arg-type]
             prefill_tokens=float(scores.get("prefill_tokens", 0.0)),
+            in_flight=float(scores.get("in_flight", 0.0)),
+            slot_s=float(scores.get("slot_s", 0.0)),
         )
 
 
 def predicted_ttft_s(
-    costs: EngineCosts, hit_tokens: tuple[float, float, float], prefill_tokens: float, wait_tokens: float
+    costs: EngineCosts,
+    hit_tokens: tuple[float, float, float],
+    prefill_tokens: float,
+    wait_tokens: float,
+    in_flight: float = 0.0,
 ) -> float:
     """The TTFT formula (docs/routing.md), in seconds:
 
-        ttft = wait_tokens / prefill_rate + sum_t [hit_t > 0] (latency_t + hit_t x kv_bytes / bw_t)
-               + prefill_tokens / prefill_rate
+        ttft = wait_tokens / prefill_rate + in_flight x slot_s_per_request
+               + sum_t [hit_t > 0] (latency_t + hit_t x kv_bytes / bw_t) + prefill_tokens / prefill_rate
 
     ``predict_parts`` returns the same figure split into its parts (``PredictedParts.total_s``)."""
     load_s = 0.0
     for tier in TIERS:
         if hit_tokens[tier] > 0:
             load_s += costs.load_time_s(tier, hit_tokens[tier])
-    return costs.prefill_time_s(wait_tokens) + load_s + costs.prefill_time_s(prefill_tokens)
+    return (
+        costs.prefill_time_s(wait_tokens)
+        + in_flight * costs.slot_s_per_request
+        + load_s
+        + costs.prefill_time_s(prefill_tokens)
+    )
 
 
 def predict_parts(
-    costs: EngineCosts, hit_tokens: tuple[float, float, float], prefill_tokens: float, wait_tokens: float
+    costs: EngineCosts,
+    hit_tokens: tuple[float, float, float],
+    prefill_tokens: float,
+    wait_tokens: float,
+    in_flight: float = 0.0,
 ) -> PredictedParts:
     """Price a request: the one place where the TTFT formula lives (see docs/routing.md)."""
     load = tuple(costs.load_time_s(tier, hit_tokens[tier]) for tier in TIERS)
@@ -177,6 +214,8 @@ def predict_parts(
         wait_tokens=wait_tokens,
         hit_tokens=hit_tokens,
         prefill_tokens=prefill_tokens,
+        in_flight=in_flight,
+        slot_s=in_flight * costs.slot_s_per_request,
     )
 
 
@@ -215,6 +254,12 @@ class CalibrationConfig:
     metrics_weight: float = 0.3
     #: Counter deltas below this many bytes are too small to time reliably; they are accumulated.
     min_metrics_bytes: float = 8 * 2**20
+    #: A request placed while at most this many others were in flight on its engine calibrates the
+    #: rates (prefill, loads); one placed behind more calibrates only the slot wait. A TTFT measured
+    #: behind a queue mixes service and wait, and a regression fed with it lets the wait pass for a
+    #: slow (or, with the intercept, an impossibly fast) prefill: under load the rates drifted to
+    #: the 50x bound and requests herded onto the engine that looked fastest.
+    clean_in_flight: int = 0
 
 
 @dataclass(slots=True)
@@ -231,6 +276,8 @@ _N_PARAMS = 5
 #: Initial covariance: weak priors (worth about one observation), so data dominate at once.
 _P0 = (1.0, 100.0, 100.0, 100.0, 100.0)
 _MAX_OVERHEAD_S = 10.0
+#: Upper bound of the learned seconds per in-flight request.
+_MAX_SLOT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -254,6 +301,11 @@ class _EngineState:
     metric_samples: int = 0
     last_update_s: float = 0.0
     baselines: dict[Tier, _CounterBaseline] = field(default_factory=dict)
+    #: Forgetting-weighted sums of in_flight x residual and in_flight^2 over queued observations
+    #: (the slot wait's least squares through the origin); sxx starts at one unit observation.
+    slot_sxy: float = 0.0
+    slot_sxx: float = 1.0
+    slot_observations: int = 0
 
 
 class IndexSelfCheck:
@@ -327,6 +379,7 @@ class CostModel:
 
           ttft = overhead_s + a x prefill_s_prior + b_cpu x cpu_load_s_prior
                  + b_storage x storage_load_s_prior + c x wait_s_prior + tier latencies
+                 + slot_s_per_request x requests in flight on the engine when it was placed
 
       where ``*_prior`` are the times the prior would predict (uncached tokens / prefill rate;
       hit tokens x kv_bytes_per_token / bandwidth; queued tokens / prefill rate) and a, b, c are
@@ -374,6 +427,7 @@ class CostModel:
         if state is None:
             prior = self._engine_priors.get(engine_id, self.fleet_prior)
             state = self._engines[engine_id] = _EngineState(prior=prior, current=prior)
+            state.slot_sxy = prior.slot_s_per_request
         return state
 
     def estimates(self, engine_id: str) -> EngineCosts:
@@ -484,6 +538,19 @@ class CostModel:
         ]
         rls = state.rls
         predicted_s = latency_s + sum(t * xi for t, xi in zip(rls.theta, x, strict=True))
+        if parts.in_flight > cal.clean_in_flight:
+            # Placed behind other requests: what the TTFT has beyond the service and prefill-queue
+            # prediction is the wait for a slot. Least squares through the origin on the number in
+            # flight, with the same forgetting; the rates are left alone (see clean_in_flight).
+            f = cal.forgetting
+            state.slot_sxy = f * state.slot_sxy + parts.in_flight * (observed_ttft_s - predicted_s)
+            state.slot_sxx = f * state.slot_sxx + parts.in_flight * parts.in_flight
+            slot_s = min(_MAX_SLOT_S, max(0.0, state.slot_sxy / state.slot_sxx))
+            state.current = replace(state.current, slot_s_per_request=slot_s)
+            state.slot_observations += 1
+            state.observations += 1
+            state.last_update_s = now
+            return state.current
         if predicted_s > 0:
             observed_ttft_s = min(
                 predicted_s * cal.max_ratio, max(predicted_s / cal.max_ratio, observed_ttft_s)
@@ -535,6 +602,7 @@ class CostModel:
             return {
                 "prefill_tokens_per_s": c.prefill_tokens_per_s,
                 "kv_bytes_per_token": c.kv_bytes_per_token,
+                "slot_s_per_request": c.slot_s_per_request,
                 "tiers": {
                     t.name.lower(): {
                         "bandwidth_bytes_per_s": None
@@ -552,6 +620,7 @@ class CostModel:
                     "estimate": costs_json(s.current),
                     "prior": costs_json(s.prior),
                     "observations": s.observations,
+                    "slot_observations": s.slot_observations,
                     "overhead_s": s.rls.theta[0],
                     "metric_samples": s.metric_samples,
                     "last_update_s": s.last_update_s,
@@ -569,6 +638,9 @@ class CostModel:
             c = state.current
             rows.append(
                 ("kvroute_cost_prefill_tokens_per_second", {"engine": engine_id}, c.prefill_tokens_per_s)
+            )
+            rows.append(
+                ("kvroute_cost_slot_seconds_per_request", {"engine": engine_id}, c.slot_s_per_request)
             )
             for tier in TIERS:
                 labels = {"engine": engine_id, "tier": tier.name}

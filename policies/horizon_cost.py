@@ -5,7 +5,7 @@ does not see decide the fleet's throughput: the copy a placement writes evicts o
 blocks (some of which come back and must be reloaded or recomputed), and the GPU time it takes delays
 every request that queues behind it while the engine is busy. For engine e (seconds s, tokens):
 
-    cost_s = total_s                          tier_cost's predicted TTFT (wait + loads + prefill)
+    cost_s = total_s                          tier_cost's predicted TTFT (wait + slot + loads + prefill)
            + omega_e x work_s                 queueing externality of the work placed on e
            + footprint_s                      future reload / recompute: live footprint past capacity
            + in_flight_s x in_flight_e        requests in flight on e (in_flight_s 0.2 s each)

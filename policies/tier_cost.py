@@ -5,7 +5,8 @@ For engine e (all times in seconds, token counts in tokens, bandwidths in bytes/
     wait_s    = wait_tokens_e / prefill_tokens_per_s_e
     load_s[t] = hit_tokens_e,t x kv_bytes_per_token / load_bandwidth_e,t + load_latency_e,t  (if hits)
     prefill_s = (prompt_tokens - sum_t hit_tokens_e,t) / prefill_tokens_per_s_e
-    total_s   = wait_s + sum_t load_s[t] + prefill_s                      (the predicted TTFT)
+    slot_s    = in_flight_e x slot_s_per_request_e   (wait for KV memory / a running slot, learned)
+    total_s   = wait_s + slot_s + sum_t load_s[t] + prefill_s             (the predicted TTFT)
     work_s    = work_weight x (sum_t load_s[t] + prefill_s)
     cost_s    = total_s + work_s + decode_s + pressure_s                  (what is minimised)
 
@@ -115,6 +116,7 @@ class TierCostPolicy(BasePolicy):
             (hits[0], hits[1], hits[2]),
             prefill_tokens,
             wait_tokens_of(engine, prompt_tokens),
+            float(engine.in_flight),
         )
 
     def secondary_s(self, engine: EngineView) -> tuple[float, float]:
@@ -138,8 +140,10 @@ class TierCostPolicy(BasePolicy):
             hit *= self.stale_hit_factor
         wait_tokens = wait_tokens_of(engine, prompt_tokens)
         # The one TTFT formula (policies.costs.predicted_ttft_s), without building PredictedParts.
-        total_s = predicted_ttft_s(est, (0.0, 0.0, hit), prompt_tokens - hit, wait_tokens)
-        work_s = self.work_weight * (total_s - est.prefill_time_s(wait_tokens))
+        in_flight = float(engine.in_flight)
+        total_s = predicted_ttft_s(est, (0.0, 0.0, hit), prompt_tokens - hit, wait_tokens, in_flight)
+        queue_s = est.prefill_time_s(wait_tokens) + in_flight * est.slot_s_per_request
+        work_s = self.work_weight * (total_s - queue_s)
         decode_s, pressure_s = self.secondary_s(engine)
         return total_s + work_s + decode_s + pressure_s
 
@@ -181,7 +185,6 @@ class TierCostPolicy(BasePolicy):
                 "decode_s": decode_s,
                 "pressure_s": pressure_s,
                 "cost_s": cost_s,
-                "in_flight": float(engine.in_flight),
                 "index_trusted": 1.0 if engine.index_trusted else 0.0,
             }
             cost_by_engine[engine.engine_id] = cost_s
@@ -207,6 +210,7 @@ class TierCostPolicy(BasePolicy):
         )
         reason = (
             f"{how}: {chosen.engine_id} TTFT {s['total_s']:.4f} s = wait {s['wait_s']:.4f}"
+            f"{' + slot ' + format(s['slot_s'], '.4f') if s['slot_s'] else ''}"
             f"{' + ' + load_text if load_text else ''} + prefill {s['prefill_s']:.4f}"
             f" ({s['prefill_tokens']:.0f} tokens) + work {s['work_s']:.4f}"
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -155,9 +156,39 @@ def test_selfcheck_untrusts_on_persistent_shortfall_and_recovers() -> None:
 
 
 def test_parts_round_trip() -> None:
-    parts = predict_parts(EngineCosts(), (16.0, 32.0, 48.0), 100.0, 50.0)
+    parts = predict_parts(EngineCosts(slot_s_per_request=0.03), (16.0, 32.0, 48.0), 100.0, 50.0, 4.0)
+    assert parts.slot_s == pytest.approx(0.12)
     again = PredictedParts.from_scores(parts.as_scores())
     assert again == parts
+
+
+def test_queued_requests_teach_the_slot_wait_not_the_rates() -> None:
+    """An engine bound by KV memory: every request placed behind n others waits n x 40 ms for a slot
+    on top of its service time. The rates must come out of the unqueued requests (the truth's
+    15,000 tok/s, not a rate slowed down by the wait) and the slot wait out of the queued ones."""
+    rng = random.Random(7)
+    truth = EngineCosts(prefill_tokens_per_s=15_000.0, load_bandwidth_bytes_per_s=(INF, 20e9, 2e9))
+    slot_true_s = 0.04
+    model = CostModel()
+    for i in range(3_000):
+        hits, prefill, wait = synthetic_request(rng)
+        in_flight = 0 if rng.random() < 0.3 else rng.randint(1, 12)
+        parts = predict_parts(model.estimates("e"), hits, prefill, wait, in_flight)
+        service_s = predict_parts(truth, hits, prefill, wait).total_s
+        observed = (service_s + slot_true_s * in_flight) * math.exp(rng.gauss(0.0, 0.05))
+        model.observe("e", parts, observed, cached_tokens=sum(hits), now=float(i))
+    est = model.estimates("e")
+    assert est.prefill_tokens_per_s == pytest.approx(15_000, rel=0.08)
+    assert est.load_bandwidth_bytes_per_s[Tier.STORAGE] == pytest.approx(2e9, rel=0.1)
+    assert est.slot_s_per_request == pytest.approx(slot_true_s, rel=0.15)
+    snap = model.snapshot()["engines"]["e"]
+    assert 0 < snap["slot_observations"] < snap["observations"] == 3_000
+    # One long wait behind 20 requests moves the slot estimate, never the prefill rate.
+    before = model.estimates("e")
+    parts = predict_parts(before, (0.0, 0.0, 0.0), 4_000, 0, 20)
+    after = model.observe("e", parts, 30.0, cached_tokens=0, now=3_000.0)
+    assert after.prefill_tokens_per_s == before.prefill_tokens_per_s
+    assert after.slot_s_per_request > before.slot_s_per_request
 
 
 def test_predicted_prefill_tokens_is_what_the_load_tracker_should_queue() -> None:
@@ -188,8 +219,10 @@ def test_one_ttft_formula_for_parts_and_fast_path() -> None:
 
     costs = EngineCosts(prefill_tokens_per_s=9_000.0, load_bandwidth_bytes_per_s=(INF, 16e9, 1e9))
     rng = random.Random(9)
+    costs = replace(costs, slot_s_per_request=0.02)
     for _ in range(200):
         hits, prefill, wait = synthetic_request(rng)
-        assert predicted_ttft_s(costs, hits, prefill, wait) == pytest.approx(
-            predict_parts(costs, hits, prefill, wait).total_s, rel=1e-12
+        in_flight = rng.randint(0, 9)
+        assert predicted_ttft_s(costs, hits, prefill, wait, in_flight) == pytest.approx(
+            predict_parts(costs, hits, prefill, wait, in_flight).total_s, rel=1e-12
         )

@@ -128,3 +128,23 @@ async def test_engine_tokenize_backend_against_real_server() -> None:
                 await bad.chat_tokens(msgs)
     finally:
         await runner.cleanup()
+
+
+def test_sim_encode_text_matches_the_per_chunk_definition() -> None:
+    """encode_text's C-speed path against the definition in sim_tokenizer's docstring: every 3-byte
+    UTF-8 chunk is one token, 1000 + (n-1) x 2^24 + int(chunk, big-endian), a 1-2 byte tail last."""
+    import random
+
+    def reference(text: str) -> list[int]:
+        data = text.encode("utf-8")
+        return [
+            1000 + (len(data[i : i + 3]) - 1) * 2**24 + int.from_bytes(data[i : i + 3], "big")
+            for i in range(0, len(data), 3)
+        ]
+
+    rng = random.Random(5)
+    alphabet = "ab z\n\t\u00e9\u4e2d\U0001f600\x00\x7f\uffff"
+    for n in [0, 1, 2, 3, 4, 5, 6, 7, 100, 3001]:
+        text = "".join(rng.choice(alphabet) for _ in range(n))
+        assert sim_tokenizer.encode_text(text) == reference(text), repr(text[:40])
+        assert sim_tokenizer.decode(sim_tokenizer.encode_text(text)) == text
