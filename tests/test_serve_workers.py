@@ -58,6 +58,15 @@ def _listening_pids(port: int, pids: set[int]) -> set[int]:
     return holders
 
 
+def _wait_for_both_workers(url: str, port: int, proc: subprocess.Popen[bytes]) -> None:
+    """The first worker answers /health and the second holds a listening socket on the port."""
+    wait_http_ok(f"{url}/health", proc)
+    deadline = time.monotonic() + 30
+    while len(_listening_pids(port, _group_members(proc.pid))) < 2:
+        assert time.monotonic() < deadline, "the second worker never listened on the port"
+        time.sleep(0.2)
+
+
 def test_two_workers_share_the_port_and_both_route(tmp_path: Path) -> None:
     with Fleet(tmp_path) as fleet:
         (engine,) = fleet.start(1, "zero-delay")
@@ -69,11 +78,7 @@ def test_two_workers_share_the_port_and_both_route(tmp_path: Path) -> None:
             start_new_session=True,
         )
         try:
-            wait_http_ok(f"http://127.0.0.1:{port}/health", proc)
-            deadline = time.monotonic() + 30
-            while len(_listening_pids(port, _group_members(proc.pid))) < 2:
-                assert time.monotonic() < deadline, "the second worker never listened on the port"
-                time.sleep(0.2)
+            _wait_for_both_workers(f"http://127.0.0.1:{port}", port, proc)
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
             for _ in range(20):  # new connections: the kernel spreads them over both listeners
                 fresh = client.with_options(http_client=None)
@@ -114,11 +119,7 @@ def test_workers_see_each_others_load(tmp_path: Path) -> None:
         url = f"http://127.0.0.1:{port}"
         threads: list[threading.Thread] = []
         try:
-            wait_http_ok(f"{url}/health", proc)
-            deadline = time.monotonic() + 30
-            while len(_listening_pids(port, _group_members(proc.pid))) < 2:
-                assert time.monotonic() < deadline, "the second worker never listened on the port"
-                time.sleep(0.2)
+            _wait_for_both_workers(url, port, proc)
 
             def long_request() -> None:
                 body = {"model": NAME, "messages": [{"role": "user", "content": "x " * 50}], "max_tokens": 64}

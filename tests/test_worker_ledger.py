@@ -5,6 +5,7 @@ tests/test_serve_workers.py)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -14,63 +15,59 @@ from router.worker_ledger import WorkerBoard, WorkerLoadLedger, create_board
 ENGINES = ["e0", "e1", "e2"]
 
 
-def _ledgers(workers: int = 2) -> tuple[int, list[WorkerLoadLedger]]:
-    fd = create_board(workers, ENGINES)
-    return fd, [
-        WorkerLoadLedger(InMemoryLoadLedger(ENGINES), WorkerBoard(fd, i, ENGINES)) for i in range(workers)
+@pytest.fixture
+def board_fd() -> Iterator[int]:
+    """A two-worker board's file descriptor, closed after the test."""
+    fd = create_board(2, ENGINES)
+    yield fd
+    os.close(fd)
+
+
+@pytest.fixture
+def ledgers(board_fd: int) -> list[WorkerLoadLedger]:
+    """Two workers' ledgers on one board."""
+    return [
+        WorkerLoadLedger(InMemoryLoadLedger(ENGINES), WorkerBoard(board_fd, i, ENGINES)) for i in range(2)
     ]
 
 
-def test_each_worker_sees_the_sum_of_every_workers_load() -> None:
-    fd, (a, b) = _ledgers()
-    try:
-        ta = a.reserve("e1", 1000)
-        tb = b.reserve("e1", 500)
-        b.reserve("e2", 64)
-        for ledger in (a, b):
-            assert ledger.load("e1") == (2, 1500)
-            assert ledger.load("e2") == (1, 64)
-            assert ledger.load("e0") == (0, 0)
-        assert a.local.load("e1") == (1, 1000)  # its own accounting stays its own
-        a.first_token(ta)
-        assert b.load("e1") == (2, 500)
-        a.finish(ta)
-        b.finish(tb)
-        b.finish(tb)  # idempotent, as the protocol says
-        assert a.load("e1") == (0, 0)
-        assert next(iter(a.least_loaded())) in ("e0", "e1")
-        assert list(a.least_loaded())[-1] == "e2"
-    finally:
-        os.close(fd)
+def test_each_worker_sees_the_sum_of_every_workers_load(ledgers: list[WorkerLoadLedger]) -> None:
+    a, b = ledgers
+    ta = a.reserve("e1", 1000)
+    tb = b.reserve("e1", 500)
+    b.reserve("e2", 64)
+    for ledger in (a, b):
+        assert ledger.load("e1") == (2, 1500)
+        assert ledger.load("e2") == (1, 64)
+        assert ledger.load("e0") == (0, 0)
+    assert a.local.load("e1") == (1, 1000)  # its own accounting stays its own
+    a.first_token(ta)
+    assert b.load("e1") == (2, 500)
+    a.finish(ta)
+    b.finish(tb)
+    b.finish(tb)  # idempotent, as the protocol says
+    assert a.load("e1") == (0, 0)
+    assert next(iter(a.least_loaded())) in ("e0", "e1")
+    assert list(a.least_loaded())[-1] == "e2"
 
 
-def test_a_restarted_worker_clears_its_old_row_only() -> None:
-    fd, (a, b) = _ledgers()
-    try:
-        a.reserve("e0", 10)
-        b.reserve("e0", 20)
-        WorkerBoard(fd, 1, ENGINES)  # worker 1 comes back: its in-flight requests died with it
-        assert a.load("e0") == (1, 10)
-    finally:
-        os.close(fd)
+def test_a_restarted_worker_clears_its_old_row_only(ledgers: list[WorkerLoadLedger], board_fd: int) -> None:
+    a, b = ledgers
+    a.reserve("e0", 10)
+    b.reserve("e0", 20)
+    WorkerBoard(board_fd, 1, ENGINES)  # worker 1 comes back: its in-flight requests died with it
+    assert a.load("e0") == (1, 10)
 
 
-def test_a_board_for_another_engine_list_is_refused() -> None:
-    fd = create_board(2, ENGINES)
-    try:
-        with pytest.raises(ValueError, match="another engine list"):
-            WorkerBoard(fd, 1, ["e0", "e1"])
-        with pytest.raises(ValueError, match="worker index"):
-            WorkerBoard(fd, 2, ENGINES)
-    finally:
-        os.close(fd)
+def test_a_board_for_another_engine_list_is_refused(board_fd: int) -> None:
+    with pytest.raises(ValueError, match="another engine list"):
+        WorkerBoard(board_fd, 1, ["e0", "e1"])
+    with pytest.raises(ValueError, match="worker index"):
+        WorkerBoard(board_fd, 2, ENGINES)
 
 
-def test_an_engine_added_after_start_is_counted_by_each_worker_alone() -> None:
-    fd, (a, b) = _ledgers()
-    try:
-        a.reserve("e9", 5)
-        assert a.load("e9") == (1, 5)
-        assert b.load("e9") == (0, 0)
-    finally:
-        os.close(fd)
+def test_an_engine_added_after_start_is_counted_by_each_worker_alone(ledgers: list[WorkerLoadLedger]) -> None:
+    a, b = ledgers
+    a.reserve("e9", 5)
+    assert a.load("e9") == (1, 5)
+    assert b.load("e9") == (0, 0)
