@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,11 @@ _BITS_PER_SLOT = 3  # one bit per tier: GPU, CPU, STORAGE (bit = 3 * slot + tier
 _MASK_INTERN_LIMIT = 1 << 16
 
 EngineHash = int | bytes
+
+#: Default 0 for ``map(dict.get, keys, _ZEROS)``: a missing key reads as an empty mask.
+_ZEROS = itertools.repeat(0)
+#: Default expiry of a key with no speculative entry: never due.
+_NEVER = itertools.repeat(float("inf"))
 
 _STORED, _REMOVED, _CLEARED, _UNKNOWN = range(4)
 
@@ -175,7 +181,9 @@ class PrefixIndex:
             self._engine(engine_id)  # mounting engines see the pool before their first event
         # Speculative GPU entries: key -> GPU bits, (slot, key) -> expiry, heap of expiries.
         self._spec_masks: dict[int, int] = {}
-        self._spec_expiry: dict[tuple[int, int], float] = {}
+        #: Per engine slot: speculative key -> expiry (one dict per engine, so a prompt's keys are
+        #: written, refreshed and checked in C, with no per-key tuple).
+        self._spec_expiry: dict[int, dict[int, float]] = {}
         self._spec_heap: list[tuple[float, int, int, tuple[int, ...]]] = []
         self._spec_counter = itertools.count()
         self._now = 0.0
@@ -478,8 +486,8 @@ class PrefixIndex:
             tier_ints = {int(t) for t in tier_set}
             state.extra_refs = {r: n for r, n in state.extra_refs.items() if r[0] not in tier_ints}
         if Tier.GPU in tier_set:
-            for slot, key in [sk for sk in self._spec_expiry if sk[0] == state.slot]:
-                self._drop_spec(slot, key)
+            for key in list(self._spec_expiry.get(state.slot, ())):
+                self._drop_spec(state.slot, key)
         pool = state.pool
         if Tier.STORAGE in tier_set and pool is not None and pool.slot == state.slot:
             for key in pool.lru:
@@ -548,21 +556,32 @@ class PrefixIndex:
         """Record ``keys`` as provisional GPU entries on ``engine_id`` until ``now + ttl_s``.
 
         Used right after routing, so a burst sharing a prefix sees the hit before the engine's
-        BlockStored events arrive. A GPU BlockStored of the key confirms (replaces) the entry."""
+        BlockStored events arrive. A GPU BlockStored of the key confirms (replaces) the entry, and
+        keys the engine's events already hold on its GPU get none (if the engine evicts one before
+        the request reads it, the request stores it again and the event says so)."""
         self._advance(now)
         state = self._engine(engine_id)
         expiry = now + ttl_s
         bit = state.gpu_bit
         spec_masks = self._spec_masks
-        spec_expiry = self._spec_expiry
         slot = state.slot
-        for key in keys:
+        spec_expiry = self._spec_expiry.setdefault(slot, {})
+        # Blocks the engine's own events already put on its GPU need no provisional entry: a turn
+        # resending its history speculates only the blocks that are new to that engine.
+        held = map(operator.and_, map(self._masks.get, keys, _ZEROS), itertools.repeat(bit))
+        keys = list(itertools.compress(keys, map(operator.not_, held)))
+        if not keys:
+            return
+        # Keys this engine already speculates only get the later expiry; new ones also their bit.
+        new = list(itertools.compress(keys, map(operator.not_, map(spec_expiry.__contains__, keys))))
+        spec_expiry.update(dict.fromkeys(keys, expiry))
+        for key in new:
             spec_masks[key] = spec_masks.get(key, 0) | bit
-            spec_expiry[(slot, key)] = expiry
         heapq.heappush(self._spec_heap, (expiry, next(self._spec_counter), slot, tuple(keys)))
 
     def _drop_spec(self, slot: int, key: int) -> None:
-        if self._spec_expiry.pop((slot, key), None) is None:
+        expiries = self._spec_expiry.get(slot)
+        if expiries is None or expiries.pop(key, None) is None:
             return
         mask = self._spec_masks.get(key, 0) & ~(1 << (_BITS_PER_SLOT * slot))
         if mask:
@@ -575,10 +594,11 @@ class PrefixIndex:
         heap = self._spec_heap
         while heap and heap[0][0] <= self._now:
             _, _, slot, keys = heapq.heappop(heap)
-            for key in keys:
-                expiry = self._spec_expiry.get((slot, key))
-                if expiry is not None and expiry <= self._now:
-                    self._drop_spec(slot, key)
+            expiries = self._spec_expiry.get(slot, {})
+            # Keys a later speculation refreshed (or an event confirmed) are skipped in C.
+            due = map(operator.le, map(expiries.get, keys, _NEVER), itertools.repeat(self._now))
+            for key in itertools.compress(keys, due):
+                self._drop_spec(slot, key)
 
     # ----------------------------------------------------------------------------- queries
 
@@ -611,9 +631,10 @@ class PrefixIndex:
     def _match_into(self, keys: Sequence[int], candidates: int, result: dict[str, PrefixMatch]) -> None:
         # Lookups dominate (cache misses in a big dict): stop at the first block nobody holds.
         held_masks: Iterable[int | None] = map(self._masks.get, keys)
-        if self._spec_masks:
-            spec_masks = map(self._spec_masks.get, keys)
-            held_masks = ((m or 0) | (s or 0) for m, s in zip(held_masks, spec_masks, strict=True))
+        if self._spec_masks:  # OR in the provisional bits, all in C (no Python step per key)
+            held_masks = map(
+                operator.or_, map(self._masks.get, keys, _ZEROS), map(self._spec_masks.get, keys, _ZEROS)
+            )
         positions = self._engine_positions
         shared_bits = self._shared_pool_bits
         shared_pools = self._shared_pools.values()
@@ -751,7 +772,7 @@ class PrefixIndex:
         }
         return {
             "keys": len(self._masks),
-            "speculative_entries": len(self._spec_expiry),
+            "speculative_entries": sum(map(len, self._spec_expiry.values())),
             "engines": engines,
             "storage_pools": pools,
         }

@@ -9,7 +9,8 @@ Engine block hashes are never used as keys: they are opaque ids mapped to these 
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import msgspec
@@ -92,3 +93,107 @@ def request_extra_keys(
             parts.append(cache_salt)
         out.append(tuple(parts) if parts else None)
     return out
+
+
+#: Bytes one cached entry costs per token (a list slot; the int objects are the caller's) and per
+#: block key (a list slot plus the int object), and per entry.
+_CACHE_TOKEN_BYTES = 8
+_CACHE_KEY_BYTES = 40
+_CACHE_ENTRY_BYTES = 200
+
+
+def _same_prefix(a: Sequence[int], b: Sequence[int], width: int) -> bool:
+    """``a[:width] == b[:width]``, slicing only what is longer than ``width`` (a 16K-token prompt
+    costs two 128 KB copies otherwise)."""
+    return (a if len(a) == width else a[:width]) == (b if len(b) == width else b[:width])
+
+
+class KeyChainCache:
+    """Block keys of recent prompts, so a conversation's next turn hashes only its new blocks.
+
+    A chat turn resends the whole history: at 16K tokens, packing and hashing its ~1,000 blocks cost
+    more than the rest of routing. The caller names each prompt by ``anchors`` (hashes of its
+    message prefixes, shortest first); ``put`` files the prompt's tokens and keys under the last
+    anchor, ``reusable`` looks the anchors up longest first and returns the keys of the blocks whose
+    tokens are verified equal, never more. ``scope`` is everything else a key depends on (block
+    size, chain seed, LoRA name, cache_salt): entries of another scope are never reused.
+
+    Bounded by the estimated bytes of its entries (LRU); an entry that is extended by a later turn
+    is replaced by it, so one conversation holds one entry. Pure and single-threaded."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._data: OrderedDict[tuple[Hashable, int], tuple[Sequence[int], list[int], int]] = OrderedDict()
+        self.size_bytes = 0
+        self.hits = 0
+        self.misses = 0
+        #: Blocks whose keys came from the cache / were hashed, over all lookups.
+        self.reused_blocks = 0
+        self.hashed_blocks = 0
+
+    def reusable(
+        self, anchors: Sequence[int], scope: Hashable, tokens: Sequence[int], block_size: int
+    ) -> tuple[list[int], int | None]:
+        """(keys of the leading full blocks of ``tokens`` known from a cached prompt, the anchor
+        they were found under, or None). The keys cover at most ``len(tokens) // block_size``
+        blocks, and only blocks whose token ids equal the cached prompt's."""
+        data = self._data
+        for anchor in reversed(anchors):
+            entry = data.get((scope, anchor))
+            if entry is None:
+                continue
+            cached_tokens, keys, _ = entry
+            n = min(len(keys), len(tokens) // block_size)
+            width = n * block_size
+            if n and _same_prefix(tokens, cached_tokens, width):
+                data.move_to_end((scope, anchor))
+                self.hits += 1
+                return (keys if n == len(keys) else keys[:n]), anchor
+            break  # the longest known prefix differs (a template that is not prefix-stable)
+        self.misses += 1
+        return [], None
+
+    def put(
+        self,
+        anchors: Sequence[int],
+        scope: Hashable,
+        tokens: Sequence[int],
+        keys: list[int],
+        *,
+        found_under: int | None = None,
+        reused_blocks: int = 0,
+    ) -> None:
+        """File ``tokens`` (kept by reference: the caller must not change them) and their ``keys``
+        under the last anchor; the entry they extend (``found_under``) is dropped."""
+        self.reused_blocks += reused_blocks
+        self.hashed_blocks += len(keys) - reused_blocks
+        if not anchors:
+            return
+        if found_under is not None and found_under != anchors[-1]:
+            self._drop((scope, found_under))
+        size = _CACHE_ENTRY_BYTES + _CACHE_TOKEN_BYTES * len(tokens) + _CACHE_KEY_BYTES * len(keys)
+        if size > self.max_bytes:
+            return
+        key = (scope, anchors[-1])
+        self._drop(key)
+        self._data[key] = (tokens, keys, size)
+        self.size_bytes += size
+        while self.size_bytes > self.max_bytes:
+            _, (_, _, evicted) = self._data.popitem(last=False)
+            self.size_bytes -= evicted
+
+    def _drop(self, key: tuple[Hashable, int]) -> None:
+        old = self._data.pop(key, None)
+        if old is not None:
+            self.size_bytes -= old[2]
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "entries": len(self._data),
+            "bytes": self.size_bytes,
+            "max_bytes": self.max_bytes,
+            "hits": self.hits,
+            "misses": self.misses,
+            "reused_blocks": self.reused_blocks,
+            "hashed_blocks": self.hashed_blocks,
+        }

@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 from kvcore import sim_tokenizer
 from kvcore.core import CoreConfig, InMemoryLoadLedger, LoadLedger, RoutingCore
 from kvcore.index import PrefixIndex
-from kvcore.keys import block_keys, namespace_seed, request_extra_keys
+from kvcore.keys import KeyChainCache, block_keys, namespace_seed, request_extra_keys
 from policies.base import TIERS
 from policies.costs import CostModel
 from router import openapi
@@ -58,7 +58,7 @@ from router.routing import (
 )
 from router.scrape import EngineMetrics, parse_engine_metrics, tier_capacities_tokens
 from router.shared_state import SharedLoadLedger, SharedState, SharedStateAnnotator, SharedStateObserver
-from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer
+from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer, prefix_hashes
 from router.worker_ledger import WorkerBoard, WorkerLoadLedger
 
 log = logging.getLogger("kvroute.service")
@@ -145,6 +145,7 @@ class IndexAnnotator:
         self._namespace = namespace
         self._sim = config.tokenizer.backend == "sim"
         self._default_block_size = config.engines[0].block_size if config.engines else 16
+        self._key_cache = KeyChainCache(config.tokenizer.cache_max_bytes)
         self.failures = 0
 
     async def _token_ids(self, ctx: RouteContext) -> list[int] | None:
@@ -152,13 +153,52 @@ class IndexAnnotator:
         if ctx.endpoint == CHAT:
             if self._tokenizer is None:
                 return None
-            return list(await self._tokenizer.chat_tokens(body["messages"], model=ctx.route_request.model))
+            # Every back-end returns a list of its own (the prefix key cache keeps it by reference).
+            return await self._tokenizer.chat_tokens(body["messages"], model=ctx.route_request.model)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return list(prompt)  # token ids are used as sent
         if isinstance(prompt, str) and self._sim:
             return sim_tokenizer.encode_prompt(prompt)
         return None  # batches of prompts and text prompts without a completion tokenizer
+
+    async def _keys(
+        self,
+        anchors: list[int],
+        scope: tuple[int, str | None, str | None],
+        tokens: list[int],
+        block_size: int,
+        extra: list[Any] | None,
+    ) -> list[int]:
+        """Block keys of ``tokens``: the blocks a cached turn of the same conversation already
+        hashed are reused (verified token by token), only the rest are hashed."""
+        reused, found_under = self._key_cache.reusable(anchors, scope, tokens, block_size)
+        start = len(reused)
+        parent = reused[-1] if reused else self._namespace
+        rest = tokens[start * block_size :] if start else tokens
+        rest_extra = extra[start:] if extra is not None and start else extra
+        if len(rest) > _INLINE_KEY_TOKENS:  # hashing a long prompt would stall every request
+            new = await asyncio.to_thread(block_keys, rest, block_size, parent=parent, extra_keys=rest_extra)
+        else:
+            new = block_keys(rest, block_size, parent=parent, extra_keys=rest_extra)
+        keys = reused + new if reused else new
+        self._key_cache.put(anchors, scope, tokens, keys, found_under=found_under, reused_blocks=start)
+        return keys
+
+    def key_cache_stats(self) -> dict[str, int]:
+        return self._key_cache.stats()
+
+    def collect(self) -> list[Any]:
+        """``kvroute_prompt_blocks_total{source}``: prompt blocks whose keys the conversation cache
+        gave (reused) or that were hashed; a low reused share on multi-turn traffic means the
+        cache is too small or the chat template is not prefix-stable."""
+        stats = self._key_cache.stats()
+        family = CounterMetricFamily(
+            "kvroute_prompt_blocks", "Prompt blocks keyed, by where the key came from", labels=["source"]
+        )
+        family.add_metric(["reused"], stats["reused_blocks"])
+        family.add_metric(["hashed"], stats["hashed_blocks"])
+        return [family]
 
     async def annotate(self, ctx: RouteContext) -> None:
         request = ctx.route_request
@@ -181,20 +221,16 @@ class IndexAnnotator:
         if not by_size:
             by_size[self._default_block_size] = []
         salt = ctx.body.get("cache_salt")
+        salt = salt if isinstance(salt, str) else None
         lora = self._lora_of(request.model) if self._lora_of is not None else None
+        # A chat turn is named by its message prefixes, so the next turn finds this one's keys.
+        anchors = prefix_hashes(ctx.body["messages"]) if ctx.endpoint == CHAT else []
         request.prompt_tokens = len(tokens)
         matches: dict[str, Any] = {}
         for i, (block_size, engine_ids) in enumerate(by_size.items()):
             n_blocks = len(tokens) // block_size
-            extra = request_extra_keys(
-                n_blocks, lora_name=lora, cache_salt=salt if isinstance(salt, str) else None
-            )
-            if len(tokens) > _INLINE_KEY_TOKENS:  # hashing a long prompt would stall every request
-                keys = await asyncio.to_thread(
-                    block_keys, tokens, block_size, parent=self._namespace, extra_keys=extra
-                )
-            else:
-                keys = block_keys(tokens, block_size, parent=self._namespace, extra_keys=extra)
+            extra = request_extra_keys(n_blocks, lora_name=lora, cache_salt=salt)
+            keys = await self._keys(anchors, (block_size, lora, salt), tokens, block_size, extra)
             if i == 0:  # speculation, trace and pricing use the first group's chain
                 request.block_size = block_size
                 request.block_keys = keys
@@ -774,6 +810,7 @@ def build_router_app(
         namespace=namespace_seed(config.tokenizer.namespace),
         lora_of=tracker.lora_name,
     )
+    metrics.add_collector(annotator.collect)
     core = RoutingCore(
         ledger=tracker.ledger,
         costs=costs,

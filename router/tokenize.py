@@ -90,7 +90,8 @@ class _Lru:
 
 
 class ChatTokenizer(Protocol):
-    """What the router needs: prompt token ids of a chat (generation prompt appended)."""
+    """What the router needs: prompt token ids of a chat (generation prompt appended), in a new
+    list the caller may keep (never one of the tokenizer's cached lists)."""
 
     async def chat_tokens(self, messages: Messages, *, model: str = "") -> list[int]: ...
 

@@ -179,6 +179,19 @@ def test_speculation_ttl_and_confirmation() -> None:
     assert index.stats()["speculative_entries"] == 0
 
 
+def test_speculation_skips_blocks_the_engine_already_holds_on_gpu() -> None:
+    index = PrefixIndex()
+    keys = block_keys(toks(0, 4), 16)
+    index.apply_batch("a", [stored([1, 2], toks(0, 2))], now=1.0)
+    index.apply_batch("b", [stored([1, 2], toks(0, 2), medium="CPU")], now=1.0)
+    index.speculate("a", keys, ttl_s=5.0, now=2.0)
+    assert index.stats()["speculative_entries"] == 2  # blocks 2-3 only: 0-1 are confirmed on a's GPU
+    index.speculate("b", keys, ttl_s=5.0, now=2.0)  # b holds 0-1 in CPU only: the read loads them to GPU
+    assert index.stats()["speculative_entries"] == 6
+    assert index.match(keys, now=3.0) == {"a": PrefixMatch(4, (4, 0, 0)), "b": PrefixMatch(4, (4, 0, 0))}
+    assert index.match(keys, now=8.0) == {"a": PrefixMatch(2, (2, 0, 0)), "b": PrefixMatch(2, (0, 2, 0))}
+
+
 def test_bytes_hashes_fold_to_the_int_form() -> None:
     """Raw digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) are kept as vLLM's int form."""
     index = PrefixIndex()

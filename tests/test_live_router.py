@@ -235,6 +235,14 @@ def test_non_stream_traffic_leaves_costs_alone_and_metrics_expose_them(
     assert 'kvroute_kv_event_batches_total{engine="e0"}' in text
     assert 'kvroute_index_blocks{engine="' in text
     assert 'arm="tc"' in text
+    # Turns 2-4 took their history's block keys from the conversation cache.
+    blocks = {
+        source: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        for source in ("reused", "hashed")
+        if line.startswith(f'kvroute_prompt_blocks_total{{source="{source}"}}')
+    }
+    assert blocks["reused"] > 0 and blocks["hashed"] > 0, blocks
 
 
 def test_ready_reports_an_engine_whose_events_never_arrive(
