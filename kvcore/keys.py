@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -108,22 +109,53 @@ def _same_prefix(a: Sequence[int], b: Sequence[int], width: int) -> bool:
     return (a if len(a) == width else a[:width]) == (b if len(b) == width else b[:width])
 
 
+def common_blocks(a: Sequence[int], b: Sequence[int], block_size: int, limit: int) -> int:
+    """How many leading full blocks (at most ``limit``) ``a`` and ``b`` share: one comparison when
+    all do (a conversation's next turn), two when all but the last do (one growing message, whose
+    cached version ended with the template's generation prompt), else a binary search."""
+    n = min(limit, len(a) // block_size, len(b) // block_size)
+    if n == 0 or _same_prefix(a, b, n * block_size):
+        return n
+    if n > 1 and _same_prefix(a, b, (n - 1) * block_size):
+        return n - 1  # all but the last block: the cached prompt ended with the template's tail
+    low, high = 0, n - 2  # the first ``low`` blocks are equal, the first ``high + 1`` are not
+    while low < high:
+        mid = (low + high + 1) // 2
+        if _same_prefix(a, b, mid * block_size):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+@dataclass(slots=True)
+class _KeyEntry:
+    tokens: Sequence[int]
+    keys: list[int]
+    size: int
+    #: (scope, anchor) names still pointing at this entry; it is dropped when none is left.
+    names: list[tuple[Hashable, int]]
+
+
 class KeyChainCache:
     """Block keys of recent prompts, so a conversation's next turn hashes only its new blocks.
 
     A chat turn resends the whole history: at 16K tokens, packing and hashing its ~1,000 blocks cost
-    more than the rest of routing. The caller names each prompt by ``anchors`` (hashes of its
-    message prefixes, shortest first); ``put`` files the prompt's tokens and keys under the last
-    anchor, ``reusable`` looks the anchors up longest first and returns the keys of the blocks whose
-    tokens are verified equal, never more. ``scope`` is everything else a key depends on (block
-    size, chain seed, LoRA name, cache_salt): entries of another scope are never reused.
+    more than the rest of routing. The caller names each prompt by anchors (hashes of its message
+    prefixes, and of its last message's content cuts): ``put`` files the prompt's tokens and keys
+    under ``file_under``, ``reusable`` looks its ``anchors`` up longest first and returns the keys of
+    the leading blocks whose token ids are verified equal, never more. ``scope`` is everything else
+    a key depends on (block size, chain seed, LoRA name, cache_salt): another scope never matches.
 
-    Bounded by the estimated bytes of its entries (LRU); an entry that is extended by a later turn
-    is replaced by it, so one conversation holds one entry. Pure and single-threaded."""
+    Bounded by the estimated bytes of its entries (LRU). A name filed again points at the new entry;
+    an entry no name points at is dropped, so a conversation holds one entry. Pure, single-threaded.
+    """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._data: OrderedDict[tuple[Hashable, int], tuple[Sequence[int], list[int], int]] = OrderedDict()
+        self._names: dict[tuple[Hashable, int], int] = {}
+        self._entries: OrderedDict[int, _KeyEntry] = OrderedDict()
+        self._next_id = 0
         self.size_bytes = 0
         self.hits = 0
         self.misses = 0
@@ -134,62 +166,75 @@ class KeyChainCache:
     def reusable(
         self, anchors: Sequence[int], scope: Hashable, tokens: Sequence[int], block_size: int
     ) -> tuple[list[int], int | None]:
-        """(keys of the leading full blocks of ``tokens`` known from a cached prompt, the anchor
-        they were found under, or None). The keys cover at most ``len(tokens) // block_size``
-        blocks, and only blocks whose token ids equal the cached prompt's."""
-        data = self._data
+        """(keys of the leading full blocks of ``tokens`` known from a cached prompt (at most
+        ``len(tokens) // block_size``), only blocks whose token ids equal the cached prompt's;
+        the cached entry ``tokens`` extends, for ``put(replaces=)``, or None).
+
+        ``tokens`` extends the entry when it holds all of the entry's blocks but perhaps the last
+        (a cached prompt's last block may end with the chat template's generation prompt)."""
+        tried: set[int] = set()
         for anchor in reversed(anchors):
-            entry = data.get((scope, anchor))
-            if entry is None:
+            entry_id = self._names.get((scope, anchor))
+            if entry_id is None or entry_id in tried:
                 continue
-            cached_tokens, keys, _ = entry
-            n = min(len(keys), len(tokens) // block_size)
-            width = n * block_size
-            if n and _same_prefix(tokens, cached_tokens, width):
-                data.move_to_end((scope, anchor))
+            tried.add(entry_id)
+            entry = self._entries[entry_id]
+            n = common_blocks(tokens, entry.tokens, block_size, len(entry.keys))
+            if n:
+                self._entries.move_to_end(entry_id)
                 self.hits += 1
-                return (keys if n == len(keys) else keys[:n]), anchor
-            break  # the longest known prefix differs (a template that is not prefix-stable)
+                extended = entry_id if n >= len(entry.keys) - 1 else None
+                return (entry.keys if n == len(entry.keys) else entry.keys[:n]), extended
         self.misses += 1
         return [], None
 
     def put(
         self,
-        anchors: Sequence[int],
+        file_under: Sequence[int],
         scope: Hashable,
         tokens: Sequence[int],
         keys: list[int],
         *,
-        found_under: int | None = None,
         reused_blocks: int = 0,
+        replaces: int | None = None,
     ) -> None:
         """File ``tokens`` (kept by reference: the caller must not change them) and their ``keys``
-        under the last anchor; the entry they extend (``found_under``) is dropped."""
+        under each anchor of ``file_under``, replacing what those names pointed at, and the entry
+        they extend (``replaces``, from ``reusable``): one entry per conversation."""
         self.reused_blocks += reused_blocks
         self.hashed_blocks += len(keys) - reused_blocks
-        if not anchors:
-            return
-        if found_under is not None and found_under != anchors[-1]:
-            self._drop((scope, found_under))
+        if replaces is not None and replaces in self._entries:
+            self._drop(replaces)
         size = _CACHE_ENTRY_BYTES + _CACHE_TOKEN_BYTES * len(tokens) + _CACHE_KEY_BYTES * len(keys)
-        if size > self.max_bytes:
+        if not file_under or size > self.max_bytes:
             return
-        key = (scope, anchors[-1])
-        self._drop(key)
-        self._data[key] = (tokens, keys, size)
+        entry_id = self._next_id
+        self._next_id += 1
+        names = [(scope, anchor) for anchor in file_under]
+        for name in names:
+            old = self._names.get(name)
+            self._names[name] = entry_id
+            if old is not None:
+                old_entry = self._entries[old]
+                old_entry.names.remove(name)
+                if not old_entry.names:
+                    self._drop(old)
+        self._entries[entry_id] = _KeyEntry(tokens, keys, size, names)
         self.size_bytes += size
         while self.size_bytes > self.max_bytes:
-            _, (_, _, evicted) = self._data.popitem(last=False)
-            self.size_bytes -= evicted
+            self._drop(next(iter(self._entries)))
 
-    def _drop(self, key: tuple[Hashable, int]) -> None:
-        old = self._data.pop(key, None)
-        if old is not None:
-            self.size_bytes -= old[2]
+    def _drop(self, entry_id: int) -> None:
+        entry = self._entries.pop(entry_id)
+        self.size_bytes -= entry.size
+        for name in entry.names:
+            if self._names.get(name) == entry_id:
+                del self._names[name]
 
     def stats(self) -> dict[str, int]:
         return {
-            "entries": len(self._data),
+            "entries": len(self._entries),
+            "names": len(self._names),
             "bytes": self.size_bytes,
             "max_bytes": self.max_bytes,
             "hits": self.hits,

@@ -50,7 +50,12 @@ def encode_text(text: str) -> list[int]:
     slice assignment, read as an array, offset by ``map``: ~7x faster than a Python loop over the
     chunks on a 16K-token text (tests/test_tokenize.py checks it against the per-chunk definition).
     """
-    data = text.encode("utf-8")
+    return encode_utf8(text.encode("utf-8"))
+
+
+def encode_utf8(data: bytes) -> list[int]:
+    """``encode_text`` of text given as its UTF-8 bytes (a cut at a multiple of 3 bytes may fall
+    inside a character: the tokens of the two parts are still those of the whole)."""
     n_full = len(data) // CHUNK_BYTES
     words = bytearray(4 * n_full)
     for k in range(CHUNK_BYTES):

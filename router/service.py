@@ -58,7 +58,7 @@ from router.routing import (
 )
 from router.scrape import EngineMetrics, parse_engine_metrics, tier_capacities_tokens
 from router.shared_state import SharedLoadLedger, SharedState, SharedStateAnnotator, SharedStateObserver
-from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer, prefix_hashes
+from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer, prompt_anchors
 from router.worker_ledger import WorkerBoard, WorkerLoadLedger
 
 log = logging.getLogger("kvroute.service")
@@ -164,7 +164,7 @@ class IndexAnnotator:
 
     async def _keys(
         self,
-        anchors: list[int],
+        anchors: tuple[list[int], list[int]],
         scope: tuple[int, str | None, str | None],
         tokens: list[int],
         block_size: int,
@@ -172,7 +172,8 @@ class IndexAnnotator:
     ) -> list[int]:
         """Block keys of ``tokens``: the blocks a cached turn of the same conversation already
         hashed are reused (verified token by token), only the rest are hashed."""
-        reused, found_under = self._key_cache.reusable(anchors, scope, tokens, block_size)
+        lookup, file_under = anchors
+        reused, extended = self._key_cache.reusable(lookup, scope, tokens, block_size)
         start = len(reused)
         parent = reused[-1] if reused else self._namespace
         rest = tokens[start * block_size :] if start else tokens
@@ -182,7 +183,7 @@ class IndexAnnotator:
         else:
             new = block_keys(rest, block_size, parent=parent, extra_keys=rest_extra)
         keys = reused + new if reused else new
-        self._key_cache.put(anchors, scope, tokens, keys, found_under=found_under, reused_blocks=start)
+        self._key_cache.put(file_under, scope, tokens, keys, reused_blocks=start, replaces=extended)
         return keys
 
     def key_cache_stats(self) -> dict[str, int]:
@@ -223,8 +224,9 @@ class IndexAnnotator:
         salt = ctx.body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
         lora = self._lora_of(request.model) if self._lora_of is not None else None
-        # A chat turn is named by its message prefixes, so the next turn finds this one's keys.
-        anchors = prefix_hashes(ctx.body["messages"]) if ctx.endpoint == CHAT else []
+        # A chat turn is named by its message prefixes (and its last message's content cuts), so
+        # the next turn finds this one's keys.
+        anchors = prompt_anchors(ctx.body["messages"]) if ctx.endpoint == CHAT else ([], [])
         request.prompt_tokens = len(tokens)
         matches: dict[str, Any] = {}
         for i, (block_size, engine_ids) in enumerate(by_size.items()):

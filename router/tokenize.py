@@ -41,8 +41,47 @@ def prefix_hashes(messages: Messages) -> list[int]:
     return out
 
 
+#: A message's content is also named by its cuts every this many UTF-8 bytes (1,024 simulator
+#: tokens; a multiple of its 3-byte chunk), so a prompt whose last message extends an earlier
+#: prompt's last message (one growing user message, as trace replays and some agent frameworks
+#: send) finds the earlier prompt's tokens and keys.
+CUT_BYTES = 3 * 1024
+
+
+def content_cuts(parent: int, message: Mapping[str, Any]) -> tuple[list[int], bytes]:
+    """(chained hashes of ``message``'s role and its content cut every ``CUT_BYTES`` bytes: ``out[k]``
+    names the messages hashed into ``parent`` plus the role and the first ``(k + 1) * CUT_BYTES``
+    bytes of the content; full cuts only, the content's UTF-8 bytes)."""
+    cuts: list[int] = []
+    if not isinstance(message, Mapping):
+        return cuts, b""
+    data = sim_tokenizer.message_text(message.get("content")).encode("utf-8")
+    if len(data) < 2 * CUT_BYTES:  # a short message: the message-prefix hash is enough
+        return cuts, data
+    h = xxhash.xxh3_64_intdigest(str(message.get("role")).encode(), seed=parent)
+    for start in range(0, len(data) - CUT_BYTES + 1, CUT_BYTES):
+        h = xxhash.xxh3_64_intdigest(data[start : start + CUT_BYTES], seed=h)
+        cuts.append(h)
+    return cuts, data
+
+
+def prompt_anchors(messages: Messages) -> tuple[list[int], list[int]]:
+    """(anchors naming a chat prompt, shortest first: every message prefix, with the last message's
+    content cuts before the whole prompt; the anchors to file the prompt under: the whole prompt and
+    its last message's deepest cut)."""
+    hashes = prefix_hashes(messages)
+    if not hashes:
+        return hashes, hashes
+    cuts, _ = content_cuts(hashes[-2] if len(hashes) > 1 else 0, messages[-1])
+    if not cuts:
+        return hashes, hashes[-1:]
+    return [*hashes[:-1], *cuts, hashes[-1]], [hashes[-1], cuts[-1]]
+
+
 def entry_bytes(value: Any) -> int:
     """Estimated memory of a cache value: a token list, or (rendered text, token list)."""
+    if isinstance(value, tuple) and isinstance(value[1], int):  # (token list, covered count)
+        return _ENTRY_OVERHEAD_BYTES + _TOKEN_BYTES * len(value[0])
     if isinstance(value, tuple):
         text, tokens = value
         return _ENTRY_OVERHEAD_BYTES + len(text) + _TOKEN_BYTES * len(tokens)
@@ -103,6 +142,8 @@ class SimChatTokenizer:
 
     def __init__(self, *, cache_max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self._cache = _Lru(cache_max_bytes)
+        #: Last-message cut hash -> (history tokens, how many of them the cut covers).
+        self._cuts = _Lru(cache_max_bytes // 4)
 
     async def chat_tokens(self, messages: Messages, *, model: str = "") -> list[int]:
         hashes = prefix_hashes(messages)
@@ -112,23 +153,52 @@ class SimChatTokenizer:
             if cached is not None:
                 start, prefix = i + 1, cached
                 break
-        new = list(messages[start:])
         if start:
             self._cache.hits += 1
         else:
             self._cache.misses += 1
-        new_chars = sum(len(str(m.get("content") or "")) for m in new)
-        if new_chars > _INLINE_CHARS:
-            body = await asyncio.to_thread(sim_tokenizer.encode_chat, new, add_generation_prompt=False)
-        else:
-            body = sim_tokenizer.encode_chat(new, add_generation_prompt=False)
-        history = prefix + body[1:]  # drop the BOS of the partial render
+        cuts, data = (
+            content_cuts(hashes[-2] if len(hashes) > 1 else 0, messages[-1]) if messages else ([], b"")
+        )
+        history = None
+        if cuts and start < len(messages):
+            # The last message may extend an earlier prompt's last message (its cut hashes name the
+            # messages before it too, so the cached tokens cover them).
+            history = self._extend_cut(cuts, data)
+        if history is None:
+            new = list(messages[start:])
+            new_chars = sum(len(str(m.get("content") or "")) for m in new)
+            if new_chars > _INLINE_CHARS:
+                body = await asyncio.to_thread(sim_tokenizer.encode_chat, new, add_generation_prompt=False)
+            else:
+                body = sim_tokenizer.encode_chat(new, add_generation_prompt=False)
+            history = prefix + body[1:]  # drop the BOS of the partial render
         if messages:
             self._cache.put(hashes[-1], history)
+        if cuts:
+            # The tokens up to the last message's deepest cut: all but its END and the content after.
+            tail_tokens = -(-(len(data) - len(cuts) * CUT_BYTES) // sim_tokenizer.CHUNK_BYTES)
+            self._cuts.put(cuts[-1], (history, len(history) - 1 - tail_tokens))
         return [*history, sim_tokenizer.ROLE_TOKENS["assistant"]]
 
+    def _extend_cut(self, cuts: list[int], data: bytes) -> list[int] | None:
+        """History tokens when the last message (content ``data``, cut hashes ``cuts``) extends a
+        cached prompt's last message: its tokens up to the deepest shared cut, then only the rest
+        encoded. None when no cut is cached."""
+        for k in range(len(cuts) - 1, -1, -1):
+            found = self._cuts.get(cuts[k])
+            if found is not None:
+                self._cuts.hits += 1
+                tokens, n = found
+                tail = sim_tokenizer.encode_utf8(data[(k + 1) * CUT_BYTES :])
+                return [*tokens[:n], *tail, sim_tokenizer.END]
+        self._cuts.misses += 1
+        return None
+
     def cache_stats(self) -> dict[str, int]:
-        return self._cache.stats()
+        stats = self._cache.stats()
+        stats["cut_hits"], stats["cut_misses"] = self._cuts.hits, self._cuts.misses
+        return stats
 
 
 class HfChatTokenizer:

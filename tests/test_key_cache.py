@@ -3,15 +3,16 @@ IndexAnnotator): every key must equal a full re-hash of the prompt, and only new
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from kvcore import sim_tokenizer
-from kvcore.keys import KeyChainCache, block_keys, request_extra_keys
+from kvcore.keys import KeyChainCache, block_keys, common_blocks, request_extra_keys
 from policies.base import RouteRequest
 from router.config import RouterConfig, TokenizerConfig
 from router.routing import CHAT, RouteContext
 from router.service import IndexAnnotator
-from router.tokenize import SimChatTokenizer, prefix_hashes
+from router.tokenize import SimChatTokenizer
 
 
 def _annotator(cache_max_bytes: int = 64 << 20) -> IndexAnnotator:
@@ -46,6 +47,7 @@ async def test_a_conversation_hashes_only_its_new_blocks_and_every_key_is_the_fu
         # The independent truth: the whole prompt hashed from scratch, salt on block 0.
         extra = request_extra_keys(len(tokens) // 16, cache_salt="tenant-a")
         assert keys == block_keys(tokens, 16, parent=7, extra_keys=extra)
+        assert tokens == sim_tokenizer.encode_chat(messages)
         stats = annotator.key_cache_stats()
         hashed_now = stats["hashed_blocks"] - hashed_before
         hashed_before = stats["hashed_blocks"]
@@ -56,7 +58,33 @@ async def test_a_conversation_hashes_only_its_new_blocks_and_every_key_is_the_fu
     stats = annotator.key_cache_stats()
     assert stats["hits"] == 4 and stats["misses"] == 1
     assert stats["reused_blocks"] > 3 * stats["hashed_blocks"] // 2
-    assert stats["entries"] == 1  # each turn replaced the entry it extended
+    assert stats["entries"] == 1  # each turn's names replaced the entry it extended
+
+
+async def test_one_growing_message_reuses_the_tokens_and_keys_of_its_earlier_version() -> None:
+    """Trace replays and some agent frameworks resend one user message that grows by appending:
+    no message prefix is shared, only the content's cuts."""
+    annotator = _annotator()
+    text = ""
+    previous_blocks = 0
+    hashed_before = 0
+    for step in range(1, 6):
+        # Each step appends 2,500 tokens and a 2-byte character (it shifts the 3-byte chunks).
+        text += sim_tokenizer.filler_text(2500, seed=step) + "é"
+        messages = [{"role": "system", "content": "tools: none"}, {"role": "user", "content": text}]
+        keys, tokens = await _keys_of(annotator, {"model": "m", "messages": messages})
+        assert tokens == sim_tokenizer.encode_chat(messages)
+        assert keys == block_keys(tokens, 16, parent=7)
+        stats = annotator.key_cache_stats()
+        hashed_now, hashed_before = stats["hashed_blocks"] - hashed_before, stats["hashed_blocks"]
+        if step > 1:
+            # The new text and the last block of the old prompt (it ended with the template's tail).
+            assert hashed_now <= len(tokens) // 16 - previous_blocks + 1, step
+        previous_blocks = len(tokens) // 16
+    assert annotator.key_cache_stats()["hits"] == 4
+    assert annotator.key_cache_stats()["entries"] == 1
+    tokenizer_stats = annotator._tokenizer.cache_stats()
+    assert tokenizer_stats["cut_hits"] == 4
 
 
 async def test_another_salt_or_an_edited_history_is_never_reused() -> None:
@@ -65,34 +93,43 @@ async def test_another_salt_or_an_edited_history_is_never_reused() -> None:
     first, _ = await _keys_of(annotator, {"model": "m", "messages": messages, "cache_salt": "a"})
     other, tokens = await _keys_of(annotator, {"model": "m", "messages": messages, "cache_salt": "b"})
     assert other != first
-    assert other == block_keys(
-        tokens, 16, parent=7, extra_keys=request_extra_keys(len(tokens) // 16, cache_salt="b")
-    )
-    # A cache entry whose tokens differ from the prompt in an early block (a template that is
-    # not prefix-stable) gives nothing back, even under the right anchor.
+    salted = request_extra_keys(len(tokens) // 16, cache_salt="b")
+    assert other == block_keys(tokens, 16, parent=7, extra_keys=salted)
+    # A cached prompt that differs in block 1 gives back block 0 only, whatever anchor found it.
     cache = KeyChainCache(1 << 20)
     tokens = list(range(100))
-    anchors = [11, 12]
-    cache.put(anchors[:1], "s", [*tokens[:20], -1, *tokens[21:60]], block_keys(tokens[:60], 16))
-    assert cache.reusable(anchors, "s", tokens, 16) == ([], None)
-    assert cache.reusable(anchors, "other scope", tokens, 16) == ([], None)
-    cache.put(anchors[:1], "s", tokens[:60], block_keys(tokens[:60], 16))
-    reused, found = cache.reusable(anchors, "s", tokens, 16)
-    assert reused == block_keys(tokens, 16)[:3] and found == 11
+    edited = [*tokens[:20], -1, *tokens[21:60]]
+    cache.put([11], "s", edited, block_keys(edited, 16))
+    assert cache.reusable([11, 12], "s", tokens, 16) == (block_keys(tokens, 16)[:1], None)
+    assert cache.reusable([11, 12], "other scope", tokens, 16) == ([], None)
+    cache.put([11], "s", tokens[:60], block_keys(tokens[:60], 16))
+    assert cache.reusable([11, 12], "s", tokens, 16)[0] == block_keys(tokens, 16)[:3]
+    assert cache.stats()["entries"] == 1  # the edited entry lost its only name
+
+
+def test_common_blocks_finds_the_first_differing_block() -> None:
+    rng = random.Random(5)
+    for _ in range(300):
+        a = [rng.randrange(1000) for _ in range(rng.randrange(0, 200))]
+        b = list(a[: rng.randrange(0, len(a) + 1)])
+        b += [rng.randrange(1000, 2000) for _ in range(rng.randrange(0, 50))]
+        brute = 0
+        while (brute + 1) * 16 <= min(len(a), len(b)) and a[brute * 16 : (brute + 1) * 16] == b[
+            brute * 16 : (brute + 1) * 16
+        ]:
+            brute += 1
+        limit = rng.randrange(0, 15)
+        assert common_blocks(a, b, 16, limit) == min(brute, limit)
 
 
 def test_the_cache_stays_within_its_byte_bound() -> None:
     cache = KeyChainCache(20_000)
     for conversation in range(50):
         tokens = list(range(conversation, conversation + 1600))
-        cache.put(
-            prefix_hashes([{"role": "user", "content": str(conversation)}]),
-            "s",
-            tokens,
-            block_keys(tokens, 16),
-        )
+        cache.put([conversation, 1000 + conversation], "s", tokens, block_keys(tokens, 16))
         assert cache.size_bytes <= 20_000
-    assert 0 < cache.stats()["entries"] < 50
+    stats = cache.stats()
+    assert 0 < stats["entries"] < 50 and stats["names"] == 2 * stats["entries"]
     # Larger than the whole bound: not kept at all.
     big = list(range(10_000))
     cache.put([99], "s", big, block_keys(big, 16))

@@ -148,3 +148,18 @@ def test_sim_encode_text_matches_the_per_chunk_definition() -> None:
         text = "".join(rng.choice(alphabet) for _ in range(n))
         assert sim_tokenizer.encode_text(text) == reference(text), repr(text[:40])
         assert sim_tokenizer.decode(sim_tokenizer.encode_text(text)) == text
+
+
+async def test_sim_tokenizer_reuses_a_growing_message_by_its_cuts_and_stays_exact() -> None:
+    """One user message that grows, is edited in the middle, and holds multi-byte characters
+    across the 3,072-byte cuts: every prompt's tokens equal a full render."""
+    sim = SimChatTokenizer()
+    text = ("ünïcödé " * 500) + "😀" * 700  # 2- and 4-byte characters straddle the cuts
+    versions = [text, text + "more " * 900, text[:4000] + "EDIT" + text[4004:] + "more " * 900, text + "x"]
+    for i, content in enumerate(versions):
+        msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": content}]
+        assert await sim.chat_tokens(msgs) == sim_tokenizer.encode_chat(msgs), i
+    stats = sim.cache_stats()
+    # Versions 1 and 3 extend version 0. Only each prompt's deepest cut is filed, so the edit
+    # (before version 1's deepest cut) is a miss, encoded whole.
+    assert stats["cut_hits"] == 2 and stats["cut_misses"] == 2  # versions 0 and 2
