@@ -10,6 +10,8 @@
                               (loadtest/bench_quality_live.py)
   kvroute bench events [...] KV-event ingestion under floods, restarts and late joins
                               (loadtest/bench_events.py)
+  kvroute bench annotate [...] router CPU per request before the policy (tokenise, keys, match),
+                              conversation caches on vs off (loadtest/bench_annotate.py)
   kvroute bench all           each of the above at its default size, one after the other
 Results and the commands that produced them are recorded in docs/benchmarks.md.
 """
@@ -28,6 +30,7 @@ BENCHES: dict[str, str] = {
     "peers": "loadtest.bench_peers",
     "quality": "loadtest.bench_quality_live",
     "events": "loadtest.bench_events",
+    "annotate": "loadtest.bench_annotate",
 }
 #: What `all` runs: moderate sizes that finish in minutes on 2 cores.
 ALL_ARGS: dict[str, list[str]] = {
@@ -38,6 +41,7 @@ ALL_ARGS: dict[str, list[str]] = {
     "peers": ["--prompt-tokens", "1000", "--duration", "3", "--repeats", "3", "--out", "runs/bench/b3"],
     "quality": ["--time", "45", "--des", "--out", "runs/bench/quality"],
     "events": ["flood", "--rate", "100000", "--duration", "10", "--repeats", "3"],
+    "annotate": [],
 }
 
 

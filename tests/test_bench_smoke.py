@@ -54,3 +54,10 @@ def test_bench_peers_quick_measures_direct_and_kvroute(tmp_path: Path) -> None:
     for r in rows:  # every point answered: requests/s > 0 and no errors
         cells = [c.strip() for c in r.split("|")]
         assert float(cells[5].split()[0]) > 0 and cells[-2] == "0", r
+
+
+def test_bench_annotate_prints_both_prompt_shapes() -> None:
+    out = _run("annotate", "--sessions", "2", "--calls", "6", "--tokens-per-call", "1200")
+    for shape in ("chat", "growing"):
+        row = re.search(rf"\| {shape} \| (\d+) \| (\d+) / (\d+) \| (\d+) / (\d+) \| ([\d.]+)x \|", out)
+        assert row and int(row.group(1)) > 6000, out
