@@ -96,9 +96,9 @@ def request_extra_keys(
     return out
 
 
-#: Bytes one cached entry costs per token (a list slot; the int objects are the caller's) and per
-#: block key (a list slot plus the int object), and per entry.
-_CACHE_TOKEN_BYTES = 8
+#: Bytes one cached entry costs per token (a list slot plus the int object, which the entry keeps
+#: alive once the tokenizer's own cache let it go) and per block key (the same), and per entry.
+_CACHE_TOKEN_BYTES = 36
 _CACHE_KEY_BYTES = 40
 _CACHE_ENTRY_BYTES = 200
 
