@@ -58,7 +58,7 @@ from router.routing import (
 )
 from router.scrape import EngineMetrics, parse_engine_metrics, tier_capacities_tokens
 from router.shared_state import SharedLoadLedger, SharedState, SharedStateAnnotator, SharedStateObserver
-from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer, prompt_anchors
+from router.tokenize import EngineChatTokenizer, HfChatTokenizer, PromptNames, SimChatTokenizer
 from router.worker_ledger import WorkerBoard, WorkerLoadLedger
 
 log = logging.getLogger("kvroute.service")
@@ -81,7 +81,9 @@ class HealthyEngineTokenizer:
         self.session: aiohttp.ClientSession | None = None
         self._clients: dict[str, EngineChatTokenizer] = {}
 
-    async def chat_tokens(self, messages: Sequence[Any], *, model: str = "") -> list[int]:
+    async def chat_tokens(
+        self, messages: Sequence[Any], *, model: str = "", names: PromptNames | None = None
+    ) -> list[int]:
         if self.session is None:
             raise RuntimeError("engine tokenizer used before the router started")
         for state in self._tracker.engines.values():
@@ -94,7 +96,7 @@ class HealthyEngineTokenizer:
                         model=state.config.model,
                         cache_max_bytes=self.cache_max_bytes // max(1, len(self._tracker.engines)),
                     )
-                return await client.chat_tokens(messages, model=model)
+                return await client.chat_tokens(messages, model=model, names=names)
         raise RuntimeError(f"no healthy engine serving {model!r} to tokenise with")
 
     def cache_stats(self) -> dict[str, int]:
@@ -148,13 +150,15 @@ class IndexAnnotator:
         self._key_cache = KeyChainCache(config.tokenizer.cache_max_bytes)
         self.failures = 0
 
-    async def _token_ids(self, ctx: RouteContext) -> list[int] | None:
+    async def _token_ids(self, ctx: RouteContext, names: PromptNames | None) -> list[int] | None:
         body = ctx.body
         if ctx.endpoint == CHAT:
             if self._tokenizer is None:
                 return None
             # Every back-end returns a list of its own (the prefix key cache keeps it by reference).
-            return await self._tokenizer.chat_tokens(body["messages"], model=ctx.route_request.model)
+            return await self._tokenizer.chat_tokens(
+                body["messages"], model=ctx.route_request.model, names=names
+            )
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return list(prompt)  # token ids are used as sent
@@ -164,7 +168,7 @@ class IndexAnnotator:
 
     async def _keys(
         self,
-        anchors: tuple[list[int], list[int]],
+        names: PromptNames | None,
         scope: tuple[int, str | None, str | None],
         tokens: list[int],
         block_size: int,
@@ -172,7 +176,7 @@ class IndexAnnotator:
     ) -> list[int]:
         """Block keys of ``tokens``: the blocks a cached turn of the same conversation already
         hashed are reused (verified token by token), only the rest are hashed."""
-        lookup, file_under = anchors
+        lookup, file_under = (names.anchors, names.file_under) if names is not None else ([], [])
         reused, extended = self._key_cache.reusable(lookup, scope, tokens, block_size)
         start = len(reused)
         parent = reused[-1] if reused else self._namespace
@@ -204,7 +208,10 @@ class IndexAnnotator:
     async def annotate(self, ctx: RouteContext) -> None:
         request = ctx.route_request
         try:
-            tokens = await self._token_ids(ctx)
+            # A chat prompt is named by its message prefixes (and its last message's content cuts),
+            # once for the tokenizer and the key cache, so the next turn finds this one's work.
+            names = PromptNames.of(ctx.body["messages"]) if ctx.endpoint == CHAT else None
+            tokens = await self._token_ids(ctx, names)
         except Exception as exc:  # routing goes on without keys; counted and logged
             self.failures += 1
             log.warning(
@@ -224,15 +231,12 @@ class IndexAnnotator:
         salt = ctx.body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
         lora = self._lora_of(request.model) if self._lora_of is not None else None
-        # A chat turn is named by its message prefixes (and its last message's content cuts), so
-        # the next turn finds this one's keys.
-        anchors = prompt_anchors(ctx.body["messages"]) if ctx.endpoint == CHAT else ([], [])
         request.prompt_tokens = len(tokens)
         matches: dict[str, Any] = {}
         for i, (block_size, engine_ids) in enumerate(by_size.items()):
             n_blocks = len(tokens) // block_size
             extra = request_extra_keys(n_blocks, lora_name=lora, cache_salt=salt)
-            keys = await self._keys(anchors, (block_size, lora, salt), tokens, block_size, extra)
+            keys = await self._keys(names, (block_size, lora, salt), tokens, block_size, extra)
             if i == 0:  # speculation, trace and pricing use the first group's chain
                 request.block_size = block_size
                 request.block_keys = keys

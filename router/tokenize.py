@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -65,23 +66,38 @@ def content_cuts(parent: int, message: Mapping[str, Any]) -> tuple[list[int], by
     return cuts, data
 
 
-def prompt_anchors(messages: Messages) -> tuple[list[int], list[int]]:
-    """(anchors naming a chat prompt, shortest first: every message prefix, with the last message's
-    content cuts before the whole prompt; the anchors to file the prompt under: the whole prompt and
-    its last message's deepest cut)."""
-    hashes = prefix_hashes(messages)
-    if not hashes:
-        return hashes, hashes
-    cuts, _ = content_cuts(hashes[-2] if len(hashes) > 1 else 0, messages[-1])
-    if not cuts:
-        return hashes, hashes[-1:]
-    return [*hashes[:-1], *cuts, hashes[-1]], [hashes[-1], cuts[-1]]
+@dataclass(frozen=True, slots=True)
+class PromptNames:
+    """What names a chat prompt in the conversation caches (the tokenizer's and the block keys'),
+    computed once per request: every message prefix's hash, the last message's content cuts and
+    its UTF-8 content."""
+
+    prefixes: list[int]
+    cuts: list[int]
+    last_content: bytes
+
+    @classmethod
+    def of(cls, messages: Messages) -> PromptNames:
+        prefixes = prefix_hashes(messages)
+        if not prefixes:
+            return cls(prefixes, [], b"")
+        cuts, data = content_cuts(prefixes[-2] if len(prefixes) > 1 else 0, messages[-1])
+        return cls(prefixes, cuts, data)
+
+    @property
+    def anchors(self) -> list[int]:
+        """Lookup names, shortest first: every message prefix, with the last message's cuts before
+        the whole prompt."""
+        return [*self.prefixes[:-1], *self.cuts, *self.prefixes[-1:]]
+
+    @property
+    def file_under(self) -> list[int]:
+        """The names to file the prompt under: the whole prompt and its last message's deepest cut."""
+        return [*self.prefixes[-1:], *self.cuts[-1:]]
 
 
 def entry_bytes(value: Any) -> int:
     """Estimated memory of a cache value: a token list, or (rendered text, token list)."""
-    if isinstance(value, tuple) and isinstance(value[1], int):  # (token list, covered count)
-        return _ENTRY_OVERHEAD_BYTES + _TOKEN_BYTES * len(value[0])
     if isinstance(value, tuple):
         text, tokens = value
         return _ENTRY_OVERHEAD_BYTES + len(text) + _TOKEN_BYTES * len(tokens)
@@ -91,8 +107,9 @@ def entry_bytes(value: Any) -> int:
 class _Lru:
     """Least-recently-used map bounded by the summed ``entry_bytes`` of its values."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, size_of: Callable[[Any], int] = entry_bytes) -> None:
         self.max_bytes = max_bytes
+        self._size_of = size_of
         self.data: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
         self.size_bytes = 0
         self.hits = 0
@@ -106,7 +123,7 @@ class _Lru:
         return item[0]
 
     def put(self, key: Any, value: Any) -> None:
-        size = entry_bytes(value)
+        size = self._size_of(value)
         if size > self.max_bytes:
             return  # larger than the whole cache: keeping it would evict everything else
         old = self.data.pop(key, None)
@@ -130,9 +147,12 @@ class _Lru:
 
 class ChatTokenizer(Protocol):
     """What the router needs: prompt token ids of a chat (generation prompt appended), in a new
-    list the caller may keep (never one of the tokenizer's cached lists)."""
+    list the caller may keep (never one of the tokenizer's cached lists). ``names``: the prompt's
+    ``PromptNames`` when the caller has them already (else computed here)."""
 
-    async def chat_tokens(self, messages: Messages, *, model: str = "") -> list[int]: ...
+    async def chat_tokens(
+        self, messages: Messages, *, model: str = "", names: PromptNames | None = None
+    ) -> list[int]: ...
 
     def cache_stats(self) -> dict[str, int]: ...
 
@@ -142,11 +162,15 @@ class SimChatTokenizer:
 
     def __init__(self, *, cache_max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self._cache = _Lru(cache_max_bytes)
-        #: Last-message cut hash -> (history tokens, how many of them the cut covers).
-        self._cuts = _Lru(cache_max_bytes // 4)
+        #: Last-message cut hash -> (history tokens, how many of them the cut covers); sized by the
+        #: whole list, which the entry keeps alive.
+        self._cuts = _Lru(cache_max_bytes // 4, size_of=lambda entry: entry_bytes(entry[0]))
 
-    async def chat_tokens(self, messages: Messages, *, model: str = "") -> list[int]:
-        hashes = prefix_hashes(messages)
+    async def chat_tokens(
+        self, messages: Messages, *, model: str = "", names: PromptNames | None = None
+    ) -> list[int]:
+        names = names or PromptNames.of(messages)
+        hashes = names.prefixes
         start, prefix = 0, [sim_tokenizer.BOS]
         for i in range(len(hashes) - 1, -1, -1):
             cached = self._cache.get(hashes[i])
@@ -157,9 +181,7 @@ class SimChatTokenizer:
             self._cache.hits += 1
         else:
             self._cache.misses += 1
-        cuts, data = (
-            content_cuts(hashes[-2] if len(hashes) > 1 else 0, messages[-1]) if messages else ([], b"")
-        )
+        cuts, data = names.cuts, names.last_content
         history = None
         if cuts and start < len(messages):
             # The last message may extend an earlier prompt's last message (its cut hashes name the
@@ -286,8 +308,11 @@ class HfChatTokenizer:
             history_tokens = self._encode(history)
         return history_tokens + self._encode(full[len(history) :]), (history, history_tokens)
 
-    async def chat_tokens(self, messages: Messages, *, model: str = "") -> list[int]:
-        hashes = prefix_hashes(messages)
+    async def chat_tokens(
+        self, messages: Messages, *, model: str = "", names: PromptNames | None = None
+    ) -> list[int]:
+        names = names or PromptNames.of(messages)
+        hashes = names.prefixes
         cached = None
         for i in range(len(hashes) - 1, -1, -1):
             cached = self._cache.get(hashes[i])
@@ -327,8 +352,11 @@ class EngineChatTokenizer:
         self._timeout_s = timeout_s
         self._cache = _Lru(cache_max_bytes)
 
-    async def chat_tokens(self, messages: Messages, *, model: str = "") -> list[int]:
-        hashes = prefix_hashes(messages)
+    async def chat_tokens(
+        self, messages: Messages, *, model: str = "", names: PromptNames | None = None
+    ) -> list[int]:
+        names = names or PromptNames.of(messages)
+        hashes = names.prefixes
         key = hashes[-1] if hashes else 0
         cached = self._cache.get(key)
         if cached is not None:
