@@ -153,8 +153,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         groups.setdefault((r["label"], r["storage"], r["policy"]), []).append(r)
     out = [
         "| workload | storage | policy | seeds | TTFT p50 s | p90 s | p99 s | turns/s | hit | bound hit |"
-        " hit / bound | sticky LRU ref hit | TTFT floor p50 s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " hit / bound | sticky LRU ref hit | TTFT floor p50 s | TTFT / predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (label, storage, policy), rs in groups.items():
         out.append(
@@ -164,7 +164,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
             f" | {_mr([r['bound_hit'] for r in rs], '.3f')}"
             f" | {_mr([r['hit'] / r['bound_hit'] if r['bound_hit'] else 0.0 for r in rs], '.2f')}"
             f" | {_mr([r.get('sticky_lru_hit', math.nan) for r in rs], '.3f')}"
-            f" | {_mr([r['ttft_floor_p50_s'] for r in rs], '.3f')} |"
+            f" | {_mr([r['ttft_floor_p50_s'] for r in rs], '.3f')}"
+            f" | {_mr([r.get('ttft_over_predicted', math.nan) for r in rs], '.2f')} |"
         )
     return "\n".join(out)
 

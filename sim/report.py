@@ -34,6 +34,7 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("ideal", "ideal_hit", "{:.3f}"),
     ("hit/ideal", "fraction_of_ideal", "{:.3f}"),
     ("imbalance", "load_imbalance", "{:.2f}"),
+    ("TTFT / predicted", "ttft_over_predicted", "{:.2f}"),
     ("requests", "requests", "{:d}"),
     ("rejected", "rejected", "{:d}"),
     ("wall s", "wall_s", "{:.1f}"),

@@ -548,3 +548,39 @@ def test_calibration_under_memory_pressure_learns_the_engines_true_prefill_rate(
         est = sim.costs.estimates(f"e{i}")
         assert est.prefill_tokens_per_s == pytest.approx(engine.prefill_tokens_per_s, rel=0.15)
         assert est.slot_s_per_request > 0.01
+
+
+def test_ttft_over_predicted_reports_a_prefill_rate_the_router_got_wrong() -> None:
+    """One engine, one conversation at a time (no queue): the predicted TTFT is the prefill at the
+    router's prior rate (22,000 tok/s). The engine's true rate (its EngineProfile, an independent
+    truth) is 22,000 or 11,000. Without calibration the figure must show the 2x slower engine as
+    ~2x the prediction; with calibration the router learns the rate and the figure comes back to
+    where the right prior puts it (step overhead and attention make it a little above 1)."""
+    workload = ladder_workload(
+        LadderConfig(
+            first_prompt_tokens=4000,
+            system_prefix_tokens=600,
+            tokens_per_turn=1000,
+            turns=4,
+            answer_min_tokens=16,
+            answer_max_tokens=16,
+            think_time_mean_s=1.0,
+            concurrency=1,
+            total_conversations=4,
+            block_size=16,
+            seed=1,
+        )
+    )
+
+    def ratio(prefill_tokens_per_s: float, calibrate: bool) -> float:
+        engine = EngineProfile(block_size=16, prefill_tokens_per_s=prefill_tokens_per_s)
+        fleet = FleetSpec([EngineSpec("e0", engine)])
+        config = SimConfig(token_mode=True, seed=1, calibrate=calibrate)
+        result = simulate(workload, "tier_cost", fleet, config)
+        assert result.requests == 16
+        return result.ttft_over_predicted
+
+    right = ratio(22_000.0, calibrate=False)
+    assert 0.95 < right < 1.3
+    assert ratio(11_000.0, calibrate=False) == pytest.approx(2.0 * right, rel=0.1)
+    assert ratio(11_000.0, calibrate=True) == pytest.approx(right, rel=0.1)
