@@ -160,3 +160,52 @@ def test_streaming_traffic_calibrates_to_the_true_costs_and_non_stream_does_not(
     entry = _estimate(still)
     assert entry["observations"] == 0
     assert entry["estimate"] == entry["prior"]
+
+
+def _ttft_sums(url: str) -> tuple[float, float]:
+    """(measured, predicted) TTFT seconds summed by the router's metrics for engine e0."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums = {"kvroute_ttft_engine_seconds": 0.0, "kvroute_ttft_predicted_seconds": 0.0}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            name = sample.name.removesuffix("_total")
+            if name in sums and sample.labels.get("engine") == "e0":
+                sums[name] += sample.value
+    return sums["kvroute_ttft_engine_seconds"], sums["kvroute_ttft_predicted_seconds"]
+
+
+@pytest.mark.slow
+def test_ttft_prediction_metrics_show_a_prior_three_times_too_fast_and_its_calibration(
+    serve_asgi: Callable[..., ThreadedServer], engine: FleetEngine
+) -> None:
+    """The router starts from a prefill rate 3x the engine's true one (its profile, the independent
+    truth): the first streamed fresh prompt takes ~3x its predicted TTFT, and the metrics must say
+    so. After calibration the same kind of request takes about what was predicted. Non-stream
+    requests have no first token and must not count."""
+    url = _router(serve_asgi, engine)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+    def stream(prompt: list[int]) -> None:
+        for _ in client.completions.create(model=NAME, prompt=prompt, max_tokens=1, stream=True):
+            pass
+
+    # Non-stream first (it also opens the router's connection to the engine): counted nowhere.
+    client.completions.create(model=NAME, prompt=_prompt(5001), max_tokens=1)
+    assert _ttft_sums(url) == (0.0, 0.0)
+    # A full-size fresh prompt (2,000 tokens, 0.2 s of true prefill): the fixed per-request
+    # overhead (HTTP, scheduling) stays small next to the prefill.
+    stream(_prompt(5000))
+    measured, predicted = _ttft_sums(url)
+    assert predicted > 0
+    assert measured / predicted == pytest.approx(3.0, rel=0.25)
+    # Varied sizes let the calibration tell the per-token rate from the per-request overhead.
+    for seed in range(5002, 5032):
+        stream(_fresh(seed))
+    before = _ttft_sums(url)
+    for seed in range(5032, 5042):
+        stream(_fresh(seed))
+    after = _ttft_sums(url)
+    ratio = (after[0] - before[0]) / (after[1] - before[1])
+    print(f"measured / predicted TTFT: first request {measured / predicted:.2f}, after 31: {ratio:.2f}")
+    assert ratio == pytest.approx(1.0, rel=0.25)
