@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -77,6 +78,8 @@ class Run:
     cached: dict[str, float] | None = None
     #: max / mean prompt tokens per engine (from the engines' prefix-cache query counters).
     imbalance: float = float("nan")
+    #: kvroute only: measured engine TTFTs over the TTFTs its cost model predicted (router metrics).
+    ttft_over_predicted: float = float("nan")
     error: str = ""
 
 
@@ -97,6 +100,17 @@ def scrape_cached_by_tier(engines: Sequence[FleetEngine]) -> tuple[dict[str, flo
                     queried += sample.value
         per_engine.append(queried)
     return by_tier, per_engine
+
+
+def scrape_ttft_sums(router_url: str) -> tuple[float, float]:
+    """(measured, predicted) engine TTFT seconds of the router's streamed requests, all engines."""
+    sums = {"kvroute_ttft_engine_seconds_total": 0.0, "kvroute_ttft_predicted_seconds_total": 0.0}
+    text = httpx.get(router_url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in sums:
+                sums[sample.name] += sample.value
+    return sums["kvroute_ttft_engine_seconds_total"], sums["kvroute_ttft_predicted_seconds_total"]
 
 
 def locust_args(workload: str, think_mean_s: float) -> list[str]:
@@ -172,6 +186,7 @@ def one_run(
             else:
                 proc, url = start_peer(target, engines, workdir, peers_dir)
             before, queried_before = scrape_cached_by_tier(engines)
+            ttft_before = scrape_ttft_sums(url) if target.kind == "kvroute" else (0.0, 0.0)
             prefix = str(out / "csv" / f"{workload}-u{users}-{spec.replace(':', '_')}")
             spawn = max(1.0, users / max(think_mean_s, 1.0))
             res = run_locust(
@@ -180,6 +195,9 @@ def one_run(
             if res.returncode not in (0, 1):  # 1 = some requests failed: still a result
                 raise RuntimeError(f"locust exited {res.returncode}: {res.stderr[-800:]}")
             after, queried_after = scrape_cached_by_tier(engines)
+            if target.kind == "kvroute":
+                measured, predicted = (a - b for a, b in zip(scrape_ttft_sums(url), ttft_before, strict=True))
+                run.ttft_over_predicted = measured / predicted if predicted > 0 else float("nan")
             loads = [a - b for a, b in zip(queried_after, queried_before, strict=True)]
             run.imbalance = max(loads) / (sum(loads) / len(loads)) if sum(loads) else float("nan")
             rows = list(csv.DictReader(open(f"{prefix}_turns.csv")))
@@ -249,21 +267,26 @@ def des_ladder(
 def fmt_runs(runs: Sequence[Run]) -> str:
     lines = [
         "| workload | users | router | TTFT p50 s | p90 s | p99 s | turns/s | cached GPU | CPU | STORAGE "
-        "| cached / prompt | imbalance | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cached / prompt | imbalance | TTFT / predicted | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         if r.error:
-            lines.append(f"| {r.workload} | {r.users} | {r.target} | failed: {r.error} ||||||||||")
+            lines.append(f"| {r.workload} | {r.users} | {r.target} | failed: {r.error} |||||||||||")
             continue
         c = r.cached or {}
         frac = sum(c.values()) / r.prompt_tokens if r.prompt_tokens else float("nan")
         lines.append(
             f"| {r.workload} | {r.users} | {r.target} | {r.ttft_p50_s:.3f} | {r.ttft_p90_s:.3f} "
             f"| {r.ttft_p99_s:.3f} | {r.turns_per_s:.2f} | {c.get('GPU', 0):.0f} | {c.get('CPU', 0):.0f} "
-            f"| {c.get('STORAGE', 0):.0f} | {frac:.3f} | {r.imbalance:.2f} | {r.failures} |"
+            f"| {c.get('STORAGE', 0):.0f} | {frac:.3f} | {r.imbalance:.2f} | {_ratio(r.ttft_over_predicted)}"
+            f" | {r.failures} |"
         )
     return "\n".join(lines)
+
+
+def _ratio(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f}"  # a peer predicts nothing: "-"
 
 
 def fmt_summary(runs: Sequence[Run]) -> str:
@@ -281,18 +304,20 @@ def fmt_summary(runs: Sequence[Run]) -> str:
 
     lines = [
         "| workload | users | router | runs | TTFT p50 s | p90 s | p99 s | turns/s | cached / prompt "
-        "| x rr |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| x rr | TTFT / predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (workload, users, target), rs in groups.items():
         rr = groups.get((workload, users, "kvroute:round_robin"))
         p50 = statistics.median(r.ttft_p50_s for r in rs)
         ratio = f"{statistics.median(r.ttft_p50_s for r in rr) / p50:.2f}" if rr and p50 > 0 else "-"
         fracs = [sum((r.cached or {}).values()) / r.prompt_tokens for r in rs if r.prompt_tokens]
+        preds = [r.ttft_over_predicted for r in rs if not math.isnan(r.ttft_over_predicted)]
         lines.append(
             f"| {workload} | {users} | {target} | {len(rs)} | {cell([r.ttft_p50_s for r in rs])} "
             f"| {cell([r.ttft_p90_s for r in rs])} | {cell([r.ttft_p99_s for r in rs])} "
-            f"| {cell([r.turns_per_s for r in rs], 2)} | {cell(fracs) if fracs else '-'} | {ratio} |"
+            f"| {cell([r.turns_per_s for r in rs], 2)} | {cell(fracs) if fracs else '-'} | {ratio} "
+            f"| {cell(preds, 2) if preds else '-'} |"
         )
     return "\n".join(lines)
 

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from kvcore.sim_tokenizer import NAME
+from loadtest.bench_quality_live import scrape_ttft_sums
 from router.config import load_config
 from router.service import build_router_app
 from sim.fleet import Fleet, FleetEngine, FleetProfile
@@ -162,19 +163,6 @@ def test_streaming_traffic_calibrates_to_the_true_costs_and_non_stream_does_not(
     assert entry["estimate"] == entry["prior"]
 
 
-def _ttft_sums(url: str) -> tuple[float, float]:
-    """(measured, predicted) TTFT seconds summed by the router's metrics for engine e0."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    sums = {"kvroute_ttft_engine_seconds": 0.0, "kvroute_ttft_predicted_seconds": 0.0}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for sample in family.samples:
-            name = sample.name.removesuffix("_total")
-            if name in sums and sample.labels.get("engine") == "e0":
-                sums[name] += sample.value
-    return sums["kvroute_ttft_engine_seconds"], sums["kvroute_ttft_predicted_seconds"]
-
-
 @pytest.mark.slow
 def test_ttft_prediction_metrics_show_a_prior_three_times_too_fast_and_its_calibration(
     serve_asgi: Callable[..., ThreadedServer], engine: FleetEngine
@@ -192,20 +180,20 @@ def test_ttft_prediction_metrics_show_a_prior_three_times_too_fast_and_its_calib
 
     # Non-stream first (it also opens the router's connection to the engine): counted nowhere.
     client.completions.create(model=NAME, prompt=_prompt(5001), max_tokens=1)
-    assert _ttft_sums(url) == (0.0, 0.0)
+    assert scrape_ttft_sums(url) == (0.0, 0.0)
     # A full-size fresh prompt (2,000 tokens, 0.2 s of true prefill): the fixed per-request
     # overhead (HTTP, scheduling) stays small next to the prefill.
     stream(_prompt(5000))
-    measured, predicted = _ttft_sums(url)
+    measured, predicted = scrape_ttft_sums(url)
     assert predicted > 0
     assert measured / predicted == pytest.approx(3.0, rel=0.25)
     # Varied sizes let the calibration tell the per-token rate from the per-request overhead.
     for seed in range(5002, 5032):
         stream(_fresh(seed))
-    before = _ttft_sums(url)
+    before = scrape_ttft_sums(url)
     for seed in range(5032, 5042):
         stream(_fresh(seed))
-    after = _ttft_sums(url)
+    after = scrape_ttft_sums(url)
     ratio = (after[0] - before[0]) / (after[1] - before[1])
     print(f"measured / predicted TTFT: first request {measured / predicted:.2f}, after 31: {ratio:.2f}")
     assert ratio == pytest.approx(1.0, rel=0.25)
