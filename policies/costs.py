@@ -273,8 +273,11 @@ class _CounterBaseline:
 #: The wait has its own multiplier: the router's queue figure is a guess, and folding it into the
 #: prefill rate would let a bad guess bias the rate.
 _N_PARAMS = 5
-#: Initial covariance: weak priors (worth about one observation), so data dominate at once.
-_P0 = (1.0, 100.0, 100.0, 100.0, 100.0)
+#: Initial covariance: weak priors (worth about one observation), so data dominate at once. The
+#: intercept's is 0.1 s (std): per-request overheads are tens of milliseconds, and prompts all of
+#: one size cannot tell an intercept from the rate, so the prior decides. At 1 s the intercept took
+#: ~70% of every correction and the rate stayed 1.6-1.9x too fast (tests/test_costs.py).
+_P0 = (0.01, 100.0, 100.0, 100.0, 100.0)
 _MAX_OVERHEAD_S = 10.0
 #: Upper bound of the learned seconds per in-flight request.
 _MAX_SLOT_S = 5.0
