@@ -185,8 +185,12 @@ def test_ttft_prediction_metrics_show_a_prior_three_times_too_fast_and_its_calib
     # overhead (HTTP, scheduling) stays small next to the prefill.
     stream(_prompt(5000))
     measured, predicted = scrape_ttft_sums(url)
-    assert predicted > 0
-    assert measured / predicted == pytest.approx(3.0, rel=0.25)
+    tokens = PROMPT_BLOCKS * 16
+    # Nothing learned yet: the prediction is the prior's prefill time, the measurement at least the
+    # engine's true one (HTTP and scheduling only add to it).
+    assert predicted == pytest.approx(tokens / (3 * TRUE_PREFILL), rel=0.02)
+    assert measured >= 0.95 * tokens / TRUE_PREFILL
+    assert 2.7 <= measured / predicted <= 4.5
     # Varied sizes let the calibration tell the per-token rate from the per-request overhead.
     for seed in range(5002, 5032):
         stream(_fresh(seed))
@@ -196,4 +200,4 @@ def test_ttft_prediction_metrics_show_a_prior_three_times_too_fast_and_its_calib
     after = scrape_ttft_sums(url)
     ratio = (after[0] - before[0]) / (after[1] - before[1])
     print(f"measured / predicted TTFT: first request {measured / predicted:.2f}, after 31: {ratio:.2f}")
-    assert ratio == pytest.approx(1.0, rel=0.25)
+    assert 0.75 <= ratio <= 1.35  # the fitted per-request intercept is not in the prediction
