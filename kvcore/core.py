@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -251,6 +252,16 @@ class CoreConfig:
 
 
 @dataclass(slots=True)
+class TtftTally:
+    """How true one engine's predicted TTFTs were: the measured TTFTs (sent -> first token) and
+    the TTFTs predicted for the same requests, summed (the router exports both as counters; the
+    DES reports their ratio)."""
+
+    measured_s: float = 0.0
+    predicted_s: float = 0.0
+
+
+@dataclass(slots=True)
 class CoreCounters:
     """What the core did (exposed by /debug/costs and the DES)."""
 
@@ -283,6 +294,8 @@ class RoutingCore:
         self.recorder = recorder
         self._index_trusted = index_trusted
         self.counters = CoreCounters()
+        #: Per engine: measured vs predicted TTFT of the requests that got a first token.
+        self.ttft_tally: dict[str, TtftTally] = {}
 
     # -- filter -----------------------------------------------------------------------------
 
@@ -410,6 +423,11 @@ class RoutingCore:
         """A streamed token arrived: the TTFT is measured and the prefill is over."""
         if reservation.first_token_s is None:
             reservation.first_token_s = now
+            tally = self.ttft_tally.get(reservation.engine_id)
+            if tally is None:
+                tally = self.ttft_tally[reservation.engine_id] = TtftTally()
+            tally.measured_s += now - reservation.sent_s
+            tally.predicted_s += reservation.parts.total_s
         self.ledger.first_token(reservation.ticket)
 
     def release_prefill(self, reservation: Reservation) -> None:
@@ -471,6 +489,11 @@ class RoutingCore:
                 if outcome.ok
                 else (0.0, 0.0, 0.0),
             )
+
+    def ttft_over_predicted(self) -> float:
+        """Measured over predicted TTFT, summed over every engine (nan before any first token)."""
+        predicted = sum(t.predicted_s for t in self.ttft_tally.values())
+        return sum(t.measured_s for t in self.ttft_tally.values()) / predicted if predicted > 0 else math.nan
 
     # -- one-call convenience (DES, explain) -------------------------------------------------
 

@@ -68,22 +68,6 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
-        # The cost model's predicted TTFT against the measured one, summed per engine: the ratio
-        # rate(measured) / rate(predicted) says how true the predictions the policies compare are
-        # (1 = unbiased; 2 = requests wait twice as long as predicted).
-        self.ttft_predicted_s = Counter(
-            "kvroute_ttft_predicted_seconds",
-            "Streamed requests: TTFT the cost model predicted on the engine that served them (sum)",
-            ("engine",),
-            registry=self.registry,
-        )
-        self.ttft_engine_s = Counter(
-            "kvroute_ttft_engine_seconds",
-            "Streamed requests: measured TTFT from sending to the engine to its first streamed event"
-            " (sum; compare with kvroute_ttft_predicted_seconds)",
-            ("engine",),
-            registry=self.registry,
-        )
         self.router_s = Histogram(
             "kvroute_router_seconds",
             "Router time per request: parse, tokenise, route (body received -> sent to the engine)",
@@ -133,10 +117,6 @@ class RouterMetrics:
     def on_first_byte(self, ctx: RouteContext) -> None:
         if ctx.ttft_s is not None:
             self._child(self.ttft_s, ctx.engine_id or NO_ENGINE, ctx.policy_name, ctx.arm).observe(ctx.ttft_s)
-        reservation = ctx.reservation
-        if reservation is not None and reservation.engine_ttft_s is not None:
-            self._child(self.ttft_predicted_s, reservation.engine_id).inc(reservation.parts.total_s)
-            self._child(self.ttft_engine_s, reservation.engine_id).inc(reservation.engine_ttft_s)
 
     def on_finished(self, ctx: RouteContext) -> None:
         engine = ctx.engine_id or NO_ENGINE

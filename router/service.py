@@ -17,7 +17,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import JSONResponse, Response
 
 from kvcore import sim_tokenizer
-from kvcore.core import CoreConfig, InMemoryLoadLedger, LoadLedger, RoutingCore
+from kvcore.core import CoreConfig, InMemoryLoadLedger, LoadLedger, RoutingCore, TtftTally
 from kvcore.index import PrefixIndex
 from kvcore.keys import KeyChainCache, block_keys, namespace_seed, request_extra_keys
 from policies.base import TIERS
@@ -753,6 +753,27 @@ def build_shared_state(config: RouterConfig, metrics: RouterMetrics) -> SharedSt
     )
 
 
+def ttft_tally_families(tally: Mapping[str, TtftTally]) -> list[Any]:
+    """``kvroute_ttft_engine_seconds_total`` / ``kvroute_ttft_predicted_seconds_total{engine}``: the
+    core's measured and predicted TTFTs of streamed requests, summed; the rate ratio says how true
+    the figures the policies compare are (1 = unbiased; 2 = requests wait twice as long)."""
+    measured = CounterMetricFamily(
+        "kvroute_ttft_engine_seconds",
+        "Streamed requests: measured TTFT from sending to the engine to its first streamed event"
+        " (sum; compare with kvroute_ttft_predicted_seconds)",
+        labels=["engine"],
+    )
+    predicted = CounterMetricFamily(
+        "kvroute_ttft_predicted_seconds",
+        "Streamed requests: TTFT the cost model predicted on the engine that served them (sum)",
+        labels=["engine"],
+    )
+    for engine_id, t in sorted(tally.items()):
+        measured.add_metric([engine_id], t.measured_s)
+        predicted.add_metric([engine_id], t.predicted_s)
+    return [measured, predicted]
+
+
 def build_router_app(
     config: RouterConfig,
     config_path: str | Path | None = None,
@@ -825,6 +846,7 @@ def build_router_app(
         recorder=experiments,
         index_trusted=services.index_trusted,
     )
+    metrics.add_collector(lambda: ttft_tally_families(core.ttft_tally))
     # The services object is the lifespan component (event_manager=) only; listing it among the
     # observers too made the app start it twice: two EventManagers per router.
     observers: list[Any] = [services.traffic]

@@ -466,8 +466,6 @@ class FleetSimulator:
         self.policy_name = getattr(self.policy, "name", str(policy))
         #: Engines that stepped since the last scrape (the others' metrics did not change).
         self._stepped: set[int] = set()
-        #: [sum of engine TTFTs, sum of predicted TTFTs] of the requests with a first token.
-        self._ttft_sums = [0.0, 0.0]
         # The router's own core: a sorted ledger only when the pre-filter will ask for least loaded.
         self.ledger = InMemoryLoadLedger(
             self.engine_ids, ordered=0 < cfg.prefilter_above_engines < len(self.views)
@@ -528,7 +526,6 @@ class FleetSimulator:
         seen_ids: set[int] = set()
         ideal_tokens = 0
         ttfts: list[float] = []
-        self._ttft_sums = [0.0, 0.0]
         rejected = 0
         by_tier = [0, 0, 0]
         prompt_total = output_total = finished = arrived = 0
@@ -661,9 +658,7 @@ class FleetSimulator:
             preemptions=preemptions,
             wall_s=time.perf_counter() - wall0,
             rejected=rejected,
-            ttft_over_predicted=(
-                self._ttft_sums[0] / self._ttft_sums[1] if self._ttft_sums[1] > 0 else math.nan
-            ),
+            ttft_over_predicted=self.core.ttft_over_predicted(),
             ttfts_s=ttfts,
         )
 
@@ -750,8 +745,6 @@ class FleetSimulator:
             if r is not None and r.reservation.first_token_s is None:
                 core.on_first_token(r.reservation, now)
                 ttfts.append(now - r.arrival_s)
-                self._ttft_sums[0] += now - r.reservation.sent_s
-                self._ttft_sums[1] += r.reservation.parts.total_s
         for fin in out.finished:
             r = reqs[fin.request_id]
             outcome = Outcome(
