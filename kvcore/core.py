@@ -186,6 +186,23 @@ class Reservation:
         return None if self.first_token_s is None else self.first_token_s - self.sent_s
 
 
+#: Seconds of predicted own service per vLLM priority level (``shortest_first_priority``).
+PRIORITY_STEP_S = 0.05
+_MAX_PRIORITY = 1_000_000
+
+
+def shortest_first_priority(parts: PredictedParts, step_s: float = PRIORITY_STEP_S) -> int:
+    """vLLM's ``priority`` for a routed request (lower is served first, ties in arrival order):
+    its own predicted service on the chosen engine, loads plus prefill, in levels of ``step_s``
+    seconds. An engine started with ``--scheduling-policy priority`` then serves the cheapest work
+    first: a turn whose history is cached runs before a recompute queued ahead of it, while its
+    blocks are still on the GPU (docs/routing.md, "Shortest work first")."""
+    level = (parts.prefill_s + sum(parts.load_s)) / step_s
+    if not level > 0.0:  # nothing to compute, or NaN
+        return 0
+    return _MAX_PRIORITY if level >= _MAX_PRIORITY else int(level)
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """How a request ended, as the engine reported it."""

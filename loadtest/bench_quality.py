@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import statistics
@@ -42,7 +43,7 @@ from sim.des import (
     storage_blocks_for,
     working_set_blocks,
 )
-from sim.engine import EngineProfile
+from sim.engine import SCHEDULING_POLICIES, EngineProfile
 from sim.oracle import ArrivalRecorder, capacity_bound, sticky_lru_hit
 
 
@@ -63,6 +64,9 @@ class Cell:
     conversations: float = 2.0
     stagger_s: float = 30.0
     limit: int | None = None
+    #: The engines' vLLM ``--scheduling-policy``: "fcfs", or "priority" (the router then sends each
+    #: request's ``shortest_first_priority``).
+    scheduling: str = "fcfs"
 
 
 def storage_blocks(storage: str, workload: Workload) -> int:
@@ -105,6 +109,8 @@ def build(cell: Cell) -> tuple[Workload, FleetSpec]:
             mean_conversation_tokens=lcfg.mean_prompt_tokens(),
         )
     fleet.storage_pool_blocks = storage_blocks(cell.storage, wl)
+    for spec in fleet.engines:
+        spec.profile = dataclasses.replace(spec.profile, scheduling_policy=cell.scheduling)
     return wl, fleet
 
 
@@ -128,6 +134,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         label=cell.label,
         storage=cell.storage,
         policy=cell.policy,
+        scheduling=cell.scheduling,
         seed=cell.seed,
         bound_hit=bound.bound_hit,
         bound_ideal_hit=bound.ideal_hit,
@@ -147,18 +154,20 @@ def _mr(values: Sequence[float], fmt: str) -> str:
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """One line per (label, storage, policy): medians over seeds with [min-max]."""
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    """One line per (label, storage, policy, scheduling): medians over seeds with [min-max]."""
+    groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["label"], r["storage"], r["policy"]), []).append(r)
+        key = (r["label"], r["storage"], r["policy"], r.get("scheduling", "fcfs"))
+        groups.setdefault(key, []).append(r)
     out = [
-        "| workload | storage | policy | seeds | TTFT p50 s | p90 s | p99 s | turns/s | hit | bound hit |"
-        " hit / bound | sticky LRU ref hit | TTFT floor p50 s | TTFT / predicted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | storage | policy | engine scheduling | seeds | TTFT p50 s | p90 s | p99 s | turns/s"
+        " | hit | bound hit | hit / bound | sticky LRU ref hit | TTFT floor p50 s | TTFT / predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (label, storage, policy), rs in groups.items():
+    for (label, storage, policy, scheduling), rs in groups.items():
         out.append(
-            f"| {label} | {storage} | {policy} | {len(rs)} | {_mr([r['ttft_p50_s'] for r in rs], '.3f')}"
+            f"| {label} | {storage} | {policy} | {scheduling} | {len(rs)}"
+            f" | {_mr([r['ttft_p50_s'] for r in rs], '.3f')}"
             f" | {_mr([r['ttft_p90_s'] for r in rs], '.3f')} | {_mr([r['ttft_p99_s'] for r in rs], '.2f')}"
             f" | {_mr([r['turns_per_s'] for r in rs], '.2f')} | {_mr([r['hit'] for r in rs], '.3f')}"
             f" | {_mr([r['bound_hit'] for r in rs], '.3f')}"
@@ -181,12 +190,16 @@ def plan(args: argparse.Namespace) -> list[Cell]:
         parse_policy_spec(policy)  # fail early on a malformed spec
     for storage in _list(args.storage):
         parse_storage(storage)
+    schedulings = _list(args.scheduling)
+    for scheduling in schedulings:
+        if scheduling not in SCHEDULING_POLICIES:
+            raise ValueError(f"--scheduling {scheduling!r}: use {' or '.join(SCHEDULING_POLICIES)}")
     if args.trace:
         path = Path(args.trace)
         fmt = args.trace_format or ("agentic" if path.is_dir() or path.suffix == ".json" else "mooncake")
         label = f"{path.stem} {args.engines}e{' hetero' if args.fleet == 'hetero' else ''}"
         for storage in _list(args.storage):
-            for policy in _list(args.policies):
+            for policy, scheduling in itertools.product(_list(args.policies), schedulings):
                 for seed in seeds:
                     cells.append(
                         Cell(
@@ -194,6 +207,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
                             storage,
                             policy,
                             seed,
+                            scheduling=scheduling,
                             trace=args.trace,
                             trace_format=fmt,
                             engines=args.engines,
@@ -205,7 +219,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
         return cells
     for c in [int(x) for x in _list(args.concurrency)]:
         for storage in _list(args.storage):
-            for policy in _list(args.policies):
+            for policy, scheduling in itertools.product(_list(args.policies), schedulings):
                 for seed in seeds:
                     cells.append(
                         Cell(
@@ -213,6 +227,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
                             storage,
                             policy,
                             seed,
+                            scheduling=scheduling,
                             concurrency=c,
                             engines=args.engines,
                             hetero=args.fleet == "hetero",
@@ -241,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-format", choices=["mooncake", "agentic"])
     p.add_argument("--limit", type=int)
     p.add_argument("--stagger-s", type=float, default=30.0)
+    p.add_argument(
+        "--scheduling",
+        default="fcfs",
+        help="the engines' vLLM --scheduling-policy, comma-separated: fcfs, priority (the router"
+        " then sends each request's shortest_first_priority)",
+    )
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--out", help="markdown file (a .jsonl of raw rows is written next to it)")
     return p
@@ -278,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _progress(row: dict[str, Any], n: int, total: int, raw: Path | None) -> None:
     print(
-        f"[{n}/{total}] {row['label']} {row['storage']} {row['policy']} seed {row['seed']}: p50"
+        f"[{n}/{total}] {row['label']} {row['storage']} {row['policy']} {row['scheduling']}"
+        f" seed {row['seed']}: p50"
         f" {row['ttft_p50_s']:.3f} p99 {row['ttft_p99_s']:.2f} hit {row['hit']:.3f}"
         f" bound {row['bound_hit']:.3f} wall {row['wall_s']:.0f} s",
         file=sys.stderr,

@@ -247,7 +247,10 @@ def des_ladder(
         )
     )
     engine = EngineProfile(
-        block_size=prof.block_size, num_gpu_blocks=prof.gpu_blocks, num_cpu_blocks=prof.cpu_blocks
+        block_size=prof.block_size,
+        num_gpu_blocks=prof.gpu_blocks,
+        num_cpu_blocks=prof.cpu_blocks,
+        scheduling_policy=prof.scheduling_policy,
     )
     fleet = FleetSpec(
         [EngineSpec(f"e{i}", engine) for i in range(engines_n)], storage_pool_blocks=prof.storage_blocks
@@ -389,6 +392,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="shared STORAGE pool size in blocks (0 = no storage tier: misses are recomputed)",
     )
     parser.add_argument(
+        "--scheduling",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="the engines' vLLM --scheduling-policy; priority: kvroute sends each request's predicted"
+        " own service as its priority (the peers send none, so their requests are served in arrival order)",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=1, help="runs per cell (interleaved); medians and ranges reported"
     )
     parser.add_argument("--des", action="store_true", help="also simulate kvroute's ladder rows (B1 live)")
@@ -402,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     plan = [("ladder", int(u)) for u in args.ladder_users.split(",") if u]
     plan += [("agentic", int(u)) for u in args.agentic_users.split(",") if u]
-    profile = replace(QUALITY_PROFILE, storage_blocks=args.storage_blocks)
+    profile = replace(QUALITY_PROFILE, storage_blocks=args.storage_blocks, scheduling_policy=args.scheduling)
     started = time.time()
     runs: list[Run] = []
     # Repeats are interleaved (every cell once, then again), so a noisy spell of the machine hits
@@ -432,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Machine: {machine_note()}; wall {time.time() - started:.0f} s.",
         f"Fleet: {args.engines} simulated engines, GPU {profile.gpu_blocks} x "
         f"{profile.block_size}-token blocks each, CPU {profile.cpu_blocks}, shared STORAGE "
-        f"{profile.storage_blocks}, sha256_cbor hashes, real time; fresh fleet per run. Ladder: "
+        f"{profile.storage_blocks}, sha256_cbor hashes, vLLM scheduling {profile.scheduling_policy}, real"
+        " time; fresh fleet per run. Ladder: "
         f"{LADDER}, think time exp(mean {args.think_time_mean} s), {args.time} s of Locust per run. "
         "Cached tokens: the engines' own counters, summed over the fleet.",
         "Medians over repeats [min-max]; `x rr` = kvroute round_robin's median TTFT p50 / this one's:",

@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from kvcore.core import PRIORITY_STEP_S
+
 ENV_PREFIX = "KVROUTE_"
 FLEET_FILE_VERSION = 1
 
@@ -51,6 +53,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     storage_pool: str = ""
     #: Tokens per KV block of this engine.
     block_size: int = 16
+    #: The engine's vLLM ``--scheduling-policy``. "priority": the router sends each request a
+    #: ``priority`` (its predicted own service, shortest first; costs.priority_step_s); "fcfs" (vLLM's
+    #: default) sends none, as an fcfs vLLM refuses a non-zero priority with a 400.
+    scheduling_policy: str = "fcfs"
 
 
 class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -185,6 +191,9 @@ class CostsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     priors: dict[str, Any] = msgspec.field(default_factory=dict)
     #: Seconds between scrapes of each engine's GET /metrics; 0 disables scraping.
     scrape_interval_s: float = 2.0
+    #: Predicted seconds of a request's own service (loads + prefill) per vLLM priority level, for
+    #: engines with ``scheduling_policy: priority``.
+    priority_step_s: float = PRIORITY_STEP_S
 
 
 class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -296,6 +305,7 @@ _JSON_KEYS = ("params", "arms", "pools", "priors", "api_keys")
 _TOP_SCALARS = {"fleet_file", "log_level"}
 _TOKENIZER_BACKENDS = ("none", "sim", "hf", "engine")
 _KV_EVENTS_MODES = ("auto", "connect", "bind")
+_SCHEDULING_POLICIES = ("fcfs", "priority")
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -418,6 +428,11 @@ def validate(config: RouterConfig) -> RouterConfig:
             raise ConfigError(
                 f"{where}.kv_events_mode {engine.kv_events_mode!r} unknown; accepted: "
                 f"{', '.join(_KV_EVENTS_MODES)}"
+            )
+        if engine.scheduling_policy not in _SCHEDULING_POLICIES:
+            raise ConfigError(
+                f"{where}.scheduling_policy {engine.scheduling_policy!r} unknown; accepted: "
+                f"{', '.join(_SCHEDULING_POLICIES)} (the engine's vLLM --scheduling-policy)"
             )
         if not isinstance(engine.data_parallel_size, int) or engine.data_parallel_size < 1:
             raise ConfigError(
@@ -558,6 +573,8 @@ def _validate_index_events_costs(config: RouterConfig) -> None:
         raise ConfigError(f"index.speculation_ttl_s must be >= 0 (0 disables), got {index.speculation_ttl_s}")
     if config.events.silent_after_s <= 0 or config.events.replay_timeout_s <= 0:
         raise ConfigError("events.silent_after_s and events.replay_timeout_s must be positive")
+    if not config.costs.priority_step_s > 0:
+        raise ConfigError(f"costs.priority_step_s must be positive, got {config.costs.priority_step_s}")
     if config.costs.scrape_interval_s < 0:
         raise ConfigError(
             f"costs.scrape_interval_s must be >= 0 (0 disables), got {config.costs.scrape_interval_s}"

@@ -30,7 +30,7 @@ import aiohttp
 import msgspec
 import xxhash
 
-from kvcore.core import Outcome, Reservation, RoutingCore
+from kvcore.core import Outcome, Reservation, RoutingCore, shortest_first_priority
 from policies.base import Decision, FleetView, NoEngineAvailable, Policy, RouteRequest
 from router.config import RouterConfig
 from router.errors import RouterError, bad_request, sse_error_event
@@ -127,6 +127,8 @@ class RouteContext:
     fleet: FleetView | None = None
     #: Prompt token ids when the annotator tokenised the prompt (else None).
     prompt_token_ids: list[int] | None = None
+    #: vLLM ``priority`` the router sent (a priority engine's shortest-work-first level); None = none.
+    priority: int | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -508,7 +510,9 @@ class Router:
             if value is not None:
                 upstream_headers[name] = value
         path = ENDPOINT_PATHS[ctx.endpoint]
-        body = self._upstream_body(ctx)
+        base_body = self._upstream_body(ctx)
+        # A priority engine gets the request's shortest-work-first priority unless the client set one.
+        set_priority = "priority" not in ctx.body
         order = [decision.engine_id, *decision.fallbacks][:2]  # the choice, then one retry
         response: aiohttp.ClientResponse | None = None
         head: list[bytes] = []  # a stream's bytes up to its first event, read before answering
@@ -531,6 +535,11 @@ class Router:
                 )
             reservation = ctx.reservation
             assert reservation is not None
+            body = base_body
+            if set_priority and engine.scheduling_policy == "priority":
+                ctx.priority = shortest_first_priority(reservation.parts, self.config.costs.priority_step_s)
+                start = body.index(b"{") + 1  # splice, as for stream_options: the key is absent
+                body = b'%s"priority":%d,%s' % (body[:start], ctx.priority, body[start:])
             ctx.sent_s = reservation.sent_s = time.monotonic()
             try:
                 # Streams: the time-to-first-byte budget covers the headers and the first event
@@ -642,7 +651,7 @@ class Router:
         if log.isEnabledFor(logging.INFO):
             ttft_s = ctx.ttft_s
             log.info(
-                "request %s: engine %s arm %s status %d ttft %s cached %s/%s tokens",
+                "request %s: engine %s arm %s status %d ttft %s cached %s/%s tokens%s",
                 ctx.request_id,
                 ctx.engine_id,
                 ctx.arm,
@@ -650,6 +659,7 @@ class Router:
                 "-" if ttft_s is None else f"{ttft_s * 1000:.1f}ms",
                 ctx.cached_tokens,
                 (ctx.usage or {}).get("prompt_tokens"),
+                "" if ctx.priority is None else f" priority {ctx.priority}",
             )
 
     async def _stream(

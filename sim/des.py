@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcore.core import CoreConfig, InMemoryLoadLedger, Outcome, Reservation, RoutingCore
+from kvcore.core import (
+    PRIORITY_STEP_S,
+    CoreConfig,
+    InMemoryLoadLedger,
+    Outcome,
+    Reservation,
+    RoutingCore,
+    shortest_first_priority,
+)
 from kvcore.index import PrefixIndex
 from kvcore.keys import block_keys
 from kvcore.stats import percentile as _percentile
@@ -52,7 +60,7 @@ from policies.base import (
 )
 from policies.costs import CostModel, EngineCosts
 from sim.cache import StoragePool
-from sim.engine import EngineCore, EngineProfile, SimRequest, StepOutput
+from sim.engine import SCHEDULING_POLICIES, EngineCore, EngineProfile, SimRequest, StepOutput
 from sim.hashing import BlockHashCache, HashChain
 from sim.oracle import ClairvoyantPolicy
 
@@ -295,6 +303,9 @@ class SimConfig:
     #: Where the router's cost model starts: "defaults" (policies.costs' configured defaults, as a
     #: deployed router would) or "nominal" (the fleet's nominal engine profile: the old what-if).
     router_priors: str = "defaults"
+    #: Engines whose profile has ``scheduling_policy="priority"`` get each request's
+    #: ``shortest_first_priority`` in levels of this many seconds, as the router sends them.
+    priority_step_s: float = PRIORITY_STEP_S
 
 
 @dataclass(slots=True)
@@ -719,8 +730,11 @@ class FleetSimulator:
                 block_ids=turn.block_ids,
                 prompt_len=prompt_tokens,
             )
+        core = self.cores[engine]
+        if core.profile.scheduling_policy == "priority":
+            sim_req.priority = shortest_first_priority(reservation.parts, self.config.priority_step_s)
         try:
-            self.cores[engine].add_request(sim_req)
+            core.add_request(sim_req)
         except ValueError:
             # A real engine answers 400; the router counts the failure and the client moves on.
             self.core.on_finished(reservation, Outcome(ok=False), now)
@@ -1019,6 +1033,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="log-normal sigma of the noise on the engines' offload time counters (default 0.2)",
     )
     fl.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="the engines' vLLM --scheduling-policy; priority: the router sends each request's "
+        "predicted own service as its priority (shortest work first; docs/routing.md)",
+    )
+    fl.add_argument(
         "--gpu-tokens",
         type=int,
         default=27_852 * 16,
@@ -1152,7 +1173,11 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
             wl = agentic_workload(
                 read_agentic_sessions(path, limit=args.limit), stagger_s=args.stagger_s, speed=args.speed
             )
-        base = dataclasses.replace(EngineProfile(), max_model_len=1 << 22, counter_noise=args.counter_noise)
+        base = EngineProfile(
+            max_model_len=1 << 22,
+            counter_noise=args.counter_noise,
+            scheduling_policy=args.scheduling_policy,
+        )
         working_set = working_set_blocks(wl)
         for n in args.engines:
             gpu_blocks = max(8, args.gpu_tokens // wl.block_size)
@@ -1197,7 +1222,9 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
                     conversations_in_hbm=args.hbm_conversations,
                     mean_conversation_tokens=lcfg.mean_prompt_tokens(),
                     storage_blocks=storage_blocks_for(storage, working_set),
-                    base=EngineProfile(counter_noise=args.counter_noise),
+                    base=EngineProfile(
+                        counter_noise=args.counter_noise, scheduling_policy=args.scheduling_policy
+                    ),
                     **fleet_options,
                 )
                 for spec, pol, params in parsed:

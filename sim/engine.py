@@ -18,6 +18,7 @@ bytes = blocks * block_size * kv_bytes_per_token (trace mode too: block_size tok
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import random
@@ -37,6 +38,8 @@ _MEDIUM = ("GPU", "CPU", "STORAGE")
 
 #: Length of the deterministic output-token cycle each engine draws answers from.
 _OUTPUT_CYCLE_TOKENS = 4096
+#: vLLM's ``--scheduling-policy`` values the engine model honours.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -97,6 +100,9 @@ class EngineProfile:
     emit_storage_events: bool = True
     #: Build KV event dicts at all; the offline simulator turns this off for speed.
     emit_events: bool = True
+    #: vLLM's ``--scheduling-policy``: "fcfs" or "priority" (waiting ordered by (priority,
+    #: arrival); the preemption victim is the running request with the largest (priority, arrival)).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         positive_ints = (
@@ -130,6 +136,11 @@ class EngineProfile:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineProfile.{name} must be >= 0, got {getattr(self, name)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"EngineProfile.scheduling_policy {self.scheduling_policy!r} is unknown; accepted: "
+                f"{', '.join(SCHEDULING_POLICIES)} (vLLM's --scheduling-policy)"
+            )
         if self.hash_algo not in HASH_ALGOS:
             raise ValueError(
                 f"EngineProfile.hash_algo {self.hash_algo!r} is unknown; accepted: {', '.join(HASH_ALGOS)}"
@@ -174,6 +185,8 @@ class SimRequest:
     block_ids: list[int] | None = None
     #: Trace mode: prompt length in tokens (default: len(block_ids) * block_size).
     prompt_len: int | None = None
+    #: vLLM's ``priority`` (lower is served first); only a "priority" engine accepts non-zero.
+    priority: int = 0
 
 
 @dataclass
@@ -253,6 +266,7 @@ class _Request:
         "num_prompt_blocks",
         "output_offset",
         "output_token_ids",
+        "prio_key",
         "prompt_len",
         "ready_at_s",
         "request",
@@ -296,6 +310,8 @@ class _Request:
         self.ready_at_s = 0.0
         #: Hashes this request is loading (their GPU copies are not usable before ready_at_s).
         self.loading_hashes: list[int] | None = None
+        #: (priority, arrival order): the priority scheduler's sort key.
+        self.prio_key: tuple[int, int] = (request.priority, 0)
 
     @property
     def num_tokens(self) -> int:
@@ -352,6 +368,8 @@ class EngineCore:
         self._emit = profile.emit_events
         self._requests: dict[str, _Request] = {}
         self._waiting: deque[_Request] = deque()
+        self._priority = profile.scheduling_policy == "priority"
+        self._arrivals = 0
         self._running: list[_Request] = []
         self._pending_events: list[dict[str, Any]] = []
         self._pending_finished: list[FinishedRequest] = []
@@ -423,8 +441,19 @@ class EngineCore:
         offset = (zlib.crc32(rid.encode()) ^ self.seed) % _OUTPUT_CYCLE_TOKENS
         chain = HashChain(p.hash_algo, self.hash_cache)
         state = _Request(req, prompt_len, max_output, p.block_size, chain, offset)
+        if req.priority and p.scheduling_policy != "priority":
+            # vLLM's own words (a ValueError in its input processor, answered as a 400).
+            raise ValueError(f"Got priority {req.priority} but Priority scheduling is not enabled.")
+        self._arrivals += 1
+        state.prio_key = (req.priority, self._arrivals)
         self._requests[rid] = state
-        self._waiting.append(state)
+        self._enqueue(state)
+
+    def _enqueue(self, state: _Request) -> None:
+        if self._priority:
+            bisect.insort(self._waiting, state, key=_prio_key)
+        else:
+            self._waiting.append(state)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (unknown ids are ignored, as vLLM does); it is reported finished with
@@ -497,7 +526,7 @@ class EngineCore:
         finished = self._pending_finished
         self._pending_finished = []
         budget = p.max_num_batched_tokens
-        scheduled: list[tuple[_Request, int]] = []
+        scheduled: list[tuple[_Request, int, bool]] = []
         prefill_tokens = 0
         #: Sum over prefill tokens computed of the context before them (attention cost).
         prefill_token_ctx = 0.0
@@ -519,19 +548,42 @@ class EngineCore:
             n_new = remaining if remaining < budget else budget
             need = -(-(req.num_computed + n_new) // bs) - len(req.blocks)
             if need > 0:
+                victim = None
                 while need > gpu.num_free() and running:
-                    victim = running.pop()
+                    if self._priority:
+                        # vLLM's priority scheduler preempts the running request with the largest
+                        # (priority, arrival), which may sit before this one and be scheduled already.
+                        j = max(range(len(running)), key=lambda k: running[k].prio_key)
+                        victim = running.pop(j)
+                        if j < i:
+                            i -= 1
+                            for k, (sreq, sn, sdec) in enumerate(scheduled):
+                                if sreq is victim:  # undo its share of this step
+                                    del scheduled[k]
+                                    budget += sn
+                                    if sdec:
+                                        num_decoding -= 1
+                                        decode_ctx_tokens -= sreq.num_computed
+                                    else:
+                                        prefill_tokens -= sn
+                                        prefill_token_ctx -= sn * (sreq.num_computed + (sn - 1) / 2)
+                                    break
+                    else:
+                        victim = running.pop()
                     self._preempt(victim)
                     preempted = True
                     if victim is req:
                         break
                 if i >= len(running):
                     break
+                if victim is req:
+                    continue
                 self._allocate(need, events)
                 req.blocks.extend([-1] * need)
-            scheduled.append((req, n_new))
+            is_decode = remaining == 1 and bool(req.output_token_ids)
+            scheduled.append((req, n_new, is_decode))
             budget -= n_new
-            if remaining == 1 and req.output_token_ids:
+            if is_decode:
                 num_decoding += 1
                 decode_ctx_tokens += req.num_computed
             else:
@@ -551,7 +603,7 @@ class EngineCore:
                 running.append(req)
                 load_s += req_load_s
                 if n_new:
-                    scheduled.append((req, n_new))
+                    scheduled.append((req, n_new, False))
                     budget -= n_new
                     prefill_tokens += n_new
                     prefill_token_ctx += n_new * (req.num_computed + (n_new - 1) / 2)
@@ -573,7 +625,7 @@ class EngineCore:
         new_token_ids: dict[str, list[int]] = {}
         cycle = self._output_cycle
         num_generated = 0
-        for req, n_new in scheduled:
+        for req, n_new, _ in scheduled:
             req.num_computed += n_new
             full_blocks = req.num_computed // bs
             if full_blocks > req.num_committed_blocks:
@@ -931,15 +983,19 @@ class EngineCore:
         req.blocks = []
 
     def _preempt(self, req: _Request) -> None:
-        """Recompute-style preemption: free its blocks; it waits at the head of the queue and
-        later recomputes prompt + output so far (prefix hits still apply)."""
+        """Recompute-style preemption: free its blocks; it waits at the head of the queue (by its
+        (priority, arrival) on a priority engine) and later recomputes prompt + output so far
+        (prefix hits still apply)."""
         self._free_blocks(req)
         req.num_computed = 0
         req.num_committed_blocks = 0
         # Its loads may still be in flight; _ready_at keeps their blocks unusable until they land.
         req.ready_at_s = 0.0
         req.loading_hashes = None
-        self._waiting.appendleft(req)
+        if self._priority:
+            self._enqueue(req)
+        else:
+            self._waiting.appendleft(req)
         self._stats.num_preemptions += 1
 
     def _finish(self, req: _Request) -> FinishedRequest:
@@ -959,6 +1015,10 @@ class EngineCore:
             cached_tokens_by_tier=by_tier,
             finish_reason=reason,
         )
+
+
+def _prio_key(req: _Request) -> tuple[int, int]:
+    return req.prio_key
 
 
 def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:

@@ -43,6 +43,8 @@ class FleetProfile:
     zero_delay: bool = False
     default_max_tokens: int = 16
     max_model_len: int | None = None
+    #: vLLM's --scheduling-policy of every engine ("priority": the fleet file tells the router).
+    scheduling_policy: str = "fcfs"
     extra_args: tuple[str, ...] = ()
 
 
@@ -69,6 +71,7 @@ class FleetEngine:
     block_size: int
     pid: int
     log_path: str
+    scheduling_policy: str = "fcfs"
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def fleet_entry(self) -> dict[str, Any]:
@@ -82,6 +85,7 @@ class FleetEngine:
             "kv_events_topic": self.kv_events_topic,
             "storage_pool": self.storage_pool,
             "block_size": self.block_size,
+            "scheduling_policy": self.scheduling_policy,
         }
 
 
@@ -229,6 +233,7 @@ class Fleet:
             "--hash-algo", prof.hash_algo,
             "--default-max-tokens", str(prof.default_max_tokens),
             "--kv-events-config", json.dumps(kv_cfg),
+            "--scheduling-policy", prof.scheduling_policy,
         ]  # fmt: skip
         pool_id = ""
         if prof.storage_blocks > 0:
@@ -267,6 +272,7 @@ class Fleet:
             block_size=prof.block_size,
             pid=process.pid,
             log_path=str(log_path),
+            scheduling_policy=prof.scheduling_policy,
             process=process,
         )
 

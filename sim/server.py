@@ -30,7 +30,14 @@ from prometheus_client.registry import Collector
 
 from kvcore import sim_tokenizer as tokenizer
 from sim.cache import StoragePool
-from sim.engine import EngineCore, EngineProfile, EngineStats, FinishedRequest, SimRequest
+from sim.engine import (
+    SCHEDULING_POLICIES,
+    EngineCore,
+    EngineProfile,
+    EngineStats,
+    FinishedRequest,
+    SimRequest,
+)
 from sim.zmq_publisher import KVEventsConfig, ZmqEventPublisher, parse_kv_events_config, resolved_source
 
 log = logging.getLogger(__name__)
@@ -69,6 +76,8 @@ class EngineServerConfig:
     hash_algo: str = "sha256"
     self_describing_cpu_events: bool = False
     seed: int = 0
+    #: vLLM's --scheduling-policy: "fcfs", or "priority" (requests' ``priority`` orders the queue).
+    scheduling_policy: str = "fcfs"
     #: LoRA adapter names served on top of ``model`` (vLLM's --lora-modules), listed by
     #: GET /v1/models with ``parent`` = the base model.
     lora_modules: tuple[str, ...] = ()
@@ -83,6 +92,7 @@ def build_profile(cfg: EngineServerConfig) -> EngineProfile:
         "num_cpu_blocks": cfg.cpu_blocks,
         "hash_algo": cfg.hash_algo,
         "self_describing_cpu_events": cfg.self_describing_cpu_events,
+        "scheduling_policy": cfg.scheduling_policy,
     }
     if cfg.gpu_blocks is not None:
         kwargs["num_gpu_blocks"] = cfg.gpu_blocks
@@ -478,6 +488,8 @@ class _Sampling:
     raw: dict[str, Any]
     #: The LoRA adapter the request names as its model (vLLM folds it into every block's key).
     lora_name: str | None = None
+    #: vLLM's ``priority`` (lower first; non-zero only on a --scheduling-policy priority engine).
+    priority: int = 0
 
 
 def _parse_sampling(
@@ -534,7 +546,9 @@ def _parse_sampling(
     }
     model = body.get("model")
     lora_name = model if isinstance(model, str) and model in state.config.lora_modules else None
-    return _Sampling(max_tokens, stream, include_usage, cache_salt, request_id, raw, lora_name)
+    # On an fcfs engine a non-zero priority is refused when the request is added (EngineCore).
+    priority = _opt_int(body, "priority", -(1 << 62)) or 0
+    return _Sampling(max_tokens, stream, include_usage, cache_salt, request_id, raw, lora_name, priority)
 
 
 def _chat_prompt(body: Mapping[str, Any]) -> list[int]:
@@ -618,6 +632,7 @@ async def _generate(
                 max_tokens=sampling.max_tokens,
                 cache_salt=sampling.cache_salt,
                 lora_name=sampling.lora_name,
+                priority=sampling.priority,
             )
         )
     except ValueError as exc:
@@ -845,7 +860,7 @@ def create_engine_app(config: EngineServerConfig) -> FastAPI:
             "stream": sampling.stream,
             "stream_options": body.get("stream_options"),
             "cache_salt": sampling.cache_salt,
-            "priority": body.get("priority", 0),
+            "priority": sampling.priority,
             "kv_transfer_params": body.get("kv_transfer_params"),
         }
 
@@ -1139,6 +1154,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--self-describing-cpu-events", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="vLLM's: fcfs, or priority (a request's 'priority' field orders the queue, lower first)",
+    )
+    p.add_argument(
         "--profile-overrides",
         default=None,
         help="JSON object of other EngineProfile fields, e.g. '{\"prefill_tokens_per_s\": 8000}'",
@@ -1168,6 +1189,7 @@ def config_from_args(args: argparse.Namespace) -> EngineServerConfig:
         hash_algo=args.hash_algo,
         self_describing_cpu_events=args.self_describing_cpu_events,
         seed=args.seed,
+        scheduling_policy=args.scheduling_policy,
         profile_overrides=json.loads(args.profile_overrides) if args.profile_overrides else {},
         lora_modules=tuple(args.lora_modules),
     )

@@ -147,6 +147,14 @@ def test_sim_profile_stands_in_for_every_engine_under_the_same_name() -> None:
     config = load_config(DEPLOY / "router" / "router.toml", environ={})
     assert {httpx.URL(e.url).host for e in config.engines} == aliases("sim")
     assert {e.storage_pool for e in config.engines} == {"shared-fs"}
+    # The router sends priorities only to engines it is told schedule by them; an engine that
+    # does not (vLLM's fcfs default) would answer every such request with a 400.
+    policies = {httpx.URL(e.url).host: e.scheduling_policy for e in config.engines}
+    for name, service in services.items():
+        if service.get("profiles") in (["gpu"], ["sim"]):
+            command = [str(arg) for arg in service["command"]]
+            for alias in service["networks"]["default"]["aliases"]:
+                assert _flag(command, "scheduling-policy") == policies[alias], name
 
 
 def test_two_routers_behind_the_balancer_share_redis_and_prometheus_scrapes_all() -> None:
