@@ -188,17 +188,34 @@ class Reservation:
 
 #: Seconds of predicted own service per vLLM priority level (``shortest_first_priority``).
 PRIORITY_STEP_S = 0.05
-_MAX_PRIORITY = 1_000_000
+#: A request may be overtaken by shorter work for at most this many times its own predicted
+#: service (``shortest_first_priority``); 0 = never aged (pure shortest work first).
+PRIORITY_STRETCH = 20.0
+#: Deadlines count seconds from 2026-01-01 UTC (wall clock), so that router replicas agree.
+PRIORITY_EPOCH_S = 1_767_225_600.0
+_MAX_PRIORITY = 1 << 62
 
 
-def shortest_first_priority(parts: PredictedParts, step_s: float = PRIORITY_STEP_S) -> int:
-    """vLLM's ``priority`` for a routed request (lower is served first, ties in arrival order):
-    its own predicted service on the chosen engine, loads plus prefill, in levels of ``step_s``
-    seconds. An engine started with ``--scheduling-policy priority`` then serves the cheapest work
-    first: a turn whose history is cached runs before a recompute queued ahead of it, while its
-    blocks are still on the GPU (docs/routing.md, "Shortest work first")."""
-    level = (parts.prefill_s + sum(parts.load_s)) / step_s
-    if not level > 0.0:  # nothing to compute, or NaN
+def shortest_first_priority(
+    parts: PredictedParts,
+    step_s: float = PRIORITY_STEP_S,
+    *,
+    now_s: float = 0.0,
+    stretch: float = PRIORITY_STRETCH,
+) -> int:
+    """vLLM's ``priority`` for a routed request (lower is served first, ties in arrival order),
+    in levels of ``step_s`` seconds: the request's deadline ``now_s + stretch x own``, where own
+    = its predicted own service on the chosen engine (loads plus prefill, no queueing). An engine
+    started with ``--scheduling-policy priority`` then serves the earliest deadline first: a turn
+    whose history is cached runs before a recompute queued ahead of it, while its blocks are still
+    on the GPU, and a recompute is overtaken only by requests that arrive within ``stretch x own``
+    after it, so it is not starved. ``stretch`` 0: the level of ``own`` alone (pure shortest work
+    first, starvation possible). docs/routing.md, "Shortest work first"."""
+    own_s = parts.prefill_s + sum(parts.load_s)
+    if not own_s > 0.0:  # nothing to compute, or NaN
+        own_s = 0.0
+    level = (now_s + stretch * own_s if stretch > 0.0 else own_s) / step_s
+    if not level > 0.0:
         return 0
     return _MAX_PRIORITY if level >= _MAX_PRIORITY else int(level)
 

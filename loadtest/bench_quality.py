@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcore.core import PRIORITY_STRETCH
 from loadtest.workloads import (
     LadderConfig,
     Workload,
@@ -65,8 +66,22 @@ class Cell:
     stagger_s: float = 30.0
     limit: int | None = None
     #: The engines' vLLM ``--scheduling-policy``: "fcfs", or "priority" (the router then sends each
-    #: request's ``shortest_first_priority``).
+    #: request's ``shortest_first_priority``); "priority:S" with the priority stretch S.
     scheduling: str = "fcfs"
+
+
+def parse_scheduling(spec: str) -> tuple[str, float]:
+    """ "fcfs", "priority" or "priority:S" -> (vLLM scheduling policy, priority stretch)."""
+    policy, _, stretch = spec.partition(":")
+    if policy not in SCHEDULING_POLICIES or (stretch and policy != "priority"):
+        raise ValueError(f"--scheduling {spec!r}: use fcfs, priority or priority:STRETCH")
+    try:
+        value = float(stretch) if stretch else PRIORITY_STRETCH
+    except ValueError:
+        raise ValueError(f"--scheduling {spec!r}: the stretch must be a number") from None
+    if not 0 <= value < math.inf:
+        raise ValueError(f"--scheduling {spec!r}: the stretch must be >= 0")
+    return policy, value
 
 
 def storage_blocks(storage: str, workload: Workload) -> int:
@@ -109,8 +124,9 @@ def build(cell: Cell) -> tuple[Workload, FleetSpec]:
             mean_conversation_tokens=lcfg.mean_prompt_tokens(),
         )
     fleet.storage_pool_blocks = storage_blocks(cell.storage, wl)
+    policy, _ = parse_scheduling(cell.scheduling)
     for spec in fleet.engines:
-        spec.profile = dataclasses.replace(spec.profile, scheduling_policy=cell.scheduling)
+        spec.profile = dataclasses.replace(spec.profile, scheduling_policy=policy)
     return wl, fleet
 
 
@@ -118,7 +134,8 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     """Run one cell; the result row (figures of the run and of its hindsight bound)."""
     wl, fleet = build(cell)
     name, params = parse_policy_spec(cell.policy)
-    sim = FleetSimulator(wl, name, fleet, SimConfig(seed=cell.seed), policy_params=params)
+    config = SimConfig(seed=cell.seed, priority_stretch=parse_scheduling(cell.scheduling)[1])
+    sim = FleetSimulator(wl, name, fleet, config, policy_params=params)
     # Tier capacities reach the policy through sim.views[i].extra (FleetSimulator fills them).
     recorder = ArrivalRecorder(sim.policy)
     sim.policy = recorder  # type: ignore[assignment]
@@ -192,8 +209,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
         parse_storage(storage)
     schedulings = _list(args.scheduling)
     for scheduling in schedulings:
-        if scheduling not in SCHEDULING_POLICIES:
-            raise ValueError(f"--scheduling {scheduling!r}: use {' or '.join(SCHEDULING_POLICIES)}")
+        parse_scheduling(scheduling)
     if args.trace:
         path = Path(args.trace)
         fmt = args.trace_format or ("agentic" if path.is_dir() or path.suffix == ".json" else "mooncake")
@@ -260,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--scheduling",
         default="fcfs",
         help="the engines' vLLM --scheduling-policy, comma-separated: fcfs, priority (the router"
-        " then sends each request's shortest_first_priority)",
+        " then sends each request's shortest_first_priority), priority:STRETCH (0 = pure shortest"
+        " work first)",
     )
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--out", help="markdown file (a .jsonl of raw rows is written next to it)")

@@ -9,6 +9,7 @@ are read and written by ``load_fleet_file`` / ``write_fleet_file``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -18,7 +19,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from kvcore.core import PRIORITY_STEP_S
+from kvcore.core import PRIORITY_STEP_S, PRIORITY_STRETCH
 
 ENV_PREFIX = "KVROUTE_"
 FLEET_FILE_VERSION = 1
@@ -191,9 +192,11 @@ class CostsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     priors: dict[str, Any] = msgspec.field(default_factory=dict)
     #: Seconds between scrapes of each engine's GET /metrics; 0 disables scraping.
     scrape_interval_s: float = 2.0
-    #: Predicted seconds of a request's own service (loads + prefill) per vLLM priority level, for
-    #: engines with ``scheduling_policy: priority``.
+    #: Engines with ``scheduling_policy: priority``: seconds per vLLM priority level, and how many
+    #: times its own predicted service (loads + prefill) a request may be overtaken by shorter work
+    #: (0 = pure shortest work first, which can starve long prompts; kvcore.core.shortest_first_priority).
     priority_step_s: float = PRIORITY_STEP_S
+    priority_stretch: float = PRIORITY_STRETCH
 
 
 class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -575,6 +578,11 @@ def _validate_index_events_costs(config: RouterConfig) -> None:
         raise ConfigError("events.silent_after_s and events.replay_timeout_s must be positive")
     if not config.costs.priority_step_s > 0:
         raise ConfigError(f"costs.priority_step_s must be positive, got {config.costs.priority_step_s}")
+    if not 0 <= config.costs.priority_stretch < math.inf:
+        raise ConfigError(
+            f"costs.priority_stretch must be >= 0 (0 = pure shortest work first), got "
+            f"{config.costs.priority_stretch}"
+        )
     if config.costs.scrape_interval_s < 0:
         raise ConfigError(
             f"costs.scrape_interval_s must be >= 0 (0 disables), got {config.costs.scrape_interval_s}"

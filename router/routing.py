@@ -30,7 +30,7 @@ import aiohttp
 import msgspec
 import xxhash
 
-from kvcore.core import Outcome, Reservation, RoutingCore, shortest_first_priority
+from kvcore.core import PRIORITY_EPOCH_S, Outcome, Reservation, RoutingCore, shortest_first_priority
 from policies.base import Decision, FleetView, NoEngineAvailable, Policy, RouteRequest
 from router.config import RouterConfig
 from router.errors import RouterError, bad_request, sse_error_event
@@ -537,7 +537,13 @@ class Router:
             assert reservation is not None
             body = base_body
             if set_priority and engine.scheduling_policy == "priority":
-                ctx.priority = shortest_first_priority(reservation.parts, self.config.costs.priority_step_s)
+                costs = self.config.costs
+                ctx.priority = shortest_first_priority(
+                    reservation.parts,
+                    costs.priority_step_s,
+                    now_s=time.time() - PRIORITY_EPOCH_S,
+                    stretch=costs.priority_stretch,
+                )
                 start = body.index(b"{") + 1  # splice, as for stream_options: the key is absent
                 body = b'%s"priority":%d,%s' % (body[:start], ctx.priority, body[start:])
             ctx.sent_s = reservation.sent_s = time.monotonic()

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvcore.core import (
     PRIORITY_STEP_S,
+    PRIORITY_STRETCH,
     CoreConfig,
     InMemoryLoadLedger,
     Outcome,
@@ -304,8 +305,10 @@ class SimConfig:
     #: deployed router would) or "nominal" (the fleet's nominal engine profile: the old what-if).
     router_priors: str = "defaults"
     #: Engines whose profile has ``scheduling_policy="priority"`` get each request's
-    #: ``shortest_first_priority`` in levels of this many seconds, as the router sends them.
+    #: ``shortest_first_priority`` (levels of ``priority_step_s`` seconds, deadlines stretched by
+    #: ``priority_stretch``; virtual time is the clock), as the router sends them.
     priority_step_s: float = PRIORITY_STEP_S
+    priority_stretch: float = PRIORITY_STRETCH
 
 
 @dataclass(slots=True)
@@ -732,7 +735,12 @@ class FleetSimulator:
             )
         core = self.cores[engine]
         if core.profile.scheduling_policy == "priority":
-            sim_req.priority = shortest_first_priority(reservation.parts, self.config.priority_step_s)
+            sim_req.priority = shortest_first_priority(
+                reservation.parts,
+                self.config.priority_step_s,
+                now_s=now,
+                stretch=self.config.priority_stretch,
+            )
         try:
             core.add_request(sim_req)
         except ValueError:
@@ -1040,6 +1048,13 @@ def build_parser() -> argparse.ArgumentParser:
         "predicted own service as its priority (shortest work first; docs/routing.md)",
     )
     fl.add_argument(
+        "--priority-stretch",
+        type=float,
+        default=PRIORITY_STRETCH,
+        help="priority engines: a request may be overtaken by shorter work for at most this many "
+        f"times its own predicted service (default {PRIORITY_STRETCH:g}; 0 = pure shortest work first)",
+    )
+    fl.add_argument(
         "--gpu-tokens",
         type=int,
         default=27_852 * 16,
@@ -1149,7 +1164,10 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         queue_whole_prompt=args.queue_whole_prompt,
         progress=not args.no_progress,
         router_priors=args.router_priors,
+        priority_stretch=args.priority_stretch,
     )
+    if not 0 <= args.priority_stretch < math.inf:
+        raise ValueError(f"--priority-stretch must be >= 0, got {args.priority_stretch}")
     fleet_options = _fleet_options(args)
     storage_values: list[str] = args.storage
 
