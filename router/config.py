@@ -55,8 +55,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: Tokens per KV block of this engine.
     block_size: int = 16
     #: The engine's vLLM ``--scheduling-policy``. "priority": the router sends each request a
-    #: ``priority`` (its predicted own service, shortest first; costs.priority_step_s); "fcfs" (vLLM's
-    #: default) sends none, as an fcfs vLLM refuses a non-zero priority with a 400.
+    #: ``priority``, a deadline from its predicted own service (costs.priority_*; docs/routing.md,
+    #: "Shortest work first"); "fcfs" (vLLM's default) sends none: an fcfs vLLM answers a non-zero
+    #: priority with a 400.
     scheduling_policy: str = "fcfs"
 
 

@@ -80,22 +80,27 @@ def test_sweep_driver_writes_a_table(tmp_path, capsys) -> None:  # type: ignore[
             "--storage", "none,unbounded",
             "--seeds", "1,2",
             "--policies", "kv_fixed_credit:cpu=0.5,horizon_cost",
+            "--scheduling", "fcfs,priority:0",
             "--out", str(out),
         ]
     )  # fmt: skip
     assert code == 0
     text = out.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| b1 4 |")]
-    assert len(rows) == 4  # 2 storage sizes x 2 policies, seeds folded into median [min-max]
+    # 2 storage sizes x 2 policies x 2 engine schedulings, seeds folded into median [min-max]
+    assert len(rows) == 8
     assert all("| 2 |" in line for line in rows)
+    assert sum("| priority:0 |" in line for line in rows) == 4
     raw = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
-    assert len(raw) == 8 and {r["seed"] for r in raw} == {1, 2}
+    assert len(raw) == 16 and {r["seed"] for r in raw} == {1, 2}
     # No storage tier: the bound has only GPU + CPU; unbounded: the ideal.
     assert all(
         r["bound_hit"] == pytest.approx(r["bound_ideal_hit"]) for r in raw if r["storage"] == "unbounded"
     )
     assert main(["--storage", "lots"]) == 2
     assert "--storage" in capsys.readouterr().err
+    assert main(["--scheduling", "priority:-1"]) == 2
+    assert "--scheduling 'priority:-1'" in capsys.readouterr().err
 
 
 def test_recorder_keeps_arrival_order_and_drops_refused_requests() -> None:

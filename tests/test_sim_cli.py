@@ -42,6 +42,16 @@ def test_out_at_an_existing_file_is_refused_before_running(tmp_path: Path) -> No
     assert target.read_text() == "keep me"
 
 
+def test_priority_options_are_checked_and_a_priority_fleet_runs() -> None:
+    proc = sim(*TINY, "--scheduling-policy", "priority", "--priority-stretch", "-1")
+    _, stderr = proc.communicate(timeout=100)
+    assert proc.returncode == 2 and "--priority-stretch must be >= 0" in stderr, stderr
+    proc = sim(*TINY, "--concurrency", "2", "--policies", "tier_cost", "--scheduling-policy", "priority")
+    stdout, stderr = proc.communicate(timeout=200)
+    assert proc.returncode == 0, stderr
+    assert "tier_cost" in stdout
+
+
 @pytest.mark.timeout(400)  # 4 small runs in 2 processes; slow on a busy machine
 def test_sweep_writes_each_run_shows_one_bar_and_plots_tiers(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
