@@ -517,14 +517,10 @@ def test_routing_keeps_the_index_pool_in_read_order_on_a_finite_pool() -> None:
     assert pool["blocks"] == pool["capacity_blocks"] == sim.storage.capacity_blocks  # type: ignore[union-attr]
 
 
-def test_calibration_under_memory_pressure_learns_the_engines_true_prefill_rate() -> None:
-    """128 conversations on 4 engines whose GPU pools hold ~5 running requests each: most requests
-    wait for KV memory. The cost model must still find the engines' true prefill rate (their
-    EngineProfile, an independent truth) and put the wait into the learned slot term. Feeding the
-    queued TTFTs to the rate regression (before) gave 5,400-13,500 tok/s here against 22,000."""
-    from sim.des import FleetSimulator
-
-    workload = ladder_workload(
+def memory_pressure_workload() -> Workload:
+    """128 conversations of 5 turns (2,400 + 448 tokens a turn, 48-token answers, 2 s think
+    time) for 12 s: on 4 engines of 1,024 x 16-token GPU blocks most requests wait for KV memory."""
+    return ladder_workload(
         LadderConfig(
             first_prompt_tokens=2400,
             system_prefix_tokens=600,
@@ -539,6 +535,16 @@ def test_calibration_under_memory_pressure_learns_the_engines_true_prefill_rate(
             seed=1,
         )
     )
+
+
+def test_calibration_under_memory_pressure_learns_the_engines_true_prefill_rate() -> None:
+    """128 conversations on 4 engines whose GPU pools hold ~5 running requests each: most requests
+    wait for KV memory. The cost model must still find the engines' true prefill rate (their
+    EngineProfile, an independent truth) and put the wait into the learned slot term. Feeding the
+    queued TTFTs to the rate regression (before) gave 5,400-13,500 tok/s here against 22,000."""
+    from sim.des import FleetSimulator
+
+    workload = memory_pressure_workload()
     engine = EngineProfile(block_size=16, num_gpu_blocks=1024, num_cpu_blocks=2048)
     fleet = FleetSpec([EngineSpec(f"e{i}", engine) for i in range(4)])
     sim = FleetSimulator(workload, "tier_cost", fleet, SimConfig(token_mode=True, seed=1))

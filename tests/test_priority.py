@@ -22,7 +22,6 @@ import pytest
 
 from kvcore.core import PRIORITY_STRETCH, shortest_first_priority
 from kvcore.sim_tokenizer import NAME, filler_text
-from loadtest.workloads import LadderConfig, ladder_workload
 from policies.costs import PredictedParts
 from router.config import ConfigError, load_config
 from router.service import build_router_app
@@ -30,6 +29,7 @@ from sim.des import EngineSpec, FleetSimulator, FleetSpec, SimConfig
 from sim.engine import EngineCore, EngineProfile, SimRequest
 from sim.fleet import Fleet, FleetEngine, FleetProfile
 from tests.conftest import ThreadedServer
+from tests.test_des import memory_pressure_workload
 from tests.test_sim_engine import profile, run
 
 # ------------------------------------------------------------------------------ the engine model
@@ -103,21 +103,7 @@ def test_des_priority_engines_keep_hits_that_fcfs_engines_evict_while_they_queue
     cached waits behind recomputes that evict it; with priority engines (the DES sends each
     request's shortest_first_priority, as the router does) it runs first. The hit rate is the
     engines' own count of cached prompt tokens, the TTFTs the engines' timelines."""
-    workload = ladder_workload(
-        LadderConfig(
-            first_prompt_tokens=2400,
-            system_prefix_tokens=600,
-            tokens_per_turn=448,
-            turns=5,
-            answer_min_tokens=48,
-            answer_max_tokens=48,
-            think_time_mean_s=2.0,
-            concurrency=128,
-            duration_s=12.0,
-            block_size=16,
-            seed=1,
-        )
-    )
+    workload = memory_pressure_workload()
     results = {}
     for policy, stretch in (("fcfs", 0.0), ("priority", 0.0), ("priority", PRIORITY_STRETCH)):
         engine = EngineProfile(
