@@ -425,6 +425,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
         default=None,
         help="vLLM's prefix-cache hash (default sha256)",
     )
+    p.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default=None,
+        help="vLLM's --scheduling-policy of every engine (default fcfs); the fleet file tells the router,"
+        " which then sends each request a priority (docs/routing.md, 'Shortest work first')",
+    )
     return p
 
 
@@ -432,7 +439,15 @@ def profile_from_args(args: argparse.Namespace) -> FleetProfile:
     prof = PROFILES[args.profile]
     overrides: dict[str, Any] = {
         key: getattr(args, key)
-        for key in ("gpu_blocks", "cpu_blocks", "storage_blocks", "block_size", "time_scale", "hash_algo")
+        for key in (
+            "gpu_blocks",
+            "cpu_blocks",
+            "storage_blocks",
+            "block_size",
+            "time_scale",
+            "hash_algo",
+            "scheduling_policy",
+        )
         if getattr(args, key) is not None
     }
     if args.no_shared_storage:
