@@ -733,8 +733,8 @@ class FleetSimulator:
                 block_ids=turn.block_ids,
                 prompt_len=prompt_tokens,
             )
-        core = self.cores[engine]
-        if core.profile.scheduling_policy == "priority":
+        engine_core = self.cores[engine]
+        if engine_core.profile.scheduling_policy == "priority":
             sim_req.priority = shortest_first_priority(
                 reservation.parts,
                 self.config.priority_step_s,
@@ -742,7 +742,7 @@ class FleetSimulator:
                 stretch=self.config.priority_stretch,
             )
         try:
-            core.add_request(sim_req)
+            engine_core.add_request(sim_req)
         except ValueError:
             # A real engine answers 400; the router counts the failure and the client moves on.
             self.core.on_finished(reservation, Outcome(ok=False), now)
