@@ -93,6 +93,13 @@ class RouterMetrics:
             ("engine",),
             registry=self.registry,
         )
+        self.priority_requests = Counter(
+            "kvroute_priority_requests",
+            "Requests sent with a vLLM priority: source=router (the router's shortest-work-first "
+            "deadline, engines with scheduling_policy priority) or client (the client's own, passed on)",
+            ("engine", "source"),
+            registry=self.registry,
+        )
         self.event_source_silent = Gauge(
             "kvroute_event_source_silent",
             "1 when the engine served traffic but its KV-event source published nothing since",
@@ -126,6 +133,10 @@ class RouterMetrics:
         router_s = ctx.router_s
         if router_s is not None:
             self._child(self.router_s, ctx.arm).observe(router_s)
+        if ctx.priority is not None:
+            self._child(self.priority_requests, engine, "router").inc()
+        elif "priority" in ctx.body:
+            self._child(self.priority_requests, engine, "client").inc()
 
     def set_in_flight(self, engine_id: str, count: int) -> None:
         self._child(self.in_flight, engine_id).set(count)

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore.core import PRIORITY_STRETCH, shortest_first_priority
 from kvcore.sim_tokenizer import NAME, filler_text
@@ -202,6 +203,18 @@ async def _first_tokens(url: str, sends: list[tuple[str, str, dict[str, Any]]]) 
     return seen
 
 
+def _priority_counts(url: str) -> dict[str, float]:
+    """kvroute_priority_requests_total by source, from the router's /metrics."""
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        if family.name == "kvroute_priority_requests":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    source = sample.labels["source"]
+                    counts[source] = counts.get(source, 0.0) + sample.value
+    return counts
+
+
 def test_router_sends_priorities_and_the_engine_serves_the_short_request_first(
     engines: dict[str, FleetEngine], serve_asgi: Callable[..., ThreadedServer]
 ) -> None:
@@ -219,9 +232,12 @@ def test_router_sends_priorities_and_the_engine_serves_the_short_request_first(
         seen = asyncio.run(_first_tokens(url, sends))
         assert set(seen) == {"running", "long", "short"}
         assert seen["running"] < min(seen["long"], seen["short"])
+        sent = _priority_counts(url)
         if policy == "fcfs":
             assert seen["long"] < seen["short"]
+            assert sent == {}
         else:
+            assert sent == {"router": 3.0}
             assert seen["short"] < seen["long"], seen
             # The short one waited for the running request only, not for the queued long one.
             assert seen["long"] - seen["short"] > 0.3
@@ -244,6 +260,7 @@ def test_a_client_priority_is_passed_on_not_replaced(
         )
     )
     assert seen["long"] < seen["short"], seen
+    assert _priority_counts(url) == {"router": 2.0, "client": 1.0}
     # And an fcfs engine refuses a client's priority with vLLM's 400, passed on by the router.
     fcfs_url = _router(serve_asgi, engines["fcfs"])
     client = openai.OpenAI(base_url=fcfs_url + "/v1", api_key="unused", max_retries=0)
