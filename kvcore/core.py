@@ -186,6 +186,9 @@ class Reservation:
         return None if self.first_token_s is None else self.first_token_s - self.sent_s
 
 
+#: vLLM's ``--scheduling-policy`` values: "priority" engines order their queue by the request's
+#: ``priority`` (``shortest_first_priority``), "fcfs" ones (the default) by arrival.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 #: Seconds of predicted own service per vLLM priority level (``shortest_first_priority``).
 PRIORITY_STEP_S = 0.05
 #: A request may be overtaken by shorter work for at most this many times its own predicted
@@ -194,6 +197,12 @@ PRIORITY_STRETCH = 20.0
 #: Deadlines count seconds from 2026-01-01 UTC (wall clock), so that router replicas agree.
 PRIORITY_EPOCH_S = 1_767_225_600.0
 _MAX_PRIORITY = 1 << 62
+
+
+def check_priority_stretch(stretch: float, what: str) -> None:
+    """ValueError naming ``what`` unless ``stretch`` is a finite number >= 0."""
+    if not 0 <= stretch < math.inf:
+        raise ValueError(f"{what} must be >= 0 (0 = pure shortest work first), got {stretch}")
 
 
 def shortest_first_priority(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcore.core import PRIORITY_STRETCH
+from kvcore.core import PRIORITY_STRETCH, SCHEDULING_POLICIES, check_priority_stretch
 from loadtest.workloads import (
     LadderConfig,
     Workload,
@@ -44,7 +44,7 @@ from sim.des import (
     storage_blocks_for,
     working_set_blocks,
 )
-from sim.engine import SCHEDULING_POLICIES, EngineProfile
+from sim.engine import EngineProfile
 from sim.oracle import ArrivalRecorder, capacity_bound, sticky_lru_hit
 
 
@@ -79,8 +79,7 @@ def parse_scheduling(spec: str) -> tuple[str, float]:
         value = float(stretch) if stretch else PRIORITY_STRETCH
     except ValueError:
         raise ValueError(f"--scheduling {spec!r}: the stretch must be a number") from None
-    if not 0 <= value < math.inf:
-        raise ValueError(f"--scheduling {spec!r}: the stretch must be >= 0")
+    check_priority_stretch(value, f"--scheduling {spec!r}: the stretch")
     return policy, value
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvcore.core import SCHEDULING_POLICIES
 from loadtest.bench_peers import (
     Target,
     default_peers_dir,
@@ -393,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--scheduling",
-        choices=("fcfs", "priority"),
+        choices=SCHEDULING_POLICIES,
         default="fcfs",
         help="the engines' vLLM --scheduling-policy; priority: kvroute sends each request's predicted"
         " own service as its priority (the peers send none, so their requests are served in arrival order)",

@@ -9,7 +9,6 @@ are read and written by ``load_fleet_file`` / ``write_fleet_file``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -19,7 +18,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from kvcore.core import PRIORITY_STEP_S, PRIORITY_STRETCH
+from kvcore.core import PRIORITY_STEP_S, PRIORITY_STRETCH, SCHEDULING_POLICIES, check_priority_stretch
 
 ENV_PREFIX = "KVROUTE_"
 FLEET_FILE_VERSION = 1
@@ -309,7 +308,6 @@ _JSON_KEYS = ("params", "arms", "pools", "priors", "api_keys")
 _TOP_SCALARS = {"fleet_file", "log_level"}
 _TOKENIZER_BACKENDS = ("none", "sim", "hf", "engine")
 _KV_EVENTS_MODES = ("auto", "connect", "bind")
-_SCHEDULING_POLICIES = ("fcfs", "priority")
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -433,10 +431,10 @@ def validate(config: RouterConfig) -> RouterConfig:
                 f"{where}.kv_events_mode {engine.kv_events_mode!r} unknown; accepted: "
                 f"{', '.join(_KV_EVENTS_MODES)}"
             )
-        if engine.scheduling_policy not in _SCHEDULING_POLICIES:
+        if engine.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(
                 f"{where}.scheduling_policy {engine.scheduling_policy!r} unknown; accepted: "
-                f"{', '.join(_SCHEDULING_POLICIES)} (the engine's vLLM --scheduling-policy)"
+                f"{', '.join(SCHEDULING_POLICIES)} (the engine's vLLM --scheduling-policy)"
             )
         if not isinstance(engine.data_parallel_size, int) or engine.data_parallel_size < 1:
             raise ConfigError(
@@ -579,11 +577,10 @@ def _validate_index_events_costs(config: RouterConfig) -> None:
         raise ConfigError("events.silent_after_s and events.replay_timeout_s must be positive")
     if not config.costs.priority_step_s > 0:
         raise ConfigError(f"costs.priority_step_s must be positive, got {config.costs.priority_step_s}")
-    if not 0 <= config.costs.priority_stretch < math.inf:
-        raise ConfigError(
-            f"costs.priority_stretch must be >= 0 (0 = pure shortest work first), got "
-            f"{config.costs.priority_stretch}"
-        )
+    try:
+        check_priority_stretch(config.costs.priority_stretch, "costs.priority_stretch")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if config.costs.scrape_interval_s < 0:
         raise ConfigError(
             f"costs.scrape_interval_s must be >= 0 (0 disables), got {config.costs.scrape_interval_s}"

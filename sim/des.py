@@ -29,11 +29,13 @@ from typing import Any
 from kvcore.core import (
     PRIORITY_STEP_S,
     PRIORITY_STRETCH,
+    SCHEDULING_POLICIES,
     CoreConfig,
     InMemoryLoadLedger,
     Outcome,
     Reservation,
     RoutingCore,
+    check_priority_stretch,
     shortest_first_priority,
 )
 from kvcore.index import PrefixIndex
@@ -61,7 +63,7 @@ from policies.base import (
 )
 from policies.costs import CostModel, EngineCosts
 from sim.cache import StoragePool
-from sim.engine import SCHEDULING_POLICIES, EngineCore, EngineProfile, SimRequest, StepOutput
+from sim.engine import EngineCore, EngineProfile, SimRequest, StepOutput
 from sim.hashing import BlockHashCache, HashChain
 from sim.oracle import ClairvoyantPolicy
 
@@ -1166,8 +1168,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         router_priors=args.router_priors,
         priority_stretch=args.priority_stretch,
     )
-    if not 0 <= args.priority_stretch < math.inf:
-        raise ValueError(f"--priority-stretch must be >= 0, got {args.priority_stretch}")
+    check_priority_stretch(args.priority_stretch, "--priority-stretch")
     fleet_options = _fleet_options(args)
     storage_values: list[str] = args.storage
 

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcore.core import SCHEDULING_POLICIES
 from kvcore.sim_tokenizer import filler_tokens
 from sim.cache import GpuBlockPool, LruBlockTier, StoragePool
 from sim.hashing import HASH_ALGOS, BlockHashCache, HashChain
@@ -38,8 +39,6 @@ _MEDIUM = ("GPU", "CPU", "STORAGE")
 
 #: Length of the deterministic output-token cycle each engine draws answers from.
 _OUTPUT_CYCLE_TOKENS = 4096
-#: vLLM's ``--scheduling-policy`` values the engine model honours.
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass

@@ -22,6 +22,7 @@ from types import FrameType
 from typing import Any
 
 from kvcore import sim_tokenizer as tokenizer
+from kvcore.core import SCHEDULING_POLICIES
 from sim.server import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -427,7 +428,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--scheduling-policy",
-        choices=("fcfs", "priority"),
+        choices=SCHEDULING_POLICIES,
         default=None,
         help="vLLM's --scheduling-policy of every engine (default fcfs); the fleet file tells the router,"
         " which then sends each request a priority (docs/routing.md, 'Shortest work first')",

@@ -29,15 +29,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvcore import sim_tokenizer as tokenizer
+from kvcore.core import SCHEDULING_POLICIES
 from sim.cache import StoragePool
-from sim.engine import (
-    SCHEDULING_POLICIES,
-    EngineCore,
-    EngineProfile,
-    EngineStats,
-    FinishedRequest,
-    SimRequest,
-)
+from sim.engine import EngineCore, EngineProfile, EngineStats, FinishedRequest, SimRequest
 from sim.zmq_publisher import KVEventsConfig, ZmqEventPublisher, parse_kv_events_config, resolved_source
 
 log = logging.getLogger(__name__)
