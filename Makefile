@@ -44,6 +44,7 @@ lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check kvcore router policies sim loadtest tests
 	$(VENV)/bin/ruff format --check kvcore router policies sim loadtest tests
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache  # the layers of docs/architecture.md (pyproject.toml)
 
 # compose.yaml, the Prometheus config and alert rules, and the Grafana dashboard's queries
 # (needs docker-compose and promtool: Debian packages docker-compose and prometheus; .ci/run installs them).

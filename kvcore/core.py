@@ -38,18 +38,20 @@ from typing import Protocol
 
 from sortedcontainers import SortedList
 
+from kvcore.calibration import CostModel
 from kvcore.index import PrefixIndex
 from policies.base import (
     NO_MATCH,
-    TIERS,
     Decision,
     EngineView,
     FleetView,
     NoEngineAvailable,
     Policy,
     RouteRequest,
+    hit_tokens_by_tier,
+    prompt_tokens_of,
 )
-from policies.costs import CostModel, PredictedParts, predict_parts, predicted_prefill_tokens
+from policies.costs import PredictedParts, predict_parts, predicted_prefill_tokens
 
 log = logging.getLogger("kvroute.core")
 
@@ -264,13 +266,7 @@ def predicted_hit_tokens_by_tier(request: RouteRequest, engine_id: str) -> tuple
     """The index's prediction of the chosen engine's hits, in tokens per tier (cheapest tier
     first), capped at prompt - 1 (vLLM always computes the last prompt token)."""
     match = request.prefix_matches.get(engine_id, NO_MATCH)
-    prompt_tokens = request.prompt_tokens or len(request.block_keys) * request.block_size
-    cap = max(0.0, prompt_tokens - 1.0)
-    out = [0.0, 0.0, 0.0]
-    for tier in TIERS:
-        take = min(float(match.blocks_by_tier[tier] * request.block_size), cap - sum(out))
-        out[tier] = max(0.0, take)
-    return out[0], out[1], out[2]
+    return hit_tokens_by_tier(match, request.block_size, prompt_tokens_of(request))
 
 
 # ----------------------------------------------------------------------------- the core
@@ -420,7 +416,7 @@ class RoutingCore:
         connection); speculation and ``policy.on_routed`` happen only for the first choice.
         ``candidates``: the views the policy saw (to price the wait when the policy did not)."""
         target = decision.engine_id if engine_id is None else engine_id
-        prompt_tokens = request.prompt_tokens or len(request.block_keys) * request.block_size
+        prompt_tokens = prompt_tokens_of(request)
         queued = (
             prompt_tokens
             if self.config.queue_whole_prompt
@@ -449,7 +445,7 @@ class RoutingCore:
         if scores is not None and "prefill_tokens" in scores and "wait_tokens" in scores:
             return PredictedParts.from_scores(scores)
         hits = predicted_hit_tokens_by_tier(request, engine_id)
-        prompt_tokens = request.prompt_tokens or len(request.block_keys) * request.block_size
+        prompt_tokens = prompt_tokens_of(request)
         wait_tokens = in_flight = 0.0
         for view in candidates:
             if view.engine_id == engine_id:

@@ -15,17 +15,18 @@ from dataclasses import dataclass
 import numpy as np
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (q in [0, 100]) by linear interpolation; nan when ``values`` is empty."""
+def percentile(values: Sequence[float], q: float, *, empty: float = math.nan) -> float:
+    """The q-th percentile (q in [0, 100]) by linear interpolation; ``empty`` (nan unless a table
+    wants 0.0) when ``values`` is empty."""
     if len(values) == 0:
-        return math.nan
+        return empty
     return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
-def percentiles(values: Sequence[float], qs: Sequence[float]) -> list[float]:
-    """Several percentiles of the same values in one pass (nan each when empty)."""
+def percentiles(values: Sequence[float], qs: Sequence[float], *, empty: float = math.nan) -> list[float]:
+    """Several percentiles of the same values in one pass (``empty`` each when there are none)."""
     if len(values) == 0:
-        return [math.nan for _ in qs]
+        return [empty for _ in qs]
     return [float(x) for x in np.percentile(np.asarray(values, dtype=float), list(qs))]
 
 

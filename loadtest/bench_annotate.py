@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from kvcore import sim_tokenizer
 from kvcore.index import PrefixIndex
+from kvcore.stats import percentile
 from policies.base import RouteRequest
 from router.config import RouterConfig, TokenizerConfig
 from router.routing import CHAT, RouteContext
@@ -100,8 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             times, tokens = asyncio.run(
                 measure(shape, cache_bytes, args.sessions, args.calls, args.tokens_per_call)
             )
-            q = statistics.quantiles(times, n=10)
-            cells.append((statistics.median(times) * 1e6, q[-1] * 1e6))
+            cells.append((percentile(times, 50) * 1e6, percentile(times, 90) * 1e6))
         (off, off90), (on, on90) = cells
         print(f"| {shape} | {tokens} | {off:.0f} / {off90:.0f} | {on:.0f} / {on90:.0f} | {off / on:.2f}x |")
     return 0

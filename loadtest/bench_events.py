@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import zmq
 
+from kvcore.stats import percentile
 from kvcore.wire import BatchEncoder
 
 TOPIC = "kv-events"
@@ -55,13 +56,6 @@ def _rss_mb(pid: int) -> float:
     except OSError:
         pass
     return float("nan")
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _stored(block: int) -> dict[str, Any]:
@@ -296,11 +290,11 @@ def run_flood(
         "lost_batches": doc["missed_batches"],
         "stale": doc["stale"],
         "drain_after_flood_s": round(drain_s, 2),
-        "idle_health_p50_ms": round(_percentile(idle_ms, 0.50), 2),
-        "idle_health_p99_ms": round(_percentile(idle_ms, 0.99), 2),
+        "idle_health_p50_ms": round(percentile(idle_ms, 50), 2),
+        "idle_health_p99_ms": round(percentile(idle_ms, 99), 2),
         "health_samples": len(latencies_ms),
-        "health_p50_ms": round(_percentile(latencies_ms, 0.50), 2),
-        "health_p99_ms": round(_percentile(latencies_ms, 0.99), 2),
+        "health_p50_ms": round(percentile(latencies_ms, 50), 2),
+        "health_p99_ms": round(percentile(latencies_ms, 99), 2),
         "health_max_ms": round(max(latencies_ms) if latencies_ms else float("nan"), 2),
         "rss_mb_before_peak_after": [round(rss_before), round(rss_peak), round(rss_after)],
         "flood_wall_s": round(flood_s, 2),

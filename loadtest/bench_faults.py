@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from kvcore.stats import percentile
 from sim.fleet import PROFILES, Fleet, FleetEngine
 from sim.server import free_port
 from sim.zmq_publisher import KVEventsConfig, ZmqEventPublisher
@@ -335,8 +336,7 @@ async def run_phase(name: str, args: argparse.Namespace, workdir: Path) -> Phase
 def _ms(values: list[float], q: float) -> str:
     if not values:
         return "-"
-    ordered = sorted(values)
-    return f"{ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000:.1f}"
+    return f"{percentile(values, q * 100) * 1000:.1f}"
 
 
 def print_phases(results: list[PhaseResult]) -> None:

@@ -24,15 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.core import PRIORITY_STRETCH, SCHEDULING_POLICIES, check_priority_stretch
-from loadtest.workloads import (
-    LadderConfig,
-    Workload,
-    agentic_workload,
-    ladder_workload,
-    mooncake_workload,
-    read_agentic_sessions,
-    read_mooncake_records,
-)
 from sim.des import (
     UNBOUNDED_STORAGE_BLOCKS,
     FleetSimulator,
@@ -46,6 +37,15 @@ from sim.des import (
 )
 from sim.engine import EngineProfile
 from sim.oracle import ArrivalRecorder, capacity_bound, sticky_lru_hit
+from sim.workloads import (
+    LadderConfig,
+    Workload,
+    agentic_workload,
+    ladder_workload,
+    mooncake_workload,
+    read_agentic_sessions,
+    read_mooncake_records,
+)
 
 
 @dataclass(slots=True)

@@ -39,12 +39,13 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore import sim_tokenizer
+from kvcore.stats import percentile
 from loadtest.chat_client import TurnResult, _one_turn
 from loadtest.procs import stop_process, wait_http_ok
 from loadtest.redis_server import RedisServer
-from loadtest.workloads import LadderConfig, Workload, ladder_workload
 from sim.fleet import PROFILES, Fleet, FleetEngine
 from sim.server import free_port
+from sim.workloads import LadderConfig, Workload, ladder_workload
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -214,8 +215,8 @@ def bench_cost(workdir: Path, redis: RedisServer, args: argparse.Namespace) -> l
                         "run": run,
                         "shared": shared,
                         "req_s": len(lat) / wall_s,
-                        "p50_ms": 1000 * lat[len(lat) // 2],
-                        "p99_ms": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+                        "p50_ms": 1000 * percentile(lat, 50),
+                        "p99_ms": 1000 * percentile(lat, 99),
                         "redis_read_ms": 1000 * read_s if shared else None,
                         "router_cpu_us_per_request": 1e6 * router_cpu_s / len(lat),
                         "requests": len(lat),
@@ -447,8 +448,8 @@ def _quality_row(policy: str, run: int, setup: Setup, results: list[TurnResult])
         "errors": len(results) - len(ok),
         "hit_rate": cached / prompt if prompt else 0.0,
         "imbalance": max(loads) / statistics.mean(loads) if loads and statistics.mean(loads) else 0.0,
-        "ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2] if ttfts else float("nan"),
-        "ttft_p90_ms": 1000 * ttfts[int(len(ttfts) * 0.9)] if ttfts else float("nan"),
+        "ttft_p50_ms": 1000 * percentile(ttfts, 50),
+        "ttft_p90_ms": 1000 * percentile(ttfts, 90),
     }
 
 

@@ -1,6 +1,6 @@
 """A small async multi-turn chat load generator for any OpenAI-compatible endpoint.
 
-It drives a synthetic ``loadtest.workloads.Workload`` (the same conversations the offline simulator
+It drives a synthetic ``sim.workloads.Workload`` (the same conversations the offline simulator
 replays): each conversation resends its whole history every turn (shared system prompt, growing user text and
 the previous answers), streams the answer, measures TTFT at the client and records what the router
 said in its response headers (engine, arm) and what the engine reported as cached prompt tokens.
@@ -24,7 +24,7 @@ import aiohttp
 
 from kvcore.sim_tokenizer import NAME as SIM_MODEL
 from kvcore.stats import percentile
-from loadtest.workloads import LadderConfig, Workload, ladder_workload
+from sim.workloads import LadderConfig, Workload, ladder_workload
 
 
 @dataclass(slots=True)

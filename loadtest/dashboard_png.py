@@ -29,9 +29,9 @@ from typing import Any
 
 from loadtest.bench_replicas import run_round_robin, start_routers
 from loadtest.redis_server import RedisServer
-from loadtest.workloads import LadderConfig, ladder_workload
 from sim.fleet import PROFILES, Fleet
 from sim.server import free_port
+from sim.workloads import LadderConfig, ladder_workload
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "kvroute.json"

@@ -19,9 +19,9 @@ from typing import Any
 
 from loadtest.chat_client import chat_workload, print_progress, run_load
 from loadtest.procs import stop_process, wait_http_ok
-from loadtest.workloads import Workload
 from sim.fleet import Fleet, FleetProfile
 from sim.server import free_port
+from sim.workloads import Workload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,7 +28,7 @@ from locust.env import Environment
 from kvcore.sim_tokenizer import NAME as SIM_MODEL
 from kvcore.stats import percentile
 from loadtest.trace_prompts import trace_messages
-from loadtest.workloads import (
+from sim.workloads import (
     Conversation,
     LadderConfig,
     agentic_workload,

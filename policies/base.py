@@ -112,7 +112,8 @@ class FleetView:
     engines: Sequence[EngineView]
     #: Monotonic seconds (router clock or simulator virtual clock).
     now: float = 0.0
-    #: The measured cost model (``policies.costs.CostModel``) when the caller keeps one, else None.
+    #: The caller's cost estimates (``policies.costs.CostEstimates``; the router and the DES pass
+    #: their calibrated ``kvcore.calibration.CostModel``), else None: policies use their own priors.
     costs: Any = None
 
     def by_id(self) -> dict[str, EngineView]:
@@ -198,6 +199,30 @@ def tiebreak(request_id: str, engine_id: str) -> int:
 def prompt_tokens_of(request: RouteRequest) -> int:
     """Prompt length, falling back to the full blocks the router keyed when the length is unknown."""
     return request.prompt_tokens or len(request.block_keys) * request.block_size
+
+
+def needs_block_keys(policy: Any) -> bool:
+    """Whether a policy (an instance or its registered class) reads ``request.block_keys``: every
+    policy that reads the index (keyed by them) and any that says ``needs_block_keys`` (approx_prefix
+    learns from keys without the index). The router refuses a config that gives such a policy no
+    tokenizer (router/config.py ``refuse_blind_policies``)."""
+    return bool(getattr(policy, "uses_index", False) or getattr(policy, "needs_block_keys", False))
+
+
+def max_hit_tokens(prompt_tokens: int) -> int:
+    """The most prompt tokens a cache hit can spare the engine: all but the last, which vLLM always
+    computes (a full hit still prefills one token). The one place this cap is written."""
+    return max(0, prompt_tokens - 1)
+
+
+def hit_tokens_by_tier(match: PrefixMatch, block_size: int, prompt_tokens: int) -> tuple[float, float, float]:
+    """``match``'s hits in tokens per tier, cheapest tier first, capped at ``max_hit_tokens``
+    (the cap trims the most expensive tier's hits)."""
+    cap = max_hit_tokens(prompt_tokens)
+    out = [0.0, 0.0, 0.0]
+    for tier in TIERS:
+        out[tier] = max(0.0, float(min(match.blocks_by_tier[tier] * block_size, cap - sum(out))))
+    return out[0], out[1], out[2]
 
 
 def wait_tokens_of(engine: EngineView, request_prompt_tokens: int) -> float:

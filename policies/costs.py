@@ -1,18 +1,19 @@
-"""Measured per-engine costs: prefill rate, per-tier KV load bandwidth and latency, and how they learn.
+"""What a request costs on an engine: per-engine cost parameters (prefill rate, per-tier KV load
+bandwidth and latency, slot wait), the one TTFT formula (``predict_parts``) and fixed priors.
 
-``CostModel`` starts from configured priors and calibrates online from (a) the engines' own offload
-counters and (b) the router's observed TTFTs against the parts ``tier_cost`` predicted. Pure code:
-time comes in as arguments. ``IndexSelfCheck`` flags engines whose index promises hits they do not deliver.
+Pricing only: the router's learned estimates (calibration from observed TTFTs and the engines'
+offload counters, the index self-check) are ``kvcore.calibration.CostModel``, which policies see
+through ``CostEstimates``. Pure code.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from policies.base import NO_MATCH, TIERS, Decision, RouteRequest, Tier
+from policies.base import NO_MATCH, TIERS, Decision, RouteRequest, Tier, max_hit_tokens, prompt_tokens_of
 
 #: Reference numbers (Llama-3-8B bf16 on one H100, see docs/routing.md): 128 KiB of KV per token,
 #: host->GPU over PCIe 5 at 64 GB/s, prefill ~22x slower than a host reload.
@@ -23,6 +24,8 @@ DEFAULT_LOAD_BANDWIDTH_BYTES_PER_S: tuple[float, float, float] = (math.inf, 64e9
 DEFAULT_LOAD_LATENCY_S: tuple[float, float, float] = (0.0, 0.0005, 0.002)
 
 _TIER_NAMES = {t.name.lower(): t for t in TIERS}
+#: Upper bound of the (learned or configured) seconds per in-flight request.
+MAX_SLOT_S_PER_REQUEST = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +43,8 @@ class EngineCosts:
     #: Seconds a new request waits per request already in flight on the engine, beyond the
     #: prefill queue: the wait for a running slot when the engine is bound by KV memory (requests
     #: wait for running ones to finish and free blocks) or by max_num_seqs. Learned by
-    #: ``CostModel.observe``; the prior 0 says "the prefill queue is all the wait there is".
+    #: ``kvcore.calibration.CostModel.observe``; the prior 0 says "the prefill queue is all the wait
+    #: there is".
     slot_s_per_request: float = 0.0
 
     def load_time_s(self, tier: Tier, tokens: float) -> float:
@@ -69,9 +73,10 @@ class EngineCosts:
                 )
             if self.load_latency_s[tier] < 0:
                 raise ValueError(f"{where}.tiers.{tier.name.lower()}.latency_s must be >= 0")
-        if not 0 <= self.slot_s_per_request <= _MAX_SLOT_S:
+        if not 0 <= self.slot_s_per_request <= MAX_SLOT_S_PER_REQUEST:
             raise ValueError(
-                f"{where}.slot_s_per_request must be in [0, {_MAX_SLOT_S}], got {self.slot_s_per_request}"
+                f"{where}.slot_s_per_request must be in [0, {MAX_SLOT_S_PER_REQUEST}], "
+                f"got {self.slot_s_per_request}"
             )
         return self
 
@@ -113,6 +118,47 @@ def costs_from_config(raw: Mapping[str, Any], base: EngineCosts, where: str) -> 
     return out.validate(where)
 
 
+def priors_from_config(raw: Mapping[str, Any] | None) -> tuple[EngineCosts, dict[str, EngineCosts]]:
+    """(fleet prior, per-engine priors) from a config mapping: fleet-wide cost keys (see
+    ``costs_from_config``) plus ``engines`` = {engine_id: overrides of the fleet's}."""
+    raw = dict(raw or {})
+    engines_raw = dict(raw.pop("engines", {}) or {})
+    fleet = costs_from_config(raw, EngineCosts(), "costs")
+    engines = {
+        str(e): costs_from_config(over, fleet, f"costs.engines.{e}") for e, over in engines_raw.items()
+    }
+    return fleet, engines
+
+
+class CostEstimates(Protocol):
+    """What a policy reads of a cost model (``FleetView.costs``): an engine's current costs."""
+
+    def estimates(self, engine_id: str) -> EngineCosts:
+        """The costs to price ``engine_id`` with."""
+        ...
+
+
+class PriorCosts:
+    """Fixed costs, never calibrated: the configured priors (fleet-wide, overridden per engine).
+
+    What a policy prices with when its caller keeps no learned model (the router and the DES pass
+    ``kvcore.calibration.CostModel`` as ``FleetView.costs``)."""
+
+    def __init__(
+        self, fleet_prior: EngineCosts | None = None, engine_priors: Mapping[str, EngineCosts] | None = None
+    ) -> None:
+        self.fleet_prior = (fleet_prior or EngineCosts()).validate("costs")
+        self._engine_priors = dict(engine_priors or {})
+
+    @classmethod
+    def from_config(cls, raw: Mapping[str, Any] | None) -> PriorCosts:
+        """Build from ``priors_from_config`` keys."""
+        return cls(*priors_from_config(raw))
+
+    def estimates(self, engine_id: str) -> EngineCosts:
+        return self._engine_priors.get(engine_id, self.fleet_prior)
+
+
 @dataclass(frozen=True, slots=True)
 class PredictedParts:
     """What ``tier_cost`` predicted for one request on one engine, in seconds and tokens.
@@ -138,7 +184,13 @@ class PredictedParts:
 
     @property
     def total_s(self) -> float:
-        return self.wait_s + self.slot_s + sum(self.load_s) + self.prefill_s
+        """The predicted TTFT: the waits (queued prefill, slot) plus the service."""
+        return self.wait_s + self.slot_s + self.service_s
+
+    @property
+    def service_s(self) -> float:
+        """The engine's own work for this request: its loads and its prefill (the TTFT less the waits)."""
+        return sum(self.load_s) + self.prefill_s
 
     def as_scores(self) -> dict[str, float]:
         """Flat numbers for ``Decision.scores`` (the inverse of ``from_scores``)."""
@@ -173,31 +225,6 @@ class PredictedParts:
         )
 
 
-def predicted_ttft_s(
-    costs: EngineCosts,
-    hit_tokens: tuple[float, float, float],
-    prefill_tokens: float,
-    wait_tokens: float,
-    in_flight: float = 0.0,
-) -> float:
-    """The TTFT formula (docs/routing.md), in seconds:
-
-        ttft = wait_tokens / prefill_rate + in_flight x slot_s_per_request
-               + sum_t [hit_t > 0] (latency_t + hit_t x kv_bytes / bw_t) + prefill_tokens / prefill_rate
-
-    ``predict_parts`` returns the same figure split into its parts (``PredictedParts.total_s``)."""
-    load_s = 0.0
-    for tier in TIERS:
-        if hit_tokens[tier] > 0:
-            load_s += costs.load_time_s(tier, hit_tokens[tier])
-    return (
-        costs.prefill_time_s(wait_tokens)
-        + in_flight * costs.slot_s_per_request
-        + load_s
-        + costs.prefill_time_s(prefill_tokens)
-    )
-
-
 def predict_parts(
     costs: EngineCosts,
     hit_tokens: tuple[float, float, float],
@@ -205,7 +232,12 @@ def predict_parts(
     wait_tokens: float,
     in_flight: float = 0.0,
 ) -> PredictedParts:
-    """Price a request: the one place where the TTFT formula lives (see docs/routing.md)."""
+    """Price a request: the one place where the TTFT formula lives (docs/routing.md), in seconds:
+
+        ttft = wait_tokens / prefill_rate + in_flight x slot_s_per_request
+               + sum_t [hit_t > 0] (latency_t + hit_t x kv_bytes / bw_t) + prefill_tokens / prefill_rate
+
+    split into its parts; ``PredictedParts.total_s`` is the sum."""
     load = tuple(costs.load_time_s(tier, hit_tokens[tier]) for tier in TIERS)
     return PredictedParts(
         wait_s=costs.prefill_time_s(wait_tokens),
@@ -230,461 +262,10 @@ def predicted_prefill_tokens(request: RouteRequest, decision: Decision, engine_i
     ``engine_id``: price a fallback engine instead of the choice (a retry after a refused connection).
     """
     engine_id = decision.engine_id if engine_id is None else engine_id
-    prompt_tokens = request.prompt_tokens or len(request.block_keys) * request.block_size
+    prompt_tokens = prompt_tokens_of(request)
     score = decision.scores.get(engine_id)
     if score is not None and "prefill_tokens" in score:
         return max(0, min(prompt_tokens, round(score["prefill_tokens"])))
     match = request.prefix_matches.get(engine_id, NO_MATCH)
-    hit_tokens = min(match.blocks * request.block_size, max(0, prompt_tokens - 1))
+    hit_tokens = min(match.blocks * request.block_size, max_hit_tokens(prompt_tokens))
     return prompt_tokens - hit_tokens
-
-
-@dataclass(slots=True)
-class CalibrationConfig:
-    """How fast and how far the online estimates may move."""
-
-    #: Forgetting factor of the recursive least squares (0 < f <= 1): observations older than
-    #: ~1 / (1 - f) requests fade, so a changed engine is followed; 1 = never forget.
-    forgetting: float = 0.99
-    #: Observed TTFTs are clipped to [predicted / max_ratio, predicted x max_ratio] (outlier guard).
-    max_ratio: float = 4.0
-    #: Estimates stay within [prior / max_drift, prior * max_drift].
-    max_drift: float = 50.0
-    #: EWMA weight of one scraped bandwidth sample (deltas of the offload counters).
-    metrics_weight: float = 0.3
-    #: Counter deltas below this many bytes are too small to time reliably; they are accumulated.
-    min_metrics_bytes: float = 8 * 2**20
-    #: A request placed while at most this many others were in flight on its engine calibrates the
-    #: rates (prefill, loads); one placed behind more calibrates only the slot wait. A TTFT measured
-    #: behind a queue mixes service and wait, and a regression fed with it lets the wait pass for a
-    #: slow (or, with the intercept, an impossibly fast) prefill: under load the rates drifted to
-    #: the 50x bound and requests herded onto the engine that looked fastest.
-    clean_in_flight: int = 0
-
-
-@dataclass(slots=True)
-class _CounterBaseline:
-    bytes_total: float
-    time_total_s: float
-
-
-#: RLS parameters: per-request overhead seconds, then multipliers of the prior's prefill time,
-#: CPU load time, STORAGE load time and queue wait (1.0 = the prior is right; 2.0 = twice as slow).
-#: The wait has its own multiplier: the router's queue figure is a guess, and folding it into the
-#: prefill rate would let a bad guess bias the rate.
-_N_PARAMS = 5
-#: Initial covariance: weak priors (worth about one observation), so data dominate at once. The
-#: intercept's is 0.1 s (std): per-request overheads are tens of milliseconds, and prompts all of
-#: one size cannot tell an intercept from the rate, so the prior decides. At 1 s the intercept took
-#: ~70% of every correction and the rate stayed 1.6-1.9x too fast (tests/test_costs.py).
-_P0 = (0.01, 100.0, 100.0, 100.0, 100.0)
-_MAX_OVERHEAD_S = 10.0
-#: Upper bound of the learned seconds per in-flight request.
-_MAX_SLOT_S = 5.0
-
-
-@dataclass(slots=True)
-class _Rls:
-    theta: list[float] = field(default_factory=lambda: [0.0, 1.0, 1.0, 1.0, 1.0])
-    cov: list[list[float]] = field(
-        default_factory=lambda: [
-            [_P0[i] if i == j else 0.0 for j in range(_N_PARAMS)] for i in range(_N_PARAMS)
-        ]
-    )
-
-
-@dataclass(slots=True)
-class _EngineState:
-    prior: EngineCosts
-    current: EngineCosts
-    rls: _Rls = field(default_factory=_Rls)
-    #: Tiers whose bandwidth the engine's offload counters have measured.
-    counter_tiers: set[Tier] = field(default_factory=set)
-    observations: int = 0
-    metric_samples: int = 0
-    last_update_s: float = 0.0
-    baselines: dict[Tier, _CounterBaseline] = field(default_factory=dict)
-    #: Forgetting-weighted sums of in_flight x residual and in_flight^2 over queued observations
-    #: (the slot wait's least squares through the origin); sxx starts at one unit observation.
-    slot_sxy: float = 0.0
-    slot_sxx: float = 1.0
-    slot_observations: int = 0
-
-
-class IndexSelfCheck:
-    """Flags engines whose index predicts more hit tokens than the engine reports as cached.
-
-    Per engine: EWMA of the shortfall ratio max(0, predicted - cached) / predicted over requests that
-    predicted at least ``min_predicted_tokens``. Untrusted once ``min_samples`` were seen and the EWMA
-    exceeds ``untrust_above``; trusted again when it falls below ``trust_below`` (hysteresis).
-    """
-
-    def __init__(
-        self,
-        *,
-        weight: float = 0.2,
-        untrust_above: float = 0.3,
-        trust_below: float = 0.1,
-        min_samples: int = 5,
-        min_predicted_tokens: int = 16,
-    ) -> None:
-        if not 0 < weight <= 1:
-            raise ValueError(f"selfcheck weight must be in (0, 1], got {weight}")
-        if not 0 <= trust_below < untrust_above <= 1:
-            raise ValueError("selfcheck needs 0 <= trust_below < untrust_above <= 1")
-        self._weight = weight
-        self._untrust_above = untrust_above
-        self._trust_below = trust_below
-        self._min_samples = min_samples
-        self._min_predicted_tokens = min_predicted_tokens
-        self._shortfall: dict[str, float] = {}
-        self._samples: dict[str, int] = {}
-        self._untrusted: set[str] = set()
-
-    def observe(self, engine_id: str, predicted_hit_tokens: float, cached_tokens: float) -> bool:
-        """Record one finished request; returns whether the engine's index is trusted now."""
-        if predicted_hit_tokens >= self._min_predicted_tokens:
-            ratio = max(0.0, predicted_hit_tokens - cached_tokens) / predicted_hit_tokens
-            old = self._shortfall.get(engine_id)
-            self._shortfall[engine_id] = ratio if old is None else old + self._weight * (ratio - old)
-            self._samples[engine_id] = self._samples.get(engine_id, 0) + 1
-            ewma = self._shortfall[engine_id]
-            if self._samples[engine_id] >= self._min_samples and ewma > self._untrust_above:
-                self._untrusted.add(engine_id)
-            elif ewma < self._trust_below:
-                self._untrusted.discard(engine_id)
-        return self.trusted(engine_id)
-
-    def trusted(self, engine_id: str) -> bool:
-        return engine_id not in self._untrusted
-
-    def forget(self, engine_id: str) -> None:
-        """Start over for an engine (after it re-announced its cache or was removed)."""
-        self._shortfall.pop(engine_id, None)
-        self._samples.pop(engine_id, None)
-        self._untrusted.discard(engine_id)
-
-    def snapshot(self) -> dict[str, dict[str, Any]]:
-        return {
-            e: {"shortfall_ewma": s, "samples": self._samples.get(e, 0), "trusted": self.trusted(e)}
-            for e, s in sorted(self._shortfall.items())
-        }
-
-
-class CostModel:
-    """Per-engine cost estimates, seeded from priors and calibrated online.
-
-    Two kinds of evidence:
-    - ``update_offload_counters``: cumulative ``vllm:kv_offload_load_bytes_total`` and
-      ``..._load_time_total`` per tier; their deltas give a measured bandwidth per tier.
-    - ``observe``: the router's observed TTFT (sent -> first streamed token) against the parts
-      of the same request. Recursive least squares with forgetting fits
-
-          ttft = overhead_s + a x prefill_s_prior + b_cpu x cpu_load_s_prior
-                 + b_storage x storage_load_s_prior + c x wait_s_prior + tier latencies
-                 + slot_s_per_request x requests in flight on the engine when it was placed
-
-      where ``*_prior`` are the times the prior would predict (uncached tokens / prefill rate;
-      hit tokens x kv_bytes_per_token / bandwidth; queued tokens / prefill rate) and a, b, c are
-      multipliers (estimate = prior / multiplier), weighted by 1 / prediction (relative error).
-      The intercept absorbs what every request pays whatever its size (HTTP, scheduling, a
-      step), which would otherwise be mistaken for a slow prefill. Observations are clipped to
-      ``max_ratio`` of the prediction and the estimates stay within ``max_drift`` of the prior.
-    """
-
-    def __init__(
-        self,
-        fleet_prior: EngineCosts | None = None,
-        engine_priors: Mapping[str, EngineCosts] | None = None,
-        *,
-        calibration: CalibrationConfig | None = None,
-        selfcheck: IndexSelfCheck | None = None,
-    ) -> None:
-        self.fleet_prior = (fleet_prior or EngineCosts()).validate("costs")
-        self._engine_priors = dict(engine_priors or {})
-        self.calibration = calibration or CalibrationConfig()
-        self.selfcheck = selfcheck or IndexSelfCheck()
-        self._engines: dict[str, _EngineState] = {}
-
-    @classmethod
-    def from_config(cls, raw: Mapping[str, Any] | None) -> CostModel:
-        """Build from a config mapping: fleet-wide cost keys (see ``costs_from_config``) plus
-        ``engines`` = {engine_id: overrides} and ``calibration`` = CalibrationConfig fields."""
-        raw = dict(raw or {})
-        engines_raw = dict(raw.pop("engines", {}) or {})
-        calibration_raw = dict(raw.pop("calibration", {}) or {})
-        fleet = costs_from_config(raw, EngineCosts(), "costs")
-        engines = {
-            str(e): costs_from_config(over, fleet, f"costs.engines.{e}") for e, over in engines_raw.items()
-        }
-        try:
-            calibration = CalibrationConfig(**calibration_raw)
-        except TypeError as exc:
-            raise ValueError(f"costs.calibration: {exc}") from None
-        return cls(fleet, engines, calibration=calibration)
-
-    # -- reading ----------------------------------------------------------------------------
-
-    def _state(self, engine_id: str) -> _EngineState:
-        state = self._engines.get(engine_id)
-        if state is None:
-            prior = self._engine_priors.get(engine_id, self.fleet_prior)
-            state = self._engines[engine_id] = _EngineState(prior=prior, current=prior)
-            state.slot_sxy = prior.slot_s_per_request
-        return state
-
-    def estimates(self, engine_id: str) -> EngineCosts:
-        """The current estimate for ``engine_id`` (its prior when nothing was measured yet)."""
-        return self._state(engine_id).current
-
-    def set_prior(self, engine_id: str, prior: EngineCosts) -> None:
-        """Replace an engine's prior (e.g. an engine added at runtime) and restart its estimate."""
-        self._engine_priors[engine_id] = prior.validate(f"costs.engines.{engine_id}")
-        self._engines.pop(engine_id, None)
-
-    # -- learning from engine metrics -------------------------------------------------------
-
-    def update_offload_counters(
-        self,
-        engine_id: str,
-        load_bytes_by_tier: Mapping[Tier, float],
-        load_time_s_by_tier: Mapping[Tier, float],
-        now: float,
-    ) -> None:
-        """Feed cumulative offload-load counters scraped from an engine's /metrics.
-
-        A counter that went backwards means the engine restarted: the baseline restarts. Deltas
-        smaller than ``min_metrics_bytes`` keep accumulating until they are large enough to time.
-        """
-        state = self._state(engine_id)
-        cal = self.calibration
-        bandwidth = list(state.current.load_bandwidth_bytes_per_s)
-        changed = False
-        for tier, bytes_total in load_bytes_by_tier.items():
-            time_total_s = load_time_s_by_tier.get(tier)
-            if time_total_s is None or tier == Tier.GPU:
-                continue
-            base = state.baselines.get(tier)
-            if base is None or bytes_total < base.bytes_total or time_total_s < base.time_total_s:
-                state.baselines[tier] = _CounterBaseline(bytes_total, time_total_s)
-                continue
-            delta_bytes = bytes_total - base.bytes_total
-            delta_s = time_total_s - base.time_total_s
-            if delta_bytes < cal.min_metrics_bytes or delta_s <= 0:
-                continue
-            measured = delta_bytes / delta_s
-            old = bandwidth[tier]
-            if math.isinf(old):
-                bandwidth[tier] = measured
-            else:  # EWMA in log space: a 10x outlier moves it as much as a 10x drop the other way
-                bandwidth[tier] = math.exp(math.log(old) + cal.metrics_weight * math.log(measured / old))
-            bandwidth[tier] = self._bounded(bandwidth[tier], state.prior.load_bandwidth_bytes_per_s[tier])
-            state.baselines[tier] = _CounterBaseline(bytes_total, time_total_s)
-            state.counter_tiers.add(tier)
-            state.metric_samples += 1
-            changed = True
-        if changed:
-            state.current = replace(
-                state.current, load_bandwidth_bytes_per_s=(bandwidth[0], bandwidth[1], bandwidth[2])
-            )
-            state.last_update_s = now
-
-    # -- learning from the router's own observations ----------------------------------------
-
-    def observe(
-        self,
-        engine_id: str,
-        parts: PredictedParts,
-        observed_ttft_s: float,
-        cached_tokens: float | None,
-        now: float,
-    ) -> EngineCosts:
-        """Calibrate with one finished request; returns the new estimate.
-
-        ``cached_tokens`` (usage.prompt_tokens_details.cached_tokens, all tiers) corrects the
-        predicted split first: a shortfall is taken from the deepest tier first and added to the
-        prefill; extra cached tokens beyond the prediction are assumed GPU hits. It also feeds the
-        index self-check. The features are rebuilt from the priors and the corrected split, so
-        a late observation is compared with today's fit, not with the model that routed it. A
-        tier whose bandwidth the engine's own offload counters measure keeps that measurement.
-        """
-        state = self._state(engine_id)
-        hits = list(parts.hit_tokens)
-        prefill_tokens = parts.prefill_tokens
-        if cached_tokens is not None:
-            predicted_hits = sum(hits)
-            self.selfcheck.observe(engine_id, predicted_hits, cached_tokens)
-            shortfall = max(0.0, predicted_hits - cached_tokens)
-            for tier in reversed(TIERS):
-                taken = min(hits[tier], shortfall)
-                hits[tier] -= taken
-                shortfall -= taken
-            extra = max(0.0, min(cached_tokens - predicted_hits, prefill_tokens))
-            hits[Tier.GPU] += extra
-            prefill_tokens = prefill_tokens + predicted_hits - sum(hits)
-        if not observed_ttft_s > 0 or not math.isfinite(observed_ttft_s):
-            return state.current
-        cal = self.calibration
-        prior = state.prior
-        kvb = prior.kv_bytes_per_token
-        latency_s = sum(prior.load_latency_s[t] for t in TIERS if hits[t] > 0)
-        x = [
-            1.0,
-            prior.prefill_time_s(prefill_tokens),
-            0.0
-            if math.isinf(prior.load_bandwidth_bytes_per_s[Tier.CPU])
-            else hits[Tier.CPU] * kvb / prior.load_bandwidth_bytes_per_s[Tier.CPU],
-            0.0
-            if math.isinf(prior.load_bandwidth_bytes_per_s[Tier.STORAGE])
-            else hits[Tier.STORAGE] * kvb / prior.load_bandwidth_bytes_per_s[Tier.STORAGE],
-            prior.prefill_time_s(parts.wait_tokens),
-        ]
-        rls = state.rls
-        predicted_s = latency_s + sum(t * xi for t, xi in zip(rls.theta, x, strict=True))
-        if parts.in_flight > cal.clean_in_flight:
-            # Placed behind other requests: what the TTFT has beyond the service and prefill-queue
-            # prediction is the wait for a slot. Least squares through the origin on the number in
-            # flight, with the same forgetting; the rates are left alone (see clean_in_flight).
-            f = cal.forgetting
-            state.slot_sxy = f * state.slot_sxy + parts.in_flight * (observed_ttft_s - predicted_s)
-            state.slot_sxx = f * state.slot_sxx + parts.in_flight * parts.in_flight
-            slot_s = min(_MAX_SLOT_S, max(0.0, state.slot_sxy / state.slot_sxx))
-            state.current = replace(state.current, slot_s_per_request=slot_s)
-            state.slot_observations += 1
-            state.observations += 1
-            state.last_update_s = now
-            return state.current
-        if predicted_s > 0:
-            observed_ttft_s = min(
-                predicted_s * cal.max_ratio, max(predicted_s / cal.max_ratio, observed_ttft_s)
-            )
-        # Weighted by 1 / prediction: relative errors count, as TTFT noise grows with the TTFT
-        # (a 5% jitter on a 2 s prefill must not drown a 20 ms load term of another request).
-        weight = 1.0 / max(predicted_s, 1e-3)
-        _rls_update(rls, [v * weight for v in x], (observed_ttft_s - latency_s) * weight, cal.forgetting)
-        drift = cal.max_drift
-        theta = rls.theta
-        theta[0] = min(_MAX_OVERHEAD_S, max(0.0, theta[0]))
-        for k in (1, 2, 3, 4):
-            theta[k] = min(drift, max(1.0 / drift, theta[k]))
-        bandwidth = list(state.current.load_bandwidth_bytes_per_s)
-        for k, tier in ((2, Tier.CPU), (3, Tier.STORAGE)):
-            if tier in state.counter_tiers:
-                continue  # measured by the engine itself: more direct than a TTFT regression
-            if x[k] > 0 or rls.cov[k][k] < _P0[k]:  # this tier was ever observed
-                bandwidth[tier] = prior.load_bandwidth_bytes_per_s[tier] / theta[k]
-        state.current = replace(
-            state.current,
-            prefill_tokens_per_s=prior.prefill_tokens_per_s / theta[1],
-            load_bandwidth_bytes_per_s=(bandwidth[0], bandwidth[1], bandwidth[2]),
-        )
-        state.observations += 1
-        state.last_update_s = now
-        return state.current
-
-    def overhead_s(self, engine_id: str) -> float:
-        """The calibration's estimate of the fixed seconds every request pays on ``engine_id``."""
-        return self._state(engine_id).rls.theta[0]
-
-    def _bounded(self, value: float, prior: float) -> float:
-        if math.isinf(prior):
-            return value
-        drift = self.calibration.max_drift
-        return min(prior * drift, max(prior / drift, value))
-
-    def index_trusted(self, engine_id: str) -> bool:
-        """The self-check's verdict: False -> set EngineView.index_trusted False (and re-announce)."""
-        return self.selfcheck.trusted(engine_id)
-
-    # -- exposition -------------------------------------------------------------------------
-
-    def snapshot(self) -> dict[str, Any]:
-        """JSON-ready view for /debug/costs (infinite bandwidth shown as null = no load)."""
-
-        def costs_json(c: EngineCosts) -> dict[str, Any]:
-            return {
-                "prefill_tokens_per_s": c.prefill_tokens_per_s,
-                "kv_bytes_per_token": c.kv_bytes_per_token,
-                "slot_s_per_request": c.slot_s_per_request,
-                "tiers": {
-                    t.name.lower(): {
-                        "bandwidth_bytes_per_s": None
-                        if math.isinf(c.load_bandwidth_bytes_per_s[t])
-                        else c.load_bandwidth_bytes_per_s[t],
-                        "latency_s": c.load_latency_s[t],
-                    }
-                    for t in TIERS
-                },
-            }
-
-        return {
-            "engines": {
-                e: {
-                    "estimate": costs_json(s.current),
-                    "prior": costs_json(s.prior),
-                    "observations": s.observations,
-                    "slot_observations": s.slot_observations,
-                    "overhead_s": s.rls.theta[0],
-                    "metric_samples": s.metric_samples,
-                    "last_update_s": s.last_update_s,
-                    "index_trusted": self.selfcheck.trusted(e),
-                }
-                for e, s in sorted(self._engines.items())
-            },
-            "selfcheck": self.selfcheck.snapshot(),
-        }
-
-    def gauge_values(self) -> list[tuple[str, dict[str, str], float]]:
-        """(metric name, labels, value) rows for the router's /metrics; infinite values omitted."""
-        rows: list[tuple[str, dict[str, str], float]] = []
-        for engine_id, state in sorted(self._engines.items()):
-            c = state.current
-            rows.append(
-                ("kvroute_cost_prefill_tokens_per_second", {"engine": engine_id}, c.prefill_tokens_per_s)
-            )
-            rows.append(
-                ("kvroute_cost_slot_seconds_per_request", {"engine": engine_id}, c.slot_s_per_request)
-            )
-            for tier in TIERS:
-                labels = {"engine": engine_id, "tier": tier.name}
-                if not math.isinf(c.load_bandwidth_bytes_per_s[tier]):
-                    rows.append(
-                        (
-                            "kvroute_cost_load_bandwidth_bytes_per_second",
-                            labels,
-                            c.load_bandwidth_bytes_per_s[tier],
-                        )
-                    )
-                rows.append(("kvroute_cost_load_latency_seconds", labels, c.load_latency_s[tier]))
-            rows.append(
-                (
-                    "kvroute_index_trusted",
-                    {"engine": engine_id},
-                    1.0 if self.selfcheck.trusted(engine_id) else 0.0,
-                )
-            )
-        return rows
-
-
-def _rls_update(rls: _Rls, x: list[float], y: float, forgetting: float) -> None:
-    """One recursive-least-squares step with forgetting; the covariance of directions the data do
-    not excite is capped at its initial value (no wind-up while, e.g., no STORAGE hit arrives)."""
-    n = _N_PARAMS
-    cov = rls.cov
-    px = [sum(cov[i][j] * x[j] for j in range(n)) for i in range(n)]
-    denom = forgetting + sum(x[i] * px[i] for i in range(n))
-    if denom <= 0:
-        return
-    gain = [v / denom for v in px]
-    error = y - sum(rls.theta[i] * x[i] for i in range(n))
-    for i in range(n):
-        rls.theta[i] += gain[i] * error
-    for i in range(n):
-        for j in range(n):
-            cov[i][j] = (cov[i][j] - gain[i] * px[j]) / forgetting
-    for i in range(n):
-        if cov[i][i] > _P0[i]:
-            scale = math.sqrt(_P0[i] / cov[i][i])
-            for j in range(n):
-                cov[i][j] *= scale
-                cov[j][i] *= scale

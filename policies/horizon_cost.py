@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policies.base import TIERS, Decision, EngineView, FleetView, RouteRequest, Tier, register
-from policies.costs import CostModel
+from policies.costs import CostEstimates
 from policies.kv_gpu import overloaded_engines, validate_guard
 from policies.tier_cost import TierCostPolicy, prompt_tokens_of
 
@@ -266,7 +266,7 @@ class HorizonCostPolicy(TierCostPolicy):
     # -- pricing ----------------------------------------------------------------------------------
 
     def evict_s(
-        self, request: RouteRequest, engine: EngineView, scores: Mapping[str, float], costs: CostModel
+        self, request: RouteRequest, engine: EngineView, scores: Mapping[str, float], costs: CostEstimates
     ) -> float:
         """Expected future reload / recompute seconds caused by the copy this placement writes."""
         if self.evict_weight == 0:
@@ -371,7 +371,7 @@ class HorizonCostPolicy(TierCostPolicy):
         return max(known) if known else None
 
     def footprint_s(
-        self, request: RouteRequest, engine: EngineView, by_id: Mapping[str, EngineView], costs: CostModel
+        self, request: RouteRequest, engine: EngineView, by_id: Mapping[str, EngineView], costs: CostEstimates
     ) -> float:
         """Expected future reload / recompute (s) caused by the history this placement homes on
         ``engine``, from the live footprints (sum of the alive sessions' histories per engine):
@@ -426,7 +426,7 @@ class HorizonCostPolicy(TierCostPolicy):
             rate = self._finished[engine_id] = _Rate(self.rate_window_s)
         rate.add(1.0, self._now)
 
-    def future_s(self, request: RouteRequest, engine: EngineView, costs: CostModel) -> float:
+    def future_s(self, request: RouteRequest, engine: EngineView, costs: CostEstimates) -> float:
         """Expected cost of this conversation's next turn if it finds its history where this one
         leaves it: the history (prompt + answer) is on ``engine`` and ages there until it returns."""
         if self.future_weight == 0:
@@ -461,7 +461,7 @@ class HorizonCostPolicy(TierCostPolicy):
         if self.footprint_weight:
             self._expire_homes(fleet.now)
         base = super().choose(request, fleet)
-        costs: CostModel = fleet.costs if fleet.costs is not None else self._own_costs
+        costs: CostEstimates = fleet.costs if fleet.costs is not None else self._own_costs
         by_id = fleet.by_id()
         overloaded: set[str] = set()
         if self.overload_factor is not None:

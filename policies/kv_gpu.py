@@ -17,6 +17,7 @@ from policies.base import (
     FleetView,
     RouteRequest,
     overloaded_engines,
+    prompt_tokens_of,
     register,
     require_engines,
     validate_guard,
@@ -61,7 +62,7 @@ class KvGpuPolicy(BasePolicy):
         )
         eligible = [e for e in engines if e.engine_id not in overloaded] or engines
         matches = request.prefix_matches
-        prompt_tokens = request.prompt_tokens or len(request.block_keys) * request.block_size
+        prompt_tokens = prompt_tokens_of(request)
         useful_tokens = self.min_hit_fraction * prompt_tokens
 
         def gpu_blocks(engine: EngineView) -> int:

@@ -22,7 +22,8 @@ request brings, so a conversation stays where its history is unless the queue th
 
 Hit tokens come from ``request.prefix_matches`` (blocks x block_size, at best tier); on an engine whose
 index is not trusted they are multiplied by ``stale_hit_factor`` and the rest counted as prefill.
-Costs come from ``fleet.costs`` (a ``policies.costs.CostModel``) or from this policy's own priors.
+Costs come from ``fleet.costs`` (the caller's ``policies.costs.CostEstimates``: the router's and the
+DES's calibrated ``kvcore.calibration.CostModel``) or from this policy's own fixed priors.
 Engines with no GPU or CPU hit (at most the shared storage pool's copy) differ only by queue and
 rates: they get the same cost formula in a cheap loop, and only the ``keep_unmatched`` best of them
 get full scores and explanation dicts (O(engines with local hits + a few) dicts per request).
@@ -48,13 +49,15 @@ from policies.base import (
     EngineView,
     FleetView,
     RouteRequest,
+    hit_tokens_by_tier,
+    max_hit_tokens,
     prompt_tokens_of,
     register,
     require_engines,
     tiebreak,
     wait_tokens_of,
 )
-from policies.costs import CostModel, PredictedParts, predict_parts, predicted_ttft_s
+from policies.costs import CostEstimates, PredictedParts, PriorCosts, predict_parts
 
 
 @register("tier_cost")
@@ -77,7 +80,7 @@ class TierCostPolicy(BasePolicy):
         seed: int = 0,
         costs: Mapping[str, Any] | None = None,
     ) -> None:
-        """``costs``: priors used when the caller passes no ``fleet.costs`` (CostModel.from_config keys)."""
+        """``costs``: priors used when the caller passes no ``fleet.costs`` (PriorCosts.from_config keys)."""
         if not 0.0 <= stale_hit_factor <= 1.0:
             raise ValueError(f"tier_cost.stale_hit_factor must be in [0, 1], got {stale_hit_factor}")
         if not 0.0 <= pressure_threshold < 1.0:
@@ -96,18 +99,13 @@ class TierCostPolicy(BasePolicy):
         self.pressure_s_at_full = pressure_s_at_full
         self.temperature_s = temperature_s
         self.seed = seed
-        self._own_costs = CostModel.from_config(costs)
+        self._own_costs = PriorCosts.from_config(costs)
 
-    def predict(self, request: RouteRequest, engine: EngineView, costs: CostModel) -> PredictedParts:
+    def predict(self, request: RouteRequest, engine: EngineView, costs: CostEstimates) -> PredictedParts:
         """The predicted TTFT parts of ``request`` on ``engine``."""
         prompt_tokens = prompt_tokens_of(request)
         match = request.prefix_matches.get(engine.engine_id, NO_MATCH)
-        # vLLM recomputes at least the last prompt token, so a full hit still prefills one token.
-        cap = max(0, prompt_tokens - 1)
-        hits = [0.0, 0.0, 0.0]
-        for tier in TIERS:  # cheapest tier first: the cap trims the most expensive hits
-            tokens = min(match.blocks_by_tier[tier] * request.block_size, cap - sum(hits))
-            hits[tier] = max(0.0, float(tokens))
+        hits = list(hit_tokens_by_tier(match, request.block_size, prompt_tokens))
         if not engine.index_trusted:
             hits = [h * self.stale_hit_factor for h in hits]
         prefill_tokens = prompt_tokens - sum(hits)
@@ -129,27 +127,23 @@ class TierCostPolicy(BasePolicy):
             pressure_s = self.pressure_s_at_full * min(1.0, excess)
         return decode_s, pressure_s
 
-    def _remote_cost_s(self, request: RouteRequest, engine: EngineView, costs: CostModel) -> float:
+    def _remote_cost_s(self, request: RouteRequest, engine: EngineView, costs: CostEstimates) -> float:
         """cost_s of an engine holding nothing of the prompt locally (no GPU or CPU blocks; at most
         the shared STORAGE pool's): the full formula, without building the explanation."""
         prompt_tokens = prompt_tokens_of(request)
         est = costs.estimates(engine.engine_id)
         match = request.prefix_matches.get(engine.engine_id, NO_MATCH)
-        hit = float(max(0, min(match.blocks_by_tier[2] * request.block_size, prompt_tokens - 1)))
+        hit = float(min(match.blocks_by_tier[2] * request.block_size, max_hit_tokens(prompt_tokens)))
         if not engine.index_trusted:
             hit *= self.stale_hit_factor
         wait_tokens = wait_tokens_of(engine, prompt_tokens)
-        # The one TTFT formula (policies.costs.predicted_ttft_s), without building PredictedParts.
-        in_flight = float(engine.in_flight)
-        total_s = predicted_ttft_s(est, (0.0, 0.0, hit), prompt_tokens - hit, wait_tokens, in_flight)
-        queue_s = est.prefill_time_s(wait_tokens) + in_flight * est.slot_s_per_request
-        work_s = self.work_weight * (total_s - queue_s)
+        parts = predict_parts(est, (0.0, 0.0, hit), prompt_tokens - hit, wait_tokens, float(engine.in_flight))
         decode_s, pressure_s = self.secondary_s(engine)
-        return total_s + work_s + decode_s + pressure_s
+        return parts.total_s + self.work_weight * parts.service_s + decode_s + pressure_s
 
     def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
         all_engines = require_engines(fleet, self.name)
-        costs: CostModel = fleet.costs if fleet.costs is not None else self._own_costs
+        costs: CostEstimates = fleet.costs if fleet.costs is not None else self._own_costs
         matches = request.prefix_matches
 
         def local(engine: EngineView) -> bool:
@@ -177,7 +171,7 @@ class TierCostPolicy(BasePolicy):
         for engine in engines:
             parts = self.predict(request, engine, costs)
             decode_s, pressure_s = self.secondary_s(engine)
-            work_s = self.work_weight * (sum(parts.load_s) + parts.prefill_s)
+            work_s = self.work_weight * parts.service_s
             cost_s = parts.total_s + work_s + decode_s + pressure_s
             scores[engine.engine_id] = {
                 **parts.as_scores(),

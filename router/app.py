@@ -25,8 +25,8 @@ from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
+from kvcore.calibration import CostModel
 from kvcore.core import CoreConfig, RoutingCore
-from policies.costs import CostModel
 from router import __version__, openapi
 from router.config import RouterConfig
 from router.errors import RouterError, bad_request

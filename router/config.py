@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from kvcore.core import PRIORITY_STEP_S, PRIORITY_STRETCH, SCHEDULING_POLICIES, check_priority_stretch
+from policies.base import needs_block_keys
 
 ENV_PREFIX = "KVROUTE_"
 FLEET_FILE_VERSION = 1
@@ -457,8 +458,6 @@ def validate(config: RouterConfig) -> RouterConfig:
     _validate_index_events_costs(config)
     if config.log_level.lower() not in _LOG_LEVELS:
         raise ConfigError(f"log_level {config.log_level!r} unknown; accepted: {', '.join(_LOG_LEVELS)}")
-    # Building each policy once checks its name and params with the registry's own message.
-    policies = [("policy", config.policy.name, config.policy.params)]
     arm_names: set[str] = set()
     for i, arm in enumerate(config.experiment.arms):
         if not arm.name or arm.name in arm_names:
@@ -467,10 +466,10 @@ def validate(config: RouterConfig) -> RouterConfig:
         if not arm.weight >= 0:
             # 0 keeps an arm's sessions but sends it no new ones (winding an arm down).
             raise ConfigError(f"experiment.arms[{i}].weight must be >= 0, got {arm.weight}")
-        policies.append((f"experiment.arms[{i}].policy", arm.policy, arm.params))
     if config.experiment.arms and not any(a.weight > 0 for a in config.experiment.arms):
         raise ConfigError("experiment.arms: at least one weight must be > 0")
-    for key, name, params in policies:
+    # Building each policy once checks its name and params with the registry's own message.
+    for key, name, params in _configured_policies(config):
         try:
             build_policy(name, params)
         except ValueError as exc:
@@ -480,13 +479,27 @@ def validate(config: RouterConfig) -> RouterConfig:
             else:
                 where = "policy.params" if key == "policy" else key.removesuffix(".policy") + ".params"
             raise ConfigError(f"{where}: {exc}") from None
-        _refuse_blind(config, key, name, REGISTRY)
+    refuse_blind_policies(config)
     return config
 
 
-def _needs_block_keys(factory: Any) -> bool:
-    # The router's rule (router/routing.py needs_block_keys), read off the registered class.
-    return bool(getattr(factory, "needs_block_keys", getattr(factory, "uses_index", False)))
+def _configured_policies(config: RouterConfig) -> list[tuple[str, str, Mapping[str, Any]]]:
+    """(config key, policy name, params) of the policy and of every experiment arm."""
+    return [("policy", config.policy.name, config.policy.params)] + [
+        (f"experiment.arms[{i}].policy", arm.policy, arm.params)
+        for i, arm in enumerate(config.experiment.arms)
+    ]
+
+
+def refuse_blind_policies(config: RouterConfig) -> None:
+    """ConfigError for a configured policy that would route blind (``_refuse_blind``). ``validate``
+    calls it, and ``build_router_app`` for configs built in code."""
+    import policies  # noqa: F401  (registers the built-in policies)
+    from policies.base import REGISTRY
+
+    for key, name, _ in _configured_policies(config):
+        if name in REGISTRY:
+            _refuse_blind(config, key, name, REGISTRY)
 
 
 def _refuse_blind(config: RouterConfig, key: str, name: str, registry: Mapping[str, Any]) -> None:
@@ -494,8 +507,8 @@ def _refuse_blind(config: RouterConfig, key: str, name: str, registry: Mapping[s
     none. Refused, not warned: such a router starts and serves, but every cache-aware decision is
     made on zero predicted hits, which looks like a working router with a bad policy."""
     factory = registry[name]
-    if _needs_block_keys(factory) and config.tokenizer.backend == "none":
-        keyless = ", ".join(sorted(n for n, f in registry.items() if not _needs_block_keys(f)))
+    if needs_block_keys(factory) and config.tokenizer.backend == "none":
+        keyless = ", ".join(sorted(n for n, f in registry.items() if not needs_block_keys(f)))
         raise ConfigError(
             f'{key} "{name}" matches prompt blocks, but tokenizer.backend = "none" gives it no '
             "tokens to match: it would route blind. Set [tokenizer] backend to "
@@ -563,7 +576,7 @@ def _validate_limits_auth(config: RouterConfig) -> None:
 
 
 def _validate_index_events_costs(config: RouterConfig) -> None:
-    from policies.costs import CostModel
+    from kvcore.calibration import CostModel
 
     index = config.index
     if index.storage_pool_blocks <= 0:

@@ -31,7 +31,7 @@ import msgspec
 import xxhash
 
 from kvcore.core import PRIORITY_EPOCH_S, Outcome, Reservation, RoutingCore, shortest_first_priority
-from policies.base import Decision, FleetView, NoEngineAvailable, Policy, RouteRequest
+from policies.base import Decision, FleetView, NoEngineAvailable, RouteRequest
 from router.config import RouterConfig
 from router.errors import RouterError, bad_request, sse_error_event
 from router.experiments import FORCED_ARM_HEADER, Arm, Experiments
@@ -81,12 +81,6 @@ def experiment_arms(config: RouterConfig) -> list[dict[str, Any]]:
             for a in config.experiment.arms
         ]
     return [{"name": "default", "policy": config.policy.name, "params": dict(config.policy.params)}]
-
-
-def needs_block_keys(policy: Policy) -> bool:
-    """Whether ``policy`` reads ``request.block_keys``: its ``needs_block_keys`` attribute when it
-    has one (approx_prefix learns from keys without using the index), else ``uses_index``."""
-    return bool(getattr(policy, "needs_block_keys", False) or policy.uses_index)
 
 
 @dataclass(slots=True)

@@ -29,14 +29,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import JSONResponse, Response
 
 from kvcore import sim_tokenizer
+from kvcore.calibration import CostModel
 from kvcore.core import CoreConfig, InMemoryLoadLedger, LoadLedger, RoutingCore, TtftTally
 from kvcore.index import PrefixIndex
 from kvcore.keys import KeyChainCache, block_keys, namespace_seed, request_extra_keys
 from policies.base import TIERS
-from policies.costs import CostModel
 from router import openapi
 from router.app import create_app, error_response, request_id_of
-from router.config import ConfigError, EngineConfig, RouterConfig, load_config
+from router.config import ConfigError, EngineConfig, RouterConfig, load_config, refuse_blind_policies
 from router.errors import RouterError
 from router.events import (
     EventManager,
@@ -54,7 +54,6 @@ from router.routing import (
     RouteContext,
     build_arm_selector,
     experiment_arms,
-    needs_block_keys,
 )
 from router.scrape import EngineMetrics, parse_engine_metrics, tier_capacities_tokens
 from router.shared_state import SharedLoadLedger, SharedState, SharedStateAnnotator, SharedStateObserver
@@ -810,13 +809,7 @@ def build_router_app(
     experiments = build_arm_selector(config)
     experiments.bound_sessions(config.limits.session_map_bytes)
     tokenizer = build_tokenizer(config, tracker)
-    for arm in experiments.arms:
-        if needs_block_keys(arm.policy) and tokenizer is None:
-            # Without keys such a policy would silently fall back to its load tiebreak.
-            raise ConfigError(
-                f"experiment arm {arm.name!r}: policy {arm.policy.name!r} needs prompt block keys but "
-                'tokenizer.backend is "none"; set tokenizer.backend to "sim", "hf" or "engine"'
-            )
+    refuse_blind_policies(config)  # load_config did; a config built in code may not have been
     services = RouterServices(
         config,
         config_path=config_path,

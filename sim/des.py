@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcore.calibration import CostModel
 from kvcore.core import (
     PRIORITY_STEP_S,
     PRIORITY_STRETCH,
@@ -40,8 +41,23 @@ from kvcore.core import (
 )
 from kvcore.index import PrefixIndex
 from kvcore.keys import block_keys
-from kvcore.stats import percentile as _percentile
-from loadtest.workloads import (
+from kvcore.stats import percentiles
+from kvcore.wire import decode_events
+from policies.base import (
+    TIERS,
+    EngineView,
+    Policy,
+    RouteRequest,
+    Tier,
+    build_policy,
+    max_hit_tokens,
+)
+from policies.costs import EngineCosts
+from sim.cache import StoragePool
+from sim.engine import EngineCore, EngineProfile, SimRequest, StepOutput
+from sim.hashing import BlockHashCache, HashChain
+from sim.oracle import ClairvoyantPolicy
+from sim.workloads import (
     DATA_TRACES,
     NAMED_TRACES,
     Conversation,
@@ -53,19 +69,6 @@ from loadtest.workloads import (
     read_agentic_sessions,
     read_mooncake_records,
 )
-from policies.base import (
-    TIERS,
-    EngineView,
-    Policy,
-    RouteRequest,
-    Tier,
-    build_policy,
-)
-from policies.costs import CostModel, EngineCosts
-from sim.cache import StoragePool
-from sim.engine import EngineCore, EngineProfile, SimRequest, StepOutput
-from sim.hashing import BlockHashCache, HashChain
-from sim.oracle import ClairvoyantPolicy
 
 #: The B1 comparison set. "clairvoyant" (sim/oracle.py, a greedy full-information what-if, not a
 #: bound) is still accepted by name; the bound is sim.oracle.capacity_bound (loadtest/bench_quality.py).
@@ -380,11 +383,6 @@ class SimResult:
         return d
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The project's one percentile (``kvcore.stats.percentile``), 0.0 when empty (tables)."""
-    return _percentile(values, q) if len(values) else 0.0
-
-
 class FleetSimulator:
     """One run: a workload through one policy on one fleet, in virtual time.
 
@@ -615,7 +613,7 @@ class FleetSimulator:
                             break
                         n += 1
                     seen_ids.update(turn.block_ids)
-                    ideal_tokens += min(n * wl.block_size, max(0, turn.prompt_tokens - 1))
+                    ideal_tokens += min(n * wl.block_size, max_hit_tokens(turn.prompt_tokens))
                 if not busy[r.engine]:
                     start_step(r.engine, now)
                 if not slowed and self.fleet.slowdown_engine is not None and arrived >= slowdown_at:
@@ -623,7 +621,7 @@ class FleetSimulator:
                     self._slow_down(self.fleet.slowdown_engine, self.fleet.slowdown_factor)
             elif kind == _DELIVER:
                 i, events = payload
-                self.index.apply_batch(self.engine_ids[i], _decode(events), now)
+                self.index.apply_batch(self.engine_ids[i], decode_events(events), now)
             elif kind == _START_CONV:
                 ci = payload
                 conv = convs[ci]
@@ -645,6 +643,7 @@ class FleetSimulator:
         progress.close()
 
         ttfts.sort()
+        ttft_p50_s, ttft_p90_s, ttft_p99_s = percentiles(ttfts, (50, 90, 99), empty=0.0)
         total = max(prompt_total, 1)
         hit_tokens = sum(by_tier)
         ideal = ideal_tokens / total if cfg.track_ideal else float("nan")
@@ -657,9 +656,9 @@ class FleetSimulator:
             engines=len(self.cores),
             requests=finished,
             virtual_s=virtual_s,
-            ttft_p50_s=percentile(ttfts, 50),
-            ttft_p90_s=percentile(ttfts, 90),
-            ttft_p99_s=percentile(ttfts, 99),
+            ttft_p50_s=ttft_p50_s,
+            ttft_p90_s=ttft_p90_s,
+            ttft_p99_s=ttft_p99_s,
             ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
             turns_per_s=finished / virtual_s if virtual_s else 0.0,
             tokens_per_s=(prompt_total + output_total) / virtual_s if virtual_s else 0.0,
@@ -829,12 +828,6 @@ def _with_seed(name: str, params: dict[str, Any] | None, seed: int) -> dict[str,
         except (TypeError, ValueError):
             pass
     return out
-
-
-def _decode(events: list[dict[str, Any]]) -> list[Any]:
-    from router.events import decode_events
-
-    return decode_events(events)
 
 
 class _Progress:

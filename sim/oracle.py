@@ -12,13 +12,22 @@ policy's TTFT percentile can be below the same percentile of these floors.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.base import BasePolicy, Decision, FleetView, Policy, RouteRequest, Tier, require_engines
+from kvcore.stats import percentile
+from policies.base import (
+    BasePolicy,
+    Decision,
+    FleetView,
+    Policy,
+    RouteRequest,
+    Tier,
+    max_hit_tokens,
+    require_engines,
+)
 from sim.engine import EngineCore
 
 
@@ -170,15 +179,8 @@ def sticky_lru_hit(
         while len(pool) > pool_blocks:
             pool.popitem(last=False)
         total += a.prompt_tokens
-        hit_tokens += min(hits * a.block_size, max(0, a.prompt_tokens - 1))
+        hit_tokens += min(hits * a.block_size, max_hit_tokens(a.prompt_tokens))
     return hit_tokens / total if total else 0.0
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered), max(1, math.ceil(q / 100.0 * len(ordered)))) - 1]
 
 
 def capacity_bound(arrivals: Sequence[Arrival], capacity_blocks: int, prefill_tokens_per_s: float) -> Bound:
@@ -188,20 +190,22 @@ def capacity_bound(arrivals: Sequence[Arrival], capacity_blocks: int, prefill_to
     mins = belady_hit_blocks(arrivals, capacity_blocks)
     ideal = ideal_hit_blocks(arrivals)
     bound_tokens = sum(
-        min(n * a.block_size, max(0, a.prompt_tokens - 1)) for n, a in zip(mins, arrivals, strict=True)
+        min(n * a.block_size, max_hit_tokens(a.prompt_tokens)) for n, a in zip(mins, arrivals, strict=True)
     )
     floors: list[float] = []
     ideal_tokens = 0
     for n, a in zip(ideal, arrivals, strict=True):
-        hit = min(n * a.block_size, max(0, a.prompt_tokens - 1))
+        hit = min(n * a.block_size, max_hit_tokens(a.prompt_tokens))
         ideal_tokens += hit
         floors.append((a.prompt_tokens - hit) / prefill_tokens_per_s)
     return Bound(
         capacity_blocks=capacity_blocks,
         bound_hit=bound_tokens / total,
         ideal_hit=ideal_tokens / total,
-        ttft_floor_p50_s=_percentile(floors, 50),
-        ttft_floor_p99_s=_percentile(floors, 99),
+        # The DES's percentile (kvcore.stats): per request floor <= TTFT holds for the same
+        # percentile definition only.
+        ttft_floor_p50_s=percentile(floors, 50, empty=0.0),
+        ttft_floor_p99_s=percentile(floors, 99, empty=0.0),
         requests=len(arrivals),
     )
 
@@ -248,7 +252,7 @@ class ClairvoyantPolicy(BasePolicy):
             core = self._cores[view.engine_id]
             p = core.profile
             bs = p.block_size
-            limit = max(0, (request.prompt_tokens - 1) // bs)
+            limit = max_hit_tokens(request.prompt_tokens) // bs
             hits = self._hits(core, self.hashes, limit)
             bytes_per_block = bs * p.kv_bytes_per_token
             load_s = 0.0

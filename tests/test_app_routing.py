@@ -8,9 +8,9 @@ from collections import Counter
 import msgspec
 import pytest
 
+from kvcore.calibration import CostModel
 from kvcore.core import RoutingCore
 from policies.base import RouteRequest
-from policies.costs import CostModel
 from router.config import EngineConfig, RouterConfig
 from router.errors import RouterError
 from router.load import LoadTracker

@@ -8,10 +8,11 @@ import math
 
 import pytest
 
+from kvcore.calibration import CostModel
 from kvcore.core import CoreConfig, InMemoryLoadLedger, Outcome, RoutingCore
 from kvcore.index import PrefixIndex
 from policies.base import EngineView, PrefixMatch, RouteRequest, build_policy
-from policies.costs import CostModel, EngineCosts
+from policies.costs import EngineCosts
 from router.experiments import Experiments
 
 TRUE = EngineCosts(prefill_tokens_per_s=5_000.0, load_bandwidth_bytes_per_s=(math.inf, 8e9, 1e9))

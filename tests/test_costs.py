@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import replace
 
 import pytest
 
+from kvcore.calibration import CostModel, IndexSelfCheck
 from policies.base import Tier
-from policies.costs import CostModel, EngineCosts, IndexSelfCheck, PredictedParts, predict_parts
+from policies.costs import EngineCosts, PredictedParts, predict_parts
 
 INF = math.inf
 
@@ -214,18 +214,28 @@ def test_predicted_prefill_tokens_is_what_the_load_tracker_should_queue() -> Non
     assert predicted_prefill_tokens(req, Decision("c", "kv_gpu"), "b") == 1
 
 
-def test_one_ttft_formula_for_parts_and_fast_path() -> None:
-    from policies.costs import predicted_ttft_s
-
-    costs = EngineCosts(prefill_tokens_per_s=9_000.0, load_bandwidth_bytes_per_s=(INF, 16e9, 1e9))
+def test_predict_parts_is_the_documented_ttft_formula() -> None:
+    """predict_parts (the one TTFT formula) against the formula of docs/routing.md written out here:
+    wait / rate + in_flight x slot + sum over tiers with hits of (latency + hit x kv_bytes / bw)
+    + prefill / rate."""
+    costs = EngineCosts(
+        prefill_tokens_per_s=9_000.0,
+        load_bandwidth_bytes_per_s=(INF, 16e9, 1e9),
+        load_latency_s=(0.0, 0.001, 0.004),
+        slot_s_per_request=0.02,
+    )
     rng = random.Random(9)
-    costs = replace(costs, slot_s_per_request=0.02)
     for _ in range(200):
         hits, prefill, wait = synthetic_request(rng)
         in_flight = rng.randint(0, 9)
-        assert predicted_ttft_s(costs, hits, prefill, wait, in_flight) == pytest.approx(
-            predict_parts(costs, hits, prefill, wait, in_flight).total_s, rel=1e-12
-        )
+        loads = 0.0
+        for tier, bw in ((1, 16e9), (2, 1e9)):
+            if hits[tier] > 0:
+                loads += costs.load_latency_s[tier] + hits[tier] * costs.kv_bytes_per_token / bw
+        expected = wait / 9_000.0 + in_flight * 0.02 + loads + prefill / 9_000.0
+        parts = predict_parts(costs, hits, prefill, wait, in_flight)
+        assert parts.total_s == pytest.approx(expected, rel=1e-12)
+        assert parts.service_s == pytest.approx(loads + prefill / 9_000.0, rel=1e-12)
 
 
 def test_prompts_of_one_size_teach_the_rate_and_a_fixed_overhead_is_still_learned() -> None:

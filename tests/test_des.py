@@ -12,16 +12,6 @@ import pytest
 
 from kvcore.keys import block_keys
 from kvcore.trace import TraceRecorder
-from loadtest.workloads import (
-    Conversation,
-    LadderConfig,
-    Turn,
-    Workload,
-    ideal_hit_rate,
-    ladder_workload,
-    mooncake_workload,
-    read_mooncake_records,
-)
 from sim.des import (
     EngineSpec,
     FleetSpec,
@@ -35,6 +25,16 @@ from sim.des import (
     working_set_blocks,
 )
 from sim.engine import EngineProfile
+from sim.workloads import (
+    Conversation,
+    LadderConfig,
+    Turn,
+    Workload,
+    ideal_hit_rate,
+    ladder_workload,
+    mooncake_workload,
+    read_mooncake_records,
+)
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 MOONCAKE = DATA / "traces" / "mooncake"

@@ -21,13 +21,13 @@ import pytest
 
 from kvcore.sim_tokenizer import NAME
 from kvcore.stats import percentile
-from loadtest.workloads import LadderConfig, Workload, ladder_workload
 from policies.tier_cost import TierCostPolicy
 from router.config import load_config
 from router.service import build_router_app
 from sim.des import EngineSpec, FleetSpec, SimConfig, simulate
 from sim.engine import EngineProfile
 from sim.fleet import Fleet, FleetProfile
+from sim.workloads import LadderConfig, Workload, ladder_workload
 from tests.conftest import ThreadedServer
 
 BLOCK = 16

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvcore.calibration import CostModel
 from policies.base import EngineView, FleetView, PrefixMatch, RouteRequest, build_policy
-from policies.costs import CostModel, EngineCosts, PredictedParts
+from policies.costs import EngineCosts, PredictedParts
 
 BLOCK = 16
 PROMPT_TOKENS = 8192

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from kvcore.calibration import CostModel
 from policies.base import Tier
-from policies.costs import CostModel
 from router.scrape import parse_engine_metrics, tier_capacities_tokens, tier_of_label
 
 CACHE_CONFIG_INFO = (

@@ -12,7 +12,7 @@ import pytest
 from kvcore.keys import block_keys
 from kvcore.sim_tokenizer import encode_chat
 from kvcore.trace import TraceRecorder
-from loadtest.workloads import (
+from sim.workloads import (
     LadderConfig,
     agentic_within_session_ideal,
     agentic_workload,

@@ -4,7 +4,7 @@ rate. (The recorder of the router's own traffic is kvcore.trace.TraceRecorder.)
 
 Every workload is a list of Conversations; each Turn carries its prompt as a chain of block ids
 (fast, for sim/des.py) and, for synthetic conversations, the chat messages / token ids the live
-fleet sends (built with sim/tokenizer.py so token counts are exact).
+fleet sends (built with kvcore/sim_tokenizer.py so token counts are exact).
 """
 
 from __future__ import annotations
