@@ -1,6 +1,6 @@
 """Locust multi-turn chat users for any OpenAI-compatible endpoint (kvroute, one vLLM, a peer router).
 
-Each user runs conversations from loadtest/workloads.py (the B1 ladder, Mooncake or agentic-session
+Each user runs conversations from sim/workloads.py (the B1 ladder, Mooncake or agentic-session
 trace replay): it resends the whole history every turn (ladder: with the model's real answers),
 streams, waits its think time and sends a session header. Per turn number it reports TTFT, mean
 inter-token latency and end-to-end latency as Locust request stats, and cached prompt tokens (from
