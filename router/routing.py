@@ -492,12 +492,14 @@ class Router:
         if isinstance(options, dict) and options.get("include_usage"):
             return ctx.raw_body
         ctx.strip_usage = True
-        if options is None:
-            # Splice instead of re-encoding: the body is a JSON object without that key.
+        if "stream_options" not in ctx.body:
+            # Splice instead of re-encoding: the body is a JSON object without that key. (A
+            # present key, even null, is replaced below: JSON with the key twice is read by vLLM
+            # as its last value, which would drop the usage the router asked for.)
             start = ctx.raw_body.index(b"{") + 1
             return ctx.raw_body[:start] + b'"stream_options":{"include_usage":true},' + ctx.raw_body[start:]
         body = dict(ctx.body)
-        body["stream_options"] = {**options, "include_usage": True}
+        body["stream_options"] = {**(options or {}), "include_usage": True}
         return _encode_json(body)
 
     async def _forward(self, ctx: RouteContext, decision: Decision, headers: Mapping[str, str]) -> _Answer:
