@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -26,7 +27,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import aiohttp
 import msgspec
 import xxhash
 
@@ -42,6 +42,7 @@ from router.proxy import (
     UpstreamClient,
     UpstreamConnectError,
     UpstreamError,
+    UpstreamResponse,
     first_event,
     iter_body,
     read_body,
@@ -176,8 +177,24 @@ class PrefixAnnotator(Protocol):
 # -- parsing -----------------------------------------------------------------------------------
 
 
+class _RequestIds:
+    """Request ids: a random per-process prefix (new in a forked child) and a counter, unique
+    without a getrandom() syscall per request."""
+
+    def __init__(self) -> None:
+        self.reset()
+        os.register_at_fork(after_in_child=self.reset)
+
+    def reset(self) -> None:
+        self.prefix = "kvr-" + os.urandom(6).hex() + "-"
+        self.counter = itertools.count(1)
+
+
+_request_ids = _RequestIds()
+
+
 def new_request_id() -> str:
-    return "kvr-" + os.urandom(8).hex()
+    return f"{_request_ids.prefix}{next(_request_ids.counter):x}"
 
 
 def _check_type(body: Mapping[str, Any], key: str, types: tuple[type, ...], what: str) -> None:
@@ -372,15 +389,20 @@ class Router:
         self.arm_selector = arm_selector
         self.annotator = annotator
         self.observers: list[RouteObserver] = [metrics, *observers]
+        # Each hook's bound methods, looked up once (not per request and observer).
+        self._hooks: dict[str, list[tuple[RouteObserver, Callable[[RouteContext], None]]]] = {
+            hook: [(o, getattr(o, hook)) for o in self.observers]
+            for hook in ("on_routed", "on_first_byte", "on_finished")
+        }
 
     @property
     def costs(self) -> Any:
         return self.core.costs
 
     def _notify(self, hook: str, ctx: RouteContext) -> None:
-        for observer in self.observers:
+        for observer, method in self._hooks[hook]:
             try:
-                getattr(observer, hook)(ctx)
+                method(ctx)
             except Exception:  # an observer bug must not fail the request
                 log.exception("observer %r failed in %s (request %s)", observer, hook, ctx.request_id)
 
@@ -459,7 +481,7 @@ class Router:
         # One disconnect watcher for the whole exchange (the wait for the engine, a non-stream
         # body, every streamed chunk): a client that goes away cancels the upstream request,
         # which is what stops the engine's work.
-        watcher = _DisconnectWatcher(receive)
+        watcher = watch_disconnect(receive)
         try:
             answer = await self._forward(ctx, decision, headers)
             await answer.send(send, watcher)
@@ -516,7 +538,7 @@ class Router:
         # A priority engine gets the request's shortest-work-first priority unless the client set one.
         set_priority = "priority" not in ctx.body
         order = [decision.engine_id, *decision.fallbacks][:2]  # the choice, then one retry
-        response: aiohttp.ClientResponse | None = None
+        response: UpstreamResponse | None = None
         head: list[bytes] = []  # a stream's bytes up to its first event, read before answering
         chunks: AsyncIterator[bytes] | None = None
         budget_s = self.config.limits.first_byte_timeout_s
@@ -558,11 +580,11 @@ class Router:
                     body,
                     upstream_headers,
                     first_byte_timeout_s=budget_s if ctx.stream else None,
+                    until_event=ctx.stream,
                 )
                 if ctx.stream and response.status == 200:
-                    remaining_s = budget_s - (time.monotonic() - ctx.sent_s)
-                    try:
-                        head, chunks = await first_event(iter_body(response), max(0.001, remaining_s))
+                    try:  # the budget's deadline is the client's (until_event)
+                        head, chunks = await first_event(iter_body(response))
                     except BaseException:
                         response.close()
                         raise
@@ -673,7 +695,7 @@ class Router:
     async def _stream(
         self,
         ctx: RouteContext,
-        response: aiohttp.ClientResponse,
+        response: UpstreamResponse,
         head: list[bytes],
         chunks: AsyncIterator[bytes],
     ) -> AsyncGenerator[bytes, None]:
@@ -728,7 +750,7 @@ class Router:
     async def _complete(
         self,
         ctx: RouteContext,
-        response: aiohttp.ClientResponse,
+        response: UpstreamResponse,
         out_headers: list[tuple[bytes, bytes]],
         content_type: str,
     ) -> _Answer:
@@ -751,7 +773,7 @@ class Router:
 
 
 class _Answer(Protocol):
-    async def send(self, send: Send, watcher: _DisconnectWatcher) -> None: ...
+    async def send(self, send: Send, watcher: DisconnectWatcher) -> None: ...
 
 
 class _BodyAnswer:
@@ -762,7 +784,7 @@ class _BodyAnswer:
     def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         self.status, self.headers, self.body = status, headers, body
 
-    async def send(self, send: Send, watcher: _DisconnectWatcher) -> None:
+    async def send(self, send: Send, watcher: DisconnectWatcher) -> None:
         self.headers.append((b"content-length", b"%d" % len(self.body)))
         watcher.answered = True  # from here on a "disconnect" is the end of the answer
         await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
@@ -785,7 +807,7 @@ class _StreamAnswer:
     ) -> None:
         self.chunks, self.headers, self.on_close = chunks, headers, on_close
 
-    async def send(self, send: Send, watcher: _DisconnectWatcher) -> None:
+    async def send(self, send: Send, watcher: DisconnectWatcher) -> None:
         chunks = self.chunks
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
@@ -800,25 +822,20 @@ class _StreamAnswer:
             self.on_close()
 
 
-class _DisconnectWatcher:
-    """Cancels the task serving a request when its client disconnects (ASGI ``http.disconnect``
-    after the body was read), until the answer's last byte is on its way. One small task per
-    request; ``uncancel_if_fired`` turns that cancellation back into a normal return."""
+class DisconnectWatcher:
+    """Cancels the task serving a request when its client disconnects after the body was read,
+    until the answer's last byte is on its way (``answered``); ``uncancel_if_fired`` turns that
+    cancellation back into a normal return. ``watch_disconnect`` picks the implementation."""
 
-    __slots__ = ("_task", "_watch", "answered", "fired")
+    __slots__ = ("_task", "answered", "fired")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self) -> None:
         self.answered = False
         self.fired = False
         self._task = asyncio.current_task()
-        self._watch = asyncio.get_running_loop().create_task(self._run(receive))
 
-    async def _run(self, receive: Receive) -> None:
-        while True:
-            message = await receive()
-            if message.get("type") == "http.disconnect":
-                break
-        if not self.answered and self._task is not None:
+    def _fire(self) -> None:
+        if not self.answered and not self.fired and self._task is not None:
             self.fired = True
             self._task.cancel()
 
@@ -827,6 +844,75 @@ class _DisconnectWatcher:
         if not self.fired or self._task is None:
             return False
         return self._task.uncancel() == 0
+
+    def stop(self) -> None:
+        return None
+
+
+def watch_disconnect(receive: Receive) -> DisconnectWatcher:
+    """A callback watcher when ``receive`` is uvicorn's request cycle (its connection_lost sets the
+    cycle's message event: no task per request), else one that awaits ASGI ``http.disconnect``."""
+    cycle = getattr(receive, "__self__", None)
+    if isinstance(getattr(cycle, "message_event", None), asyncio.Event) and hasattr(cycle, "disconnected"):
+        return _CycleDisconnectWatcher(cycle)
+    return _TaskDisconnectWatcher(receive)
+
+
+class _CycleDisconnectWatcher(DisconnectWatcher):
+    """uvicorn's ``RequestResponseCycle``: its protocol marks ``disconnected`` and sets
+    ``message_event`` when the connection is lost; the event is swapped for one that calls back."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        super().__init__()
+        self._cycle = cycle
+        if cycle.disconnected:
+            self._fire()
+            return
+        event = _CallbackEvent(self._on_event)
+        if cycle.message_event.is_set():
+            event.set()
+        cycle.message_event = event
+
+    def _on_event(self) -> None:
+        if self._cycle.disconnected:
+            self._fire()
+
+    def stop(self) -> None:
+        event = self._cycle.message_event
+        if isinstance(event, _CallbackEvent):
+            event.callback = None
+
+
+class _CallbackEvent(asyncio.Event):
+    """An asyncio.Event that also calls ``callback`` when set."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        super().__init__()
+        self.callback: Callable[[], None] | None = callback
+
+    def set(self) -> None:
+        super().set()
+        if self.callback is not None:
+            self.callback()
+
+
+class _TaskDisconnectWatcher(DisconnectWatcher):
+    """Any ASGI server: one small task per request reading ``receive`` until ``http.disconnect``."""
+
+    __slots__ = ("_watch",)
+
+    def __init__(self, receive: Receive) -> None:
+        super().__init__()
+        self._watch = asyncio.get_running_loop().create_task(self._run(receive))
+
+    async def _run(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message.get("type") == "http.disconnect":
+                break
+        self._fire()
 
     def stop(self) -> None:
         self._watch.cancel()
