@@ -169,6 +169,25 @@ class UpstreamResponse:
                 raise self._error
             await self._wait()
 
+    async def first_event(self) -> list[bytes]:
+        """The body up to its first chunk holding an SSE ``data:`` event (keep-alive comments
+        before it kept), left unread: ``iter_any`` yields these chunks again. The stream's
+        deadline is ``send``'s (``until_event``), failing with UpstreamFirstByteTimeout; an error
+        before the event is retryable too (UpstreamConnectError): no byte reached the client."""
+        chunks = self._chunks
+        while not self.event_seen and not self._done:
+            if self._error is not None:
+                if isinstance(self._error, UpstreamConnectError):
+                    raise self._error
+                raise UpstreamConnectError(f"the stream broke before its first event: {self._error}")
+            await self._wait()
+        head = []
+        for chunk in chunks:
+            head.append(chunk)
+            if b"data:" in chunk:
+                break
+        return head
+
     async def read(self) -> bytes:
         parts = [chunk async for chunk in self.iter_any()]
         return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -429,7 +448,7 @@ class UpstreamClient:
         """POST ``body`` unchanged to ``url``; the response is open once its headers are in (the
         caller must ``close`` it). ``first_byte_timeout_s`` bounds the wait for the headers and,
         with ``until_event``, for a 200 answer's first SSE ``data:`` event as well: then the
-        answer fails with UpstreamFirstByteTimeout (read it with ``first_event(chunks)``)."""
+        answer fails with UpstreamFirstByteTimeout (wait for it with ``first_event``)."""
         pool, path = self._pool_of(url)
         now_s = time.monotonic()
         conn = pool.take(now_s)
@@ -491,31 +510,6 @@ class UpstreamClient:
             response.close()
 
         self._deadlines.add(conn.last_io_s + read_timeout_s, check)
-
-
-async def first_event(
-    chunks: AsyncIterator[bytes], timeout_s: float | None = None
-) -> tuple[list[bytes], AsyncIterator[bytes]]:
-    """Read ``chunks`` up to the first one holding an SSE ``data:`` event (keep-alive comments
-    before it are kept) within ``timeout_s`` (None: the stream's own deadline, ``UpstreamClient.send``
-    with ``until_event``); UpstreamFirstByteTimeout when it does not come, and an error before it
-    is retryable too (UpstreamConnectError): no byte reached the client."""
-    head: list[bytes] = []
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in chunks:
-                head.append(chunk)
-                if b"data:" in chunk:
-                    return head, chunks
-    except TimeoutError:
-        raise UpstreamFirstByteTimeout(
-            f"no first token within the first-byte budget ({timeout_s:.1f} s)"
-        ) from None
-    except UpstreamConnectError:
-        raise
-    except UpstreamError as exc:
-        raise UpstreamConnectError(f"the stream broke before its first event: {exc}") from exc
-    return head, chunks  # the stream ended without an event: passed on as it is
 
 
 async def iter_body(response: UpstreamResponse) -> AsyncIterator[bytes]:

@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,8 +43,6 @@ from router.proxy import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamResponse,
-    first_event,
-    iter_body,
     read_body,
 )
 
@@ -539,8 +537,6 @@ class Router:
         set_priority = "priority" not in ctx.body
         order = [decision.engine_id, *decision.fallbacks][:2]  # the choice, then one retry
         response: UpstreamResponse | None = None
-        head: list[bytes] = []  # a stream's bytes up to its first event, read before answering
-        chunks: AsyncIterator[bytes] | None = None
         budget_s = self.config.limits.first_byte_timeout_s
         for attempt, engine_id in enumerate(order):
             ctx.engine_id = engine_id
@@ -584,7 +580,7 @@ class Router:
                 )
                 if ctx.stream and response.status == 200:
                     try:  # the budget's deadline is the client's (until_event)
-                        head, chunks = await first_event(iter_body(response))
+                        head = await response.first_event()
                     except BaseException:
                         response.close()
                         raise
@@ -634,9 +630,8 @@ class Router:
                 response.close()
                 self._finish(ctx, STATUS_CLIENT_GONE, "client disconnected before the stream began")
 
-            assert chunks is not None
             out_headers.append((b"content-type", content_type.encode("latin-1")))
-            return _StreamAnswer(self._stream(ctx, response, head, chunks), out_headers, on_close)
+            return _StreamAnswer(self._stream(ctx, response), out_headers, on_close)
         reservation = ctx.reservation
         if reservation is not None:
             # A non-stream body arrives only when generation is over: no token to time. The
@@ -696,10 +691,9 @@ class Router:
         self,
         ctx: RouteContext,
         response: UpstreamResponse,
-        head: list[bytes],
-        chunks: AsyncIterator[bytes],
     ) -> AsyncGenerator[bytes, None]:
-        """Forward SSE bytes as they arrive (``head`` were read before answering); keep the tail to
+        """Forward SSE bytes as they arrive (from the first: the wait for the first event reads
+        none); keep the tail to
         read the final usage chunk, or take the usage chunk out when the router asked for it on
         the client's behalf. A stream that breaks off ends with an OpenAI-shaped error event and
         an aborted connection: a client must never take it for a complete answer."""
@@ -708,7 +702,7 @@ class Router:
         strip = _UsageChunkStripper() if ctx.strip_usage else None
         status, error = 200, ""
         try:
-            async for chunk in _chain(head, chunks):
+            async for chunk in response.iter_any():  # from the first chunk: head was not consumed
                 if ctx.first_token_s is None and b"data:" in chunk:  # not a keep-alive comment
                     self._first_token(ctx)
                 if strip is not None:
@@ -970,13 +964,6 @@ class _UsageChunkStripper:
         if isinstance(doc, dict) and doc.get("choices") == [] and isinstance(doc.get("usage"), dict):
             return doc["usage"]
         return None
-
-
-async def _chain(head: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    for chunk in head:
-        yield chunk
-    async for chunk in rest:
-        yield chunk
 
 
 class StreamAborted(Exception):
