@@ -5,8 +5,9 @@ protocol with httptools parsing only the answer's framing) and returns the open 
 once its headers are in, so the caller can relay the body as it arrives; failures are classified
 into ``UpstreamConnectError`` (refused, or the connection broke before any byte of an answer: safe
 to retry elsewhere), ``UpstreamFirstByteTimeout`` and ``UpstreamTimeout`` (the engine sent nothing
-for the read timeout). Deadlines (connect, first byte, read) share one timer (``_Deadlines``), not
-a timeout object per request. aiohttp was measured at about a quarter of the router's CPU per
+for the read timeout). The first-byte and read deadlines of every exchange are checked by one
+periodic timer (``UpstreamClient._tick``, every ``DEADLINE_TICK_S`` while exchanges run), not a
+timeout object per request. aiohttp was measured at about a quarter of the router's CPU per
 request (docs/results/datapath.md); it remains the client of the health poller, tokenizer and
 scrapes (``UpstreamClient.session``), where requests are rare.
 """
@@ -14,18 +15,19 @@ scrapes (``UpstreamClient.session``), where requests are rare.
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
 import aiohttp
 import httptools
 
 log = logging.getLogger("kvroute.proxy")
+
+#: How often the deadlines of running exchanges are checked (their resolution).
+DEADLINE_TICK_S = 0.05
 
 # Headers of the client's request worth forwarding to an engine (auth, tracing, session hints);
 # everything else (host, content-length, hop-by-hop) is the router's own business.
@@ -55,49 +57,6 @@ class UpstreamFirstByteTimeout(UpstreamConnectError):
     stopped engine): nothing reached the client, so it may go elsewhere like a refused one."""
 
     kind = "first_byte_timeout"
-
-
-class _Deadlines:
-    """One timer for every pending deadline of the client: a heap of (time, seq, callback), the
-    loop's single TimerHandle set for the earliest. Cancelling is lazy (the callback checks whether
-    its deadline still applies), so arming costs a heap push, not an asyncio object."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Callable[[float], None]]] = []
-        self._seq = itertools.count()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
-
-    def add(self, at_s: float, callback: Callable[[float], None]) -> None:
-        heapq.heappush(self._heap, (at_s, next(self._seq), callback))
-        if self._timer is None or at_s < self._timer_at:
-            self._arm(at_s)
-
-    def _arm(self, at_s: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_at = at_s
-        # call_later, not call_at: uvloop's loop.time() is not time.monotonic().
-        self._timer = asyncio.get_running_loop().call_later(max(0.0, at_s - time.monotonic()), self._fire)
-
-    def _fire(self) -> None:
-        self._timer = None
-        now = time.monotonic()
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            _, _, callback = heapq.heappop(heap)
-            try:
-                callback(now)
-            except Exception:  # a bug in one deadline must not stop the others
-                log.exception("upstream deadline callback failed")
-        if heap:
-            self._arm(heap[0][0])
-
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._heap.clear()
 
 
 class UpstreamResponse:
@@ -213,6 +172,11 @@ class _Connection(asyncio.Protocol):
         self.idle_since_s = 0.0
         self.lost = False
         self.busy = False
+        #: The running exchange's first-byte deadline (monotonic; 0 = none) and whether it lasts
+        #: until the first SSE event of a 200 answer.
+        self.first_byte_due_s = 0.0
+        self.budget_s = 0.0
+        self.until_event = False
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -306,6 +270,7 @@ class _Pool:
         if conn.busy:
             conn.busy = False
             self.busy -= 1
+            self.client._running.discard(conn)
             while self.waiters:
                 waiter = self.waiters.popleft()
                 if not waiter.done():
@@ -354,8 +319,10 @@ class UpstreamClient:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._pools: dict[str, tuple[_Pool, bytes]] = {}
-        self._deadlines = _Deadlines()
-        self._sweeping = False
+        #: Connections carrying an exchange (their deadlines are checked by ``_tick``).
+        self._running: set[_Connection] = set()
+        self._ticker: asyncio.TimerHandle | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -375,7 +342,10 @@ class UpstreamClient:
             )
 
     async def close(self) -> None:
-        self._deadlines.close()
+        for handle in (self._ticker, self._sweeper):
+            if handle is not None:
+                handle.cancel()
+        self._ticker = self._sweeper = None
         for pool, _ in self._pools.values():
             for conn in list(pool.idle):
                 conn.abort()
@@ -401,13 +371,13 @@ class UpstreamClient:
         return found
 
     def _note_idle(self) -> None:
-        """Idle connections are closed after the keep-alive timeout (swept by the shared timer)."""
-        if not self._sweeping:
-            self._sweeping = True
-            self._deadlines.add(time.monotonic() + self._keepalive_timeout_s, self._sweep)
+        """Idle connections are closed after the keep-alive timeout (one sweep timer)."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(self._keepalive_timeout_s, self._sweep)
 
-    def _sweep(self, now_s: float) -> None:
-        self._sweeping = False
+    def _sweep(self) -> None:
+        self._sweeper = None
+        now_s = time.monotonic()
         any_idle = False
         for pool, _ in list(self._pools.values()):
             keep = []
@@ -422,6 +392,34 @@ class UpstreamClient:
             any_idle = any_idle or bool(keep)
         if any_idle:
             self._note_idle()
+
+    def _tick(self) -> None:
+        """Fail the exchanges past their first-byte deadline (UpstreamFirstByteTimeout) or silent
+        for the read timeout (UpstreamTimeout); closing the connection stops the engine's work."""
+        self._ticker = None
+        now_s = time.monotonic()
+        read_timeout_s = self._read_timeout_s
+        for conn in list(self._running):
+            response = conn.response
+            if response is None:
+                continue
+            error: UpstreamError | None = None
+            if conn.first_byte_due_s and now_s >= conn.first_byte_due_s:
+                status = response.status
+                if not status or (conn.until_event and status == 200 and not response.event_seen):
+                    what = "no first token" if status else "no answer"
+                    error = UpstreamFirstByteTimeout(
+                        f"{response.url} sent {what} within the first-byte budget ({conn.budget_s:.1f} s)"
+                    )
+                else:
+                    conn.first_byte_due_s = 0.0
+            if error is None and now_s - conn.last_io_s >= read_timeout_s:
+                error = UpstreamTimeout(f"{response.url}: engine sent nothing within the read timeout")
+            if error is not None:
+                response._fail(error)
+                response.close()
+        if self._running:
+            self._ticker = asyncio.get_running_loop().call_later(DEADLINE_TICK_S, self._tick)
 
     async def _connect(self, pool: _Pool, url: str) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -472,44 +470,17 @@ class UpstreamClient:
         head.append(body)
         response = UpstreamResponse(conn, url)
         conn.send(response, b"".join(head))
-        sent_s = time.monotonic()
         if first_byte_timeout_s is not None:
-            budget_s = first_byte_timeout_s
-
-            def first_byte_check(now: float) -> None:
-                waiting = not response.status or (
-                    until_event and response.status == 200 and not response.event_seen
-                )
-                if waiting and response._conn is not None:
-                    what = "no first token" if response.status else "no answer"
-                    response._fail(
-                        UpstreamFirstByteTimeout(
-                            f"{url} sent {what} within the first-byte budget ({budget_s:.1f} s)"
-                        )
-                    )
-                    response.close()
-
-            self._deadlines.add(sent_s + budget_s, first_byte_check)
-        self._watch_reads(response, conn)
+            conn.first_byte_due_s = conn.last_io_s + first_byte_timeout_s
+            conn.budget_s = first_byte_timeout_s
+        else:
+            conn.first_byte_due_s = 0.0
+        conn.until_event = until_event
+        self._running.add(conn)
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().call_later(DEADLINE_TICK_S, self._tick)
         await response.headers_in()
         return response
-
-    def _watch_reads(self, response: UpstreamResponse, conn: _Connection) -> None:
-        """UpstreamTimeout when the engine sends nothing for the read timeout (checked lazily:
-        one deadline per request, moved on by each arrival)."""
-        read_timeout_s = self._read_timeout_s
-
-        def check(now_s: float) -> None:
-            if response._conn is not conn or response._done:
-                return
-            due_s = conn.last_io_s + read_timeout_s
-            if now_s < due_s:
-                self._deadlines.add(due_s, check)
-                return
-            response._fail(UpstreamTimeout(f"{response.url}: engine sent nothing within the read timeout"))
-            response.close()
-
-        self._deadlines.add(conn.last_io_s + read_timeout_s, check)
 
 
 async def iter_body(response: UpstreamResponse) -> AsyncIterator[bytes]:

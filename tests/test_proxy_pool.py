@@ -113,6 +113,9 @@ async def test_keep_alive_connection_is_reused(client: UpstreamClient) -> None:
             assert response.status == 200 and response.headers["content-type"] == "application/json"
             assert await read_body(response) == b'{"ok": true}'
         assert engine.connections == 1  # a new connection per request would be 5
+        # Nothing of a finished exchange stays armed: deadline state kept per request until its
+        # 600 s read timeout would grow with the request rate.
+        assert not client._running
 
 
 async def test_stream_relays_events_and_its_connection_goes_back_to_the_pool(client: UpstreamClient) -> None:
