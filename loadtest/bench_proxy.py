@@ -1,7 +1,10 @@
-"""Proxy overhead benchmark (B3 baseline): direct vs minimal httpx/aiohttp proxies vs kvroute.
+"""Proxy overhead benchmark (B3 baseline): direct vs the raw-Python reference proxy vs minimal
+httpx/aiohttp proxies vs kvroute.
 
 Every part is its own process: a zero-delay OpenAI-shaped upstream (aiohttp.web), the proxy under
-test (uvicorn + uvloop), and a closed-loop aiohttp load generator. Prints, per target, concurrency
+test (uvicorn + uvloop; ``raw_proxy`` is asyncio + httptools on both sides, the labelled bound of
+what a Python data path reaches, also a target of loadtest/bench_peers.py), and a closed-loop
+aiohttp load generator. Prints, per target, concurrency
 and stream mode: req/s and p50/p99 latency, and the latency added over a direct call (medians of
 ``--runs`` runs, min-max in brackets).
 
