@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
@@ -253,11 +254,11 @@ class _Connection(asyncio.Protocol):
 
 
 class _Pool:
-    """Idle keep-alive connections to one engine (host, port), most recently used first."""
+    """Idle keep-alive connections to one engine (host, port, TLS), most recently used first."""
 
-    def __init__(self, client: UpstreamClient, host: str, port: int) -> None:
+    def __init__(self, client: UpstreamClient, host: str, port: int, tls: bool) -> None:
         self.client = client
-        self.host, self.port = host, port
+        self.host, self.port, self.tls = host, port, tls
         self.idle: list[_Connection] = []
         #: Connections carrying an exchange, and requests waiting for one to be free (only with
         #: limits.max_connections_per_engine).
@@ -322,6 +323,7 @@ class UpstreamClient:
         #: Connections carrying an exchange (their deadlines are checked by ``_tick``).
         self._running: set[_Connection] = set()
         self._ticker: asyncio.TimerHandle | None = None
+        self._tls: ssl.SSLContext | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
     @property
@@ -360,12 +362,13 @@ class UpstreamClient:
         found = self._pools.get(url)
         if found is None:
             parts = urlsplit(url)
-            if parts.scheme != "http" or not parts.hostname:
-                raise UpstreamError(f"{url}: only http:// engine URLs are supported")
-            host, port = parts.hostname, parts.port or 80
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise UpstreamError(f"{url}: engine URLs must be http:// or https://")
+            tls = parts.scheme == "https"
+            host, port = parts.hostname, parts.port or (443 if tls else 80)
             pool = next(
-                (p for p, _ in self._pools.values() if (p.host, p.port) == (host, port)), None
-            ) or _Pool(self, host, port)
+                (p for p, _ in self._pools.values() if (p.host, p.port, p.tls) == (host, port, tls)), None
+            ) or _Pool(self, host, port, tls)
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             found = self._pools[url] = (pool, path.encode("latin-1"))
         return found
@@ -421,11 +424,22 @@ class UpstreamClient:
         if self._running:
             self._ticker = asyncio.get_running_loop().call_later(DEADLINE_TICK_S, self._tick)
 
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
+
     async def _connect(self, pool: _Pool, url: str) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                _, conn = await loop.create_connection(lambda: _Connection(pool), pool.host, pool.port)
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(pool),
+                    pool.host,
+                    pool.port,
+                    # https engines: the system's CA store and hostname check, as aiohttp did.
+                    ssl=self._tls_context() if pool.tls else None,
+                )
         except TimeoutError:
             raise UpstreamConnectError(
                 f"cannot connect to {url}: no connection within the connect timeout"

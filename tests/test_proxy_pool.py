@@ -164,6 +164,13 @@ async def test_refused_connection_is_retryable(client: UpstreamClient) -> None:
         await client.send(url + "/ok", b"{}", {})
 
 
+async def test_https_engine_urls_speak_tls(client: UpstreamClient) -> None:
+    async with Engine() as engine:  # a plain-HTTP server: the TLS handshake cannot succeed
+        with pytest.raises(UpstreamConnectError, match="cannot connect"):
+            await client.send(engine.url.replace("http://", "https://") + "/ok", b"{}", {})
+        assert engine.connections == 1  # it did connect (TLS, not a refused or skipped URL)
+
+
 async def test_connection_cap_per_engine_holds() -> None:
     client = UpstreamClient(connect_timeout_s=2.0, read_timeout_s=5.0, max_connections_per_engine=2)
     await client.start()
