@@ -53,6 +53,7 @@ PEER_PACKAGES: dict[str, tuple[str, str]] = {
 }
 DEFAULT_TARGETS = (
     "direct",
+    "raw_proxy",
     "kvroute:round_robin",
     "kvroute:round_robin+tok",
     "kvroute:session_affinity",
@@ -104,7 +105,8 @@ def install_peer(peers_dir: Path, peer: str) -> Path:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """``direct``, ``kvroute:POLICY[+tok][xN]`` or ``PEER:POLICY``."""
+    """``direct``, ``raw_proxy`` (loadtest/bench_proxy.py's reference proxy: what Python can reach
+    here), ``kvroute:POLICY[+tok][xN]`` or ``PEER:POLICY``."""
 
     spec: str
     kind: str
@@ -114,8 +116,8 @@ class Target:
 
     @staticmethod
     def parse(spec: str) -> Target:
-        if spec == "direct":
-            return Target(spec, "direct")
+        if spec in ("direct", "raw_proxy"):
+            return Target(spec, spec)
         kind, _, rest = spec.partition(":")
         if kind not in ("kvroute", *PEER_PACKAGES) or not rest:
             raise ValueError(
@@ -206,6 +208,15 @@ def start_target(
         if target.workers > 1:
             args += ["--workers", str(target.workers)]
         env["KVROUTE_TOKENIZER_BACKEND"] = "sim" if target.tokenizer else "none"
+    elif target.kind == "raw_proxy":
+        args = [
+            sys.executable,
+            "-m",
+            "loadtest.bench_proxy",
+            "_raw_proxy",
+            str(port),
+            *[e.url for e in engines],
+        ]
     else:
         args = peer_command(install_peer(peers_dir, target.kind), target.kind, target.policy, port, engines)
     with open(log_path, "wb") as log:

@@ -1,7 +1,10 @@
-"""Proxy overhead benchmark (B3 baseline): direct vs minimal httpx/aiohttp proxies vs kvroute.
+"""Proxy overhead benchmark (B3 baseline): direct vs the raw-Python reference proxy vs minimal
+httpx/aiohttp proxies vs kvroute.
 
 Every part is its own process: a zero-delay OpenAI-shaped upstream (aiohttp.web), the proxy under
-test (uvicorn + uvloop), and a closed-loop aiohttp load generator. Prints, per target, concurrency
+test (uvicorn + uvloop; ``raw_proxy`` is asyncio + httptools on both sides, the labelled bound of
+what a Python data path reaches, also a target of loadtest/bench_peers.py), and a closed-loop
+aiohttp load generator. Prints, per target, concurrency
 and stream mode: req/s and p50/p99 latency, and the latency added over a direct call (medians of
 ``--runs`` runs, min-max in brackets).
 
@@ -34,7 +37,7 @@ from loadtest.procs import stop_process, wait_http_ok
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "bench-model"
-TARGETS = ("direct", "httpx_proxy", "aiohttp_proxy", "kvroute")
+TARGETS = ("direct", "raw_proxy", "httpx_proxy", "aiohttp_proxy", "kvroute")
 BODY = json.dumps(
     {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": 4}
 ).encode()
@@ -75,7 +78,10 @@ def run_upstream(port: int) -> None:
     chunk = (
         b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"%s "}}]}'
     )
-    chunks = [chunk % w + b"\n\n" for w in (b"a", b"b", b"c", b"d")] + [b"data: [DONE]\n\n"]
+    # BENCH_UPSTREAM_CHUNKS (default 4): streamed events per answer, to price the relay per chunk.
+    n_chunks = int(os.environ.get("BENCH_UPSTREAM_CHUNKS", "4"))
+    words = [b"abcdefghijklmnopqrstuvwxyz"[i % 26 : i % 26 + 1] for i in range(n_chunks)]
+    chunks = [chunk % w + b"\n\n" for w in words] + [b"data: [DONE]\n\n"]
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -183,6 +189,144 @@ def run_minimal_proxy(variant: str, port: int, upstream: str) -> None:
         log_level="warning",
         access_log=False,
     )
+
+
+# -- the raw-Python reference proxy (B3's labelled baseline) -------------------------------------------
+
+
+def run_raw_proxy(port: int, upstreams: Sequence[str]) -> None:
+    """round_robin's job and nothing more, in the cheapest Python there is: an asyncio server with
+    httptools on both sides, a keep-alive pool per upstream, the engine's answer relayed byte for byte
+    (its framing parsed only to know where it ends). It parses the body (as every router must, to
+    route) but keeps no metrics, limits, errors or fail-over: what a Python data path can reach on
+    this machine, not a router. GET /health answers 200; anything that breaks closes the client."""
+    import itertools
+    from urllib.parse import urlsplit
+
+    import httptools
+    import msgspec
+
+    loop_policy: Any = None
+    try:
+        import uvloop
+
+        loop_policy = uvloop.EventLoopPolicy()
+    except ImportError:
+        pass
+    decode = msgspec.json.decode
+
+    class Pool:
+        def __init__(self, url: str) -> None:
+            parts = urlsplit(url)
+            self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+            self.idle: list[UpstreamConn] = []
+            self.head = b"host: %s:%d\r\ncontent-type: application/json\r\n" % (self.host.encode(), self.port)
+
+        def send(self, client: ClientConn, path: bytes, body: bytes) -> None:
+            request = b"POST %s HTTP/1.1\r\n%scontent-length: %d\r\n\r\n%s" % (
+                path,
+                self.head,
+                len(body),
+                body,
+            )
+            if self.idle:
+                conn = self.idle.pop()
+                conn.client = client
+                conn.transport.write(request)
+                return
+            task = asyncio.get_running_loop().create_task(self._connect(client, request))
+            task.add_done_callback(_ignore)
+
+        async def _connect(self, client: ClientConn, request: bytes) -> None:
+            try:
+                _, conn = await asyncio.get_running_loop().create_connection(
+                    lambda: UpstreamConn(self), self.host, self.port
+                )
+            except OSError:
+                client.transport.close()
+                return
+            conn.client = client
+            conn.transport.write(request)
+
+    def _ignore(task: asyncio.Task[None]) -> None:
+        if not task.cancelled():
+            task.exception()
+
+    class UpstreamConn(asyncio.Protocol):
+        def __init__(self, pool: Pool) -> None:
+            self.pool = pool
+            self.client: ClientConn | None = None
+            self.parser = httptools.HttpResponseParser(self)
+            self.transport: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            client = self.client
+            if client is not None:
+                client.transport.write(data)  # relayed as it arrives
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                self.transport.close()
+
+        def on_message_complete(self) -> None:
+            self.client = None
+            self.pool.idle.append(self)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self in self.pool.idle:
+                self.pool.idle.remove(self)
+            if self.client is not None:
+                self.client.transport.close()
+
+    pools = [Pool(u) for u in upstreams]
+    choose = itertools.cycle(pools).__next__
+    health = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+
+    class ClientConn(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.parser = httptools.HttpRequestParser(self)
+            self.body: list[bytes] = []
+            self.url = b""
+            self.transport: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                self.transport.close()
+
+        def on_url(self, url: bytes) -> None:
+            self.url = url
+
+        def on_body(self, body: bytes) -> None:
+            self.body.append(body)
+
+        def on_message_complete(self) -> None:
+            if self.parser.get_method() != b"POST":
+                self.transport.write(health)
+                return
+            body = b"".join(self.body)
+            self.body = []
+            doc = decode(body)  # routing needs the body parsed (model, stream)
+            if not isinstance(doc, dict) or "model" not in doc:
+                self.transport.close()
+                return
+            choose().send(self, self.url, body)
+
+    async def serve() -> None:
+        server = await asyncio.get_running_loop().create_server(ClientConn, "127.0.0.1", port, backlog=1024)
+        async with server:
+            await server.serve_forever()
+
+    if loop_policy is not None:
+        asyncio.set_event_loop_policy(loop_policy)
+    asyncio.run(serve())
 
 
 # -- closed-loop load generator ---------------------------------------------------------------------
@@ -302,6 +446,8 @@ def start_target(target: str, upstream_url: str) -> tuple[Proc | None, str]:
             "--log-level",
             "warning",
         ]
+    elif target == "raw_proxy":
+        args = ["-m", me, "_raw_proxy", str(port), upstream_url]
     else:
         args = ["-m", me, "_proxy", target.split("_")[0], str(port), upstream_url]
     proc = Proc(args, url + "/health")
@@ -422,6 +568,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if argv and argv[0] == "_proxy":
         run_minimal_proxy(argv[1], int(argv[2]), argv[3])
+        return 0
+    if argv and argv[0] == "_raw_proxy":
+        run_raw_proxy(int(argv[1]), argv[2:])
         return 0
     if argv and argv[0] == "_load":
         run_load(argv[1:])

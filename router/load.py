@@ -52,6 +52,8 @@ class EngineState:
     breaker_open_until_s: float = 0.0
     #: Block size the engine reports in vllm:cache_config_info (wins over the configured one).
     reported_block_size: int | None = None
+    #: ``models`` as the frozenset every view shares (rebuilt when ``models`` changes).
+    models_view: frozenset[str] = frozenset()
     #: ``EngineView.extra`` of this engine: tier capacities in tokens from the /metrics scrape
     #: (router.scrape.tier_capacities_tokens). Replaced whole, never mutated: views share it.
     extra: dict[str, float] = field(default_factory=dict)
@@ -80,6 +82,7 @@ class LoadTracker:
             state = EngineState(config=engine)
             if engine.model:
                 state.models.add(engine.model)
+            state.models_view = frozenset(state.models)
             self.engines[engine.id] = state
             if metrics:
                 metrics.engine_healthy.labels(engine.id).set(1)
@@ -146,6 +149,7 @@ class LoadTracker:
         state.model_cards = cards
         state.models_discovered = True
         state.models |= {str(c["id"]) for c in cards if isinstance(c, dict) and "id" in c}
+        state.models_view = frozenset(state.models)
         # vLLM lists each LoRA adapter as its own model with "parent" = the base model; requests
         # to it carry the adapter's name in their blocks' extra keys (kvcore.keys).
         for card in cards:
@@ -187,7 +191,10 @@ class LoadTracker:
         """Take an engine out of routing until undrained (in-flight requests finish normally)."""
         self.engines[engine_id].drained = True
 
-    def view(self, state: EngineState) -> EngineView:
+    def view(self, state: EngineState, now_s: float | None = None) -> EngineView:
+        """``state`` as policies see it; ``now_s`` (monotonic) decides whether its breaker is open."""
+        if now_s is None:
+            now_s = time.monotonic()
         scraped = state.scraped
         running = scraped.get("num_requests_running")
         waiting = scraped.get("num_requests_waiting")
@@ -196,10 +203,9 @@ class LoadTracker:
             engine_id=state.config.id,
             url=state.config.url,
             # An open circuit breaker takes the engine out like a failed health check.
-            healthy=state.healthy
-            and not (state.breaker_open_until_s and state.breaker_open_until_s > time.monotonic()),
+            healthy=state.healthy and not (state.breaker_open_until_s and state.breaker_open_until_s > now_s),
             drained=state.drained,
-            models=frozenset(state.models),
+            models=state.models_view,
             in_flight=in_flight,
             queued_prefill_tokens=queued,
             num_requests_running=None if running is None else int(running),
@@ -220,7 +226,8 @@ class LoadTracker:
 
     def all_views(self) -> list[EngineView]:
         """Every engine's view; the routing core's ``filter`` picks the candidates."""
-        return [self.view(s) for s in self.engines.values()]
+        now_s = time.monotonic()
+        return [self.view(s, now_s) for s in self.engines.values()]
 
 
 class EnginePoller:

@@ -1,19 +1,34 @@
-"""The one upstream HTTP client of the router: pooled aiohttp connections to every engine.
+"""The one upstream HTTP client of the router: a keep-alive pool of raw connections to every engine.
 
-aiohttp was chosen over httpx by measurement (docs/benchmarks.md, loadtest/bench_proxy.py): on
-2 cores a FastAPI proxy on aiohttp's client served ~10x the requests/s of the same proxy on httpx.
-``UpstreamClient.send`` posts the original body bytes and returns the open response once its
-headers are in, so the caller can stream the body through; failures are classified into
-``UpstreamConnectError`` (refused, or the connection broke before any byte of an answer: safe to
-retry elsewhere) and ``UpstreamTimeout`` (the engine took longer than the read timeout to answer).
+``UpstreamClient.send`` posts the original body bytes on a pooled HTTP/1.1 connection (an asyncio
+protocol with httptools parsing only the answer's framing) and returns the open ``UpstreamResponse``
+once its headers are in, so the caller can relay the body as it arrives; failures are classified
+into ``UpstreamConnectError`` (refused, or the connection broke before any byte of an answer: safe
+to retry elsewhere), ``UpstreamFirstByteTimeout`` and ``UpstreamTimeout`` (the engine sent nothing
+for the read timeout). The first-byte and read deadlines of every exchange are checked by one
+periodic timer (``UpstreamClient._tick``, every ``DEADLINE_TICK_S`` while exchanges run), not a
+timeout object per request. aiohttp was measured at about a quarter of the router's CPU per
+request (docs/results/datapath.md); it remains the client of the health poller, tokenizer and
+scrapes (``UpstreamClient.session``), where requests are rare.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import ssl
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
+from urllib.parse import urlsplit
 
 import aiohttp
+import httptools
+
+log = logging.getLogger("kvroute.proxy")
+
+#: How often the deadlines of running exchanges are checked (their resolution).
+DEADLINE_TICK_S = 0.05
 
 # Headers of the client's request worth forwarding to an engine (auth, tracing, session hints);
 # everything else (host, content-length, hop-by-hop) is the router's own business.
@@ -45,6 +60,246 @@ class UpstreamFirstByteTimeout(UpstreamConnectError):
     kind = "first_byte_timeout"
 
 
+class UpstreamResponse:
+    """An engine's answer on a pooled connection: ``status`` and ``headers`` (lower-case names),
+    then the body as it arrives (``iter_any``/``read``). ``close`` before the end drops the
+    connection, which is what cancels the request in the engine."""
+
+    __slots__ = (
+        "_chunks",
+        "_conn",
+        "_done",
+        "_error",
+        "_waiter",
+        "event_seen",
+        "got_bytes",
+        "headers",
+        "status",
+        "url",
+    )
+
+    def __init__(self, conn: _Connection, url: str) -> None:
+        self._conn: _Connection | None = conn
+        self.url = url
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self._chunks: deque[bytes] = deque()
+        self._done = False
+        self._error: UpstreamError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        #: Any byte of the answer arrived; an SSE ``data:`` event arrived.
+        self.got_bytes = False
+        self.event_seen = False
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _fail(self, error: UpstreamError) -> None:
+        if not self._done and self._error is None:
+            self._error = error
+        self._wake()
+
+    async def _wait(self) -> None:
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        except BaseException:
+            self.close()  # cancelled (client gone, first-byte budget): the engine must stop
+            raise
+
+    async def headers_in(self) -> None:
+        while not self.status:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive (chunked framing removed); UpstreamError when it breaks off."""
+        chunks = self._chunks
+        while True:
+            while chunks:
+                yield chunks.popleft()
+            if self._done:
+                return
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
+    async def first_event(self) -> list[bytes]:
+        """The body up to its first chunk holding an SSE ``data:`` event (keep-alive comments
+        before it kept), left unread: ``iter_any`` yields these chunks again. The stream's
+        deadline is ``send``'s (``until_event``), failing with UpstreamFirstByteTimeout; an error
+        before the event is retryable too (UpstreamConnectError): no byte reached the client."""
+        chunks = self._chunks
+        while not self.event_seen and not self._done:
+            if self._error is not None:
+                if isinstance(self._error, UpstreamConnectError):
+                    raise self._error
+                raise UpstreamConnectError(f"the stream broke before its first event: {self._error}")
+            await self._wait()
+        head = []
+        for chunk in chunks:
+            head.append(chunk)
+            if b"data:" in chunk:
+                break
+        return head
+
+    async def read(self) -> bytes:
+        parts = [chunk async for chunk in self.iter_any()]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and not self._done:
+            conn.abort()
+
+    def release(self) -> None:
+        self.close()
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection to an engine, carrying one exchange at a time."""
+
+    def __init__(self, pool: _Pool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: UpstreamResponse | None = None
+        self.last_io_s = 0.0
+        self.idle_since_s = 0.0
+        self.lost = False
+        self.busy = False
+        #: The running exchange's first-byte deadline (monotonic; 0 = none) and whether it lasts
+        #: until the first SSE event of a 200 answer.
+        self.first_byte_due_s = 0.0
+        self.budget_s = 0.0
+        self.until_event = False
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.last_io_s = time.monotonic()
+        response = self.response
+        if response is None:  # bytes nobody asked for: the connection cannot be trusted
+            self.abort()
+            return
+        response.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            response._fail(UpstreamError(f"{response.url}: malformed HTTP answer: {exc}"))
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.pool.forget(self)
+        response, self.response = self.response, None
+        if response is not None and not response._done:
+            response._conn = None
+            if response.status:
+                response._fail(UpstreamError(f"engine response broke off: {exc or 'connection closed'}"))
+            else:
+                response._fail(UpstreamConnectError(f"{response.url} closed the connection before answering"))
+
+    # -- httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.response is not None:
+            self.response.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        response = self.response
+        if response is not None:
+            response.status = self.parser.get_status_code()
+            response._wake()
+
+    def on_body(self, body: bytes) -> None:
+        response = self.response
+        if response is not None:
+            if not response.event_seen and b"data:" in body:
+                response.event_seen = True
+            response._chunks.append(body)
+            response._wake()
+
+    def on_message_complete(self) -> None:
+        response, self.response = self.response, None
+        if response is None:
+            return
+        response._done = True
+        response._conn = None
+        response._wake()
+        if self.parser.should_keep_alive() and not self.lost:
+            self.pool.release(self)
+        else:
+            self.abort()
+
+    # -- the pool's side
+    def send(self, response: UpstreamResponse, request: bytes) -> None:
+        self.busy = True
+        self.response = response
+        self.last_io_s = time.monotonic()
+        assert self.transport is not None
+        self.transport.write(request)
+
+    def abort(self) -> None:
+        if self.transport is not None and not self.lost:
+            self.transport.abort()
+        self.lost = True
+        self.pool.forget(self)
+
+
+class _Pool:
+    """Idle keep-alive connections to one engine (host, port, TLS), most recently used first."""
+
+    def __init__(self, client: UpstreamClient, host: str, port: int, tls: bool) -> None:
+        self.client = client
+        self.host, self.port, self.tls = host, port, tls
+        self.idle: list[_Connection] = []
+        #: Connections carrying an exchange, and requests waiting for one to be free (only with
+        #: limits.max_connections_per_engine).
+        self.busy = 0
+        self.waiters: deque[asyncio.Future[None]] = deque()
+        self.head = f"host: {host}:{port}\r\n".encode("latin-1")
+
+    def _done(self, conn: _Connection) -> None:
+        """``conn``'s exchange is over: a waiter for a connection slot may go."""
+        if conn.busy:
+            conn.busy = False
+            self.busy -= 1
+            self.client._running.discard(conn)
+            while self.waiters:
+                waiter = self.waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+                    break
+
+    def release(self, conn: _Connection) -> None:
+        self._done(conn)
+        conn.idle_since_s = time.monotonic()
+        self.idle.append(conn)
+        self.client._note_idle()
+
+    def forget(self, conn: _Connection) -> None:
+        self._done(conn)
+        if conn in self.idle:
+            self.idle.remove(conn)
+
+    def take(self, now_s: float) -> _Connection | None:
+        idle = self.idle
+        keepalive_s = self.client._keepalive_timeout_s
+        while idle:
+            conn = idle.pop()
+            if not conn.lost and now_s - conn.idle_since_s < keepalive_s:
+                return conn
+            conn.abort()
+        return None
+
+
 class UpstreamClient:
     """Shared pooled client; create in the app's lifespan (needs a running loop), then ``close``."""
 
@@ -56,24 +311,31 @@ class UpstreamClient:
         max_connections_per_engine: int = 0,
         keepalive_timeout_s: float = 3.0,
     ) -> None:
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
         self._limit_per_host = max_connections_per_engine
         # Below uvicorn's (and so vLLM's) 5 s keep-alive, so the pool never reuses a socket the
         # engine is about to close.
         self._keepalive_timeout_s = keepalive_timeout_s
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._pools: dict[str, tuple[_Pool, bytes]] = {}
+        #: Connections carrying an exchange (their deadlines are checked by ``_tick``).
+        self._running: set[_Connection] = set()
+        self._ticker: asyncio.TimerHandle | None = None
+        self._tls: ssl.SSLContext | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
+        """An aiohttp session for the router's occasional requests (health polls)."""
         if self._session is None:
             raise RuntimeError("UpstreamClient.start() was not called (the app lifespan starts it)")
         return self._session
 
     async def start(self) -> None:
         if self._session is None:
-            connector = aiohttp.TCPConnector(
-                limit=0, limit_per_host=self._limit_per_host, keepalive_timeout=self._keepalive_timeout_s
-            )
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive_timeout_s)
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 timeout=self._timeout,
@@ -82,78 +344,166 @@ class UpstreamClient:
             )
 
     async def close(self) -> None:
+        for handle in (self._ticker, self._sweeper):
+            if handle is not None:
+                handle.cancel()
+        self._ticker = self._sweeper = None
+        for pool, _ in self._pools.values():
+            for conn in list(pool.idle):
+                conn.abort()
+            pool.idle.clear()
+        self._pools.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None
 
-    async def send(
-        self, url: str, body: bytes, headers: Mapping[str, str], *, first_byte_timeout_s: float | None = None
-    ) -> aiohttp.ClientResponse:
-        """POST ``body`` unchanged to ``url``; the response is open (caller must ``release`` it).
-        ``first_byte_timeout_s`` bounds the wait for the response headers."""
+    def _pool_of(self, url: str) -> tuple[_Pool, bytes]:
+        """The pool of ``url``'s engine and the request line's path (cached per URL)."""
+        found = self._pools.get(url)
+        if found is None:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise UpstreamError(f"{url}: engine URLs must be http:// or https://")
+            tls = parts.scheme == "https"
+            host, port = parts.hostname, parts.port or (443 if tls else 80)
+            pool = next(
+                (p for p, _ in self._pools.values() if (p.host, p.port, p.tls) == (host, port, tls)), None
+            ) or _Pool(self, host, port, tls)
+            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            found = self._pools[url] = (pool, path.encode("latin-1"))
+        return found
+
+    def _note_idle(self) -> None:
+        """Idle connections are closed after the keep-alive timeout (one sweep timer)."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(self._keepalive_timeout_s, self._sweep)
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        now_s = time.monotonic()
+        any_idle = False
+        for pool, _ in list(self._pools.values()):
+            keep = []
+            for conn in pool.idle:
+                if conn.lost:
+                    continue
+                if now_s - conn.idle_since_s >= self._keepalive_timeout_s:
+                    conn.abort()
+                else:
+                    keep.append(conn)
+            pool.idle[:] = keep
+            any_idle = any_idle or bool(keep)
+        if any_idle:
+            self._note_idle()
+
+    def _tick(self) -> None:
+        """Fail the exchanges past their first-byte deadline (UpstreamFirstByteTimeout) or silent
+        for the read timeout (UpstreamTimeout); closing the connection stops the engine's work."""
+        self._ticker = None
+        now_s = time.monotonic()
+        read_timeout_s = self._read_timeout_s
+        for conn in list(self._running):
+            response = conn.response
+            if response is None:
+                continue
+            error: UpstreamError | None = None
+            if conn.first_byte_due_s and now_s >= conn.first_byte_due_s:
+                status = response.status
+                if not status or (conn.until_event and status == 200 and not response.event_seen):
+                    what = "no first token" if status else "no answer"
+                    error = UpstreamFirstByteTimeout(
+                        f"{response.url} sent {what} within the first-byte budget ({conn.budget_s:.1f} s)"
+                    )
+                else:
+                    conn.first_byte_due_s = 0.0
+            if error is None and now_s - conn.last_io_s >= read_timeout_s:
+                error = UpstreamTimeout(f"{response.url}: engine sent nothing within the read timeout")
+            if error is not None:
+                response._fail(error)
+                response.close()
+        if self._running:
+            self._ticker = asyncio.get_running_loop().call_later(DEADLINE_TICK_S, self._tick)
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
+
+    async def _connect(self, pool: _Pool, url: str) -> _Connection:
+        loop = asyncio.get_running_loop()
         try:
-            if first_byte_timeout_s is None:
-                return await self.session.post(url, data=body, headers=headers, allow_redirects=False)
+            async with asyncio.timeout(self._connect_timeout_s):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(pool),
+                    pool.host,
+                    pool.port,
+                    # https engines: the system's CA store and hostname check, as aiohttp did.
+                    ssl=self._tls_context() if pool.tls else None,
+                )
+        except TimeoutError:
+            raise UpstreamConnectError(
+                f"cannot connect to {url}: no connection within the connect timeout"
+            ) from None
+        except OSError as exc:
+            raise UpstreamConnectError(f"cannot connect to {url}: {exc}") from exc
+        return conn
+
+    async def send(
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        first_byte_timeout_s: float | None = None,
+        until_event: bool = False,
+    ) -> UpstreamResponse:
+        """POST ``body`` unchanged to ``url``; the response is open once its headers are in (the
+        caller must ``close`` it). ``first_byte_timeout_s`` bounds the wait for the headers and,
+        with ``until_event``, for a 200 answer's first SSE ``data:`` event as well: then the
+        answer fails with UpstreamFirstByteTimeout (wait for it with ``first_event``)."""
+        pool, path = self._pool_of(url)
+        now_s = time.monotonic()
+        conn = pool.take(now_s)
+        if conn is None and self._limit_per_host:
+            while pool.busy >= self._limit_per_host:
+                waiter = asyncio.get_running_loop().create_future()
+                pool.waiters.append(waiter)
+                await waiter
+            conn = pool.take(time.monotonic())
+        if conn is None:
+            pool.busy += 1  # counted while connecting, so the limit holds
             try:
-                async with asyncio.timeout(first_byte_timeout_s):
-                    return await self.session.post(url, data=body, headers=headers, allow_redirects=False)
-            except TimeoutError:
-                raise UpstreamFirstByteTimeout(
-                    f"{url} sent no answer within the first-byte budget ({first_byte_timeout_s:.1f} s)"
-                ) from None
-        except aiohttp.ClientConnectorError as exc:  # refused, unreachable, DNS, connect timeout
-            raise UpstreamConnectError(f"cannot connect to {url}: {exc.os_error or exc}") from exc
-        except aiohttp.ServerDisconnectedError as exc:
-            raise UpstreamConnectError(f"{url} closed the connection before answering") from exc
-        except aiohttp.ClientOSError as exc:
-            # ECONNRESET / EPIPE on a pooled keep-alive socket ("Can not write request body"): the
-            # engine answered nothing, so the request may go elsewhere like a refused one.
-            raise UpstreamConnectError(f"connection to {url} broke before any answer: {exc}") from exc
-        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise UpstreamTimeout(f"{url} did not answer within the read timeout") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamError(f"request to {url} failed: {type(exc).__name__}: {exc}") from exc
+                conn = await self._connect(pool, url)
+            finally:
+                pool.busy -= 1
+        pool.busy += 1
+        head = [b"POST ", path, b" HTTP/1.1\r\n", pool.head]
+        for name, value in headers.items():
+            head += [name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n"]
+        head.append(b"content-length: %d\r\n\r\n" % len(body))
+        head.append(body)
+        response = UpstreamResponse(conn, url)
+        conn.send(response, b"".join(head))
+        if first_byte_timeout_s is not None:
+            conn.first_byte_due_s = conn.last_io_s + first_byte_timeout_s
+            conn.budget_s = first_byte_timeout_s
+        else:
+            conn.first_byte_due_s = 0.0
+        conn.until_event = until_event
+        self._running.add(conn)
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().call_later(DEADLINE_TICK_S, self._tick)
+        await response.headers_in()
+        return response
 
 
-async def first_event(
-    chunks: AsyncIterator[bytes], timeout_s: float
-) -> tuple[list[bytes], AsyncIterator[bytes]]:
-    """Read ``chunks`` up to the first one holding an SSE ``data:`` event (keep-alive comments
-    before it are kept) within ``timeout_s``; UpstreamFirstByteTimeout when it does not come, and
-    an error before it is retryable too (UpstreamConnectError): no byte reached the client."""
-    head: list[bytes] = []
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in chunks:
-                head.append(chunk)
-                if b"data:" in chunk:
-                    return head, chunks
-    except TimeoutError:
-        raise UpstreamFirstByteTimeout(
-            f"no first token within the first-byte budget ({timeout_s:.1f} s)"
-        ) from None
-    except UpstreamError as exc:
-        raise UpstreamConnectError(f"the stream broke before its first event: {exc}") from exc
-    return head, chunks  # the stream ended without an event: passed on as it is
+async def iter_body(response: UpstreamResponse) -> AsyncIterator[bytes]:
+    """The response body as the bytes arrive (no buffering); failures are UpstreamErrors."""
+    async for chunk in response.iter_any():
+        if chunk:
+            yield chunk
 
 
-async def iter_body(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The response body as the bytes arrive (no buffering); errors mapped to UpstreamError."""
-    try:
-        async for chunk in response.content.iter_any():
-            if chunk:
-                yield chunk
-    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamTimeout("engine stopped sending within the read timeout") from exc
-    except aiohttp.ClientError as exc:
-        raise UpstreamError(f"engine response broke off: {type(exc).__name__}: {exc}") from exc
-
-
-async def read_body(response: aiohttp.ClientResponse) -> bytes:
-    """The whole response body (a non-stream answer); errors mapped to UpstreamError."""
-    try:
-        return await response.read()
-    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamTimeout("engine stopped sending within the read timeout") from exc
-    except aiohttp.ClientError as exc:
-        raise UpstreamError(f"engine response broke off: {type(exc).__name__}: {exc}") from exc
+async def read_body(response: UpstreamResponse) -> bytes:
+    """The whole response body (a non-stream answer); failures are UpstreamErrors."""
+    return await response.read()

@@ -18,15 +18,15 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import aiohttp
 import msgspec
 import xxhash
 
@@ -42,8 +42,7 @@ from router.proxy import (
     UpstreamClient,
     UpstreamConnectError,
     UpstreamError,
-    first_event,
-    iter_body,
+    UpstreamResponse,
     read_body,
 )
 
@@ -170,8 +169,24 @@ class PrefixAnnotator(Protocol):
 # -- parsing -----------------------------------------------------------------------------------
 
 
+class _RequestIds:
+    """Request ids: a random per-process prefix (new in a forked child) and a counter, unique
+    without a getrandom() syscall per request."""
+
+    def __init__(self) -> None:
+        self.reset()
+        os.register_at_fork(after_in_child=self.reset)
+
+    def reset(self) -> None:
+        self.prefix = "kvr-" + os.urandom(6).hex() + "-"
+        self.counter = itertools.count(1)
+
+
+_request_ids = _RequestIds()
+
+
 def new_request_id() -> str:
-    return "kvr-" + os.urandom(8).hex()
+    return f"{_request_ids.prefix}{next(_request_ids.counter):x}"
 
 
 def _check_type(body: Mapping[str, Any], key: str, types: tuple[type, ...], what: str) -> None:
@@ -366,15 +381,20 @@ class Router:
         self.arm_selector = arm_selector
         self.annotator = annotator
         self.observers: list[RouteObserver] = [metrics, *observers]
+        # Each hook's bound methods, looked up once (not per request and observer).
+        self._hooks: dict[str, list[tuple[RouteObserver, Callable[[RouteContext], None]]]] = {
+            hook: [(o, getattr(o, hook)) for o in self.observers]
+            for hook in ("on_routed", "on_first_byte", "on_finished")
+        }
 
     @property
     def costs(self) -> Any:
         return self.core.costs
 
     def _notify(self, hook: str, ctx: RouteContext) -> None:
-        for observer in self.observers:
+        for observer, method in self._hooks[hook]:
             try:
-                getattr(observer, hook)(ctx)
+                method(ctx)
             except Exception:  # an observer bug must not fail the request
                 log.exception("observer %r failed in %s (request %s)", observer, hook, ctx.request_id)
 
@@ -453,7 +473,7 @@ class Router:
         # One disconnect watcher for the whole exchange (the wait for the engine, a non-stream
         # body, every streamed chunk): a client that goes away cancels the upstream request,
         # which is what stops the engine's work.
-        watcher = _DisconnectWatcher(receive)
+        watcher = watch_disconnect(receive)
         try:
             answer = await self._forward(ctx, decision, headers)
             await answer.send(send, watcher)
@@ -486,12 +506,14 @@ class Router:
         if isinstance(options, dict) and options.get("include_usage"):
             return ctx.raw_body
         ctx.strip_usage = True
-        if options is None:
-            # Splice instead of re-encoding: the body is a JSON object without that key.
+        if "stream_options" not in ctx.body:
+            # Splice instead of re-encoding: the body is a JSON object without that key. (A
+            # present key, even null, is replaced below: JSON with the key twice is read by vLLM
+            # as its last value, which would drop the usage the router asked for.)
             start = ctx.raw_body.index(b"{") + 1
             return ctx.raw_body[:start] + b'"stream_options":{"include_usage":true},' + ctx.raw_body[start:]
         body = dict(ctx.body)
-        body["stream_options"] = {**options, "include_usage": True}
+        body["stream_options"] = {**(options or {}), "include_usage": True}
         return _encode_json(body)
 
     async def _forward(self, ctx: RouteContext, decision: Decision, headers: Mapping[str, str]) -> _Answer:
@@ -508,9 +530,7 @@ class Router:
         # A priority engine gets the request's shortest-work-first priority unless the client set one.
         set_priority = "priority" not in ctx.body
         order = [decision.engine_id, *decision.fallbacks][:2]  # the choice, then one retry
-        response: aiohttp.ClientResponse | None = None
-        head: list[bytes] = []  # a stream's bytes up to its first event, read before answering
-        chunks: AsyncIterator[bytes] | None = None
+        response: UpstreamResponse | None = None
         budget_s = self.config.limits.first_byte_timeout_s
         for attempt, engine_id in enumerate(order):
             ctx.engine_id = engine_id
@@ -550,11 +570,11 @@ class Router:
                     body,
                     upstream_headers,
                     first_byte_timeout_s=budget_s if ctx.stream else None,
+                    until_event=ctx.stream,
                 )
                 if ctx.stream and response.status == 200:
-                    remaining_s = budget_s - (time.monotonic() - ctx.sent_s)
-                    try:
-                        head, chunks = await first_event(iter_body(response), max(0.001, remaining_s))
+                    try:  # the budget's deadline is the client's (until_event)
+                        head = await response.first_event()
                     except BaseException:
                         response.close()
                         raise
@@ -604,9 +624,8 @@ class Router:
                 response.close()
                 self._finish(ctx, STATUS_CLIENT_GONE, "client disconnected before the stream began")
 
-            assert chunks is not None
             out_headers.append((b"content-type", content_type.encode("latin-1")))
-            return _StreamAnswer(self._stream(ctx, response, head, chunks), out_headers, on_close)
+            return _StreamAnswer(self._stream(ctx, response), out_headers, on_close)
         reservation = ctx.reservation
         if reservation is not None:
             # A non-stream body arrives only when generation is over: no token to time. The
@@ -665,11 +684,10 @@ class Router:
     async def _stream(
         self,
         ctx: RouteContext,
-        response: aiohttp.ClientResponse,
-        head: list[bytes],
-        chunks: AsyncIterator[bytes],
+        response: UpstreamResponse,
     ) -> AsyncGenerator[bytes, None]:
-        """Forward SSE bytes as they arrive (``head`` were read before answering); keep the tail to
+        """Forward SSE bytes as they arrive (from the first: the wait for the first event reads
+        none); keep the tail to
         read the final usage chunk, or take the usage chunk out when the router asked for it on
         the client's behalf. A stream that breaks off ends with an OpenAI-shaped error event and
         an aborted connection: a client must never take it for a complete answer."""
@@ -678,7 +696,7 @@ class Router:
         strip = _UsageChunkStripper() if ctx.strip_usage else None
         status, error = 200, ""
         try:
-            async for chunk in _chain(head, chunks):
+            async for chunk in response.iter_any():  # from the first chunk: head was not consumed
                 if ctx.first_token_s is None and b"data:" in chunk:  # not a keep-alive comment
                     self._first_token(ctx)
                 if strip is not None:
@@ -720,7 +738,7 @@ class Router:
     async def _complete(
         self,
         ctx: RouteContext,
-        response: aiohttp.ClientResponse,
+        response: UpstreamResponse,
         out_headers: list[tuple[bytes, bytes]],
         content_type: str,
     ) -> _Answer:
@@ -743,7 +761,7 @@ class Router:
 
 
 class _Answer(Protocol):
-    async def send(self, send: Send, watcher: _DisconnectWatcher) -> None: ...
+    async def send(self, send: Send, watcher: DisconnectWatcher) -> None: ...
 
 
 class _BodyAnswer:
@@ -754,7 +772,7 @@ class _BodyAnswer:
     def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         self.status, self.headers, self.body = status, headers, body
 
-    async def send(self, send: Send, watcher: _DisconnectWatcher) -> None:
+    async def send(self, send: Send, watcher: DisconnectWatcher) -> None:
         self.headers.append((b"content-length", b"%d" % len(self.body)))
         watcher.answered = True  # from here on a "disconnect" is the end of the answer
         await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
@@ -777,7 +795,7 @@ class _StreamAnswer:
     ) -> None:
         self.chunks, self.headers, self.on_close = chunks, headers, on_close
 
-    async def send(self, send: Send, watcher: _DisconnectWatcher) -> None:
+    async def send(self, send: Send, watcher: DisconnectWatcher) -> None:
         chunks = self.chunks
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
@@ -792,25 +810,20 @@ class _StreamAnswer:
             self.on_close()
 
 
-class _DisconnectWatcher:
-    """Cancels the task serving a request when its client disconnects (ASGI ``http.disconnect``
-    after the body was read), until the answer's last byte is on its way. One small task per
-    request; ``uncancel_if_fired`` turns that cancellation back into a normal return."""
+class DisconnectWatcher:
+    """Cancels the task serving a request when its client disconnects after the body was read,
+    until the answer's last byte is on its way (``answered``); ``uncancel_if_fired`` turns that
+    cancellation back into a normal return. ``watch_disconnect`` picks the implementation."""
 
-    __slots__ = ("_task", "_watch", "answered", "fired")
+    __slots__ = ("_task", "answered", "fired")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self) -> None:
         self.answered = False
         self.fired = False
         self._task = asyncio.current_task()
-        self._watch = asyncio.get_running_loop().create_task(self._run(receive))
 
-    async def _run(self, receive: Receive) -> None:
-        while True:
-            message = await receive()
-            if message.get("type") == "http.disconnect":
-                break
-        if not self.answered and self._task is not None:
+    def _fire(self) -> None:
+        if not self.answered and not self.fired and self._task is not None:
             self.fired = True
             self._task.cancel()
 
@@ -819,6 +832,75 @@ class _DisconnectWatcher:
         if not self.fired or self._task is None:
             return False
         return self._task.uncancel() == 0
+
+    def stop(self) -> None:
+        return None
+
+
+def watch_disconnect(receive: Receive) -> DisconnectWatcher:
+    """A callback watcher when ``receive`` is uvicorn's request cycle (its connection_lost sets the
+    cycle's message event: no task per request), else one that awaits ASGI ``http.disconnect``."""
+    cycle = getattr(receive, "__self__", None)
+    if isinstance(getattr(cycle, "message_event", None), asyncio.Event) and hasattr(cycle, "disconnected"):
+        return _CycleDisconnectWatcher(cycle)
+    return _TaskDisconnectWatcher(receive)
+
+
+class _CycleDisconnectWatcher(DisconnectWatcher):
+    """uvicorn's ``RequestResponseCycle``: its protocol marks ``disconnected`` and sets
+    ``message_event`` when the connection is lost; the event is swapped for one that calls back."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        super().__init__()
+        self._cycle = cycle
+        if cycle.disconnected:
+            self._fire()
+            return
+        event = _CallbackEvent(self._on_event)
+        if cycle.message_event.is_set():
+            event.set()
+        cycle.message_event = event
+
+    def _on_event(self) -> None:
+        if self._cycle.disconnected:
+            self._fire()
+
+    def stop(self) -> None:
+        event = self._cycle.message_event
+        if isinstance(event, _CallbackEvent):
+            event.callback = None
+
+
+class _CallbackEvent(asyncio.Event):
+    """An asyncio.Event that also calls ``callback`` when set."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        super().__init__()
+        self.callback: Callable[[], None] | None = callback
+
+    def set(self) -> None:
+        super().set()
+        if self.callback is not None:
+            self.callback()
+
+
+class _TaskDisconnectWatcher(DisconnectWatcher):
+    """Any ASGI server: one small task per request reading ``receive`` until ``http.disconnect``."""
+
+    __slots__ = ("_watch",)
+
+    def __init__(self, receive: Receive) -> None:
+        super().__init__()
+        self._watch = asyncio.get_running_loop().create_task(self._run(receive))
+
+    async def _run(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message.get("type") == "http.disconnect":
+                break
+        self._fire()
 
     def stop(self) -> None:
         self._watch.cancel()
@@ -876,13 +958,6 @@ class _UsageChunkStripper:
         if isinstance(doc, dict) and doc.get("choices") == [] and isinstance(doc.get("usage"), dict):
             return doc["usage"]
         return None
-
-
-async def _chain(head: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    for chunk in head:
-        yield chunk
-    async for chunk in rest:
-        yield chunk
 
 
 class StreamAborted(Exception):

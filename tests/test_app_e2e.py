@@ -213,3 +213,44 @@ def test_experiment_arms_header(serve_asgi, upstreams) -> None:
         json={"model": MODEL, "messages": [{"role": "user", "content": "y"}]},
     )
     assert again.headers["x-kvroute-arm"] == arms["s3"][0]  # sticky per session
+
+
+def test_stream_with_null_stream_options_sends_one_key_and_keeps_the_usage(serve_asgi, upstreams) -> None:
+    """``"stream_options": null`` is a body without options: the router's include_usage must
+    replace it, not be spliced in next to it (vLLM reads duplicate keys as the last one, null,
+    and sends no usage: the router lost that request's cached tokens)."""
+    engines = upstreams(1)
+    seen: list[Any] = []
+
+    class UsageObserver:
+        def on_routed(self, ctx: Any) -> None: ...
+
+        def on_first_byte(self, ctx: Any) -> None: ...
+
+        def on_finished(self, ctx: Any) -> None:
+            seen.append(ctx.usage)
+
+    config = load_config(
+        environ={},
+        overrides={
+            "engines": [{"id": u.name, "url": url, "model": MODEL} for u, url in engines],
+            "health": {"interval_s": 0},
+        },
+    )
+    router = serve_asgi(create_app(config, observers=[UsageObserver()]))
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello"}],
+        "stream": True,
+        "stream_options": None,
+    }
+    with httpx.stream("POST", router.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        raw = b"".join(resp.iter_bytes())
+    events = [e for e in raw.split(b"\n\n") if e.strip()]
+    assert events[-1] == b"data: [DONE]"
+    assert all(b'"usage"' not in e for e in events), raw  # the client did not ask for usage
+    sent = engines[0][0].bodies[-1]
+    assert sent.count(b'"stream_options"') == 1, sent
+    assert json.loads(sent)["stream_options"] == {"include_usage": True}
+    assert seen and seen[-1] is not None and seen[-1]["prompt_tokens_details"]["cached_tokens"] == 7

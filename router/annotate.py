@@ -1,0 +1,208 @@
+"""The prompt's router block keys: the configured chat tokenizer (``build_tokenizer``) and the
+annotator that turns a request's prompt into token ids, block keys (per engine block size, LoRA
+and cache_salt; a conversation's earlier turns reused from ``KeyChainCache``) and index matches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import aiohttp
+from prometheus_client.core import CounterMetricFamily
+
+from kvcore import sim_tokenizer
+from kvcore.index import PrefixIndex
+from kvcore.keys import KeyChainCache, block_keys, request_extra_keys
+from router.config import ConfigError, RouterConfig
+from router.load import LoadTracker
+from router.routing import CHAT, RouteContext
+from router.tokenize import EngineChatTokenizer, HfChatTokenizer, PromptNames, SimChatTokenizer
+
+log = logging.getLogger("kvroute.annotate")
+
+#: Prompts longer than this are hashed into block keys in a worker thread, off the event loop.
+_INLINE_KEY_TOKENS = 8192
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+class HealthyEngineTokenizer:
+    """Backend "engine": the first healthy engine's POST /tokenize (one cached client per engine).
+
+    The aiohttp session is set by ``RouterServices.start`` (router/background.py; it lives on the
+    event loop)."""
+
+    def __init__(self, tracker: LoadTracker, *, cache_max_bytes: int) -> None:
+        self._tracker = tracker
+        self.cache_max_bytes = cache_max_bytes
+        self.session: aiohttp.ClientSession | None = None
+        self._clients: dict[str, EngineChatTokenizer] = {}
+
+    async def chat_tokens(
+        self, messages: Sequence[Any], *, model: str = "", names: PromptNames | None = None
+    ) -> list[int]:
+        if self.session is None:
+            raise RuntimeError("engine tokenizer used before the router started")
+        for state in self._tracker.engines.values():
+            if state.healthy and self._tracker.serves(state, model):
+                client = self._clients.get(state.config.id)
+                if client is None:
+                    client = self._clients[state.config.id] = EngineChatTokenizer(
+                        self.session,
+                        state.config.url,
+                        model=state.config.model,
+                        cache_max_bytes=self.cache_max_bytes // max(1, len(self._tracker.engines)),
+                    )
+                return await client.chat_tokens(messages, model=model, names=names)
+        raise RuntimeError(f"no healthy engine serving {model!r} to tokenise with")
+
+    def cache_stats(self) -> dict[str, int]:
+        total = {"entries": 0, "bytes": 0, "max_bytes": 0, "hits": 0, "misses": 0}
+        for client in self._clients.values():
+            for key, value in client.cache_stats().items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+
+def build_tokenizer(config: RouterConfig, tracker: LoadTracker) -> Any:
+    """The configured chat tokenizer, or None for backend "none"."""
+    backend = config.tokenizer.backend
+    cache_max_bytes = config.tokenizer.cache_max_bytes
+    if backend == "sim":
+        return SimChatTokenizer(cache_max_bytes=cache_max_bytes)
+    if backend == "hf":
+        if not config.tokenizer.path:
+            raise ConfigError('tokenizer.backend "hf" needs tokenizer.path (a tokenizer directory)')
+        try:
+            return HfChatTokenizer.from_dir(config.tokenizer.path, cache_max_bytes=cache_max_bytes)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"tokenizer.path {config.tokenizer.path!r}: {exc}") from None
+    if backend == "engine":
+        return HealthyEngineTokenizer(tracker, cache_max_bytes=cache_max_bytes)
+    return None
+
+
+# ----------------------------------------------------------------------------- annotation
+
+
+class IndexAnnotator:
+    """Prompt -> token ids -> router block keys (engine block size, cache_salt) -> index matches."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        tokenizer: Any,
+        index: PrefixIndex | None,
+        *,
+        namespace: int,
+        lora_of: Callable[[str], str | None] | None = None,
+    ) -> None:
+        self._config = config
+        self._lora_of = lora_of
+        self._tokenizer = tokenizer
+        self._index = index
+        self._namespace = namespace
+        self._sim = config.tokenizer.backend == "sim"
+        self._default_block_size = config.engines[0].block_size if config.engines else 16
+        self._key_cache = KeyChainCache(config.tokenizer.cache_max_bytes)
+        self.failures = 0
+
+    async def _token_ids(self, ctx: RouteContext, names: PromptNames | None) -> list[int] | None:
+        body = ctx.body
+        if ctx.endpoint == CHAT:
+            if self._tokenizer is None:
+                return None
+            # Every back-end returns a list of its own (the prefix key cache keeps it by reference).
+            return await self._tokenizer.chat_tokens(
+                body["messages"], model=ctx.route_request.model, names=names
+            )
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)  # token ids are used as sent
+        if isinstance(prompt, str) and self._sim:
+            return sim_tokenizer.encode_prompt(prompt)
+        return None  # batches of prompts and text prompts without a completion tokenizer
+
+    async def _keys(
+        self,
+        names: PromptNames | None,
+        scope: tuple[int, str | None, str | None],
+        tokens: list[int],
+        block_size: int,
+        extra: list[Any] | None,
+    ) -> list[int]:
+        """Block keys of ``tokens``: the blocks a cached turn of the same conversation already
+        hashed are reused (verified token by token), only the rest are hashed."""
+        lookup, file_under = (names.anchors, names.file_under) if names is not None else ([], [])
+        reused, extended = self._key_cache.reusable(lookup, scope, tokens, block_size)
+        start = len(reused)
+        parent = reused[-1] if reused else self._namespace
+        rest = tokens[start * block_size :] if start else tokens
+        rest_extra = extra[start:] if extra is not None and start else extra
+        if len(rest) > _INLINE_KEY_TOKENS:  # hashing a long prompt would stall every request
+            new = await asyncio.to_thread(block_keys, rest, block_size, parent=parent, extra_keys=rest_extra)
+        else:
+            new = block_keys(rest, block_size, parent=parent, extra_keys=rest_extra)
+        keys = reused + new if reused else new
+        self._key_cache.put(file_under, scope, tokens, keys, reused_blocks=start, replaces=extended)
+        return keys
+
+    def key_cache_stats(self) -> dict[str, int]:
+        return self._key_cache.stats()
+
+    def collect(self) -> list[Any]:
+        """``kvroute_prompt_blocks_total{source}``: prompt blocks whose keys the conversation cache
+        gave (reused) or that were hashed; a low reused share on multi-turn traffic means the
+        cache is too small or the chat template is not prefix-stable."""
+        stats = self._key_cache.stats()
+        family = CounterMetricFamily(
+            "kvroute_prompt_blocks", "Prompt blocks keyed, by where the key came from", labels=["source"]
+        )
+        family.add_metric(["reused"], stats["reused_blocks"])
+        family.add_metric(["hashed"], stats["hashed_blocks"])
+        return [family]
+
+    async def annotate(self, ctx: RouteContext) -> None:
+        request = ctx.route_request
+        try:
+            # A chat prompt is named by its message prefixes (and its last message's content cuts),
+            # once for the tokenizer and the key cache, so the next turn finds this one's work.
+            names = PromptNames.of(ctx.body["messages"]) if ctx.endpoint == CHAT else None
+            tokens = await self._token_ids(ctx, names)
+        except Exception as exc:  # routing goes on without keys; counted and logged
+            self.failures += 1
+            log.warning(
+                "request %s: tokenising failed (%s); routing without prefix keys", ctx.request_id, exc
+            )
+            return
+        if tokens is None:
+            return
+        ctx.prompt_token_ids = tokens
+        engines = ctx.fleet.engines if ctx.fleet is not None else ()
+        # Keys per block size: an engine's events are keyed in its own (reported) block size.
+        by_size: dict[int, list[str]] = {}
+        for view in engines:
+            by_size.setdefault(view.block_size, []).append(view.engine_id)
+        if not by_size:
+            by_size[self._default_block_size] = []
+        salt = ctx.body.get("cache_salt")
+        salt = salt if isinstance(salt, str) else None
+        lora = self._lora_of(request.model) if self._lora_of is not None else None
+        request.prompt_tokens = len(tokens)
+        matches: dict[str, Any] = {}
+        for i, (block_size, engine_ids) in enumerate(by_size.items()):
+            n_blocks = len(tokens) // block_size
+            extra = request_extra_keys(n_blocks, lora_name=lora, cache_salt=salt)
+            keys = await self._keys(names, (block_size, lora, salt), tokens, block_size, extra)
+            if i == 0:  # speculation, trace and pricing use the first group's chain
+                request.block_size = block_size
+                request.block_keys = keys
+            if self._index is not None and keys:
+                matches.update(self._index.match(keys, engine_ids, now=time.monotonic()))
+        if self._index is not None:
+            request.prefix_matches = matches
