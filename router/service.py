@@ -48,6 +48,7 @@ from router.events import (
 from router.experiments import Experiments
 from router.load import LoadTracker
 from router.metrics import RouterMetrics, create_metrics
+from router.parity import PromptParity
 from router.routing import (
     CHAT,
     COMPLETIONS,
@@ -355,6 +356,8 @@ class RouterServices:
         self._tasks: list[asyncio.Task[None]] = []
         self._sighup_installed = False
         self.traffic = TrafficCounter()
+        #: The engines' usage.prompt_tokens against the router's tokenizer (router/parity.py).
+        self.parity = PromptParity()
         self._started = False
         #: Engine id -> its previous scrape's counters, and -> (monotonic time from which the
         #: engine must have published, what proves it): set when its prefix-cache counters moved
@@ -513,9 +516,14 @@ class RouterServices:
             for name, s in health["sources"].items()
             if s["status"] in ("stale", "disconnected")
         }
+        prompt_token_mismatch = self.parity.ready_detail()
         return {
-            "ok": not silent and not problems and not health["discovery_errors"],
+            "ok": not silent
+            and not problems
+            and not health["discovery_errors"]
+            and not prompt_token_mismatch,
             "block_size_mismatch": dict(self.block_size_mismatch),
+            "prompt_token_mismatch": prompt_token_mismatch,
             "silent_engines": silent,
             "source_problems": problems,
             "discovery_errors": health["discovery_errors"],
@@ -529,6 +537,8 @@ class RouterServices:
 
     def index_trusted(self, engine_id: str) -> bool:
         untrusted = self.manager.untrusted_engines() if self.manager is not None else set()
+        if self.parity.distrusts(engine_id):  # its prompt tokens are not the router's
+            return False
         return engine_id not in untrusted and self.costs.index_trusted(engine_id)
 
     # -- scraping -------------------------------------------------------------------------------
@@ -849,7 +859,8 @@ def build_router_app(
     metrics.add_collector(lambda: ttft_tally_families(core.ttft_tally))
     # The services object is the lifespan component (event_manager=) only; listing it among the
     # observers too made the app start it twice: two EventManagers per router.
-    observers: list[Any] = [services.traffic]
+    observers: list[Any] = [services.traffic, services.parity]
+    metrics.add_collector(services.parity.collect)
     if shared is not None:
         # The read of the other replicas' load is the last await before the choice.
         annotator = SharedStateAnnotator(annotator, shared)
