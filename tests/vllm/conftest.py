@@ -3,8 +3,9 @@
 time, then about 3 GB of memory per engine); ``TEST_VLLM_CPU=1`` or ``make test-vllm`` runs them.
 
 One session fleet of two engines, started once: ``v0`` with vLLM's default first-come scheduling,
-``v1`` with ``--scheduling-policy priority``; both with a KV memory of 160 blocks x 32 tokens so a
-handful of conversations evict.
+``v1`` with ``--scheduling-policy priority``; both with a KV memory of 264 blocks x 32 tokens (one
+request of the default 8,192-token context, plus vLLM's null block and a little) so a handful of
+conversations evict.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from sim.vllm_cpu import VllmCpuFleet, VllmCpuProfile
 from tests.conftest import ThreadedServer
 
 ENABLE_ENV = "TEST_VLLM_CPU"
-#: 160 x 32 = 5,120 tokens of KV per engine; requests up to 4,096 tokens.
-PROFILE = VllmCpuProfile(gpu_blocks=160, max_model_len=4096)
+#: 264 x 32 = 8,448 tokens of KV per engine, for the default 8,192-token context.
+PROFILE = VllmCpuProfile(gpu_blocks=264)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -13,6 +13,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +82,8 @@ class Conversation:
         self.client = _client(url, self.session)
         self.seed = seed
         self.messages: list[dict[str, str]] = [
-            {"role": "system", "content": _words(120, seed=seed)},
-            {"role": "user", "content": _words(140, seed=seed + 1000)},
+            {"role": "system", "content": _words(300, seed=seed)},
+            {"role": "user", "content": _words(250, seed=seed + 1000)},
         ]
 
     def turn(self, k: int) -> tuple[str, int, int, int]:
@@ -99,7 +100,7 @@ class Conversation:
         assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
         cached = reply.usage.prompt_tokens_details.cached_tokens or 0
         self.messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
-        self.messages.append({"role": "user", "content": _words(130, seed=self.seed * 10 + k)})
+        self.messages.append({"role": "user", "content": _words(250, seed=self.seed * 10 + k)})
         return engine, predicted[engine], cached, reply.usage.prompt_tokens
 
 
@@ -108,7 +109,7 @@ def test_explain_predicts_the_engines_cached_tokens_turn_by_turn_also_after_evic
 ) -> None:
     router = start_router()
     urls = {e.id: e.url for e in vllm_fleet.engines}
-    conversations = [Conversation(router.url, seed) for seed in range(6)]
+    conversations = [Conversation(router.url, seed) for seed in range(8)]
     rows = []
     for k in range(5):
         for conv in conversations:
@@ -303,13 +304,15 @@ def test_router_set_priorities_are_accepted_by_a_priority_engine(
 
 
 def test_what_an_fcfs_engine_does_with_a_priority(vllm_fleet: VllmCpuFleet) -> None:
-    """vLLM 0.32 with --scheduling-policy fcfs answers a request that carries a priority with 400."""
+    """vLLM 0.32 with --scheduling-policy fcfs accepts a request that carries a priority and
+    ignores it: its protocol text promises an error, but neither the API server nor the engine
+    checks (the FCFS queue appends and pops in arrival order; preemption takes the last running)."""
     fcfs = next(e for e in vllm_fleet.engines if e.scheduling_policy == "fcfs")
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
-    assert httpx.post(f"{fcfs.url}/v1/chat/completions", json=body, timeout=120).status_code == 200
-    resp = httpx.post(f"{fcfs.url}/v1/chat/completions", json={**body, "priority": 3}, timeout=120)
-    assert resp.status_code == 400, resp.text
-    assert "priority" in resp.text.lower()
+    for priority in (0, 3, -7):
+        resp = httpx.post(f"{fcfs.url}/v1/chat/completions", json={**body, "priority": priority}, timeout=120)
+        assert resp.status_code == 200, (priority, resp.text)
+        assert resp.json()["usage"]["completion_tokens"] == 2
 
 
 def test_an_engine_killed_mid_stream_raises_in_the_openai_sdk(
@@ -322,7 +325,8 @@ def test_an_engine_killed_mid_stream_raises_in_the_openai_sdk(
 
     own = VllmCpuFleet(tmp_path, model_dir=model_dir)
     try:
-        (engine,) = own.start_each([PROFILE], id_prefix="k")
+        # --enforce-eager: no compilation, so this extra engine starts in about a minute.
+        (engine,) = own.start_each([replace(PROFILE, enforce_eager=True)], id_prefix="k")
         data = {
             "engines": own.fleet_entries(),
             "tokenizer": {"backend": "hf", "path": str(model_dir)},
