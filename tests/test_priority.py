@@ -3,9 +3,9 @@ request's predicted own service as its ``priority`` to engines started with
 ``--scheduling-policy priority``.
 
 The truths are the engine's order of service (which request gets its first token first), vLLM's
-preemption rule (the running request with the largest (priority, arrival) is the victim) and
-vLLM's refusal of a non-zero priority on an fcfs engine, not the router's own account of what it
-sent.
+preemption rule (the running request with the largest (priority, arrival) is the victim), an fcfs
+engine ignoring a priority as vLLM does, and vLLM's X-Vllm-Priority header overriding the body, not
+the router's own account of what it sent.
 """
 
 from __future__ import annotations
@@ -56,10 +56,16 @@ def test_priority_engine_serves_lowest_priority_first_then_in_arrival_order() ->
     assert _first_token_order(engine) == ["late", "a", "b", "first"]
 
 
-def test_fcfs_engine_refuses_a_priority_in_vllms_words() -> None:
-    engine = EngineCore("e0", profile())
-    with pytest.raises(ValueError, match=r"^Got priority 3 but Priority scheduling is not enabled\.$"):
-        engine.add_request(SimRequest("r", list(range(20)), max_tokens=2, priority=3))
+def test_fcfs_engine_accepts_and_ignores_a_priority_as_vllm_does() -> None:
+    """vLLM's V1 input processor no longer refuses a priority on an fcfs engine (older engines
+    answered "Got priority N but Priority scheduling is not enabled." with a 400); its fcfs queue
+    never reads it. The queue stays in arrival order and the victim of a preemption the newest."""
+    engine = EngineCore("e0", profile(max_num_seqs=1))
+    for i, prio in enumerate((5, 3, -2)):
+        engine.add_request(
+            SimRequest(f"r{i}", list(range(i * 100, i * 100 + 20)), max_tokens=2, priority=prio)
+        )
+    assert _first_token_order(engine) == ["r0", "r1", "r2"]
     with pytest.raises(ValueError, match="scheduling_policy 'lifo' is unknown"):
         profile(scheduling_policy="lifo")
 
@@ -220,8 +226,8 @@ def test_router_sends_priorities_and_the_engine_serves_the_short_request_first(
 ) -> None:
     """A long prompt runs; another long one and then a short one queue behind it. Through a
     router that knows the engine schedules by priority, the short one is served before the
-    long one that arrived earlier; on an fcfs engine (no priority sent: it would refuse one with
-    a 400) they are served in arrival order."""
+    long one that arrived earlier; on an fcfs engine (no priority sent: it would ignore one) they
+    are served in arrival order."""
     sends: list[tuple[str, str, dict[str, Any]]] = [
         ("running", _prompt(BIG_TOKENS, 1), {}),
         ("long", _prompt(BIG_TOKENS, 2), {}),
@@ -261,8 +267,51 @@ def test_a_client_priority_is_passed_on_not_replaced(
     )
     assert seen["long"] < seen["short"], seen
     assert _priority_counts(url) == {"router": 2.0, "client": 1.0}
-    # And an fcfs engine refuses a client's priority with vLLM's 400, passed on by the router.
+    # And an fcfs engine accepts a client's priority and ignores it, as vLLM does (no 400).
     fcfs_url = _router(serve_asgi, engines["fcfs"])
     client = openai.OpenAI(base_url=fcfs_url + "/v1", api_key="unused", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="Priority scheduling is not enabled"):
-        client.completions.create(model=NAME, prompt="hello", max_tokens=1, extra_body={"priority": 2})
+    answer = client.completions.create(model=NAME, prompt="hello", max_tokens=1, extra_body={"priority": 2})
+    assert answer.choices[0].finish_reason == "length"
+
+
+def test_the_x_vllm_priority_header_overrides_the_body(engines: dict[str, FleetEngine]) -> None:
+    """Straight to the priority engine (one request at a time): "a" says priority 5 in its body
+    and -5 in vLLM's X-Vllm-Priority header, "b" 0 in its body. The header wins, so a is served
+    before b (by the body alone b would be). A header that is not an integer is a 400."""
+    url = engines["priority"].url
+    seen: dict[str, float] = {}
+
+    async def send() -> None:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+        async def one(
+            delay_s: float, name: str, tokens: int, body: dict[str, Any], headers: dict[str, str]
+        ) -> None:
+            await asyncio.sleep(delay_s)
+            stream = await client.completions.create(
+                model=NAME,
+                prompt=_prompt(tokens, 20 + len(name)),
+                max_tokens=1,
+                stream=True,
+                extra_body=body or None,
+                extra_headers=headers or None,
+            )
+            async for _ in stream:
+                seen.setdefault(name, time.monotonic())
+
+        try:
+            await asyncio.gather(
+                one(0.0, "running", BIG_TOKENS, {}, {}),
+                one(0.15, "b", SMALL_TOKENS, {"priority": 0}, {}),
+                one(0.3, "a", SMALL_TOKENS, {"priority": 5}, {"X-Vllm-Priority": "-5"}),
+            )
+        finally:
+            await client.close()
+
+    asyncio.run(send())
+    assert seen["running"] < seen["a"] < seen["b"], seen
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="X-Vllm-Priority' must be an integer"):
+        client.completions.create(
+            model=NAME, prompt="hello", max_tokens=1, extra_headers={"X-Vllm-Priority": "high"}
+        )
