@@ -783,6 +783,16 @@ def create_engine_app(config: EngineServerConfig) -> FastAPI:
         log.exception("%s %s failed", request.method, request.url.path)
         return error_response(f"internal error: {type(exc).__name__}", 500, "InternalServerError")
 
+    _add_info_routes(app, state)
+    _add_render_routes(app, state)
+    _add_completion_routes(app, state)
+    return app
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    """Health, version, models, KV event sources, metrics, prefix-cache reset and (de)tokenize."""
+    config, profile, registry = state.config, state.profile, state.registry
+
     @app.get("/health")
     async def health() -> Response:
         if not config.zero_delay and (state.runner is None or not state.runner.alive):
@@ -871,6 +881,11 @@ def create_engine_app(config: EngineServerConfig) -> FastAPI:
             raise ApiError("'tokens' must be a list of integer token ids")
         return {"prompt": tokenizer.decode(tokens)}
 
+
+def _add_render_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's /render endpoints: the engine request a completion would become, without running it."""
+    config = state.config
+
     def _render(body: Mapping[str, Any], prompt: list[int], sampling: _Sampling) -> dict[str, Any]:
         return {
             "request_id": sampling.request_id,
@@ -901,6 +916,11 @@ def create_engine_app(config: EngineServerConfig) -> FastAPI:
             state, body, [len(p) for p in prompts], "cmpl", chat=False, headers=request.headers
         )
         return [_render(body, p, sampling) for p in prompts]
+
+
+def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
+    """/v1/chat/completions and /v1/completions, streamed or not, through the engine loop."""
+    config = state.config
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
@@ -1088,8 +1108,6 @@ def create_engine_app(config: EngineServerConfig) -> FastAPI:
                     await g.aclose()
 
         return StreamingResponse(body_iter(), media_type="text/event-stream")
-
-    return app
 
 
 async def _first_item(gen: AsyncIterator[list[int] | FinishedRequest]) -> list[int] | FinishedRequest:
