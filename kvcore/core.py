@@ -193,9 +193,13 @@ class Reservation:
 SCHEDULING_POLICIES = ("fcfs", "priority")
 #: Seconds of predicted own service per vLLM priority level (``shortest_first_priority``).
 PRIORITY_STEP_S = 0.05
-#: A request may be overtaken by shorter work for at most this many times its own predicted
-#: service (``shortest_first_priority``); 0 = never aged (pure shortest work first).
+#: How far shortest work first goes (``shortest_first_priority``): a request's deadline is
+#: ``stretch x`` its own predicted service after it was placed. Larger = more shortest-first;
+#: 0 = arrival order (every deadline is ``now``).
 PRIORITY_STRETCH = 20.0
+#: The bound (seconds): no request is ever overtaken by one placed more than this after it,
+#: whatever its own service (``shortest_first_priority``); inf = no bound.
+PRIORITY_MAX_OVERTAKE_S = 10.0
 #: Deadlines count seconds from 2026-01-01 UTC (wall clock), so that router replicas agree.
 PRIORITY_EPOCH_S = 1_767_225_600.0
 _MAX_PRIORITY = 1 << 62
@@ -204,7 +208,13 @@ _MAX_PRIORITY = 1 << 62
 def check_priority_stretch(stretch: float, what: str) -> None:
     """ValueError naming ``what`` unless ``stretch`` is a finite number >= 0."""
     if not 0 <= stretch < math.inf:
-        raise ValueError(f"{what} must be >= 0 (0 = pure shortest work first), got {stretch}")
+        raise ValueError(f"{what} must be >= 0 and finite (0 = arrival order), got {stretch}")
+
+
+def check_priority_max_overtake(max_overtake_s: float, what: str) -> None:
+    """ValueError naming ``what`` unless ``max_overtake_s`` is > 0 (inf allowed: no bound)."""
+    if not max_overtake_s > 0:
+        raise ValueError(f"{what} must be > 0 seconds (inf = no bound), got {max_overtake_s}")
 
 
 def shortest_first_priority(
@@ -213,19 +223,29 @@ def shortest_first_priority(
     *,
     now_s: float = 0.0,
     stretch: float = PRIORITY_STRETCH,
+    max_overtake_s: float = PRIORITY_MAX_OVERTAKE_S,
 ) -> int:
     """vLLM's ``priority`` for a routed request (lower is served first, ties in arrival order),
-    in levels of ``step_s`` seconds: the request's deadline ``now_s + stretch x own``, where own
-    = its predicted own service on the chosen engine (loads plus prefill, no queueing). An engine
-    started with ``--scheduling-policy priority`` then serves the earliest deadline first: a turn
-    whose history is cached runs before a recompute queued ahead of it, while its blocks are still
-    on the GPU, and a recompute is overtaken only by requests that arrive within ``stretch x own``
-    after it, so it is not starved. ``stretch`` 0: the level of ``own`` alone (pure shortest work
-    first, starvation possible). docs/routing.md, "Shortest work first"."""
+    in levels of ``step_s`` seconds: the request's deadline
+
+        deadline = now_s + min(stretch x own, max_overtake_s)
+
+    where own = its predicted own service on the chosen engine (loads plus prefill, no queueing).
+    An engine started with ``--scheduling-policy priority`` serves the earliest deadline first: a
+    turn whose history is cached runs before a recompute queued ahead of it, while its blocks are
+    still on the GPU. The bound: a request B served (or kept running) ahead of A has
+    ``now_B <= deadline_B <= deadline_A <= now_A + max_overtake_s``, so no request is overtaken by
+    one placed more than ``max_overtake_s`` after it, and its wait exceeds its first-come wait by
+    at most the service of what was placed in that window. ``stretch`` only moves requests within
+    it: 0 = arrival order, larger = closer to pure shortest work first. docs/routing.md,
+    "Shortest work first"."""
     own_s = parts.prefill_s + sum(parts.load_s)
     if not own_s > 0.0:  # nothing to compute, or NaN
         own_s = 0.0
-    level = (now_s + stretch * own_s if stretch > 0.0 else own_s) / step_s
+    offset_s = stretch * own_s if stretch > 0.0 else 0.0
+    if offset_s > max_overtake_s:
+        offset_s = max_overtake_s
+    level = (now_s + offset_s) / step_s
     if not level > 0.0:
         return 0
     return _MAX_PRIORITY if level >= _MAX_PRIORITY else int(level)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import math
 import statistics
@@ -23,7 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcore.core import PRIORITY_STRETCH, SCHEDULING_POLICIES, check_priority_stretch
+from kvcore.core import (
+    PRIORITY_MAX_OVERTAKE_S,
+    PRIORITY_STRETCH,
+    SCHEDULING_POLICIES,
+    check_priority_max_overtake,
+    check_priority_stretch,
+)
 from sim.des import (
     UNBOUNDED_STORAGE_BLOCKS,
     FleetSimulator,
@@ -66,21 +71,43 @@ class Cell:
     stagger_s: float = 30.0
     limit: int | None = None
     #: The engines' vLLM ``--scheduling-policy``: "fcfs", or "priority" (the router then sends each
-    #: request's ``shortest_first_priority``); "priority:S" with the priority stretch S.
+    #: request's ``shortest_first_priority``); "priority:S" with the priority stretch S,
+    #: "priority:S:H" also with the bound H (``max_overtake_s``).
     scheduling: str = "fcfs"
 
 
-def parse_scheduling(spec: str) -> tuple[str, float]:
-    """ "fcfs", "priority" or "priority:S" -> (vLLM scheduling policy, priority stretch)."""
-    policy, _, stretch = spec.partition(":")
-    if policy not in SCHEDULING_POLICIES or (stretch and policy != "priority"):
-        raise ValueError(f"--scheduling {spec!r}: use fcfs, priority or priority:STRETCH")
+def parse_scheduling(spec: str) -> tuple[str, float, float]:
+    """ "fcfs", "priority", "priority:S" or "priority:S:H" -> (vLLM scheduling policy, priority
+    stretch, max overtake seconds)."""
+    policy, *numbers = spec.split(":")
+    if policy not in SCHEDULING_POLICIES or (numbers and policy != "priority") or len(numbers) > 2:
+        raise ValueError(
+            f"--scheduling {spec!r}: use fcfs, priority, priority:STRETCH or priority:STRETCH:MAX_OVERTAKE_S"
+        )
     try:
-        value = float(stretch) if stretch else PRIORITY_STRETCH
+        values = [float(x) for x in numbers]
     except ValueError:
-        raise ValueError(f"--scheduling {spec!r}: the stretch must be a number") from None
-    check_priority_stretch(value, f"--scheduling {spec!r}: the stretch")
-    return policy, value
+        raise ValueError(f"--scheduling {spec!r}: the stretch and the bound must be numbers") from None
+    stretch = values[0] if values else PRIORITY_STRETCH
+    max_overtake_s = values[1] if len(values) > 1 else PRIORITY_MAX_OVERTAKE_S
+    check_priority_stretch(stretch, f"--scheduling {spec!r}: the stretch")
+    check_priority_max_overtake(max_overtake_s, f"--scheduling {spec!r}: the bound")
+    return policy, stretch, max_overtake_s
+
+
+def policy_runs(policies: str, schedulings: str) -> list[tuple[str, str]]:
+    """(policy spec, scheduling) pairs: every policy with every --scheduling value, except that a
+    policy written ``SPEC@SCHEDULING`` runs with that scheduling only."""
+    for sched in _list(schedulings):
+        parse_scheduling(sched)
+    runs: list[tuple[str, str]] = []
+    for entry in _list(policies):
+        spec, at, scheduling = entry.partition("@")
+        parse_policy_spec(spec)  # fail early on a malformed spec
+        for sched in [scheduling] if at else _list(schedulings):
+            parse_scheduling(sched)
+            runs.append((spec, sched))
+    return runs
 
 
 def storage_blocks(storage: str, workload: Workload) -> int:
@@ -123,7 +150,7 @@ def build(cell: Cell) -> tuple[Workload, FleetSpec]:
             mean_conversation_tokens=lcfg.mean_prompt_tokens(),
         )
     fleet.storage_pool_blocks = storage_blocks(cell.storage, wl)
-    policy, _ = parse_scheduling(cell.scheduling)
+    policy, _, _ = parse_scheduling(cell.scheduling)
     for spec in fleet.engines:
         spec.profile = dataclasses.replace(spec.profile, scheduling_policy=policy)
     return wl, fleet
@@ -133,7 +160,8 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     """Run one cell; the result row (figures of the run and of its hindsight bound)."""
     wl, fleet = build(cell)
     name, params = parse_policy_spec(cell.policy)
-    config = SimConfig(seed=cell.seed, priority_stretch=parse_scheduling(cell.scheduling)[1])
+    _, stretch, max_overtake_s = parse_scheduling(cell.scheduling)
+    config = SimConfig(seed=cell.seed, priority_stretch=stretch, priority_max_overtake_s=max_overtake_s)
     sim = FleetSimulator(wl, name, fleet, config, policy_params=params)
     # Tier capacities reach the policy through sim.views[i].extra (FleetSimulator fills them).
     recorder = ArrivalRecorder(sim.policy)
@@ -158,6 +186,8 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         ttft_floor_p50_s=bound.ttft_floor_p50_s,
         ttft_floor_p99_s=bound.ttft_floor_p99_s,
         capacity_blocks=capacity,
+        ttft_max_s=max(result.ttfts_s, default=0.0),
+        ttft_by_request_s=result.ttft_by_request_s,
     )
     return row
 
@@ -176,21 +206,67 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         key = (r["label"], r["storage"], r["policy"], r.get("scheduling", "fcfs"))
         groups.setdefault(key, []).append(r)
     out = [
-        "| workload | storage | policy | engine scheduling | seeds | TTFT p50 s | p90 s | p99 s | turns/s"
-        " | hit | bound hit | hit / bound | sticky LRU ref hit | TTFT floor p50 s | TTFT / predicted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | storage | policy | engine scheduling | seeds | TTFT p50 s | p90 s | p99 s"
+        " | max s | turns/s | hit | bound hit | hit / bound | sticky LRU ref hit | TTFT floor p50 s"
+        " | TTFT / predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (label, storage, policy, scheduling), rs in groups.items():
         out.append(
             f"| {label} | {storage} | {policy} | {scheduling} | {len(rs)}"
             f" | {_mr([r['ttft_p50_s'] for r in rs], '.3f')}"
             f" | {_mr([r['ttft_p90_s'] for r in rs], '.3f')} | {_mr([r['ttft_p99_s'] for r in rs], '.2f')}"
+            f" | {_mr([r.get('ttft_max_s', math.nan) for r in rs], '.1f')}"
             f" | {_mr([r['turns_per_s'] for r in rs], '.2f')} | {_mr([r['hit'] for r in rs], '.3f')}"
             f" | {_mr([r['bound_hit'] for r in rs], '.3f')}"
             f" | {_mr([r['hit'] / r['bound_hit'] if r['bound_hit'] else 0.0 for r in rs], '.2f')}"
             f" | {_mr([r.get('sticky_lru_hit', math.nan) for r in rs], '.3f')}"
             f" | {_mr([r['ttft_floor_p50_s'] for r in rs], '.3f')}"
             f" | {_mr([r.get('ttft_over_predicted', math.nan) for r in rs], '.2f')} |"
+        )
+    return "\n".join(out)
+
+
+#: A turn "waits in the tail" past this many times its TTFT in the reference run, or past
+#: TAIL_ABSOLUTE_S seconds (issue 27's tail table).
+TAIL_FACTOR = 10.0
+TAIL_ABSOLUTE_S = 30.0
+
+
+def tail_markdown(rows: Sequence[dict[str, Any]], reference: str) -> str:
+    """Per (label, storage, policy, scheduling): turns whose TTFT exceeds TAIL_FACTOR x the same
+    turn's TTFT in the ``reference`` run ("SPEC@SCHEDULING", same label, storage and seed), turns
+    over TAIL_ABSOLUTE_S, and the largest TTFT; median [min-max] over seeds."""
+    ref_spec, _, ref_sched = reference.partition("@")
+    ref_sched = ref_sched or "fcfs"
+    refs = {
+        (r["label"], r["storage"], r["seed"]): r["ttft_by_request_s"]
+        for r in rows
+        if r["policy"] == ref_spec and r.get("scheduling", "fcfs") == ref_sched
+    }
+    groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["label"], r["storage"], r["policy"], r.get("scheduling", "fcfs")), []).append(r)
+    out = [
+        f"| workload | storage | policy | engine scheduling | seeds | turns"
+        f" | over {TAIL_FACTOR:g}x their TTFT under {reference} | over {TAIL_ABSOLUTE_S:g} s | max TTFT s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (label, storage, policy, scheduling), rs in groups.items():
+        over_ref: list[float] = []
+        for r in rs:
+            ref = refs.get((label, storage, r["seed"]))
+            if ref is not None:
+                mine = r["ttft_by_request_s"]
+                over_ref.append(
+                    float(sum(1 for k, t in mine.items() if k in ref and t > TAIL_FACTOR * ref[k]))
+                )
+        over_abs = [float(sum(1 for t in r["ttft_by_request_s"].values() if t > TAIL_ABSOLUTE_S)) for r in rs]
+        out.append(
+            f"| {label} | {storage} | {policy} | {scheduling} | {len(rs)}"
+            f" | {_mr([float(len(r['ttft_by_request_s'])) for r in rs], '.0f')}"
+            f" | {_mr(over_ref, '.0f') if over_ref else '-'} | {_mr(over_abs, '.0f')}"
+            f" | {_mr([r['ttft_max_s'] for r in rs], '.1f')} |"
         )
     return "\n".join(out)
 
@@ -202,19 +278,21 @@ def _list(text: str) -> list[str]:
 def plan(args: argparse.Namespace) -> list[Cell]:
     cells: list[Cell] = []
     seeds = [int(s) for s in _list(args.seeds)]
-    for policy in _list(args.policies):
-        parse_policy_spec(policy)  # fail early on a malformed spec
+    runs = policy_runs(args.policies, args.scheduling)
     for storage in _list(args.storage):
         parse_storage(storage)
-    schedulings = _list(args.scheduling)
-    for scheduling in schedulings:
-        parse_scheduling(scheduling)
+    if args.tail_reference:
+        spec, _, sched = args.tail_reference.partition("@")
+        if (spec, sched or "fcfs") not in runs:
+            raise ValueError(
+                f"--tail-reference {args.tail_reference!r} is not one of the runs; add it to --policies"
+            )
     if args.trace:
         path = Path(args.trace)
         fmt = args.trace_format or ("agentic" if path.is_dir() or path.suffix == ".json" else "mooncake")
         label = f"{path.stem} {args.engines}e{' hetero' if args.fleet == 'hetero' else ''}"
         for storage in _list(args.storage):
-            for policy, scheduling in itertools.product(_list(args.policies), schedulings):
+            for policy, scheduling in runs:
                 for seed in seeds:
                     cells.append(
                         Cell(
@@ -234,7 +312,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
         return cells
     for c in [int(x) for x in _list(args.concurrency)]:
         for storage in _list(args.storage):
-            for policy, scheduling in itertools.product(_list(args.policies), schedulings):
+            for policy, scheduling in runs:
                 for seed in seeds:
                     cells.append(
                         Cell(
@@ -266,7 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--storage", default="none,1/4,1/2,unbounded", help="pool sizes: none, unbounded, fractions"
     )
     p.add_argument("--seeds", default="1,2,3")
-    p.add_argument("--policies", default="horizon_cost,tier_cost,kv_fixed_credit")
+    p.add_argument(
+        "--policies",
+        default="horizon_cost,tier_cost,kv_fixed_credit",
+        help="policy specs; SPEC@SCHEDULING runs that one with that engine scheduling only",
+    )
     p.add_argument("--trace", help="Mooncake JSONL or agentic-session directory instead of the ladder")
     p.add_argument("--trace-format", choices=["mooncake", "agentic"])
     p.add_argument("--limit", type=int)
@@ -275,8 +357,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--scheduling",
         default="fcfs",
         help="the engines' vLLM --scheduling-policy, comma-separated: fcfs, priority (the router"
-        " then sends each request's shortest_first_priority), priority:STRETCH (0 = pure shortest"
-        " work first)",
+        " then sends each request's shortest_first_priority), priority:STRETCH (0 = arrival order,"
+        " larger = more shortest-first), priority:STRETCH:MAX_OVERTAKE_S (the bound; inf = none)",
+    )
+    p.add_argument(
+        "--tail-reference",
+        help="SPEC@SCHEDULING of one of the runs: also print the tail table (turns over 10x their TTFT"
+        " in that run, over 30 s, max)",
     )
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--out", help="markdown file (a .jsonl of raw rows is written next to it)")
@@ -305,6 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(run_cell(cell))
             _progress(rows[-1], len(rows), len(cells), raw)
     table = markdown(rows)
+    if args.tail_reference:
+        table += "\n\n" + tail_markdown(rows, args.tail_reference)
     cmd = "python -m loadtest.bench_quality " + " ".join(sys.argv[1:] if argv is None else argv)
     footer = f"{len(cells)} runs, wall {time.perf_counter() - wall0:.0f} s"
     print(table + "\n\n" + footer)

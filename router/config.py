@@ -193,9 +193,9 @@ class CostsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     priors: dict[str, Any] = msgspec.field(default_factory=dict)
     #: Seconds between scrapes of each engine's GET /metrics; 0 disables scraping.
     scrape_interval_s: float = 2.0
-    #: Engines with ``scheduling_policy: priority``: seconds per vLLM priority level, and how many
-    #: times its own predicted service (loads + prefill) a request may be overtaken by shorter work
-    #: (0 = pure shortest work first, which can starve long prompts; kvcore.core.shortest_first_priority).
+    #: Engines with ``scheduling_policy: priority``: seconds per vLLM priority level, and the deadline
+    #: as that many times its own predicted service (loads + prefill) after placement, capped at
+    #: kvcore.core.PRIORITY_MAX_OVERTAKE_S (0 = arrival order; kvcore.core.shortest_first_priority).
     priority_step_s: float = PRIORITY_STEP_S
     priority_stretch: float = PRIORITY_STRETCH
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvcore.calibration import CostModel
 from kvcore.core import (
+    PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_STEP_S,
     PRIORITY_STRETCH,
     SCHEDULING_POLICIES,
@@ -36,6 +37,7 @@ from kvcore.core import (
     Outcome,
     Reservation,
     RoutingCore,
+    check_priority_max_overtake,
     check_priority_stretch,
     shortest_first_priority,
 )
@@ -311,9 +313,11 @@ class SimConfig:
     router_priors: str = "defaults"
     #: Engines whose profile has ``scheduling_policy="priority"`` get each request's
     #: ``shortest_first_priority`` (levels of ``priority_step_s`` seconds, deadlines stretched by
-    #: ``priority_stretch``; virtual time is the clock), as the router sends them.
+    #: ``priority_stretch`` and never more than ``priority_max_overtake_s`` after placement; virtual
+    #: time is the clock), as the router sends them.
     priority_step_s: float = PRIORITY_STEP_S
     priority_stretch: float = PRIORITY_STRETCH
+    priority_max_overtake_s: float = PRIORITY_MAX_OVERTAKE_S
 
 
 @dataclass(slots=True)
@@ -371,6 +375,9 @@ class SimResult:
     ttft_over_predicted: float = math.nan
     label: str = ""
     ttfts_s: list[float] = field(default_factory=list, repr=False)
+    #: Each request's TTFT by request id ("conversation#turn": the same turn in every run of a
+    #: seed), for per-turn comparisons between runs (loadtest/bench_quality.py's tail table).
+    ttft_by_request_s: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
     def hit(self) -> float:
@@ -379,6 +386,7 @@ class SimResult:
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("ttfts_s")
+        d.pop("ttft_by_request_s")
         d["hit"] = self.hit
         return d
 
@@ -540,6 +548,7 @@ class FleetSimulator:
         seen_ids: set[int] = set()
         ideal_tokens = 0
         ttfts: list[float] = []
+        self._ttft_by_request: dict[str, float] = {}
         rejected = 0
         by_tier = [0, 0, 0]
         prompt_total = output_total = finished = arrived = 0
@@ -675,6 +684,7 @@ class FleetSimulator:
             rejected=rejected,
             ttft_over_predicted=self.core.ttft_over_predicted(),
             ttfts_s=ttfts,
+            ttft_by_request_s=self._ttft_by_request,
         )
 
     # -- pieces of the loop ------------------------------------------------------------------
@@ -741,6 +751,7 @@ class FleetSimulator:
                 self.config.priority_step_s,
                 now_s=now,
                 stretch=self.config.priority_stretch,
+                max_overtake_s=self.config.priority_max_overtake_s,
             )
         try:
             engine_core.add_request(sim_req)
@@ -768,6 +779,7 @@ class FleetSimulator:
             if r is not None and r.reservation.first_token_s is None:
                 core.on_first_token(r.reservation, now)
                 ttfts.append(now - r.arrival_s)
+                self._ttft_by_request[rid] = now - r.arrival_s
         for fin in out.finished:
             r = reqs[fin.request_id]
             outcome = Outcome(
@@ -1046,8 +1058,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--priority-stretch",
         type=float,
         default=PRIORITY_STRETCH,
-        help="priority engines: a request may be overtaken by shorter work for at most this many "
-        f"times its own predicted service (default {PRIORITY_STRETCH:g}; 0 = pure shortest work first)",
+        help="priority engines: a request's deadline is this many times its own predicted service "
+        f"after placement (default {PRIORITY_STRETCH:g}; larger = more shortest-first, 0 = arrival order)",
+    )
+    fl.add_argument(
+        "--priority-max-overtake-s",
+        type=float,
+        default=PRIORITY_MAX_OVERTAKE_S,
+        help="priority engines: no request is overtaken by one placed more than this many seconds "
+        f"after it (default {PRIORITY_MAX_OVERTAKE_S:g}; inf = no bound)",
     )
     fl.add_argument(
         "--gpu-tokens",
@@ -1160,8 +1179,10 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         progress=not args.no_progress,
         router_priors=args.router_priors,
         priority_stretch=args.priority_stretch,
+        priority_max_overtake_s=args.priority_max_overtake_s,
     )
     check_priority_stretch(args.priority_stretch, "--priority-stretch")
+    check_priority_max_overtake(args.priority_max_overtake_s, "--priority-max-overtake-s")
     fleet_options = _fleet_options(args)
     storage_values: list[str] = args.storage
 
@@ -1251,6 +1272,7 @@ def _execute(spec: _RunSpec) -> SimResult:
     if spec.spec:
         result.policy = spec.spec
     result.ttfts_s = []
+    result.ttft_by_request_s = {}
     return result
 
 

@@ -52,10 +52,12 @@ class EngineProfile:
     num_gpu_blocks: int = 27852
     #: CPU tier in blocks (0 = no CPU tier). Prompt blocks are written through when computed.
     num_cpu_blocks: int = 0
-    #: Token budget of one step: chunked prefill tokens + one per decoding request.
+    #: Token budget of one step: chunked prefill tokens + one per decoding request (vLLM's API-server
+    #: default on an H100).
     max_num_batched_tokens: int = 8192
-    #: Most requests running at once.
-    max_num_seqs: int = 256
+    #: Most requests running at once. vLLM's API-server default on a GPU of 70 GiB or more other
+    #: than an A100 (``EngineArgs.get_batch_defaults``: 1,024 for ``vllm serve`` on an H100).
+    max_num_seqs: int = 1024
     #: Longest sequence (prompt + output) accepted.
     max_model_len: int = 131072
     #: KV-cache bytes of one token (Llama-3-8B bf16: 32 layers x 8 KV heads x 128 dims x 2 x 2 bytes).
@@ -102,6 +104,10 @@ class EngineProfile:
     #: vLLM's ``--scheduling-policy``: "fcfs" or "priority" (waiting ordered by (priority,
     #: arrival); the preemption victim is the running request with the largest (priority, arrival)).
     scheduling_policy: str = "fcfs"
+    #: vLLM's ``scheduler_reserve_full_isl`` (on by default): a waiting request is admitted only if
+    #: the blocks of its whole sequence (prompt and output so far, less its GPU prefix hits) are
+    #: free, not just those of its first chunk. False = admit on the first chunk (the old model).
+    reserve_full_isl: bool = True
 
     def __post_init__(self) -> None:
         positive_ints = (
@@ -184,7 +190,7 @@ class SimRequest:
     block_ids: list[int] | None = None
     #: Trace mode: prompt length in tokens (default: len(block_ids) * block_size).
     prompt_len: int | None = None
-    #: vLLM's ``priority`` (lower is served first); only a "priority" engine accepts non-zero.
+    #: vLLM's ``priority`` (lower is served first); an "fcfs" engine ignores it, as vLLM does.
     priority: int = 0
 
 
@@ -440,11 +446,10 @@ class EngineCore:
         offset = (zlib.crc32(rid.encode()) ^ self.seed) % _OUTPUT_CYCLE_TOKENS
         chain = HashChain(p.hash_algo, self.hash_cache)
         state = _Request(req, prompt_len, max_output, p.block_size, chain, offset)
-        if req.priority and p.scheduling_policy != "priority":
-            # vLLM's own words (a ValueError in its input processor, answered as a 400).
-            raise ValueError(f"Got priority {req.priority} but Priority scheduling is not enabled.")
         self._arrivals += 1
-        state.prio_key = (req.priority, self._arrivals)
+        # vLLM's V1 input processor no longer refuses a priority on an fcfs engine: its fcfs queue
+        # and victim choice simply never read it.
+        state.prio_key = (req.priority if self._priority else 0, self._arrivals)
         self._requests[rid] = state
         self._enqueue(state)
 
@@ -549,10 +554,13 @@ class EngineCore:
             if need > 0:
                 victim = None
                 while need > gpu.num_free() and running:
+                    # A request whose KV is still loading is not in vLLM's ``running`` (it waits in
+                    # WAITING_FOR_REMOTE_KVS), so it is never a victim; ``req`` itself always can be.
+                    victims = [k for k in range(len(running)) if running[k].ready_at_s <= now]
                     if self._priority:
                         # vLLM's priority scheduler preempts the running request with the largest
                         # (priority, arrival), which may sit before this one and be scheduled already.
-                        j = max(range(len(running)), key=lambda k: running[k].prio_key)
+                        j = max(victims, key=lambda k: running[k].prio_key)
                         victim = running.pop(j)
                         if j < i:
                             i -= 1
@@ -568,7 +576,8 @@ class EngineCore:
                                         prefill_token_ctx -= sn * (sreq.num_computed + (sn - 1) / 2)
                                     break
                     else:
-                        victim = running.pop()
+                        # The newest running request: at or after ``req``, which is one of them.
+                        victim = running.pop(victims[-1])
                     self._preempt(victim)
                     preempted = True
                     if victim is req:
@@ -731,7 +740,10 @@ class EngineCore:
         asynchronous = self.profile.async_loads and (num_loaded > 0 or wait_until > 0.0)
         n_new = 0 if asynchronous else min(num_tokens - hit_tokens, budget)
         new_blocks = -(-(hit_tokens + n_new) // bs) - hit_blocks
-        if pin_cost + num_loaded + new_blocks > gpu.num_free():
+        # vLLM's admission gate (scheduler_reserve_full_isl): the whole sequence must fit, though
+        # only this step's chunk is allocated now.
+        must_fit = -(-num_tokens // bs) - hit_blocks if self.profile.reserve_full_isl else new_blocks
+        if pin_cost + num_loaded + must_fit > gpu.num_free():
             return None
 
         n_by_tier = [0, 0, 0]

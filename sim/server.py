@@ -482,12 +482,39 @@ class _Sampling:
     raw: dict[str, Any]
     #: The LoRA adapter the request names as its model (vLLM folds it into every block's key).
     lora_name: str | None = None
-    #: vLLM's ``priority`` (lower first; non-zero only on a --scheduling-policy priority engine).
+    #: vLLM's ``priority`` (lower first; read only by a --scheduling-policy priority engine).
     priority: int = 0
 
 
+#: vLLM's request header for ``priority``; when present it overrides the body's (vLLM docs,
+#: "OpenAI-compatible server": the value must be an integer).
+PRIORITY_HEADER = "x-vllm-priority"
+_MIN_PRIORITY = -(1 << 62)
+
+
+def _priority(body: Mapping[str, Any], headers: Mapping[str, str]) -> int:
+    """The request's vLLM priority: the X-Vllm-Priority header when sent, else the body's
+    ``priority``, else 0. An fcfs engine accepts and ignores it, as vLLM does."""
+    header = headers.get(PRIORITY_HEADER)
+    if header is None:
+        return _opt_int(body, "priority", _MIN_PRIORITY) or 0
+    try:
+        value = int(header.strip())
+    except ValueError:
+        raise ApiError(f"header 'X-Vllm-Priority' must be an integer, got {header!r}") from None
+    if value < _MIN_PRIORITY:
+        raise ApiError(f"header 'X-Vllm-Priority' must be >= {_MIN_PRIORITY}, got {value}")
+    return value
+
+
 def _parse_sampling(
-    state: ServerState, body: Mapping[str, Any], prompt_lens: list[int], id_prefix: str, *, chat: bool
+    state: ServerState,
+    body: Mapping[str, Any],
+    prompt_lens: list[int],
+    id_prefix: str,
+    *,
+    chat: bool,
+    headers: Mapping[str, str],
 ) -> _Sampling:
     for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         _opt_number(body, key)
@@ -540,8 +567,7 @@ def _parse_sampling(
     }
     model = body.get("model")
     lora_name = model if isinstance(model, str) and model in state.config.lora_modules else None
-    # On an fcfs engine a non-zero priority is refused when the request is added (EngineCore).
-    priority = _opt_int(body, "priority", -(1 << 62)) or 0
+    priority = _priority(body, headers)
     return _Sampling(max_tokens, stream, include_usage, cache_salt, request_id, raw, lora_name, priority)
 
 
@@ -757,6 +783,16 @@ def create_engine_app(config: EngineServerConfig) -> FastAPI:
         log.exception("%s %s failed", request.method, request.url.path)
         return error_response(f"internal error: {type(exc).__name__}", 500, "InternalServerError")
 
+    _add_info_routes(app, state)
+    _add_render_routes(app, state)
+    _add_completion_routes(app, state)
+    return app
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    """Health, version, models, KV event sources, metrics, prefix-cache reset and (de)tokenize."""
+    config, profile, registry = state.config, state.profile, state.registry
+
     @app.get("/health")
     async def health() -> Response:
         if not config.zero_delay and (state.runner is None or not state.runner.alive):
@@ -845,6 +881,11 @@ def create_engine_app(config: EngineServerConfig) -> FastAPI:
             raise ApiError("'tokens' must be a list of integer token ids")
         return {"prompt": tokenizer.decode(tokens)}
 
+
+def _add_render_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's /render endpoints: the engine request a completion would become, without running it."""
+    config = state.config
+
     def _render(body: Mapping[str, Any], prompt: list[int], sampling: _Sampling) -> dict[str, Any]:
         return {
             "request_id": sampling.request_id,
@@ -863,7 +904,7 @@ def create_engine_app(config: EngineServerConfig) -> FastAPI:
         body = await _json_body(request)
         _check_model(state, body)
         prompt = _chat_prompt(body)
-        sampling = _parse_sampling(state, body, [len(prompt)], "chatcmpl", chat=True)
+        sampling = _parse_sampling(state, body, [len(prompt)], "chatcmpl", chat=True, headers=request.headers)
         return _render(body, prompt, sampling)
 
     @app.post("/v1/completions/render")
@@ -871,15 +912,22 @@ def create_engine_app(config: EngineServerConfig) -> FastAPI:
         body = await _json_body(request)
         _check_model(state, body)
         prompts = _completion_prompts(body)
-        sampling = _parse_sampling(state, body, [len(p) for p in prompts], "cmpl", chat=False)
+        sampling = _parse_sampling(
+            state, body, [len(p) for p in prompts], "cmpl", chat=False, headers=request.headers
+        )
         return [_render(body, p, sampling) for p in prompts]
+
+
+def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
+    """/v1/chat/completions and /v1/completions, streamed or not, through the engine loop."""
+    config = state.config
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
         body = await _json_body(request)
         _check_model(state, body)
         prompt = _chat_prompt(body)
-        sampling = _parse_sampling(state, body, [len(prompt)], "chatcmpl", chat=True)
+        sampling = _parse_sampling(state, body, [len(prompt)], "chatcmpl", chat=True, headers=request.headers)
         created = int(time.time())
         rid = sampling.request_id
         if not sampling.stream:
@@ -963,7 +1011,9 @@ def create_engine_app(config: EngineServerConfig) -> FastAPI:
         body = await _json_body(request)
         _check_model(state, body)
         prompts = _completion_prompts(body)
-        sampling = _parse_sampling(state, body, [len(p) for p in prompts], "cmpl", chat=False)
+        sampling = _parse_sampling(
+            state, body, [len(p) for p in prompts], "cmpl", chat=False, headers=request.headers
+        )
         created = int(time.time())
         rid = sampling.request_id
         if not sampling.stream:
@@ -1059,8 +1109,6 @@ def create_engine_app(config: EngineServerConfig) -> FastAPI:
 
         return StreamingResponse(body_iter(), media_type="text/event-stream")
 
-    return app
-
 
 async def _first_item(gen: AsyncIterator[list[int] | FinishedRequest]) -> list[int] | FinishedRequest:
     try:
@@ -1151,7 +1199,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "--scheduling-policy",
         choices=SCHEDULING_POLICIES,
         default="fcfs",
-        help="vLLM's: fcfs, or priority (a request's 'priority' field orders the queue, lower first)",
+        help="vLLM's: fcfs, or priority (a request's 'priority' field or X-Vllm-Priority header orders"
+        " the queue, lower first; an fcfs engine ignores it)",
     )
     p.add_argument(
         "--profile-overrides",

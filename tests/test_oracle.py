@@ -136,3 +136,20 @@ def test_sticky_lru_reference_by_hand() -> None:
     assert sticky_lru_hit(trace, engines=1, local_blocks=1, pool_blocks=10) == pytest.approx(64 / total)
     with pytest.raises(ValueError, match="engines"):
         sticky_lru_hit(trace, engines=0, local_blocks=3)
+
+
+def test_sweep_runs_a_policy_at_its_own_scheduling_and_prints_the_tail_table(capsys) -> None:  # type: ignore[no-untyped-def]
+    args = ["--concurrency", "4", "--conversations", "1", "--block-size", "256", "--storage", "none"]
+    args += ["--seeds", "1", "--policies", "kv_fixed_credit@fcfs,tier_cost@priority:20:5"]
+    assert main([*args, "--tail-reference", "kv_fixed_credit@fcfs"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| b1 4 |")]
+    # 2 runs (not 2 policies x the --scheduling list), each in the main table and the tail table
+    assert len(rows) == 4
+    assert sum("| tier_cost | priority:20:5 |" in line for line in rows) == 2
+    tail = [line for line in rows if "| kv_fixed_credit | fcfs |" in line][-1].split("|")
+    assert tail[7].strip() == "0"  # the reference against itself: no turn over 10x
+    assert main([*args, "--tail-reference", "tier_cost@fcfs"]) == 2
+    assert "is not one of the runs" in capsys.readouterr().err
+    assert main([*args, "--scheduling", "priority:20:0"]) == 2
+    assert "the bound must be > 0" in capsys.readouterr().err

@@ -3,9 +3,9 @@ request's predicted own service as its ``priority`` to engines started with
 ``--scheduling-policy priority``.
 
 The truths are the engine's order of service (which request gets its first token first), vLLM's
-preemption rule (the running request with the largest (priority, arrival) is the victim) and
-vLLM's refusal of a non-zero priority on an fcfs engine, not the router's own account of what it
-sent.
+preemption rule (the running request with the largest (priority, arrival) is the victim), an fcfs
+engine ignoring a priority as vLLM does, and vLLM's X-Vllm-Priority header overriding the body, not
+the router's own account of what it sent.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcore.core import PRIORITY_STRETCH, shortest_first_priority
+from kvcore.core import PRIORITY_MAX_OVERTAKE_S, PRIORITY_STRETCH, shortest_first_priority
 from kvcore.sim_tokenizer import NAME, filler_text
 from policies.costs import PredictedParts
 from router.config import ConfigError, load_config
@@ -56,10 +56,16 @@ def test_priority_engine_serves_lowest_priority_first_then_in_arrival_order() ->
     assert _first_token_order(engine) == ["late", "a", "b", "first"]
 
 
-def test_fcfs_engine_refuses_a_priority_in_vllms_words() -> None:
-    engine = EngineCore("e0", profile())
-    with pytest.raises(ValueError, match=r"^Got priority 3 but Priority scheduling is not enabled\.$"):
-        engine.add_request(SimRequest("r", list(range(20)), max_tokens=2, priority=3))
+def test_fcfs_engine_accepts_and_ignores_a_priority_as_vllm_does() -> None:
+    """vLLM's V1 input processor no longer refuses a priority on an fcfs engine (older engines
+    answered "Got priority N but Priority scheduling is not enabled." with a 400); its fcfs queue
+    never reads it. The queue stays in arrival order and the victim of a preemption the newest."""
+    engine = EngineCore("e0", profile(max_num_seqs=1))
+    for i, prio in enumerate((5, 3, -2)):
+        engine.add_request(
+            SimRequest(f"r{i}", list(range(i * 100, i * 100 + 20)), max_tokens=2, priority=prio)
+        )
+    assert _first_token_order(engine) == ["r0", "r1", "r2"]
     with pytest.raises(ValueError, match="scheduling_policy 'lifo' is unknown"):
         profile(scheduling_policy="lifo")
 
@@ -82,20 +88,87 @@ def test_preemption_victim_is_the_largest_priority_not_the_newest(policy: str) -
     assert engine.gpu.num_used() == 0
 
 
-def test_priority_is_a_deadline_stretched_by_the_predicted_own_service() -> None:
+def test_priority_is_a_deadline_stretched_by_the_predicted_own_service_and_capped() -> None:
     parts = PredictedParts(wait_s=9.0, slot_s=4.0, load_s=(0.0, 0.25, 0.25), prefill_s=0.5)  # own 1 s
-    # Pure shortest work first: own service in levels; the waits ahead are not the request's work.
-    assert shortest_first_priority(parts, 0.5, stretch=0) == 2
-    assert shortest_first_priority(PredictedParts(), 0.05, stretch=0) == 0
-    # Deadline = now + stretch x own: (10 + 20 x 1) / 0.5.
-    assert shortest_first_priority(parts, 0.5, now_s=10.0, stretch=20) == 60
-    # A 1 s request placed at t=0 is overtaken by a 50 ms one placed until ~19 s later, not after.
-    big = shortest_first_priority(parts, 0.05, now_s=0.0, stretch=20)
+    # Deadline = now + min(stretch x own, bound): (10 + 20 x 1) / 0.5; the waits ahead are not
+    # the request's work.
+    inf = float("inf")
+    assert shortest_first_priority(parts, 0.5, now_s=10.0, stretch=20, max_overtake_s=inf) == 60
+    assert shortest_first_priority(parts, 0.5, now_s=10.0, stretch=20, max_overtake_s=5.0) == 30
+    assert shortest_first_priority(parts, 0.5, now_s=10.0, stretch=3, max_overtake_s=5.0) == 26
+    # stretch 0 is arrival order (the deadline is the placement time), whatever the work.
+    assert shortest_first_priority(parts, 0.05, now_s=3.0, stretch=0) == 60
+    assert shortest_first_priority(PredictedParts(prefill_s=inf), 0.05, now_s=3.0, stretch=0) == 60
+    # Larger stretch, more shortest-first: the window in which a 50 ms request overtakes a 1 s one
+    # grows with it (monotonic), and never beyond the bound.
     small = PredictedParts(prefill_s=0.05)
-    assert shortest_first_priority(small, 0.05, now_s=18.9, stretch=20) < big
-    assert shortest_first_priority(small, 0.05, now_s=19.1, stretch=20) > big
-    assert shortest_first_priority(PredictedParts(prefill_s=float("inf")), 0.05) == 1 << 62
+
+    def overtaken_within_s(stretch: float, bound: float) -> float:
+        big = shortest_first_priority(parts, 0.05, now_s=0.0, stretch=stretch, max_overtake_s=bound)
+        later = [t / 10 for t in range(0, 400)]
+        return max(
+            (
+                t
+                for t in later
+                if shortest_first_priority(small, 0.05, now_s=t, stretch=stretch, max_overtake_s=bound) < big
+            ),
+            default=0.0,
+        )
+
+    windows = [overtaken_within_s(s, inf) for s in (0, 5, 10, 20, 30)]
+    assert windows == sorted(windows) and windows[0] == 0.0 and 18.9 <= windows[3] <= 19.0
+    assert all(overtaken_within_s(s, 10.0) < 10.0 for s in (5, 20, 1000))
+    assert shortest_first_priority(PredictedParts(prefill_s=inf), 0.05, max_overtake_s=inf) == 1 << 62
     assert shortest_first_priority(PredictedParts(prefill_s=float("nan")), 0.5, now_s=3.0) == 6
+
+
+def _drive(engine: EngineCore, arrivals: list[tuple[float, SimRequest]]) -> dict[str, float]:
+    """Add each request at its virtual arrival time, stepping the engine in between; each
+    request's first-token time on the engine's clock."""
+    first: dict[str, float] = {}
+    pending = sorted(arrivals, key=lambda a: a[0])
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= engine.now_s:
+            engine.add_request(pending.pop(0)[1])
+        if not engine.has_unfinished():
+            engine.now_s = pending[0][0]
+            continue
+        out = engine.step()
+        for rid in out.new_token_ids:
+            first.setdefault(rid, engine.now_s)
+    return first
+
+
+@pytest.mark.parametrize("bound_s", [5.0, float("inf")])
+def test_no_request_is_overtaken_by_one_placed_more_than_the_bound_after_it(bound_s: float) -> None:
+    """The bound, in the engine model's virtual time: a 1 s prompt runs from t=0, a 2 s prompt is
+    placed at 0.5 s, a 0.1 s prompt every 0.1 s for 40 s, on a priority engine serving one request
+    at a time (the queue of short ones never empties). Each gets the router's
+    shortest_first_priority at stretch 20 from its own prefill time. With the bound (5 s) the long
+    prompt is served before every short one placed more than 5 s after it (by about 5 s of their
+    work plus its own); without it (inf) it waits behind everything placed in the next 38 s
+    (stretch x own = 40 s)."""
+    engine = EngineCore("e0", profile(num_gpu_blocks=400, max_num_seqs=1, scheduling_policy="priority"))
+    per_token_s = 1 / 1000  # tests/test_sim_engine.py's profile: 1,000 prefill tokens per second
+
+    def request(rid: str, tokens: int, at_s: float, seed: int) -> tuple[float, SimRequest]:
+        own = PredictedParts(prefill_s=tokens * per_token_s)
+        prio = shortest_first_priority(own, 0.05, now_s=at_s, stretch=20, max_overtake_s=bound_s)
+        return at_s, SimRequest(rid, list(range(seed, seed + tokens)), max_tokens=1, priority=prio)
+
+    arrivals = [request("running", 1000, 0.0, 2 * 10**6), request("long", 2000, 0.5, 10**6)]
+    arrivals += [request(f"s{k}", 100, 0.05 + 0.1 * k, 1000 * k) for k in range(400)]
+    first = _drive(engine, arrivals)
+    placed = {req.request_id: at for at, req in arrivals}
+    ahead = [rid for rid in first if first[rid] < first["long"] and rid != "running"]
+    overtaken_by_placed_after_s = max(placed[rid] for rid in ahead) - placed["long"]
+    if bound_s < float("inf"):
+        assert overtaken_by_placed_after_s <= bound_s
+        # Its first-come wait: the running request (0.5 s) and the shorts placed before it (~0.5 s);
+        # then the window's shorts (5 s of them, ~0.11 s each) and its own 2 s.
+        assert first["long"] - placed["long"] < 1.0 + 1.15 * (bound_s + 0.5) + 2.5
+    else:
+        assert overtaken_by_placed_after_s > 30.0
 
 
 def test_des_priority_engines_keep_hits_that_fcfs_engines_evict_while_they_queue() -> None:
@@ -106,17 +179,21 @@ def test_des_priority_engines_keep_hits_that_fcfs_engines_evict_while_they_queue
     engines' own count of cached prompt tokens, the TTFTs the engines' timelines."""
     workload = memory_pressure_workload()
     results = {}
-    for policy, stretch in (("fcfs", 0.0), ("priority", 0.0), ("priority", PRIORITY_STRETCH)):
+    unbounded = float("inf")
+    for policy, stretch, bound in (
+        ("fcfs", PRIORITY_STRETCH, PRIORITY_MAX_OVERTAKE_S),
+        ("priority", 1e6, unbounded),  # pure shortest work first, as near as a deadline gets
+        ("priority", PRIORITY_STRETCH, PRIORITY_MAX_OVERTAKE_S),
+    ):
         engine = EngineProfile(
             block_size=16, num_gpu_blocks=1024, num_cpu_blocks=2048, scheduling_policy=policy
         )
         fleet = FleetSpec([EngineSpec(f"e{i}", engine) for i in range(4)])
-        config = SimConfig(token_mode=True, seed=1, priority_stretch=stretch)
+        config = SimConfig(token_mode=True, seed=1, priority_stretch=stretch, priority_max_overtake_s=bound)
         results[policy, stretch] = FleetSimulator(workload, "tier_cost", fleet, config).run()
-    fcfs, pure, aged = results["fcfs", 0.0], results["priority", 0.0], results["priority", PRIORITY_STRETCH]
-    # Measured here: hit 0.197 (fcfs) -> 0.374 (pure) / 0.298 (stretch 20); TTFT p50 2.31 -> 1.12 /
-    # 1.74 s. The aged deadline gives part of it back: in this short run the longest own service
-    # is ~0.1 s, so a stretch of 20 reorders only within ~2 s.
+    fcfs, pure = results["fcfs", PRIORITY_STRETCH], results["priority", 1e6]
+    aged = results["priority", PRIORITY_STRETCH]
+    print({k: (round(1 - r.miss, 3), round(r.ttft_p50_s, 2)) for k, r in results.items()})
     assert 1.0 - pure.miss > (1.0 - fcfs.miss) + 0.1
     assert pure.ttft_p50_s < 0.7 * fcfs.ttft_p50_s
     assert 1.0 - aged.miss > (1.0 - fcfs.miss) + 0.05
@@ -220,8 +297,8 @@ def test_router_sends_priorities_and_the_engine_serves_the_short_request_first(
 ) -> None:
     """A long prompt runs; another long one and then a short one queue behind it. Through a
     router that knows the engine schedules by priority, the short one is served before the
-    long one that arrived earlier; on an fcfs engine (no priority sent: it would refuse one with
-    a 400) they are served in arrival order."""
+    long one that arrived earlier; on an fcfs engine (no priority sent: it would ignore one) they
+    are served in arrival order."""
     sends: list[tuple[str, str, dict[str, Any]]] = [
         ("running", _prompt(BIG_TOKENS, 1), {}),
         ("long", _prompt(BIG_TOKENS, 2), {}),
@@ -261,8 +338,51 @@ def test_a_client_priority_is_passed_on_not_replaced(
     )
     assert seen["long"] < seen["short"], seen
     assert _priority_counts(url) == {"router": 2.0, "client": 1.0}
-    # And an fcfs engine refuses a client's priority with vLLM's 400, passed on by the router.
+    # And an fcfs engine accepts a client's priority and ignores it, as vLLM does (no 400).
     fcfs_url = _router(serve_asgi, engines["fcfs"])
     client = openai.OpenAI(base_url=fcfs_url + "/v1", api_key="unused", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="Priority scheduling is not enabled"):
-        client.completions.create(model=NAME, prompt="hello", max_tokens=1, extra_body={"priority": 2})
+    answer = client.completions.create(model=NAME, prompt="hello", max_tokens=1, extra_body={"priority": 2})
+    assert answer.choices[0].finish_reason == "length"
+
+
+def test_the_x_vllm_priority_header_overrides_the_body(engines: dict[str, FleetEngine]) -> None:
+    """Straight to the priority engine (one request at a time): "a" says priority 5 in its body
+    and -5 in vLLM's X-Vllm-Priority header, "b" 0 in its body. The header wins, so a is served
+    before b (by the body alone b would be). A header that is not an integer is a 400."""
+    url = engines["priority"].url
+    seen: dict[str, float] = {}
+
+    async def send() -> None:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+        async def one(
+            delay_s: float, name: str, tokens: int, body: dict[str, Any], headers: dict[str, str]
+        ) -> None:
+            await asyncio.sleep(delay_s)
+            stream = await client.completions.create(
+                model=NAME,
+                prompt=_prompt(tokens, 20 + len(name)),
+                max_tokens=1,
+                stream=True,
+                extra_body=body or None,
+                extra_headers=headers or None,
+            )
+            async for _ in stream:
+                seen.setdefault(name, time.monotonic())
+
+        try:
+            await asyncio.gather(
+                one(0.0, "running", BIG_TOKENS, {}, {}),
+                one(0.15, "b", SMALL_TOKENS, {"priority": 0}, {}),
+                one(0.3, "a", SMALL_TOKENS, {"priority": 5}, {"X-Vllm-Priority": "-5"}),
+            )
+        finally:
+            await client.close()
+
+    asyncio.run(send())
+    assert seen["running"] < seen["a"] < seen["b"], seen
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="X-Vllm-Priority' must be an integer"):
+        client.completions.create(
+            model=NAME, prompt="hello", max_tokens=1, extra_headers={"X-Vllm-Priority": "high"}
+        )

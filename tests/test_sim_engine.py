@@ -750,3 +750,66 @@ def test_events_always_describe_the_cache_and_everything_finishes(w: dict[str, A
             assert len(f.output_token_ids) == req.max_tokens
         assert f.cached_tokens <= len(req.prompt_token_ids) - 1
     assert engine.gpu.num_used() == 0
+
+
+# ------------------------------------------------------------------ admission and preemption as vLLM
+
+
+def test_a_waiting_request_is_admitted_only_if_its_whole_sequence_fits() -> None:
+    """vLLM's scheduler_reserve_full_isl (on by default). Pool of 16 blocks, 100-token budget,
+    two 160-token prompts (10 blocks each). a's last 60 tokens leave 40 of budget in step 2: b's
+    first chunk (3 blocks) fits the 6 free blocks, its whole prompt does not. Admitted on its first
+    chunk (the old model) b grows into a's blocks and somebody is preempted; with vLLM's gate b
+    waits for a and nothing is."""
+    for full_isl, preemptions in ((True, 0), (False, 1)):
+        engine = EngineCore(
+            "e0", profile(num_gpu_blocks=16, max_num_batched_tokens=100, reserve_full_isl=full_isl)
+        )
+        engine.add_request(SimRequest("a", list(range(160)), max_tokens=20))
+        engine.add_request(SimRequest("b", list(range(1000, 1160)), max_tokens=20))
+        engine.step()
+        engine.step()
+        assert engine.stats().num_running == (1 if full_isl else 2)
+        outs = run(engine)
+        assert engine.stats().num_preemptions >= preemptions
+        if full_isl:
+            assert engine.stats().num_preemptions == 0
+        assert {f.request_id: len(f.output_token_ids) for o in outs for f in o.finished} == {"a": 20, "b": 20}
+        assert engine.gpu.num_used() == 0
+
+
+def test_a_request_whose_kv_is_still_loading_is_never_preempted() -> None:
+    """In vLLM a request loading its KV waits in WAITING_FOR_REMOTE_KVS, not in ``running``, so the
+    scheduler cannot choose it as a victim. Here l (priority 9, the largest) loads 4 blocks from a
+    slow CPU tier (0.64 s) while r (priority 0) decodes into a full pool of 7 blocks: r must preempt
+    itself, not l, and l finishes first. (Taking l as the victim throws its load away.)"""
+    engine = EngineCore(
+        "e0",
+        profile(num_gpu_blocks=7, num_cpu_blocks=32, cpu_load_bytes_per_s=1e5, scheduling_policy="priority"),
+    )
+    shared = list(range(500, 564))  # 4 blocks, written through to the CPU tier
+    engine.add_request(SimRequest("w", shared, max_tokens=1))
+    run(engine)
+    engine.reset_prefix_cache()  # only the CPU copy is left
+    engine.add_request(SimRequest("r", list(range(32)), max_tokens=40, priority=0))
+    engine.add_request(SimRequest("l", [*shared, 9], max_tokens=2, priority=9))
+    outs = run(engine)
+    order = [f.request_id for o in outs for f in o.finished]
+    assert order == ["l", "r"]
+    assert engine.stats().num_preemptions >= 1
+    fin = finished(outs)
+    assert fin["l"].cached_tokens_by_tier == (0, 64, 0)
+    assert len(fin["r"].output_token_ids) == 40
+    assert engine.gpu.num_used() == 0
+
+
+def test_max_num_seqs_and_token_budget_default_to_vllm_serve_on_an_h100() -> None:
+    """vLLM's EngineArgs.get_batch_defaults for the API server on a GPU of >= 70 GiB (not A100):
+    max_num_seqs 1,024 (256 was the LLM-class / smaller-GPU figure), max_num_batched_tokens 8,192."""
+    default = EngineProfile()
+    assert (default.max_num_seqs, default.max_num_batched_tokens) == (1024, 8192)
+    engine = EngineCore("e0", profile(num_gpu_blocks=2000, max_num_batched_tokens=8192))
+    for i in range(600):
+        engine.add_request(SimRequest(f"r{i}", [i, i + 1], max_tokens=2))
+    engine.step()
+    assert engine.stats().num_running == 600
