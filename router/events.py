@@ -708,6 +708,13 @@ class EventManager:
                 )
             last = None
         if last is None:
+            if seq == 0:
+                # The incarnation's first batch, live, onto an empty picture: nothing came before.
+                health.synced = True
+                if not health.stale:
+                    health.trusted_reason = "following the engine from its first batch (seq 0)"
+                elif not health.pending_resync:
+                    health.trust("following the engine from its first live batch (seq 0)")
             if seq > 0 and health.source.replay_endpoint:
                 return (0, seq, payload, batch)
             if seq > 0:
@@ -752,13 +759,6 @@ class EventManager:
                 other.resync_restart = True
 
     def _apply(self, health: SourceHealth, seq: int, payload: bytes, batch: EventBatch) -> None:
-        if seq == 0 and health.last_seq is None:
-            # The incarnation's first batch onto an empty picture: nothing came before it.
-            health.synced = True
-            if not health.stale:
-                health.trusted_reason = "following the engine from its first batch (seq 0)"
-            elif not health.pending_resync:
-                health.trust("following the engine from its first batch (seq 0)")
         health.last_seq = seq
         digests = health.digests
         digests[seq] = _digest(payload)
