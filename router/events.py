@@ -263,7 +263,7 @@ class SourceHealth:
     replayed_seqs: OrderedDict[int, None] = field(default_factory=OrderedDict)
     tokens: float = 0.0
     tokens_at: float = 0.0
-    #: After failed replays, none before this monotonic time (doubling up to a minute): a dead
+    #: After failed replays, none before this clock time (doubling up to a minute): a dead
     #: replay socket must not stall the live stream for replay_timeout_s again and again.
     replay_not_before: float = 0.0
     replay_failures_in_row: int = 0
@@ -500,9 +500,9 @@ class EventManager:
             log.log(level, "kv events %s: " + msg, health.source.name, *args)
 
     def _take_resync_token(self, health: SourceHealth) -> bool:
-        now = time.monotonic()
-        if now < health.replay_not_before:
+        if self._clock() < health.replay_not_before:
             return False
+        now = time.monotonic()
         health.tokens = min(
             float(self._opts.resync_burst),
             health.tokens + (now - health.tokens_at) * self._opts.resync_per_s,
@@ -916,7 +916,7 @@ class EventManager:
             return False
         if health.last_probe_at is not None and now - health.last_probe_at < idle_s:
             return False
-        return time.monotonic() >= health.replay_not_before
+        return now >= health.replay_not_before
 
     async def _probe(self, health: SourceHealth) -> None:
         """Ask for every batch after the last applied one (the answer is just our last batch and
@@ -1071,7 +1071,7 @@ class EventManager:
             health.replay_failures_in_row = 0
         else:
             health.replay_failures_in_row += 1
-            health.replay_not_before = time.monotonic() + min(60.0, 2.0**health.replay_failures_in_row)
+            health.replay_not_before = self._clock() + min(60.0, 2.0**health.replay_failures_in_row)
         if result.holes:
             health.missed_batches += result.holes
             self._log_limited(

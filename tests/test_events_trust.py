@@ -85,12 +85,14 @@ async def test_item2_dead_replay_socket_neither_flaps_trust_nor_holds_up_live_ba
     endpoint, dead_replay = f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/nobody-binds-this"
     pub = make_publisher(endpoint, None)
     index = PrefixIndex()
+    clock = Clock()
     # A long silence timeout: a batch held up by a replay attempt would wait 30 s for it.
     manager = make_manager(
         index,
         [EventSource("e0", endpoint, dead_replay, topic=TOPIC)],
         replay_timeout_s=30.0,
         replay_connect_timeout_s=0.2,
+        clock=clock,
     )
     trusted_samples: list[bool] = []
     stop = asyncio.Event()
@@ -104,15 +106,18 @@ async def test_item2_dead_replay_socket_neither_flaps_trust_nor_holds_up_live_ba
     await manager.start()
     await asyncio.to_thread(pub.wait_subscriber)
     # Seq 0 never arrives live and cannot be replayed: the picture lacks block 0 for good.
-    for seq in range(1, 12):
+    for seq in range(1, 24):
         if seq % 4 == 0:
             continue  # more gaps, each one a replay attempt (or one held back by the backoff)
         pub.publish(seq, _payload(stored_event(seq)))
         await wait_for(lambda s=seq: last_seq(manager) == s, f"live batch {seq}", timeout_s=5.0)
+        # Virtual time passes: the failure backoff (2, 4, 8 s) lets the resyncs retry.
+        clock.now += 1.0
+        await asyncio.sleep(0.05)
     stop.set()
     await sampler
     health = health_of(manager)
-    assert health["restarts"] == 0 and health["replay_failures"] >= 1
+    assert health["restarts"] == 0 and health["replay_failures"] >= 3 and health["replays"] >= 4
     assert not any(trusted_samples), f"trusted in {sum(trusted_samples)} of {len(trusted_samples)} samples"
     assert health["stale"] and "accepted no connection" in (health["last_error"] or "")
 
