@@ -646,14 +646,17 @@ class PrefixIndex:
 
     # ----------------------------------------------------------------------------- evidence
 
-    def watch_delivery(self, engine_id: str, window: int) -> None:
+    def watch_delivery(self, engine_id: str, window: int, *, keep: bool = False) -> None:
         """Start (or restart) collecting evidence for ``engine_id``'s picture: for each request
         routed to it from now on, whether the cached blocks the engine reports equal the prefix the
         index held for it at routing (its own events only: no speculative entries). ``window``: how
-        many of the latest requests are kept."""
+        many of the latest requests are kept. ``keep``: an engine already watched keeps what was
+        collected (nothing new was lost since)."""
         if window < 1:
             raise ValueError(f"evidence window must be >= 1, got {window}")
         state = self._engine(engine_id)
+        if keep and state.delivery is not None:
+            return
         state.delivery = deque(maxlen=window)
         state.predictions.clear()
 

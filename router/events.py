@@ -851,10 +851,15 @@ class EventManager:
             health.trust(f"a complete replay answer ({what}) continued the applied batches: nothing missing")
         health.synced = True
 
-    def _mark_unknown_history(self, health: SourceHealth, reason: str, *, resumable: bool = False) -> None:
-        """Untrust for blocks of unknown history, and start collecting the evidence that can clear it."""
+    def _mark_unknown_history(
+        self, health: SourceHealth, reason: str, *, resumable: bool = False, new_loss: bool = True
+    ) -> None:
+        """Untrust for blocks of unknown history, and start collecting the evidence that can clear
+        it. ``new_loss`` False (a retry failed, nothing more was lost): evidence so far is kept."""
         health.mark_stale(reason, evidence_clears=True, resumable=resumable)
-        self._index.watch_delivery(health.source.engine_id, self._opts.trust_evidence_requests)
+        self._index.watch_delivery(
+            health.source.engine_id, self._opts.trust_evidence_requests, keep=not new_loss
+        )
 
     async def _resync(self, health: SourceHealth) -> None:
         """Replay the whole buffer. After a restart or a failed catch-up (``resync_restart``) the
@@ -883,7 +888,8 @@ class EventManager:
             if not health.synced:
                 why += "; still waiting for the first replay answer"
             # Without a rebuild the answer was applied in order: the retry's answer continues it.
-            self._mark_unknown_history(health, why, resumable=not rebuild)
+            # A retry that fails loses nothing new: the evidence collected so far stands.
+            self._mark_unknown_history(health, why, resumable=not rebuild, new_loss=False)
             health.pending_resync = reason  # try again when the rate limit allows
             health.resync_restart = rebuild
         elif result.fresh:
@@ -1129,6 +1135,10 @@ class EventManager:
                     f"the engine's reported cached tokens agreed with the index on {agreed} of the "
                     f"last {seen} requests (was: {h.stale_reason})"
                 )
+                # A pending catch-up would rebuild a picture the engine just confirmed, from a
+                # buffer that may not reach back: the evidence makes it unnecessary.
+                h.pending_resync = None
+                h.resync_restart = False
                 trusted.append(name)
         for engine_id in {self._health[name].source.engine_id for name in trusted}:
             if not any(h.stale and h.evidence_clears for h in self._sources_of(engine_id)):
