@@ -680,10 +680,12 @@ class EventManager:
                 return None
             health.seq_regressions += 1
             if not self._take_resync_token(health):
-                # Rate limited: follow the new stream, resync (clear + replay) when allowed.
+                # Rate limited: follow the new stream, resync (clear + replay) when allowed. The
+                # old incarnation's entries are dropped at once, but once per deferred resync, not
+                # per regressing frame (a stream of them must not clear the engine each time).
                 health.resyncs_deferred += 1
                 if health.pending_resync != "seq regression":
-                    health.restarts += 1  # one restart per deferred resync, not per regressing frame
+                    self._engine_restarted(health)
                 self._log_limited(
                     health, "regress", logging.WARNING, "seq went back (%s -> %s); resync deferred", last, seq
                 )
