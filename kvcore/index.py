@@ -2,7 +2,11 @@
 
 Pure data structure, no I/O: ``router.events`` feeds it decoded KV events, policies read it through
 ``match``. One dict maps each key to an int bitmask over (holder slot, tier); engine hashes are
-only looked up in a per-engine map engine hash -> key. STORAGE lives in LRU pools with a capacity.
+only looked up in a per-engine map engine hash -> key (GPU/CPU) and a per-pool one (STORAGE).
+STORAGE lives in LRU pools with a capacity: removals are applied when the tier sends them (vLLM's
+kvcr tier and its disk offload manager do), the LRU covers tiers that never do (a shared fs tier).
+The index also keeps the evidence that restores trust in an engine's picture: how often the cached
+tokens the engine reported agreed with what the index predicted at routing (``watch_delivery``).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import operator
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +28,9 @@ DEFAULT_PRIVATE_POOL_BLOCKS = 500_000
 
 _BITS_PER_SLOT = 3  # one bit per tier: GPU, CPU, STORAGE (bit = 3 * slot + tier)
 
+#: Routing-time predictions kept per watched engine until the request's delivery is reported.
+_PREDICTIONS_KEPT = 4096
+
 #: Distinct mask values shared as one int object each; cleared (not evicted) beyond this.
 _MASK_INTERN_LIMIT = 1 << 16
 
@@ -36,16 +43,32 @@ _NEVER = itertools.repeat(float("inf"))
 
 _STORED, _REMOVED, _CLEARED, _UNKNOWN = range(4)
 
-#: The media engines actually send, parsed once; anything else goes through Tier.parse.
+#: Medium names (upper-cased) of the publishers the router knows, and their tier: vLLM's GPU pool
+#: (None or "GPU"), its offloading connector's ``Medium`` enum ("CPU", "STORAGE") and the older
+#: ``DiskLoadStoreSpec.medium()`` ("Disk"); LMCache's CPU backend ("cpu") and CXL memory ("CXL",
+#: host-attached memory, priced like CPU). Any other name is counted per engine and skipped.
+MEDIUM_TIERS: dict[str, Tier] = {
+    "GPU": Tier.GPU,
+    "CPU": Tier.CPU,
+    "CXL": Tier.CPU,
+    "STORAGE": Tier.STORAGE,
+    "DISK": Tier.STORAGE,
+}
+#: Exact spellings, so the common case is one dict lookup.
 _TIER_OF_MEDIUM: dict[str | None, Tier] = {
     None: Tier.GPU,
-    **{name: tier for tier in Tier for name in (tier.name, tier.name.lower())},
+    **{
+        spelled: tier for name, tier in MEDIUM_TIERS.items() for spelled in (name, name.lower(), name.title())
+    },
 }
 
 
-def _tier(medium: str | None) -> Tier:
+def _tier(medium: str | None) -> Tier | None:
+    """The tier of an event's ``medium``; None for a name no known publisher uses."""
     tier = _TIER_OF_MEDIUM.get(medium)
-    return tier if tier is not None else Tier.parse(medium)
+    if tier is None and isinstance(medium, str):
+        tier = MEDIUM_TIERS.get(medium.upper())
+    return tier
 
 
 def _fold_hash(engine_hash: EngineHash) -> int:
@@ -80,10 +103,12 @@ def _event_kind(cls: type) -> int:
 class _StoragePool:
     """STORAGE blocks of one pool: LRU order, a capacity, and the engines that mount it.
 
-    The pool itself evicts its least recently *used* block (written or read), and announces neither
-    reads nor removals. So the index refreshes a block on its stores and on the reads the router's
-    own routing causes (``refresh_pool_reads``), and drops a block the engine proved absent
-    (``learn_delivered``). ``lru`` maps key -> index clock of its last announced store."""
+    The pool itself evicts its least recently *used* block (written or read) and never announces
+    reads; some tiers announce removals (vLLM's kvcr tier, its disk offload manager), others never
+    do (a shared fs directory). So the index applies announced removals, refreshes a block on its
+    stores and on the reads the router's own routing causes (``refresh_pool_reads``), and drops a
+    block the engine proved absent (``learn_delivered``). ``lru`` maps key -> index clock of its
+    last announced store."""
 
     pool_id: str
     slot: int
@@ -93,7 +118,13 @@ class _StoragePool:
     #: Ids of the mounting engines, in mount order: match fills pool-only hits from this list.
     member_ids: list[str] = field(default_factory=list)
     lru: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    #: engine hash -> key of blocks stored in the pool, so a STORAGE BlockRemoved finds its key (the
+    #: engines mounting one pool serve one model: equal hashes are equal blocks). Entries of blocks
+    #: the LRU dropped are pruned when the map outgrows the pool (``_prune_pool_hashes``).
+    key_of_hash: dict[EngineHash, int] = field(default_factory=dict)
     evicted_blocks: int = 0
+    #: Blocks removed because the tier announced their removal.
+    removed_blocks: int = 0
     #: Blocks refreshed because routing sent a request that reads them from the pool.
     refreshed_blocks: int = 0
     #: Blocks dropped because an engine delivered fewer cached tokens than the pool promised.
@@ -122,6 +153,17 @@ class _EngineState:
     unresolved_placeholders: int = 0
     unknown_removals: int = 0
     malformed_events: int = 0
+    #: Events skipped because their medium is no tier the router knows: name -> events.
+    unknown_media: dict[str, int] = field(default_factory=dict)
+    #: The engine's block size (tokens) as configured; None: not checked.
+    block_size: int | None = None
+    #: Self-describing stores whose block_size is not ``block_size``: tier -> events.
+    block_size_mismatches: dict[str, int] = field(default_factory=dict)
+    gpu_block_size_mismatches: int = 0
+    #: Evidence for trust: None = not collecting; else the last predictions' agreement with what
+    #: the engine delivered (True = agreed), and the raw predictions of requests in flight.
+    delivery: deque[bool] | None = None
+    predictions: OrderedDict[tuple[float, int, int], int] = field(default_factory=OrderedDict)
     # Bits of this engine in a key's mask, made once so every fresh mask can share the object.
     gpu_bit: int = 0
     cpu_bit: int = 0
@@ -138,9 +180,10 @@ class _EngineState:
 class PrefixIndex:
     """Key -> engines x tiers, fed by KV events, queried by prefix.
 
-    ``storage_pools``: pool id -> capacity in blocks (shared pools; STORAGE never sends removals,
-    so the index evicts in LRU order). ``engine_storage_pool``: engine id -> the pool it mounts;
-    its STORAGE events go there and every mounting engine sees the pool as its STORAGE tier.
+    ``storage_pools``: pool id -> capacity in blocks (shared pools). STORAGE removals are applied
+    when the tier announces them; beyond the capacity the index evicts in LRU order (for tiers
+    that never announce, like a shared fs directory). ``engine_storage_pool``: engine id -> the
+    pool it mounts; its STORAGE events go there and every mounting engine sees the pool as its STORAGE tier.
     An engine that sends STORAGE events without a configured pool gets a private pool of
     ``default_private_pool_blocks``. ``namespace``: chain seed for blocks with no parent.
     """
@@ -271,19 +314,42 @@ class PrefixIndex:
         self._mask_intern[mask] = mask
         return mask
 
+    def _unknown_medium(self, state: _EngineState, event: Any) -> None:
+        name = str(event.medium)[:64]
+        state.unknown_media[name] = state.unknown_media.get(name, 0) + 1
+
+    def _key_of_hash(self, state: _EngineState, engine_hash: EngineHash) -> int | None:
+        """The key of one of the engine's hashes, wherever it holds the block (GPU/CPU, then pool)."""
+        key = state.hash_to_key.get(engine_hash)
+        if key is None and state.pool is not None:
+            key = state.pool.key_of_hash.get(engine_hash)
+            if key is not None and key not in state.pool.lru:
+                return None  # the pool dropped it: a map entry not yet pruned
+        return key
+
     def _apply_stored(self, state: _EngineState, event: Any) -> None:
         tier = _tier(event.medium)
+        if tier is None:
+            self._unknown_medium(state, event)
+            return
         hashes = _fold_hashes(event.block_hashes)
         tokens = event.token_ids
         block_size = event.block_size
         keys: list[int]
         resolved = False  # True: every hash already maps to its key in this engine's map
         if tokens and block_size > 0:
+            if state.block_size is not None and block_size != state.block_size:
+                # Counted, still applied: the router's keys follow the configured block size, so
+                # these blocks match only requests keyed by the engine's reported one (scraping).
+                name = tier.name
+                state.block_size_mismatches[name] = state.block_size_mismatches.get(name, 0) + 1
+                if tier is Tier.GPU:
+                    state.gpu_block_size_mismatches += 1
             parent_hash = event.parent_block_hash
             if parent_hash is None:
                 parent = self._namespace
             else:
-                found = state.hash_to_key.get(_fold_hash(parent_hash))
+                found = self._key_of_hash(state, _fold_hash(parent_hash))
                 if found is None:
                     state.orphan_stores += len(hashes)
                     return
@@ -301,6 +367,14 @@ class PrefixIndex:
         else:
             # Offload placeholder: hashes only, resolved through this engine's map.
             found_keys = list(map(state.hash_to_key.get, hashes))
+            resolved = True
+            if None in found_keys and state.pool is not None:
+                # Blocks this engine holds only in its pool: their GPU/CPU entries need the map too.
+                found_keys = [
+                    k if k is not None else self._key_of_hash(state, h)
+                    for h, k in zip(hashes, found_keys, strict=True)
+                ]
+                resolved = False
             if None in found_keys:
                 pairs = [(h, k) for h, k in zip(hashes, found_keys, strict=True) if k is not None]
                 state.unresolved_placeholders += len(hashes) - len(pairs)
@@ -308,11 +382,13 @@ class PrefixIndex:
                 keys = [k for _, k in pairs]
             else:
                 keys = found_keys  # type: ignore[assignment]
-            resolved = True
         if tier is Tier.STORAGE:
             pool = self._storage_pool(state)
             for key in keys:
                 self._pool_add(pool, key)
+            pool.key_of_hash.update(zip(hashes, keys, strict=True))
+            if len(pool.key_of_hash) > 2 * len(pool.lru) + 1024:
+                self._prune_pool_hashes(pool)
             return
         if not keys:
             return
@@ -378,18 +454,29 @@ class PrefixIndex:
                 state.extra_refs[ref] = state.extra_refs.get(ref, 0) + 1
             seen.add(key)
 
+    @staticmethod
+    def _prune_pool_hashes(pool: _StoragePool) -> None:
+        """Forget the hashes of blocks the pool's LRU dropped (amortised: runs when the map has
+        grown to twice the pool)."""
+        lru = pool.lru
+        pool.key_of_hash = {h: k for h, k in pool.key_of_hash.items() if k in lru}
+
     def _apply_removed(self, state: _EngineState, event: Any) -> None:
         tier = _tier(event.medium)
+        if tier is None:
+            self._unknown_medium(state, event)
+            return
         hash_to_key = state.hash_to_key
         hashes = _fold_hashes(event.block_hashes)
         if tier is Tier.STORAGE:
             pool = state.pool
             for engine_hash in hashes:
-                key = hash_to_key.get(engine_hash)
+                key = None if pool is None else pool.key_of_hash.pop(engine_hash, None)
                 if key is None or pool is None or key not in pool.lru:
                     state.unknown_removals += 1
                 else:
                     self._pool_remove(pool, key)
+                    pool.removed_blocks += 1
             return
         bit = state.gpu_bit if tier is Tier.GPU else state.cpu_bit
         both = state.gpu_bit | state.cpu_bit
@@ -493,6 +580,7 @@ class PrefixIndex:
             for key in pool.lru:
                 self._clear_bits(key, pool.bit)
             pool.lru.clear()
+            pool.key_of_hash.clear()
 
     # ----------------------------------------------------------------------------- pool recency
 
@@ -504,7 +592,11 @@ class PrefixIndex:
         if now is not None:
             self._advance(now)
         state = self._engines.get(engine_id)
-        if state is None or state.pool is None:
+        if state is None:
+            return 0
+        if state.delivery is not None and keys:
+            self._note_prediction(state, keys, self._now if now is None else now)
+        if state.pool is None:
             return 0
         pool = state.pool
         lru = pool.lru
@@ -536,9 +628,11 @@ class PrefixIndex:
         predicted ``predicted_blocks`` at ``routed_s``. A shortfall means block ``delivered_blocks``
         was in none of the engine's tiers, its pool included: drop it from the pool (the pool evicted
         it silently) unless a store announced it again since the routing. True when dropped."""
+        state = self._engines.get(engine_id)
+        if state is not None and state.delivery is not None and keys:
+            self._note_delivery(state, keys, delivered_blocks, routed_s)
         if not 0 <= delivered_blocks < min(predicted_blocks, len(keys)):
             return False
-        state = self._engines.get(engine_id)
         if state is None or state.pool is None:
             return False
         pool = state.pool
@@ -549,6 +643,88 @@ class PrefixIndex:
         self._pool_remove(pool, key)
         pool.shortfall_drops += 1
         return True
+
+    # ----------------------------------------------------------------------------- evidence
+
+    def watch_delivery(self, engine_id: str, window: int, *, keep: bool = False) -> None:
+        """Start (or restart) collecting evidence for ``engine_id``'s picture: for each request
+        routed to it from now on, whether the cached blocks the engine reports equal the prefix the
+        index held for it at routing (its own events only: no speculative entries). ``window``: how
+        many of the latest requests are kept. ``keep``: an engine already watched keeps what was
+        collected (nothing new was lost since)."""
+        if window < 1:
+            raise ValueError(f"evidence window must be >= 1, got {window}")
+        state = self._engine(engine_id)
+        if keep and state.delivery is not None:
+            return
+        state.delivery = deque(maxlen=window)
+        state.predictions.clear()
+
+    def unwatch_delivery(self, engine_id: str) -> None:
+        state = self._engines.get(engine_id)
+        if state is not None:
+            state.delivery = None
+            state.predictions.clear()
+
+    def delivery_evidence(self, engine_id: str) -> tuple[int, int]:
+        """(requests compared, requests that agreed) in the window; (0, 0) when not collecting."""
+        state = self._engines.get(engine_id)
+        if state is None or state.delivery is None:
+            return 0, 0
+        return len(state.delivery), sum(state.delivery)
+
+    def held_prefix_blocks(self, engine_id: str, keys: Sequence[int]) -> int:
+        """Leading blocks of ``keys`` the engine holds in any tier per its events (no speculation)."""
+        state = self._engines.get(engine_id)
+        return 0 if state is None else self._held_prefix(state, keys)
+
+    def _held_prefix(self, state: _EngineState, keys: Sequence[int]) -> int:
+        local = state.gpu_bit | state.cpu_bit
+        pool_bit = state.pool.bit if state.pool is not None else 0
+        held = 0
+        masks = self._masks
+        for key in keys:
+            mask = masks.get(key, 0)
+            if not mask & local and not (pool_bit and mask & pool_bit):
+                break
+            held += 1
+        return held
+
+    def _note_prediction(self, state: _EngineState, keys: Sequence[int], routed_s: float) -> None:
+        predictions = state.predictions
+        predictions[(routed_s, len(keys), keys[0])] = self._held_prefix(state, keys)
+        while len(predictions) > _PREDICTIONS_KEPT:
+            predictions.popitem(last=False)
+
+    def _note_delivery(
+        self, state: _EngineState, keys: Sequence[int], delivered: int, routed_s: float
+    ) -> None:
+        predicted = state.predictions.pop((routed_s, len(keys), keys[0]), None)
+        if predicted is None or state.delivery is None:
+            return  # routed before the watch began (or by a path that predicts nothing)
+        # vLLM computes at least the last prompt token: a fully held prompt whose length is a
+        # multiple of the block size delivers one block less.
+        agreed = delivered == predicted or (predicted == len(keys) and delivered == predicted - 1)
+        state.delivery.append(agreed)
+
+    def set_block_size(self, engine_id: str, block_size: int | None) -> None:
+        """The engine's configured block size: self-describing stores of another size are counted
+        (``block_size_mismatches``). None stops checking."""
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"engine {engine_id!r}: block_size must be >= 1, got {block_size}")
+        self._engine(engine_id).block_size = block_size
+
+    def gpu_block_size_mismatches(self, engine_id: str) -> int:
+        """GPU stores of ``engine_id`` with a block size other than its configured one."""
+        state = self._engines.get(engine_id)
+        return 0 if state is None else state.gpu_block_size_mismatches
+
+    def event_problems(self, engine_id: str) -> tuple[dict[str, int], dict[str, int]]:
+        """(unknown medium name -> events, tier -> stores of the wrong block size) of an engine."""
+        state = self._engines.get(engine_id)
+        if state is None:
+            return {}, {}
+        return dict(state.unknown_media), dict(state.block_size_mismatches)
 
     # ----------------------------------------------------------------------------- speculation
 
@@ -759,12 +935,15 @@ class PrefixIndex:
                 "unresolved_placeholders": state.unresolved_placeholders,
                 "unknown_removals": state.unknown_removals,
                 "malformed_events": state.malformed_events,
+                "unknown_media": dict(state.unknown_media),
+                "block_size_mismatches": dict(state.block_size_mismatches),
             }
         pools = {
             pool.pool_id: {
                 "blocks": len(pool.lru),
                 "capacity_blocks": pool.capacity_blocks,
                 "evicted_blocks": pool.evicted_blocks,
+                "removed_blocks": pool.removed_blocks,
                 "refreshed_blocks": pool.refreshed_blocks,
                 "shortfall_drops": pool.shortfall_drops,
             }

@@ -97,6 +97,7 @@ class RouterServices:
                 http_session=self.session,
                 silent_after_s=self.config.events.silent_after_s,
                 replay_timeout_s=self.config.events.replay_timeout_s,
+                block_sizes={engine.id: engine.block_size for engine in self.config.engines},
             )
             await self.manager.start()
             self.watchdog.manager = self.manager
@@ -156,7 +157,11 @@ class RouterServices:
             "discovery_errors": health["discovery_errors"],
             "sources": {
                 name: {
-                    k: s[k] for k in ("engine_id", "status", "last_seq", "seconds_since_last_event", "gaps")
+                    k: s[k]
+                    for k in (
+                        *("engine_id", "status", "last_seq", "seconds_since_last_event", "gaps"),
+                        *("trusted", "trust_reason", "unknown_media", "block_size_mismatches"),
+                    )
                 }
                 for name, s in health["sources"].items()
             },

@@ -154,14 +154,24 @@ class LruBlockTier:
 class StoragePool(LruBlockTier):
     """A STORAGE tier, content-addressed by engine block hash, LRU, capacity in blocks.
 
-    Like vLLM's fs tier it never announces removals. Several EngineCore objects may share one
-    instance (a shared directory mounted by several engines): a block written by one is a hit for
-    all. ``load_bytes_per_s`` / ``latency_s`` override the engine profile's storage figures (one
-    engine's read rate). ``shared_bytes_per_s``: the pool's aggregate bandwidth, which every read
-    and write of every mounting engine books (``reserve``); None = no shared limit.
+    ``announce_removals``: the engine writing a block that evicts another announces the removal
+    (``BlockRemoved(medium="STORAGE")``), as vLLM 0.33's kvcr tier and its disk offload manager
+    do; False models a tier that never does (llm-d's shared fs directory leaves cleanup to the
+    storage system). Several EngineCore objects may share one instance (a shared directory mounted
+    by several engines): a block written by one is a hit for all. ``load_bytes_per_s`` /
+    ``latency_s`` override the engine profile's storage figures (one engine's read rate).
+    ``shared_bytes_per_s``: the pool's aggregate bandwidth, which every read and write of every
+    mounting engine books (``reserve``); None = no shared limit.
     """
 
-    __slots__ = ("busy_until_s", "latency_s", "load_bytes_per_s", "pool_id", "shared_bytes_per_s")
+    __slots__ = (
+        "announce_removals",
+        "busy_until_s",
+        "latency_s",
+        "load_bytes_per_s",
+        "pool_id",
+        "shared_bytes_per_s",
+    )
 
     def __init__(
         self,
@@ -170,6 +180,7 @@ class StoragePool(LruBlockTier):
         load_bytes_per_s: float | None = None,
         latency_s: float | None = None,
         shared_bytes_per_s: float | None = None,
+        announce_removals: bool = True,
     ) -> None:
         super().__init__(capacity_blocks)
         if load_bytes_per_s is not None and not load_bytes_per_s > 0:
@@ -182,6 +193,7 @@ class StoragePool(LruBlockTier):
         self.load_bytes_per_s = load_bytes_per_s
         self.latency_s = latency_s
         self.shared_bytes_per_s = shared_bytes_per_s
+        self.announce_removals = announce_removals
         #: When the pool's aggregate bandwidth is free again (FIFO over all mounting engines).
         self.busy_until_s = 0.0
 

@@ -960,13 +960,18 @@ class EngineCore:
     def _write_storage(
         self, req: _Request, block_indices: Sequence[int], events: list[dict[str, Any]], now: float
     ) -> None:
-        """Write-through to the STORAGE pool: self-describing stores, never a removal. A shared
-        pool's writes take their share of its aggregate bandwidth (reads queue behind them)."""
+        """Write-through to the STORAGE pool: self-describing stores, and the removals the writes
+        cause when the pool announces them. A shared pool's writes take their share of its
+        aggregate bandwidth (reads queue behind them)."""
         storage = self.storage
         assert storage is not None
-        evicted: list[int] = []  # silently dropped: the fs tier never announces removals
+        evicted: list[int] = []
         hashes = req.chain.hashes
         stored = [b for b in block_indices if storage.put(hashes[b], evicted)]
+        if evicted and self._emit and self.profile.emit_storage_events and storage.announce_removals:
+            events.append(
+                {"type": "BlockRemoved", "block_hashes": evicted, "medium": "STORAGE", "group_idx": 0}
+            )
         if not stored:
             return
         nbytes = len(stored) * self._bytes_per_block

@@ -355,8 +355,13 @@ async def test_fault3_incomplete_replay_marks_untrusted_until_caught_up(
             resync_per_s=2.0,
         )
         await manager.start()
-        await wait_for(lambda: manager.untrusted_engines() == {"e0"}, "untrusted after the stalled replay")
-        assert "incomplete" in (health_of(manager)["stale_reason"] or "")
+        # Untrusted from the start (waiting for the replay answer), then because the answer stalled.
+        assert manager.untrusted_engines() == {"e0"}
+        await wait_for(
+            lambda: "incomplete" in (health_of(manager)["stale_reason"] or ""),
+            "untrusted after the stalled replay",
+        )
+        assert manager.untrusted_engines() == {"e0"}
         # The retry (held back by the rate limit, then allowed) brings the whole buffer.
         await wait_for(lambda: last_seq(manager) == 299, "the retried replay")
         await wait_for(lambda: manager.untrusted_engines() == set(), "trusted again")

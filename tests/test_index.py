@@ -103,7 +103,8 @@ def test_contiguous_prefix_best_tier_and_engine_filter() -> None:
         "b", [stored([13], toks(32, 1), parent=12, medium="NVRAM"), removed([11], medium="cpu")]
     )
     assert index.match(keys, ["b"])["b"] == PrefixMatch(2, (1, 1, 0))
-    assert index.stats()["engines"]["b"]["malformed_events"] == 1
+    assert index.stats()["engines"]["b"]["malformed_events"] == 0
+    assert index.stats()["engines"]["b"]["unknown_media"] == {"NVRAM": 1}
 
 
 def test_all_blocks_cleared_drops_gpu_only_and_clear_engine() -> None:
@@ -144,6 +145,7 @@ def test_shared_storage_pool_is_indexed_once_with_lru_capacity() -> None:
         "blocks": 3,
         "capacity_blocks": 3,
         "evicted_blocks": 1,
+        "removed_blocks": 0,
         "refreshed_blocks": 0,
         "shortfall_drops": 0,
     }
@@ -257,33 +259,42 @@ def as_digest(engine_hash: int) -> bytes:
 
 
 class ReferenceIndex:
-    """The obvious model: counters per (engine, tier, key), a hash map per engine, LRU pools."""
+    """The obvious model: counters per (engine, tier, key), a hash map per engine (GPU/CPU) and
+    per pool (STORAGE, valid while the pool holds the block), LRU pools."""
 
     def __init__(self) -> None:
         self.count: dict[tuple[str, Tier, int], int] = {}
         self.mapping: dict[str, dict[int, int]] = {e: {} for e in ENGINES}
         self.pools: dict[str, OrderedDict[int, None]] = {"shared": OrderedDict(), "c": OrderedDict()}
+        self.pool_mapping: dict[str, dict[int, int]] = {"shared": {}, "c": {}}
         self.capacity = {"shared": POOL_CAPACITY, "c": PRIVATE_CAPACITY}
 
     @staticmethod
     def pool_of(engine: str) -> str:
         return "c" if engine == "c" else "shared"
 
+    def resolve(self, engine: str, h: int) -> int | None:
+        key = self.mapping[engine].get(h)
+        if key is None:
+            pool = self.pool_of(engine)
+            key = self.pool_mapping[pool].get(h)
+            if key is not None and key not in self.pools[pool]:
+                key = None
+        return key
+
     def store(self, engine: str, tier: Tier, chain: int, start: int, n: int, full: bool) -> None:
         blocks = [(chain, i) for i in range(start, start + n)]
         if full:
-            if start > 0 and ehash(chain, start - 1) not in self.mapping[engine]:
+            if start > 0 and self.resolve(engine, ehash(chain, start - 1)) is None:
                 return
             resolved = [(ehash(c, i), KEYS[(c, i)]) for c, i in blocks]
         else:
-            resolved = [
-                (ehash(c, i), self.mapping[engine][ehash(c, i)])
-                for c, i in blocks
-                if ehash(c, i) in self.mapping[engine]
-            ]
+            found = [(ehash(c, i), self.resolve(engine, ehash(c, i))) for c, i in blocks]
+            resolved = [(h, key) for h, key in found if key is not None]
         for h, key in resolved:
             if tier is Tier.STORAGE:
                 pool = self.pools[self.pool_of(engine)]
+                self.pool_mapping[self.pool_of(engine)][h] = key
                 pool[key] = None
                 pool.move_to_end(key)
                 while len(pool) > self.capacity[self.pool_of(engine)]:
@@ -295,11 +306,14 @@ class ReferenceIndex:
     def remove(self, engine: str, tier: Tier, chain: int, start: int, n: int) -> None:
         for i in range(start, start + n):
             h = ehash(chain, i)
+            if tier is Tier.STORAGE:
+                # The tier announced the removal: found through the pool's own hash map.
+                pool_key = self.pool_mapping[self.pool_of(engine)].pop(h, None)
+                if pool_key is not None:
+                    self.pools[self.pool_of(engine)].pop(pool_key, None)
+                continue
             key = self.mapping[engine].get(h)
             if key is None:
-                continue
-            if tier is Tier.STORAGE:
-                self.pools[self.pool_of(engine)].pop(key, None)
                 continue
             if self.count.get((engine, tier, key), 0) > 0:
                 self.count[(engine, tier, key)] -= 1

@@ -1,6 +1,7 @@
 """The index's model of a shared STORAGE pool against the real pool (sim/cache.StoragePool driven by
 real engines): the pool evicts its least recently *used* blocks and announces neither reads nor
-removals, so the index must refresh on the reads its routing causes and learn from shortfalls."""
+removals (a shared fs tier: ``announce_removals=False``), so the index must refresh on the reads
+its routing causes and learn from shortfalls."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class Fleet:
     """Engines on one pool, an index fed their events, routing mirrored into the index."""
 
     def __init__(self, refresh: bool) -> None:
-        self.pool = StoragePool("fs", capacity_blocks=6)
+        self.pool = StoragePool("fs", capacity_blocks=6, announce_removals=False)
         profile = EngineProfile(num_gpu_blocks=8, block_size=BS)
         self.engines = {e: EngineCore(e, profile, storage=self.pool) for e in ("e0", "e1", "e2")}
         self.index = PrefixIndex(

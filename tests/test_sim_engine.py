@@ -79,7 +79,6 @@ class EventMirror:
             if e["type"] == "BlockStored":
                 self.tiers[e["medium"]].update(e["block_hashes"])
             elif e["type"] == "BlockRemoved":
-                assert e["medium"] != "STORAGE", "STORAGE must never announce removals"
                 self.tiers[e["medium"]].difference_update(e["block_hashes"])
             else:
                 assert e == {"type": "AllBlocksCleared"}
@@ -329,8 +328,19 @@ def test_shared_storage_pool_is_visible_to_a_second_engine() -> None:
     assert e2.stats().load_bytes_by_tier["STORAGE"] == 4 * BLOCK_BYTES
 
 
+def test_storage_announces_its_removals_like_vllm() -> None:
+    """vLLM 0.33's kvcr tier and disk offload manager send BlockRemoved(medium="STORAGE")."""
+    pool = StoragePool("disk", capacity_blocks=2)
+    engine = EngineCore("e0", profile(), storage=pool)
+    engine.add_request(SimRequest("a", T_TOKENS, max_tokens=1))
+    evs = events(run(engine))
+    removed = [h for e in of(evs, "BlockRemoved", "STORAGE") for h in e["block_hashes"]]
+    stored = [h for e in of(evs, "BlockStored", "STORAGE") for h in e["block_hashes"]]
+    assert len(stored) == 6 and removed == stored[:4] and set(pool.hashes()) == set(stored[4:])
+
+
 def test_storage_evicts_silently() -> None:
-    pool = StoragePool("fs", capacity_blocks=2)
+    pool = StoragePool("fs", capacity_blocks=2, announce_removals=False)
     engine = EngineCore("e0", profile(), storage=pool)
     engine.add_request(SimRequest("a", T_TOKENS, max_tokens=1))
     evs = events(run(engine))
@@ -742,7 +752,7 @@ def test_events_always_describe_the_cache_and_everything_finishes(w: dict[str, A
         if engine.cpu is not None:
             assert mirror.tiers["CPU"] == set(engine.cpu.hashes())
         if pool is not None:
-            assert set(pool.hashes()) <= mirror.tiers["STORAGE"]
+            assert set(pool.hashes()) == mirror.tiers["STORAGE"]
     assert set(done) == {r.request_id for r in w["requests"]}
     for req in w["requests"]:
         f = done[req.request_id]
