@@ -181,44 +181,36 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{block.name}: {block.command}")
             return 0
         differ: list[str] = []
-        bodies: dict[str, list[str]] = {}
         wall0 = time.perf_counter()
-        for block in blocks:
-            if wanted and block.name not in wanted:
-                continue
+        for name in [b.name for b in blocks if not wanted or b.name in wanted]:
+            # Found again each time: a rewritten block before this one moved its lines.
+            block = next(b for b in find_blocks(lines) if b.name == name)
             t0 = time.perf_counter()
-            body = bodies[block.name] = run_block(block, args.timeout_s)
+            body = run_block(block, args.timeout_s)
             old = lines[block.start + 1 : block.end]
             same = [line.rstrip() for line in old] == body
-            print(
-                f"{block.name}: {'same' if same else 'DIFFERS'} ({time.perf_counter() - t0:.0f} s)",
-                flush=True,
-            )
-            if not same:
-                differ.append(block.name)
-                if args.check:
-                    sys.stdout.writelines(
-                        difflib.unified_diff(
-                            [line + "\n" for line in old],
-                            [line + "\n" for line in body],
-                            f"{args.doc} ({block.name})",
-                            f"`{block.command}`",
-                        )
+            print(f"{name}: {'same' if same else 'DIFFERS'} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            if same:
+                continue
+            differ.append(name)
+            if args.check:
+                sys.stdout.writelines(
+                    difflib.unified_diff(
+                        [line + "\n" for line in old],
+                        [line + "\n" for line in body],
+                        f"{args.doc} ({name})",
+                        f"`{block.command}`",
                     )
-        # Last block first, so the line numbers of the ones before stay valid.
-        for block in reversed(blocks):
-            if block.name in differ:
-                lines = render(lines, block, bodies[block.name])
+                )
+            else:  # written block by block: a sweep stopped halfway keeps the tables it finished
+                lines = render(lines, block, body)
+                args.doc.write_text("\n".join(lines) + ("\n" if text.endswith("\n") else ""))
+                print(f"rewrote {name} in {args.doc}", flush=True)
     except ResultsError as exc:
         print(f"results: {exc}", file=sys.stderr)
         return 2
     print(f"{len(wanted or blocks)} blocks in {time.perf_counter() - wall0:.0f} s", flush=True)
-    if args.write:
-        if differ:
-            args.doc.write_text("\n".join(lines) + ("\n" if text.endswith("\n") else ""))
-            print(f"rewrote {', '.join(differ)} in {args.doc}")
-        return 0
-    if differ:
+    if args.check and differ:
         print(
             f"results: {len(differ)} table(s) differ from their commands: {', '.join(differ)} "
             "(python -m loadtest.results --write rewrites them)",

@@ -16,26 +16,33 @@ TINY = (
 )
 
 
-def _page(body: str) -> str:
-    return f"# figures\n\nbefore\n\n<!-- results:tiny -->\n`{TINY}`\n{body}<!-- /results -->\n\nafter\n"
+BROKEN = "<!-- results:broken -->\n`python -m loadtest.no_such_module`\n<!-- /results -->\n"
+
+
+def _page(body: str, extra: str = "") -> str:
+    return (
+        f"# figures\n\nbefore\n\n<!-- results:tiny -->\n`{TINY}`\n{body}<!-- /results -->\n{extra}\nafter\n"
+    )
 
 
 def test_write_then_check_then_a_changed_figure_fails(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     doc = tmp_path / "page.md"
-    doc.write_text(_page("\n| stale |\n"))
-    assert results.main(["--check", "--doc", str(doc)]) == 1  # the stale table differs
-    assert results.main(["--write", "--doc", str(doc)]) == 0
-    text = doc.read_text()
+    doc.write_text(_page("\n| stale |\n", BROKEN))
+    # The second block's command fails; the first block's table is written before it runs.
+    assert results.main(["--write", "--doc", str(doc)]) == 2
+    assert "broken: `python -m loadtest.no_such_module` exited 1" in capsys.readouterr().err
+    text = doc.read_text().replace(BROKEN, "")
     assert text.startswith("# figures\n\nbefore\n") and text.endswith("<!-- /results -->\n\nafter\n")
     table = [line for line in text.splitlines() if line.startswith("|")]
     assert table[0].startswith("| concurrency | policy | TTFT p50 s |")
     assert "wall" not in table[0]  # the machine's time is left out
     assert table[2].startswith("| 2 | round_robin | ")
-    capsys.readouterr()
+    doc.write_text(text)
     assert results.main(["--check", "--doc", str(doc)]) == 0  # seeded: the same table again
     doc.write_text(text.replace("| 2 | round_robin | ", "| 2 | round_robin | 9", 1))
+    capsys.readouterr()
     assert results.main(["--check", "--doc", str(doc)]) == 1
     assert "-| 2 | round_robin | 9" in capsys.readouterr().out  # the diff names the line
 
