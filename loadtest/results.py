@@ -143,7 +143,7 @@ def run_block(block: Block, timeout_s: float) -> list[str]:
     out: list[str] = []
     for table in tables:
         out += ["", *drop_wall_columns(table)]
-    return out
+    return [*out, ""]  # a blank line ends the table before the closing marker in every renderer
 
 
 def render(lines: list[str], block: Block, body: list[str]) -> list[str]:
