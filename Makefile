@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # it is not a deprecation and says nothing about this project, so it is filtered by its text.
 PIP_INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test test-vllm lint validate bench load fmt clean
+.PHONY: demo test test-vllm lint validate bench load fmt clean results-check
 
 $(VENV)/.core: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,11 @@ load: $(VENV)/.load
 
 bench: $(VENV)/.test
 	$(PY) -m loadtest.bench all
+
+# Re-run the seeded tables of docs/benchmarks.md (DES, kvroute sim, bench_quality) and fail on a
+# difference; `$(PY) -m loadtest.results --write` rewrites them. Not part of `make test` (minutes).
+results-check: $(VENV)/.core
+	$(PY) -m loadtest.results --check
 
 clean:
 	rm -rf $(VENV) build *.egg-info

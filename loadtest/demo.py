@@ -130,20 +130,54 @@ def legend(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def verdict(diff: float, low: float, high: float, confidence: float, unit: str, lower_is_better: bool) -> str:
+    """One A/B difference (treatment - control) as words that follow its interval: "better" or
+    "worse" only when the interval excludes zero, "no significant difference" when it holds zero."""
+    scale, fmt = (1000.0, "{:+.1f} ms") if unit == "ms" else (1.0, "{:+.3f}")
+    pct = f"{confidence * 100:.0f}%"
+    figures = f"{fmt.format(diff * scale)} ({pct} CI {fmt.format(low * scale)} .. {fmt.format(high * scale)})"
+    if low <= 0.0 <= high:
+        return f"{figures}: no significant difference"
+    better = (high < 0.0) == lower_is_better
+    return f"{figures}: {'better' if better else 'worse'}"
+
+
 def gain_line(report: dict[str, Any]) -> str:
+    """The closing line: the treatment arm against control, worded by the intervals of the report
+    (mean TTFT and hit rate), with the medians and p90s as figures, never as the verdict."""
     arms = {a["name"]: a for a in report.get("arms", [])}
     names = list(arms)
     if len(names) < 2:
         return ""
     base, ours = arms[names[0]], arms[names[1]]
-    b, o = base.get("ttft_p50_s"), ours.get("ttft_p50_s")
-    if not b or not o:
-        return ""
+    vs = ours.get("vs_control") or {}
+    ttft_ci = vs.get("mean_ttft_diff_ci_s")
+    if vs.get("mean_ttft_diff_s") is None or not ttft_ci:
+        return (
+            f"{ours['name']} vs {base['name']}: too few conversations for an interval; "
+            "no conclusion (run more conversations)"
+        )
+    confidence = float(vs.get("confidence", 0.95))
     parts = [
-        f"{ours['name']} vs {base['name']}: median TTFT {b * 1000:.0f} ms -> {o * 1000:.0f} ms ({b / o:.2f}x)"
+        f"{ours['name']} vs {base['name']}: mean TTFT "
+        + verdict(vs["mean_ttft_diff_s"], ttft_ci[0], ttft_ci[1], confidence, "ms", lower_is_better=True)
     ]
-    if base.get("hit_rate") is not None and ours.get("hit_rate") is not None:
-        parts.append(f"hit rate {base['hit_rate']:.2f} -> {ours['hit_rate']:.2f}")
+    hit_ci = vs.get("hit_rate_diff_ci")
+    if vs.get("hit_rate_diff") is not None and hit_ci:
+        parts.append(
+            "hit rate "
+            + verdict(vs["hit_rate_diff"], hit_ci[0], hit_ci[1], confidence, "", lower_is_better=False)
+        )
+    quantiles = [
+        f"{label} {b * 1000:.0f} -> {o * 1000:.0f} ms"
+        for label, b, o in (
+            ("median", base.get("ttft_p50_s"), ours.get("ttft_p50_s")),
+            ("p90", base.get("ttft_p90_s"), ours.get("ttft_p90_s")),
+        )
+        if isinstance(b, int | float) and isinstance(o, int | float)
+    ]
+    if quantiles:
+        parts.append("TTFT " + ", ".join(quantiles))
     return "; ".join(parts)
 
 
@@ -202,7 +236,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print()
         line = gain_line(report)
         if line:
-            print("What routing gained: " + line)
+            print("Result: " + line)
         lines = len(router_log.read_text(errors="replace").splitlines())
         print(f"router log: {router_log} ({lines} lines); engine logs and the fleet file: {workdir}")
         return 0 if summary["errors"] == 0 else 1

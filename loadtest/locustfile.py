@@ -8,6 +8,7 @@ inter-token latency and end-to-end latency as Locust request stats, and cached p
 
     locust -f loadtest/locustfile.py --host http://ROUTER:PORT                      # web UI
     locust -f loadtest/locustfile.py --host http://ROUTER:PORT --headless -u 16 -r 4 -t 2m --csv out/run
+    python -m loadtest.locustfile --help     # Locust's options and this file's (workload, trace, ...)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import locust  # noqa: F401  (first: gevent patches ssl before requests imports it)
 import requests
 from locust import User, events, task
 from locust.env import Environment
@@ -331,3 +333,20 @@ class ChatUser(User):
         stats.cached_tokens += cached
         stats.ttfts_ms.append(ttft_ms)
         return "".join(pieces)
+
+
+# -- help ----------------------------------------------------------------------------------------------
+
+
+def options_help() -> str:
+    """Locust's full --help with this file's options. ``locust -f loadtest/locustfile.py --help``
+    cannot show them: Locust 2.x answers --help before it imports the locustfile, so the
+    init_command_line_parser listener above never runs (locustio/locust#2917). Importing this
+    module registers it, and Locust's own parser then carries the "kvroute multi-turn chat" group."""
+    from locust.argument_parser import get_parser
+
+    return get_parser().format_help()
+
+
+if __name__ == "__main__":
+    print(options_help())
