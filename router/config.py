@@ -8,6 +8,7 @@ are read and written by ``load_fleet_file`` / ``write_fleet_file``.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import tomllib
@@ -218,8 +219,14 @@ class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: (any client key or the admin token), "admin" (admin.token only), "off" (404); "" = "open",
     #: or "admin" in production mode.
     debug_access: str = ""
-    #: Failed authentications per client address per minute before answering 429.
+    #: Failed authentications per minute, counted per client address and per presented
+    #: credential, before that address's (or credential's) failures are answered 429. A valid
+    #: credential is never refused.
     max_failures_per_minute: int = 30
+    #: Addresses or CIDR ranges of the load balancers / proxies in front of the router. Only a
+    #: connection from one of them has its client address taken from ``X-Forwarded-For`` (the
+    #: rightmost entry that is not itself a trusted proxy); empty = the header is ignored.
+    trusted_proxies: list[str] = msgspec.field(default_factory=list)
 
     def debug_mode(self) -> str:
         return self.debug_access or ("admin" if self.production else "open")
@@ -551,6 +558,13 @@ def _validate_limits_auth(config: RouterConfig) -> None:
             )
     if auth.max_failures_per_minute < 1:
         raise ConfigError(f"auth.max_failures_per_minute must be >= 1, got {auth.max_failures_per_minute}")
+    for proxy in auth.trusted_proxies:
+        try:
+            ipaddress.ip_network(proxy, strict=False)
+        except ValueError:
+            raise ConfigError(
+                f"auth.trusted_proxies: {proxy!r} is not an IP address or CIDR range (e.g. 10.0.0.0/8)"
+            ) from None
     tenancy = config.tenancy
     if tenancy.source not in _TENANCY_SOURCES:
         raise ConfigError(
