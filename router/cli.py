@@ -375,6 +375,8 @@ def serve(argv: Sequence[str]) -> int:
         # The guard takes the client address from X-Forwarded-For only for auth.trusted_proxies;
         # uvicorn's own rewrite would trust any 127.0.0.1 peer.
         proxy_headers=False,
+        # SIGTERM: in-flight requests get limits.drain_timeout_s to finish, then they are cut.
+        timeout_graceful_shutdown=config.limits.drain_timeout_s or None,
     )
 
 

@@ -118,7 +118,11 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_prompt_tokens: int = 262_144
     #: Longest wait for an engine's first byte of an answer (its prefill included); on expiry the
     #: request fails over to the next engine if nothing was sent to the client yet, else 504.
-    first_byte_timeout_s: float = 120.0
+    #: 0 = from the measured time to first token: 4 x its p99, within 5..60 s, 30 s until 20 streams
+    #: were measured (router/first_byte.py).
+    first_byte_timeout_s: float = 0.0
+    #: On SIGTERM, seconds in-flight requests may take to finish before they are cut (0 = no bound).
+    drain_timeout_s: float = 30.0
     #: A client must send its complete request headers within this time (408, connection closed).
     header_timeout_s: float = 10.0
     #: A client must send its complete request body within this time (408).
@@ -524,8 +528,14 @@ _TENANCY_SOURCES = ("auto", "none", "api_key", "header")
 
 def _validate_limits_auth(config: RouterConfig) -> None:
     limits, health = config.limits, config.health
+    if limits.first_byte_timeout_s < 0:
+        raise ConfigError(
+            "limits.first_byte_timeout_s must be >= 0 (0 = from the measured TTFT), "
+            f"got {limits.first_byte_timeout_s}"
+        )
+    if limits.drain_timeout_s < 0:
+        raise ConfigError(f"limits.drain_timeout_s must be >= 0 (0 = no bound), got {limits.drain_timeout_s}")
     for key in (
-        "first_byte_timeout_s",
         "header_timeout_s",
         "body_timeout_s",
         "max_header_bytes",

@@ -35,6 +35,7 @@ from policies.base import Decision, FleetView, NoEngineAvailable, Policy, RouteR
 from router.config import RouterConfig
 from router.errors import RouterError, bad_request, sse_error_event
 from router.experiments import FORCED_ARM_HEADER, Arm, Experiments
+from router.first_byte import FirstByteBudget
 from router.load import LoadTracker
 from router.metrics import RouterMetrics
 from router.proxy import (
@@ -371,7 +372,8 @@ class Router:
         self.metrics = metrics
         self.arm_selector = arm_selector
         self.annotator = annotator
-        self.observers: list[RouteObserver] = [metrics, *observers]
+        self.first_byte = FirstByteBudget(config.limits.first_byte_timeout_s)
+        self.observers: list[RouteObserver] = [metrics, self.first_byte, *observers]
 
     @property
     def costs(self) -> Any:
@@ -517,7 +519,7 @@ class Router:
         response: aiohttp.ClientResponse | None = None
         head: list[bytes] = []  # a stream's bytes up to its first event, read before answering
         chunks: AsyncIterator[bytes] | None = None
-        budget_s = self.config.limits.first_byte_timeout_s
+        budget_s = self.first_byte.budget_s()
         for attempt, engine_id in enumerate(order):
             ctx.engine_id = engine_id
             ctx.attempts.append(engine_id)

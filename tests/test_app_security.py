@@ -5,6 +5,7 @@ tokens (issue 13 items 9, 11, 12)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -374,8 +375,11 @@ def test_production_mode_protects_introspection_and_clients_need_keys(router_pro
     client = openai.OpenAI(base_url=router.url + "/v1", api_key=KEY_A, max_retries=0)
     assert client.chat.completions.create(model=MODEL, messages=MESSAGES).choices  # type: ignore[arg-type]
     assert httpx.get(router.url + "/health").status_code == 200  # probes stay open
+    # A keyless client call says the API key is missing (it said missing_admin_token in production).
+    keyless = post(CHAT, None)
+    assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "missing_api_key"
     # Failures are limited (per address, per credential), valid credentials never (issue 28 item 1).
-    for _ in range(10):
+    for _ in range(9):
         post(CHAT, "sk-guess")
     limited = post(CHAT, "sk-guess-2")
     assert limited.status_code == 429 and limited.headers["retry-after"] == "60"
@@ -383,6 +387,37 @@ def test_production_mode_protects_introspection_and_clients_need_keys(router_pro
     assert post(CHAT, KEY_A).status_code == 200
     assert post("/v1/route/explain", ADMIN).status_code == 200
     assert len(upstream.bodies) == 2
+
+
+def test_sigterm_drain_is_bounded(router_process, serve_asgi) -> None:
+    """Issue 28 item 6: SIGTERM lets in-flight streams finish for limits.drain_timeout_s, then cuts
+    them (before: a hung stream kept the router alive until the engine's read timeout)."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def hung_stream(request: Request) -> StreamingResponse:
+        async def events():  # type: ignore[no-untyped-def]
+            yield b'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n'
+            await asyncio.sleep(300)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    engine = serve_asgi(Starlette(routes=[Route("/v1/chat/completions", hung_stream, methods=["POST"])]))
+    router = router_process(**_base(engine.url, limits={"drain_timeout_s": 2.0}))
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True}
+    with httpx.stream("POST", router.url + CHAT, json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data:")
+        started = time.monotonic()
+        router.proc.send_signal(signal.SIGTERM)
+        router.proc.wait(30)
+        with pytest.raises(httpx.HTTPError):  # cut: the client sees an error, not a complete answer
+            for _ in lines:
+                pass
+    assert time.monotonic() - started < 15
 
 
 def test_failed_logins_never_lock_out_valid_credentials_and_forwarded_for_needs_a_trusted_proxy(
