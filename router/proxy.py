@@ -62,6 +62,9 @@ class UpstreamClient:
         # engine is about to close.
         self._keepalive_timeout_s = keepalive_timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self._fresh_session: aiohttp.ClientSession | None = None  # no pool: for stale-socket retries
+        #: Requests sent again on a new connection after a pooled one turned out dead.
+        self.stale_retries = 0
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -80,11 +83,34 @@ class UpstreamClient:
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent",),
             )
+            self._fresh_session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                timeout=self._timeout,
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent",),
+            )
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._fresh_session is not None:
+            await self._fresh_session.close()
+            self._fresh_session = None
+
+    async def _post(self, url: str, body: bytes, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+        """POST on a pooled connection; if that connection turns out dead before any answer (the
+        engine closed or reset an idle keep-alive socket: it restarted, or its keep-alive ran out),
+        once more on a new connection. Only a failure of that one says something about the engine."""
+        try:
+            return await self.session.post(url, data=body, headers=headers, allow_redirects=False)
+        except aiohttp.ClientConnectorError:
+            raise  # could not connect at all: nothing stale about it
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            if self._fresh_session is None:
+                raise
+            self.stale_retries += 1
+            return await self._fresh_session.post(url, data=body, headers=headers, allow_redirects=False)
 
     async def send(
         self, url: str, body: bytes, headers: Mapping[str, str], *, first_byte_timeout_s: float | None = None
@@ -93,10 +119,10 @@ class UpstreamClient:
         ``first_byte_timeout_s`` bounds the wait for the response headers."""
         try:
             if first_byte_timeout_s is None:
-                return await self.session.post(url, data=body, headers=headers, allow_redirects=False)
+                return await self._post(url, body, headers)
             try:
                 async with asyncio.timeout(first_byte_timeout_s):
-                    return await self.session.post(url, data=body, headers=headers, allow_redirects=False)
+                    return await self._post(url, body, headers)
             except TimeoutError:
                 raise UpstreamFirstByteTimeout(
                     f"{url} sent no answer within the first-byte budget ({first_byte_timeout_s:.1f} s)"
@@ -106,7 +132,7 @@ class UpstreamClient:
         except aiohttp.ServerDisconnectedError as exc:
             raise UpstreamConnectError(f"{url} closed the connection before answering") from exc
         except aiohttp.ClientOSError as exc:
-            # ECONNRESET / EPIPE on a pooled keep-alive socket ("Can not write request body"): the
+            # ECONNRESET / EPIPE on a new connection too ("Can not write request body"): the
             # engine answered nothing, so the request may go elsewhere like a refused one.
             raise UpstreamConnectError(f"connection to {url} broke before any answer: {exc}") from exc
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
