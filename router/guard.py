@@ -28,6 +28,10 @@ log = logging.getLogger("kvroute.guard")
 #: Where the authenticated tenant is kept for the handlers (ASGI ``scope["state"]``).
 TENANT_STATE_KEY = "kvroute_tenant"
 
+#: On the introspection endpoints, an admin names the tenant whose routing to inspect (explain runs
+#: with that tenant's cache_salt, as the tenant's own requests do).
+INSPECT_TENANT_HEADER = b"x-kvroute-tenant"
+
 CLIENT_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 DEBUG_PATHS = ("/v1/route/explain", "/v1/experiments", "/debug/")
 ADMIN_PREFIX = "/admin/"
@@ -296,6 +300,7 @@ class Authenticator:
 
     def __init__(self, config: RouterConfig) -> None:
         self._keys = {_digest(key): tenant for key, tenant in config.auth.api_keys.items()}
+        self._tenants = set(config.auth.api_keys.values())
         self._admin = _digest(config.admin.token) if config.admin.token else None
         self.clients_need_key = bool(self._keys)
         self.debug_mode = config.auth.debug_mode()
@@ -347,6 +352,8 @@ class Authenticator:
             admin = self.is_admin(token)
             tenant = None if admin else self.tenant_of(token)
             if admin or (tenant is not None and not admin_needed):
+                if admin and need == "debug":
+                    tenant = self._inspected_tenant(scope)
                 if tenant is not None:
                     scope.setdefault("state", {})[TENANT_STATE_KEY] = tenant
                 return
@@ -378,6 +385,22 @@ class Authenticator:
         if admin_needed:
             raise RouterError(403, "wrong admin token", type="permission_error", code="invalid_admin_token")
         raise RouterError(401, "invalid API key", type="authentication_error", code="invalid_api_key")
+
+    def _inspected_tenant(self, scope: dict[str, Any]) -> str | None:
+        """The tenant an admin names in ``x-kvroute-tenant`` (None: none named); 404 for a tenant
+        no API key maps to."""
+        for name, value in scope.get("headers") or ():
+            if name == INSPECT_TENANT_HEADER:
+                tenant = value.decode("latin-1").strip()
+                if self._tenants and tenant not in self._tenants:
+                    raise RouterError(
+                        404,
+                        f"x-kvroute-tenant names no tenant of auth.api_keys: {tenant[:64]!r}",
+                        type="not_found_error",
+                        code="tenant_not_found",
+                    )
+                return tenant or None
+        return None
 
 
 def _bearer(scope: dict[str, Any]) -> str | None:

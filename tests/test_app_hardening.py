@@ -394,3 +394,31 @@ def test_experiment_session_map_does_not_keep_huge_keys() -> None:
     for i in range(2000):
         experiments.assign(f"s{i}")
     assert experiments.session_count() <= 64 * 1024 // 144
+
+
+def test_a_half_open_breaker_lets_one_trial_request_through() -> None:
+    """Issue 28 item 6: after breaker_open_s the breaker let every request through at once; now one
+    trial goes, the others keep away until it succeeds, fails, or outlives breaker_open_s."""
+    from router.config import EngineConfig
+    from router.load import LoadTracker
+
+    tracker = LoadTracker([EngineConfig(id="e0", url="http://127.0.0.1:1")])
+    tracker.configure_breaker(3, 5.0)
+    state = tracker.engines["e0"]
+    for _ in range(3):
+        tracker.record_failure("e0", "refused", now_s=100.0)
+    assert tracker.breaker_open(state, 104.9)
+    assert not tracker.breaker_open(state, 105.1)  # half-open: a trial may go
+    tracker.claim_trial("e0", now_s=105.1)
+    assert tracker.breaker_open(state, 105.2)  # ... and only one
+    tracker.claim_trial("e0", now_s=105.2)
+    assert tracker.breaker_open(state, 110.0)
+    assert not tracker.breaker_open(state, 110.2)  # the trial never reported: another may go
+    tracker.claim_trial("e0", now_s=110.2)
+    tracker.record_failure("e0", "refused", now_s=111.0)  # the trial failed: open again
+    assert tracker.breaker_open(state, 115.9) and not tracker.breaker_open(state, 116.1)
+    tracker.claim_trial("e0", now_s=116.1)
+    tracker.record_success("e0")  # the trial answered: closed, everyone goes
+    assert not tracker.breaker_open(state, 116.2)
+    tracker.claim_trial("e0", now_s=116.2)
+    assert not tracker.breaker_open(state, 116.3)
