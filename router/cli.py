@@ -66,6 +66,9 @@ def serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Benchmarks only (loadtest/bench_faults.py --soak-tracemalloc): a file; SIGUSR1 dumps a snapshot of
+#: the router's Python allocations there (tracemalloc, started at once when this is set).
+TRACEMALLOC_ENV = "_KVROUTE_TRACEMALLOC_FILE"
 SIBLING_ENV = "_KVROUTE_SIBLING_WORKER"  # the sibling's worker index (1..N-1)
 #: File descriptor of the workers' shared load board (router/worker_ledger.py), from the first worker.
 BOARD_ENV = "_KVROUTE_WORKER_BOARD"
@@ -284,8 +287,29 @@ def run_server(
     return 0 if server.started else 1
 
 
+def _install_allocation_report(path: str) -> None:
+    """Trace Python allocations; on SIGUSR1 dump a tracemalloc snapshot to ``path`` (replaced
+    whole; the reader groups it by source line, ``tracemalloc.Snapshot.load``). Only the dump runs
+    in the router: grouping a large heap would stall its event loop for seconds."""
+    import os
+    import signal
+    import tracemalloc
+
+    tracemalloc.start(1)
+
+    def dump(signum: int, frame: Any) -> None:
+        tmp = path + ".tmp"
+        tracemalloc.take_snapshot().dump(tmp)
+        os.replace(tmp, path)
+
+    signal.signal(signal.SIGUSR1, dump)
+
+
 def serve(argv: Sequence[str]) -> int:
     import os
+
+    if os.environ.get(TRACEMALLOC_ENV):
+        _install_allocation_report(os.environ[TRACEMALLOC_ENV])
 
     from router.service import build_router_app
 
