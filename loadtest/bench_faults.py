@@ -92,12 +92,14 @@ class RouterProc:
                 env=env,
                 cwd=self.repo,
             )
-        deadline = time.monotonic() + 120  # a busy machine can take half a minute to import
+        deadline = time.monotonic() + 300  # a busy machine (or tracemalloc) can take minutes to import
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
                     return
             time.sleep(0.1)
+        self.proc.kill()  # never leave a router behind
+        self.proc.wait(10)
         tail = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
         raise RuntimeError(f"router did not become ready; its log ends:\n{tail}")
 
