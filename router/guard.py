@@ -62,8 +62,9 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
     slowloris), *uploading* (headers in, body not complete: a slow body) or *active* (the request is
     complete; the router works on it or streams the answer). Waiting and uploading connections
     together hold at most ``max_connections - connection_reserve(max_connections)`` slots; past that,
-    and past the cap, a new connection evicts the one that has waited longest (waiting ones before
-    uploading ones). Only when every slot is active is a newcomer refused with 503."""
+    and past the cap, a new connection evicts the one that has waited longest: the earliest to start
+    waiting for its request or its body (a fresh connection is the youngest, so it has the time to
+    send its request). Only when every slot is active is a newcomer refused with 503."""
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         header_timeout_s = limits.header_timeout_s
@@ -83,6 +84,7 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
             self._in_headers = True
             self._answered_one = False
             self._header_timer: asyncio.TimerHandle | None = None
+            self._waiting_since_s = self.loop.time()  # since this phase (waiting / uploading) began
             if self.max_connections:
                 pending = len(self.waiting) + len(self.uploading)
                 if pending >= self.max_pending or len(self.connections) > self.max_connections:
@@ -94,13 +96,14 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
             self._start_header_timer()
 
         def _evict_one(self) -> bool:
-            """Close the connection that has waited longest for its request (or its body)."""
-            for table in (self.waiting, self.uploading):
-                for victim in table:
-                    victim._evict()
-                    type(self).evictions += 1
-                    return True
-            return False
+            """Close the connection that has waited longest for its request or its body (each
+            table is in the order its connections began waiting: its first is its oldest)."""
+            oldest = [next(iter(table)) for table in (self.waiting, self.uploading) if table]
+            if not oldest:
+                return False
+            min(oldest, key=lambda c: c._waiting_since_s)._evict()
+            type(self).evictions += 1
+            return True
 
         def _evict(self) -> None:
             self._forget()
@@ -175,6 +178,7 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
             self._stop_header_timer()
             self.waiting.pop(self, None)
             self.uploading[self] = None
+            self._waiting_since_s = self.loop.time()
             too_many = self._header_count > self.max_headers
             too_big = sum(len(n) + len(v) + 4 for n, v in self.headers) + len(self.url)
             self._header_bytes = 0
@@ -201,6 +205,7 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
             if not self.transport.is_closing():
                 self._in_headers = True  # waiting for the next request on this connection
                 self.waiting[self] = None
+                self._waiting_since_s = self.loop.time()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_header_timer()

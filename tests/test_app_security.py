@@ -319,6 +319,31 @@ def test_probes_get_through_a_reconnecting_flood_at_the_connection_cap(
     assert statuses.count(200) >= 9, f"probe statuses during the {kind} flood: {statuses}"
 
 
+def test_a_fresh_connection_is_not_the_first_evicted(router_process, upstreams) -> None:
+    """Eviction takes the connection that has waited longest, not a fresh one: with the pending
+    slots held by slow uploads, a newcomer that connected but has not sent its request yet must
+    survive the next arrival (evicting waiting connections before uploading ones evicted it, and
+    made a fast-reconnecting slow-body flood win: 0 of 20 probes in loadtest/bench_faults.py)."""
+    ((_, url),) = upstreams(1)
+    router = router_process(**_base(url, limits={"max_connections": 20, "body_timeout_s": 60.0}))
+    attackers = []
+    try:
+        for _ in range(18):  # the pending slots: the cap minus its reserve of 2
+            sock = socket.create_connection(("127.0.0.1", router.port))
+            sock.sendall(FLOODS["partial body"])
+            attackers.append(sock)
+        time.sleep(1.0)  # their headers are in: uploading
+        with socket.create_connection(("127.0.0.1", router.port)) as probe:
+            time.sleep(0.5)
+            attackers.append(socket.create_connection(("127.0.0.1", router.port)))  # evicts someone
+            time.sleep(0.5)
+            probe.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            assert _recv_all(probe, 10.0).startswith(b"HTTP/1.1 200")
+    finally:
+        for sock in attackers:
+            sock.close()
+
+
 def test_aborted_uploads_are_counted_quietly(router_process, upstreams) -> None:
     ((upstream, url),) = upstreams(1)
     router = router_process(**_base(url))
