@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 
 from kvcore.stats import percentile
+from router.cli import TRACEMALLOC_ENV
 from sim.fleet import PROFILES, Fleet, FleetEngine
 from sim.server import free_port
 from sim.zmq_publisher import KVEventsConfig, ZmqEventPublisher
@@ -59,11 +60,21 @@ class Tally:
 class RouterProc:
     """``python -m router.cli serve --config FILE`` on a fixed port (restartable)."""
 
-    def __init__(self, workdir: Path, config_toml: str, port: int) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        config_toml: str,
+        port: int,
+        *,
+        repo: Path = REPO_ROOT,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = port
         self.path = workdir / "router.toml"
         self.path.write_text(config_toml)
         self.log = workdir / "router.log"
+        self.repo = repo
+        self.extra_env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -72,21 +83,24 @@ class RouterProc:
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
-        env["PYTHONPATH"] = str(REPO_ROOT)
+        env["PYTHONPATH"] = str(self.repo)
+        env.update(self.extra_env)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "router.cli", "serve", "--config", str(self.path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
-                cwd=REPO_ROOT,
+                cwd=self.repo,
             )
-        deadline = time.monotonic() + 120  # a busy machine can take half a minute to import
+        deadline = time.monotonic() + 300  # a busy machine (or tracemalloc) can take minutes to import
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
                     return
             time.sleep(0.1)
+        self.proc.kill()  # never leave a router behind
+        self.proc.wait(10)
         tail = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
         raise RuntimeError(f"router did not become ready; its log ends:\n{tail}")
 
@@ -503,16 +517,172 @@ def _statuses(counts: Counter[str]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
 
 
+# -- connections -----------------------------------------------------------------------------
+
+FLOOD_OPENINGS = {
+    "slowloris": b"GET /health HTTP/1.1\r\nhost: x\r\nx-slow: ",
+    "partial body": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b'content-length: 10000\r\n\r\n{"model": '
+    ),
+    "idle": b"",
+}
+
+
+async def _half_sent_header(port: int, line_bytes: int, hold: asyncio.Event) -> None:
+    """One connection sending an unterminated header line of ``line_bytes``, held until ``hold``."""
+    try:
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\nx-endless: ")
+        for _ in range(line_bytes // 65536):
+            writer.write(b"a" * 65536)
+            await writer.drain()
+        await hold.wait()
+    except OSError:
+        await hold.wait()  # refused early: the socket is closed, nothing to hold
+    finally:
+        writer.close()
+
+
+async def header_memory(router: RouterProc, connections: int, line_bytes: int) -> tuple[float, float, float]:
+    """Router RSS MiB before, while ``connections`` each sent ``line_bytes`` of one unterminated header
+    line, and 3 s after they closed."""
+    before, _ = router.rss_fds()
+    hold = asyncio.Event()
+    tasks = [
+        asyncio.create_task(_half_sent_header(router.port, line_bytes, hold)) for _ in range(connections)
+    ]
+    await asyncio.sleep(8.0)  # below the 10 s header timeout: everything sent is held (or refused)
+    during, _ = router.rss_fds()
+    hold.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.sleep(3.0)
+    after, _ = router.rss_fds()
+    return before, during, after
+
+
+async def _attacker(port: int, opening: bytes, stop: asyncio.Event, reconnects: list[int]) -> None:
+    """One attacker slot: connect, send ``opening``, wait until the router closes it, reconnect."""
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        try:
+            if opening:
+                writer.write(opening)
+            read = asyncio.ensure_future(reader.read(65536))
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({read, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            read.cancel()
+            stopped.cancel()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+        reconnects[0] += 1
+
+
+async def flood_probes(router: RouterProc, kind: str, attackers: int, probes: int) -> tuple[int, int, int]:
+    """(probes answered 200, probes sent, attacker reconnects) during a reconnecting ``kind`` flood
+    of ``attackers`` connections; probes are fresh connections, every 0.5 s, 5 s timeout each."""
+    stop = asyncio.Event()
+    reconnects = [0]
+    tasks = [
+        asyncio.create_task(_attacker(router.port, FLOOD_OPENINGS[kind], stop, reconnects))
+        for _ in range(attackers)
+    ]
+    await asyncio.sleep(3.0)  # let the flood fill the table
+    answered = 0
+    body = {"model": "kvroute-sim", "messages": [{"role": "user", "content": "probe"}], "max_tokens": 2}
+    for i in range(probes):
+        started = time.monotonic()
+        try:
+            async with httpx.AsyncClient(timeout=5.0) as client:
+                if i % 2:
+                    resp = await client.post(router.url + "/v1/chat/completions", json=body)
+                else:
+                    resp = await client.get(router.url + "/health")
+            answered += resp.status_code == 200
+        except httpx.HTTPError:
+            pass
+        await asyncio.sleep(max(0.0, 0.5 - (time.monotonic() - started)))
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return answered, probes, reconnects[0]
+
+
+async def run_connections(args: argparse.Namespace, workdir: Path) -> None:
+    """Half-sent headers (RSS) and reconnecting floods at the connection cap (probes answered), for
+    this checkout and, with --baseline-repo, for another one, interleaved scenario by scenario."""
+    repos = [("this", REPO_ROOT)]
+    if args.baseline_repo:
+        repos.insert(0, ("baseline", Path(args.baseline_repo)))  # absolute (main() resolves it)
+    memory: dict[str, tuple[float, float, float]] = {}
+    floods: dict[tuple[str, str], tuple[int, int, int]] = {}
+    with Fleet(workdir / "fleet-connections") as fleet:
+        engines = fleet.start(1, replace(PROFILES["gpu-only"], time_scale=100.0))
+        for scenario in ["header memory", *FLOOD_OPENINGS]:
+            for name, repo in repos:
+                port = free_port()
+                router = RouterProc(
+                    workdir,
+                    router_toml([e.fleet_entry() for e in engines], port, first_byte_timeout_s=10.0),
+                    port,
+                    repo=repo,
+                )
+                router.start()
+                try:
+                    if scenario == "header memory":
+                        memory[name] = await header_memory(router, args.header_connections, 1_000_000)
+                    else:
+                        floods[(scenario, name)] = await flood_probes(
+                            router, scenario, args.flood_connections, args.flood_probes
+                        )
+                finally:
+                    router.stop()
+                print(f"[connections: {scenario} on {name} done]", file=sys.stderr, flush=True)
+    print(
+        f"{args.header_connections} connections each sending an unterminated 1 MB header line "
+        "(held 8 s, below the 10 s header timeout), default limits:"
+    )
+    print("| router | RSS before MiB | while held | 3 s after they closed |")
+    print("|---|---:|---:|---:|")
+    for name, (before, during, after) in memory.items():
+        print(f"| {name} | {before:.0f} | {during:.0f} | {after:.0f} |")
+    print(
+        f"\nreconnecting floods of {args.flood_connections} connections against the default cap of 900; "
+        f"{args.flood_probes} probes (fresh connections, GET /health and a chat completion alternately, "
+        "one every 0.5 s, 5 s timeout):"
+    )
+    print("| flood | router | probes answered | attacker reconnects |")
+    print("|---|---|---:|---:|")
+    for (kind, name), (answered, sent, reconnects) in floods.items():
+        print(f"| {kind} | {name} | {answered}/{sent} | {reconnects} |")
+
+
 # -- soak ------------------------------------------------------------------------------------
 
 
 async def run_soak(args: argparse.Namespace, workdir: Path) -> None:
+    """The soak: RSS and open FDs of the router at start, every --soak-sample-s and at the end; with
+    --soak-tracemalloc also its traced Python allocations (tracemalloc, by source line: where the
+    bytes go), via the router's SIGUSR1 report (router/cli.py)."""
     profile = replace(PROFILES["gpu-only"], time_scale=args.time_scale, gpu_blocks=4096)
+    report = workdir / "allocations.txt"
+    env = {TRACEMALLOC_ENV: str(report)} if args.soak_tracemalloc else {}
     with Fleet(workdir / "fleet-soak") as fleet:
         engines = fleet.start(3, profile)
         port = free_port()
         router = RouterProc(
-            workdir, router_toml([e.fleet_entry() for e in engines], port, first_byte_timeout_s=10.0), port
+            workdir,
+            router_toml([e.fleet_entry() for e in engines], port, first_byte_timeout_s=10.0),
+            port,
+            env=env,
         )
         router.start()
         tally = Tally()
@@ -521,12 +691,18 @@ async def run_soak(args: argparse.Namespace, workdir: Path) -> None:
         tasks = [
             asyncio.create_task(soak_conversation(i, router.url, stop_at, tally, args)) for i in range(16)
         ]
-        samples: list[tuple[float, float, int, int]] = []
+        at_s = [min(10.0, args.soak_s / 50)]
+        while at_s[-1] + args.soak_sample_s < args.soak_s:
+            at_s.append(at_s[-1] + args.soak_sample_s if len(at_s) > 1 else args.soak_sample_s)
+        at_s.append(args.soak_s)
+        samples: list[tuple[float, float, int, int, dict[str, int]]] = []
         try:
-            for frac in (0.02, 0.5, 1.0):
-                await asyncio.sleep(max(0.0, start + frac * args.soak_s - time.monotonic()))
+            for at in at_s:
+                await asyncio.sleep(max(0.0, start + at - time.monotonic()))
                 rss, fds = router.rss_fds()
-                samples.append((time.monotonic() - start, rss, fds, tally.sent))
+                allocations = await _allocations(router, report) if args.soak_tracemalloc else {}
+                samples.append((time.monotonic() - start, rss, fds, tally.sent, allocations))
+                print(f"[soak {at:.0f} s: RSS {rss:.1f} MiB]", file=sys.stderr, flush=True)
             await asyncio.gather(*tasks)
         finally:
             for task in tasks:
@@ -534,16 +710,57 @@ async def run_soak(args: argparse.Namespace, workdir: Path) -> None:
             router.stop()
     print(
         f"soak: 16 conversations for {args.soak_s:.0f} s, new conversation every 6 turns, "
-        "1 MB `user` every 50th request"
+        "1 MB `user` every 50th request" + (" (router under tracemalloc)" if args.soak_tracemalloc else "")
     )
-    print("| at | router RSS MiB | open FDs | requests so far |")
-    print("|---|---:|---:|---:|")
-    for at, rss, fds, sent in samples:
-        print(f"| {at:.0f} s | {rss:.1f} | {fds} | {sent} |")
+    traced = args.soak_tracemalloc
+    print("| at | router RSS MiB | open FDs | requests so far |" + (" traced Python MiB |" if traced else ""))
+    print("|---|---:|---:|---:|" + ("---:|" if traced else ""))
+    for at, rss, fds, sent, allocations in samples:
+        extra = f" {allocations.get('total', 0) / 2**20:.1f} |" if traced else ""
+        print(f"| {at:.0f} s | {rss:.1f} | {fds} | {sent} |{extra}")
+    if traced and len(samples) >= 2:
+        first, last = samples[0][4], samples[-1][4]
+        lines = sorted((k for k in last if k != "total"), key=lambda k: -last[k])[:12]
+        print("\nlargest traced allocations by source line (MiB at the first and the last sample):")
+        print("| source line | first | last |")
+        print("|---|---:|---:|")
+        for line in lines:
+            print(f"| `{line}` | {first.get(line, 0) / 2**20:.1f} | {last[line] / 2**20:.1f} |")
     print(
         f"requests: {tally.sent} sent, {tally.answered} answered, {tally.clear_error} clear errors, "
         f"{tally.lost} lost ({_statuses(tally.kinds)})"
     )
+
+
+async def _allocations(router: RouterProc, report: Path) -> dict[str, int]:
+    """The router's traced allocations: {"total": bytes, "<file>:<line>": bytes, ...} (the 25
+    largest lines), from the snapshot it dumps on SIGUSR1."""
+    before = _mtime_ns(report)
+    router.signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if _mtime_ns(report) != before:
+            break
+        await asyncio.sleep(0.2)
+    return await asyncio.to_thread(_read_allocations, report)
+
+
+def _mtime_ns(path: Path) -> int:
+    return path.stat().st_mtime_ns if path.exists() else 0
+
+
+def _read_allocations(report: Path) -> dict[str, int]:
+    import tracemalloc
+
+    if not report.exists():
+        return {}
+    stats = tracemalloc.Snapshot.load(str(report)).statistics("lineno")
+    out = {"total": sum(stat.size for stat in stats)}
+    for stat in stats[:25]:
+        frame = stat.traceback[0]
+        where = frame.filename.replace(str(REPO_ROOT) + "/", "").replace(sys.prefix + "/", "")
+        out[f"{where}:{frame.lineno}"] = stat.size
+    return out
 
 
 async def soak_conversation(i: int, url: str, stop_at: float, tally: Tally, args: argparse.Namespace) -> None:
@@ -585,8 +802,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="kv_gpu", help="routing policy of the router under test")
     p.add_argument("--inputs", action="store_true", help="also run the input table")
     p.add_argument("--fuzz-examples", type=int, default=50)
+    p.add_argument(
+        "--connections", action="store_true", help="also run half-sent headers and connection floods"
+    )
+    p.add_argument("--header-connections", type=int, default=600)
+    p.add_argument("--flood-connections", type=int, default=1000)
+    p.add_argument("--flood-probes", type=int, default=20)
+    p.add_argument("--baseline-repo", help="--connections also against the router of this checkout")
     p.add_argument("--soak-s", type=float, default=0.0, help="also run a soak of this many seconds")
+    p.add_argument("--soak-sample-s", type=float, default=300.0, help="RSS sample period of the soak")
+    p.add_argument(
+        "--soak-tracemalloc", action="store_true", help="trace the soak router's Python allocations by line"
+    )
     args = p.parse_args(argv)
+    if args.baseline_repo:
+        args.baseline_repo = str(Path(args.baseline_repo).resolve())
     phases = PHASES if args.phases == "all" else tuple(x for x in args.phases.split(",") if x and x != "none")
     with tempfile.TemporaryDirectory(prefix="kvroute-faults-") as tmp:
         workdir = Path(tmp)
@@ -604,6 +834,8 @@ def main(argv: list[str] | None = None) -> int:
             print_phases(results)
         if args.inputs:
             run_inputs(args, workdir)
+        if args.connections:
+            asyncio.run(run_connections(args, workdir))
         if args.soak_s > 0:
             asyncio.run(run_soak(args, workdir))
     return 0

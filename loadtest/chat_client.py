@@ -235,11 +235,20 @@ def chat_workload(
     )
 
 
-def _wait_ready(url: str, wait_s: float) -> str:
-    """Poll GET /health until it answers 200; "" when ready, else why not."""
+#: How long "connection refused" (nothing listens) may last before ``kvroute load`` gives up, unless
+#: --wait-s is given: a wrong port or a router that is not running must not look like a slow start.
+REFUSED_WAIT_S = 3.0
+
+
+def _wait_ready(url: str, wait_s: float, refused_wait_s: float | None = None) -> str:
+    """Poll GET /health until it answers 200; "" when ready, else why not. Refused connections
+    alone give up after ``refused_wait_s`` (default: ``wait_s``)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    deadline = time.monotonic() + wait_s
+    started = time.monotonic()
+    deadline = started + wait_s
+    refused_deadline = started + (wait_s if refused_wait_s is None else min(wait_s, refused_wait_s))
     error = ""
+    only_refused = True
     while True:
         try:
             with opener.open(f"{url}/health", timeout=2.0) as resp:
@@ -247,7 +256,15 @@ def _wait_ready(url: str, wait_s: float) -> str:
                     return ""
         except OSError as exc:
             error = str(exc)
-        if time.monotonic() >= deadline:
+            refused = isinstance(getattr(exc, "reason", exc), ConnectionRefusedError)
+            only_refused = only_refused and refused
+        now = time.monotonic()
+        if only_refused and error and now >= refused_deadline:
+            return (
+                f"connection refused: nothing listens at {url}; is the router running, and is this "
+                "its port? (--wait-s waits longer for a router that is still starting)"
+            )
+        if now >= deadline:
             return error or "no answer"
         time.sleep(0.25)
 
@@ -281,7 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
     p.add_argument("--think-time-s", type=float, default=0.3, help="mean pause between turns (default 0.3)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--wait-s", type=float, default=60.0, help="wait this long for GET /health first")
+    p.add_argument(
+        "--wait-s",
+        type=float,
+        default=None,
+        help=f"wait this long for GET /health first (default 60 s, but only {REFUSED_WAIT_S:g} s while "
+        "connections are refused)",
+    )
     args = p.parse_args(argv)
     url = args.url.rstrip("/").removesuffix("/v1")
     try:
@@ -295,9 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvroute load: {exc}", file=sys.stderr)
         return 2
-    why = _wait_ready(url, args.wait_s)
+    wait_s = 60.0 if args.wait_s is None else args.wait_s
+    why = _wait_ready(url, wait_s, REFUSED_WAIT_S if args.wait_s is None else None)
     if why:
-        print(f"kvroute load: {url}/health did not answer within {args.wait_s:g} s ({why})", file=sys.stderr)
+        print(f"kvroute load: {url}/health did not answer ({why})", file=sys.stderr)
         return 1
     print(
         f"{len(workload.conversations)} conversations x {args.turns} turns, "

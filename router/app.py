@@ -169,7 +169,7 @@ class LivenessObserver:
                 self._tracker.record_success(engine_id)
 
     def on_routed(self, ctx: RouteContext) -> None:
-        return None
+        self._tracker.claim_trial(ctx.engine_id)  # a half-open breaker lets one request through
 
     def on_first_byte(self, ctx: RouteContext) -> None:
         self._answered(ctx.engine_id)

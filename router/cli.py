@@ -66,26 +66,94 @@ def serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Benchmarks only (loadtest/bench_faults.py --soak-tracemalloc): a file; SIGUSR1 dumps a snapshot of
+#: the router's Python allocations there (tracemalloc, started at once when this is set).
+TRACEMALLOC_ENV = "_KVROUTE_TRACEMALLOC_FILE"
 SIBLING_ENV = "_KVROUTE_SIBLING_WORKER"  # the sibling's worker index (1..N-1)
 #: File descriptor of the workers' shared load board (router/worker_ledger.py), from the first worker.
 BOARD_ENV = "_KVROUTE_WORKER_BOARD"
 
 
-def _start_sibling_workers(argv: Sequence[str], count: int, board_fd: int | None = None) -> list[Any]:
-    """``count`` more `kvroute serve` processes with the same flags, as workers of this one."""
+def _start_sibling_worker(argv: Sequence[str], index: int, board_fd: int | None = None) -> Any:
+    """One more `kvroute serve` process with the same flags, as worker ``index`` of this one."""
     import os
     import subprocess
 
     # Not a KVROUTE_* name: the config layer rejects unknown ones.
-    return [
-        subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "serve", *argv, "--workers", "1"],
-            env={**os.environ, SIBLING_ENV: str(i + 1), **({BOARD_ENV: str(board_fd)} if board_fd else {})},
-            pass_fds=(board_fd,) if board_fd else (),
-            preexec_fn=_die_with_parent,
-        )
-        for i in range(count)
-    ]
+    return subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "serve", *argv, "--workers", "1"],
+        env={**os.environ, SIBLING_ENV: str(index), **({BOARD_ENV: str(board_fd)} if board_fd else {})},
+        pass_fds=(board_fd,) if board_fd else (),
+        preexec_fn=_die_with_parent,
+    )
+
+
+class SiblingSupervisor:
+    """The first worker's watch over the others: a sibling that dies (SIGKILL, OOM killer, crash)
+    is started again in its slot (its row of the load board is void meanwhile), after
+    ``restart_delay_s``, doubled up to ``MAX_RESTART_DELAY_S`` while restarts die within
+    ``STABLE_S``. If the first worker itself dies the siblings follow it (``_die_with_parent``): the
+    whole service exits and the process supervisor (systemd, Kubernetes) restarts it."""
+
+    POLL_S = 0.5
+    STABLE_S = 10.0
+    MAX_RESTART_DELAY_S = 30.0
+
+    def __init__(
+        self, argv: Sequence[str], count: int, board_fd: int | None, restart_delay_s: float = 0.5
+    ) -> None:
+        import threading
+        import time
+
+        self._argv, self._board_fd = list(argv), board_fd
+        self._first_delay_s = restart_delay_s
+        self.children = [_start_sibling_worker(argv, i + 1, board_fd) for i in range(count)]
+        self._started_s = [time.monotonic()] * count
+        self._delay_s = [restart_delay_s] * count
+        self._restart_at_s: list[float | None] = [None] * count
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="kvroute-sibling-supervisor", daemon=True)
+        if count:
+            self._thread.start()
+
+    def _watch(self) -> None:
+        import time
+
+        log = logging.getLogger("kvroute.workers")
+        while not self._stopping.wait(self.POLL_S):
+            now_s = time.monotonic()
+            for i, child in enumerate(self.children):
+                if child.poll() is None:
+                    continue
+                restart_at_s = self._restart_at_s[i]
+                if restart_at_s is None:
+                    lived_s = now_s - self._started_s[i]
+                    delay_s = self._delay_s[i] if lived_s < self.STABLE_S else self._first_delay_s
+                    self._restart_at_s[i] = now_s + delay_s
+                    self._delay_s[i] = min(self.MAX_RESTART_DELAY_S, delay_s * 2)
+                    log.error(
+                        "worker %d (pid %d) exited with %s after %.0f s; restarting it in %.1f s",
+                        i + 1,
+                        child.pid,
+                        child.returncode,
+                        lived_s,
+                        delay_s,
+                    )
+                elif now_s >= restart_at_s and not self._stopping.is_set():
+                    self.children[i] = _start_sibling_worker(self._argv, i + 1, self._board_fd)
+                    self._started_s[i], self._restart_at_s[i] = now_s, None
+                    self.restarts += 1
+
+    def stop(self) -> None:
+        """Stop watching, then SIGTERM every sibling and wait for it."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        for child in self.children:
+            child.terminate()
+        for child in self.children:
+            child.wait(10)
 
 
 def _die_with_parent() -> None:
@@ -219,8 +287,29 @@ def run_server(
     return 0 if server.started else 1
 
 
+def _install_allocation_report(path: str) -> None:
+    """Trace Python allocations; on SIGUSR1 dump a tracemalloc snapshot to ``path`` (replaced
+    whole; the reader groups it by source line, ``tracemalloc.Snapshot.load``). Only the dump runs
+    in the router: grouping a large heap would stall its event loop for seconds."""
+    import os
+    import signal
+    import tracemalloc
+
+    tracemalloc.start(1)
+
+    def dump(signum: int, frame: Any) -> None:
+        tmp = path + ".tmp"
+        tracemalloc.take_snapshot().dump(tmp)
+        os.replace(tmp, path)
+
+    signal.signal(signal.SIGUSR1, dump)
+
+
 def serve(argv: Sequence[str]) -> int:
     import os
+
+    if os.environ.get(TRACEMALLOC_ENV):
+        _install_allocation_report(os.environ[TRACEMALLOC_ENV])
 
     from router.service import build_router_app
 
@@ -286,17 +375,11 @@ def serve(argv: Sequence[str]) -> int:
 
     def start_siblings() -> Callable[[], None]:
         # Multi-worker: every process binds the same port with SO_REUSEPORT and runs the whole
-        # router (event subscribers, index, scraping); the first one starts the others and stops
-        # them on exit.
-        siblings = [] if sibling else _start_sibling_workers(argv, workers - 1, board_fd)
-
-        def stop() -> None:
-            for child in siblings:
-                child.terminate()
-            for child in siblings:
-                child.wait(10)
-
-        return stop
+        # router (event subscribers, index, scraping); the first one starts the others, restarts
+        # any that dies and stops them on exit.
+        if sibling:
+            return lambda: None
+        return SiblingSupervisor(argv, workers - 1, board_fd).stop
 
     multi = workers > 1 or sibling
     return run_server(
@@ -313,6 +396,11 @@ def serve(argv: Sequence[str]) -> int:
         log_level=config.log_level.lower(),
         access_log=False,
         timeout_keep_alive=30,
+        # The guard takes the client address from X-Forwarded-For only for auth.trusted_proxies;
+        # uvicorn's own rewrite would trust any 127.0.0.1 peer.
+        proxy_headers=False,
+        # SIGTERM: in-flight requests get limits.drain_timeout_s to finish, then they are cut.
+        timeout_graceful_shutdown=config.limits.drain_timeout_s or None,
     )
 
 

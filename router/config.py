@@ -8,6 +8,7 @@ are read and written by ``load_fleet_file`` / ``write_fleet_file``.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import tomllib
@@ -118,7 +119,11 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_prompt_tokens: int = 262_144
     #: Longest wait for an engine's first byte of an answer (its prefill included); on expiry the
     #: request fails over to the next engine if nothing was sent to the client yet, else 504.
-    first_byte_timeout_s: float = 120.0
+    #: 0 = from the measured time to first token: 4 x its p99, within 5..60 s, 30 s until 20 streams
+    #: were measured (router/first_byte.py).
+    first_byte_timeout_s: float = 0.0
+    #: On SIGTERM, seconds in-flight requests may take to finish before they are cut (0 = no bound).
+    drain_timeout_s: float = 30.0
     #: A client must send its complete request headers within this time (408, connection closed).
     header_timeout_s: float = 10.0
     #: A client must send its complete request body within this time (408).
@@ -219,8 +224,14 @@ class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: (any client key or the admin token), "admin" (admin.token only), "off" (404); "" = "open",
     #: or "admin" in production mode.
     debug_access: str = ""
-    #: Failed authentications per client address per minute before answering 429.
+    #: Failed authentications per minute, counted per client address and per presented
+    #: credential, before that address's (or credential's) failures are answered 429. A valid
+    #: credential is never refused.
     max_failures_per_minute: int = 30
+    #: Addresses or CIDR ranges of the load balancers / proxies in front of the router. Only a
+    #: connection from one of them has its client address taken from ``X-Forwarded-For`` (the
+    #: rightmost entry that is not itself a trusted proxy); empty = the header is ignored.
+    trusted_proxies: list[str] = msgspec.field(default_factory=list)
 
     def debug_mode(self) -> str:
         return self.debug_access or ("admin" if self.production else "open")
@@ -530,8 +541,14 @@ _TENANCY_SOURCES = ("auto", "none", "api_key", "header")
 
 def _validate_limits_auth(config: RouterConfig) -> None:
     limits, health = config.limits, config.health
+    if limits.first_byte_timeout_s < 0:
+        raise ConfigError(
+            "limits.first_byte_timeout_s must be >= 0 (0 = from the measured TTFT), "
+            f"got {limits.first_byte_timeout_s}"
+        )
+    if limits.drain_timeout_s < 0:
+        raise ConfigError(f"limits.drain_timeout_s must be >= 0 (0 = no bound), got {limits.drain_timeout_s}")
     for key in (
-        "first_byte_timeout_s",
         "header_timeout_s",
         "body_timeout_s",
         "max_header_bytes",
@@ -564,6 +581,13 @@ def _validate_limits_auth(config: RouterConfig) -> None:
             )
     if auth.max_failures_per_minute < 1:
         raise ConfigError(f"auth.max_failures_per_minute must be >= 1, got {auth.max_failures_per_minute}")
+    for proxy in auth.trusted_proxies:
+        try:
+            ipaddress.ip_network(proxy, strict=False)
+        except ValueError:
+            raise ConfigError(
+                f"auth.trusted_proxies: {proxy!r} is not an IP address or CIDR range (e.g. 10.0.0.0/8)"
+            ) from None
     tenancy = config.tenancy
     if tenancy.source not in _TENANCY_SOURCES:
         raise ConfigError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import ipaddress
 import logging
 import time
 from collections import OrderedDict, deque
@@ -27,6 +28,10 @@ log = logging.getLogger("kvroute.guard")
 #: Where the authenticated tenant is kept for the handlers (ASGI ``scope["state"]``).
 TENANT_STATE_KEY = "kvroute_tenant"
 
+#: On the introspection endpoints, an admin names the tenant whose routing to inspect (explain runs
+#: with that tenant's cache_salt, as the tenant's own requests do).
+INSPECT_TENANT_HEADER = b"x-kvroute-tenant"
+
 CLIENT_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 DEBUG_PATHS = ("/v1/route/explain", "/v1/experiments", "/debug/")
 ADMIN_PREFIX = "/admin/"
@@ -34,27 +39,87 @@ ADMIN_PREFIX = "/admin/"
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 
 
+#: Request-line and header bytes a connection may send beyond ``limits.max_header_bytes`` before the
+#: exact count (taken when the headers are complete) can be made: the request line and the CRLFs.
+HEADER_SLACK_BYTES = 1024
+
+
+def connection_reserve(max_connections: int) -> int:
+    """Slots of the connection cap that connections still waiting for (or sending) a request can
+    never take: kept for requests that arrive and complete their headers quickly."""
+    return max(1, max_connections // 10)
+
+
 def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with ``limits``' header timeout, header size and count limits and
-    connection cap; pass it as ``uvicorn.Config(http=...)``."""
+    connection cap; pass it as ``uvicorn.Config(http=...)``.
+
+    Memory: header bytes are fed to the parser only up to ``max_header_bytes`` plus a small slack, so
+    a connection sending an endless header line holds at most that much (the parser keeps a header
+    line whole until it ends).
+
+    The cap: connections are *waiting* (no request yet, or its headers incomplete: idle keep-alive,
+    slowloris), *uploading* (headers in, body not complete: a slow body) or *active* (the request is
+    complete; the router works on it or streams the answer). Waiting and uploading connections
+    together hold at most ``max_connections - connection_reserve(max_connections)`` slots; past that,
+    and past the cap, a new connection evicts the one that has waited longest: the earliest to start
+    waiting for its request or its body (a fresh connection is the youngest, so it has the time to
+    send its request). Only when every slot is active is a newcomer refused with 503."""
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         header_timeout_s = limits.header_timeout_s
         max_header_bytes = limits.max_header_bytes
         max_headers = limits.max_headers
         max_connections = limits.max_connections
+        max_pending = max(1, limits.max_connections - connection_reserve(limits.max_connections))
+        # Shared by the connections of one server, oldest first (dicts keep insertion order).
+        waiting: dict[GuardedHttpToolsProtocol, None] = {}
+        uploading: dict[GuardedHttpToolsProtocol, None] = {}
+        evictions = 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._header_bytes = 0
             self._header_count = 0
             self._in_headers = True
+            self._answered_one = False
             self._header_timer: asyncio.TimerHandle | None = None
-            if self.max_connections and len(self.connections) > self.max_connections:
-                # Refuse at once and cheaply: a full connection table must not starve the others.
-                self._reject(503, b"too many connections")
-                return
+            self._waiting_since_s = self.loop.time()  # since this phase (waiting / uploading) began
+            if self.max_connections:
+                pending = len(self.waiting) + len(self.uploading)
+                if pending >= self.max_pending or len(self.connections) > self.max_connections:
+                    if not self._evict_one():
+                        # Every slot holds a complete request: refuse at once and cheaply.
+                        self._reject(503, b"too many connections")
+                        return
+            self.waiting[self] = None
             self._start_header_timer()
+
+        def _evict_one(self) -> bool:
+            """Close the connection that has waited longest for its request or its body (each
+            table is in the order its connections began waiting: its first is its oldest)."""
+            oldest = [next(iter(table)) for table in (self.waiting, self.uploading) if table]
+            if not oldest:
+                return False
+            min(oldest, key=lambda c: c._waiting_since_s)._evict()
+            type(self).evictions += 1
+            return True
+
+        def _evict(self) -> None:
+            self._forget()
+            if self._in_headers and self._header_bytes == 0 and self._answered_one:
+                # Idle between requests: close quietly, as a keep-alive timeout would (clients
+                # retry a request on a reused connection that closes).
+                self._stop_header_timer()
+                self.transport.close()
+            elif self._in_headers:
+                self._reject(503, b"connection evicted: the router is at limits.max_connections")
+            else:
+                self.transport.close()  # mid-upload: the handler sees a disconnect (499)
+
+        def _forget(self) -> None:
+            self.waiting.pop(self, None)
+            self.uploading.pop(self, None)
 
         def _start_header_timer(self) -> None:
             if self._header_timer is None:
@@ -72,6 +137,7 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
 
         def _reject(self, status: int, message: bytes) -> None:
             self._stop_header_timer()
+            self._forget()
             self.transport.write(
                 b"HTTP/1.1 %d %s\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n"
                 b"connection: close\r\n\r\n%s" % (status, _REASONS[status], len(message), message)
@@ -81,14 +147,21 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
         def data_received(self, data: bytes) -> None:
             if self.transport.is_closing():
                 return
+            if self._in_headers:
+                # Feed header bytes only up to the limit: the parser holds an unfinished header
+                # line in memory, so everything past the budget is refused unread. A chunk that
+                # also holds the end of the headers and a body goes on in a second feed.
+                budget = self.max_header_bytes + HEADER_SLACK_BYTES - self._header_bytes
+                head, data = data[:budget], data[budget:]
+                super().data_received(head)
+                if self._in_headers and not self.transport.is_closing():
+                    self._header_bytes += len(head)
+                    if data or self._header_bytes >= self.max_header_bytes + HEADER_SLACK_BYTES:
+                        self._reject(431, b"request headers exceed limits.max_header_bytes")
+                    return
+                if not data or self.transport.is_closing():
+                    return
             super().data_received(data)
-            if self._in_headers and not self.transport.is_closing():
-                # Still inside a header block after parsing all of it: every byte was header. A
-                # coarse bound (the exact one is checked once the headers are complete) so that
-                # an endless header line cannot grow without limit.
-                self._header_bytes += len(data)
-                if self._header_bytes > self.max_header_bytes + 1024 * 1024:
-                    self._reject(431, b"request headers exceed limits.max_header_bytes")
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -103,6 +176,9 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
         def on_headers_complete(self) -> None:
             self._in_headers = False
             self._stop_header_timer()
+            self.waiting.pop(self, None)
+            self.uploading[self] = None
+            self._waiting_since_s = self.loop.time()
             too_many = self._header_count > self.max_headers
             too_big = sum(len(n) + len(v) + 4 for n, v in self.headers) + len(self.url)
             self._header_bytes = 0
@@ -117,12 +193,23 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
             finally:
                 self.app = app
 
+        def on_message_complete(self) -> None:
+            self.uploading.pop(self, None)  # the request is complete: active until answered
+            super().on_message_complete()
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._header_bytes = 0
+            self.uploading.pop(self, None)
+            self._answered_one = True
+            if not self.transport.is_closing():
+                self._in_headers = True  # waiting for the next request on this connection
+                self.waiting[self] = None
+                self._waiting_since_s = self.loop.time()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_header_timer()
+            self._forget()
             super().connection_lost(exc)
 
     return GuardedHttpToolsProtocol
@@ -147,42 +234,84 @@ def _digest(secret: str) -> bytes:
 
 
 class FailureLimiter:
-    """Failed authentications per client address in a sliding minute (bounded address table)."""
+    """Failed authentications per key (a client address, or a presented credential's digest) in a
+    sliding minute; the key table is bounded (the oldest key goes first)."""
 
-    def __init__(self, max_per_minute: int, *, max_addresses: int = 10_000) -> None:
+    def __init__(self, max_per_minute: int, *, max_keys: int = 10_000) -> None:
         self.max_per_minute = max_per_minute
-        self._max_addresses = max_addresses
-        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
+        self._max_keys = max_keys
+        self._failures: OrderedDict[str | bytes, deque[float]] = OrderedDict()
 
-    def _recent(self, address: str, now: float) -> deque[float] | None:
-        times = self._failures.get(address)
+    def _recent(self, key: str | bytes, now: float) -> deque[float] | None:
+        times = self._failures.get(key)
         if times is not None:
             while times and now - times[0] > 60.0:
                 times.popleft()
         return times
 
-    def blocked(self, address: str, now: float) -> bool:
-        times = self._recent(address, now)
+    def blocked(self, key: str | bytes, now: float) -> bool:
+        times = self._recent(key, now)
         return times is not None and len(times) >= self.max_per_minute
 
-    def fail(self, address: str, now: float) -> None:
-        times = self._recent(address, now)
+    def fail(self, key: str | bytes, now: float) -> None:
+        times = self._recent(key, now)
         if times is None:
-            times = self._failures[address] = deque(maxlen=self.max_per_minute)
-            while len(self._failures) > self._max_addresses:
+            times = self._failures[key] = deque(maxlen=self.max_per_minute)
+            while len(self._failures) > self._max_keys:
                 self._failures.popitem(last=False)
         times.append(now)
 
 
+class ClientAddress:
+    """The client's address of a request: the TCP peer, or - only when the peer is one of
+    ``auth.trusted_proxies`` - the rightmost ``X-Forwarded-For`` entry that is not itself a trusted
+    proxy (entries further left were written by the client and prove nothing)."""
+
+    def __init__(self, trusted_proxies: list[str]) -> None:
+        self._trusted = [ipaddress.ip_network(p, strict=False) for p in trusted_proxies]
+
+    def _is_trusted(self, address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in network for network in self._trusted)
+
+    def of(self, scope: dict[str, Any]) -> str:
+        peer = str((scope.get("client") or ("-", 0))[0])
+        if not self._trusted or not self._is_trusted(peer):
+            return peer
+        forwarded = [
+            part.strip()
+            for name, value in scope.get("headers") or ()
+            if name == b"x-forwarded-for"
+            for part in value.decode("latin-1").split(",")
+        ]
+        for hop in reversed(forwarded):
+            if not self._is_trusted(hop):
+                try:
+                    return str(ipaddress.ip_address(hop))
+                except ValueError:
+                    return peer  # garbage where the proxy writes the address: count the proxy
+        return peer
+
+
 class Authenticator:
-    """Who is calling: a client API key (-> tenant) or the admin token; comparisons in constant time."""
+    """Who is calling: a client API key (-> tenant) or the admin token; comparisons in constant time.
+
+    Failures are limited per client address and per presented credential (``FailureLimiter``),
+    and only failures are refused: a valid credential is checked first and always accepted, so a
+    misconfigured client behind the same NAT or load balancer cannot lock the others out."""
 
     def __init__(self, config: RouterConfig) -> None:
         self._keys = {_digest(key): tenant for key, tenant in config.auth.api_keys.items()}
+        self._tenants = set(config.auth.api_keys.values())
         self._admin = _digest(config.admin.token) if config.admin.token else None
         self.clients_need_key = bool(self._keys)
         self.debug_mode = config.auth.debug_mode()
-        self.limiter = FailureLimiter(config.auth.max_failures_per_minute)
+        self.by_address = FailureLimiter(config.auth.max_failures_per_minute)
+        self.by_credential = FailureLimiter(config.auth.max_failures_per_minute)
+        self.client_address = ClientAddress(config.auth.trusted_proxies)
 
     def tenant_of(self, token: str) -> str | None:
         """The tenant of a client key, or None. The dict lookup is on a digest (no early exit on a
@@ -208,8 +337,6 @@ class Authenticator:
 
     def check(self, scope: dict[str, Any], need: str) -> None:
         """Raise RouterError unless the request's bearer token grants ``need``; store its tenant."""
-        address = (scope.get("client") or ("-", 0))[0]
-        now = time.monotonic()
         if need == "admin" and self._admin is None:
             raise RouterError(
                 404,
@@ -224,36 +351,61 @@ class Authenticator:
                 type="not_found_error",
                 code="disabled",
             )
-        if self.limiter.blocked(address, now):
+        token = _bearer(scope)
+        admin_needed = need == "admin" or (need == "debug" and self.debug_mode == "admin")
+        if token is not None:
+            admin = self.is_admin(token)
+            tenant = None if admin else self.tenant_of(token)
+            if admin or (tenant is not None and not admin_needed):
+                if admin and need == "debug":
+                    tenant = self._inspected_tenant(scope)
+                if tenant is not None:
+                    scope.setdefault("state", {})[TENANT_STATE_KEY] = tenant
+                return
+        address = self.client_address.of(scope)
+        credential = _digest(token) if token is not None else None
+        now = time.monotonic()
+        if self.by_address.blocked(address, now) or (
+            credential is not None and self.by_credential.blocked(credential, now)
+        ):
             raise RouterError(
                 429,
-                "too many failed authentications from this address; retry in a minute",
+                "too many failed authentications from this address or with this credential; "
+                "retry in a minute",
                 type="rate_limit_error",
                 code="auth_rate_limited",
                 headers={"retry-after": "60"},
             )
-        token = _bearer(scope)
+        self.by_address.fail(address, now)
+        if credential is not None:
+            self.by_credential.fail(credential, now)
         if token is None:
-            self.limiter.fail(address, now)
-            what = "admin.token" if need == "admin" or self.debug_mode == "admin" else "API key"
+            what = "admin.token" if admin_needed else "API key"
             raise RouterError(
                 401,
                 f"missing 'Authorization: Bearer <{what}>' header",
                 type="authentication_error",
-                code="missing_admin_token" if what == "admin.token" else "missing_api_key",
+                code="missing_admin_token" if admin_needed else "missing_api_key",
             )
-        admin = self.is_admin(token)
-        tenant = None if admin else self.tenant_of(token)
-        allowed = admin or (tenant is not None and (need == "client" or self.debug_mode == "api_key"))
-        if not allowed:
-            self.limiter.fail(address, now)
-            if need == "admin" or (need == "debug" and self.debug_mode == "admin"):
-                raise RouterError(
-                    403, "wrong admin token", type="permission_error", code="invalid_admin_token"
-                )
-            raise RouterError(401, "invalid API key", type="authentication_error", code="invalid_api_key")
-        if tenant is not None:
-            scope.setdefault("state", {})[TENANT_STATE_KEY] = tenant
+        if admin_needed:
+            raise RouterError(403, "wrong admin token", type="permission_error", code="invalid_admin_token")
+        raise RouterError(401, "invalid API key", type="authentication_error", code="invalid_api_key")
+
+    def _inspected_tenant(self, scope: dict[str, Any]) -> str | None:
+        """The tenant an admin names in ``x-kvroute-tenant`` (None: none named); 404 for a tenant
+        no API key maps to."""
+        for name, value in scope.get("headers") or ():
+            if name == INSPECT_TENANT_HEADER:
+                tenant = value.decode("latin-1").strip()
+                if self._tenants and tenant not in self._tenants:
+                    raise RouterError(
+                        404,
+                        f"x-kvroute-tenant names no tenant of auth.api_keys: {tenant[:64]!r}",
+                        type="not_found_error",
+                        code="tenant_not_found",
+                    )
+                return tenant or None
+        return None
 
 
 def _bearer(scope: dict[str, Any]) -> str | None:

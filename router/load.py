@@ -50,6 +50,9 @@ class EngineState:
     #: time until which the engine is out of routing (0 = closed).
     breaker_failures: int = 0
     breaker_open_until_s: float = 0.0
+    #: Half-open (the open time is over, no success yet): until this monotonic time one trial
+    #: request is out and the others keep away (0 = no trial out).
+    breaker_trial_until_s: float = 0.0
     #: Block size the engine reports in vllm:cache_config_info (wins over the configured one).
     reported_block_size: int | None = None
     #: ``models`` as the frozenset every view shares (rebuilt when ``models`` changes).
@@ -117,6 +120,7 @@ class LoadTracker:
         if state.breaker_failures >= self.breaker_threshold:
             was_open = state.breaker_open_until_s > now_s
             state.breaker_open_until_s = now_s + self.breaker_open_s
+            state.breaker_trial_until_s = 0.0
             if not was_open:
                 log.warning(
                     "engine %s: circuit breaker OPEN for %.1f s after %d failures in a row (last: %s)",
@@ -137,12 +141,26 @@ class LoadTracker:
             if self._metrics:
                 self._metrics.engine_healthy.labels(engine_id).set(1 if state.healthy else 0)
         state.breaker_failures = 0
+        state.breaker_trial_until_s = 0.0
+
+    def claim_trial(self, engine_id: str, now_s: float | None = None) -> None:
+        """A request was routed to ``engine_id``: if its breaker is half-open, this request is the
+        one trial, and the engine stays out of routing until it succeeds (closed) or fails
+        (open again) - or for ``breaker_open_s`` if it never reports (another trial then)."""
+        state = self.engines.get(engine_id)
+        if state is None or not state.breaker_open_until_s:
+            return
+        now_s = time.monotonic() if now_s is None else now_s
+        if state.breaker_open_until_s <= now_s and state.breaker_trial_until_s <= now_s:
+            state.breaker_trial_until_s = now_s + self.breaker_open_s
 
     @staticmethod
     def breaker_open(state: EngineState, now_s: float) -> bool:
-        """Open: out of routing. After ``breaker_open_s`` requests may try it again (half-open);
-        the next failure reopens it at once, a success closes it."""
-        return state.breaker_open_until_s > now_s
+        """Out of routing: open (for ``breaker_open_s`` after the failures), or half-open with its
+        one trial request out (``claim_trial``); the trial's failure reopens it, a success closes it."""
+        if not state.breaker_open_until_s:
+            return False
+        return state.breaker_open_until_s > now_s or state.breaker_trial_until_s > now_s
 
     def set_models(self, engine_id: str, cards: list[dict[str, Any]]) -> None:
         state = self.engines[engine_id]
@@ -203,7 +221,7 @@ class LoadTracker:
             engine_id=state.config.id,
             url=state.config.url,
             # An open circuit breaker takes the engine out like a failed health check.
-            healthy=state.healthy and not (state.breaker_open_until_s and state.breaker_open_until_s > now_s),
+            healthy=state.healthy and not self.breaker_open(state, now_s),
             drained=state.drained,
             models=state.models_view,
             in_flight=in_flight,

@@ -104,3 +104,18 @@ def operation(body_schema: dict[str, Any], *, streams: bool = False) -> dict[str
             },
         },
     }
+
+
+#: ``openapi_extra`` of the endpoints behind the guard's admin token or debug access
+#: (router.guard.Authenticator): what they answer before the handler runs.
+GUARDED_OPERATION: dict[str, Any] = {
+    "responses": {
+        "401": {**_ERROR, "description": "missing token (OpenAI-shaped error)"},
+        "403": {**_ERROR, "description": "wrong token (OpenAI-shaped error)"},
+        "404": {
+            **_ERROR,
+            "description": "endpoint disabled, or unknown engine / tenant (OpenAI-shaped error)",
+        },
+        "429": {**_ERROR, "description": "too many failed authentications (OpenAI-shaped error)"},
+    }
+}

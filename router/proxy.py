@@ -325,6 +325,8 @@ class UpstreamClient:
         self._ticker: asyncio.TimerHandle | None = None
         self._tls: ssl.SSLContext | None = None
         self._sweeper: asyncio.TimerHandle | None = None
+        #: Requests sent again on a new connection after a pooled one turned out dead.
+        self.stale_retries = 0
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -462,28 +464,59 @@ class UpstreamClient:
         with ``until_event``, for a 200 answer's first SSE ``data:`` event as well: then the
         answer fails with UpstreamFirstByteTimeout (wait for it with ``first_event``)."""
         pool, path = self._pool_of(url)
-        now_s = time.monotonic()
-        conn = pool.take(now_s)
+        conn = pool.take(time.monotonic())
         if conn is None and self._limit_per_host:
             while pool.busy >= self._limit_per_host:
                 waiter = asyncio.get_running_loop().create_future()
                 pool.waiters.append(waiter)
                 await waiter
             conn = pool.take(time.monotonic())
+        reused = conn is not None
         if conn is None:
-            pool.busy += 1  # counted while connecting, so the limit holds
-            try:
-                conn = await self._connect(pool, url)
-            finally:
-                pool.busy -= 1
-        pool.busy += 1
+            conn = await self._new_connection(pool, url)
         head = [b"POST ", path, b" HTTP/1.1\r\n", pool.head]
         for name, value in headers.items():
             head += [name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n"]
         head.append(b"content-length: %d\r\n\r\n" % len(body))
         head.append(body)
+        request = b"".join(head)
+        response = self._start(pool, conn, url, request, first_byte_timeout_s, until_event)
+        try:
+            await response.headers_in()
+        except UpstreamFirstByteTimeout:
+            raise
+        except UpstreamConnectError:
+            if not reused:
+                raise
+            # A pooled keep-alive socket the engine had closed or reset while it sat idle (the
+            # engine restarted, or its keep-alive ran out first): that says nothing about the
+            # engine, so once more on a new connection; only a failure of that one counts.
+            self.stale_retries += 1
+            conn = await self._new_connection(pool, url)
+            response = self._start(pool, conn, url, request, first_byte_timeout_s, until_event)
+            await response.headers_in()
+        return response
+
+    async def _new_connection(self, pool: _Pool, url: str) -> _Connection:
+        pool.busy += 1  # counted while connecting, so the limit holds
+        try:
+            return await self._connect(pool, url)
+        finally:
+            pool.busy -= 1
+
+    def _start(
+        self,
+        pool: _Pool,
+        conn: _Connection,
+        url: str,
+        request: bytes,
+        first_byte_timeout_s: float | None,
+        until_event: bool,
+    ) -> UpstreamResponse:
+        """Send ``request`` on ``conn`` and arm its deadlines (checked by ``_tick``)."""
+        pool.busy += 1
         response = UpstreamResponse(conn, url)
-        conn.send(response, b"".join(head))
+        conn.send(response, request)
         if first_byte_timeout_s is not None:
             conn.first_byte_due_s = conn.last_io_s + first_byte_timeout_s
             conn.budget_s = first_byte_timeout_s
@@ -493,7 +526,6 @@ class UpstreamClient:
         self._running.add(conn)
         if self._ticker is None:
             self._ticker = asyncio.get_running_loop().call_later(DEADLINE_TICK_S, self._tick)
-        await response.headers_in()
         return response
 
 

@@ -35,6 +35,7 @@ from policies.base import Decision, FleetView, NoEngineAvailable, RouteRequest
 from router.config import RouterConfig
 from router.errors import RouterError, bad_request, sse_error_event
 from router.experiments import FORCED_ARM_HEADER, Arm, Experiments
+from router.first_byte import FirstByteBudget
 from router.load import LoadTracker
 from router.metrics import RouterMetrics
 from router.proxy import (
@@ -380,7 +381,8 @@ class Router:
         self.metrics = metrics
         self.arm_selector = arm_selector
         self.annotator = annotator
-        self.observers: list[RouteObserver] = [metrics, *observers]
+        self.first_byte = FirstByteBudget(config.limits.first_byte_timeout_s)
+        self.observers: list[RouteObserver] = [metrics, self.first_byte, *observers]
         # Each hook's bound methods, looked up once (not per request and observer).
         self._hooks: dict[str, list[tuple[RouteObserver, Callable[[RouteContext], None]]]] = {
             hook: [(o, getattr(o, hook)) for o in self.observers]
@@ -531,7 +533,7 @@ class Router:
         set_priority = "priority" not in ctx.body
         order = [decision.engine_id, *decision.fallbacks][:2]  # the choice, then one retry
         response: UpstreamResponse | None = None
-        budget_s = self.config.limits.first_byte_timeout_s
+        budget_s = self.first_byte.budget_s()
         for attempt, engine_id in enumerate(order):
             ctx.engine_id = engine_id
             ctx.attempts.append(engine_id)

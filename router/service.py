@@ -208,13 +208,13 @@ def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices)
         body["session_key"] = ctx.route_request.session_key
         return JSONResponse(body, headers={"x-kvroute-arm": arm.name})
 
-    @app.get("/debug/index")
+    @app.get("/debug/index", openapi_extra=openapi.GUARDED_OPERATION)
     async def debug_index() -> Response:
         if services.index is None:
             return JSONResponse({"index": None, "reason": "index.enabled is false"})
         return JSONResponse(debug_index_payload(services.index, services.manager))
 
-    @app.get("/debug/costs")
+    @app.get("/debug/costs", openapi_extra=openapi.GUARDED_OPERATION)
     async def debug_costs() -> Response:
         body = services.costs.snapshot()
         body["scrape_errors"] = dict(services.scraper.scrape_errors)
@@ -222,7 +222,7 @@ def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices)
         body["core"] = dataclasses.asdict(router.core.counters)
         return JSONResponse(body)
 
-    @app.get("/v1/experiments")
+    @app.get("/v1/experiments", openapi_extra=openapi.GUARDED_OPERATION)
     async def experiments_report() -> Response:
         # The bootstrap is CPU work (numpy): copy on the loop, compute in a thread.
         snapshot = services.experiments.snapshot()
@@ -230,7 +230,7 @@ def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices)
 
     # /admin/* is authenticated by router.guard (admin.token, constant-time, failures rate-limited).
 
-    @app.post("/admin/reload")
+    @app.post("/admin/reload", openapi_extra=openapi.GUARDED_OPERATION)
     async def admin_reload(request: Request) -> Response:
         try:
             return JSONResponse(services.reload())
@@ -248,7 +248,7 @@ def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices)
             )
         return state
 
-    @app.post("/admin/engines/{engine_id}/drain")
+    @app.post("/admin/engines/{engine_id}/drain", openapi_extra=openapi.GUARDED_OPERATION)
     async def admin_drain(engine_id: str, request: Request) -> Response:
         """Take an engine out of routing until undrained; in-flight requests finish normally."""
         try:
@@ -259,7 +259,7 @@ def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices)
         log.warning("engine %s drained by admin: no new requests go there", engine_id)
         return JSONResponse({"drained": engine_id})
 
-    @app.post("/admin/engines/{engine_id}/undrain")
+    @app.post("/admin/engines/{engine_id}/undrain", openapi_extra=openapi.GUARDED_OPERATION)
     async def admin_undrain(engine_id: str, request: Request) -> Response:
         """Put a drained engine back into routing (health checks still apply)."""
         try:

@@ -6,8 +6,11 @@ small memory-mapped file that every worker maps; ``load`` sums the rows, so ever
 sees the whole machine's load, as one process would. One writer per row and aligned 8-byte stores:
 no lock. Without it each worker would balance only the requests the kernel happened to give it.
 
-Layout (native-endian int64): a header ``[MAGIC, workers, slots, engine-list hash]`` then
-``workers x slots x 2`` counters. Slots are the engines of the config the first worker started with,
+Layout (native-endian int64): a header ``[MAGIC, workers, slots, engine-list hash]`` then one row per
+worker, ``[pid, slots x 2 counters]``. A row counts only while its pid is a live process (checked at
+most every ``LIVENESS_CHECK_S``): a SIGKILLed worker cannot clean up, and its streams must not stay
+on the board as phantom load; its replacement (``kvroute serve`` restarts a dead sibling) takes the
+row over. Slots are the engines of the config the first worker started with,
 in order; engines added later by a reload are counted per worker only (logged). Replicas across
 machines share load through Redis instead (``router/shared_state.py``), which takes precedence.
 """
@@ -19,7 +22,9 @@ import logging
 import mmap
 import os
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import xxhash
 
@@ -27,8 +32,29 @@ from kvcore.core import InMemoryLoadLedger, LoadTicket
 
 log = logging.getLogger("kvroute.workers")
 
-MAGIC = 0x6B76_726F_7574_6531  # "kvroute1"
+MAGIC = 0x6B76_726F_7574_6532  # "kvroute2"
 _HEADER_WORDS = 4
+#: Seconds a reader trusts its last look at which workers are alive.
+LIVENESS_CHECK_S = 0.5
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie - dead, not yet reaped - is not alive)."""
+    if pid <= 0:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
 def engines_hash(engine_ids: Sequence[str]) -> int:
@@ -43,7 +69,7 @@ def create_board(workers: int, engine_ids: Sequence[str]) -> int:
     fd, path = tempfile.mkstemp(prefix="kvroute-workers-", dir=directory)
     os.unlink(path)
     words = [MAGIC, workers, len(engine_ids), engines_hash(engine_ids)]
-    words += [0] * (workers * len(engine_ids) * 2)
+    words += [0] * (workers * (1 + len(engine_ids) * 2))
     os.write(fd, array.array("q", words).tobytes())
     return fd
 
@@ -67,9 +93,30 @@ class WorkerBoard:
         self.workers, self.worker = workers, worker
         self.slots = {engine_id: i for i, engine_id in enumerate(engine_ids)}
         self._words = words
-        self._row = _HEADER_WORDS + worker * len(engine_ids) * 2
+        self._stride = 1 + len(engine_ids) * 2
+        self._row = _HEADER_WORDS + worker * self._stride + 1  # the counters; the pid before them
         for i in range(len(engine_ids) * 2):  # a restarted worker's old counts are void
             words[self._row + i] = 0
+        words[self._row - 1] = os.getpid()
+        self._alive: list[bool] = [True] * workers
+        self._alive_checked_s = float("-inf")
+
+    def live_workers(self, now_s: float | None = None) -> list[bool]:
+        """Which rows count: their worker's process is alive (cached for ``LIVENESS_CHECK_S``)."""
+        now_s = time.monotonic() if now_s is None else now_s
+        if now_s - self._alive_checked_s >= LIVENESS_CHECK_S:
+            self._alive_checked_s = now_s
+            words, stride = self._words, self._stride
+            for w in range(self.workers):
+                alive = w == self.worker or process_alive(int(words[_HEADER_WORDS + w * stride]))
+                if not alive and self._alive[w]:
+                    log.warning(
+                        "worker %d (pid %d) is gone: its load no longer counts",
+                        w,
+                        words[_HEADER_WORDS + w * stride],
+                    )
+                self._alive[w] = alive
+        return self._alive
 
     def publish(self, engine_id: str, in_flight: int, queued_tokens: int) -> None:
         slot = self.slots.get(engine_id)
@@ -79,12 +126,14 @@ class WorkerBoard:
             self._words[at + 1] = queued_tokens
 
     def total(self, slot: int) -> tuple[int, int]:
-        words, stride = self._words, len(self.slots) * 2
-        at = _HEADER_WORDS + 2 * slot
+        """(in-flight, queued prefill tokens) on engine ``slot`` summed over the live workers."""
+        words, stride = self._words, self._stride
+        at = _HEADER_WORDS + 1 + 2 * slot
         in_flight = queued = 0
-        for _ in range(self.workers):
-            in_flight += words[at]
-            queued += words[at + 1]
+        for alive in self.live_workers():
+            if alive:
+                in_flight += words[at]
+                queued += words[at + 1]
             at += stride
         return in_flight, queued
 

@@ -5,6 +5,7 @@ fleets and byte-bounded memory: each against real HTTP servers on loopback (issu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 import threading
@@ -193,6 +194,72 @@ def test_connection_reset_before_any_answer_fails_over(serve_asgi, upstreams, re
     assert 'kvroute_upstream_errors_total{engine="rst",kind="connect"} 1.0' in text
 
 
+@pytest.fixture
+def engine_dropping_idle_sockets() -> Iterator[str]:
+    """An 'engine' that answers the first request of each connection (keep-alive) and resets the
+    connection when a second request comes on it: a pooled socket it had already given up on."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    stop = threading.Event()
+    answer = b'{"id": "x", "object": "chat.completion", "choices": [], "usage": {"prompt_tokens": 1}}'
+
+    def handle(conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(10)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, rest = data.partition(b"\r\n\r\n")
+            length = int(
+                next(
+                    v
+                    for k, _, v in (line.partition(b":") for line in head.split(b"\r\n"))
+                    if k.strip().lower() == b"content-length"
+                )
+            )
+            while len(rest) < length:
+                rest += conn.recv(65536)
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(answer), answer)
+            )
+            with contextlib.suppress(OSError):
+                conn.recv(65536)  # the next request on this socket: reset, no answer
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    def serve() -> None:
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                continue
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    stop.set()
+    thread.join(2)
+    sock.close()
+
+
+def test_a_dead_pooled_connection_is_retried_on_a_fresh_one_and_is_no_engine_failure(
+    serve_asgi, engine_dropping_idle_sockets
+) -> None:
+    """Issue 28 item 6: one reset on a pooled keep-alive socket marked the engine unhealthy (and,
+    with no other engine, answered 502); it is retried on a new connection instead."""
+    router = router_for(serve_asgi, [("e0", engine_dropping_idle_sockets)], health={"interval_s": 0})
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        for _ in range(4):
+            resp = client.post(CHAT, json={"model": MODEL, "messages": MESSAGES})
+            assert resp.status_code == 200, resp.text
+        ready = client.get("/ready").json()
+        assert ready["engines"]["e0"]["healthy"] is True
+        assert 'kvroute_upstream_errors_total{engine="e0"' not in client.get("/metrics").text
+
+
 # -- item 4: one slow /health is not death ------------------------------------------------------
 
 
@@ -327,3 +394,31 @@ def test_experiment_session_map_does_not_keep_huge_keys() -> None:
     for i in range(2000):
         experiments.assign(f"s{i}")
     assert experiments.session_count() <= 64 * 1024 // 144
+
+
+def test_a_half_open_breaker_lets_one_trial_request_through() -> None:
+    """Issue 28 item 6: after breaker_open_s the breaker let every request through at once; now one
+    trial goes, the others keep away until it succeeds, fails, or outlives breaker_open_s."""
+    from router.config import EngineConfig
+    from router.load import LoadTracker
+
+    tracker = LoadTracker([EngineConfig(id="e0", url="http://127.0.0.1:1")])
+    tracker.configure_breaker(3, 5.0)
+    state = tracker.engines["e0"]
+    for _ in range(3):
+        tracker.record_failure("e0", "refused", now_s=100.0)
+    assert tracker.breaker_open(state, 104.9)
+    assert not tracker.breaker_open(state, 105.1)  # half-open: a trial may go
+    tracker.claim_trial("e0", now_s=105.1)
+    assert tracker.breaker_open(state, 105.2)  # ... and only one
+    tracker.claim_trial("e0", now_s=105.2)
+    assert tracker.breaker_open(state, 110.0)
+    assert not tracker.breaker_open(state, 110.2)  # the trial never reported: another may go
+    tracker.claim_trial("e0", now_s=110.2)
+    tracker.record_failure("e0", "refused", now_s=111.0)  # the trial failed: open again
+    assert tracker.breaker_open(state, 115.9) and not tracker.breaker_open(state, 116.1)
+    tracker.claim_trial("e0", now_s=116.1)
+    tracker.record_success("e0")  # the trial answered: closed, everyone goes
+    assert not tracker.breaker_open(state, 116.2)
+    tracker.claim_trial("e0", now_s=116.2)
+    assert not tracker.breaker_open(state, 116.3)

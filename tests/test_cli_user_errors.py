@@ -221,3 +221,21 @@ def test_missing_optional_package_names_the_extra(
     assert cli.main(["serve", "--tokenizer", "hf"]) == 2
     err = capsys.readouterr().err
     assert "needs the Python package 'tokenizers'" in err and "pip install 'kvroute[tokenizers]'" in err
+
+
+def test_load_against_a_port_where_nothing_listens_fails_within_seconds() -> None:
+    """Issue 28 item 5: a wrong router port is "connection refused" in a few seconds, not after the
+    60 s start-up wait (66 s before)."""
+    from sim.server import free_port
+
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "router.cli", "load", "--url", f"http://127.0.0.1:{free_port()}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    elapsed_s = time.monotonic() - started
+    assert proc.returncode == 1
+    assert "connection refused: nothing listens" in proc.stderr
+    assert elapsed_s < 20, f"took {elapsed_s:.0f} s"

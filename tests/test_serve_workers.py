@@ -150,3 +150,83 @@ def test_workers_see_each_others_load(tmp_path: Path) -> None:
                 t.join(5)
     boards_after = set(shm.glob("kvroute-workers-*")) if shm.is_dir() else set()
     assert boards_after <= boards_before, "the workers' load board was left behind"
+
+
+def test_a_killed_worker_leaves_no_phantom_load_and_is_replaced(tmp_path: Path) -> None:
+    """Issue 28 item 4: SIGKILL the second worker while it carries streams. Its rows on the shared
+    board stop counting (before: /ready reported its streams as in flight forever) and the first
+    worker starts a new second worker on the same port."""
+    import threading
+
+    import httpx
+
+    slow = replace(PROFILES["gpu-only"], time_scale=0.05)
+    with Fleet(tmp_path) as fleet:
+        engines = fleet.start(2, slow)
+        port = free_port()
+        args = ["serve", "--port", str(port), "--policy", "least_loaded", "--log-level", "warning"]
+        for e in engines:
+            args += ["--engine", f"{e.id}={e.url}"]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", *args, "--workers", "2"], cwd=REPO, start_new_session=True
+        )
+        url = f"http://127.0.0.1:{port}"
+        outcomes: list[str] = []
+        threads: list[threading.Thread] = []
+
+        def ready_of(index: int, deadline_s: float) -> dict:
+            while time.monotonic() < deadline_s:
+                with contextlib.suppress(httpx.HTTPError):
+                    doc = httpx.get(f"{url}/ready", timeout=5).json()  # a new connection each time
+                    if doc["worker"]["index"] == index:
+                        return doc
+                time.sleep(0.02)
+            raise AssertionError(f"worker {index} never answered /ready")
+
+        try:
+            _wait_for_both_workers(url, port, proc)
+
+            def stream() -> None:
+                body = {
+                    "model": NAME,
+                    "messages": [{"role": "user", "content": "x " * 50}],
+                    "max_tokens": 64,
+                    "stream": True,
+                }
+                try:
+                    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
+                        text = "".join(resp.iter_text())
+                    outcomes.append("done" if "[DONE]" in text else "cut")
+                except httpx.HTTPError:
+                    outcomes.append("cut")
+
+            threads = [threading.Thread(target=stream, daemon=True) for _ in range(12)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 20
+            doc = ready_of(1, deadline)
+            while sum(e["in_flight"] for e in doc["engines"].values()) < 12:
+                assert time.monotonic() < deadline, "the streams never were all in flight"
+                doc = ready_of(1, deadline)
+            victim = doc["worker"]["pid"]
+            os.kill(victim, signal.SIGKILL)
+            for t in threads:
+                t.join(60)
+            assert "cut" in outcomes, "the killed worker carried none of the streams"
+            deadline = time.monotonic() + 30
+            for index in (0, 1):
+                doc = ready_of(index, deadline)
+                while sum(e["in_flight"] for e in doc["engines"].values()):
+                    assert time.monotonic() < deadline, f"worker {index} still reports {doc['engines']}"
+                    doc = ready_of(index, deadline)
+                if index == 1:
+                    assert doc["worker"]["pid"] != victim, "the dead worker was not replaced"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(15)
+            for t in threads:
+                t.join(5)
+        deadline = time.monotonic() + 15
+        while _group_members(proc.pid):
+            assert time.monotonic() < deadline, f"workers left running: {_group_members(proc.pid)}"
+            time.sleep(0.2)

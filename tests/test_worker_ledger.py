@@ -71,3 +71,40 @@ def test_an_engine_added_after_start_is_counted_by_each_worker_alone(ledgers: li
     a.reserve("e9", 5)
     assert a.load("e9") == (1, 5)
     assert b.load("e9") == (0, 0)
+
+
+def test_a_dead_workers_row_stops_counting(ledgers: list[WorkerLoadLedger], board_fd: int) -> None:
+    """Issue 28 item 4: a worker SIGKILLed while carrying requests cannot clear its row; the others
+    must not count its load forever (they did: the board summed every row)."""
+    import signal
+    import subprocess
+    import sys
+
+    a, _ = ledgers
+    a.reserve("e0", 10)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, signal, sys\n"
+            "from router.worker_ledger import WorkerBoard\n"
+            f"board = WorkerBoard({board_fd}, 1, {ENGINES!r})\n"
+            "board.publish('e0', 5, 500)\n"
+            "sys.stdout.write('published\\n'); sys.stdout.flush()\n"
+            "signal.pause()\n",
+        ],
+        pass_fds=(board_fd,),
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"published\n"
+        live = WorkerLoadLedger(InMemoryLoadLedger(ENGINES), WorkerBoard(board_fd, 0, ENGINES))
+        live.reserve("e0", 10)
+        assert live.load("e0") == (6, 510)  # the child's row counts while it lives
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    fresh = WorkerLoadLedger(InMemoryLoadLedger(ENGINES), WorkerBoard(board_fd, 0, ENGINES))
+    fresh.reserve("e0", 10)
+    assert fresh.load("e0") == (1, 10)
+    assert fresh.board.live_workers() == [True, False]
