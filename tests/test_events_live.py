@@ -181,6 +181,16 @@ def last_seq(manager: EventManager) -> int | None:
     return health.last_seq
 
 
+async def connect_replay_done(manager: EventManager) -> None:
+    """Wait until the replay asked for on connect was answered and applied. A batch published
+    before that answer is built is applied from the replay (and counted as replayed), its live
+    copy then being a duplicate: tests that count replayed batches publish only after this."""
+    await wait_for(
+        lambda: any(h.last_replay_s is not None for h in manager.source_health().values()),
+        "the replay on connect",
+    )
+
+
 async def test_fixture_frames_live_each_seq(ipc_dir, make_publisher, make_manager) -> None:
     endpoint, replay = f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay"
     pub = make_publisher(endpoint, replay)
@@ -205,6 +215,7 @@ async def test_fixture_gap_is_replayed(ipc_dir, make_publisher, make_manager, to
     manager = make_manager(index, [EventSource("e0", endpoint, replay, topic=TOPIC)])
     await manager.start()
     await asyncio.to_thread(pub.wait_subscriber)
+    await connect_replay_done(manager)
     dropped = {2, 3, 4, 6}
     for seq, payload in live_fixture():
         pub.publish(seq, payload, live=seq not in dropped)
@@ -228,7 +239,8 @@ async def test_recorded_replay_frames_are_applied(ipc_dir, make_publisher, make_
     manager = make_manager(index, [EventSource("e0", endpoint, replay, topic=TOPIC)])
     await manager.start()
     await asyncio.to_thread(pub.wait_subscriber)
-    await wait_for(lambda: pub.replay_requests == [0], "the replay asked for on connect")
+    await connect_replay_done(manager)  # answered from the (empty) buffer, not the canned frames
+    assert pub.replay_requests == [0]
     pub.canned_replay = [
         [base64.b64decode(f) for f in rec["frames_b64"]]
         for rec in fixture_frames()
