@@ -48,7 +48,7 @@ class RouterProcess:
             stderr=self._stderr,
             env={k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")},
         )
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while True:
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
@@ -222,7 +222,7 @@ def test_aborted_uploads_are_counted_quietly(router_process, upstreams) -> None:
                 b"content-length: 100000\r\n\r\n" + b"{" * 5000
             )
             time.sleep(0.01)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     text = ""
     while 'status="499"} 30.0' not in text and time.monotonic() < deadline:
         text = httpx.get(router.url + "/metrics").text

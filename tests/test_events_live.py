@@ -86,7 +86,7 @@ class FramePublisher:
             self._thread = threading.Thread(target=self._serve_replay, daemon=True)
             self._thread.start()
 
-    def wait_subscriber(self, timeout_s: float = 5.0) -> None:
+    def wait_subscriber(self, timeout_s: float = 30.0) -> None:
         if not self.pub.poll(int(timeout_s * 1000)):
             raise TimeoutError("no subscriber joined the test publisher")
         self.pub.recv()
@@ -168,7 +168,7 @@ async def make_manager() -> AsyncIterator[Callable[..., EventManager]]:
         await manager.stop()
 
 
-async def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+async def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
@@ -393,7 +393,7 @@ async def test_subscriber_binds_for_connecting_publisher(make_manager) -> None:
     pub.setsockopt(zmq.LINGER, 0)
     try:
         pub.connect(endpoint)
-        assert await asyncio.to_thread(pub.poll, 5000), "router never subscribed"
+        assert await asyncio.to_thread(pub.poll, 30000), "router never subscribed"
         pub.recv()
         pub.send_multipart([b"", (0).to_bytes(8, "big"), _payload(_stored([5], list(range(16))))])
         await wait_for(lambda: last_seq(manager) == 0, "seq 0")
