@@ -197,14 +197,15 @@ def test_experiment_arms_header(serve_asgi, upstreams) -> None:
         },
     )
     arms = {}
-    for i in range(40):
-        resp = httpx.post(
-            router.url + "/v1/chat/completions",
-            headers={"x-session-id": f"s{i}"},
-            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
-        )
-        assert resp.status_code == 200
-        arms[f"s{i}"] = (resp.headers["x-kvroute-arm"], resp.headers["x-kvroute-policy"])
+    with httpx.Client(base_url=router.url) as client:  # one client: not a TLS context per request
+        for i in range(40):
+            resp = client.post(
+                "/v1/chat/completions",
+                headers={"x-session-id": f"s{i}"},
+                json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+            )
+            assert resp.status_code == 200
+            arms[f"s{i}"] = (resp.headers["x-kvroute-arm"], resp.headers["x-kvroute-policy"])
     assert {a for a, _ in arms.values()} == {"a", "b"}
     assert all(p == {"a": "round_robin", "b": "least_loaded"}[a] for a, p in arms.values())
     again = httpx.post(

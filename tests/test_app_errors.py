@@ -142,6 +142,7 @@ def test_upstream_timeout_is_504(one_engine) -> None:
     )
     text = httpx.get(router.url + "/metrics").text
     assert 'kvroute_upstream_errors_total{engine="e0",kind="timeout"} 1.0' in text
+    upstream.delay_s = 0.0  # the abandoned handler ends now: the upstream server stops at once
 
 
 def test_refused_twice_is_502_and_marks_unhealthy(serve_asgi) -> None:
@@ -234,6 +235,7 @@ def test_client_disconnect_cancels_non_stream_request(serve_asgi, upstreams) -> 
         time.sleep(0.05)
     assert 'kvroute_requests_total{arm="default",engine="e0",policy="round_robin",status="499"} 1.0' in text
     assert 'kvroute_in_flight{engine="e0"} 0.0' in text
+    upstream.delay_s = 0.0  # the abandoned handler ends now: the upstream server stops at once
 
 
 def router_url(one_engine: tuple[Any, ThreadedServer]) -> str:

@@ -21,6 +21,8 @@ from router.service import build_router_app
 from sim.fleet import PROFILES, Fleet, FleetEngine
 from tests.conftest import ThreadedServer
 
+pytestmark = pytest.mark.slow  # engine processes killed and stopped
+
 BODY_TOKENS = 400
 
 

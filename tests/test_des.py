@@ -124,6 +124,7 @@ def test_tier_cost_beats_round_robin_on_a_small_ladder() -> None:
         assert 0.0 < r.ideal_hit <= 1.0 and r.hit <= r.ideal_hit + 1e-9
 
 
+@pytest.mark.slow
 def test_b1_fleet_tiers_show_up_by_tier() -> None:
     cfg = small_ladder(concurrency=8)
     wl = ladder_workload(cfg)
@@ -166,6 +167,7 @@ def test_hetero_fleet_slows_one_engine_halfway() -> None:
     assert sim.cores[2]._storage_bw == pytest.approx(base.storage_load_bytes_per_s)
 
 
+@pytest.mark.slow
 def test_mooncake_slice_replay_and_ideal() -> None:
     recs = read_mooncake_records(MOONCAKE / "conversation_trace.jsonl", limit=400)
     wl = mooncake_workload(recs, speed=4.0)
@@ -220,6 +222,7 @@ def test_token_mode_matches_block_id_mode_closely() -> None:
     assert toks.hit == pytest.approx(ids.hit, abs=0.03)
 
 
+@pytest.mark.slow
 def test_cli_writes_table_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(
         [
@@ -272,6 +275,7 @@ def test_requests_an_engine_refuses_are_counted_and_the_conversation_goes_on() -
     assert res.requests == wl.num_requests - too_long
 
 
+@pytest.mark.slow
 def test_results_do_not_depend_on_the_process_hash_seed(tmp_path: Path) -> None:
     """Policies with random tie-breaks get the run's seed: two processes, two hash seeds, one answer."""
     import os
@@ -295,6 +299,7 @@ def test_results_do_not_depend_on_the_process_hash_seed(tmp_path: Path) -> None:
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.slow
 def test_in_flight_accounting_queues_predicted_uncached_tokens_and_balances_out() -> None:
     from sim.des import FleetSimulator
 
@@ -337,6 +342,7 @@ def test_policy_specs_carry_parameters_into_the_run() -> None:
     assert sim.policy.work_weight == 5.0  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_large_fleet_prefilter_hands_few_candidates_and_still_balances() -> None:
     from policies.base import Decision, FleetView, RouteRequest
     from policies.tier_cost import TierCostPolicy

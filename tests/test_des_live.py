@@ -30,6 +30,8 @@ from sim.engine import EngineProfile
 from sim.fleet import Fleet, FleetProfile
 from tests.conftest import ThreadedServer
 
+pytestmark = pytest.mark.slow  # live engine processes: ~15 s per policy
+
 BLOCK = 16
 GPU_BLOCKS = 200  # ~2 conversations per engine: evictions happen, so routing matters
 TOLERANCE = 0.03

@@ -726,6 +726,7 @@ async def test_fault12_regressing_seqs_are_rate_limited(
 # ----------------------------------------------------------------------------- fault 13
 
 
+@pytest.mark.slow
 async def test_fault13_short_lived_publisher_is_not_missed(ipc_dir) -> None:
     """Defaults only: 3.5 s without a publisher let ZMQ's reconnect interval grow (to 3.2 s with
     the old 5 s cap); a publisher then lives 1.5 s and must be heard."""

@@ -168,6 +168,7 @@ def _clustered_arm(rng: random.Random, mean_s: float, conversations: int) -> lis
     return out
 
 
+@pytest.mark.slow
 def test_cluster_bootstrap_covers_the_true_difference_where_per_request_intervals_do_not() -> None:
     rng = random.Random(7)
     trials, cluster_cover, naive_cover = 120, 0, 0

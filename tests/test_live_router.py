@@ -23,6 +23,8 @@ from sim.fleet import PROFILES, Fleet, FleetEngine
 from sim.server import free_port
 from tests.conftest import ThreadedServer
 
+pytestmark = pytest.mark.slow  # a 3-engine fleet
+
 BLOCK_TOKENS = 16
 ARMS = [
     {"name": "kv", "policy": "kv_gpu"},

@@ -47,6 +47,7 @@ def router_url(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unt
             yield url
 
 
+@pytest.mark.slow
 def test_headless_ladder_run_reports_per_turn_metrics(router_url: str, tmp_path: Path) -> None:
     prefix = str(tmp_path / "run")
     ladder = [
@@ -76,6 +77,7 @@ def test_headless_ladder_run_reports_per_turn_metrics(router_url: str, tmp_path:
     assert "per turn" in proc.stdout
 
 
+@pytest.mark.slow
 def test_headless_agentic_trace_replay_runs(router_url: str, tmp_path: Path) -> None:
     prefix = str(tmp_path / "agentic")
     args = [

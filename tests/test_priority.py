@@ -208,6 +208,7 @@ def _priority_counts(url: str) -> dict[str, float]:
     return counts
 
 
+@pytest.mark.slow
 def test_router_sends_priorities_and_the_engine_serves_the_short_request_first(
     engines: dict[str, FleetEngine], serve_asgi: Callable[..., ThreadedServer]
 ) -> None:
@@ -236,6 +237,7 @@ def test_router_sends_priorities_and_the_engine_serves_the_short_request_first(
             assert seen["long"] - seen["short"] > 0.3
 
 
+@pytest.mark.slow
 def test_a_client_priority_is_passed_on_not_replaced(
     engines: dict[str, FleetEngine], serve_asgi: Callable[..., ThreadedServer]
 ) -> None:

@@ -13,11 +13,14 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
 
 from kvcore.sim_tokenizer import NAME
 from loadtest.load import wait_http_ok
 from sim.fleet import Fleet
 from sim.server import free_port
+
+pytestmark = pytest.mark.slow  # router worker processes
 
 REPO = Path(__file__).resolve().parents[1]
 
