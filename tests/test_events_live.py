@@ -159,6 +159,9 @@ async def make_manager() -> AsyncIterator[Callable[..., EventManager]]:
     made: list[EventManager] = []
 
     def make(index: PrefixIndex, sources: list[EventSource], **kwargs: object) -> EventManager:
+        # A replay answer silent for 2 s (the default) is a failed replay; a loaded machine can
+        # starve the test publisher's thread that long. Tests of replay timeouts pass their own.
+        kwargs.setdefault("replay_timeout_s", 10.0)
         manager = EventManager(index, sources, backoff_initial_s=0.05, backoff_max_s=0.2, **kwargs)  # type: ignore[arg-type]
         made.append(manager)
         return manager
