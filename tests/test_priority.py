@@ -175,23 +175,52 @@ def _prompt(tokens: int, seed: int) -> str:
     return filler_text(tokens, seed)
 
 
-async def _first_tokens(url: str, sends: list[tuple[str, str, dict[str, Any]]]) -> dict[str, float]:
-    """Send each (name, prompt, extra body) 0.15 s after the one before, streamed; the time each
-    one's first content chunk arrived."""
+#: Output tokens of the first request: its decode (~4 ms a step) keeps the engine's one slot for
+#: ~2 s while the others queue behind it.
+HOLD_TOKENS = 500
+
+
+async def _engine_holds(engine_url: str, n: int) -> None:
+    """Wait until the engine holds ``n`` requests (running + waiting, from its /metrics)."""
+    deadline = time.monotonic() + 30
+    async with httpx.AsyncClient() as http:
+        while True:
+            held = 0.0
+            for family in text_string_to_metric_families((await http.get(engine_url + "/metrics")).text):
+                if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                    held += sum(sample.value for sample in family.samples)
+            if held == n:
+                return
+            assert time.monotonic() < deadline, f"the engine holds {held:g} requests, not {n}"
+            await asyncio.sleep(0.01)
+
+
+async def _first_tokens(
+    url: str, engine_url: str, sends: list[tuple[str, str, dict[str, Any]]]
+) -> dict[str, float]:
+    """Send each (name, prompt, extra body), streamed, once the engine holds every one sent before
+    (the first one decodes HOLD_TOKENS tokens, so the others queue behind it in sending order
+    however slowly this machine runs); the time each one's first content chunk arrived."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     seen: dict[str, float] = {}
 
-    async def one(delay_s: float, name: str, prompt: str, extra: dict[str, Any]) -> None:
-        await asyncio.sleep(delay_s)
+    async def one(max_tokens: int, name: str, prompt: str, extra: dict[str, Any]) -> None:
         stream = await client.completions.create(
-            model=NAME, prompt=prompt, max_tokens=1, stream=True, extra_body=extra or None
+            model=NAME, prompt=prompt, max_tokens=max_tokens, stream=True, extra_body=extra or None
         )
         async for _ in stream:
             seen.setdefault(name, time.monotonic())
 
+    tasks: list[asyncio.Task[None]] = []
     try:
-        await asyncio.gather(*(one(0.15 * i, *send) for i, send in enumerate(sends)))
+        for i, send in enumerate(sends):
+            tasks.append(asyncio.create_task(one(HOLD_TOKENS if i == 0 else 1, *send)))
+            await _engine_holds(engine_url, i + 1)
+        await asyncio.gather(*tasks)
     finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await client.close()
     return seen
 
@@ -212,7 +241,7 @@ def _priority_counts(url: str) -> dict[str, float]:
 def test_router_sends_priorities_and_the_engine_serves_the_short_request_first(
     engines: dict[str, FleetEngine], serve_asgi: Callable[..., ThreadedServer]
 ) -> None:
-    """A long prompt runs; another long one and then a short one queue behind it. Through a
+    """A long request runs; another long one and then a short one queue behind it. Through a
     router that knows the engine schedules by priority, the short one is served before the
     long one that arrived earlier; on an fcfs engine (no priority sent: it would refuse one with
     a 400) they are served in arrival order."""
@@ -223,7 +252,7 @@ def test_router_sends_priorities_and_the_engine_serves_the_short_request_first(
     ]
     for policy in ("fcfs", "priority"):
         url = _router(serve_asgi, engines[policy])
-        seen = asyncio.run(_first_tokens(url, sends))
+        seen = asyncio.run(_first_tokens(url, engines[policy].url, sends))
         assert set(seen) == {"running", "long", "short"}
         assert seen["running"] < min(seen["long"], seen["short"])
         sent = _priority_counts(url)
@@ -247,6 +276,7 @@ def test_a_client_priority_is_passed_on_not_replaced(
     seen = asyncio.run(
         _first_tokens(
             url,
+            engines["priority"].url,
             [
                 ("running", _prompt(BIG_TOKENS, 4), {}),
                 ("short", _prompt(SMALL_TOKENS, 5), {}),
