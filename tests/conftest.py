@@ -150,8 +150,11 @@ class OpenAIUpstream:
         raw = await request.body()
         self.bodies.append(raw)
         self.headers.append(dict(request.headers))
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+        # delay_s is re-read so that the test's thread can cut a delay short (an asyncio.Event
+        # could not be set from that thread).
+        started = time.monotonic()
+        while time.monotonic() - started < self.delay_s:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
         if self.fail_status:
             return JSONResponse(
                 {

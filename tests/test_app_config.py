@@ -132,6 +132,7 @@ def test_cli_help_and_unknown_command(capsys: pytest.CaptureFixture[str]) -> Non
     assert "accepted: serve, engine" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_serve_rejects_bad_config_before_starting(tmp_path: Path) -> None:
     bad = write(tmp_path, TOML.replace("port = 9001", "port = 99999"))
     proc = subprocess.run(

@@ -21,6 +21,8 @@ from router.service import build_router_app
 from sim.fleet import PROFILES, Fleet, FleetEngine
 from tests.conftest import ThreadedServer
 
+pytestmark = pytest.mark.slow  # engine processes killed and stopped
+
 BODY_TOKENS = 400
 
 
@@ -95,14 +97,16 @@ def test_stopped_engine_costs_one_budget_then_fails_over_and_trips_the_breaker(s
     url = _router(
         serve_asgi,
         engines,
-        limits={"first_byte_timeout_s": 1.0},  # read_timeout_s stays 600: the budget is separate
+        # read_timeout_s stays 600: the budget is separate. The running engine must send its first
+        # token within it too (else 504): 3 s leaves a busy 2-core machine its scheduling delays.
+        limits={"first_byte_timeout_s": 3.0},
         health={"interval_s": 0, "breaker_failures": 2, "breaker_open_s": 60.0},
     )
     stopped = engines[0]
     os.killpg(stopped.pid, signal.SIGSTOP)
     try:
         served_by = []
-        with httpx.Client(timeout=30) as client:  # far below the 600 s read timeout
+        with httpx.Client(timeout=60) as client:  # far below the 600 s read timeout
             for _ in range(8):
                 with client.stream(
                     "POST", url + "/v1/chat/completions", json={**_chat(), "max_tokens": 4}

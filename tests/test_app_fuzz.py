@@ -55,6 +55,7 @@ def router_url() -> Iterator[str]:
         engine.stop()
 
 
+@pytest.mark.slow
 def test_the_schema_documents_the_request_bodies(router_url: str) -> None:
     served = httpx.get(router_url + "/openapi.json").json()
     chat = served["paths"]["/v1/chat/completions"]["post"]
@@ -62,6 +63,7 @@ def test_the_schema_documents_the_request_bodies(router_url: str) -> None:
     assert "/v1/route/explain" in served["paths"]
 
 
+@pytest.mark.slow
 @schema.parametrize()
 @settings(
     max_examples=EXAMPLES,

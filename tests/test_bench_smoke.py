@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -19,6 +21,7 @@ def _run(*args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_index_quick_prints_figures() -> None:
     out = _run("index", "--quick", "--no-memory")
     rate = re.search(r"ingest[^\n]*?([\d,]+)\s*blocks/s", out) or re.search(r"([\d,]{5,})", out)
@@ -39,6 +42,7 @@ def test_bench_unknown_name_is_refused() -> None:
     assert "accepted" in proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_peers_quick_measures_direct_and_kvroute(tmp_path: Path) -> None:
     """The B3 side-by-side bench runs wrk against a zero-delay upstream directly and through kvroute,
     and writes its table (the peers are left out of the smoke run: they are a download)."""
@@ -56,6 +60,7 @@ def test_bench_peers_quick_measures_direct_and_kvroute(tmp_path: Path) -> None:
         assert float(cells[5].split()[0]) > 0 and cells[-2] == "0", r
 
 
+@pytest.mark.slow
 def test_bench_annotate_prints_both_prompt_shapes() -> None:
     out = _run("annotate", "--sessions", "2", "--calls", "6", "--tokens-per-call", "1200")
     for shape in ("chat", "growing"):

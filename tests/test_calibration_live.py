@@ -99,6 +99,19 @@ def _fresh(seed: int) -> list[int]:
     return _prompt(seed, 40 + (seed * 37) % (PROMPT_BLOCKS - 40 + 1))
 
 
+def _wait_indexed(url: str, prompt: list[int]) -> None:
+    """Wait until the router's index holds ``prompt``'s full blocks on the engine's GPU: its KV
+    events have arrived (the engine keeps the latest prompt on GPU)."""
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 1}
+    deadline = time.monotonic() + 30
+    while True:
+        (engine,) = httpx.post(f"{url}/v1/route/explain", json=body).json()["engines"]
+        if engine["prefix_blocks_by_tier"]["gpu"] == len(prompt) // 16:
+            return
+        assert time.monotonic() < deadline, engine
+        time.sleep(0.01)
+
+
 def _drive(url: str, *, stream: bool, rounds: int = ROUNDS) -> list[int]:
     """Rounds of: fresh P, fresh Q, P again (its history now in CPU), fresh R, fresh S, P again
     (pushed out of CPU: in STORAGE). Returns the cached tokens the engine reported per request."""
@@ -117,7 +130,7 @@ def _drive(url: str, *, stream: bool, rounds: int = ROUNDS) -> list[int]:
             usage = client.completions.create(model=NAME, prompt=prompt, max_tokens=1).usage
         assert usage is not None and usage.prompt_tokens_details is not None
         cached.append(usage.prompt_tokens_details.cached_tokens or 0)
-        time.sleep(0.03)  # KV events reach the index before the next choice
+        _wait_indexed(url, prompt)  # the next choice is priced with this request's blocks
 
     for r in range(rounds):
         base = 10 * r

@@ -21,6 +21,8 @@ from router.service import build_router_app
 from sim.fleet import Fleet, FleetEngine, FleetProfile
 from tests.conftest import ThreadedServer
 
+pytestmark = pytest.mark.slow  # engine processes
+
 BLOCK_SIZE = 16
 #: Per engine: (gpu_blocks, cpu_blocks, storage_blocks); storage is one shared pool per engine here.
 SIZES = {"small": (96, 256, 3000), "big": (640, 1280, 5000)}

@@ -108,6 +108,7 @@ def test_blind_quick_start_is_refused_from_the_command_line() -> None:
     assert_clean_refusal(proc, 'policy "tier_cost" matches prompt blocks', 'tokenizer.backend = "none"')
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_port_in_use_fails_before_startup() -> None:
     with socket.socket() as holder:
@@ -162,6 +163,7 @@ def procs() -> Iterator[list[subprocess.Popen[str]]]:
                 proc.wait(10)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)  # an engine and a router start, serve and stop; slow on a busy machine
 def test_engine_and_router_say_where_they_listen_and_stop_cleanly_on_ctrl_c(
     procs: list[subprocess.Popen[str]],

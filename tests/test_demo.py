@@ -10,6 +10,8 @@ import pytest
 
 from loadtest import demo
 
+pytestmark = pytest.mark.slow  # the whole demo
+
 
 def test_demo_runs_end_to_end_and_reports_both_arms(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -260,6 +260,7 @@ def live_metric_names(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tupl
     yield names(router_text), names(engine_text)
 
 
+@pytest.mark.slow
 def test_every_dashboard_and_alert_metric_exists(live_metric_names: tuple[set[str], set[str]]) -> None:
     router_names, engine_names = live_metric_names
     # The simulated engine must expose what vLLM exposes, or the sim profile shows empty panels.
@@ -279,6 +280,7 @@ def test_every_dashboard_and_alert_metric_exists(live_metric_names: tuple[set[st
     }
 
 
+@pytest.mark.slow
 def test_operations_page_documents_every_router_metric_and_alert(
     live_metric_names: tuple[set[str], set[str]],
 ) -> None:

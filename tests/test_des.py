@@ -4,16 +4,19 @@ clairvoyant bound, the heterogeneous fleet and the CLI."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 from pathlib import Path
 
 import pytest
 
+from kvcore.core import PRIORITY_MAX_OVERTAKE_S, PRIORITY_STRETCH
 from kvcore.keys import block_keys
 from kvcore.trace import TraceRecorder
 from sim.des import (
     EngineSpec,
+    FleetSimulator,
     FleetSpec,
     SimConfig,
     SimResult,
@@ -122,6 +125,7 @@ def test_tier_cost_beats_round_robin_on_a_small_ladder() -> None:
         assert 0.0 < r.ideal_hit <= 1.0 and r.hit <= r.ideal_hit + 1e-9
 
 
+@pytest.mark.slow
 def test_b1_fleet_tiers_show_up_by_tier() -> None:
     cfg = small_ladder(concurrency=8)
     wl = ladder_workload(cfg)
@@ -164,6 +168,7 @@ def test_hetero_fleet_slows_one_engine_halfway() -> None:
     assert sim.cores[2]._storage_bw == pytest.approx(base.storage_load_bytes_per_s)
 
 
+@pytest.mark.slow
 def test_mooncake_slice_replay_and_ideal() -> None:
     recs = read_mooncake_records(MOONCAKE / "conversation_trace.jsonl", limit=400)
     wl = mooncake_workload(recs, speed=4.0)
@@ -218,6 +223,7 @@ def test_token_mode_matches_block_id_mode_closely() -> None:
     assert toks.hit == pytest.approx(ids.hit, abs=0.03)
 
 
+@pytest.mark.slow
 def test_cli_writes_table_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(
         [
@@ -270,6 +276,7 @@ def test_requests_an_engine_refuses_are_counted_and_the_conversation_goes_on() -
     assert res.requests == wl.num_requests - too_long
 
 
+@pytest.mark.slow
 def test_results_do_not_depend_on_the_process_hash_seed(tmp_path: Path) -> None:
     """Policies with random tie-breaks get the run's seed: two processes, two hash seeds, one answer."""
     import os
@@ -293,6 +300,7 @@ def test_results_do_not_depend_on_the_process_hash_seed(tmp_path: Path) -> None:
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.slow
 def test_in_flight_accounting_queues_predicted_uncached_tokens_and_balances_out() -> None:
     from sim.des import FleetSimulator
 
@@ -335,6 +343,7 @@ def test_policy_specs_carry_parameters_into_the_run() -> None:
     assert sim.policy.work_weight == 5.0  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_large_fleet_prefilter_hands_few_candidates_and_still_balances() -> None:
     from policies.base import Decision, FleetView, RouteRequest
     from policies.tier_cost import TierCostPolicy
@@ -518,8 +527,8 @@ def test_routing_keeps_the_index_pool_in_read_order_on_a_finite_pool() -> None:
 
 
 def memory_pressure_workload() -> Workload:
-    """128 conversations of 5 turns (2,400 + 448 tokens a turn, 48-token answers, 2 s think
-    time) for 12 s: on 4 engines of 1,024 x 16-token GPU blocks most requests wait for KV memory."""
+    """64 conversations of 5 turns (2,400 + 448 tokens a turn, 48-token answers, 2 s think
+    time) for 12 s: on 2 engines of 1,024 x 16-token GPU blocks most requests wait for KV memory."""
     return ladder_workload(
         LadderConfig(
             first_prompt_tokens=2400,
@@ -529,7 +538,7 @@ def memory_pressure_workload() -> Workload:
             answer_min_tokens=48,
             answer_max_tokens=48,
             think_time_mean_s=2.0,
-            concurrency=128,
+            concurrency=64,
             duration_s=12.0,
             block_size=16,
             seed=1,
@@ -537,22 +546,41 @@ def memory_pressure_workload() -> Workload:
     )
 
 
+@functools.cache
+def memory_pressure_run(
+    scheduling_policy: str,
+    priority_stretch: float = PRIORITY_STRETCH,
+    priority_max_overtake_s: float = PRIORITY_MAX_OVERTAKE_S,
+) -> tuple[FleetSimulator, SimResult]:
+    """tier_cost over ``memory_pressure_workload()`` on 2 engines whose GPU pools hold ~5 running
+    requests each, and its result. The DES is deterministic and a run costs tens of CPU seconds, so
+    each configuration runs once per session (the fcfs run serves this module and test_priority)."""
+    engine = EngineProfile(
+        block_size=16, num_gpu_blocks=1024, num_cpu_blocks=2048, scheduling_policy=scheduling_policy
+    )
+    fleet = FleetSpec([EngineSpec(f"e{i}", engine) for i in range(2)])
+    config = SimConfig(
+        token_mode=True,
+        seed=1,
+        priority_stretch=priority_stretch,
+        priority_max_overtake_s=priority_max_overtake_s,
+    )
+    sim = FleetSimulator(memory_pressure_workload(), "tier_cost", fleet, config)
+    return sim, sim.run()
+
+
+@pytest.mark.slow
 def test_calibration_under_memory_pressure_learns_the_engines_true_prefill_rate() -> None:
-    """128 conversations on 4 engines whose GPU pools hold ~5 running requests each: most requests
+    """64 conversations on 2 engines whose GPU pools hold ~5 running requests each: most requests
     wait for KV memory. The cost model must still find the engines' true prefill rate (their
     EngineProfile, an independent truth) and put the wait into the learned slot term. Feeding the
     queued TTFTs to the rate regression (before) gave 5,400-13,500 tok/s here against 22,000."""
-    from sim.des import FleetSimulator
-
-    workload = memory_pressure_workload()
-    engine = EngineProfile(block_size=16, num_gpu_blocks=1024, num_cpu_blocks=2048)
-    fleet = FleetSpec([EngineSpec(f"e{i}", engine) for i in range(4)])
-    sim = FleetSimulator(workload, "tier_cost", fleet, SimConfig(token_mode=True, seed=1))
-    result = sim.run()
+    sim, result = memory_pressure_run("fcfs")
     assert result.ttft_p50_s > 0.5  # the queue is real: several requests' service times
-    for i in range(4):
+    true_rate = EngineProfile().prefill_tokens_per_s
+    for i in range(2):
         est = sim.costs.estimates(f"e{i}")
-        assert est.prefill_tokens_per_s == pytest.approx(engine.prefill_tokens_per_s, rel=0.15)
+        assert est.prefill_tokens_per_s == pytest.approx(true_rate, rel=0.15)
         assert est.slot_s_per_request > 0.01
 
 

@@ -1,5 +1,5 @@
 """The offline simulator and the live fleet agree: the same small ladder workload, run once through
-``sim.des`` in virtual time and once through real engine processes (at a quarter of real time)
+``sim.des`` in virtual time and once through real engine processes (at a tenth of real time)
 behind the real router, streaming, gives the same prompt-cache hit rate (within 3 percentage
 points) and the same TTFT p50 (within 25% + 15 ms) for round_robin, kv_gpu, kv_fixed_credit and
 tier_cost. Both drive the same routing core (kvcore/core.py).
@@ -7,7 +7,7 @@ tier_cost. Both drive the same routing core (kvcore/core.py).
 Why not exact: in the DES, a turn resends the workload's assumed answer text while the live engine
 generated its own, so the few blocks that straddle an answer may hit in one run and not the other;
 the live TTFT also carries HTTP, the router and the engine process's own CPU time (the 15 ms, in
-model seconds at a time scale of 0.25).
+model seconds at a time scale of 0.1: 150 ms of wall time).
 """
 
 from __future__ import annotations
@@ -30,14 +30,18 @@ from sim.fleet import Fleet, FleetProfile
 from sim.workloads import LadderConfig, Workload, ladder_workload
 from tests.conftest import ThreadedServer
 
+pytestmark = pytest.mark.slow  # live engine processes: ~15 s per policy
+
 BLOCK = 16
 GPU_BLOCKS = 200  # ~2 conversations per engine: evictions happen, so routing matters
 TOLERANCE = 0.03
 TTFT_REL_TOLERANCE = 0.25
 TTFT_ABS_TOLERANCE_S = 0.015
-#: The live engines run 4x slower than their model time: the router's, HTTP's and the engine
-#: process's own CPU time (tens of ms on a busy 2-core machine) shrink 4x in model seconds.
-TIME_SCALE = 0.25
+#: The live engines run 10x slower than their model time: the router's, HTTP's and the engine
+#: process's own CPU time shrink 10x in model seconds. At 0.25 that overhead (50-80 ms of wall
+#: time at load 15 on 2 cores) took 20 of the 23 ms allowed and failed under more load; at 0.1 it
+#: is 5-8 ms; what the test allows the DES itself (25% + 15 ms, model seconds) is unchanged.
+TIME_SCALE = 0.1
 
 
 def _workload() -> Workload:

@@ -179,7 +179,7 @@ def test_fault1_one_subscriber_per_engine_and_it_is_the_visible_one(
             ]
         )
         url = serve_asgi(build_router_app(config)).url
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while pub.replay_requests < 1:
             assert time.monotonic() < deadline, "the router never asked for the replay buffer"
             time.sleep(0.02)
@@ -187,7 +187,7 @@ def test_fault1_one_subscriber_per_engine_and_it_is_the_visible_one(
         assert pub.accepted == 1, "one SUB connection per engine and rank"
         assert pub.replay_requests == 1
         pub.pub.send_multipart([TOPIC.encode(), (0).to_bytes(8, "big"), _payload(stored_event(0))])
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while True:
             source = httpx.get(f"{url}/debug/index").json()["events"]["sources"]["e0/dp0"]
             if source["batches"] == 1:
@@ -222,10 +222,10 @@ def test_fault1_bind_mode_router_is_ready(serve_asgi: Callable[..., ThreadedServ
     pub.setsockopt(zmq.LINGER, 0)
     try:
         pub.connect(endpoint)
-        assert pub.poll(5000), "the router never subscribed"
+        assert pub.poll(30000), "the router never subscribed"
         pub.recv()
         pub.send_multipart([b"", (0).to_bytes(8, "big"), _payload(stored_event(0))])
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while httpx.get(f"{url}/debug/index").json()["events"]["sources"]["e0/dp0"]["batches"] != 1:
             assert time.monotonic() < deadline
             time.sleep(0.02)
@@ -273,7 +273,7 @@ async def test_fault2_crashed_task_is_restarted_and_reported(ipc_dir, make_publi
     pub.publish(0, _payload(stored_event(0)))
     await wait_for(lambda: health_of(manager)["task_restarts"] == 1, "the task restart")
     await wait_for(lambda: health_of(manager)["peer_connected"], "the restarted task's socket")
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while last_seq(manager) != 1:  # resent until the new subscription has reached the publisher
         assert time.monotonic() < deadline, health_of(manager)
         pub.publish(1, _payload(stored_event(1)))
@@ -455,14 +455,14 @@ def test_fault7_lora_request_matches_its_own_blocks(serve_asgi: Callable[..., Th
             policy={"name": "kv_gpu"},
         )
         url = serve_asgi(build_router_app(config)).url
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while "sql-lora" not in {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]}:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         messages = [{"role": "user", "content": "select the rows of table t " * 12}]
         body = {"model": "sql-lora", "messages": messages, "max_tokens": 1}
         assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 200
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while True:
             lora = httpx.post(f"{url}/v1/route/explain", json=body).json()
             if lora["engines"][0]["prefix_blocks"] > 0:
@@ -520,9 +520,13 @@ async def test_fault8_publisher_that_connects_out(sim_publishers, make_manager) 
     await wait_for(lambda: health_of(manager)["connected"], "bound")
     pub = sim_publishers(endpoint, None)
     await wait_for(lambda: health_of(manager)["peer_connected"], "the publisher connected")
-    await asyncio.sleep(0.2)  # the subscription travels to the publisher
-    pub.publish([stored_event(0)])
-    await wait_for(lambda: held_blocks(index, tokens_of(1, 0)) == 1, "the block")
+    # Resent until it lands: the subscription travels to the PUB after the connection (a batch
+    # sent before it arrives is dropped by ZMQ), and a busy machine gives no bound on when.
+    deadline = time.monotonic() + 30
+    while held_blocks(index, tokens_of(1, 0)) != 1:
+        assert time.monotonic() < deadline, health_of(manager)
+        pub.publish([stored_event(0)])
+        await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize(
@@ -641,7 +645,7 @@ async def test_fault11_a_burst_shares_the_event_loop(ipc_dir, make_manager) -> N
     pub.bind(endpoint)
     try:
         await manager.start()
-        assert await asyncio.to_thread(pub.poll, 5000)
+        assert await asyncio.to_thread(pub.poll, 30000)
         pub.recv()
         seen: list[int] = []
 
@@ -675,15 +679,19 @@ async def test_fault11_bounded_backlog_counts_drops_and_marks_untrusted(ipc_dir,
     pub.bind(endpoint)
     try:
         await manager.start()
-        assert await asyncio.to_thread(pub.poll, 5000)
+        assert await asyncio.to_thread(pub.poll, 30000)
         pub.recv()
         n = 5000
         for seq in range(n):  # the loop is busy here: the router cannot drain meanwhile
             pub.send_multipart([b"", seq.to_bytes(8, "big"), _payload(stored_event(seq))], zmq.NOBLOCK)
         time.sleep(0.3)  # noqa: ASYNC251 - keep the loop busy so that the backlog overflows
-        await asyncio.sleep(0.5)  # now the router drains what was kept
-        pub.send_multipart([b"", n.to_bytes(8, "big"), _payload(stored_event(n))])
-        await wait_for(lambda: last_seq(manager) == n, "the last batch")
+        # Now the router drains what was kept; the last batch is resent until it lands (sent while
+        # the queues are still full, XPUB drops it; a second copy is a counted duplicate).
+        deadline = time.monotonic() + 30
+        while last_seq(manager) != n:
+            assert time.monotonic() < deadline, health_of(manager)
+            pub.send_multipart([b"", n.to_bytes(8, "big"), _payload(stored_event(n))])
+            await asyncio.sleep(0.2)
         health = health_of(manager)
         assert health["missed_batches"] > 0 and health["batches"] + health["missed_batches"] == n + 1
         assert health["stale"] and manager.untrusted_engines() == {"e0"}
@@ -723,6 +731,7 @@ async def test_fault12_regressing_seqs_are_rate_limited(
 # ----------------------------------------------------------------------------- fault 13
 
 
+@pytest.mark.slow
 async def test_fault13_short_lived_publisher_is_not_missed(ipc_dir) -> None:
     """Defaults only: 3.5 s without a publisher let ZMQ's reconnect interval grow (to 3.2 s with
     the old 5 s cap); a publisher then lives 1.5 s and must be heard."""
@@ -740,7 +749,8 @@ async def test_fault13_short_lived_publisher_is_not_missed(ipc_dir) -> None:
             pub.send_multipart([b"", seq.to_bytes(8, "big"), _payload(stored_event(seq))])
             await asyncio.sleep(0.05)
         pub.close(0)
-        assert health_of(manager)["batches"] > 0
+        # What was received while it lived is in the SUB's queue: applied even if read after.
+        await wait_for(lambda: health_of(manager)["batches"] > 0, "a batch of the short-lived publisher")
     finally:
         await manager.stop()
         ctx.term()

@@ -86,7 +86,7 @@ class FramePublisher:
             self._thread = threading.Thread(target=self._serve_replay, daemon=True)
             self._thread.start()
 
-    def wait_subscriber(self, timeout_s: float = 5.0) -> None:
+    def wait_subscriber(self, timeout_s: float = 30.0) -> None:
         if not self.pub.poll(int(timeout_s * 1000)):
             raise TimeoutError("no subscriber joined the test publisher")
         self.pub.recv()
@@ -159,6 +159,9 @@ async def make_manager() -> AsyncIterator[Callable[..., EventManager]]:
     made: list[EventManager] = []
 
     def make(index: PrefixIndex, sources: list[EventSource], **kwargs: object) -> EventManager:
+        # A replay answer silent for 2 s (the default) is a failed replay; a loaded machine can
+        # starve the test publisher's thread that long. Tests of replay timeouts pass their own.
+        kwargs.setdefault("replay_timeout_s", 10.0)
         manager = EventManager(index, sources, backoff_initial_s=0.05, backoff_max_s=0.2, **kwargs)  # type: ignore[arg-type]
         made.append(manager)
         return manager
@@ -168,7 +171,7 @@ async def make_manager() -> AsyncIterator[Callable[..., EventManager]]:
         await manager.stop()
 
 
-async def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+async def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
@@ -179,6 +182,16 @@ async def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 
 def last_seq(manager: EventManager) -> int | None:
     (health,) = manager.source_health().values()
     return health.last_seq
+
+
+async def connect_replay_done(manager: EventManager) -> None:
+    """Wait until the replay asked for on connect was answered and applied. A batch published
+    before that answer is built is applied from the replay (and counted as replayed), its live
+    copy then being a duplicate: tests that count replayed batches publish only after this."""
+    await wait_for(
+        lambda: any(h.last_replay_s is not None for h in manager.source_health().values()),
+        "the replay on connect",
+    )
 
 
 async def test_fixture_frames_live_each_seq(ipc_dir, make_publisher, make_manager) -> None:
@@ -205,6 +218,7 @@ async def test_fixture_gap_is_replayed(ipc_dir, make_publisher, make_manager, to
     manager = make_manager(index, [EventSource("e0", endpoint, replay, topic=TOPIC)])
     await manager.start()
     await asyncio.to_thread(pub.wait_subscriber)
+    await connect_replay_done(manager)
     dropped = {2, 3, 4, 6}
     for seq, payload in live_fixture():
         pub.publish(seq, payload, live=seq not in dropped)
@@ -228,7 +242,8 @@ async def test_recorded_replay_frames_are_applied(ipc_dir, make_publisher, make_
     manager = make_manager(index, [EventSource("e0", endpoint, replay, topic=TOPIC)])
     await manager.start()
     await asyncio.to_thread(pub.wait_subscriber)
-    await wait_for(lambda: pub.replay_requests == [0], "the replay asked for on connect")
+    await connect_replay_done(manager)  # answered from the (empty) buffer, not the canned frames
+    assert pub.replay_requests == [0]
     pub.canned_replay = [
         [base64.b64decode(f) for f in rec["frames_b64"]]
         for rec in fixture_frames()
@@ -381,7 +396,7 @@ async def test_subscriber_binds_for_connecting_publisher(make_manager) -> None:
     pub.setsockopt(zmq.LINGER, 0)
     try:
         pub.connect(endpoint)
-        assert await asyncio.to_thread(pub.poll, 5000), "router never subscribed"
+        assert await asyncio.to_thread(pub.poll, 30000), "router never subscribed"
         pub.recv()
         pub.send_multipart([b"", (0).to_bytes(8, "big"), _payload(_stored([5], list(range(16))))])
         await wait_for(lambda: last_seq(manager) == 0, "seq 0")

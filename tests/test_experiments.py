@@ -168,6 +168,7 @@ def _clustered_arm(rng: random.Random, mean_s: float, conversations: int) -> lis
     return out
 
 
+@pytest.mark.slow
 def test_cluster_bootstrap_covers_the_true_difference_where_per_request_intervals_do_not() -> None:
     rng = random.Random(7)
     trials, cluster_cover, naive_cover = 120, 0, 0
@@ -186,6 +187,41 @@ def test_cluster_bootstrap_covers_the_true_difference_where_per_request_interval
         naive_cover += naive.low <= 0.2 <= naive.high
     assert cluster_cover / trials >= 0.88  # nominal 95%, percentile bootstrap with 30 clusters
     assert naive_cover / trials <= 0.70  # treating turns as independent is far too narrow
+
+
+def _binomial_quantile(n: int, p: float, q: float) -> tuple[int, float]:
+    """The smallest k with P(Binomial(n, p) <= k) >= q, and how far that CDF step lies from q
+    (the smaller distance of q to the CDF at k - 1 and at k): exact, with math.comb."""
+    cdf = 0.0
+    for k in range(n + 1):
+        below = cdf
+        cdf += math.comb(n, k) * p**k * (1 - p) ** (n - k)
+        if cdf >= q:
+            return k, min(q - below, cdf - q)
+    return n, 0.0
+
+
+@pytest.mark.parametrize("confidence", [0.95, 0.90])
+def test_bootstrap_interval_ends_are_the_exact_quantiles_of_its_confidence(confidence: float) -> None:
+    """An independent truth for the interval's ends: 20 conversations of one turn, 2 of them at
+    1 s and 18 at 0 s, against a control that is always 0 s. A resample's mean is then exactly
+    Binomial(20, 0.1) / 20, whose quantiles are computed here from the binomial CDF. For 95% the
+    upper end is its 97.5% quantile, 5/20 = 0.25 s; a 90% interval labelled 95% (the 95% quantile)
+    would end at 4/20 = 0.2 s. Both quantiles sit > 0.005 from a CDF step, ~4 sd of the empirical
+    CDF at 20,000 resamples, so the seed is not what makes this pass."""
+    n, resamples = 20, 20_000
+    upper_q = 1 - (1 - confidence) / 2
+    k, margin = _binomial_quantile(n, 0.1, upper_q)
+    assert margin > 0.005
+    assert k == {0.95: 5, 0.90: 4}[confidence]  # the two confidences are told apart
+    zero = [ConversationTotals(0.0, 1, 0.0, 1.0)] * n
+    ones = [ConversationTotals(1.0, 1, 0.0, 1.0)] * 2 + [ConversationTotals(0.0, 1, 0.0, 1.0)] * (n - 2)
+    up = cluster_bootstrap_diff(zero, ones, mean_ttft, confidence=confidence, resamples=resamples)
+    assert up is not None and up.confidence == confidence
+    assert up.diff == pytest.approx(0.1) and up.high == pytest.approx(k / n)
+    # The other end: the same distribution on the control side gives -quantile for the low end.
+    down = cluster_bootstrap_diff(ones, zero, mean_ttft, confidence=confidence, resamples=resamples)
+    assert down is not None and down.low == pytest.approx(-k / n)
 
 
 def test_bootstrap_needs_two_conversations_per_side() -> None:

@@ -27,6 +27,7 @@ def test_every_fleet_flag_is_described() -> None:
     assert undescribed == []
 
 
+@pytest.mark.slow
 def test_fleet_module_does_not_import_httpx() -> None:
     code = "import sys, sim.fleet, sim.server; print(sorted(m for m in sys.modules if m.startswith('httpx')))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -43,6 +44,7 @@ def _free(port: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)  # two engine processes start and stop; slow on a busy 2-core machine
 def test_fixed_ports_fleet_file_and_clean_stop(tmp_path: Path) -> None:
     rng = random.Random()

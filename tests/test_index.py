@@ -357,6 +357,7 @@ op_st = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 # Cases random search reaches too rarely: repeated announcement; hash kept while CPU still holds it.
 @example(
@@ -491,6 +492,7 @@ wide_op_st = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @example(ops=[("store", "p0", Tier.STORAGE, (0, 0, 6))], subset=list(FLEET))
 @example(

@@ -27,6 +27,8 @@ from policies.base import PrefixMatch, Tier
 from router.events import EventManager, EventSource
 from sim.fleet import PROFILES, Fleet, FleetEngine
 
+pytestmark = pytest.mark.slow  # engine processes
+
 BLOCK_TOKENS = 16
 POOL = "pool0"
 TIER_NAMES = ("GPU", "CPU", "STORAGE")

@@ -23,6 +23,8 @@ from sim.fleet import PROFILES, Fleet, FleetEngine
 from sim.server import free_port
 from tests.conftest import ThreadedServer
 
+pytestmark = pytest.mark.slow  # a 3-engine fleet
+
 BLOCK_TOKENS = 16
 ARMS = [
     {"name": "kv", "policy": "kv_gpu"},
@@ -76,10 +78,10 @@ def _settle(url: str, quiet_s: float = 0.3) -> None:
         events = httpx.get(f"{url}/debug/index").json()["events"]["sources"]
         return sorted((name, s["batches"]) for name, s in events.items())
 
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + 30.0
     last, quiet_since = batches(), time.monotonic()
     while time.monotonic() - quiet_since < quiet_s:
-        assert time.monotonic() < deadline, "KV events did not settle within 10 s"
+        assert time.monotonic() < deadline, "KV events did not settle within 30 s"
         time.sleep(0.05)
         now = batches()
         if now != last:
@@ -265,7 +267,7 @@ def test_ready_reports_an_engine_whose_events_never_arrive(
         messages=[{"role": "user", "content": "anyone listening? " * 20}],
         max_tokens=2,
     )
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 30.0
     while True:
         ready = httpx.get(f"{url}/ready").json()
         if engine.id in ready["events"]["silent_engines"]:
@@ -275,7 +277,7 @@ def test_ready_reports_an_engine_whose_events_never_arrive(
     assert ready["events"]["ok"] is False
     reason = ready["events"]["silent_engines"][engine.id]
     assert "kv_events_endpoint" in reason and "prefix-cache counters" in reason
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 30.0
     while f'kvroute_event_source_silent{{engine="{engine.id}"}} 1.0' not in httpx.get(f"{url}/metrics").text:
         assert time.monotonic() < deadline
         time.sleep(0.1)
@@ -290,7 +292,7 @@ def test_engine_block_size_wins_over_a_wrong_config(
     data = _router_data(fleet, experiment={"arms": []}, policy={"name": "kv_gpu"})
     data["engines"] = entries
     url = serve_asgi(build_router_app(load_config(environ={}, overrides=data))).url
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 30.0
     while not httpx.get(f"{url}/debug/costs").json()["block_size_mismatch"]:
         assert time.monotonic() < deadline, "no scrape reported the engines' block size"
         time.sleep(0.05)

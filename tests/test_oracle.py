@@ -59,6 +59,7 @@ def test_bound_counts_tokens_and_caps_at_prompt_minus_one() -> None:
     assert capacity_bound(arrivals, 0, 16.0).bound_hit == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["round_robin", "kv_fixed_credit", "horizon_cost"])
 def test_bound_bounds_real_runs(policy: str) -> None:
     """On a DES run with a storage pool much smaller than the working set, the policy's measured hit
@@ -72,6 +73,7 @@ def test_bound_bounds_real_runs(policy: str) -> None:
     assert row["ttft_floor_p50_s"] <= row["ttft_p50_s"]
 
 
+@pytest.mark.slow
 def test_sweep_driver_writes_a_table(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "q.md"
     code = main(

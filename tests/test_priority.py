@@ -21,16 +21,15 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcore.core import PRIORITY_MAX_OVERTAKE_S, PRIORITY_STRETCH, shortest_first_priority
+from kvcore.core import shortest_first_priority
 from kvcore.sim_tokenizer import NAME, filler_text
 from policies.costs import PredictedParts
 from router.config import ConfigError, load_config
 from router.service import build_router_app
-from sim.des import EngineSpec, FleetSimulator, FleetSpec, SimConfig
-from sim.engine import EngineCore, EngineProfile, SimRequest
+from sim.engine import EngineCore, SimRequest
 from sim.fleet import Fleet, FleetEngine, FleetProfile
 from tests.conftest import ThreadedServer
-from tests.test_des import memory_pressure_workload
+from tests.test_des import memory_pressure_run
 from tests.test_sim_engine import profile, run
 
 # ------------------------------------------------------------------------------ the engine model
@@ -171,29 +170,17 @@ def test_no_request_is_overtaken_by_one_placed_more_than_the_bound_after_it(boun
         assert overtaken_by_placed_after_s > 30.0
 
 
+@pytest.mark.slow
 def test_des_priority_engines_keep_hits_that_fcfs_engines_evict_while_they_queue() -> None:
-    """128 conversations on 4 engines whose GPU pools hold ~5 running requests each (the memory
-    pressure of tests/test_des.py's calibration test). With fcfs engines a turn whose history is
-    cached waits behind recomputes that evict it; with priority engines (the DES sends each
-    request's shortest_first_priority, as the router does) it runs first. The hit rate is the
-    engines' own count of cached prompt tokens, the TTFTs the engines' timelines."""
-    workload = memory_pressure_workload()
-    results = {}
-    unbounded = float("inf")
-    for policy, stretch, bound in (
-        ("fcfs", PRIORITY_STRETCH, PRIORITY_MAX_OVERTAKE_S),
-        ("priority", 1e6, unbounded),  # pure shortest work first, as near as a deadline gets
-        ("priority", PRIORITY_STRETCH, PRIORITY_MAX_OVERTAKE_S),
-    ):
-        engine = EngineProfile(
-            block_size=16, num_gpu_blocks=1024, num_cpu_blocks=2048, scheduling_policy=policy
-        )
-        fleet = FleetSpec([EngineSpec(f"e{i}", engine) for i in range(4)])
-        config = SimConfig(token_mode=True, seed=1, priority_stretch=stretch, priority_max_overtake_s=bound)
-        results[policy, stretch] = FleetSimulator(workload, "tier_cost", fleet, config).run()
-    fcfs, pure = results["fcfs", PRIORITY_STRETCH], results["priority", 1e6]
-    aged = results["priority", PRIORITY_STRETCH]
-    print({k: (round(1 - r.miss, 3), round(r.ttft_p50_s, 2)) for k, r in results.items()})
+    """64 conversations on 2 engines whose GPU pools hold ~5 running requests each (the memory
+    pressure of tests/test_des.py's calibration test, whose fcfs run this shares). With fcfs engines
+    a turn whose history is cached waits behind recomputes that evict it; with priority engines (the
+    DES sends each request's shortest_first_priority, as the router does) it runs first. The hit
+    rate is the engines' own count of cached prompt tokens, the TTFTs the engines' timelines."""
+    fcfs = memory_pressure_run("fcfs")[1]
+    pure = memory_pressure_run("priority", 1e6, float("inf"))[1]  # shortest work first, unbounded
+    aged = memory_pressure_run("priority")[1]  # the defaults: stretch 20, bounded overtaking
+    print({"fcfs": fcfs, "pure": pure, "aged": aged})
     assert 1.0 - pure.miss > (1.0 - fcfs.miss) + 0.1
     assert pure.ttft_p50_s < 0.7 * fcfs.ttft_p50_s
     assert 1.0 - aged.miss > (1.0 - fcfs.miss) + 0.05
@@ -259,23 +246,52 @@ def _prompt(tokens: int, seed: int) -> str:
     return filler_text(tokens, seed)
 
 
-async def _first_tokens(url: str, sends: list[tuple[str, str, dict[str, Any]]]) -> dict[str, float]:
-    """Send each (name, prompt, extra body) 0.15 s after the one before, streamed; the time each
-    one's first content chunk arrived."""
+#: Output tokens of the first request: its decode (~4 ms a step) keeps the engine's one slot for
+#: ~2 s while the others queue behind it.
+HOLD_TOKENS = 500
+
+
+async def _engine_holds(engine_url: str, n: int) -> None:
+    """Wait until the engine holds ``n`` requests (running + waiting, from its /metrics)."""
+    deadline = time.monotonic() + 30
+    async with httpx.AsyncClient() as http:
+        while True:
+            held = 0.0
+            for family in text_string_to_metric_families((await http.get(engine_url + "/metrics")).text):
+                if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                    held += sum(sample.value for sample in family.samples)
+            if held == n:
+                return
+            assert time.monotonic() < deadline, f"the engine holds {held:g} requests, not {n}"
+            await asyncio.sleep(0.01)
+
+
+async def _first_tokens(
+    url: str, engine_url: str, sends: list[tuple[str, str, dict[str, Any]]]
+) -> dict[str, float]:
+    """Send each (name, prompt, extra body), streamed, once the engine holds every one sent before
+    (the first one decodes HOLD_TOKENS tokens, so the others queue behind it in sending order
+    however slowly this machine runs); the time each one's first content chunk arrived."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     seen: dict[str, float] = {}
 
-    async def one(delay_s: float, name: str, prompt: str, extra: dict[str, Any]) -> None:
-        await asyncio.sleep(delay_s)
+    async def one(max_tokens: int, name: str, prompt: str, extra: dict[str, Any]) -> None:
         stream = await client.completions.create(
-            model=NAME, prompt=prompt, max_tokens=1, stream=True, extra_body=extra or None
+            model=NAME, prompt=prompt, max_tokens=max_tokens, stream=True, extra_body=extra or None
         )
         async for _ in stream:
             seen.setdefault(name, time.monotonic())
 
+    tasks: list[asyncio.Task[None]] = []
     try:
-        await asyncio.gather(*(one(0.15 * i, *send) for i, send in enumerate(sends)))
+        for i, send in enumerate(sends):
+            tasks.append(asyncio.create_task(one(HOLD_TOKENS if i == 0 else 1, *send)))
+            await _engine_holds(engine_url, i + 1)
+        await asyncio.gather(*tasks)
     finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await client.close()
     return seen
 
@@ -292,10 +308,11 @@ def _priority_counts(url: str) -> dict[str, float]:
     return counts
 
 
+@pytest.mark.slow
 def test_router_sends_priorities_and_the_engine_serves_the_short_request_first(
     engines: dict[str, FleetEngine], serve_asgi: Callable[..., ThreadedServer]
 ) -> None:
-    """A long prompt runs; another long one and then a short one queue behind it. Through a
+    """A long request runs; another long one and then a short one queue behind it. Through a
     router that knows the engine schedules by priority, the short one is served before the
     long one that arrived earlier; on an fcfs engine (no priority sent: it would ignore one) they
     are served in arrival order."""
@@ -306,7 +323,7 @@ def test_router_sends_priorities_and_the_engine_serves_the_short_request_first(
     ]
     for policy in ("fcfs", "priority"):
         url = _router(serve_asgi, engines[policy])
-        seen = asyncio.run(_first_tokens(url, sends))
+        seen = asyncio.run(_first_tokens(url, engines[policy].url, sends))
         assert set(seen) == {"running", "long", "short"}
         assert seen["running"] < min(seen["long"], seen["short"])
         sent = _priority_counts(url)
@@ -320,6 +337,7 @@ def test_router_sends_priorities_and_the_engine_serves_the_short_request_first(
             assert seen["long"] - seen["short"] > 0.3
 
 
+@pytest.mark.slow
 def test_a_client_priority_is_passed_on_not_replaced(
     engines: dict[str, FleetEngine], serve_asgi: Callable[..., ThreadedServer]
 ) -> None:
@@ -329,6 +347,7 @@ def test_a_client_priority_is_passed_on_not_replaced(
     seen = asyncio.run(
         _first_tokens(
             url,
+            engines["priority"].url,
             [
                 ("running", _prompt(BIG_TOKENS, 4), {}),
                 ("short", _prompt(SMALL_TOKENS, 5), {}),

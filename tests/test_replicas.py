@@ -215,6 +215,7 @@ def _moved_turns(chats: list[Chat]) -> int:
     return sum(e != chat.engines[0] for chat in chats for e in chat.engines[1:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["approx_prefix", "tier_cost"])
 def test_every_turn_goes_where_one_replica_would_send_it(
     policy: str, fleet: list[FleetEngine], replicas: Callable[..., Replicas]
@@ -235,6 +236,7 @@ def test_every_turn_goes_where_one_replica_would_send_it(
     assert all(c > 0 for chat in chats for c in chat.cached[1:]), [c.cached for c in chats]
 
 
+@pytest.mark.slow
 def test_without_sharing_approx_prefix_replicas_split_conversations(
     fleet: list[FleetEngine], replicas: Callable[..., Replicas]
 ) -> None:
@@ -487,6 +489,7 @@ async def _burst_with(
     return _shape(counts, busy_fleet[0].id)
 
 
+@pytest.mark.slow
 async def test_a_burst_split_across_replicas_spreads_like_one_replicas(
     busy_fleet: list[FleetEngine], redis_server: RedisServer, replicas: Callable[..., Replicas]
 ) -> None:
@@ -501,6 +504,7 @@ async def test_a_burst_split_across_replicas_spreads_like_one_replicas(
     assert two == one
 
 
+@pytest.mark.slow
 async def test_without_sharing_a_burst_split_across_replicas_herds(
     busy_fleet: list[FleetEngine], redis_server: RedisServer, replicas: Callable[..., Replicas]
 ) -> None:
@@ -511,6 +515,7 @@ async def test_without_sharing_a_burst_split_across_replicas_herds(
     assert two[0] > one[0], (one, two)
 
 
+@pytest.mark.slow
 def test_replica_and_redis_restarts_cost_the_clients_nothing(
     fleet: list[FleetEngine], redis_server: RedisServer, replicas: Callable[..., Replicas]
 ) -> None:

@@ -14,11 +14,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import openai
+import pytest
 
 from kvcore.sim_tokenizer import NAME
 from loadtest.load import wait_http_ok
 from sim.fleet import PROFILES, Fleet
 from sim.server import free_port
+
+pytestmark = pytest.mark.slow  # router worker processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -98,17 +101,16 @@ def test_two_workers_share_the_port_and_both_route(tmp_path: Path) -> None:
 
 def test_workers_see_each_others_load(tmp_path: Path) -> None:
     """Load-aware routing in a multi-worker router must see the whole machine's in-flight requests,
-    not only those the kernel happened to hand its own process: with 6 long requests in flight, every
+    not only those the kernel happened to hand its own process: with 6 requests in flight, every
     worker's GET /ready reports all 6 (it would report only its own share without the board)."""
     import threading
 
     import httpx
 
-    slow = replace(PROFILES["gpu-only"], time_scale=0.05)  # 20x slower than real: requests last
     shm = Path("/dev/shm")
     boards_before = set(shm.glob("kvroute-workers-*")) if shm.is_dir() else set()
     with Fleet(tmp_path) as fleet:
-        engines = fleet.start(2, slow)
+        engines = fleet.start(2, "zero-delay")
         port = free_port()
         args = ["serve", "--port", str(port), "--policy", "least_loaded", "--log-level", "warning"]
         for e in engines:
@@ -118,23 +120,30 @@ def test_workers_see_each_others_load(tmp_path: Path) -> None:
         )
         url = f"http://127.0.0.1:{port}"
         threads: list[threading.Thread] = []
+        stopped: list[int] = []
         try:
             _wait_for_both_workers(url, port, proc)
+            # Stopped engines (SIGSTOP) accept the connections but never answer: the requests stay
+            # in flight until SIGCONT, however slowly this machine runs (a slow engine's requests
+            # could finish before both workers were read).
+            for e in engines:
+                os.killpg(e.pid, signal.SIGSTOP)
+                stopped.append(e.pid)
 
             def long_request() -> None:
-                body = {"model": NAME, "messages": [{"role": "user", "content": "x " * 50}], "max_tokens": 64}
+                body = {"model": NAME, "messages": [{"role": "user", "content": "x " * 50}], "max_tokens": 4}
                 with contextlib.suppress(httpx.HTTPError):
-                    httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+                    httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
 
             threads = [threading.Thread(target=long_request, daemon=True) for _ in range(6)]
             for t in threads:
                 t.start()
             seen: dict[int, list[int]] = {}  # worker index -> total in-flight it reported
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 60
             while time.monotonic() < deadline and not (
                 len(seen) == 2 and all(v[-3:] == [6] * 3 for v in seen.values())
             ):
-                doc = httpx.get(f"{url}/ready", timeout=5).json()  # a new connection each time
+                doc = httpx.get(f"{url}/ready", timeout=10).json()  # a new connection each time
                 assert doc["worker"]["workers"] == 2
                 seen.setdefault(doc["worker"]["index"], []).append(
                     sum(e["in_flight"] for e in doc["engines"].values())
@@ -144,6 +153,8 @@ def test_workers_see_each_others_load(tmp_path: Path) -> None:
             for index, totals in seen.items():
                 assert totals[-3:] == [6, 6, 6], f"worker {index} saw in-flight totals {totals[-10:]}, not 6"
         finally:
+            for pid in stopped:
+                os.killpg(pid, signal.SIGCONT)
             proc.send_signal(signal.SIGTERM)
             proc.wait(15)
             for t in threads:

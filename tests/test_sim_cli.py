@@ -42,6 +42,7 @@ def test_out_at_an_existing_file_is_refused_before_running(tmp_path: Path) -> No
     assert target.read_text() == "keep me"
 
 
+@pytest.mark.slow
 def test_priority_options_are_checked_and_a_priority_fleet_runs() -> None:
     proc = sim(*TINY, "--scheduling-policy", "priority", "--priority-stretch", "-1")
     _, stderr = proc.communicate(timeout=100)
@@ -52,6 +53,7 @@ def test_priority_options_are_checked_and_a_priority_fleet_runs() -> None:
     assert "tier_cost" in stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)  # 4 small runs in 2 processes; slow on a busy machine
 def test_sweep_writes_each_run_shows_one_bar_and_plots_tiers(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
@@ -75,6 +77,7 @@ def test_sweep_writes_each_run_shows_one_bar_and_plots_tiers(tmp_path: Path) -> 
     assert (out / "ttft_p50.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_interrupted_sweep_keeps_the_runs_it_finished(tmp_path: Path) -> None:
     out = tmp_path / "partial"

@@ -51,6 +51,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, lis
         yield f, engines
 
 
+@pytest.mark.slow
 def test_fleet_file_is_readable_by_the_router(fleet: tuple[Fleet, list[FleetEngine]]) -> None:
     f, engines = fleet
     path = f.write_fleet_file()
@@ -66,6 +67,7 @@ def test_fleet_file_is_readable_by_the_router(fleet: tuple[Fleet, list[FleetEngi
     assert len(ports) == 4
 
 
+@pytest.mark.slow
 def test_multi_turn_conversation_hits_every_tier(fleet: tuple[Fleet, list[FleetEngine]]) -> None:
     _, (e0, e1) = fleet
     clients = {e.id: openai.OpenAI(base_url=f"{e.url}/v1", api_key="x", max_retries=0) for e in (e0, e1)}
@@ -107,6 +109,7 @@ def test_multi_turn_conversation_hits_every_tier(fleet: tuple[Fleet, list[FleetE
     assert _metric(m0, "vllm:kv_offload_load_time_total", medium="CPU") > 0
 
 
+@pytest.mark.slow
 def test_stop_leaves_no_process_behind(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
     try:
@@ -119,6 +122,7 @@ def test_stop_leaves_no_process_behind(tmp_path: Path) -> None:
     assert fleet.engines == []
 
 
+@pytest.mark.slow
 def test_fleet_cli_stops_engines_on_sigterm(tmp_path: Path) -> None:
     fleet_file = tmp_path / "fleet.json"
     repo = Path(__file__).resolve().parents[1]
@@ -170,6 +174,7 @@ def _engine_ps(parent_pid: int) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_an_event_port_taken_before_the_engine_binds_it_is_retried_with_new_ports(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -139,6 +139,7 @@ def test_mooncake_workload_time_scaling_and_full_blocks() -> None:
         assert turn.block_ids == rec.hash_ids[: len(turn.block_ids)]
 
 
+@pytest.mark.slow
 def test_agentic_sessions_ideal_and_namespacing() -> None:
     sessions = read_agentic_sessions(AGENTIC)
     assert len(sessions) == 48
