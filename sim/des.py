@@ -122,6 +122,9 @@ class FleetSpec:
     storage_latency_s: float | None = None
     #: The pool's aggregate bandwidth (reads and writes of all engines); None = no shared limit.
     storage_shared_bytes_per_s: float | None = None
+    #: The pool's writers publish BlockRemoved(STORAGE) for what it evicts, as vLLM's offloading
+    #: connectors do; False models a shared fs directory nobody announces removals for (llm-d's).
+    storage_announces_removals: bool = True
     #: Heterogeneous fleet: at this fraction of the workload's requests, divide this engine's
     #: storage bandwidth by ``slowdown_factor`` (a noisy neighbour). None = never.
     slowdown_engine: str | None = None
@@ -425,6 +428,7 @@ class FleetSimulator:
                 fleet.storage_load_bytes_per_s,
                 fleet.storage_latency_s,
                 fleet.storage_shared_bytes_per_s,
+                announce_removals=fleet.storage_announces_removals,
             )
             if fleet.storage_pool_blocks > 0
             else None

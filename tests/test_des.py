@@ -516,6 +516,8 @@ def test_routing_keeps_the_index_pool_in_read_order_on_a_finite_pool() -> None:
         cpu_ratio=0,
         storage_blocks=storage_blocks_for("1/4", working_set_blocks(wl)),
     )
+    # A shared fs directory whose evictions nobody announces: the index keeps its own LRU of it.
+    fleet = dataclasses.replace(fleet, storage_announces_removals=False)
     sim = FleetSimulator(wl, "round_robin", fleet)
     res = sim.run()
     pool = sim.index.stats()["storage_pools"]["shared"]
