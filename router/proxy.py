@@ -8,7 +8,7 @@ to retry elsewhere), ``UpstreamFirstByteTimeout`` and ``UpstreamTimeout`` (the e
 for the read timeout). The first-byte and read deadlines of every exchange are checked by one
 periodic timer (``UpstreamClient._tick``, every ``DEADLINE_TICK_S`` while exchanges run), not a
 timeout object per request. aiohttp was measured at about a quarter of the router's CPU per
-request (docs/results/datapath.md); it remains the client of the health poller, tokenizer and
+request (docs/benchmarks.md, B3); it remains the client of the health poller, tokenizer and
 scrapes (``UpstreamClient.session``), where requests are rare.
 """
 
