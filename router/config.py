@@ -57,8 +57,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     block_size: int = 16
     #: The engine's vLLM ``--scheduling-policy``. "priority": the router sends each request a
     #: ``priority``, a deadline from its predicted own service (costs.priority_*; docs/routing.md,
-    #: "Shortest work first"); "fcfs" (vLLM's default) sends none: an fcfs vLLM answers a non-zero
-    #: priority with a 400.
+    #: "Shortest work first"); "fcfs" (vLLM's default) sends none: an fcfs vLLM accepts a priority
+    #: and ignores it.
     scheduling_policy: str = "fcfs"
 
 
