@@ -42,6 +42,8 @@ from sim.server import free_port
 from sim.workloads import Conversation, LadderConfig, Turn, Workload, ladder_workload
 
 REPO = Path(__file__).resolve().parents[1]
+#: vLLM 0.32's max_num_seqs for its OpenAI server on CPU (engine/arg_utils.py).
+VLLM_CPU_MAX_NUM_SEQS = 128
 
 
 @dataclass(slots=True)
@@ -227,7 +229,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile", type=Path, required=True, help="engine profile JSON (calibrate_vllm --out)")
     p.add_argument("--policies", default="round_robin,kv_fixed_credit,tier_cost")
     p.add_argument("--gpu-blocks", type=int, default=400, help="the engines' --num-gpu-blocks-override")
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="the engines' step token budget")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--turns", type=int, default=4)
@@ -268,8 +269,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         block_size=block_size,
         # vLLM's override counts its null block, which never holds KV.
         num_gpu_blocks=args.gpu_blocks - 1,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=VLLM_CPU_MAX_NUM_SEQS,
     )
+    # The API server's per-request cost (HTTP, chat template, tokenization): outside the engine
+    # core, so added to each simulated TTFT.
+    request_overhead_s = float(json.loads(args.profile.read_text()).get("request_overhead_s", 0.0))
     rows: list[Row] = []
     for policy in [x.strip() for x in args.policies.split(",") if x.strip()]:
         proc, url = start_router(args.fleet, args.model_dir, policy, args.workdir / f"router-{policy}.log")
@@ -291,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  warning: {len(off)} prompts differ from /tokenize (first {off[0]})", file=sys.stderr)
         fleet = FleetSpec([EngineSpec(e.id, dataclasses.replace(profile)) for e in engines])
         res = FleetSimulator(des_wl, policy, fleet, SimConfig(seed=args.seed)).run()
-        rows.append(summarize(policy, "des", res.hit, res.ttfts_s))
+        rows.append(summarize(policy, "des", res.hit, [t + request_overhead_s for t in res.ttfts_s]))
         print(f"{policy}: live {rows[-2]}, des {rows[-1]}", file=sys.stderr)
     print(fmt_table(rows))
     if args.json:

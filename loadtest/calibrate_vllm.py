@@ -48,6 +48,10 @@ COEFFICIENTS = (
     "decode_s_per_ctx_token",
 )
 
+#: vLLM's step token budget (max_num_batched_tokens) for its OpenAI server on CPU (vLLM 0.32
+#: engine/arg_utils.py: 2,048 x world size); a longer prompt's prefill takes several steps.
+VLLM_CPU_STEP_TOKENS = 2048
+
 #: Words the prompts are made of (the engines' BPE tokenizer splits them into a few tokens each;
 #: lengths are taken from the engine's ``usage.prompt_tokens``, not from this text).
 _WORDS = "the cache router sends every turn of a conversation to the engine that holds its prefix".split()
@@ -96,21 +100,25 @@ class Fit:
 
 
 def design_rows(
-    prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample]
+    prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample], step_tokens: int = VLLM_CPU_STEP_TOKENS
 ) -> tuple[np.ndarray, np.ndarray]:
     """The least-squares system: one row per sample, columns in COEFFICIENTS order. A prefill of P
-    tokens from an empty context attends to sum_{i<P} i = P (P - 1) / 2 context tokens. A TTFT also
+    tokens from an empty context attends to sum_{i<P} i = P (P - 1) / 2 context tokens, in
+    ceil(P / step_tokens) chunked-prefill steps (each pays the step overhead). A TTFT also
     pays ``request_overhead_s`` once (the API server's HTTP, chat template, tokenization and
     detokenization: outside the engine core's steps, so not an EngineProfile field)."""
     rows = [
-        [1.0, 1.0, s.prompt_tokens, s.prompt_tokens * (s.prompt_tokens - 1) / 2, 0.0, 0.0] for s in prefill
+        [1.0, math.ceil(p / step_tokens), p, p * (p - 1) / 2, 0.0, 0.0]
+        for p in (s.prompt_tokens for s in prefill)
     ]
     rows += [[0.0, 1.0, 0.0, 0.0, float(s.batch), float(s.context_tokens)] for s in decode]
     times = [s.ttft_s for s in prefill] + [s.step_s for s in decode]
     return np.array(rows, dtype=float), np.array(times, dtype=float)
 
 
-def fit_step_model(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample]) -> Fit:
+def fit_step_model(
+    prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample], step_tokens: int = VLLM_CPU_STEP_TOKENS
+) -> Fit:
     """Least squares with non-negative coefficients (active set: the most negative coefficient is
     fixed at 0 and the rest refitted, until none is negative). Columns are scaled to unit norm
     first: the attention column is ~1e6 times the others."""
@@ -120,7 +128,7 @@ def fit_step_model(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSamp
         raise ValueError("prefill samples need >= 3 distinct prompt lengths (linear + quadratic terms)")
     if len({s.batch for s in decode}) < 2:
         raise ValueError("decode samples need >= 2 distinct batch sizes (per-sequence vs fixed step cost)")
-    a, y = design_rows(prefill, decode)
+    a, y = design_rows(prefill, decode, step_tokens)
     # Relative error: weight each row by 1 / its time, so short decode steps count as much as prefills.
     w = 1.0 / np.maximum(y, 1e-9)
     aw, yw = a * w[:, None], y * w
@@ -312,6 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batches", default="1,1,2,2,4,4", help="decode: concurrent streams per run")
     p.add_argument("--decode-words", type=int, default=300)
     p.add_argument("--decode-tokens", type=int, default=400, help="tokens per decode stream")
+    p.add_argument(
+        "--step-tokens", type=int, default=VLLM_CPU_STEP_TOKENS, help="the engines' max_num_batched_tokens"
+    )
     p.add_argument("--out", type=Path, help="write the profile JSON here")
     args = p.parse_args(argv)
     try:
@@ -335,13 +346,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     stream_once(client, model, prompt_text(20), max_tokens=4)  # warm-up, not a sample
     prefill = measure_prefill(client, model, words, args.repeats)
     decode = measure_decode(client, model, batches, args.decode_words, args.decode_tokens)
-    fit = fit_step_model(prefill, decode)
+    fit = fit_step_model(prefill, decode, args.step_tokens)
     kvb = kv_bytes_per_token(args.model_dir) or EngineProfile.kv_bytes_per_token
     fields = fit.profile_fields(kvb)
     print(format_fit(fit, fields, prefill, decode))
     if args.out:
         doc: dict[str, Any] = {
-            "engine_profile": {"kv_bytes_per_token": kvb, **fields},
+            "engine_profile": {
+                "kv_bytes_per_token": kvb,
+                "max_num_batched_tokens": args.step_tokens,
+                **fields,
+            },
+            "request_overhead_s": fit.coefficients["request_overhead_s"],
             "measured_on": {"engine": engine.id, "url": engine.url, "block_size": engine.block_size},
             "residuals": {"prefill": fit.prefill_residuals, "decode": fit.decode_residuals},
         }

@@ -31,7 +31,7 @@ def _samples(noise: float, seed: int = 0) -> tuple[list[PrefillSample], list[Dec
     for p in (60, 250, 700, 1500, 2500, 4000) * 3:
         s = (
             t["request_overhead_s"]
-            + t["step_overhead_s"]
+            + t["step_overhead_s"] * math.ceil(p / 2048)  # chunked prefill: 2,048 tokens a step
             + p * t["prefill_s_per_token"]
             + p * (p - 1) / 2 * t["prefill_attention_s_per_token_ctx"]
         )
