@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import threading
 import time
@@ -275,6 +276,37 @@ def measure_decode(
     return samples
 
 
+def median_samples(
+    prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample]
+) -> tuple[list[PrefillSample], list[DecodeSample]]:
+    """One sample per prompt size (lengths within 32 tokens of each other) and per batch size: the median time
+    (and median size). A busy machine stalls the odd request by several times its time; the fit on
+    medians is not dragged by them."""
+    groups: list[list[PrefillSample]] = []
+    for s in sorted(prefill, key=lambda s: s.prompt_tokens):
+        if groups and s.prompt_tokens - groups[-1][-1].prompt_tokens <= 32:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    by_batch: dict[int, list[DecodeSample]] = {}
+    for d in decode:
+        by_batch.setdefault(d.batch, []).append(d)
+    return (
+        [
+            PrefillSample(
+                int(statistics.median(s.prompt_tokens for s in g)), statistics.median(s.ttft_s for s in g)
+            )
+            for g in groups
+        ],
+        [
+            DecodeSample(
+                n, int(statistics.median(d.context_tokens for d in g)), statistics.median(d.step_s for d in g)
+            )
+            for n, g in by_batch.items()
+        ],
+    )
+
+
 def kv_bytes_per_token(model_dir: Path | None) -> int | None:
     """Llama-style config.json: layers x KV heads x head dim x 2 (K and V) x 2 bytes (bf16)."""
     if model_dir is None or not (model_dir / "config.json").is_file():
@@ -315,9 +347,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fleet", type=Path, required=True, help="fleet file (kvroute fleet --fleet-file)")
     p.add_argument("--engine", help="engine id to calibrate (default: the fleet's first)")
     p.add_argument("--model-dir", type=Path, help="the engines' model folder (for kv_bytes_per_token)")
-    p.add_argument("--prompt-words", default="50,200,600,1200,2000", help="prefill prompt sizes, in words")
-    p.add_argument("--repeats", type=int, default=3, help="prefill samples per prompt size")
-    p.add_argument("--batches", default="1,1,2,2,4,4", help="decode: concurrent streams per run")
+    p.add_argument(
+        "--prompt-words", default="50,300,700,1200,1700,2200", help="prefill prompt sizes, in words"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="prefill samples per prompt size; from 3 on, the fit uses each size's median",
+    )
+    p.add_argument("--batches", default="1,1,1,2,2,2,4,4,4", help="decode: concurrent streams per run")
     p.add_argument("--decode-words", type=int, default=300)
     p.add_argument("--decode-tokens", type=int, default=400, help="tokens per decode stream")
     p.add_argument(
@@ -346,6 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stream_once(client, model, prompt_text(20), max_tokens=4)  # warm-up, not a sample
     prefill = measure_prefill(client, model, words, args.repeats)
     decode = measure_decode(client, model, batches, args.decode_words, args.decode_tokens)
+    if args.repeats >= 3:
+        prefill, decode = median_samples(prefill, decode)
     fit = fit_step_model(prefill, decode, args.step_tokens)
     kvb = kv_bytes_per_token(args.model_dir) or EngineProfile.kv_bytes_per_token
     fields = fit.profile_fields(kvb)
