@@ -1,7 +1,8 @@
 """The simulator against real engines: one small ladder workload (same conversations, same seed) live
 through ``kvroute serve`` in front of a real fleet, and in the DES (sim/des.py) with a calibrated
 engine profile (loadtest/calibrate_vllm.py). Per policy: hit rate (engine-reported cached prompt
-tokens / prompt tokens) and TTFT p50/p90, side by side.
+tokens / prompt tokens) and TTFT p50/p90, side by side. ``--policies direct`` sends the same
+requests round robin straight to the engines (no router in the path).
 
 The DES replays the prompts the engines saw, block for block: every (conversation, turn) prompt is
 tokenized by the engine (``/tokenize``, chat template applied) and each full block of token ids
@@ -44,6 +45,9 @@ from sim.workloads import Conversation, LadderConfig, Turn, Workload, ladder_wor
 REPO = Path(__file__).resolve().parents[1]
 #: vLLM 0.32's max_num_seqs for its OpenAI server on CPU (engine/arg_utils.py).
 VLLM_CPU_MAX_NUM_SEQS = 128
+#: Pseudo-policy: the client deals requests round robin straight to the engines (no router in the
+#: path; simulated as round_robin): how much of the live TTFT the router adds.
+DIRECT = "direct"
 
 
 @dataclass(slots=True)
@@ -96,10 +100,12 @@ def engine_workload(wl: Workload, engine_url: str, model: str, block_size: int) 
     return dataclasses.replace(wl, conversations=convs, ramp_s=0.0)
 
 
-def live_run(router_url: str, model: str, wl: Workload, salt: str) -> list[TurnRecord]:
+def live_run(urls: Sequence[str], model: str, wl: Workload, salt: str) -> list[TurnRecord]:
     """Closed loop like the DES: ``wl.concurrency`` workers, each takes the next conversation and
-    runs its turns (think time before each turn after the first), all workers start at once."""
-    client = openai.OpenAI(base_url=f"{router_url}/v1", api_key="unused", timeout=600, max_retries=0)
+    runs its turns (think time before each turn after the first), all workers start at once.
+    ``urls``: the router's, or the engines' (requests dealt round robin: no router in the path)."""
+    clients = [openai.OpenAI(base_url=f"{u}/v1", api_key="unused", timeout=600, max_retries=0) for u in urls]
+    sent = [0]
     todo: queue.Queue[int] = queue.Queue()
     for i in range(len(wl.conversations)):
         todo.put(i)
@@ -117,6 +123,9 @@ def live_run(router_url: str, model: str, wl: Workload, salt: str) -> list[TurnR
             for k, turn in enumerate(conv.turns):
                 if k:
                     time.sleep(turn.think_time_s)
+                with lock:
+                    client = clients[sent[0] % len(clients)]
+                    sent[0] += 1
                 try:
                     rec = one_turn(client, model, conv, k, turn, salt)
                 except Exception as exc:
@@ -276,11 +285,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     request_overhead_s = float(json.loads(args.profile.read_text()).get("request_overhead_s", 0.0))
     rows: list[Row] = []
     for policy in [x.strip() for x in args.policies.split(",") if x.strip()]:
-        proc, url = start_router(args.fleet, args.model_dir, policy, args.workdir / f"router-{policy}.log")
-        try:
-            recs = live_run(url, model, wl, salt=f"calib-{policy}-{uuid.uuid4().hex[:8]}")
-        finally:
-            stop_process(proc)
+        salt = f"calib-{policy}-{uuid.uuid4().hex[:8]}"
+        if policy == DIRECT:
+            recs = live_run([e.url.rstrip("/") for e in engines], model, wl, salt)
+        else:
+            proc, url = start_router(
+                args.fleet, args.model_dir, policy, args.workdir / f"router-{policy}.log"
+            )
+            try:
+                recs = live_run([url], model, wl, salt)
+            finally:
+                stop_process(proc)
         hit = sum(r.cached_tokens for r in recs) / sum(r.prompt_tokens for r in recs)
         rows.append(summarize(policy, "live", hit, [r.ttft_s for r in recs]))
         want = {
@@ -294,7 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if off:
             print(f"  warning: {len(off)} prompts differ from /tokenize (first {off[0]})", file=sys.stderr)
         fleet = FleetSpec([EngineSpec(e.id, dataclasses.replace(profile)) for e in engines])
-        res = FleetSimulator(des_wl, policy, fleet, SimConfig(seed=args.seed)).run()
+        des_policy = "round_robin" if policy == DIRECT else policy
+        res = FleetSimulator(des_wl, des_policy, fleet, SimConfig(seed=args.seed)).run()
         rows.append(summarize(policy, "des", res.hit, [t + request_overhead_s for t in res.ttfts_s]))
         print(f"{policy}: live {rows[-2]}, des {rows[-1]}", file=sys.stderr)
     print(fmt_table(rows))

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.calibrate_vllm import DecodeSample, PrefillSample, fit_step_model
+from loadtest.calib_compare import block_chain
+from loadtest.calibrate_vllm import DecodeSample, PrefillSample, fit_step_model, median_samples
 from sim.des import _plan, build_parser, load_engine_profile
 from sim.engine import EngineCore, EngineProfile, SimRequest
 
@@ -130,3 +131,23 @@ def test_sim_cli_takes_the_profile_and_refuses_bad_files(tmp_path: Path) -> None
     bad.write_text(json.dumps({"prefill_tokens_per_s": -1}))
     with pytest.raises(ValueError, match="prefill_tokens_per_s must be positive"):
         load_engine_profile(bad)
+
+
+def test_median_samples_drop_a_stalled_request_and_group_near_equal_lengths() -> None:
+    # Three repeats of two prompt sizes (lengths differ by a few tokens: the random tag), one of them
+    # stalled 8x by a busy machine; the median per size ignores it.
+    prefill = [PrefillSample(p, t) for p, t in ((1835, 0.06), (1840, 0.48), (1838, 0.061), (106, 0.02))]
+    prefill += [PrefillSample(108, 0.021), PrefillSample(107, 0.019)]
+    decode = [DecodeSample(1, 700, 0.005), DecodeSample(1, 690, 0.04), DecodeSample(1, 680, 0.0052)]
+    p, d = median_samples(prefill, decode)
+    assert [(s.prompt_tokens, s.ttft_s) for s in p] == [(107, 0.02), (1838, 0.061)]
+    assert [(s.batch, s.context_tokens, s.step_s) for s in d] == [(1, 690, 0.0052)]
+
+
+def test_block_chain_ids_share_exactly_the_shared_full_blocks() -> None:
+    a = list(range(100))
+    b = [*range(70), 999, *range(71, 100)]  # differs in block 2 (tokens 64..95)
+    ca, cb = block_chain(a, 32), block_chain(b, 32)
+    assert len(ca) == 3  # the partial 4th block has no id
+    assert ca[:2] == cb[:2] and ca[2] != cb[2]
+    assert block_chain(a[32:], 32)[0] != ca[1]  # same tokens, other parent: another id
