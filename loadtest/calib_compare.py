@@ -163,7 +163,7 @@ def one_turn(
     ttft = -1.0
     prompt = cached = 0
     for chunk in stream:
-        if ttft < 0 and chunk.choices and chunk.choices[0].delta.content:
+        if ttft < 0 and chunk.choices:  # vLLM's role chunk: the first output (calibrate_vllm.stream_once)
             ttft = time.perf_counter() - t0
         if chunk.usage is not None:
             prompt = chunk.usage.prompt_tokens

@@ -188,7 +188,12 @@ class StreamResult:
 
 
 def stream_once(client: openai.OpenAI, model: str, text: str, max_tokens: int) -> StreamResult:
-    """One streaming chat completion of exactly ``max_tokens`` tokens (EOS ignored)."""
+    """One streaming chat completion of exactly ``max_tokens`` tokens (EOS ignored).
+
+    TTFT is taken at the first chunk with choices: vLLM sends it (the assistant role, empty text)
+    when the engine's first output token arrives. The first TEXT can come several tokens later: a
+    random-weights model emits byte tokens that do not complete a UTF-8 character, and vLLM's
+    detokenizer holds them back (seen here: role chunk at 0.05 s, first text at 0.17 s)."""
     t0 = time.perf_counter()
     stream = client.chat.completions.create(
         model=model,
@@ -202,7 +207,7 @@ def stream_once(client: openai.OpenAI, model: str, text: str, max_tokens: int) -
     times: list[float] = []
     prompt_tokens = completion_tokens = 0
     for chunk in stream:
-        if chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason):
+        if chunk.choices:
             times.append(time.perf_counter() - t0)
         if chunk.usage is not None:
             prompt_tokens = chunk.usage.prompt_tokens
