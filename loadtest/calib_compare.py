@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import queue
+import statistics
 import subprocess
 import sys
 import threading
@@ -174,6 +175,33 @@ def one_turn(
     return TurnRecord(0, k, prompt, cached, ttft)
 
 
+#: vLLM's request-phase histograms (sums and counts): arrival at the API server -> first token, time
+#: waiting for the scheduler, time in prefill steps.
+ENGINE_PHASES = ("time_to_first_token_seconds", "request_queue_time_seconds", "request_prefill_time_seconds")
+
+
+def scrape_phases(urls: Sequence[str]) -> dict[str, float]:
+    """Each phase's sum and count over the engines' /metrics."""
+    out = {f"{ph}_{k}": 0.0 for ph in ENGINE_PHASES for k in ("sum", "count")}
+    for url in urls:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            key = name.split("{")[0].removeprefix("vllm:")
+            if key in out:
+                out[key] += float(value.split()[0])
+    return out
+
+
+def phase_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean seconds per request of each phase between two scrapes."""
+    means = {}
+    for ph in ENGINE_PHASES:
+        n = after[f"{ph}_count"] - before[f"{ph}_count"]
+        means[ph] = (after[f"{ph}_sum"] - before[f"{ph}_sum"]) / n if n else float("nan")
+    return means
+
+
 def summarize(policy: str, source: str, hit: float, ttfts: Sequence[float]) -> Row:
     p50, p90 = percentiles(ttfts, (50, 90))
     return Row(policy, source, hit, p50, p90, len(ttfts))
@@ -284,8 +312,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # core, so added to each simulated TTFT.
     request_overhead_s = float(json.loads(args.profile.read_text()).get("request_overhead_s", 0.0))
     rows: list[Row] = []
+    phases = [
+        "| policy | client TTFT | engine TTFT (arrival -> first token) | queued | prefill "
+        "| DES engine TTFT |",
+        "|---|---|---|---|---|---|",
+    ]
     for policy in [x.strip() for x in args.policies.split(",") if x.strip()]:
         salt = f"calib-{policy}-{uuid.uuid4().hex[:8]}"
+        engine_urls = [e.url.rstrip("/") for e in engines]
+        before = scrape_phases(engine_urls)
         if policy == DIRECT:
             recs = live_run([e.url.rstrip("/") for e in engines], model, wl, salt)
         else:
@@ -296,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 recs = live_run([url], model, wl, salt)
             finally:
                 stop_process(proc)
+        means = phase_means(before, scrape_phases(engine_urls))
         hit = sum(r.cached_tokens for r in recs) / sum(r.prompt_tokens for r in recs)
         rows.append(summarize(policy, "live", hit, [r.ttft_s for r in recs]))
         want = {
@@ -312,8 +348,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         des_policy = "round_robin" if policy == DIRECT else policy
         res = FleetSimulator(des_wl, des_policy, fleet, SimConfig(seed=args.seed)).run()
         rows.append(summarize(policy, "des", res.hit, [t + request_overhead_s for t in res.ttfts_s]))
+        phases.append(
+            f"| {policy} | {statistics.mean(r.ttft_s for r in recs):.3f} "
+            f"| {means['time_to_first_token_seconds']:.3f} | {means['request_queue_time_seconds']:.3f} "
+            f"| {means['request_prefill_time_seconds']:.3f} | {statistics.mean(res.ttfts_s):.3f} |"
+        )
         print(f"{policy}: live {rows[-2]}, des {rows[-1]}", file=sys.stderr)
     print(fmt_table(rows))
+    print(
+        "\nmean seconds per request; engine phases from vLLM's /metrics histograms; "
+        "DES without the request overhead"
+    )
+    print("\n".join(phases))
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=2) + "\n")
     return 0
