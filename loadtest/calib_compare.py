@@ -307,6 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # vLLM's override counts its null block, which never holds KV.
         num_gpu_blocks=args.gpu_blocks - 1,
         max_num_seqs=VLLM_CPU_MAX_NUM_SEQS,
+        # The fleet file says how the engines schedule; a priority fleet gets the router's priorities
+        # live and in the DES.
+        scheduling_policy=engines[0].scheduling_policy or "fcfs",
     )
     # The API server's per-request cost (HTTP, chat template, tokenization): outside the engine
     # core, so added to each simulated TTFT.
