@@ -281,6 +281,31 @@ def prior_costs(profile: EngineProfile) -> EngineCosts:
     )
 
 
+#: EngineProfile fields a profile file may not set: the fleet options set them.
+_FLEET_SET_FIELDS = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "scheduling_policy", "counter_noise")
+
+
+def load_engine_profile(path: str | Path) -> dict[str, Any]:
+    """EngineProfile fields from a JSON file: an object of fields, or one under "engine_profile"
+    (what loadtest/calibrate_vllm.py writes). Unknown fields and the fleet-set ones are refused."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--engine-profile {path}: {exc}") from exc
+    fields = doc.get("engine_profile", doc) if isinstance(doc, dict) else None
+    if not isinstance(fields, dict):
+        raise ValueError(f"--engine-profile {path}: a JSON object of EngineProfile fields expected")
+    known = {f.name for f in dataclasses.fields(EngineProfile)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"--engine-profile {path}: unknown EngineProfile fields {', '.join(unknown)}")
+    fleet_set = sorted(set(fields) & set(_FLEET_SET_FIELDS))
+    if fleet_set:
+        raise ValueError(f"--engine-profile {path}: {', '.join(fleet_set)} are set by the fleet options")
+    EngineProfile(**fields)  # the profile's own validation, with its messages
+    return fields
+
+
 # ------------------------------------------------------------------------------- simulation
 
 
@@ -1052,6 +1077,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="log-normal sigma of the noise on the engines' offload time counters (default 0.2)",
     )
     fl.add_argument(
+        "--engine-profile",
+        help="JSON file of EngineProfile time fields (step_overhead_s, prefill_tokens_per_s, ...), e.g. "
+        "the fit python -m loadtest.calibrate_vllm writes; default: the H100 figures (docs/simulator.md)",
+    )
+    fl.add_argument(
         "--scheduling-policy",
         choices=SCHEDULING_POLICIES,
         default="fcfs",
@@ -1161,6 +1191,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
     from policies.base import REGISTRY
 
     parsed = [(spec, *parse_policy_spec(spec)) for spec in specs]
+    profile_fields = load_engine_profile(args.engine_profile) if args.engine_profile else {}
     unknown = [name for _, name, _ in parsed if name != "clairvoyant" and name not in REGISTRY]
     if unknown:
         raise ValueError(
@@ -1211,7 +1242,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
                 read_agentic_sessions(path, limit=args.limit), stagger_s=args.stagger_s, speed=args.speed
             )
         base = EngineProfile(
-            max_model_len=1 << 22,
+            **{**profile_fields, "max_model_len": 1 << 22},
             counter_noise=args.counter_noise,
             scheduling_policy=args.scheduling_policy,
         )
@@ -1260,7 +1291,9 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
                     mean_conversation_tokens=lcfg.mean_prompt_tokens(),
                     storage_blocks=storage_blocks_for(storage, working_set),
                     base=EngineProfile(
-                        counter_noise=args.counter_noise, scheduling_policy=args.scheduling_policy
+                        **profile_fields,
+                        counter_noise=args.counter_noise,
+                        scheduling_policy=args.scheduling_policy,
                     ),
                     **fleet_options,
                 )

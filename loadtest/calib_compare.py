@@ -1,0 +1,372 @@
+"""The simulator against real engines: one small ladder workload (same conversations, same seed) live
+through ``kvroute serve`` in front of a real fleet, and in the DES (sim/des.py) with a calibrated
+engine profile (loadtest/calibrate_vllm.py). Per policy: hit rate (engine-reported cached prompt
+tokens / prompt tokens) and TTFT p50/p90, side by side. ``--policies direct`` sends the same
+requests round robin straight to the engines (no router in the path).
+
+The DES replays the prompts the engines saw, block for block: every (conversation, turn) prompt is
+tokenized by the engine (``/tokenize``, chat template applied) and each full block of token ids
+becomes a block id chained on its predecessor, so shared and unshared prefixes are exactly vLLM's.
+Each live run uses its own ``cache_salt`` so no run hits another's blocks (the engines are not
+restarted between runs; their pools hold the same number of blocks either way).
+
+    python -m loadtest.calib_compare --fleet fleet.json --model-dir runs/vllm/model \\
+        --profile runs/calib/profile.json --policies round_robin,kv_fixed_credit,tier_cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import queue
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+from kvcore.stats import percentiles
+from loadtest.procs import stop_process, wait_http_ok
+from router.config import load_fleet_file
+from sim.des import EngineSpec, FleetSimulator, FleetSpec, SimConfig, load_engine_profile
+from sim.engine import EngineProfile
+from sim.server import free_port
+from sim.workloads import Conversation, LadderConfig, Turn, Workload, ladder_workload
+
+REPO = Path(__file__).resolve().parents[1]
+#: vLLM 0.32's max_num_seqs for its OpenAI server on CPU (engine/arg_utils.py).
+VLLM_CPU_MAX_NUM_SEQS = 128
+#: Pseudo-policy: the client deals requests round robin straight to the engines (no router in the
+#: path; simulated as round_robin): how much of the live TTFT the router adds.
+DIRECT = "direct"
+
+
+@dataclass(slots=True)
+class TurnRecord:
+    conv: int
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+
+
+@dataclass(slots=True)
+class Row:
+    policy: str
+    source: str  # "live" or "des"
+    hit: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    requests: int
+
+
+def block_chain(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """One id per full block, chained on the previous id (equal ids <=> equal prefix up to there)."""
+    ids: list[int] = []
+    parent = b""
+    for i in range(len(token_ids) // block_size):
+        h = hashlib.sha256(
+            parent + json.dumps(list(token_ids[i * block_size : (i + 1) * block_size])).encode()
+        )
+        parent = h.digest()
+        ids.append(int.from_bytes(parent[:8], "big") >> 1)
+    return ids
+
+
+def tokenize(engine_url: str, model: str, messages: list[dict[str, str]]) -> list[int]:
+    r = httpx.post(f"{engine_url}/tokenize", json={"model": model, "messages": messages}, timeout=60)
+    r.raise_for_status()
+    return [int(t) for t in r.json()["tokens"]]
+
+
+def engine_workload(wl: Workload, engine_url: str, model: str, block_size: int) -> Workload:
+    """``wl`` with each turn's token count and block ids as the engine tokenizes its messages."""
+    convs = []
+    for conv in wl.conversations:
+        turns = []
+        for k, turn in enumerate(conv.turns):
+            ids = tokenize(engine_url, model, conv.messages(k))
+            turns.append(Turn(len(ids), turn.output_tokens, block_chain(ids, block_size), turn.think_time_s))
+        convs.append(Conversation(conv.conversation_id, turns, conv.start_s))
+    return dataclasses.replace(wl, conversations=convs, ramp_s=0.0)
+
+
+def live_run(urls: Sequence[str], model: str, wl: Workload, salt: str) -> list[TurnRecord]:
+    """Closed loop like the DES: ``wl.concurrency`` workers, each takes the next conversation and
+    runs its turns (think time before each turn after the first), all workers start at once.
+    ``urls``: the router's, or the engines' (requests dealt round robin: no router in the path)."""
+    clients = [openai.OpenAI(base_url=f"{u}/v1", api_key="unused", timeout=600, max_retries=0) for u in urls]
+    sent = [0]
+    todo: queue.Queue[int] = queue.Queue()
+    for i in range(len(wl.conversations)):
+        todo.put(i)
+    records: list[TurnRecord] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            conv = wl.conversations[i]
+            for k, turn in enumerate(conv.turns):
+                if k:
+                    time.sleep(turn.think_time_s)
+                with lock:
+                    client = clients[sent[0] % len(clients)]
+                    sent[0] += 1
+                try:
+                    rec = one_turn(client, model, conv, k, turn, salt)
+                except Exception as exc:
+                    with lock:
+                        errors.append(exc)
+                    return
+                rec.conv = i
+                with lock:
+                    records.append(rec)
+
+    threads = [threading.Thread(target=worker) for _ in range(wl.concurrency or 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} turns failed; first: {errors[0]!r}")
+    return records
+
+
+def one_turn(
+    client: openai.OpenAI, model: str, conv: Conversation, k: int, turn: Turn, salt: str
+) -> TurnRecord:
+    messages: Any = conv.messages(k)  # plain role/content dicts, as the SDK sends them
+    t0 = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=turn.output_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "min_tokens": turn.output_tokens, "cache_salt": salt},
+        temperature=0.0,
+    )
+    ttft = -1.0
+    prompt = cached = 0
+    for chunk in stream:
+        if ttft < 0 and chunk.choices:  # vLLM's role chunk: the first output (calibrate_vllm.stream_once)
+            ttft = time.perf_counter() - t0
+        if chunk.usage is not None:
+            prompt = chunk.usage.prompt_tokens
+            details = chunk.usage.prompt_tokens_details
+            cached = (details.cached_tokens or 0) if details is not None else 0
+    if ttft < 0 or not prompt:
+        raise RuntimeError(f"turn {k} of {conv.conversation_id}: no token or no usage")
+    return TurnRecord(0, k, prompt, cached, ttft)
+
+
+#: vLLM's request-phase histograms (sums and counts): arrival at the API server -> first token, time
+#: waiting for the scheduler, time in prefill steps.
+ENGINE_PHASES = ("time_to_first_token_seconds", "request_queue_time_seconds", "request_prefill_time_seconds")
+
+
+def scrape_phases(urls: Sequence[str]) -> dict[str, float]:
+    """Each phase's sum and count over the engines' /metrics."""
+    out = {f"{ph}_{k}": 0.0 for ph in ENGINE_PHASES for k in ("sum", "count")}
+    for url in urls:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            key = name.split("{")[0].removeprefix("vllm:")
+            if key in out:
+                out[key] += float(value.split()[0])
+    return out
+
+
+def phase_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean seconds per request of each phase between two scrapes."""
+    means = {}
+    for ph in ENGINE_PHASES:
+        n = after[f"{ph}_count"] - before[f"{ph}_count"]
+        means[ph] = (after[f"{ph}_sum"] - before[f"{ph}_sum"]) / n if n else float("nan")
+    return means
+
+
+def summarize(policy: str, source: str, hit: float, ttfts: Sequence[float]) -> Row:
+    p50, p90 = percentiles(ttfts, (50, 90))
+    return Row(policy, source, hit, p50, p90, len(ttfts))
+
+
+def start_router(fleet: Path, model_dir: Path, policy: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port("127.0.0.1")
+    args = [
+        sys.executable, "-m", "router.cli", "serve",
+        "--fleet", str(fleet), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+        "--tokenizer", "hf", "--tokenizer-path", str(model_dir), "--log-level", "warning",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(url + "/health", proc, timeout_s=120, output=lambda: log.read_text(errors="replace"))
+        wait_sources(url)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, url
+
+
+def wait_sources(url: str, timeout_s: float = 120.0) -> None:
+    """Until every KV-event source of the router has left 'connecting'/'starting'."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sources = httpx.get(f"{url}/debug/index", timeout=10).json()["events"]["sources"]
+        if sources and all(s["status"] not in ("connecting", "starting") for s in sources.values()):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"KV-event sources not connected: {sources}")
+        time.sleep(0.2)
+
+
+def fmt_table(rows: Sequence[Row]) -> str:
+    by = {(r.policy, r.source): r for r in rows}
+    lines = [
+        "| policy | hit live | hit DES | diff | TTFT p50 live / DES s | ratio "
+        "| TTFT p90 live / DES s | ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for policy in dict.fromkeys(r.policy for r in rows):
+        live, des = by.get((policy, "live")), by.get((policy, "des"))
+        if live is None or des is None:
+            continue
+        lines.append(
+            f"| {policy} | {live.hit:.3f} | {des.hit:.3f} | {des.hit - live.hit:+.3f} "
+            f"| {live.ttft_p50_s:.3f} / {des.ttft_p50_s:.3f} | {des.ttft_p50_s / live.ttft_p50_s:.2f} "
+            f"| {live.ttft_p90_s:.3f} / {des.ttft_p90_s:.3f} | {des.ttft_p90_s / live.ttft_p90_s:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.calib_compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--fleet", type=Path, required=True)
+    p.add_argument(
+        "--model-dir", type=Path, required=True, help="the engines' model folder (router tokenizer)"
+    )
+    p.add_argument("--profile", type=Path, required=True, help="engine profile JSON (calibrate_vllm --out)")
+    p.add_argument("--policies", default="round_robin,kv_fixed_credit,tier_cost")
+    p.add_argument("--gpu-blocks", type=int, default=400, help="the engines' --num-gpu-blocks-override")
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--first-prompt-tokens", type=int, default=1500)
+    p.add_argument("--system-tokens", type=int, default=500)
+    p.add_argument("--tokens-per-turn", type=int, default=800)
+    p.add_argument("--answer-tokens", default="16,48")
+    p.add_argument("--think-time-s", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", type=Path, default=Path("runs/calib"))
+    p.add_argument("--json", type=Path, help="write the rows here")
+    args = p.parse_args(argv)
+    engines = load_fleet_file(args.fleet)
+    if not engines:
+        p.error(f"{args.fleet}: no engines")
+    block_size = engines[0].block_size or 32
+    model = engines[0].model or "kvroute-tiny-llama"
+    lo, hi = (int(x) for x in args.answer_tokens.split(","))
+    wl = ladder_workload(
+        LadderConfig(
+            first_prompt_tokens=args.first_prompt_tokens,
+            system_prefix_tokens=args.system_tokens,
+            tokens_per_turn=args.tokens_per_turn,
+            turns=args.turns,
+            answer_min_tokens=lo,
+            answer_max_tokens=hi,
+            think_time_mean_s=args.think_time_s,
+            concurrency=args.concurrency,
+            total_conversations=args.conversations,
+            block_size=block_size,
+            seed=args.seed,
+        )
+    )
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    des_wl = engine_workload(wl, engines[0].url.rstrip("/"), model, block_size)
+    profile = EngineProfile(
+        **load_engine_profile(args.profile),
+        block_size=block_size,
+        # vLLM's override counts its null block, which never holds KV.
+        num_gpu_blocks=args.gpu_blocks - 1,
+        max_num_seqs=VLLM_CPU_MAX_NUM_SEQS,
+        # The fleet file says how the engines schedule; a priority fleet gets the router's priorities
+        # live and in the DES.
+        scheduling_policy=engines[0].scheduling_policy or "fcfs",
+    )
+    # The API server's per-request cost (HTTP, chat template, tokenization): outside the engine
+    # core, so added to each simulated TTFT.
+    request_overhead_s = float(json.loads(args.profile.read_text()).get("request_overhead_s", 0.0))
+    rows: list[Row] = []
+    phases = [
+        "| policy | client TTFT | engine TTFT (arrival -> first token) | queued | prefill "
+        "| DES engine TTFT |",
+        "|---|---|---|---|---|---|",
+    ]
+    for policy in [x.strip() for x in args.policies.split(",") if x.strip()]:
+        salt = f"calib-{policy}-{uuid.uuid4().hex[:8]}"
+        engine_urls = [e.url.rstrip("/") for e in engines]
+        before = scrape_phases(engine_urls)
+        if policy == DIRECT:
+            recs = live_run([e.url.rstrip("/") for e in engines], model, wl, salt)
+        else:
+            proc, url = start_router(
+                args.fleet, args.model_dir, policy, args.workdir / f"router-{policy}.log"
+            )
+            try:
+                recs = live_run([url], model, wl, salt)
+            finally:
+                stop_process(proc)
+        means = phase_means(before, scrape_phases(engine_urls))
+        hit = sum(r.cached_tokens for r in recs) / sum(r.prompt_tokens for r in recs)
+        rows.append(summarize(policy, "live", hit, [r.ttft_s for r in recs]))
+        want = {
+            (i, k): t.prompt_tokens for i, c in enumerate(des_wl.conversations) for k, t in enumerate(c.turns)
+        }
+        off = [
+            (r.conv, r.turn, r.prompt_tokens, want[(r.conv, r.turn)])
+            for r in recs
+            if r.prompt_tokens != want[(r.conv, r.turn)]
+        ]
+        if off:
+            print(f"  warning: {len(off)} prompts differ from /tokenize (first {off[0]})", file=sys.stderr)
+        fleet = FleetSpec([EngineSpec(e.id, dataclasses.replace(profile)) for e in engines])
+        des_policy = "round_robin" if policy == DIRECT else policy
+        res = FleetSimulator(des_wl, des_policy, fleet, SimConfig(seed=args.seed)).run()
+        rows.append(summarize(policy, "des", res.hit, [t + request_overhead_s for t in res.ttfts_s]))
+        phases.append(
+            f"| {policy} | {statistics.mean(r.ttft_s for r in recs):.3f} "
+            f"| {means['time_to_first_token_seconds']:.3f} | {means['request_queue_time_seconds']:.3f} "
+            f"| {means['request_prefill_time_seconds']:.3f} | {statistics.mean(res.ttfts_s):.3f} |"
+        )
+        print(f"{policy}: live {rows[-2]}, des {rows[-1]}", file=sys.stderr)
+    print(fmt_table(rows))
+    print(
+        "\nmean seconds per request; engine phases from vLLM's /metrics histograms; "
+        "DES without the request overhead"
+    )
+    print("\n".join(phases))
+    if args.json:
+        args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,417 @@
+"""Fit the engine model's time parameters (sim/engine.py) to real engines.
+
+Sends controlled streaming requests straight to each engine of a fleet file (not through a router):
+prompts of several lengths made unique by a random prefix (so nothing is cached), one request at a
+time for the prefill terms, then ``n`` concurrent streams for the decode terms. Measured per request:
+TTFT (the prefill step) and the gaps between streamed tokens (one decode step each). The step model
+
+    step_s = step_overhead_s + prefill_tokens / prefill_tokens_per_s
+             + prefill_attention_s_per_token_ctx * sum over prefill tokens of their context
+             + decoding_requests * decode_s_per_seq
+             + decode context tokens * kv_bytes_per_token / hbm_bytes_per_s
+
+is linear in (step_overhead_s, 1 / prefill_tokens_per_s, prefill_attention_s_per_token_ctx,
+decode_s_per_seq, kv_bytes_per_token / hbm_bytes_per_s): one least-squares fit (numpy) over both
+kinds of samples, constrained to non-negative coefficients. Prints the parameters and the residuals,
+writes a JSON engine profile ``kvroute sim --engine-profile`` reads.
+
+    python -m loadtest.calibrate_vllm --fleet fleet.json --out runs/calib/profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+
+from router.config import load_fleet_file
+from sim.engine import EngineProfile
+
+#: The coefficients, in column order of the design matrix.
+COEFFICIENTS = (
+    "request_overhead_s",
+    "step_overhead_s",
+    "prefill_s_per_token",
+    "prefill_attention_s_per_token_ctx",
+    "decode_s_per_seq",
+    "decode_s_per_ctx_token",
+)
+
+#: vLLM's step token budget (max_num_batched_tokens) for its OpenAI server on CPU (vLLM 0.32
+#: engine/arg_utils.py: 2,048 x world size); a longer prompt's prefill takes several steps.
+VLLM_CPU_STEP_TOKENS = 2048
+
+#: Words the prompts are made of (the engines' BPE tokenizer splits them into a few tokens each;
+#: lengths are taken from the engine's ``usage.prompt_tokens``, not from this text).
+_WORDS = "the cache router sends every turn of a conversation to the engine that holds its prefix".split()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSample:
+    """One uncached prompt of ``prompt_tokens`` run alone: its TTFT is one prefill step."""
+
+    prompt_tokens: int
+    ttft_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSample:
+    """One decode step of ``batch`` requests reading ``context_tokens`` of KV in total."""
+
+    batch: int
+    context_tokens: int
+    step_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    coefficients: dict[str, float]
+    #: Relative residuals (measured / fitted - 1) of the prefill and of the decode samples.
+    prefill_residuals: list[float]
+    decode_residuals: list[float]
+
+    def profile_fields(self, kv_bytes_per_token: int) -> dict[str, float]:
+        """The fit as EngineProfile fields (a zero per-token cost becomes an infinite rate)."""
+        c = self.coefficients
+        return {
+            "step_overhead_s": c["step_overhead_s"],
+            "prefill_tokens_per_s": 1.0 / c["prefill_s_per_token"]
+            if c["prefill_s_per_token"] > 0
+            else math.inf,
+            "prefill_attention_s_per_token_ctx": c["prefill_attention_s_per_token_ctx"],
+            "decode_s_per_seq": c["decode_s_per_seq"],
+            "hbm_bytes_per_s": (
+                kv_bytes_per_token / c["decode_s_per_ctx_token"]
+                if c["decode_s_per_ctx_token"] > 0
+                else math.inf
+            ),
+        }
+
+
+def design_rows(
+    prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample], step_tokens: int = VLLM_CPU_STEP_TOKENS
+) -> tuple[np.ndarray, np.ndarray]:
+    """The least-squares system: one row per sample, columns in COEFFICIENTS order. A prefill of P
+    tokens from an empty context attends to sum_{i<P} i = P (P - 1) / 2 context tokens, in
+    ceil(P / step_tokens) chunked-prefill steps (each pays the step overhead). A TTFT also
+    pays ``request_overhead_s`` once (the API server's HTTP, chat template, tokenization and
+    detokenization: outside the engine core's steps, so not an EngineProfile field)."""
+    rows = [
+        [1.0, math.ceil(p / step_tokens), p, p * (p - 1) / 2, 0.0, 0.0]
+        for p in (s.prompt_tokens for s in prefill)
+    ]
+    rows += [[0.0, 1.0, 0.0, 0.0, float(s.batch), float(s.context_tokens)] for s in decode]
+    times = [s.ttft_s for s in prefill] + [s.step_s for s in decode]
+    return np.array(rows, dtype=float), np.array(times, dtype=float)
+
+
+def fit_step_model(
+    prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample], step_tokens: int = VLLM_CPU_STEP_TOKENS
+) -> Fit:
+    """Least squares with non-negative coefficients (active set: the most negative coefficient is
+    fixed at 0 and the rest refitted, until none is negative). Columns are scaled to unit norm
+    first: the attention column is ~1e6 times the others."""
+    if len(prefill) < 3 or len(decode) < 3:
+        raise ValueError(f"need >= 3 prefill and >= 3 decode samples, got {len(prefill)} and {len(decode)}")
+    if len({s.prompt_tokens for s in prefill}) < 3:
+        raise ValueError("prefill samples need >= 3 distinct prompt lengths (linear + quadratic terms)")
+    if len({s.batch for s in decode}) < 2:
+        raise ValueError("decode samples need >= 2 distinct batch sizes (per-sequence vs fixed step cost)")
+    a, y = design_rows(prefill, decode, step_tokens)
+    # Relative error: weight each row by 1 / its time, so short decode steps count as much as prefills.
+    w = 1.0 / np.maximum(y, 1e-9)
+    aw, yw = a * w[:, None], y * w
+    norms = np.linalg.norm(aw, axis=0)
+    norms[norms == 0] = 1.0
+    active = list(range(a.shape[1]))
+    x = np.zeros(a.shape[1])
+    while True:
+        sol, *_ = np.linalg.lstsq(aw[:, active] / norms[active], yw, rcond=None)
+        sol = sol / norms[active]
+        if (sol >= 0).all():
+            x[:] = 0.0
+            x[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    fitted = a @ x
+    rel = (y / np.maximum(fitted, 1e-12) - 1.0).tolist()
+    return Fit(
+        coefficients=dict(zip(COEFFICIENTS, (float(v) for v in x), strict=True)),
+        prefill_residuals=rel[: len(prefill)],
+        decode_residuals=rel[len(prefill) :],
+    )
+
+
+# ------------------------------------------------------------------------------ measuring
+
+
+def prompt_text(num_words: int) -> str:
+    """A prompt no engine has seen: a random tag first, so its first block (and every block after)
+    hashes differently from any earlier prompt's."""
+    return uuid.uuid4().hex + " " + " ".join(_WORDS[i % len(_WORDS)] for i in range(num_words))
+
+
+@dataclass(slots=True)
+class StreamResult:
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    #: Arrival of every chunk after the first, relative to the request's start. A chunk may carry
+    #: more than one token (a random-weight model emits tokens that detokenize to nothing).
+    chunk_times_s: list[float]
+
+    def step_s(self, start_s: float, end_s: float) -> tuple[float, int] | None:
+        """Mean decode step between ``start_s`` and ``end_s`` (relative times) and the number of
+        tokens generated by the middle of that window, estimated from the chunks arriving in it
+        (tokens per chunk = completion tokens / chunks). None if fewer than 3 chunks fall in it."""
+        inside = [t for t in self.chunk_times_s if start_s <= t <= end_s]
+        if len(inside) < 3:
+            return None
+        tokens_per_chunk = (self.completion_tokens - 1) / max(1, len(self.chunk_times_s))
+        steps = (len(inside) - 1) * tokens_per_chunk
+        if steps <= 0:
+            return None
+        mid_chunk = self.chunk_times_s.index(inside[len(inside) // 2]) + 1
+        return (inside[-1] - inside[0]) / steps, round(mid_chunk * tokens_per_chunk)
+
+
+def stream_once(client: openai.OpenAI, model: str, text: str, max_tokens: int) -> StreamResult:
+    """One streaming chat completion of exactly ``max_tokens`` tokens (EOS ignored).
+
+    TTFT is taken at the first chunk with choices: vLLM sends it (the assistant role, empty text)
+    when the engine's first output token arrives. The first TEXT can come several tokens later: a
+    random-weights model emits byte tokens that do not complete a UTF-8 character, and vLLM's
+    detokenizer holds them back (seen here: role chunk at 0.05 s, first text at 0.17 s)."""
+    t0 = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": text}],
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "min_tokens": max_tokens},
+        temperature=0.0,
+    )
+    times: list[float] = []
+    prompt_tokens = completion_tokens = 0
+    for chunk in stream:
+        if chunk.choices:
+            times.append(time.perf_counter() - t0)
+        if chunk.usage is not None:
+            prompt_tokens = chunk.usage.prompt_tokens
+            completion_tokens = chunk.usage.completion_tokens
+    if not times or not prompt_tokens:
+        raise RuntimeError(
+            f"stream returned no tokens or no usage (chunks {len(times)}, usage {prompt_tokens})"
+        )
+    return StreamResult(prompt_tokens, completion_tokens, times[0], times[1:])
+
+
+def measure_prefill(
+    client: openai.OpenAI, model: str, word_counts: Sequence[int], repeats: int
+) -> list[PrefillSample]:
+    samples = []
+    for _ in range(repeats):
+        for words in word_counts:
+            r = stream_once(client, model, prompt_text(words), max_tokens=1)
+            samples.append(PrefillSample(r.prompt_tokens, r.ttft_s))
+    return samples
+
+
+def concurrent_streams(
+    client: openai.OpenAI, model: str, n: int, words: int, max_tokens: int
+) -> tuple[list[float], list[StreamResult]]:
+    """``n`` streams started at once (one thread each): their start times and results."""
+    results: list[StreamResult | BaseException] = [RuntimeError("not run")] * n
+    starts = [0.0] * n
+
+    def run(i: int) -> None:
+        starts[i] = time.perf_counter()
+        try:
+            results[i] = stream_once(client, model, prompt_text(words), max_tokens)
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return starts, [r for r in results if isinstance(r, StreamResult)]
+
+
+def measure_decode(
+    client: openai.OpenAI, model: str, batches: Sequence[int], words: int, max_tokens: int
+) -> list[DecodeSample]:
+    """``n`` concurrent streams per batch size; the steps measured while all ``n`` are decoding
+    (after the last first token, before the first stream ends) are steps of ``n`` decodes. One
+    sample per stream: its mean step over that window, at its middle context."""
+    samples: list[DecodeSample] = []
+    for n in batches:
+        starts, done = concurrent_streams(client, model, n, words, max_tokens)
+        # Relative to the first start: the window where all n streams are decoding.
+        firsts = [st - starts[0] + r.ttft_s for st, r in zip(starts, done, strict=True)]
+        lasts = [
+            st - starts[0] + (r.chunk_times_s[-1] if r.chunk_times_s else r.ttft_s)
+            for st, r in zip(starts, done, strict=True)
+        ]
+        lo, hi = max(firsts), min(lasts)
+        for st, r in zip(starts, done, strict=True):
+            got = r.step_s(lo - (st - starts[0]), hi - (st - starts[0]))
+            if got is None:
+                continue
+            step, generated = got
+            # n requests, each with about its prompt + generated tokens of KV.
+            samples.append(DecodeSample(n, n * (r.prompt_tokens + generated), step))
+    return samples
+
+
+def median_samples(
+    prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample]
+) -> tuple[list[PrefillSample], list[DecodeSample]]:
+    """One sample per prompt size (lengths within 32 tokens of each other) and per batch size: the median time
+    (and median size). A busy machine stalls the odd request by several times its time; the fit on
+    medians is not dragged by them."""
+    groups: list[list[PrefillSample]] = []
+    for s in sorted(prefill, key=lambda s: s.prompt_tokens):
+        if groups and s.prompt_tokens - groups[-1][-1].prompt_tokens <= 32:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    by_batch: dict[int, list[DecodeSample]] = {}
+    for d in decode:
+        by_batch.setdefault(d.batch, []).append(d)
+    return (
+        [
+            PrefillSample(
+                int(statistics.median(s.prompt_tokens for s in g)), statistics.median(s.ttft_s for s in g)
+            )
+            for g in groups
+        ],
+        [
+            DecodeSample(
+                n, int(statistics.median(d.context_tokens for d in g)), statistics.median(d.step_s for d in g)
+            )
+            for n, g in by_batch.items()
+        ],
+    )
+
+
+def kv_bytes_per_token(model_dir: Path | None) -> int | None:
+    """Llama-style config.json: layers x KV heads x head dim x 2 (K and V) x 2 bytes (bf16)."""
+    if model_dir is None or not (model_dir / "config.json").is_file():
+        return None
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    return int(cfg["num_hidden_layers"] * kv_heads * head_dim * 2 * 2)
+
+
+def format_fit(
+    fit: Fit, fields: dict[str, float], prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample]
+) -> str:
+    lines = ["fitted step model:"]
+    lines += [f"  {k:<36} {v:.6g}" for k, v in fit.coefficients.items()]
+    lines.append("as EngineProfile fields:")
+    lines += [f"  {k:<36} {v:.6g}" for k, v in fields.items()]
+    lines.append("prefill samples (prompt tokens, TTFT s, residual measured/fitted-1):")
+    lines += [
+        f"  {s.prompt_tokens:>6} {s.ttft_s:8.4f} {r:+.3f}"
+        for s, r in zip(prefill, fit.prefill_residuals, strict=True)
+    ]
+    lines.append("decode samples (batch, context tokens, step s, residual):")
+    lines += [
+        f"  {s.batch:>3} {s.context_tokens:>7} {s.step_s:8.5f} {r:+.3f}"
+        for s, r in zip(decode, fit.decode_residuals, strict=True)
+    ]
+    for name, res in (("prefill", fit.prefill_residuals), ("decode", fit.decode_residuals)):
+        abs_res = sorted(abs(r) for r in res)
+        lines.append(f"{name}: |residual| median {abs_res[len(abs_res) // 2]:.3f}, max {abs_res[-1]:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.calibrate_vllm", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--fleet", type=Path, required=True, help="fleet file (kvroute fleet --fleet-file)")
+    p.add_argument("--engine", help="engine id to calibrate (default: the fleet's first)")
+    p.add_argument("--model-dir", type=Path, help="the engines' model folder (for kv_bytes_per_token)")
+    p.add_argument(
+        "--prompt-words", default="50,300,700,1200,1700,2200", help="prefill prompt sizes, in words"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="prefill samples per prompt size; from 3 on, the fit uses each size's median",
+    )
+    p.add_argument("--batches", default="1,1,1,2,2,2,4,4,4", help="decode: concurrent streams per run")
+    p.add_argument("--decode-words", type=int, default=300)
+    p.add_argument("--decode-tokens", type=int, default=400, help="tokens per decode stream")
+    p.add_argument(
+        "--step-tokens", type=int, default=VLLM_CPU_STEP_TOKENS, help="the engines' max_num_batched_tokens"
+    )
+    p.add_argument("--out", type=Path, help="write the profile JSON here")
+    args = p.parse_args(argv)
+    try:
+        words = [int(w) for w in args.prompt_words.split(",")]
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError as exc:
+        p.error(f"--prompt-words / --batches: comma-separated integers ({exc})")
+    if min(words) < 1 or min(batches) < 1 or args.repeats < 1 or args.decode_tokens < 8:
+        p.error("--prompt-words, --batches, --repeats must be >= 1 and --decode-tokens >= 8")
+    engines = load_fleet_file(args.fleet)
+    if not engines:
+        p.error(f"{args.fleet}: no engines")
+    engine = next((e for e in engines if e.id == args.engine), None) if args.engine else engines[0]
+    if engine is None:
+        p.error(f"--engine {args.engine!r} is not in {args.fleet} ({', '.join(e.id for e in engines)})")
+    client = openai.OpenAI(
+        base_url=f"{engine.url.rstrip('/')}/v1", api_key="unused", timeout=600, max_retries=0
+    )
+    model = engine.model or client.models.list().data[0].id
+    print(f"calibrating {engine.id} at {engine.url} (model {model})", file=sys.stderr)
+    stream_once(client, model, prompt_text(20), max_tokens=4)  # warm-up, not a sample
+    prefill = measure_prefill(client, model, words, args.repeats)
+    decode = measure_decode(client, model, batches, args.decode_words, args.decode_tokens)
+    if args.repeats >= 3:
+        prefill, decode = median_samples(prefill, decode)
+    fit = fit_step_model(prefill, decode, args.step_tokens)
+    kvb = kv_bytes_per_token(args.model_dir) or EngineProfile.kv_bytes_per_token
+    fields = fit.profile_fields(kvb)
+    print(format_fit(fit, fields, prefill, decode))
+    if args.out:
+        doc: dict[str, Any] = {
+            "engine_profile": {
+                "kv_bytes_per_token": kvb,
+                "max_num_batched_tokens": args.step_tokens,
+                **fields,
+            },
+            "request_overhead_s": fit.coefficients["request_overhead_s"],
+            "measured_on": {"engine": engine.id, "url": engine.url, "block_size": engine.block_size},
+            "residuals": {"prefill": fit.prefill_residuals, "decode": fit.decode_residuals},
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""The calibration fit (loadtest/calibrate_vllm.py) on samples generated from known parameters, and
+the profile file it writes read back by the simulator (sim/des.py --engine-profile)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from loadtest.calib_compare import block_chain
+from loadtest.calibrate_vllm import DecodeSample, PrefillSample, fit_step_model, median_samples
+from sim.des import _plan, build_parser, load_engine_profile
+from sim.engine import EngineCore, EngineProfile, SimRequest
+
+TRUE = {
+    "request_overhead_s": 0.02,
+    "step_overhead_s": 0.012,
+    "prefill_s_per_token": 1 / 9000,
+    "prefill_attention_s_per_token_ctx": 4e-9,
+    "decode_s_per_seq": 0.003,
+    "decode_s_per_ctx_token": 2e-7,
+}
+
+
+def _samples(noise: float, seed: int = 0) -> tuple[list[PrefillSample], list[DecodeSample]]:
+    rng = random.Random(seed)
+    t = TRUE
+    prefill = []
+    for p in (60, 250, 700, 1500, 2500, 4000) * 3:
+        s = (
+            t["request_overhead_s"]
+            + t["step_overhead_s"] * math.ceil(p / 2048)  # chunked prefill: 2,048 tokens a step
+            + p * t["prefill_s_per_token"]
+            + p * (p - 1) / 2 * t["prefill_attention_s_per_token_ctx"]
+        )
+        prefill.append(PrefillSample(p, s * (1 + rng.gauss(0, noise))))
+    decode = []
+    for n in (1, 2, 4):
+        for ctx in (400, 900, 1600):
+            c = n * ctx
+            s = t["step_overhead_s"] + n * t["decode_s_per_seq"] + c * t["decode_s_per_ctx_token"]
+            decode.append(DecodeSample(n, c, s * (1 + rng.gauss(0, noise))))
+    return prefill, decode
+
+
+def test_fit_recovers_the_true_parameters_from_exact_samples() -> None:
+    fit = fit_step_model(*_samples(noise=0.0))
+    for name, value in TRUE.items():
+        assert fit.coefficients[name] == pytest.approx(value, rel=1e-6), name
+    assert max(abs(r) for r in fit.prefill_residuals + fit.decode_residuals) < 1e-9
+
+
+def test_fit_with_noise_stays_close_and_reports_the_residuals() -> None:
+    fit = fit_step_model(*_samples(noise=0.02, seed=3))
+    assert fit.coefficients["prefill_s_per_token"] == pytest.approx(TRUE["prefill_s_per_token"], rel=0.1)
+    assert fit.coefficients["step_overhead_s"] == pytest.approx(TRUE["step_overhead_s"], rel=0.15)
+    assert fit.coefficients["decode_s_per_seq"] == pytest.approx(TRUE["decode_s_per_seq"], rel=0.3)
+    assert 0.005 < max(abs(r) for r in fit.prefill_residuals) < 0.1
+
+
+def test_fit_never_returns_a_negative_coefficient() -> None:
+    # Decode steps that do not grow with context but shrink a little: an unconstrained fit gives a
+    # negative context term; the model has none, so it is fixed at 0 and the rest refitted.
+    prefill, _ = _samples(noise=0.0)
+    decode = [DecodeSample(n, c, 0.02 + 0.003 * n - 1e-7 * c) for n in (1, 2, 4) for c in (400 * n, 1600 * n)]
+    fit = fit_step_model(prefill, decode)
+    assert all(v >= 0 for v in fit.coefficients.values())
+    assert fit.coefficients["decode_s_per_ctx_token"] == 0.0
+    assert fit.profile_fields(1024)["hbm_bytes_per_s"] == math.inf
+
+
+def test_fit_refuses_samples_that_cannot_separate_the_terms() -> None:
+    prefill, decode = _samples(noise=0.0)
+    with pytest.raises(ValueError, match="distinct prompt lengths"):
+        fit_step_model([s for s in prefill if s.prompt_tokens in (60, 250)], decode)
+    with pytest.raises(ValueError, match="distinct batch sizes"):
+        fit_step_model(prefill, [s for s in decode if s.batch == 2])
+
+
+def test_profile_fields_drive_the_engine_model_to_the_fitted_times(tmp_path: Path) -> None:
+    fit = fit_step_model(*_samples(noise=0.0))
+    fields = {"kv_bytes_per_token": 1024, **fit.profile_fields(1024)}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"engine_profile": fields, "measured_on": {"engine": "v0"}}))
+    loaded = load_engine_profile(path)
+    engine = EngineCore("e0", EngineProfile(**loaded, block_size=32, num_gpu_blocks=400))
+    engine.add_request(SimRequest("r", list(range(1000, 3000)), max_tokens=4))
+    first = engine.step()  # one prefill step of 2,000 uncached tokens from an empty context
+    p = 2000
+    want = (
+        TRUE["step_overhead_s"]
+        + p * TRUE["prefill_s_per_token"]
+        + p * (p - 1) / 2 * TRUE["prefill_attention_s_per_token_ctx"]
+    )
+    assert first.duration_s == pytest.approx(want, rel=1e-6)
+    second = engine.step()  # one decode over 2,001 tokens of context
+    want = TRUE["step_overhead_s"] + TRUE["decode_s_per_seq"] + 2001 * TRUE["decode_s_per_ctx_token"]
+    assert second.duration_s == pytest.approx(want, rel=1e-3)
+
+
+def test_sim_cli_takes_the_profile_and_refuses_bad_files(tmp_path: Path) -> None:
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"step_overhead_s": 0.05, "prefill_tokens_per_s": 5000.0}))
+    args = build_parser().parse_args(
+        [
+            "--engine-profile",
+            str(good),
+            "--concurrency",
+            "4",
+            "--policies",
+            "round_robin",
+            "--engines",
+            "2",
+            "--engine-variation",
+            "0",
+        ]
+    )
+    runs, _ = _plan(args)
+    prof = runs[0].fleet.engines[0].profile
+    assert (prof.step_overhead_s, prof.prefill_tokens_per_s) == (0.05, 5000.0)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"step_overhead": 0.05}))
+    with pytest.raises(ValueError, match="unknown EngineProfile fields step_overhead"):
+        load_engine_profile(bad)
+    bad.write_text(json.dumps({"block_size": 32}))
+    with pytest.raises(ValueError, match="set by the fleet options"):
+        load_engine_profile(bad)
+    bad.write_text(json.dumps({"prefill_tokens_per_s": -1}))
+    with pytest.raises(ValueError, match="prefill_tokens_per_s must be positive"):
+        load_engine_profile(bad)
+
+
+def test_median_samples_drop_a_stalled_request_and_group_near_equal_lengths() -> None:
+    # Three repeats of two prompt sizes (lengths differ by a few tokens: the random tag), one of them
+    # stalled 8x by a busy machine; the median per size ignores it.
+    prefill = [PrefillSample(p, t) for p, t in ((1835, 0.06), (1840, 0.48), (1838, 0.061), (106, 0.02))]
+    prefill += [PrefillSample(108, 0.021), PrefillSample(107, 0.019)]
+    decode = [DecodeSample(1, 700, 0.005), DecodeSample(1, 690, 0.04), DecodeSample(1, 680, 0.0052)]
+    p, d = median_samples(prefill, decode)
+    assert [(s.prompt_tokens, s.ttft_s) for s in p] == [(107, 0.02), (1838, 0.061)]
+    assert [(s.batch, s.context_tokens, s.step_s) for s in d] == [(1, 690, 0.0052)]
+
+
+def test_block_chain_ids_share_exactly_the_shared_full_blocks() -> None:
+    a = list(range(100))
+    b = [*range(70), 999, *range(71, 100)]  # differs in block 2 (tokens 64..95)
+    ca, cb = block_chain(a, 32), block_chain(b, 32)
+    assert len(ca) == 3  # the partial 4th block has no id
+    assert ca[:2] == cb[:2] and ca[2] != cb[2]
+    assert block_chain(a[32:], 32)[0] != ca[1]  # same tokens, other parent: another id
