@@ -26,7 +26,7 @@ BENCHES: dict[str, str] = {
     "proxy": "loadtest.bench_proxy",
     "index": "loadtest.bench_index",
     "engine": "loadtest.bench_engine",
-    "sim": "sim.des",
+    "sim": "sim.des_cli",
     "peers": "loadtest.bench_peers",
     "quality": "loadtest.bench_quality_live",
     "events": "loadtest.bench_events",

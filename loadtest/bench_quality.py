@@ -29,18 +29,17 @@ from kvcore.core import (
     check_priority_max_overtake,
     check_priority_stretch,
 )
-from sim.des import (
+from sim.des import FleetSimulator, SimConfig
+from sim.des_cli import parse_policy_spec
+from sim.engine import EngineProfile
+from sim.fleets import (
     UNBOUNDED_STORAGE_BLOCKS,
-    FleetSimulator,
     FleetSpec,
-    SimConfig,
     b1_fleet,
-    parse_policy_spec,
     parse_storage,
     storage_blocks_for,
     working_set_blocks,
 )
-from sim.engine import EngineProfile
 from sim.oracle import ArrivalRecorder, capacity_bound, sticky_lru_hit
 from sim.workloads import (
     LadderConfig,
@@ -111,7 +110,7 @@ def policy_runs(policies: str, schedulings: str) -> list[tuple[str, str]]:
 
 
 def storage_blocks(storage: str, workload: Workload) -> int:
-    """Pool size in blocks (sim.des.parse_storage values: none, unbounded, N blocks, or a fraction
+    """Pool size in blocks (sim.fleets.parse_storage values: none, unbounded, N blocks, or a fraction
     of the workload's working set = its distinct blocks, as ``kvroute sim --storage``)."""
     blocks = storage_blocks_for(storage, working_set_blocks(workload))
     return UNBOUNDED_STORAGE_BLOCKS if blocks is None else blocks

@@ -229,8 +229,9 @@ def des_ladder(
     policy: str, users: int, run_time_s: int, think_mean_s: float, engines_n: int, prof: FleetProfile
 ) -> dict[str, Any]:
     """The same ladder on the same fleet in the offline simulator (virtual time)."""
-    from sim.des import EngineSpec, FleetSpec, SimConfig, simulate
+    from sim.des import SimConfig, simulate
     from sim.engine import EngineProfile
+    from sim.fleets import EngineSpec, FleetSpec
     from sim.workloads import LadderConfig, ladder_workload
 
     workload = ladder_workload(

@@ -38,8 +38,9 @@ import openai
 from kvcore.stats import percentiles
 from loadtest.procs import stop_process, wait_http_ok
 from router.config import load_fleet_file
-from sim.des import EngineSpec, FleetSimulator, FleetSpec, SimConfig, load_engine_profile
+from sim.des import FleetSimulator, SimConfig
 from sim.engine import EngineProfile
+from sim.fleets import EngineSpec, FleetSpec, load_engine_profile
 from sim.server import free_port
 from sim.workloads import Conversation, LadderConfig, Turn, Workload, ladder_workload
 

@@ -1,6 +1,6 @@
 """``kvroute`` command line: ``serve`` runs the router; other subcommands dispatch lazily.
 
-``engine`` -> sim.server:main, ``fleet`` -> sim.fleet:main, ``sim`` -> sim.des:main,
+``engine`` -> sim.server:main, ``fleet`` -> sim.fleet:main, ``sim`` -> sim.des_cli:main,
 ``load`` -> loadtest.chat_client:main, ``bench`` -> loadtest.bench:main, ``demo`` ->
 loadtest.demo:main; each gets the remaining argv.
 """
@@ -20,7 +20,7 @@ from router.config import ConfigError, RouterConfig, load_config
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("sim.server", "run one simulated vLLM engine"),
     "fleet": ("sim.fleet", "start N simulated engines and write a fleet file"),
-    "sim": ("sim.des", "discrete-event simulation of a fleet behind a policy"),
+    "sim": ("sim.des_cli", "discrete-event simulation of a fleet behind a policy"),
     "load": ("loadtest.chat_client", "multi-turn streaming chat load against a router or engine URL"),
     "bench": ("loadtest.bench", "side-by-side benchmark runs and report"),
     "demo": ("loadtest.demo", "the end-to-end demo"),

@@ -12,8 +12,9 @@ import pytest
 
 from loadtest.calib_compare import block_chain
 from loadtest.calibrate_vllm import DecodeSample, PrefillSample, fit_step_model, median_samples
-from sim.des import _plan, build_parser, load_engine_profile
+from sim.des_cli import _plan, build_parser
 from sim.engine import EngineCore, EngineProfile, SimRequest
+from sim.fleets import load_engine_profile
 
 TRUE = {
     "request_overhead_s": 0.02,

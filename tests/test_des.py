@@ -14,20 +14,10 @@ import pytest
 from kvcore.core import PRIORITY_MAX_OVERTAKE_S, PRIORITY_STRETCH
 from kvcore.keys import block_keys
 from kvcore.trace import TraceRecorder
-from sim.des import (
-    EngineSpec,
-    FleetSimulator,
-    FleetSpec,
-    SimConfig,
-    SimResult,
-    b1_fleet,
-    main,
-    parse_storage,
-    simulate,
-    storage_blocks_for,
-    working_set_blocks,
-)
+from sim.des import FleetSimulator, SimConfig, SimResult, simulate
+from sim.des_cli import main
 from sim.engine import EngineProfile
+from sim.fleets import EngineSpec, FleetSpec, b1_fleet, parse_storage, storage_blocks_for, working_set_blocks
 from sim.workloads import (
     Conversation,
     LadderConfig,
@@ -289,8 +279,9 @@ def test_results_do_not_depend_on_the_process_hash_seed(tmp_path: Path) -> None:
         out_dir = tmp_path / hash_seed
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
         subprocess.run(
-            [sys.executable, "-m", "sim.des", "--concurrency", "3", "--conversations", "1", "--turns", "3",
-             "--first-prompt-tokens", "2000", "--tokens-per-turn", "800", "--system-tokens", "400",
+            [sys.executable, "-m", "sim.des_cli", "--concurrency", "3", "--conversations", "1",
+             "--turns", "3", "--first-prompt-tokens", "2000", "--tokens-per-turn", "800",
+             "--system-tokens", "400",
              "--answer-tokens", "20,40", "--block-size", "32", "--policies", "least_loaded,power_of_two",
              "--no-progress", "--out", str(out_dir)],
             cwd=repo, env=env, check=True, capture_output=True, timeout=60,
@@ -323,7 +314,7 @@ def test_in_flight_accounting_queues_predicted_uncached_tokens_and_balances_out(
 
 
 def test_policy_specs_carry_parameters_into_the_run() -> None:
-    from sim.des import parse_policy_spec
+    from sim.des_cli import parse_policy_spec
 
     assert parse_policy_spec("tier_cost:work_weight=0.5:keep_unmatched=4") == (
         "tier_cost",

@@ -24,9 +24,10 @@ from kvcore.stats import percentile
 from policies.tier_cost import TierCostPolicy
 from router.config import load_config
 from router.service import build_router_app
-from sim.des import EngineSpec, FleetSpec, SimConfig, simulate
+from sim.des import SimConfig, simulate
 from sim.engine import EngineProfile
 from sim.fleet import Fleet, FleetProfile
+from sim.fleets import EngineSpec, FleetSpec
 from sim.workloads import LadderConfig, Workload, ladder_workload
 from tests.conftest import ThreadedServer
 
