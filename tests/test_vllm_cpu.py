@@ -74,3 +74,45 @@ async def test_model_folder_is_deterministic_and_the_router_reads_it(tmp_path: P
     tokens = await hf.chat_tokens(msgs)
     assert 10 < len(tokens) < len(text)  # merges learned; every byte encodable
     assert MODEL_NAME == "kvroute-tiny-llama"
+
+
+FAKE_ENGINE = r'''#!{python}
+"""Stands in for the venv's python: the first start dies as vLLM does when its port was taken;
+the next one serves GET /health on its --port."""
+import http.server, pathlib, sys
+marker = pathlib.Path({marker!r})
+if not marker.exists():
+    marker.write_text("1")
+    print("zmq.error.ZMQError: Address already in use (addr='tcp://*:5557')", flush=True)
+    sys.exit(1)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+'''
+
+
+def test_an_engine_whose_port_was_taken_is_started_again_on_new_ports(tmp_path: Path) -> None:
+    """On a busy machine another process can bind an engine's free port in the minutes before vLLM
+    does; vLLM then exits with "Address already in use". The fleet starts that engine again on new
+    ports instead of failing the whole fleet (a stand-in interpreter plays vLLM's two starts)."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_ENGINE.format(python=sys.executable, marker=str(tmp_path / "first-start")))
+    fake.chmod(0o755)
+    logs: list[str] = []
+    fleet = VllmCpuFleet(tmp_path / "fleet", model_dir=tmp_path, log=logs.append)
+    fleet.python = fake
+    try:
+        (engine,) = fleet.start(1, VllmCpuProfile(startup_timeout_s=60))
+        assert (tmp_path / "first-start").exists()  # the first start did die
+        assert engine.process is not None and engine.process.poll() is None
+        assert any("starting it again on new ports" in line for line in logs), logs
+        starts = [line.rsplit(" on ", 1)[1].split()[0] for line in logs if " starting on " in line]
+        assert len(starts) == 2 and starts[0] != starts[1]  # the second start got a new port
+        assert engine.url == f"http://{starts[1]}"
+    finally:
+        fleet.stop(timeout_s=5)
