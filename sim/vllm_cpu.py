@@ -361,8 +361,10 @@ class VllmCpuFleet:
         while True:
             code = engine.process.poll()
             if code is not None:
-                tail = Path(engine.log_path).read_text(errors="replace")[-3000:]
-                if "Address already in use" in tail:
+                log_text = Path(engine.log_path).read_text(errors="replace")
+                tail = log_text[-3000:]
+                # vLLM's traceback of the engine core's bind error ends thousands of bytes earlier.
+                if "Address already in use" in log_text:
                     raise PortTaken(f"vLLM engine {engine.id} exited with code {code}: a port was taken")
                 raise RuntimeError(f"vLLM engine {engine.id} exited with code {code} while starting:\n{tail}")
             try:

@@ -84,6 +84,7 @@ marker = pathlib.Path({marker!r})
 if not marker.exists():
     marker.write_text("1")
     print("zmq.error.ZMQError: Address already in use (addr='tcp://*:5557')", flush=True)
+    print("Traceback (most recent call last):\n" + "  File ...\n" * 2000, flush=True)  # as vLLM's, long
     sys.exit(1)
 port = int(sys.argv[sys.argv.index("--port") + 1])
 class Health(http.server.BaseHTTPRequestHandler):
