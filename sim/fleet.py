@@ -16,6 +16,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import FrameType
@@ -97,6 +98,16 @@ def _event_ports(host: str) -> tuple[int, int]:
         if abs(pub - replay) >= 16:
             return pub, replay
     raise RuntimeError("could not find two free ports 16 apart on the loopback interface")
+
+
+def stop_engines(engines: Sequence[FleetEngine], timeout_s: float, min_wait_s: float = 0.0) -> None:
+    """SIGTERM every engine's process group at once, then wait for each until ``timeout_s`` has
+    passed in all (at least ``min_wait_s`` each) and SIGKILL what is still alive."""
+    for engine in engines:
+        _signal_group(engine, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for engine in engines:
+        _stop_process(engine, max(min_wait_s, deadline - time.monotonic()))
 
 
 class Fleet:
@@ -315,11 +326,7 @@ class Fleet:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM every engine's process group, then SIGKILL what is still alive after timeout_s."""
-        for engine in self.engines:
-            _signal_group(engine, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for engine in self.engines:
-            _stop_process(engine, max(0.0, deadline - time.monotonic()))
+        stop_engines(self.engines, timeout_s)
         self.engines = []
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)

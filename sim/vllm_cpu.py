@@ -27,7 +27,7 @@ from types import FrameType
 from typing import Any
 
 from kvcore.core import SCHEDULING_POLICIES
-from sim.fleet import FleetEngine, _event_ports, _signal_group, _stop_process
+from sim.fleet import FleetEngine, _event_ports, _signal_group, _stop_process, stop_engines
 from sim.server import free_port
 from sim.vllm_model import MODEL_NAME
 
@@ -402,11 +402,7 @@ class VllmCpuFleet:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM every engine's process group, then SIGKILL what is still alive after timeout_s."""
-        for engine in self.engines:
-            _signal_group(engine, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for engine in self.engines:
-            _stop_process(engine, max(1.0, deadline - time.monotonic()))
+        stop_engines(self.engines, timeout_s, min_wait_s=1.0)
         self.engines = []
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
