@@ -270,7 +270,9 @@ def test_a_foreign_tokenizer_is_caught_by_the_live_parity_check(
 ) -> None:
     # Barely more than the byte alphabet: about three times the engines' token counts.
     foreign = write_model_dir(tmp_path / "foreign", vocab_size=300)
-    router = start_router(tokenizer={"backend": "hf", "path": str(foreign)})
+    # round_robin: 5 requests on each engine (a cache-aware policy may send 7 of 10 to one engine,
+    # leaving the other short of the 4-of-8 evidence the check asks for).
+    router = start_router(policy={"name": "round_robin"}, tokenizer={"backend": "hf", "path": str(foreign)})
     client = _client(router.url)
     for seed in range(10):
         client.chat.completions.create(
