@@ -72,7 +72,11 @@ class RouterServices:
         self._sighup_installed = False
         self.traffic = TrafficCounter()
         #: The engines' usage.prompt_tokens against the router's tokenizer (router/parity.py).
-        self.parity = PromptParity()
+        self.parity = PromptParity(
+            tail_tokens=config.tokenizer.parity_tail_tokens,
+            window=config.tokenizer.parity_window,
+            min_mismatches=config.tokenizer.parity_min_mismatches,
+        )
         self._started = False
         self.watchdog = SilentSourceWatchdog(config, tracker=tracker, metrics=metrics, traffic=self.traffic)
         self.scraper = EngineScraper(config, tracker=tracker, costs=costs, watchdog=self.watchdog)

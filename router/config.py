@@ -99,6 +99,13 @@ class TokenizerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     chars_per_token: float = 4.0
     #: Memory bound of the tokenizer's conversation-prefix cache (entries evicted by size).
     cache_max_bytes: int = 64 * 1024 * 1024
+    #: Tokenizer parity (router/parity.py): the router's prompt token count and the engine's
+    #: ``usage.prompt_tokens`` may differ by this many tokens (a template's tail) and still agree.
+    parity_tail_tokens: int = 8
+    #: ... an engine is distrusted when ``parity_min_mismatches`` of its last ``parity_window``
+    #: answers disagree, and trusted again after ``parity_window`` agree in a row.
+    parity_window: int = 8
+    parity_min_mismatches: int = 4
 
 
 class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -562,6 +569,17 @@ def _validate_limits_auth(config: RouterConfig) -> None:
             raise ConfigError(f"limits.{key} must be >= 0 (0 = no limit), got {getattr(limits, key)}")
     if config.tokenizer.cache_max_bytes < 0:
         raise ConfigError(f"tokenizer.cache_max_bytes must be >= 0, got {config.tokenizer.cache_max_bytes}")
+    tok = config.tokenizer
+    if (
+        tok.parity_tail_tokens < 0
+        or tok.parity_window < 1
+        or not 1 <= tok.parity_min_mismatches <= tok.parity_window
+    ):
+        raise ConfigError(
+            "tokenizer parity needs parity_tail_tokens >= 0 and 1 <= parity_min_mismatches <= parity_window; "
+            f"got parity_tail_tokens {tok.parity_tail_tokens}, parity_min_mismatches "
+            f"{tok.parity_min_mismatches}, parity_window {tok.parity_window}"
+        )
     for key in ("failures_before_unhealthy", "breaker_failures"):
         if getattr(health, key) < 1:
             raise ConfigError(f"health.{key} must be >= 1, got {getattr(health, key)}")

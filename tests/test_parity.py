@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from kvcore import sim_tokenizer
-from router.config import load_config
+from router.config import ConfigError, load_config
 from router.parity import PromptParity
 from router.service import build_router_app
 from sim.fleet import PROFILES, Fleet, FleetEngine
@@ -127,3 +127,27 @@ def test_the_engines_own_tokenizer_agrees(
     ready = httpx.get(f"{url}/ready").json()["events"]
     assert ready["prompt_token_mismatch"] == {}
     assert _mismatch_metric(url) == {"e0": 0.0}
+
+
+def test_the_parity_settings_come_from_the_config(
+    engines: list[FleetEngine], serve_asgi: Callable[..., ThreadedServer], tmp_path: Path
+) -> None:
+    """tokenizer.parity_*: with a tolerance wider than the foreign BPE's difference the same
+    traffic that is flagged above is accepted (the setting reaches the live check)."""
+    model_dir = write_model_dir(tmp_path / "model")
+    tokenizer = {"backend": "hf", "path": str(model_dir), "parity_tail_tokens": 100_000}
+    url = _router(engines, tokenizer, serve_asgi)
+    _chat(url, 5)
+    assert httpx.get(f"{url}/ready").json()["events"]["prompt_token_mismatch"] == {}
+    assert _mismatch_metric(url) == {"e0": 0.0}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"parity_tail_tokens": -1}, {"parity_window": 0}, {"parity_window": 4, "parity_min_mismatches": 5}],
+)
+def test_bad_parity_settings_are_a_config_error(bad: dict[str, int]) -> None:
+    with pytest.raises(ConfigError, match="parity_min_mismatches <= parity_window"):
+        load_config(
+            environ={}, overrides={"engines": [{"id": "e0", "url": "http://127.0.0.1:1"}], "tokenizer": bad}
+        )
