@@ -306,9 +306,11 @@ class Fleet(EngineProcesses):
         kv_cfg = {
             "enable_kv_cache_events": not prof.zero_delay,
             "publisher": "zmq",
-            # '*' makes the PUB bind (vLLM's rule); /kv_event_sources reports it with our host.
+            # '*' makes the PUB bind (vLLM's rule: a concrete host would make it connect out), so
+            # it listens on every interface; /kv_event_sources reports it with our host. The
+            # replay ROUTER always binds: on loopback only.
             "endpoint": f"tcp://*:{pub_port}",
-            "replay_endpoint": f"tcp://*:{replay_port}",
+            "replay_endpoint": replay_ep,
             "topic": self.topic,
         }
         argv = [

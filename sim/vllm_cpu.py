@@ -274,10 +274,11 @@ class VllmCpuFleet(EngineProcesses):
         kv_events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            # '*' makes vLLM bind its PUB and replay sockets (a concrete host would make it connect
-            # out); the fleet file names the loopback address.
+            # '*' makes vLLM bind its PUB socket (a concrete host would make it connect out), so it
+            # listens on every interface; the fleet file names the loopback address. The replay
+            # ROUTER always binds: on loopback only.
             "endpoint": f"tcp://*:{pub_port}",
-            "replay_endpoint": f"tcp://*:{replay_port}",
+            "replay_endpoint": f"tcp://{self.host}:{replay_port}",
             "topic": self.topic,
         }
         argv = [

@@ -50,7 +50,7 @@ def test_engine_command_and_environment(tmp_path: Path, monkeypatch: pytest.Monk
     assert flags["--scheduling-policy"] == "priority" and flags["--prefix-caching-hash-algo"] == "sha256_cbor"
     assert "--enable-prompt-tokens-details" in argv and "--enable-scale-out" in argv
     kv = json.loads(flags["--kv-events-config"])
-    assert kv["endpoint"] == "tcp://*:8100" and kv["replay_endpoint"] == "tcp://*:8200"
+    assert kv["endpoint"] == "tcp://*:8100" and kv["replay_endpoint"] == "tcp://127.0.0.1:8200"
     monkeypatch.setenv("KVROUTE_POLICY_NAME", "tier_cost")
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     env = engine_env(prof)
