@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.engine import EngineProfile
+from sim.frontend import ServerStage
 from sim.workloads import (
     LadderConfig,
     Workload,
@@ -58,6 +59,12 @@ class FleetSpec:
     slowdown_engine: str | None = None
     slowdown_at_fraction: float = 0.5
     slowdown_factor: float = 4.0
+    #: vLLM's API server in front of each engine core (sim/frontend.py): a single-server queue every
+    #: request and every output token passes through. None = requests reach the core when sent.
+    api_server: ServerStage | None = None
+    #: The router process in front of the fleet: one single-server queue for all requests and
+    #: streamed tokens. None = no router cost.
+    router_stage: ServerStage | None = None
 
     @property
     def block_size(self) -> int:
