@@ -20,6 +20,8 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
+import os
 import queue
 import statistics
 import subprocess
@@ -59,6 +61,11 @@ class TurnRecord:
     prompt_tokens: int
     cached_tokens: int
     ttft_s: float
+    #: Sent at this many seconds after the run started; the last chunk arrived ``end_s`` after it.
+    start_s: float = 0.0
+    end_s: float = 0.0
+    #: The engine that served it (the router's x-kvroute-engine header, or the dealt engine).
+    engine: str = ""
 
 
 @dataclass(slots=True)
@@ -102,11 +109,36 @@ def engine_workload(wl: Workload, engine_url: str, model: str, block_size: int) 
     return dataclasses.replace(wl, conversations=convs, ramp_s=0.0)
 
 
-def live_run(urls: Sequence[str], model: str, wl: Workload, salt: str) -> list[TurnRecord]:
+def write_workload(path: Path, wl: Workload) -> None:
+    """The engine-tokenized turns (prompt tokens, output tokens, block ids, think time) as JSON."""
+    convs = [
+        [[t.prompt_tokens, t.output_tokens, t.block_ids, t.think_time_s] for t in c.turns]
+        for c in wl.conversations
+    ]
+    path.write_text(json.dumps(convs) + "\n")
+
+
+def read_workload(path: Path, wl: Workload) -> Workload:
+    """``wl`` with the turns of ``write_workload``'s file (same conversations, in order)."""
+    convs = json.loads(path.read_text())
+    if len(convs) != len(wl.conversations):
+        raise ValueError(f"{path}: {len(convs)} conversations, the workload has {len(wl.conversations)}")
+    out = [
+        Conversation(c.conversation_id, [Turn(p, o, list(b), th) for p, o, b, th in turns], c.start_s)
+        for c, turns in zip(wl.conversations, convs, strict=True)
+    ]
+    return dataclasses.replace(wl, conversations=out, ramp_s=0.0)
+
+
+def live_run(
+    urls: Sequence[str], model: str, wl: Workload, salt: str, engine_ids: Sequence[str] = ()
+) -> list[TurnRecord]:
     """Closed loop like the DES: ``wl.concurrency`` workers, each takes the next conversation and
     runs its turns (think time before each turn after the first), all workers start at once.
-    ``urls``: the router's, or the engines' (requests dealt round robin: no router in the path)."""
+    ``urls``: the router's, or the engines' (requests dealt round robin: no router in the path;
+    ``engine_ids`` name them)."""
     clients = [openai.OpenAI(base_url=f"{u}/v1", api_key="unused", timeout=600, max_retries=0) for u in urls]
+    t_run = time.perf_counter()
     sent = [0]
     todo: queue.Queue[int] = queue.Queue()
     for i in range(len(wl.conversations)):
@@ -126,15 +158,17 @@ def live_run(urls: Sequence[str], model: str, wl: Workload, salt: str) -> list[T
                 if k:
                     time.sleep(turn.think_time_s)
                 with lock:
-                    client = clients[sent[0] % len(clients)]
+                    dealt = sent[0] % len(clients)
                     sent[0] += 1
                 try:
-                    rec = one_turn(client, model, conv, k, turn, salt)
+                    rec = one_turn(clients[dealt], model, conv, k, turn, salt, t_run)
                 except Exception as exc:
                     with lock:
                         errors.append(exc)
                     return
                 rec.conv = i
+                if engine_ids:
+                    rec.engine = engine_ids[dealt]
                 with lock:
                     records.append(rec)
 
@@ -149,11 +183,11 @@ def live_run(urls: Sequence[str], model: str, wl: Workload, salt: str) -> list[T
 
 
 def one_turn(
-    client: openai.OpenAI, model: str, conv: Conversation, k: int, turn: Turn, salt: str
+    client: openai.OpenAI, model: str, conv: Conversation, k: int, turn: Turn, salt: str, t_run: float
 ) -> TurnRecord:
     messages: Any = conv.messages(k)  # plain role/content dicts, as the SDK sends them
     t0 = time.perf_counter()
-    stream = client.chat.completions.create(
+    raw = client.chat.completions.with_raw_response.create(
         model=model,
         messages=messages,
         max_tokens=turn.output_tokens,
@@ -162,6 +196,8 @@ def one_turn(
         extra_body={"ignore_eos": True, "min_tokens": turn.output_tokens, "cache_salt": salt},
         temperature=0.0,
     )
+    engine = raw.headers.get("x-kvroute-engine", "")
+    stream = raw.parse()
     ttft = -1.0
     prompt = cached = 0
     for chunk in stream:
@@ -173,17 +209,28 @@ def one_turn(
             cached = (details.cached_tokens or 0) if details is not None else 0
     if ttft < 0 or not prompt:
         raise RuntimeError(f"turn {k} of {conv.conversation_id}: no token or no usage")
-    return TurnRecord(0, k, prompt, cached, ttft)
+    end = time.perf_counter()
+    return TurnRecord(0, k, prompt, cached, ttft, t0 - t_run, end - t_run, engine)
 
 
-#: vLLM's request-phase histograms (sums and counts): arrival at the API server -> first token, time
-#: waiting for the scheduler, time in prefill steps.
-ENGINE_PHASES = ("time_to_first_token_seconds", "request_queue_time_seconds", "request_prefill_time_seconds")
+#: vLLM's request-phase histograms (sums and counts; vLLM 0.32 v1/metrics/loggers.py): the engine
+#: client's arrival (after the API server tokenized the prompt) -> first token, time waiting for the
+#: scheduler, time in prefill steps, arrival -> finish, first scheduled -> finish.
+ENGINE_PHASES = (
+    "time_to_first_token_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "e2e_request_latency_seconds",
+    "request_inference_time_seconds",
+)
+#: The router's own histograms: body received -> sent to the engine (parse, tokenize, route), and
+#: body received -> first streamed event from the engine.
+ROUTER_PHASES = ("kvroute_router_seconds", "kvroute_ttft_seconds")
 
 
-def scrape_phases(urls: Sequence[str]) -> dict[str, float]:
-    """Each phase's sum and count over the engines' /metrics."""
-    out = {f"{ph}_{k}": 0.0 for ph in ENGINE_PHASES for k in ("sum", "count")}
+def scrape_phases(urls: Sequence[str], phases: Sequence[str] = ENGINE_PHASES) -> dict[str, float]:
+    """Each phase's sum and count over the /metrics of ``urls``."""
+    out = {f"{ph}_{k}": 0.0 for ph in phases for k in ("sum", "count")}
     for url in urls:
         text = httpx.get(f"{url}/metrics", timeout=10).text
         for line in text.splitlines():
@@ -194,13 +241,84 @@ def scrape_phases(urls: Sequence[str]) -> dict[str, float]:
     return out
 
 
-def phase_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+def phase_means(
+    before: dict[str, float], after: dict[str, float], phases: Sequence[str] = ENGINE_PHASES
+) -> dict[str, float]:
     """Mean seconds per request of each phase between two scrapes."""
     means = {}
-    for ph in ENGINE_PHASES:
+    for ph in phases:
         n = after[f"{ph}_count"] - before[f"{ph}_count"]
         means[ph] = (after[f"{ph}_sum"] - before[f"{ph}_sum"]) / n if n else float("nan")
     return means
+
+
+def listening_pid(port: int) -> int | None:
+    """The process listening on TCP ``port`` on this host (Linux /proc), or None."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{f[9]}]")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                return int(proc.name)
+        except OSError:
+            continue
+    return None
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (vLLM's API server starts the engine core as a child)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (0 if gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_processes(urls: Sequence[str]) -> dict[str, int]:
+    """{"<url> api": pid, "<url> core": pid, ...}: each engine's API server and its children."""
+    out: dict[str, int] = {}
+    for url in urls:
+        pid = listening_pid(int(url.rsplit(":", 1)[1].split("/")[0]))
+        if pid is None:
+            continue
+        tree = process_tree(pid)
+        out[f"{url} api"] = pid
+        for i, child in enumerate(tree[1:]):
+            out[f"{url} child{i}"] = child
+    return out
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+
+def load_average() -> str:
+    """The 1, 5 and 15-minute load averages (what ``uptime`` prints)."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def summarize(policy: str, source: str, hit: float, ttfts: Sequence[float]) -> Row:
@@ -277,7 +395,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--think-time-s", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=Path("runs/calib"))
-    p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument("--json", type=Path, help="write the rows and the live runs' records here")
+    p.add_argument(
+        "--live-json",
+        type=Path,
+        help="take the live runs from this earlier --json instead of running them (DES side only; "
+        "the engines are still asked to /tokenize unless --workload-json is given)",
+    )
+    p.add_argument(
+        "--workload-json",
+        type=Path,
+        help="the engine-tokenized workload: written here after /tokenize, or read from here if it exists",
+    )
     args = p.parse_args(argv)
     engines = load_fleet_file(args.fleet)
     if not engines:
@@ -301,7 +430,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     args.workdir.mkdir(parents=True, exist_ok=True)
-    des_wl = engine_workload(wl, engines[0].url.rstrip("/"), model, block_size)
+    if args.workload_json is not None and args.workload_json.is_file():
+        des_wl = read_workload(args.workload_json, wl)
+    else:
+        des_wl = engine_workload(wl, engines[0].url.rstrip("/"), model, block_size)
+        if args.workload_json is not None:
+            write_workload(args.workload_json, des_wl)
     profile = EngineProfile(
         **load_engine_profile(args.profile),
         block_size=block_size,
@@ -317,25 +451,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     request_overhead_s = float(json.loads(args.profile.read_text()).get("request_overhead_s", 0.0))
     rows: list[Row] = []
     phases = [
-        "| policy | client TTFT | engine TTFT (arrival -> first token) | queued | prefill "
-        "| DES engine TTFT |",
-        "|---|---|---|---|---|---|",
+        "| policy | client TTFT | router first event | router decision "
+        "| engine TTFT (arrival -> first token) "
+        "| queued | prefill | DES engine TTFT |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    saved: dict[str, Any] = json.loads(args.live_json.read_text())["runs"] if args.live_json else {}
+    runs: dict[str, Any] = {}
     for policy in [x.strip() for x in args.policies.split(",") if x.strip()]:
-        salt = f"calib-{policy}-{uuid.uuid4().hex[:8]}"
-        engine_urls = [e.url.rstrip("/") for e in engines]
-        before = scrape_phases(engine_urls)
-        if policy == DIRECT:
-            recs = live_run([e.url.rstrip("/") for e in engines], model, wl, salt)
+        if args.live_json:
+            if policy not in saved:
+                p.error(f"--live-json {args.live_json} has no run of {policy!r} ({', '.join(saved)})")
+            run = saved[policy]
         else:
-            proc, url = start_router(
-                args.fleet, args.model_dir, policy, args.workdir / f"router-{policy}.log"
-            )
-            try:
-                recs = live_run([url], model, wl, salt)
-            finally:
-                stop_process(proc)
-        means = phase_means(before, scrape_phases(engine_urls))
+            run = live_policy_run(policy, args, engines, model, wl)
+        runs[policy] = run
+        recs = [TurnRecord(**r) for r in run["records"]]
+        means, rmeans = run["engine_phases"], run["router_phases"]
         hit = sum(r.cached_tokens for r in recs) / sum(r.prompt_tokens for r in recs)
         rows.append(summarize(policy, "live", hit, [r.ttft_s for r in recs]))
         want = {
@@ -354,6 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(summarize(policy, "des", res.hit, [t + request_overhead_s for t in res.ttfts_s]))
         phases.append(
             f"| {policy} | {statistics.mean(r.ttft_s for r in recs):.3f} "
+            f"| {rmeans.get('kvroute_ttft_seconds', math.nan):.3f} "
+            f"| {rmeans.get('kvroute_router_seconds', math.nan):.4f} "
             f"| {means['time_to_first_token_seconds']:.3f} | {means['request_queue_time_seconds']:.3f} "
             f"| {means['request_prefill_time_seconds']:.3f} | {statistics.mean(res.ttfts_s):.3f} |"
         )
@@ -365,8 +499,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print("\n".join(phases))
     if args.json:
-        args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=2) + "\n")
+        args.json.write_text(
+            json.dumps({"rows": [dataclasses.asdict(r) for r in rows], "runs": runs}, indent=1) + "\n"
+        )
     return 0
+
+
+def live_policy_run(
+    policy: str, args: argparse.Namespace, engines: Sequence[Any], model: str, wl: Workload
+) -> dict[str, Any]:
+    """One live run of ``wl`` (through a fresh router, or ``direct``): per-turn records, vLLM's and the
+    router's phase means, CPU seconds of each engine process, the load average before and after."""
+    salt = f"calib-{policy}-{uuid.uuid4().hex[:8]}"
+    engine_urls = [e.url.rstrip("/") for e in engines]
+    pids = engine_processes(engine_urls)
+    load_before = load_average()
+    before = scrape_phases(engine_urls)
+    rmeans: dict[str, float] = {}
+    if policy == DIRECT:
+        cpu0 = cpu_snapshot(pids)
+        t0 = time.monotonic()
+        recs = live_run(engine_urls, model, wl, salt, [e.id for e in engines])
+    else:
+        proc, url = start_router(args.fleet, args.model_dir, policy, args.workdir / f"router-{policy}.log")
+        try:
+            pids["router"] = proc.pid
+            rbefore = scrape_phases([url], ROUTER_PHASES)
+            cpu0 = cpu_snapshot(pids)
+            t0 = time.monotonic()
+            recs = live_run([url], model, wl, salt)
+            rmeans = phase_means(rbefore, scrape_phases([url], ROUTER_PHASES), ROUTER_PHASES)
+        finally:
+            cpu1 = cpu_snapshot(pids)
+            stop_process(proc)
+    wall = time.monotonic() - t0
+    if policy == DIRECT:
+        cpu1 = cpu_snapshot(pids)
+    return {
+        "records": [dataclasses.asdict(r) for r in recs],
+        "engine_phases": phase_means(before, scrape_phases(engine_urls)),
+        "router_phases": rmeans,
+        "cpu_s": {k: cpu1[k] - cpu0[k] for k in pids},
+        "wall_s": wall,
+        "load": [load_before, load_average()],
+        "utc": time.strftime("%H:%M:%S", time.gmtime()),
+    }
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ writes a JSON engine profile ``kvroute sim --engine-profile`` reads.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -281,6 +282,71 @@ def measure_decode(
     return samples
 
 
+@dataclass(frozen=True, slots=True)
+class LoadedRequest:
+    """One request of a closed-loop run at ``concurrency`` streams (the front-end calibration)."""
+
+    concurrency: int
+    engine: str
+    prompt_tokens: int
+    completion_tokens: int
+    start_s: float
+    ttft_s: float
+    end_s: float
+    #: "direct" (straight to the engine) or "router" (through a round_robin kvroute).
+    via: str = "direct"
+
+
+def loaded_run(
+    clients: Sequence[tuple[str, openai.OpenAI]],
+    model: str,
+    concurrency: int,
+    per_stream: int,
+    words: Sequence[int],
+    max_tokens: int,
+    think_s: float,
+    via: str = "direct",
+) -> list[LoadedRequest]:
+    """``concurrency`` closed-loop streams, each sending ``per_stream`` uncached requests in turn
+    (prompt sizes cycling through ``words``; ``think_s`` between them), dealt round robin over
+    ``clients`` (engine id, client). Times are relative to the run's start."""
+    out: list[LoadedRequest] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    sent = [0]
+    t_run = time.perf_counter()
+
+    def stream(i: int) -> None:
+        for k in range(per_stream):
+            with lock:
+                engine, client = clients[sent[0] % len(clients)]
+                sent[0] += 1
+            t0 = time.perf_counter() - t_run
+            try:
+                r = stream_once(client, model, prompt_text(words[(i + k) % len(words)]), max_tokens)
+            except BaseException as exc:
+                with lock:
+                    errors.append(exc)
+                return
+            end = r.chunk_times_s[-1] if r.chunk_times_s else r.ttft_s
+            with lock:
+                out.append(
+                    LoadedRequest(
+                        concurrency, engine, r.prompt_tokens, r.completion_tokens, t0, r.ttft_s, end, via
+                    )
+                )
+            time.sleep(think_s)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} front-end requests failed; first: {errors[0]!r}")
+    return out
+
+
 def median_samples(
     prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample]
 ) -> tuple[list[PrefillSample], list[DecodeSample]]:
@@ -367,6 +433,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--step-tokens", type=int, default=VLLM_CPU_STEP_TOKENS, help="the engines' max_num_batched_tokens"
     )
+    p.add_argument(
+        "--frontend-concurrency",
+        default="1,2,4",
+        help="front-end stage: closed-loop runs at these numbers of concurrent streams over all the "
+        "fleet's engines ('' = skip)",
+    )
+    p.add_argument("--frontend-requests", type=int, default=6, help="requests per stream per run")
+    p.add_argument("--frontend-words", default="300,700,1200,1700", help="front-end prompt sizes, in words")
+    p.add_argument("--frontend-tokens", type=int, default=32, help="answer tokens per front-end request")
+    p.add_argument(
+        "--router-model-dir",
+        type=Path,
+        help="also run the front-end runs through a round_robin kvroute serve "
+        "(--tokenizer hf on this folder)",
+    )
+    p.add_argument("--raw-out", type=Path, help="write every raw sample here (JSON)")
     p.add_argument("--out", type=Path, help="write the profile JSON here")
     args = p.parse_args(argv)
     try:
@@ -390,6 +472,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     stream_once(client, model, prompt_text(20), max_tokens=4)  # warm-up, not a sample
     prefill = measure_prefill(client, model, words, args.repeats)
     decode = measure_decode(client, model, batches, args.decode_words, args.decode_tokens)
+    loaded: list[LoadedRequest] = []
+    fe_conc = [int(c) for c in args.frontend_concurrency.split(",") if c.strip()]
+    if fe_conc:
+        fe_words = [int(w) for w in args.frontend_words.split(",")]
+        clients = [
+            (
+                e.id,
+                openai.OpenAI(
+                    base_url=f"{e.url.rstrip('/')}/v1", api_key="unused", timeout=600, max_retries=0
+                ),
+            )
+            for e in engines
+        ]
+        for c in fe_conc:
+            loaded += loaded_run(
+                clients, model, c, args.frontend_requests, fe_words, args.frontend_tokens, 0.05
+            )
+        if args.router_model_dir is not None:
+            from loadtest.calib_compare import start_router
+            from loadtest.procs import stop_process
+
+            work = (args.raw_out or args.out or Path("runs/calib/x")).parent
+            work.mkdir(parents=True, exist_ok=True)
+            proc, url = start_router(
+                args.fleet, args.router_model_dir, "round_robin", work / "router-calib.log"
+            )
+            try:
+                rclient = [
+                    ("", openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0))
+                ]
+                for c in fe_conc:
+                    loaded += loaded_run(
+                        rclient,
+                        model,
+                        c,
+                        args.frontend_requests,
+                        fe_words,
+                        args.frontend_tokens,
+                        0.05,
+                        "router",
+                    )
+            finally:
+                stop_process(proc)
+    if args.raw_out:
+        args.raw_out.parent.mkdir(parents=True, exist_ok=True)
+        args.raw_out.write_text(
+            json.dumps(
+                {
+                    "prefill": [dataclasses.asdict(x) for x in prefill],
+                    "decode": [dataclasses.asdict(x) for x in decode],
+                    "loaded": [dataclasses.asdict(x) for x in loaded],
+                    "load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     if args.repeats >= 3:
         prefill, decode = median_samples(prefill, decode)
     fit = fit_step_model(prefill, decode, args.step_tokens)
