@@ -38,17 +38,16 @@ import httpx
 import openai
 
 from kvcore.stats import percentiles
+from loadtest.calibrate_vllm import VLLM_CPU_MAX_NUM_SEQS
 from loadtest.procs import stop_process, wait_http_ok
 from router.config import load_fleet_file
 from sim.des import FleetSimulator, SimConfig
 from sim.engine import EngineProfile
-from sim.fleets import EngineSpec, FleetSpec, load_engine_profile
+from sim.fleets import EngineSpec, FleetSpec, load_engine_profile, load_server_stages
 from sim.server import free_port
 from sim.workloads import Conversation, LadderConfig, Turn, Workload, ladder_workload
 
 REPO = Path(__file__).resolve().parents[1]
-#: vLLM 0.32's max_num_seqs for its OpenAI server on CPU (engine/arg_utils.py).
-VLLM_CPU_MAX_NUM_SEQS = 128
 #: Pseudo-policy: the client deals requests round robin straight to the engines (no router in the
 #: path; simulated as round_robin): how much of the live TTFT the router adds.
 DIRECT = "direct"
@@ -395,6 +394,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--think-time-s", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=Path("runs/calib"))
+    p.add_argument(
+        "--no-stages",
+        action="store_true",
+        help="ignore the profile's server stages (the engine core only, plus the fixed request overhead)",
+    )
     p.add_argument("--json", type=Path, help="write the rows and the live runs' records here")
     p.add_argument(
         "--live-json",
@@ -446,14 +450,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         # live and in the DES.
         scheduling_policy=engines[0].scheduling_policy or "fcfs",
     )
-    # The API server's per-request cost (HTTP, chat template, tokenization): outside the engine
-    # core, so added to each simulated TTFT.
-    request_overhead_s = float(json.loads(args.profile.read_text()).get("request_overhead_s", 0.0))
+    # vLLM's API server and the router as server stages (sim/frontend.py) when the calibration fitted
+    # them; else the API server's per-request cost (HTTP, chat template, tokenization) measured one
+    # request at a time is added to each simulated TTFT.
+    api_stage, router_stage = load_server_stages(args.profile) if not args.no_stages else (None, None)
+    request_overhead_s = (
+        0.0
+        if api_stage is not None
+        else float(json.loads(args.profile.read_text()).get("request_overhead_s", 0.0))
+    )
     rows: list[Row] = []
     phases = [
         "| policy | client TTFT | router first event | router decision "
         "| engine TTFT (arrival -> first token) "
-        "| queued | prefill | DES engine TTFT |",
+        "| queued | prefill | DES TTFT |",
         "|---|---|---|---|---|---|---|---|",
     ]
     saved: dict[str, Any] = json.loads(args.live_json.read_text())["runs"] if args.live_json else {}
@@ -480,7 +490,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         if off:
             print(f"  warning: {len(off)} prompts differ from /tokenize (first {off[0]})", file=sys.stderr)
-        fleet = FleetSpec([EngineSpec(e.id, dataclasses.replace(profile)) for e in engines])
+        fleet = FleetSpec(
+            [EngineSpec(e.id, dataclasses.replace(profile)) for e in engines],
+            api_server=api_stage,
+            router_stage=None if policy == DIRECT else router_stage,
+        )
         des_policy = "round_robin" if policy == DIRECT else policy
         res = FleetSimulator(des_wl, des_policy, fleet, SimConfig(seed=args.seed)).run()
         rows.append(summarize(policy, "des", res.hit, [t + request_overhead_s for t in res.ttfts_s]))
@@ -489,13 +503,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"| {rmeans.get('kvroute_ttft_seconds', math.nan):.3f} "
             f"| {rmeans.get('kvroute_router_seconds', math.nan):.4f} "
             f"| {means['time_to_first_token_seconds']:.3f} | {means['request_queue_time_seconds']:.3f} "
-            f"| {means['request_prefill_time_seconds']:.3f} | {statistics.mean(res.ttfts_s):.3f} |"
+            f"| {means['request_prefill_time_seconds']:.3f} "
+            f"| {statistics.mean(res.ttfts_s) + request_overhead_s:.3f} |"
         )
         print(f"{policy}: live {rows[-2]}, des {rows[-1]}", file=sys.stderr)
     print(fmt_table(rows))
     print(
-        "\nmean seconds per request; engine phases from vLLM's /metrics histograms; "
-        "DES without the request overhead"
+        "\nmean seconds per request: the client's TTFT; the router's (body received -> first event from "
+        "the engine; decision: body received -> sent); vLLM's /metrics histograms (the engine client's "
+        "arrival, after the API server tokenized the prompt, -> first token; waiting; prefill steps); "
+        "the DES's TTFT"
     )
     print("\n".join(phases))
     if args.json:

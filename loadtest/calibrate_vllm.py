@@ -39,6 +39,7 @@ import openai
 
 from router.config import load_fleet_file
 from sim.engine import EngineProfile
+from sim.frontend import ServerStage
 
 #: The coefficients, in column order of the design matrix.
 COEFFICIENTS = (
@@ -53,6 +54,9 @@ COEFFICIENTS = (
 #: vLLM's step token budget (max_num_batched_tokens) for its OpenAI server on CPU (vLLM 0.32
 #: engine/arg_utils.py: 2,048 x world size); a longer prompt's prefill takes several steps.
 VLLM_CPU_STEP_TOKENS = 2048
+
+#: vLLM 0.32's max_num_seqs for its OpenAI server on CPU (engine/arg_utils.py).
+VLLM_CPU_MAX_NUM_SEQS = 128
 
 #: Words the prompts are made of (the engines' BPE tokenizer splits them into a few tokens each;
 #: lengths are taken from the engine's ``usage.prompt_tokens``, not from this text).
@@ -347,6 +351,163 @@ def loaded_run(
     return out
 
 
+# ------------------------------------------------------------------------------ server stages
+
+
+def replay_loaded(
+    loaded: Sequence[LoadedRequest],
+    engine_ids: Sequence[str],
+    profile: EngineProfile,
+    api: ServerStage | None,
+    router: ServerStage | None,
+) -> list[float]:
+    """The DES's TTFT of every request in ``loaded`` (same order): each run (via, concurrency) on a
+    fresh fleet of ``engine_ids`` with ``profile``; each request a one-turn conversation of its own
+    blocks (nothing cached) sent at its measured time and dealt round robin in send order, as the
+    calibration dealt them (straight, or through a round_robin router: ``router`` applies to those)."""
+    from sim.des import FleetSimulator, SimConfig
+    from sim.fleets import EngineSpec, FleetSpec
+    from sim.workloads import Conversation, Turn, Workload
+
+    out: dict[int, float] = {}
+    runs: dict[tuple[str, int], list[int]] = {}
+    for i, r in enumerate(loaded):
+        runs.setdefault((r.via, r.concurrency), []).append(i)
+    bs = profile.block_size
+    for (via, _), idx in runs.items():
+        idx.sort(key=lambda i: loaded[i].start_s)
+        convs = [
+            Conversation(
+                f"r{i}",
+                [
+                    Turn(
+                        loaded[i].prompt_tokens,
+                        max(1, loaded[i].completion_tokens),
+                        [i * 100_000 + b for b in range(loaded[i].prompt_tokens // bs)],
+                        at_s=0.0,
+                    )
+                ],
+                start_s=loaded[i].start_s,
+            )
+            for i in idx
+        ]
+        fleet = FleetSpec(
+            [EngineSpec(e, dataclasses.replace(profile)) for e in engine_ids],
+            api_server=api,
+            router_stage=router if via == "router" else None,
+        )
+        res = FleetSimulator(
+            Workload("loaded", bs, convs),
+            "round_robin",
+            fleet,
+            SimConfig(scrape_interval_s=0, track_ideal=False),
+        ).run()
+        for i in idx:
+            out[i] = res.ttft_by_request_s[f"r{i}#0"]
+    return [out[i] for i in range(len(loaded))]
+
+
+def _log_error(sim: Sequence[float], live: Sequence[float]) -> float:
+    """Mean squared log ratio (a TTFT twice too long costs as much as one half too short)."""
+    return float(
+        np.mean(
+            [(math.log(max(a, 1e-9)) - math.log(max(b, 1e-9))) ** 2 for a, b in zip(sim, live, strict=True)]
+        )
+    )
+
+
+def _golden(f: Any, lo: float, hi: float, iters: int = 24) -> float:
+    """The minimum of ``f`` on [lo, hi] by golden-section search (``f`` unimodal there)."""
+    g = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(iters):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = f(d)
+    return (a + b) / 2
+
+
+def _coordinate_fit(
+    f: Any,
+    x0: list[float],
+    bounds: list[tuple[float, float]],
+    passes: int = 4,
+    *,
+    clip_second_to_first: bool = False,
+) -> list[float]:
+    """Minimise ``f(x)`` one coordinate at a time (golden section within its bounds), ``passes``
+    times; ``clip_second_to_first``: x[1] <= x[0] as well."""
+    x = list(x0)
+    for _ in range(passes):
+        for j, (lo, hi) in enumerate(bounds):
+            if clip_second_to_first and j == 1:
+                hi = min(hi, x[0])
+            x[j] = _golden(lambda v, j=j: f([*x[:j], v, *x[j + 1 :]]), lo, hi)
+    return x
+
+
+@dataclass(frozen=True, slots=True)
+class StageFit:
+    api_server: ServerStage
+    router_stage: ServerStage | None
+    #: Mean squared log ratio DES / live TTFT over the straight and the routed requests.
+    api_error: float
+    router_error: float
+
+
+def fit_server_stages(
+    loaded: Sequence[LoadedRequest],
+    engine_ids: Sequence[str],
+    profile: EngineProfile,
+    max_request_s: float = 0.5,
+    max_output_s_per_token: float = 0.05,
+) -> StageFit:
+    """Fit the API-server stage (request_s, output_s_per_token) to the straight front-end runs, then
+    the router stage (the same two) to the routed ones with the API server fixed: the values with
+    which the DES, replaying each run's requests at their measured send times, gives their measured
+    TTFTs (least squares on log TTFT, a coordinate search). ``profile``: the engine core's fitted
+    step model (its prefill rate also carries the API server's per-token tokenization, which one
+    request at a time cannot tell apart from prefill)."""
+    direct = [r for r in loaded if r.via == "direct"]
+    routed = [r for r in loaded if r.via == "router"]
+    if len({r.concurrency for r in direct}) < 2:
+        raise ValueError("the API-server fit needs straight front-end runs at >= 2 concurrencies")
+
+    # Searched as (a, o): a = request_s + output_s_per_token (what one request alone pays: the
+    # one-stream runs pin it), o = output_s_per_token (what the loaded runs add); request_s = a - o.
+    def stage(x: Sequence[float]) -> ServerStage:
+        return ServerStage(request_s=max(0.0, x[0] - x[1]), output_s_per_token=x[1])
+
+    def search(err: Any) -> list[float]:
+        return _coordinate_fit(
+            err, [0.01, 0.0], [(0.0, max_request_s), (0.0, max_output_s_per_token)], clip_second_to_first=True
+        )
+
+    live = [r.ttft_s for r in direct]
+
+    def api_err(x: Sequence[float]) -> float:
+        return _log_error(replay_loaded(direct, engine_ids, profile, stage(x), None), live)
+
+    x = search(api_err)
+    api = stage(x)
+    if not routed:
+        return StageFit(api, None, api_err(x), math.nan)
+    rlive = [r.ttft_s for r in routed]
+
+    def router_err(y: Sequence[float]) -> float:
+        return _log_error(replay_loaded(routed, engine_ids, profile, api, stage(y)), rlive)
+
+    y = search(router_err)
+    return StageFit(api, stage(y), api_err(x), router_err(y))
+
+
 def median_samples(
     prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample]
 ) -> tuple[list[PrefillSample], list[DecodeSample]]:
@@ -415,7 +576,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m loadtest.calibrate_vllm", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--fleet", type=Path, required=True, help="fleet file (kvroute fleet --fleet-file)")
+    p.add_argument("--fleet", type=Path, help="fleet file (kvroute fleet --fleet-file)")
+    p.add_argument(
+        "--from-raw",
+        type=Path,
+        help="fit the samples of an earlier --raw-out instead of measuring (no fleet)",
+    )
+    p.add_argument(
+        "--gpu-blocks", type=int, default=400, help="the engines' --num-gpu-blocks-override (stage fit)"
+    )
     p.add_argument("--engine", help="engine id to calibrate (default: the fleet's first)")
     p.add_argument("--model-dir", type=Path, help="the engines' model folder (for kv_bytes_per_token)")
     p.add_argument(
@@ -458,12 +627,101 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--prompt-words / --batches: comma-separated integers ({exc})")
     if min(words) < 1 or min(batches) < 1 or args.repeats < 1 or args.decode_tokens < 8:
         p.error("--prompt-words, --batches, --repeats must be >= 1 and --decode-tokens >= 8")
-    engines = load_fleet_file(args.fleet)
-    if not engines:
-        p.error(f"{args.fleet}: no engines")
-    engine = next((e for e in engines if e.id == args.engine), None) if args.engine else engines[0]
-    if engine is None:
-        p.error(f"--engine {args.engine!r} is not in {args.fleet} ({', '.join(e.id for e in engines)})")
+    if args.from_raw is not None:
+        try:
+            raw = json.loads(args.from_raw.read_text())
+            prefill = [PrefillSample(**x) for x in raw["prefill"]]
+            decode = [DecodeSample(**x) for x in raw["decode"]]
+            loaded = [LoadedRequest(**x) for x in raw["loaded"]]
+            engine_ids, measured_on = list(raw["engines"]), dict(raw["measured_on"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            p.error(f"--from-raw {args.from_raw}: {exc}")
+    else:
+        if args.fleet is None:
+            p.error("--fleet is required (or --from-raw)")
+        engines = load_fleet_file(args.fleet)
+        if not engines:
+            p.error(f"{args.fleet}: no engines")
+        engine = next((e for e in engines if e.id == args.engine), None) if args.engine else engines[0]
+        if engine is None:
+            p.error(f"--engine {args.engine!r} is not in {args.fleet} ({', '.join(e.id for e in engines)})")
+        prefill, decode, loaded = measure(args, engines, engine, words, batches)
+        engine_ids = [e.id for e in engines]
+        measured_on = {"engine": engine.id, "url": engine.url, "block_size": engine.block_size or 32}
+        if args.raw_out:
+            args.raw_out.parent.mkdir(parents=True, exist_ok=True)
+            raw = {
+                "prefill": [dataclasses.asdict(x) for x in prefill],
+                "decode": [dataclasses.asdict(x) for x in decode],
+                "loaded": [dataclasses.asdict(x) for x in loaded],
+                "engines": engine_ids,
+                "measured_on": measured_on,
+                "load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
+            }
+            args.raw_out.write_text(json.dumps(raw, indent=1) + "\n")
+    if args.repeats >= 3:
+        prefill, decode = median_samples(prefill, decode)
+    fit = fit_step_model(prefill, decode, args.step_tokens)
+    kvb = kv_bytes_per_token(args.model_dir) or EngineProfile.kv_bytes_per_token
+    fields = fit.profile_fields(kvb)
+    print(format_fit(fit, fields, prefill, decode))
+    doc: dict[str, Any] = {
+        "engine_profile": {"kv_bytes_per_token": kvb, "max_num_batched_tokens": args.step_tokens, **fields},
+        "request_overhead_s": fit.coefficients["request_overhead_s"],
+        "measured_on": measured_on,
+        "residuals": {"prefill": fit.prefill_residuals, "decode": fit.decode_residuals},
+    }
+    if len({r.concurrency for r in loaded if r.via == "direct"}) >= 2:
+        profile = EngineProfile(
+            **doc["engine_profile"],
+            block_size=int(measured_on.get("block_size") or 32),
+            num_gpu_blocks=args.gpu_blocks - 1,  # vLLM's override counts its null block
+            max_num_seqs=VLLM_CPU_MAX_NUM_SEQS,
+        )
+        stages = fit_server_stages(loaded, engine_ids, profile)
+        doc["api_server"] = dataclasses.asdict(stages.api_server)
+        if stages.router_stage is not None:
+            doc["router_stage"] = dataclasses.asdict(stages.router_stage)
+        doc["stage_errors"] = {"api_server": stages.api_error, "router_stage": stages.router_error}
+        print(format_stages(stages, loaded, engine_ids, profile))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def format_stages(
+    fit: StageFit, loaded: Sequence[LoadedRequest], engine_ids: Sequence[str], profile: EngineProfile
+) -> str:
+    """The fitted stages and, per front-end run, measured vs replayed TTFT medians."""
+    lines = ["fitted server stages (sim/frontend.py):"]
+    lines.append(f"  api_server   {fit.api_server}  (mean sq. log error {fit.api_error:.4f})")
+    if fit.router_stage is not None:
+        lines.append(f"  router_stage {fit.router_stage}  (mean sq. log error {fit.router_error:.4f})")
+    sim = replay_loaded(loaded, engine_ids, profile, fit.api_server, fit.router_stage)
+    bare = replay_loaded(loaded, engine_ids, profile, None, None)
+    lines.append(
+        "front-end runs (via, streams, requests, TTFT p50 measured / DES with stages / DES without):"
+    )
+    runs: dict[tuple[str, int], list[int]] = {}
+    for i, r in enumerate(loaded):
+        runs.setdefault((r.via, r.concurrency), []).append(i)
+    for (via, c), idx in runs.items():
+        med = [statistics.median(v[i] for i in idx) for v in ([r.ttft_s for r in loaded], sim, bare)]
+        lines.append(f"  {via:<7} {c:>3} {len(idx):>4}   {med[0]:.4f} / {med[1]:.4f} / {med[2]:.4f}")
+    return "\n".join(lines)
+
+
+def measure(
+    args: argparse.Namespace,
+    engines: Sequence[Any],
+    engine: Any,
+    words: Sequence[int],
+    batches: Sequence[int],
+) -> tuple[list[PrefillSample], list[DecodeSample], list[LoadedRequest]]:
+    """Every sample from the live fleet: prefills and decode steps on ``engine``, the front-end runs
+    over all ``engines`` (and through a router with --router-model-dir)."""
     client = openai.OpenAI(
         base_url=f"{engine.url.rstrip('/')}/v1", api_key="unused", timeout=600, max_retries=0
     )
@@ -474,82 +732,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     decode = measure_decode(client, model, batches, args.decode_words, args.decode_tokens)
     loaded: list[LoadedRequest] = []
     fe_conc = [int(c) for c in args.frontend_concurrency.split(",") if c.strip()]
-    if fe_conc:
-        fe_words = [int(w) for w in args.frontend_words.split(",")]
-        clients = [
-            (
-                e.id,
-                openai.OpenAI(
-                    base_url=f"{e.url.rstrip('/')}/v1", api_key="unused", timeout=600, max_retries=0
-                ),
-            )
-            for e in engines
-        ]
-        for c in fe_conc:
-            loaded += loaded_run(
-                clients, model, c, args.frontend_requests, fe_words, args.frontend_tokens, 0.05
-            )
-        if args.router_model_dir is not None:
-            from loadtest.calib_compare import start_router
-            from loadtest.procs import stop_process
-
-            work = (args.raw_out or args.out or Path("runs/calib/x")).parent
-            work.mkdir(parents=True, exist_ok=True)
-            proc, url = start_router(
-                args.fleet, args.router_model_dir, "round_robin", work / "router-calib.log"
-            )
-            try:
-                rclient = [
-                    ("", openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0))
-                ]
-                for c in fe_conc:
-                    loaded += loaded_run(
-                        rclient,
-                        model,
-                        c,
-                        args.frontend_requests,
-                        fe_words,
-                        args.frontend_tokens,
-                        0.05,
-                        "router",
-                    )
-            finally:
-                stop_process(proc)
-    if args.raw_out:
-        args.raw_out.parent.mkdir(parents=True, exist_ok=True)
-        args.raw_out.write_text(
-            json.dumps(
-                {
-                    "prefill": [dataclasses.asdict(x) for x in prefill],
-                    "decode": [dataclasses.asdict(x) for x in decode],
-                    "loaded": [dataclasses.asdict(x) for x in loaded],
-                    "load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
-                },
-                indent=1,
-            )
-            + "\n"
+    if not fe_conc:
+        return prefill, decode, loaded
+    fe_words = [int(w) for w in args.frontend_words.split(",")]
+    clients = [
+        (
+            e.id,
+            openai.OpenAI(base_url=f"{e.url.rstrip('/')}/v1", api_key="unused", timeout=600, max_retries=0),
         )
-    if args.repeats >= 3:
-        prefill, decode = median_samples(prefill, decode)
-    fit = fit_step_model(prefill, decode, args.step_tokens)
-    kvb = kv_bytes_per_token(args.model_dir) or EngineProfile.kv_bytes_per_token
-    fields = fit.profile_fields(kvb)
-    print(format_fit(fit, fields, prefill, decode))
-    if args.out:
-        doc: dict[str, Any] = {
-            "engine_profile": {
-                "kv_bytes_per_token": kvb,
-                "max_num_batched_tokens": args.step_tokens,
-                **fields,
-            },
-            "request_overhead_s": fit.coefficients["request_overhead_s"],
-            "measured_on": {"engine": engine.id, "url": engine.url, "block_size": engine.block_size},
-            "residuals": {"prefill": fit.prefill_residuals, "decode": fit.decode_residuals},
-        }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.out}")
-    return 0
+        for e in engines
+    ]
+    for c in fe_conc:
+        loaded += loaded_run(clients, model, c, args.frontend_requests, fe_words, args.frontend_tokens, 0.05)
+    if args.router_model_dir is not None:
+        from loadtest.calib_compare import start_router
+        from loadtest.procs import stop_process
+
+        work = (args.raw_out or args.out or Path("runs/calib/x")).parent
+        work.mkdir(parents=True, exist_ok=True)
+        proc, url = start_router(args.fleet, args.router_model_dir, "round_robin", work / "router-calib.log")
+        try:
+            rclient = [
+                ("", openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0))
+            ]
+            for c in fe_conc:
+                loaded += loaded_run(
+                    rclient, model, c, args.frontend_requests, fe_words, args.frontend_tokens, 0.05, "router"
+                )
+        finally:
+            stop_process(proc)
+    return prefill, decode, loaded
 
 
 if __name__ == "__main__":

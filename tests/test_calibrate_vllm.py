@@ -3,6 +3,7 @@ the profile file it writes read back by the simulator (sim/des.py --engine-profi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -11,10 +12,19 @@ from pathlib import Path
 import pytest
 
 from loadtest.calib_compare import block_chain
-from loadtest.calibrate_vllm import DecodeSample, PrefillSample, fit_step_model, median_samples
+from loadtest.calibrate_vllm import (
+    DecodeSample,
+    LoadedRequest,
+    PrefillSample,
+    fit_server_stages,
+    fit_step_model,
+    median_samples,
+    replay_loaded,
+)
 from sim.des_cli import _plan, build_parser
 from sim.engine import EngineCore, EngineProfile, SimRequest
 from sim.fleets import load_engine_profile
+from sim.frontend import ServerStage
 
 TRUE = {
     "request_overhead_s": 0.02,
@@ -152,3 +162,56 @@ def test_block_chain_ids_share_exactly_the_shared_full_blocks() -> None:
     assert len(ca) == 3  # the partial 4th block has no id
     assert ca[:2] == cb[:2] and ca[2] != cb[2]
     assert block_chain(a[32:], 32)[0] != ca[1]  # same tokens, other parent: another id
+
+
+# -- the server stages (sim/frontend.py) fitted to front-end runs -----------------------------------
+
+STAGE_PROFILE = EngineProfile(
+    block_size=32,
+    num_gpu_blocks=400,
+    step_overhead_s=0.004,
+    prefill_tokens_per_s=40_000.0,
+    prefill_attention_s_per_token_ctx=4e-9,
+    decode_s_per_seq=0.0003,
+    hbm_bytes_per_s=float("inf"),
+    max_num_batched_tokens=2048,
+)
+
+
+def _loaded_runs() -> list[LoadedRequest]:
+    """Front-end runs as the calibration makes them: one stream (requests 0.5 s apart), then 3
+    streams whose requests arrive while the others' answers stream, straight and through the router;
+    32-token answers. TTFTs are filled in by the caller."""
+    sizes = (400, 900, 1500, 2100)
+    out = []
+    for via in ("direct", "router"):
+        for k in range(3):
+            out.append(LoadedRequest(1, "", sizes[k], 32, 0.5 * k, 0.0, 0.0, via))
+        for k in range(9):
+            start = 0.25 * (k // 3) + 0.06 * (k % 3)
+            out.append(LoadedRequest(3, "", sizes[k % 4], 32, start, 0.0, 0.0, via))
+    return out
+
+
+def test_server_stage_fit_recovers_known_api_server_and_router_parameters() -> None:
+    api = ServerStage(request_s=0.03, output_s_per_token=0.002)
+    router = ServerStage(request_s=0.012, output_s_per_token=0.0007)
+    runs = _loaded_runs()
+    ttfts = replay_loaded(runs, ["v0", "v1"], STAGE_PROFILE, api, router)
+    # The stages matter here: a loaded request waits for other requests' tokens.
+    bare = replay_loaded(runs, ["v0", "v1"], STAGE_PROFILE, None, None)
+    assert min(t - b for t, b in zip(ttfts, bare, strict=True)) > 0.03
+    live = [dataclasses.replace(r, ttft_s=t) for r, t in zip(runs, ttfts, strict=True)]
+    fit = fit_server_stages(live, ["v0", "v1"], STAGE_PROFILE)
+    assert fit.api_server.request_s == pytest.approx(0.03, rel=0.02)
+    assert fit.api_server.output_s_per_token == pytest.approx(0.002, rel=0.02)
+    assert fit.router_stage is not None
+    assert fit.router_stage.request_s == pytest.approx(0.012, rel=0.02)
+    assert fit.router_stage.output_s_per_token == pytest.approx(0.0007, rel=0.05)
+    assert fit.api_error < 1e-4 and fit.router_error < 1e-4
+
+
+def test_server_stage_fit_needs_two_concurrencies() -> None:
+    one = [r for r in _loaded_runs() if r.concurrency == 1]
+    with pytest.raises(ValueError, match=">= 2 concurrencies"):
+        fit_server_stages(one, ["v0", "v1"], STAGE_PROFILE)
