@@ -40,7 +40,7 @@ import openai
 from kvcore.stats import percentiles
 from loadtest.calibrate_vllm import VLLM_CPU_MAX_NUM_SEQS
 from loadtest.procs import stop_process, wait_http_ok
-from router.config import load_fleet_file
+from router.config import EngineConfig, load_fleet_file
 from sim.des import FleetSimulator, SimConfig
 from sim.engine import EngineProfile
 from sim.fleets import EngineSpec, FleetSpec, load_engine_profile, load_server_stages
@@ -377,7 +377,7 @@ def fmt_table(rows: Sequence[Row]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.calib_compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--fleet", type=Path, required=True)
+    p.add_argument("--fleet", type=Path, help="fleet file (kvroute fleet --fleet-file)")
     p.add_argument(
         "--model-dir", type=Path, required=True, help="the engines' model folder (router tokenizer)"
     )
@@ -403,8 +403,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--live-json",
         type=Path,
-        help="take the live runs from this earlier --json instead of running them (DES side only; "
-        "the engines are still asked to /tokenize unless --workload-json is given)",
+        nargs="+",
+        default=[],
+        help="take the live runs from these earlier --json files instead of running them (the DES side "
+        "only; with several, the live median and range per policy); with --workload-json, no engine "
+        "is asked anything and --fleet may be left out (the files name the fleet)",
     )
     p.add_argument(
         "--workload-json",
@@ -412,9 +415,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the engine-tokenized workload: written here after /tokenize, or read from here if it exists",
     )
     args = p.parse_args(argv)
-    engines = load_fleet_file(args.fleet)
+    if args.fleet is not None:
+        engines = load_fleet_file(args.fleet)
+    elif args.live_json:
+        engines = [EngineConfig(**e) for e in json.loads(args.live_json[0].read_text()).get("fleet", [])]
+    else:
+        p.error("--fleet is required (or --live-json files that name the fleet)")
     if not engines:
-        p.error(f"{args.fleet}: no engines")
+        p.error(f"{args.fleet or args.live_json[0]}: no engines")
     block_size = engines[0].block_size or 32
     model = engines[0].model or "kvroute-tiny-llama"
     lo, hi = (int(x) for x in args.answer_tokens.split(","))
@@ -466,30 +474,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "| queued | prefill | DES TTFT |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    saved: dict[str, Any] = json.loads(args.live_json.read_text())["runs"] if args.live_json else {}
+    saved = [json.loads(f.read_text())["runs"] for f in args.live_json]
     runs: dict[str, Any] = {}
+    repeats: dict[str, list[Row]] = {}
     for policy in [x.strip() for x in args.policies.split(",") if x.strip()]:
-        if args.live_json:
-            if policy not in saved:
-                p.error(f"--live-json {args.live_json} has no run of {policy!r} ({', '.join(saved)})")
-            run = saved[policy]
-        else:
-            run = live_policy_run(policy, args, engines, model, wl)
-        runs[policy] = run
-        recs = [TurnRecord(**r) for r in run["records"]]
-        means, rmeans = run["engine_phases"], run["router_phases"]
-        hit = sum(r.cached_tokens for r in recs) / sum(r.prompt_tokens for r in recs)
-        rows.append(summarize(policy, "live", hit, [r.ttft_s for r in recs]))
-        want = {
-            (i, k): t.prompt_tokens for i, c in enumerate(des_wl.conversations) for k, t in enumerate(c.turns)
-        }
-        off = [
-            (r.conv, r.turn, r.prompt_tokens, want[(r.conv, r.turn)])
-            for r in recs
-            if r.prompt_tokens != want[(r.conv, r.turn)]
-        ]
-        if off:
-            print(f"  warning: {len(off)} prompts differ from /tokenize (first {off[0]})", file=sys.stderr)
+        for f, doc in zip(args.live_json, saved, strict=True):
+            if policy not in doc:
+                p.error(f"--live-json {f} has no run of {policy!r} ({', '.join(doc)})")
         fleet = FleetSpec(
             [EngineSpec(e.id, dataclasses.replace(profile)) for e in engines],
             api_server=api_stage,
@@ -497,17 +488,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         des_policy = "round_robin" if policy == DIRECT else policy
         res = FleetSimulator(des_wl, des_policy, fleet, SimConfig(seed=args.seed)).run()
-        rows.append(summarize(policy, "des", res.hit, [t + request_overhead_s for t in res.ttfts_s]))
-        phases.append(
-            f"| {policy} | {statistics.mean(r.ttft_s for r in recs):.3f} "
-            f"| {rmeans.get('kvroute_ttft_seconds', math.nan):.3f} "
-            f"| {rmeans.get('kvroute_router_seconds', math.nan):.4f} "
-            f"| {means['time_to_first_token_seconds']:.3f} | {means['request_queue_time_seconds']:.3f} "
-            f"| {means['request_prefill_time_seconds']:.3f} "
-            f"| {statistics.mean(res.ttfts_s) + request_overhead_s:.3f} |"
-        )
-        print(f"{policy}: live {rows[-2]}, des {rows[-1]}", file=sys.stderr)
-    print(fmt_table(rows))
+        des_row = summarize(policy, "des", res.hit, [t + request_overhead_s for t in res.ttfts_s])
+        live_runs = [doc[policy] for doc in saved] or [live_policy_run(policy, args, engines, model, wl)]
+        runs[policy] = live_runs[0]
+        for run in live_runs:
+            recs = [TurnRecord(**r) for r in run["records"]]
+            check_prompts(recs, des_wl)
+            hit = sum(r.cached_tokens for r in recs) / sum(r.prompt_tokens for r in recs)
+            live_row = summarize(policy, "live", hit, [r.ttft_s for r in recs])
+            repeats.setdefault(policy, []).append(live_row)
+            means, rmeans = run["engine_phases"], run["router_phases"]
+            phases.append(
+                f"| {policy} | {statistics.mean(r.ttft_s for r in recs):.3f} "
+                f"| {rmeans.get('kvroute_ttft_seconds', math.nan):.3f} "
+                f"| {rmeans.get('kvroute_router_seconds', math.nan):.4f} "
+                f"| {means['time_to_first_token_seconds']:.3f} | {means['request_queue_time_seconds']:.3f} "
+                f"| {means['request_prefill_time_seconds']:.3f} "
+                f"| {statistics.mean(res.ttfts_s) + request_overhead_s:.3f} |"
+            )
+        rows += [repeats[policy][0], des_row]
+        print(f"{policy}: live {repeats[policy]}, des {des_row}", file=sys.stderr)
+    if len(args.live_json) > 1:
+        print(fmt_repeats_table(repeats, {r.policy: r for r in rows if r.source == "des"}))
+    else:
+        print(fmt_table(rows))
     print(
         "\nmean seconds per request: the client's TTFT; the router's (body received -> first event from "
         "the engine; decision: body received -> sent); vLLM's /metrics histograms (the engine client's "
@@ -516,10 +520,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print("\n".join(phases))
     if args.json:
+        fleet_doc = [
+            {"id": e.id, "url": e.url, "block_size": e.block_size, "model": e.model,
+             "scheduling_policy": e.scheduling_policy}
+            for e in engines
+        ]  # fmt: skip
         args.json.write_text(
-            json.dumps({"rows": [dataclasses.asdict(r) for r in rows], "runs": runs}, indent=1) + "\n"
+            json.dumps(
+                {"rows": [dataclasses.asdict(r) for r in rows], "runs": runs, "fleet": fleet_doc}, indent=1
+            )
+            + "\n"
         )
     return 0
+
+
+def check_prompts(recs: Sequence[TurnRecord], des_wl: Workload) -> None:
+    """Warn when the engine counted other prompt lengths than /tokenize gave the DES."""
+    want = {
+        (i, k): t.prompt_tokens for i, c in enumerate(des_wl.conversations) for k, t in enumerate(c.turns)
+    }
+    off = [
+        (r.conv, r.turn, r.prompt_tokens, want[(r.conv, r.turn)])
+        for r in recs
+        if r.prompt_tokens != want[(r.conv, r.turn)]
+    ]
+    if off:
+        print(f"  warning: {len(off)} prompts differ from /tokenize (first {off[0]})", file=sys.stderr)
+
+
+def fmt_repeats_table(repeats: dict[str, list[Row]], des: dict[str, Row]) -> str:
+    """Several live runs per policy against the one DES run: the live median [min - max] of each
+    figure, and the DES over the live median."""
+
+    def span(values: Sequence[float], digits: int = 3) -> str:
+        return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+    lines = [
+        "| policy | runs | hit live | hit DES | diff | TTFT p50 live | DES | DES/live "
+        "| TTFT p90 live | DES | DES/live |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for policy, live in repeats.items():
+        d = des[policy]
+        hit = statistics.median(r.hit for r in live)
+        p50 = statistics.median(r.ttft_p50_s for r in live)
+        p90 = statistics.median(r.ttft_p90_s for r in live)
+        lines.append(
+            f"| {policy} | {len(live)} | {span([r.hit for r in live])} | {d.hit:.3f} | {d.hit - hit:+.3f} "
+            f"| {span([r.ttft_p50_s for r in live])} | {d.ttft_p50_s:.3f} | {d.ttft_p50_s / p50:.2f} "
+            f"| {span([r.ttft_p90_s for r in live])} | {d.ttft_p90_s:.3f} | {d.ttft_p90_s / p90:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def live_policy_run(
