@@ -438,18 +438,30 @@ def _coordinate_fit(
     f: Any,
     x0: list[float],
     bounds: list[tuple[float, float]],
-    passes: int = 4,
+    passes: int = 3,
     *,
     clip_second_to_first: bool = False,
+    grid: int = 8,
 ) -> list[float]:
-    """Minimise ``f(x)`` one coordinate at a time (golden section within its bounds), ``passes``
-    times; ``clip_second_to_first``: x[1] <= x[0] as well."""
+    """Minimise ``f(x)`` one coordinate at a time, ``passes`` times: a scan of ``grid`` points over
+    the coordinate's bounds (replayed TTFTs jump where two requests swap places, so the error is not
+    unimodal) and a golden-section search between the best point's neighbours.
+    ``clip_second_to_first``: x[1] <= x[0] as well."""
     x = list(x0)
     for _ in range(passes):
         for j, (lo, hi) in enumerate(bounds):
             if clip_second_to_first and j == 1:
                 hi = min(hi, x[0])
-            x[j] = _golden(lambda v, j=j: f([*x[:j], v, *x[j + 1 :]]), lo, hi)
+
+            def at(v: float, j: int = j) -> float:
+                return float(f([*x[:j], v, *x[j + 1 :]]))
+
+            points = sorted({lo + (hi - lo) * i / (grid - 1) for i in range(grid)} | {min(max(x[j], lo), hi)})
+            errors = [at(v) for v in points]
+            best = int(np.argmin(errors))
+            left, right = points[max(best - 1, 0)], points[min(best + 1, len(points) - 1)]
+            v = _golden(at, left, right, iters=16)
+            x[j] = v if at(v) <= errors[best] else points[best]
     return x
 
 
@@ -468,26 +480,37 @@ def fit_server_stages(
     profile: EngineProfile,
     max_request_s: float = 0.5,
     max_output_s_per_token: float = 0.05,
+    *,
+    noise: bool = True,
 ) -> StageFit:
-    """Fit the API-server stage (request_s, output_s_per_token) to the straight front-end runs, then
-    the router stage (the same two) to the routed ones with the API server fixed: the values with
-    which the DES, replaying each run's requests at their measured send times, gives their measured
-    TTFTs (least squares on log TTFT, a coordinate search). ``profile``: the engine core's fitted
-    step model (its prefill rate also carries the API server's per-token tokenization, which one
-    request at a time cannot tell apart from prefill)."""
+    """Fit the API-server stage to the straight front-end runs, then the router stage to the routed
+    ones with the API server fixed: the values with which the DES, replaying each run's requests at
+    their measured send times, gives their measured TTFTs (least squares on log TTFT, a coordinate
+    search). Each stage's per-request time is split into work that holds the process (``request_s``:
+    requests queue behind it) and a stall that does not (``stall_s``): the runs at several
+    concurrencies tell them apart. ``noise``: the spread left around the fit (root mean squared log
+    error) becomes the stall's ``stall_sigma`` (the router's: what the routed runs add to the
+    straight ones'). ``profile``: the engine core's fitted step model (its prefill rate also carries
+    the API server's per-token tokenization, which one request at a time cannot tell apart from
+    prefill)."""
     direct = [r for r in loaded if r.via == "direct"]
     routed = [r for r in loaded if r.via == "router"]
     if len({r.concurrency for r in direct}) < 2:
         raise ValueError("the API-server fit needs straight front-end runs at >= 2 concurrencies")
 
-    # Searched as (a, o): a = request_s + output_s_per_token (what one request alone pays: the
-    # one-stream runs pin it), o = output_s_per_token (what the loaded runs add); request_s = a - o.
+    # Searched as (a, o, f): a = what one request alone pays on the way in and for its first token
+    # (request_s + stall_s + output_s_per_token; the one-stream runs pin it), o = output_s_per_token,
+    # f = the share of the rest that holds the process (request_s = f (a - o), stall_s = (1 - f)(a - o)).
     def stage(x: Sequence[float]) -> ServerStage:
-        return ServerStage(request_s=max(0.0, x[0] - x[1]), output_s_per_token=x[1])
+        rest = max(0.0, x[0] - x[1])
+        return ServerStage(request_s=x[2] * rest, output_s_per_token=x[1], stall_s=(1.0 - x[2]) * rest)
 
     def search(err: Any) -> list[float]:
         return _coordinate_fit(
-            err, [0.01, 0.0], [(0.0, max_request_s), (0.0, max_output_s_per_token)], clip_second_to_first=True
+            err,
+            [0.01, 0.0, 0.5],
+            [(0.0, max_request_s), (0.0, max_output_s_per_token), (0.0, 1.0)],
+            clip_second_to_first=True,
         )
 
     live = [r.ttft_s for r in direct]
@@ -497,15 +520,21 @@ def fit_server_stages(
 
     x = search(api_err)
     api = stage(x)
+    api_error = api_err(x)
+    noisy_api = dataclasses.replace(api, stall_sigma=math.sqrt(api_error)) if noise else api
     if not routed:
-        return StageFit(api, None, api_err(x), math.nan)
+        return StageFit(noisy_api, None, api_error, math.nan)
     rlive = [r.ttft_s for r in routed]
 
     def router_err(y: Sequence[float]) -> float:
         return _log_error(replay_loaded(routed, engine_ids, profile, api, stage(y)), rlive)
 
     y = search(router_err)
-    return StageFit(api, stage(y), api_err(x), router_err(y))
+    router_error = router_err(y)
+    router = stage(y)
+    if noise:
+        router = dataclasses.replace(router, stall_sigma=math.sqrt(max(0.0, router_error - api_error)))
+    return StageFit(noisy_api, router, api_error, router_error)
 
 
 def median_samples(

@@ -385,6 +385,8 @@ class FleetSimulator:
         staged = self.fleet.api_server is not None or self.fleet.router_stage is not None
         api = [FifoServer() for _ in self.cores]
         router = FifoServer() if self.fleet.router_stage is not None else None
+        # Their stalls: their own generator, so the rest of the run draws what it drew before.
+        stage_rng = random.Random(f"stages:{cfg.seed}")
 
         def after_turn(slot: int, turn: int, t: float) -> None:
             """A turn is over (finished or rejected): send the next one or replace the conversation."""
@@ -434,8 +436,9 @@ class FleetSimulator:
             elif kind == _ARRIVE and router is not None and self.fleet.router_stage is not None:
                 # Through the router process first: routed when it has read the request.
                 slot, k = payload
-                cost = self.fleet.router_stage.request_cost_s(states[slot].conv.turns[k].prompt_tokens)
-                push(router.serve(now, cost), _ROUTE, (slot, k, now))
+                rs = self.fleet.router_stage
+                done_s = router.serve(now, rs.request_cost_s(states[slot].conv.turns[k].prompt_tokens))
+                push(done_s + rs.stall_draw_s(stage_rng), _ROUTE, (slot, k, now))
             elif kind in (_ARRIVE, _ROUTE):
                 slot, k, *sent = payload
                 cs = states[slot]
@@ -459,12 +462,9 @@ class FleetSimulator:
                     ideal_tokens += min(n * wl.block_size, max_hit_tokens(turn.prompt_tokens))
                 if staged:
                     # The engine's API server reads and tokenizes it before the engine core sees it.
-                    cost = (
-                        self.fleet.api_server.request_cost_s(r.prompt_tokens)
-                        if self.fleet.api_server
-                        else 0.0
-                    )
-                    push(api[r.engine].serve(now, cost), _AT_CORE, (r, sim_req))
+                    a = self.fleet.api_server
+                    done_s = api[r.engine].serve(now, a.request_cost_s(r.prompt_tokens)) if a else now
+                    push(done_s + (a.stall_draw_s(stage_rng) if a else 0.0), _AT_CORE, (r, sim_req))
                 elif not busy[r.engine]:
                     start_step(r.engine, now)
                 if not slowed and self.fleet.slowdown_engine is not None and arrived >= slowdown_at:

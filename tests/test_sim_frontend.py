@@ -3,6 +3,8 @@ FIFO queues in front of the engine cores, checked in virtual time against hand-c
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from sim.des import SimConfig, simulate
@@ -47,7 +49,13 @@ def test_stage_costs_and_fifo_server() -> None:
     assert server.serve(1.2, 0.5) == 2.0  # waited behind the first job
     assert server.serve(3.0, 0.1) == pytest.approx(3.1)  # idle server: starts on arrival
     assert server.busy_s == pytest.approx(1.1)
-    for bad in ({"request_s": -0.1}, {"output_s_per_token": float("nan")}, {"request_s_per_token": "1"}):
+    bad_fields = (
+        {"request_s": -0.1},
+        {"output_s_per_token": float("nan")},
+        {"request_s_per_token": "1"},
+        {"stall_sigma": -1},
+    )
+    for bad in bad_fields:
         with pytest.raises(ValueError, match="finite number >= 0"):
             ServerStage(**bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown ServerStage fields per_chunk_s"):
@@ -123,3 +131,40 @@ def test_the_next_turn_waits_for_the_last_token_to_reach_the_client() -> None:
     assert staged.ttft_by_request_s["A#0"] == pytest.approx(PREFILL_320_S + 0.02)
     assert staged.ttft_by_request_s["A#1"] == pytest.approx(plain.ttft_by_request_s["A#1"] + 0.02)
     assert staged.virtual_s == pytest.approx(plain.virtual_s + 2 * 0.04)
+
+
+def test_a_stall_delays_a_request_without_holding_the_api_server() -> None:
+    # Both sent at 0 with a 0.5 s stall and no work: neither waits for the other's stall, so both
+    # reach the core at 0.5 s. With 0.5 s of work instead, B reaches it only at 1.0 s.
+    stalled = simulate(two_requests(0.0), "round_robin", fleet(api=ServerStage(stall_s=0.5)), CFG)
+    shifted = Workload(
+        "shifted",
+        16,
+        [
+            Conversation("A", [Turn(320, 1, list(range(20)), at_s=0.0)], start_s=0.5),
+            Conversation("B", [Turn(320, 1, list(range(100, 120)), at_s=0.0)], start_s=0.5),
+        ],
+    )
+    core_part = simulate(shifted, "round_robin", fleet(), CFG).ttft_by_request_s
+    for rid in ("A#0", "B#0"):
+        assert stalled.ttft_by_request_s[rid] == pytest.approx(0.5 + core_part[rid])
+    # B's prefill waits for A's (0.5 + 2 x PREFILL_320_S) when stalled; after 1.0 s of queue when
+    # the same time is work.
+    assert stalled.ttft_by_request_s["B#0"] == pytest.approx(0.5 + 2 * PREFILL_320_S)
+    worked = simulate(two_requests(0.0), "round_robin", fleet(api=ServerStage(request_s=0.5)), CFG)
+    assert worked.ttft_by_request_s["B#0"] == pytest.approx(1.0 + PREFILL_320_S)
+
+
+def test_stall_noise_is_seeded_and_keeps_the_median() -> None:
+    stage = ServerStage(stall_s=0.1, stall_sigma=0.8)
+    draws = [stage.stall_draw_s(random.Random(7)) for _ in range(2)]
+    assert draws[0] == draws[1]  # same seed, same draw
+    rng = random.Random(1)
+    many = sorted(stage.stall_draw_s(rng) for _ in range(4001))
+    assert many[2000] == pytest.approx(0.1, rel=0.1)
+    assert many[3600] > 0.2  # the p90 of a sigma-0.8 log-normal is 2.8x its median
+    runs = [
+        simulate(two_requests(0.0), "round_robin", fleet(api=stage), SimConfig(seed=s, scrape_interval_s=0))
+        for s in (1, 1, 2)
+    ]
+    assert runs[0].ttfts_s == runs[1].ttfts_s != runs[2].ttfts_s
