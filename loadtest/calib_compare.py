@@ -471,8 +471,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     phases = [
         "| policy | client TTFT | router first event | router decision "
         "| engine TTFT (arrival -> first token) "
-        "| queued | prefill | DES TTFT |",
-        "|---|---|---|---|---|---|---|---|",
+        "| queued | prefill | DES TTFT | run (UTC, load) | CPU s: vLLM workers / engine cores / API servers "
+        "/ router, in wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     saved = [json.loads(f.read_text())["runs"] for f in args.live_json]
     runs: dict[str, Any] = {}
@@ -504,7 +505,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"| {rmeans.get('kvroute_router_seconds', math.nan):.4f} "
                 f"| {means['time_to_first_token_seconds']:.3f} | {means['request_queue_time_seconds']:.3f} "
                 f"| {means['request_prefill_time_seconds']:.3f} "
-                f"| {statistics.mean(res.ttfts_s) + request_overhead_s:.3f} |"
+                f"| {statistics.mean(res.ttfts_s) + request_overhead_s:.3f} "
+                f"| {run.get('utc', '?')} ({run['load'][0].split()[0]} -> {run['load'][1].split()[0]}) "
+                f"| {cpu_split(run['cpu_s'])} in {run['wall_s']:.1f} |"
             )
         rows += [repeats[policy][0], des_row]
         print(f"{policy}: live {repeats[policy]}, des {des_row}", file=sys.stderr)
@@ -532,6 +535,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             + "\n"
         )
     return 0
+
+
+def cpu_split(cpu_s: dict[str, float]) -> str:
+    """CPU seconds of a run by kind of process (``engine_processes`` names: an engine's API server is
+    "<url> api"; its first child the engine core, the core's child the model worker)."""
+    kinds = {"child1": 0.0, "child0": 0.0, "api": 0.0}
+    for name, secs in cpu_s.items():
+        kind = name.rsplit(" ", 1)[-1]
+        if kind in kinds:
+            kinds[kind] += secs
+    return (
+        f"{kinds['child1']:.1f} / {kinds['child0']:.1f} / {kinds['api']:.1f} / {cpu_s.get('router', 0.0):.1f}"
+    )
 
 
 def check_prompts(recs: Sequence[TurnRecord], des_wl: Workload) -> None:
