@@ -307,7 +307,11 @@ def engine_processes(urls: Sequence[str]) -> dict[str, int]:
         tree = process_tree(pid)
         out[f"{url} api"] = pid
         for i, child in enumerate(tree[1:]):
-            out[f"{url} child{i}"] = child
+            try:  # vLLM names its processes: VLLM::EngineCore, VLLM::Worker
+                comm = Path(f"/proc/{child}/comm").read_text().strip().replace(" ", "_")
+            except OSError:
+                comm = "gone"
+            out[f"{url} child{i}:{comm}"] = child
     return out
 
 
@@ -538,16 +542,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cpu_split(cpu_s: dict[str, float]) -> str:
-    """CPU seconds of a run by kind of process (``engine_processes`` names: an engine's API server is
-    "<url> api"; its first child the engine core, the core's child the model worker)."""
-    kinds = {"child1": 0.0, "child0": 0.0, "api": 0.0}
+    """CPU seconds of a run by kind of process (``engine_processes`` names: "<url> api" the API
+    server, "<url> childN:VLLM::EngineCore" / ":VLLM::Worker" its children; runs saved before the
+    names were recorded say child0 / child1, which were the engine core and the worker)."""
+    kinds = {"worker": 0.0, "core": 0.0, "api": 0.0}
     for name, secs in cpu_s.items():
         kind = name.rsplit(" ", 1)[-1]
-        if kind in kinds:
-            kinds[kind] += secs
-    return (
-        f"{kinds['child1']:.1f} / {kinds['child0']:.1f} / {kinds['api']:.1f} / {cpu_s.get('router', 0.0):.1f}"
-    )
+        if kind == "api":
+            kinds["api"] += secs
+        elif kind.endswith("Worker") or kind == "child1":
+            kinds["worker"] += secs
+        elif kind.endswith("EngineCore") or kind == "child0":
+            kinds["core"] += secs
+    router = cpu_s.get("router", 0.0)
+    return f"{kinds['worker']:.1f} / {kinds['core']:.1f} / {kinds['api']:.1f} / {router:.1f}"
 
 
 def check_prompts(recs: Sequence[TurnRecord], des_wl: Workload) -> None:
