@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import openai
 
+from kvcore.stats import percentiles
 from router.config import load_fleet_file
 from sim.engine import EngineProfile
 from sim.frontend import ServerStage
@@ -488,11 +489,11 @@ def fit_server_stages(
     their measured send times, gives their measured TTFTs (least squares on log TTFT, a coordinate
     search). Each stage's per-request time is split into work that holds the process (``request_s``:
     requests queue behind it) and a stall that does not (``stall_s``): the runs at several
-    concurrencies tell them apart. ``noise``: the spread left around the fit (root mean squared log
-    error) becomes the stall's ``stall_sigma`` (the router's: what the routed runs add to the
-    straight ones'). ``profile``: the engine core's fitted step model (its prefill rate also carries
-    the API server's per-token tokenization, which one request at a time cannot tell apart from
-    prefill)."""
+    concurrencies tell them apart. ``noise``: then the stall's ``stall_sigma`` is set so that the
+    replayed TTFTs' tail (p90 / p50) is the measured one's (the API server's on the straight runs,
+    the router's on the routed ones, with the API server's noise in). ``profile``: the engine core's
+    fitted step model (its prefill rate also carries the API server's per-token tokenization, which
+    one request at a time cannot tell apart from prefill)."""
     direct = [r for r in loaded if r.via == "direct"]
     routed = [r for r in loaded if r.via == "router"]
     if len({r.concurrency for r in direct}) < 2:
@@ -521,9 +522,15 @@ def fit_server_stages(
     x = search(api_err)
     api = stage(x)
     api_error = api_err(x)
-    noisy_api = dataclasses.replace(api, stall_sigma=math.sqrt(api_error)) if noise else api
+    if noise:
+        api = dataclasses.replace(
+            api,
+            stall_sigma=_tail_sigma(
+                lambda sg: replay_loaded(direct, engine_ids, profile, sg, None), api, live
+            ),
+        )
     if not routed:
-        return StageFit(noisy_api, None, api_error, math.nan)
+        return StageFit(api, None, api_error, math.nan)
     rlive = [r.ttft_s for r in routed]
 
     def router_err(y: Sequence[float]) -> float:
@@ -533,8 +540,29 @@ def fit_server_stages(
     router_error = router_err(y)
     router = stage(y)
     if noise:
-        router = dataclasses.replace(router, stall_sigma=math.sqrt(max(0.0, router_error - api_error)))
-    return StageFit(noisy_api, router, api_error, router_error)
+        router = dataclasses.replace(
+            router,
+            stall_sigma=_tail_sigma(
+                lambda sg: replay_loaded(routed, engine_ids, profile, api, sg), router, rlive
+            ),
+        )
+    return StageFit(api, router, api_error, router_error)
+
+
+def _tail_sigma(replay: Any, stage: ServerStage, live: Sequence[float], grid: int = 21) -> float:
+    """The stall sigma (0 to 2, on a grid) with which the replayed TTFTs' p90 / p50 is the measured
+    one's: the fitted medians leave the tail to the stalls. ``replay(stage)`` -> TTFTs (seeded)."""
+    p50, p90 = percentiles(live, (50, 90))
+    want = math.log(p90 / p50)
+    best, best_err = 0.0, math.inf
+    for i in range(grid):
+        sigma = 2.0 * i / (grid - 1)
+        sim = replay(dataclasses.replace(stage, stall_sigma=sigma))
+        s50, s90 = percentiles(sim, (50, 90))
+        err = abs(math.log(s90 / s50) - want)
+        if err < best_err:
+            best, best_err = sigma, err
+    return best
 
 
 def median_samples(
