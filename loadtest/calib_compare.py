@@ -20,6 +20,8 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
+import os
 import queue
 import statistics
 import subprocess
@@ -36,17 +38,16 @@ import httpx
 import openai
 
 from kvcore.stats import percentiles
+from loadtest.calibrate_vllm import VLLM_CPU_MAX_NUM_SEQS
 from loadtest.procs import stop_process, wait_http_ok
-from router.config import load_fleet_file
+from router.config import EngineConfig, load_fleet_file
 from sim.des import FleetSimulator, SimConfig
 from sim.engine import EngineProfile
-from sim.fleets import EngineSpec, FleetSpec, load_engine_profile
+from sim.fleets import EngineSpec, FleetSpec, load_engine_profile, load_server_stages
 from sim.server import free_port
 from sim.workloads import Conversation, LadderConfig, Turn, Workload, ladder_workload
 
 REPO = Path(__file__).resolve().parents[1]
-#: vLLM 0.32's max_num_seqs for its OpenAI server on CPU (engine/arg_utils.py).
-VLLM_CPU_MAX_NUM_SEQS = 128
 #: Pseudo-policy: the client deals requests round robin straight to the engines (no router in the
 #: path; simulated as round_robin): how much of the live TTFT the router adds.
 DIRECT = "direct"
@@ -59,6 +60,11 @@ class TurnRecord:
     prompt_tokens: int
     cached_tokens: int
     ttft_s: float
+    #: Sent at this many seconds after the run started; the last chunk arrived ``end_s`` after it.
+    start_s: float = 0.0
+    end_s: float = 0.0
+    #: The engine that served it (the router's x-kvroute-engine header, or the dealt engine).
+    engine: str = ""
 
 
 @dataclass(slots=True)
@@ -102,11 +108,36 @@ def engine_workload(wl: Workload, engine_url: str, model: str, block_size: int) 
     return dataclasses.replace(wl, conversations=convs, ramp_s=0.0)
 
 
-def live_run(urls: Sequence[str], model: str, wl: Workload, salt: str) -> list[TurnRecord]:
+def write_workload(path: Path, wl: Workload) -> None:
+    """The engine-tokenized turns (prompt tokens, output tokens, block ids, think time) as JSON."""
+    convs = [
+        [[t.prompt_tokens, t.output_tokens, t.block_ids, t.think_time_s] for t in c.turns]
+        for c in wl.conversations
+    ]
+    path.write_text(json.dumps(convs) + "\n")
+
+
+def read_workload(path: Path, wl: Workload) -> Workload:
+    """``wl`` with the turns of ``write_workload``'s file (same conversations, in order)."""
+    convs = json.loads(path.read_text())
+    if len(convs) != len(wl.conversations):
+        raise ValueError(f"{path}: {len(convs)} conversations, the workload has {len(wl.conversations)}")
+    out = [
+        Conversation(c.conversation_id, [Turn(p, o, list(b), th) for p, o, b, th in turns], c.start_s)
+        for c, turns in zip(wl.conversations, convs, strict=True)
+    ]
+    return dataclasses.replace(wl, conversations=out, ramp_s=0.0)
+
+
+def live_run(
+    urls: Sequence[str], model: str, wl: Workload, salt: str, engine_ids: Sequence[str] = ()
+) -> list[TurnRecord]:
     """Closed loop like the DES: ``wl.concurrency`` workers, each takes the next conversation and
     runs its turns (think time before each turn after the first), all workers start at once.
-    ``urls``: the router's, or the engines' (requests dealt round robin: no router in the path)."""
+    ``urls``: the router's, or the engines' (requests dealt round robin: no router in the path;
+    ``engine_ids`` name them)."""
     clients = [openai.OpenAI(base_url=f"{u}/v1", api_key="unused", timeout=600, max_retries=0) for u in urls]
+    t_run = time.perf_counter()
     sent = [0]
     todo: queue.Queue[int] = queue.Queue()
     for i in range(len(wl.conversations)):
@@ -126,15 +157,17 @@ def live_run(urls: Sequence[str], model: str, wl: Workload, salt: str) -> list[T
                 if k:
                     time.sleep(turn.think_time_s)
                 with lock:
-                    client = clients[sent[0] % len(clients)]
+                    dealt = sent[0] % len(clients)
                     sent[0] += 1
                 try:
-                    rec = one_turn(client, model, conv, k, turn, salt)
+                    rec = one_turn(clients[dealt], model, conv, k, turn, salt, t_run)
                 except Exception as exc:
                     with lock:
                         errors.append(exc)
                     return
                 rec.conv = i
+                if engine_ids:
+                    rec.engine = engine_ids[dealt]
                 with lock:
                     records.append(rec)
 
@@ -149,11 +182,11 @@ def live_run(urls: Sequence[str], model: str, wl: Workload, salt: str) -> list[T
 
 
 def one_turn(
-    client: openai.OpenAI, model: str, conv: Conversation, k: int, turn: Turn, salt: str
+    client: openai.OpenAI, model: str, conv: Conversation, k: int, turn: Turn, salt: str, t_run: float
 ) -> TurnRecord:
     messages: Any = conv.messages(k)  # plain role/content dicts, as the SDK sends them
     t0 = time.perf_counter()
-    stream = client.chat.completions.create(
+    raw = client.chat.completions.with_raw_response.create(
         model=model,
         messages=messages,
         max_tokens=turn.output_tokens,
@@ -162,6 +195,8 @@ def one_turn(
         extra_body={"ignore_eos": True, "min_tokens": turn.output_tokens, "cache_salt": salt},
         temperature=0.0,
     )
+    engine = raw.headers.get("x-kvroute-engine", "")
+    stream = raw.parse()
     ttft = -1.0
     prompt = cached = 0
     for chunk in stream:
@@ -173,17 +208,28 @@ def one_turn(
             cached = (details.cached_tokens or 0) if details is not None else 0
     if ttft < 0 or not prompt:
         raise RuntimeError(f"turn {k} of {conv.conversation_id}: no token or no usage")
-    return TurnRecord(0, k, prompt, cached, ttft)
+    end = time.perf_counter()
+    return TurnRecord(0, k, prompt, cached, ttft, t0 - t_run, end - t_run, engine)
 
 
-#: vLLM's request-phase histograms (sums and counts): arrival at the API server -> first token, time
-#: waiting for the scheduler, time in prefill steps.
-ENGINE_PHASES = ("time_to_first_token_seconds", "request_queue_time_seconds", "request_prefill_time_seconds")
+#: vLLM's request-phase histograms (sums and counts; vLLM 0.32 v1/metrics/loggers.py): the engine
+#: client's arrival (after the API server tokenized the prompt) -> first token, time waiting for the
+#: scheduler, time in prefill steps, arrival -> finish, first scheduled -> finish.
+ENGINE_PHASES = (
+    "time_to_first_token_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "e2e_request_latency_seconds",
+    "request_inference_time_seconds",
+)
+#: The router's own histograms: body received -> sent to the engine (parse, tokenize, route), and
+#: body received -> first streamed event from the engine.
+ROUTER_PHASES = ("kvroute_router_seconds", "kvroute_ttft_seconds")
 
 
-def scrape_phases(urls: Sequence[str]) -> dict[str, float]:
-    """Each phase's sum and count over the engines' /metrics."""
-    out = {f"{ph}_{k}": 0.0 for ph in ENGINE_PHASES for k in ("sum", "count")}
+def scrape_phases(urls: Sequence[str], phases: Sequence[str] = ENGINE_PHASES) -> dict[str, float]:
+    """Each phase's sum and count over the /metrics of ``urls``."""
+    out = {f"{ph}_{k}": 0.0 for ph in phases for k in ("sum", "count")}
     for url in urls:
         text = httpx.get(f"{url}/metrics", timeout=10).text
         for line in text.splitlines():
@@ -194,13 +240,88 @@ def scrape_phases(urls: Sequence[str]) -> dict[str, float]:
     return out
 
 
-def phase_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+def phase_means(
+    before: dict[str, float], after: dict[str, float], phases: Sequence[str] = ENGINE_PHASES
+) -> dict[str, float]:
     """Mean seconds per request of each phase between two scrapes."""
     means = {}
-    for ph in ENGINE_PHASES:
+    for ph in phases:
         n = after[f"{ph}_count"] - before[f"{ph}_count"]
         means[ph] = (after[f"{ph}_sum"] - before[f"{ph}_sum"]) / n if n else float("nan")
     return means
+
+
+def listening_pid(port: int) -> int | None:
+    """The process listening on TCP ``port`` on this host (Linux /proc), or None."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{f[9]}]")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                return int(proc.name)
+        except OSError:
+            continue
+    return None
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (vLLM's API server starts the engine core as a child)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (0 if gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_processes(urls: Sequence[str]) -> dict[str, int]:
+    """{"<url> api": pid, "<url> core": pid, ...}: each engine's API server and its children."""
+    out: dict[str, int] = {}
+    for url in urls:
+        pid = listening_pid(int(url.rsplit(":", 1)[1].split("/")[0]))
+        if pid is None:
+            continue
+        tree = process_tree(pid)
+        out[f"{url} api"] = pid
+        for i, child in enumerate(tree[1:]):
+            try:  # vLLM names its processes: VLLM::EngineCore, VLLM::Worker
+                comm = Path(f"/proc/{child}/comm").read_text().strip().replace(" ", "_")
+            except OSError:
+                comm = "gone"
+            out[f"{url} child{i}:{comm}"] = child
+    return out
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+
+def load_average() -> str:
+    """The 1, 5 and 15-minute load averages (what ``uptime`` prints)."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def summarize(policy: str, source: str, hit: float, ttfts: Sequence[float]) -> Row:
@@ -260,7 +381,7 @@ def fmt_table(rows: Sequence[Row]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.calib_compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--fleet", type=Path, required=True)
+    p.add_argument("--fleet", type=Path, help="fleet file (kvroute fleet --fleet-file)")
     p.add_argument(
         "--model-dir", type=Path, required=True, help="the engines' model folder (router tokenizer)"
     )
@@ -277,11 +398,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--think-time-s", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=Path("runs/calib"))
-    p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument(
+        "--no-stages",
+        action="store_true",
+        help="ignore the profile's server stages (the engine core only, plus the fixed request overhead)",
+    )
+    p.add_argument("--json", type=Path, help="write the rows and the live runs' records here")
+    p.add_argument(
+        "--live-json",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="take the live runs from these earlier --json files instead of running them (the DES side "
+        "only; with several, the live median and range per policy); with --workload-json, no engine "
+        "is asked anything and --fleet may be left out (the files name the fleet)",
+    )
+    p.add_argument(
+        "--workload-json",
+        type=Path,
+        help="the engine-tokenized workload: written here after /tokenize, or read from here if it exists",
+    )
     args = p.parse_args(argv)
-    engines = load_fleet_file(args.fleet)
+    if args.fleet is not None:
+        engines = load_fleet_file(args.fleet)
+    elif args.live_json:
+        engines = [EngineConfig(**e) for e in json.loads(args.live_json[0].read_text()).get("fleet", [])]
+    else:
+        p.error("--fleet is required (or --live-json files that name the fleet)")
     if not engines:
-        p.error(f"{args.fleet}: no engines")
+        p.error(f"{args.fleet or args.live_json[0]}: no engines")
     block_size = engines[0].block_size or 32
     model = engines[0].model or "kvroute-tiny-llama"
     lo, hi = (int(x) for x in args.answer_tokens.split(","))
@@ -301,7 +446,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     args.workdir.mkdir(parents=True, exist_ok=True)
-    des_wl = engine_workload(wl, engines[0].url.rstrip("/"), model, block_size)
+    if args.workload_json is not None and args.workload_json.is_file():
+        des_wl = read_workload(args.workload_json, wl)
+    else:
+        des_wl = engine_workload(wl, engines[0].url.rstrip("/"), model, block_size)
+        if args.workload_json is not None:
+            write_workload(args.workload_json, des_wl)
     profile = EngineProfile(
         **load_engine_profile(args.profile),
         block_size=block_size,
@@ -312,61 +462,180 @@ def main(argv: Sequence[str] | None = None) -> int:
         # live and in the DES.
         scheduling_policy=engines[0].scheduling_policy or "fcfs",
     )
-    # The API server's per-request cost (HTTP, chat template, tokenization): outside the engine
-    # core, so added to each simulated TTFT.
-    request_overhead_s = float(json.loads(args.profile.read_text()).get("request_overhead_s", 0.0))
+    # vLLM's API server and the router as server stages (sim/frontend.py) when the calibration fitted
+    # them; else the API server's per-request cost (HTTP, chat template, tokenization) measured one
+    # request at a time is added to each simulated TTFT.
+    api_stage, router_stage = load_server_stages(args.profile) if not args.no_stages else (None, None)
+    request_overhead_s = (
+        0.0
+        if api_stage is not None
+        else float(json.loads(args.profile.read_text()).get("request_overhead_s", 0.0))
+    )
     rows: list[Row] = []
     phases = [
-        "| policy | client TTFT | engine TTFT (arrival -> first token) | queued | prefill "
-        "| DES engine TTFT |",
-        "|---|---|---|---|---|---|",
+        "| policy | client TTFT | router first event | router decision "
+        "| engine TTFT (arrival -> first token) "
+        "| queued | prefill | DES TTFT | run (UTC, load) | CPU s: vLLM workers / engine cores / API servers "
+        "/ router, in wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    saved = [json.loads(f.read_text())["runs"] for f in args.live_json]
+    runs: dict[str, Any] = {}
+    repeats: dict[str, list[Row]] = {}
     for policy in [x.strip() for x in args.policies.split(",") if x.strip()]:
-        salt = f"calib-{policy}-{uuid.uuid4().hex[:8]}"
-        engine_urls = [e.url.rstrip("/") for e in engines]
-        before = scrape_phases(engine_urls)
-        if policy == DIRECT:
-            recs = live_run([e.url.rstrip("/") for e in engines], model, wl, salt)
-        else:
-            proc, url = start_router(
-                args.fleet, args.model_dir, policy, args.workdir / f"router-{policy}.log"
-            )
-            try:
-                recs = live_run([url], model, wl, salt)
-            finally:
-                stop_process(proc)
-        means = phase_means(before, scrape_phases(engine_urls))
-        hit = sum(r.cached_tokens for r in recs) / sum(r.prompt_tokens for r in recs)
-        rows.append(summarize(policy, "live", hit, [r.ttft_s for r in recs]))
-        want = {
-            (i, k): t.prompt_tokens for i, c in enumerate(des_wl.conversations) for k, t in enumerate(c.turns)
-        }
-        off = [
-            (r.conv, r.turn, r.prompt_tokens, want[(r.conv, r.turn)])
-            for r in recs
-            if r.prompt_tokens != want[(r.conv, r.turn)]
-        ]
-        if off:
-            print(f"  warning: {len(off)} prompts differ from /tokenize (first {off[0]})", file=sys.stderr)
-        fleet = FleetSpec([EngineSpec(e.id, dataclasses.replace(profile)) for e in engines])
+        for f, doc in zip(args.live_json, saved, strict=True):
+            if policy not in doc:
+                p.error(f"--live-json {f} has no run of {policy!r} ({', '.join(doc)})")
+        fleet = FleetSpec(
+            [EngineSpec(e.id, dataclasses.replace(profile)) for e in engines],
+            api_server=api_stage,
+            router_stage=None if policy == DIRECT else router_stage,
+        )
         des_policy = "round_robin" if policy == DIRECT else policy
         res = FleetSimulator(des_wl, des_policy, fleet, SimConfig(seed=args.seed)).run()
-        rows.append(summarize(policy, "des", res.hit, [t + request_overhead_s for t in res.ttfts_s]))
-        phases.append(
-            f"| {policy} | {statistics.mean(r.ttft_s for r in recs):.3f} "
-            f"| {means['time_to_first_token_seconds']:.3f} | {means['request_queue_time_seconds']:.3f} "
-            f"| {means['request_prefill_time_seconds']:.3f} | {statistics.mean(res.ttfts_s):.3f} |"
-        )
-        print(f"{policy}: live {rows[-2]}, des {rows[-1]}", file=sys.stderr)
-    print(fmt_table(rows))
+        des_row = summarize(policy, "des", res.hit, [t + request_overhead_s for t in res.ttfts_s])
+        live_runs = [doc[policy] for doc in saved] or [live_policy_run(policy, args, engines, model, wl)]
+        runs[policy] = live_runs[0]
+        for run in live_runs:
+            recs = [TurnRecord(**r) for r in run["records"]]
+            check_prompts(recs, des_wl)
+            hit = sum(r.cached_tokens for r in recs) / sum(r.prompt_tokens for r in recs)
+            live_row = summarize(policy, "live", hit, [r.ttft_s for r in recs])
+            repeats.setdefault(policy, []).append(live_row)
+            means, rmeans = run["engine_phases"], run["router_phases"]
+            phases.append(
+                f"| {policy} | {statistics.mean(r.ttft_s for r in recs):.3f} "
+                f"| {rmeans.get('kvroute_ttft_seconds', math.nan):.3f} "
+                f"| {rmeans.get('kvroute_router_seconds', math.nan):.4f} "
+                f"| {means['time_to_first_token_seconds']:.3f} | {means['request_queue_time_seconds']:.3f} "
+                f"| {means['request_prefill_time_seconds']:.3f} "
+                f"| {statistics.mean(res.ttfts_s) + request_overhead_s:.3f} "
+                f"| {run.get('utc', '?')} ({run['load'][0].split()[0]} -> {run['load'][1].split()[0]}) "
+                f"| {cpu_split(run['cpu_s'])} in {run['wall_s']:.1f} |"
+            )
+        rows += [repeats[policy][0], des_row]
+        print(f"{policy}: live {repeats[policy]}, des {des_row}", file=sys.stderr)
+    if len(args.live_json) > 1:
+        print(fmt_repeats_table(repeats, {r.policy: r for r in rows if r.source == "des"}))
+    else:
+        print(fmt_table(rows))
     print(
-        "\nmean seconds per request; engine phases from vLLM's /metrics histograms; "
-        "DES without the request overhead"
+        "\nmean seconds per request: the client's TTFT; the router's (body received -> first event from "
+        "the engine; decision: body received -> sent); vLLM's /metrics histograms (the engine client's "
+        "arrival, after the API server tokenized the prompt, -> first token; waiting; prefill steps); "
+        "the DES's TTFT"
     )
     print("\n".join(phases))
     if args.json:
-        args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=2) + "\n")
+        fleet_doc = [
+            {"id": e.id, "url": e.url, "block_size": e.block_size, "model": e.model,
+             "scheduling_policy": e.scheduling_policy}
+            for e in engines
+        ]  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {"rows": [dataclasses.asdict(r) for r in rows], "runs": runs, "fleet": fleet_doc}, indent=1
+            )
+            + "\n"
+        )
     return 0
+
+
+def cpu_split(cpu_s: dict[str, float]) -> str:
+    """CPU seconds of a run by kind of process (``engine_processes`` names: "<url> api" the API
+    server, "<url> childN:VLLM::EngineCore" / ":VLLM::Worker" its children; runs saved before the
+    names were recorded say child0 / child1, which were the engine core and the worker)."""
+    kinds = {"worker": 0.0, "core": 0.0, "api": 0.0}
+    for name, secs in cpu_s.items():
+        kind = name.rsplit(" ", 1)[-1]
+        if kind == "api":
+            kinds["api"] += secs
+        elif kind.endswith("Worker") or kind == "child1":
+            kinds["worker"] += secs
+        elif kind.endswith("EngineCore") or kind == "child0":
+            kinds["core"] += secs
+    router = cpu_s.get("router", 0.0)
+    return f"{kinds['worker']:.1f} / {kinds['core']:.1f} / {kinds['api']:.1f} / {router:.1f}"
+
+
+def check_prompts(recs: Sequence[TurnRecord], des_wl: Workload) -> None:
+    """Warn when the engine counted other prompt lengths than /tokenize gave the DES."""
+    want = {
+        (i, k): t.prompt_tokens for i, c in enumerate(des_wl.conversations) for k, t in enumerate(c.turns)
+    }
+    off = [
+        (r.conv, r.turn, r.prompt_tokens, want[(r.conv, r.turn)])
+        for r in recs
+        if r.prompt_tokens != want[(r.conv, r.turn)]
+    ]
+    if off:
+        print(f"  warning: {len(off)} prompts differ from /tokenize (first {off[0]})", file=sys.stderr)
+
+
+def fmt_repeats_table(repeats: dict[str, list[Row]], des: dict[str, Row]) -> str:
+    """Several live runs per policy against the one DES run: the live median [min - max] of each
+    figure, and the DES over the live median."""
+
+    def span(values: Sequence[float], digits: int = 3) -> str:
+        return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+    lines = [
+        "| policy | runs | hit live | hit DES | diff | TTFT p50 live | DES | DES/live "
+        "| TTFT p90 live | DES | DES/live |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for policy, live in repeats.items():
+        d = des[policy]
+        hit = statistics.median(r.hit for r in live)
+        p50 = statistics.median(r.ttft_p50_s for r in live)
+        p90 = statistics.median(r.ttft_p90_s for r in live)
+        lines.append(
+            f"| {policy} | {len(live)} | {span([r.hit for r in live])} | {d.hit:.3f} | {d.hit - hit:+.3f} "
+            f"| {span([r.ttft_p50_s for r in live])} | {d.ttft_p50_s:.3f} | {d.ttft_p50_s / p50:.2f} "
+            f"| {span([r.ttft_p90_s for r in live])} | {d.ttft_p90_s:.3f} | {d.ttft_p90_s / p90:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def live_policy_run(
+    policy: str, args: argparse.Namespace, engines: Sequence[Any], model: str, wl: Workload
+) -> dict[str, Any]:
+    """One live run of ``wl`` (through a fresh router, or ``direct``): per-turn records, vLLM's and the
+    router's phase means, CPU seconds of each engine process, the load average before and after."""
+    salt = f"calib-{policy}-{uuid.uuid4().hex[:8]}"
+    engine_urls = [e.url.rstrip("/") for e in engines]
+    pids = engine_processes(engine_urls)
+    load_before = load_average()
+    before = scrape_phases(engine_urls)
+    rmeans: dict[str, float] = {}
+    if policy == DIRECT:
+        cpu0 = cpu_snapshot(pids)
+        t0 = time.monotonic()
+        recs = live_run(engine_urls, model, wl, salt, [e.id for e in engines])
+    else:
+        proc, url = start_router(args.fleet, args.model_dir, policy, args.workdir / f"router-{policy}.log")
+        try:
+            pids["router"] = proc.pid
+            rbefore = scrape_phases([url], ROUTER_PHASES)
+            cpu0 = cpu_snapshot(pids)
+            t0 = time.monotonic()
+            recs = live_run([url], model, wl, salt)
+            rmeans = phase_means(rbefore, scrape_phases([url], ROUTER_PHASES), ROUTER_PHASES)
+        finally:
+            cpu1 = cpu_snapshot(pids)
+            stop_process(proc)
+    wall = time.monotonic() - t0
+    if policy == DIRECT:
+        cpu1 = cpu_snapshot(pids)
+    return {
+        "records": [dataclasses.asdict(r) for r in recs],
+        "engine_phases": phase_means(before, scrape_phases(engine_urls)),
+        "router_phases": rmeans,
+        "cpu_s": {k: cpu1[k] - cpu0[k] for k in pids},
+        "wall_s": wall,
+        "load": [load_before, load_average()],
+        "utc": time.strftime("%H:%M:%S", time.gmtime()),
+    }
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ writes a JSON engine profile ``kvroute sim --engine-profile`` reads.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -36,8 +37,10 @@ from typing import Any
 import numpy as np
 import openai
 
+from kvcore.stats import percentiles
 from router.config import load_fleet_file
 from sim.engine import EngineProfile
+from sim.frontend import ServerStage
 
 #: The coefficients, in column order of the design matrix.
 COEFFICIENTS = (
@@ -52,6 +55,9 @@ COEFFICIENTS = (
 #: vLLM's step token budget (max_num_batched_tokens) for its OpenAI server on CPU (vLLM 0.32
 #: engine/arg_utils.py: 2,048 x world size); a longer prompt's prefill takes several steps.
 VLLM_CPU_STEP_TOKENS = 2048
+
+#: vLLM 0.32's max_num_seqs for its OpenAI server on CPU (engine/arg_utils.py).
+VLLM_CPU_MAX_NUM_SEQS = 128
 
 #: Words the prompts are made of (the engines' BPE tokenizer splits them into a few tokens each;
 #: lengths are taken from the engine's ``usage.prompt_tokens``, not from this text).
@@ -281,6 +287,284 @@ def measure_decode(
     return samples
 
 
+@dataclass(frozen=True, slots=True)
+class LoadedRequest:
+    """One request of a closed-loop run at ``concurrency`` streams (the front-end calibration)."""
+
+    concurrency: int
+    engine: str
+    prompt_tokens: int
+    completion_tokens: int
+    start_s: float
+    ttft_s: float
+    end_s: float
+    #: "direct" (straight to the engine) or "router" (through a round_robin kvroute).
+    via: str = "direct"
+
+
+def loaded_run(
+    clients: Sequence[tuple[str, openai.OpenAI]],
+    model: str,
+    concurrency: int,
+    per_stream: int,
+    words: Sequence[int],
+    max_tokens: int,
+    think_s: float,
+    via: str = "direct",
+) -> list[LoadedRequest]:
+    """``concurrency`` closed-loop streams, each sending ``per_stream`` uncached requests in turn
+    (prompt sizes cycling through ``words``; ``think_s`` between them), dealt round robin over
+    ``clients`` (engine id, client). Times are relative to the run's start."""
+    out: list[LoadedRequest] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    sent = [0]
+    t_run = time.perf_counter()
+
+    def stream(i: int) -> None:
+        for k in range(per_stream):
+            with lock:
+                engine, client = clients[sent[0] % len(clients)]
+                sent[0] += 1
+            t0 = time.perf_counter() - t_run
+            try:
+                r = stream_once(client, model, prompt_text(words[(i + k) % len(words)]), max_tokens)
+            except BaseException as exc:
+                with lock:
+                    errors.append(exc)
+                return
+            end = r.chunk_times_s[-1] if r.chunk_times_s else r.ttft_s
+            with lock:
+                out.append(
+                    LoadedRequest(
+                        concurrency, engine, r.prompt_tokens, r.completion_tokens, t0, r.ttft_s, end, via
+                    )
+                )
+            time.sleep(think_s)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} front-end requests failed; first: {errors[0]!r}")
+    return out
+
+
+# ------------------------------------------------------------------------------ server stages
+
+
+def replay_loaded(
+    loaded: Sequence[LoadedRequest],
+    engine_ids: Sequence[str],
+    profile: EngineProfile,
+    api: ServerStage | None,
+    router: ServerStage | None,
+) -> list[float]:
+    """The DES's TTFT of every request in ``loaded`` (same order): each run (via, concurrency) on a
+    fresh fleet of ``engine_ids`` with ``profile``; each request a one-turn conversation of its own
+    blocks (nothing cached) sent at its measured time and dealt round robin in send order, as the
+    calibration dealt them (straight, or through a round_robin router: ``router`` applies to those)."""
+    from sim.des import FleetSimulator, SimConfig
+    from sim.fleets import EngineSpec, FleetSpec
+    from sim.workloads import Conversation, Turn, Workload
+
+    out: dict[int, float] = {}
+    runs: dict[tuple[str, int], list[int]] = {}
+    for i, r in enumerate(loaded):
+        runs.setdefault((r.via, r.concurrency), []).append(i)
+    bs = profile.block_size
+    for (via, _), idx in runs.items():
+        idx.sort(key=lambda i: loaded[i].start_s)
+        convs = [
+            Conversation(
+                f"r{i}",
+                [
+                    Turn(
+                        loaded[i].prompt_tokens,
+                        max(1, loaded[i].completion_tokens),
+                        [i * 100_000 + b for b in range(loaded[i].prompt_tokens // bs)],
+                        at_s=0.0,
+                    )
+                ],
+                start_s=loaded[i].start_s,
+            )
+            for i in idx
+        ]
+        fleet = FleetSpec(
+            [EngineSpec(e, dataclasses.replace(profile)) for e in engine_ids],
+            api_server=api,
+            router_stage=router if via == "router" else None,
+        )
+        res = FleetSimulator(
+            Workload("loaded", bs, convs),
+            "round_robin",
+            fleet,
+            SimConfig(scrape_interval_s=0, track_ideal=False),
+        ).run()
+        for i in idx:
+            out[i] = res.ttft_by_request_s[f"r{i}#0"]
+    return [out[i] for i in range(len(loaded))]
+
+
+def _log_error(sim: Sequence[float], live: Sequence[float]) -> float:
+    """Mean squared log ratio (a TTFT twice too long costs as much as one half too short)."""
+    return float(
+        np.mean(
+            [(math.log(max(a, 1e-9)) - math.log(max(b, 1e-9))) ** 2 for a, b in zip(sim, live, strict=True)]
+        )
+    )
+
+
+def _golden(f: Any, lo: float, hi: float, iters: int = 24) -> float:
+    """The minimum of ``f`` on [lo, hi] by golden-section search (``f`` unimodal there)."""
+    g = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(iters):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = f(d)
+    return (a + b) / 2
+
+
+def _coordinate_fit(
+    f: Any,
+    x0: list[float],
+    bounds: list[tuple[float, float]],
+    passes: int = 3,
+    *,
+    clip_second_to_first: bool = False,
+    grid: int = 8,
+) -> list[float]:
+    """Minimise ``f(x)`` one coordinate at a time, ``passes`` times: a scan of ``grid`` points over
+    the coordinate's bounds (replayed TTFTs jump where two requests swap places, so the error is not
+    unimodal) and a golden-section search between the best point's neighbours.
+    ``clip_second_to_first``: x[1] <= x[0] as well."""
+    x = list(x0)
+    for _ in range(passes):
+        for j, (lo, hi) in enumerate(bounds):
+            if clip_second_to_first and j == 1:
+                hi = min(hi, x[0])
+
+            def at(v: float, j: int = j) -> float:
+                return float(f([*x[:j], v, *x[j + 1 :]]))
+
+            points = sorted({lo + (hi - lo) * i / (grid - 1) for i in range(grid)} | {min(max(x[j], lo), hi)})
+            errors = [at(v) for v in points]
+            best = int(np.argmin(errors))
+            left, right = points[max(best - 1, 0)], points[min(best + 1, len(points) - 1)]
+            v = _golden(at, left, right, iters=16)
+            x[j] = v if at(v) <= errors[best] else points[best]
+    return x
+
+
+@dataclass(frozen=True, slots=True)
+class StageFit:
+    api_server: ServerStage
+    router_stage: ServerStage | None
+    #: Mean squared log ratio DES / live TTFT over the straight and the routed requests.
+    api_error: float
+    router_error: float
+
+
+def fit_server_stages(
+    loaded: Sequence[LoadedRequest],
+    engine_ids: Sequence[str],
+    profile: EngineProfile,
+    max_request_s: float = 0.5,
+    max_output_s_per_token: float = 0.05,
+    *,
+    noise: bool = True,
+) -> StageFit:
+    """Fit the API-server stage to the straight front-end runs, then the router stage to the routed
+    ones with the API server fixed: the values with which the DES, replaying each run's requests at
+    their measured send times, gives their measured TTFTs (least squares on log TTFT, a coordinate
+    search). Each stage's per-request time is split into work that holds the process (``request_s``:
+    requests queue behind it) and a stall that does not (``stall_s``): the runs at several
+    concurrencies tell them apart. ``noise``: then the stall's ``stall_sigma`` is set so that the
+    replayed TTFTs' tail (p90 / p50) is the measured one's (the API server's on the straight runs,
+    the router's on the routed ones, with the API server's noise in). ``profile``: the engine core's
+    fitted step model (its prefill rate also carries the API server's per-token tokenization, which
+    one request at a time cannot tell apart from prefill)."""
+    direct = [r for r in loaded if r.via == "direct"]
+    routed = [r for r in loaded if r.via == "router"]
+    if len({r.concurrency for r in direct}) < 2:
+        raise ValueError("the API-server fit needs straight front-end runs at >= 2 concurrencies")
+
+    # Searched as (a, o, f): a = what one request alone pays on the way in and for its first token
+    # (request_s + stall_s + output_s_per_token; the one-stream runs pin it), o = output_s_per_token,
+    # f = the share of the rest that holds the process (request_s = f (a - o), stall_s = (1 - f)(a - o)).
+    def stage(x: Sequence[float]) -> ServerStage:
+        rest = max(0.0, x[0] - x[1])
+        return ServerStage(request_s=x[2] * rest, output_s_per_token=x[1], stall_s=(1.0 - x[2]) * rest)
+
+    def search(err: Any) -> list[float]:
+        return _coordinate_fit(
+            err,
+            [0.01, 0.0, 0.5],
+            [(0.0, max_request_s), (0.0, max_output_s_per_token), (0.0, 1.0)],
+            clip_second_to_first=True,
+        )
+
+    live = [r.ttft_s for r in direct]
+
+    def api_err(x: Sequence[float]) -> float:
+        return _log_error(replay_loaded(direct, engine_ids, profile, stage(x), None), live)
+
+    x = search(api_err)
+    api = stage(x)
+    api_error = api_err(x)
+    if noise:
+        api = dataclasses.replace(
+            api,
+            stall_sigma=_tail_sigma(
+                lambda sg: replay_loaded(direct, engine_ids, profile, sg, None), api, live
+            ),
+        )
+    if not routed:
+        return StageFit(api, None, api_error, math.nan)
+    rlive = [r.ttft_s for r in routed]
+
+    def router_err(y: Sequence[float]) -> float:
+        return _log_error(replay_loaded(routed, engine_ids, profile, api, stage(y)), rlive)
+
+    y = search(router_err)
+    router_error = router_err(y)
+    router = stage(y)
+    if noise:
+        router = dataclasses.replace(
+            router,
+            stall_sigma=_tail_sigma(
+                lambda sg: replay_loaded(routed, engine_ids, profile, api, sg), router, rlive
+            ),
+        )
+    return StageFit(api, router, api_error, router_error)
+
+
+def _tail_sigma(replay: Any, stage: ServerStage, live: Sequence[float], grid: int = 21) -> float:
+    """The stall sigma (0 to 2, on a grid) with which the replayed TTFTs' p90 / p50 is the measured
+    one's: the fitted medians leave the tail to the stalls. ``replay(stage)`` -> TTFTs (seeded)."""
+    p50, p90 = percentiles(live, (50, 90))
+    want = math.log(p90 / p50)
+    best, best_err = 0.0, math.inf
+    for i in range(grid):
+        sigma = 2.0 * i / (grid - 1)
+        sim = replay(dataclasses.replace(stage, stall_sigma=sigma))
+        s50, s90 = percentiles(sim, (50, 90))
+        err = abs(math.log(s90 / s50) - want)
+        if err < best_err:
+            best, best_err = sigma, err
+    return best
+
+
 def median_samples(
     prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample]
 ) -> tuple[list[PrefillSample], list[DecodeSample]]:
@@ -349,7 +633,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m loadtest.calibrate_vllm", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--fleet", type=Path, required=True, help="fleet file (kvroute fleet --fleet-file)")
+    p.add_argument("--fleet", type=Path, help="fleet file (kvroute fleet --fleet-file)")
+    p.add_argument(
+        "--from-raw",
+        type=Path,
+        help="fit the samples of an earlier --raw-out instead of measuring (no fleet)",
+    )
+    p.add_argument(
+        "--gpu-blocks", type=int, default=400, help="the engines' --num-gpu-blocks-override (stage fit)"
+    )
     p.add_argument("--engine", help="engine id to calibrate (default: the fleet's first)")
     p.add_argument("--model-dir", type=Path, help="the engines' model folder (for kv_bytes_per_token)")
     p.add_argument(
@@ -367,6 +659,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--step-tokens", type=int, default=VLLM_CPU_STEP_TOKENS, help="the engines' max_num_batched_tokens"
     )
+    p.add_argument(
+        "--frontend-concurrency",
+        default="1,2,4",
+        help="front-end stage: closed-loop runs at these numbers of concurrent streams over all the "
+        "fleet's engines ('' = skip)",
+    )
+    p.add_argument("--frontend-requests", type=int, default=6, help="requests per stream per run")
+    p.add_argument("--frontend-words", default="300,700,1200,1700", help="front-end prompt sizes, in words")
+    p.add_argument("--frontend-tokens", type=int, default=32, help="answer tokens per front-end request")
+    p.add_argument(
+        "--router-model-dir",
+        type=Path,
+        help="also run the front-end runs through a round_robin kvroute serve "
+        "(--tokenizer hf on this folder)",
+    )
+    p.add_argument("--raw-out", type=Path, help="write every raw sample here (JSON)")
     p.add_argument("--out", type=Path, help="write the profile JSON here")
     args = p.parse_args(argv)
     try:
@@ -376,12 +684,101 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--prompt-words / --batches: comma-separated integers ({exc})")
     if min(words) < 1 or min(batches) < 1 or args.repeats < 1 or args.decode_tokens < 8:
         p.error("--prompt-words, --batches, --repeats must be >= 1 and --decode-tokens >= 8")
-    engines = load_fleet_file(args.fleet)
-    if not engines:
-        p.error(f"{args.fleet}: no engines")
-    engine = next((e for e in engines if e.id == args.engine), None) if args.engine else engines[0]
-    if engine is None:
-        p.error(f"--engine {args.engine!r} is not in {args.fleet} ({', '.join(e.id for e in engines)})")
+    if args.from_raw is not None:
+        try:
+            raw = json.loads(args.from_raw.read_text())
+            prefill = [PrefillSample(**x) for x in raw["prefill"]]
+            decode = [DecodeSample(**x) for x in raw["decode"]]
+            loaded = [LoadedRequest(**x) for x in raw["loaded"]]
+            engine_ids, measured_on = list(raw["engines"]), dict(raw["measured_on"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            p.error(f"--from-raw {args.from_raw}: {exc}")
+    else:
+        if args.fleet is None:
+            p.error("--fleet is required (or --from-raw)")
+        engines = load_fleet_file(args.fleet)
+        if not engines:
+            p.error(f"{args.fleet}: no engines")
+        engine = next((e for e in engines if e.id == args.engine), None) if args.engine else engines[0]
+        if engine is None:
+            p.error(f"--engine {args.engine!r} is not in {args.fleet} ({', '.join(e.id for e in engines)})")
+        prefill, decode, loaded = measure(args, engines, engine, words, batches)
+        engine_ids = [e.id for e in engines]
+        measured_on = {"engine": engine.id, "url": engine.url, "block_size": engine.block_size or 32}
+        if args.raw_out:
+            args.raw_out.parent.mkdir(parents=True, exist_ok=True)
+            raw = {
+                "prefill": [dataclasses.asdict(x) for x in prefill],
+                "decode": [dataclasses.asdict(x) for x in decode],
+                "loaded": [dataclasses.asdict(x) for x in loaded],
+                "engines": engine_ids,
+                "measured_on": measured_on,
+                "load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
+            }
+            args.raw_out.write_text(json.dumps(raw, indent=1) + "\n")
+    if args.repeats >= 3:
+        prefill, decode = median_samples(prefill, decode)
+    fit = fit_step_model(prefill, decode, args.step_tokens)
+    kvb = kv_bytes_per_token(args.model_dir) or EngineProfile.kv_bytes_per_token
+    fields = fit.profile_fields(kvb)
+    print(format_fit(fit, fields, prefill, decode))
+    doc: dict[str, Any] = {
+        "engine_profile": {"kv_bytes_per_token": kvb, "max_num_batched_tokens": args.step_tokens, **fields},
+        "request_overhead_s": fit.coefficients["request_overhead_s"],
+        "measured_on": measured_on,
+        "residuals": {"prefill": fit.prefill_residuals, "decode": fit.decode_residuals},
+    }
+    if len({r.concurrency for r in loaded if r.via == "direct"}) >= 2:
+        profile = EngineProfile(
+            **doc["engine_profile"],
+            block_size=int(measured_on.get("block_size") or 32),
+            num_gpu_blocks=args.gpu_blocks - 1,  # vLLM's override counts its null block
+            max_num_seqs=VLLM_CPU_MAX_NUM_SEQS,
+        )
+        stages = fit_server_stages(loaded, engine_ids, profile)
+        doc["api_server"] = dataclasses.asdict(stages.api_server)
+        if stages.router_stage is not None:
+            doc["router_stage"] = dataclasses.asdict(stages.router_stage)
+        doc["stage_errors"] = {"api_server": stages.api_error, "router_stage": stages.router_error}
+        print(format_stages(stages, loaded, engine_ids, profile))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def format_stages(
+    fit: StageFit, loaded: Sequence[LoadedRequest], engine_ids: Sequence[str], profile: EngineProfile
+) -> str:
+    """The fitted stages and, per front-end run, measured vs replayed TTFT medians."""
+    lines = ["fitted server stages (sim/frontend.py):"]
+    lines.append(f"  api_server   {fit.api_server}  (mean sq. log error {fit.api_error:.4f})")
+    if fit.router_stage is not None:
+        lines.append(f"  router_stage {fit.router_stage}  (mean sq. log error {fit.router_error:.4f})")
+    sim = replay_loaded(loaded, engine_ids, profile, fit.api_server, fit.router_stage)
+    bare = replay_loaded(loaded, engine_ids, profile, None, None)
+    lines.append(
+        "front-end runs (via, streams, requests, TTFT p50 measured / DES with stages / DES without):"
+    )
+    runs: dict[tuple[str, int], list[int]] = {}
+    for i, r in enumerate(loaded):
+        runs.setdefault((r.via, r.concurrency), []).append(i)
+    for (via, c), idx in runs.items():
+        med = [statistics.median(v[i] for i in idx) for v in ([r.ttft_s for r in loaded], sim, bare)]
+        lines.append(f"  {via:<7} {c:>3} {len(idx):>4}   {med[0]:.4f} / {med[1]:.4f} / {med[2]:.4f}")
+    return "\n".join(lines)
+
+
+def measure(
+    args: argparse.Namespace,
+    engines: Sequence[Any],
+    engine: Any,
+    words: Sequence[int],
+    batches: Sequence[int],
+) -> tuple[list[PrefillSample], list[DecodeSample], list[LoadedRequest]]:
+    """Every sample from the live fleet: prefills and decode steps on ``engine``, the front-end runs
+    over all ``engines`` (and through a router with --router-model-dir)."""
     client = openai.OpenAI(
         base_url=f"{engine.url.rstrip('/')}/v1", api_key="unused", timeout=600, max_retries=0
     )
@@ -390,27 +787,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     stream_once(client, model, prompt_text(20), max_tokens=4)  # warm-up, not a sample
     prefill = measure_prefill(client, model, words, args.repeats)
     decode = measure_decode(client, model, batches, args.decode_words, args.decode_tokens)
-    if args.repeats >= 3:
-        prefill, decode = median_samples(prefill, decode)
-    fit = fit_step_model(prefill, decode, args.step_tokens)
-    kvb = kv_bytes_per_token(args.model_dir) or EngineProfile.kv_bytes_per_token
-    fields = fit.profile_fields(kvb)
-    print(format_fit(fit, fields, prefill, decode))
-    if args.out:
-        doc: dict[str, Any] = {
-            "engine_profile": {
-                "kv_bytes_per_token": kvb,
-                "max_num_batched_tokens": args.step_tokens,
-                **fields,
-            },
-            "request_overhead_s": fit.coefficients["request_overhead_s"],
-            "measured_on": {"engine": engine.id, "url": engine.url, "block_size": engine.block_size},
-            "residuals": {"prefill": fit.prefill_residuals, "decode": fit.decode_residuals},
-        }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.out}")
-    return 0
+    loaded: list[LoadedRequest] = []
+    fe_conc = [int(c) for c in args.frontend_concurrency.split(",") if c.strip()]
+    if not fe_conc:
+        return prefill, decode, loaded
+    fe_words = [int(w) for w in args.frontend_words.split(",")]
+    clients = [
+        (
+            e.id,
+            openai.OpenAI(base_url=f"{e.url.rstrip('/')}/v1", api_key="unused", timeout=600, max_retries=0),
+        )
+        for e in engines
+    ]
+    for c in fe_conc:
+        loaded += loaded_run(clients, model, c, args.frontend_requests, fe_words, args.frontend_tokens, 0.05)
+    if args.router_model_dir is not None:
+        from loadtest.calib_compare import start_router
+        from loadtest.procs import stop_process
+
+        work = (args.raw_out or args.out or Path("runs/calib/x")).parent
+        work.mkdir(parents=True, exist_ok=True)
+        proc, url = start_router(args.fleet, args.router_model_dir, "round_robin", work / "router-calib.log")
+        try:
+            rclient = [
+                ("", openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0))
+            ]
+            for c in fe_conc:
+                loaded += loaded_run(
+                    rclient, model, c, args.frontend_requests, fe_words, args.frontend_tokens, 0.05, "router"
+                )
+        finally:
+            stop_process(proc)
+    return prefill, decode, loaded
 
 
 if __name__ == "__main__":

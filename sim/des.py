@@ -46,11 +46,12 @@ from policies.base import (
 )
 from policies.costs import EngineCosts
 from sim.cache import StoragePool
-from sim.engine import EngineCore, EngineProfile, SimRequest, StepOutput
+from sim.engine import EngineCore, EngineProfile, FinishedRequest, SimRequest, StepOutput
 from sim.fleets import (
     ROUTER_PRIORS,
     FleetSpec,
 )
+from sim.frontend import FifoServer
 from sim.hashing import BlockHashCache, HashChain
 from sim.oracle import ClairvoyantPolicy
 from sim.workloads import (
@@ -78,6 +79,11 @@ _ARRIVE = 1
 _STEP_DONE = 2
 _DELIVER = 3
 _SCRAPE = 4
+# With server stages (FleetSpec.api_server / router_stage, sim/frontend.py):
+_ROUTE = 5  # the router process has read the request: route it
+_AT_CORE = 6  # the engine's API server hands the request to its engine core
+_OUT_API = 7  # the engine's API server has sent one step's tokens of a request (to the router)
+_OUT = 8  # the client has them
 
 
 def prior_costs(profile: EngineProfile) -> EngineCosts:
@@ -142,6 +148,8 @@ class _Req:
     prompt_tokens: int
     #: The routing core's reservation (load, predicted parts, first token).
     reservation: Reservation
+    #: Server stages: the engine core has emitted a token of it (its first output job is queued).
+    emitted: bool = False
 
 
 @dataclass(slots=True)
@@ -373,6 +381,12 @@ class FleetSimulator:
         )
         progress = _Progress(total_requests, enabled=cfg.progress, label=f"{wl.name} {self.policy_name}")
         uses_index = bool(getattr(self.policy, "uses_index", False))
+        # Server stages (sim/frontend.py): one API-server queue per engine core, one router queue.
+        staged = self.fleet.api_server is not None or self.fleet.router_stage is not None
+        api = [FifoServer() for _ in self.cores]
+        router = FifoServer() if self.fleet.router_stage is not None else None
+        # Their stalls: their own generator, so the rest of the run draws what it drew before.
+        stage_rng = random.Random(f"stages:{cfg.seed}")
 
         def after_turn(slot: int, turn: int, t: float) -> None:
             """A turn is over (finished or rejected): send the next one or replace the conversation."""
@@ -400,31 +414,41 @@ class FleetSimulator:
             now, _, kind, payload = heapq.heappop(heap)
             if kind == _STEP_DONE:
                 i, out = payload
-                self._on_step(i, out, now, reqs, states, ttfts, push)
+                if staged:
+                    self._queue_outputs(i, out, now, reqs, api, push)
+                else:
+                    self._on_step(i, out, now, reqs, states, ttfts, push)
                 for fin in out.finished:
-                    r = reqs.pop(fin.request_id)
                     finished += 1
-                    last_finish = now
                     for t in TIERS:
                         by_tier[t] += fin.cached_tokens_by_tier[t]
                     prompt_total += fin.prompt_tokens
                     output_total += len(fin.output_token_ids)
                     progress.update(finished)
-                    after_turn(r.conv_slot, r.turn, now)
+                    if not staged:
+                        r = reqs.pop(fin.request_id)
+                        last_finish = now
+                        after_turn(r.conv_slot, r.turn, now)
                 if self.cores[i].has_unfinished():
                     start_step(i, now)
                 else:
                     busy[i] = False
-            elif kind == _ARRIVE:
+            elif kind == _ARRIVE and router is not None and self.fleet.router_stage is not None:
+                # Through the router process first: routed when it has read the request.
                 slot, k = payload
+                rs = self.fleet.router_stage
+                done_s = router.serve(now, rs.request_cost_s(states[slot].conv.turns[k].prompt_tokens))
+                push(done_s + rs.stall_draw_s(stage_rng), _ROUTE, (slot, k, now))
+            elif kind in (_ARRIVE, _ROUTE):
+                slot, k, *sent = payload
                 cs = states[slot]
                 turn = cs.conv.turns[k]
-                routed = self._route(cs, slot, k, now, uses_index)
+                routed = self._route(cs, slot, k, now, uses_index, sent[0] if sent else now, admit=not staged)
                 if routed is None:  # the engine refused it (too long for its pool / model length)
                     rejected += 1
                     after_turn(slot, k, now)
                     continue
-                r = routed
+                r, sim_req = routed
                 reqs[r.request_id] = r
                 arrived += 1
                 routed_tokens[r.engine] += r.prompt_tokens
@@ -436,11 +460,47 @@ class FleetSimulator:
                         n += 1
                     seen_ids.update(turn.block_ids)
                     ideal_tokens += min(n * wl.block_size, max_hit_tokens(turn.prompt_tokens))
-                if not busy[r.engine]:
+                if staged:
+                    # The engine's API server reads and tokenizes it before the engine core sees it.
+                    a = self.fleet.api_server
+                    done_s = api[r.engine].serve(now, a.request_cost_s(r.prompt_tokens)) if a else now
+                    push(done_s + (a.stall_draw_s(stage_rng) if a else 0.0), _AT_CORE, (r, sim_req))
+                elif not busy[r.engine]:
                     start_step(r.engine, now)
                 if not slowed and self.fleet.slowdown_engine is not None and arrived >= slowdown_at:
                     slowed = True
                     self._slow_down(self.fleet.slowdown_engine, self.fleet.slowdown_factor)
+            elif kind == _AT_CORE:
+                r, sim_req = payload
+                if not self._admit(r, sim_req, now):
+                    del reqs[r.request_id]
+                    rejected += 1
+                    after_turn(r.conv_slot, r.turn, now)
+                elif not busy[r.engine]:
+                    start_step(r.engine, now)
+            elif kind == _OUT_API:
+                # The router reads the engine's output (its first-byte and finish bookkeeping), then
+                # relays it through its own process.
+                r, ntok, first, fin = payload
+                if first:
+                    self.core.on_first_token(r.reservation, now)
+                if fin is not None:
+                    self._on_finished(r, fin, now)
+                done_s = (
+                    router.serve(now, self.fleet.router_stage.output_cost_s(ntok))
+                    if router is not None and self.fleet.router_stage is not None
+                    else now
+                )
+                push(done_s, _OUT, (r, first, fin is not None))
+            elif kind == _OUT:
+                r, first, last = payload
+                if first:
+                    ttfts.append(now - r.arrival_s)
+                    self._ttft_by_request[r.request_id] = now - r.arrival_s
+                if last:
+                    del reqs[r.request_id]
+                    last_finish = now
+                    after_turn(r.conv_slot, r.turn, now)
             elif kind == _DELIVER:
                 i, events = payload
                 self.index.apply_batch(self.engine_ids[i], decode_events(events), now)
@@ -518,7 +578,11 @@ class FleetSimulator:
         cs.ids, cs.keys = list(ids), keys
         return keys, None
 
-    def _route(self, cs: _Conv, slot: int, k: int, now: float, uses_index: bool) -> _Req | None:
+    def _route(
+        self, cs: _Conv, slot: int, k: int, now: float, uses_index: bool, sent_s: float, *, admit: bool = True
+    ) -> tuple[_Req, SimRequest] | None:
+        """Route turn ``k`` (sent by the client at ``sent_s``) at ``now``; ``admit``: hand it to the
+        engine core now (None if the core refuses it), else the caller does (``_admit``)."""
         conv = cs.conv
         turn = conv.turns[k]
         keys, tokens = self._keys_for(cs, k)
@@ -558,6 +622,7 @@ class FleetSimulator:
                 prompt_len=prompt_tokens,
             )
         engine_core = self.cores[engine]
+        r = _Req(request_id, slot, k, engine, sent_s, prompt_tokens, reservation)
         if engine_core.profile.scheduling_policy == "priority":
             sim_req.priority = shortest_first_priority(
                 reservation.parts,
@@ -566,13 +631,52 @@ class FleetSimulator:
                 stretch=self.config.priority_stretch,
                 max_overtake_s=self.config.priority_max_overtake_s,
             )
+        if admit and not self._admit(r, sim_req, now):
+            return None
+        return r, sim_req
+
+    def _admit(self, r: _Req, sim_req: SimRequest, now: float) -> bool:
+        """Hand the request to its engine core; False if the core refuses it."""
         try:
-            engine_core.add_request(sim_req)
+            self.cores[r.engine].add_request(sim_req)
         except ValueError:
             # A real engine answers 400; the router counts the failure and the client moves on.
-            self.core.on_finished(reservation, Outcome(ok=False), now)
-            return None
-        return _Req(request_id, slot, k, engine, now, prompt_tokens, reservation)
+            self.core.on_finished(r.reservation, Outcome(ok=False), now)
+            return False
+        return True
+
+    def _queue_outputs(
+        self,
+        i: int,
+        out: StepOutput,
+        now: float,
+        reqs: dict[str, _Req],
+        api: list[FifoServer],
+        push: Callable[[float, int, Any], None],
+    ) -> None:
+        """Server stages: each request's tokens of this step go through engine ``i``'s API server
+        (one job per request and step) before the router reads them."""
+        finished = {f.request_id: f for f in out.finished}
+        stage = self.fleet.api_server
+        for rid in dict.fromkeys([*out.new_token_ids, *finished]):
+            r = reqs.get(rid)
+            if r is None:
+                continue
+            ntok = len(out.new_token_ids.get(rid, ()))
+            first = ntok > 0 and not r.emitted
+            r.emitted = r.emitted or ntok > 0
+            done_s = api[i].serve(now, stage.output_cost_s(ntok)) if stage is not None else now
+            push(done_s, _OUT_API, (r, ntok, first, finished.get(rid)))
+        if out.events:
+            push(now + self.config.event_delay_s, _DELIVER, (i, out.events))
+
+    def _on_finished(self, r: _Req, fin: FinishedRequest, now: float) -> None:
+        outcome = Outcome(
+            ok=fin.finish_reason != "abort",
+            cached_tokens=fin.cached_tokens,
+            prompt_tokens=fin.prompt_tokens,
+        )
+        self.core.on_finished(r.reservation, outcome, now)
 
     def _on_step(
         self,
@@ -594,13 +698,7 @@ class FleetSimulator:
                 ttfts.append(now - r.arrival_s)
                 self._ttft_by_request[rid] = now - r.arrival_s
         for fin in out.finished:
-            r = reqs[fin.request_id]
-            outcome = Outcome(
-                ok=fin.finish_reason != "abort",
-                cached_tokens=fin.cached_tokens,
-                prompt_tokens=fin.prompt_tokens,
-            )
-            core.on_finished(r.reservation, outcome, now)
+            self._on_finished(reqs[fin.request_id], fin, now)
         if out.events:
             push(now + self.config.event_delay_s, _DELIVER, (i, out.events))
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.engine import EngineProfile
+from sim.frontend import ServerStage
 from sim.workloads import (
     LadderConfig,
     Workload,
@@ -58,6 +59,12 @@ class FleetSpec:
     slowdown_engine: str | None = None
     slowdown_at_fraction: float = 0.5
     slowdown_factor: float = 4.0
+    #: vLLM's API server in front of each engine core (sim/frontend.py): a single-server queue every
+    #: request and every output token passes through. None = requests reach the core when sent.
+    api_server: ServerStage | None = None
+    #: The router process in front of the fleet: one single-server queue for all requests and
+    #: streamed tokens. None = no router cost.
+    router_stage: ServerStage | None = None
 
     @property
     def block_size(self) -> int:
@@ -218,3 +225,18 @@ def load_engine_profile(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"--engine-profile {path}: {', '.join(fleet_set)} are set by the fleet options")
     EngineProfile(**fields)  # the profile's own validation, with its messages
     return fields
+
+
+def load_server_stages(path: str | Path) -> tuple[ServerStage | None, ServerStage | None]:
+    """The API-server and router stages (sim/frontend.py) a calibration file holds under
+    "api_server" and "router_stage" (loadtest/calibrate_vllm.py writes them); None where absent."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--engine-profile {path}: {exc}") from exc
+    if not isinstance(doc, dict):
+        return None, None
+    return tuple(  # type: ignore[return-value]
+        ServerStage.from_dict(doc[key], f"{path}: {key}") if key in doc else None
+        for key in ("api_server", "router_stage")
+    )

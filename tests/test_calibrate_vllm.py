@@ -3,6 +3,7 @@ the profile file it writes read back by the simulator (sim/des.py --engine-profi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -11,10 +12,19 @@ from pathlib import Path
 import pytest
 
 from loadtest.calib_compare import block_chain
-from loadtest.calibrate_vllm import DecodeSample, PrefillSample, fit_step_model, median_samples
+from loadtest.calibrate_vllm import (
+    DecodeSample,
+    LoadedRequest,
+    PrefillSample,
+    fit_server_stages,
+    fit_step_model,
+    median_samples,
+    replay_loaded,
+)
 from sim.des_cli import _plan, build_parser
 from sim.engine import EngineCore, EngineProfile, SimRequest
 from sim.fleets import load_engine_profile
+from sim.frontend import ServerStage
 
 TRUE = {
     "request_overhead_s": 0.02,
@@ -152,3 +162,64 @@ def test_block_chain_ids_share_exactly_the_shared_full_blocks() -> None:
     assert len(ca) == 3  # the partial 4th block has no id
     assert ca[:2] == cb[:2] and ca[2] != cb[2]
     assert block_chain(a[32:], 32)[0] != ca[1]  # same tokens, other parent: another id
+
+
+# -- the server stages (sim/frontend.py) fitted to front-end runs -----------------------------------
+
+STAGE_PROFILE = EngineProfile(
+    block_size=32,
+    num_gpu_blocks=400,
+    step_overhead_s=0.004,
+    prefill_tokens_per_s=40_000.0,
+    prefill_attention_s_per_token_ctx=4e-9,
+    decode_s_per_seq=0.0003,
+    hbm_bytes_per_s=float("inf"),
+    max_num_batched_tokens=2048,
+)
+
+
+def _loaded_runs() -> list[LoadedRequest]:
+    """Front-end runs as the calibration makes them: one stream (requests 0.5 s apart), then 3
+    streams whose requests arrive while the others' answers stream, straight and through the router;
+    32-token answers. TTFTs are filled in by the caller."""
+    sizes = (400, 900, 1500, 2100)
+    out = []
+    for via in ("direct", "router"):
+        for k in range(3):
+            out.append(LoadedRequest(1, "", sizes[k], 32, 0.5 * k, 0.0, 0.0, via))
+        for k in range(9):
+            start = 0.25 * (k // 3) + 0.06 * (k % 3)
+            out.append(LoadedRequest(3, "", sizes[k % 4], 32, start, 0.0, 0.0, via))
+    return out
+
+
+@pytest.mark.slow
+def test_server_stage_fit_recovers_known_api_server_and_router_parameters() -> None:
+    api = ServerStage(request_s=0.03, output_s_per_token=0.002, stall_s=0.02)
+    router = ServerStage(request_s=0.012, output_s_per_token=0.0007, stall_s=0.004)
+    runs = _loaded_runs()
+    ttfts = replay_loaded(runs, ["v0", "v1"], STAGE_PROFILE, api, router)
+    # The stages matter here: a loaded request waits for other requests' work and tokens.
+    bare = replay_loaded(runs, ["v0", "v1"], STAGE_PROFILE, None, None)
+    assert min(t - b for t, b in zip(ttfts, bare, strict=True)) > 0.05
+    live = [dataclasses.replace(r, ttft_s=t) for r, t in zip(runs, ttfts, strict=True)]
+    fit = fit_server_stages(live, ["v0", "v1"], STAGE_PROFILE)
+    got, got_router = fit.api_server, fit.router_stage
+    assert got.request_s == pytest.approx(api.request_s, rel=0.03)
+    assert got.stall_s == pytest.approx(api.stall_s, rel=0.05)
+    # Weakest: the tokens' cost shows only where a request meets another's stream (10% off seen).
+    assert got.output_s_per_token == pytest.approx(api.output_s_per_token, rel=0.15)
+    assert got.stall_sigma < 0.02  # exact samples: nothing left unexplained
+    # The router's share of a TTFT is small next to the API server's here: its total per request is
+    # recovered, not its split into work, stall and tokens (the fit left the split where it started).
+    assert got_router is not None
+    total = router.request_s + router.stall_s + router.output_s_per_token
+    got_total = got_router.request_s + got_router.stall_s + got_router.output_s_per_token
+    assert got_total == pytest.approx(total, rel=0.03)
+    assert fit.api_error < 3e-4 and fit.router_error < 3e-4  # within ~2% of every TTFT
+
+
+def test_server_stage_fit_needs_two_concurrencies() -> None:
+    one = [r for r in _loaded_runs() if r.concurrency == 1]
+    with pytest.raises(ValueError, match=">= 2 concurrencies"):
+        fit_server_stages(one, ["v0", "v1"], STAGE_PROFILE)
