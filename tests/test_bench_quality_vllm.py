@@ -152,3 +152,39 @@ def test_repeats_are_interleaved_in_a_rotated_order(monkeypatch: pytest.MonkeyPa
     )
     a, b, c = targets.split(",")
     assert order == [a, b, c, b, c, a, c, a, b]
+
+
+def test_explain_probe_summary_counts_moves_and_prices_them_from_the_explain_before_the_turn() -> None:
+    """A later turn that left its history's engine is a move; its parts are read from the explain
+    taken just before it, for the history's engine and for the engine that served it."""
+    from loadtest.explain_probe import summarise
+
+    def turn(conv: str, k: int, engine: str, home_cost: float = 0.0, other_cost: float = 0.0) -> dict:
+        engines = [
+            {
+                "engine_id": "v0",
+                "prefix_tokens": 960,
+                "in_flight": 2,
+                "scores": {"cost_s": home_cost, "load_s_gpu": 0.01},
+            },
+            {"engine_id": "v1", "prefix_tokens": 0, "in_flight": 0, "scores": {"cost_s": other_cost}},
+        ]
+        return {
+            "conversation": conv,
+            "turn": k,
+            "engine": engine,
+            "ttft_s": 0.1 * (k + 1),
+            "prompt_tokens": 1000,
+            "cached_tokens": 500 if k else 0,
+            "explain": {"engines": engines},
+        }
+
+    records = [turn("a", 0, "v0"), turn("a", 1, "v0"), turn("a", 2, "v1", home_cost=0.4, other_cost=0.3)]
+    records += [turn("b", 1, "v0"), turn("b", 0, "v0")]  # completion order need not be turn order
+    s = summarise(records)
+    assert (s["later_turns"], s["stayed"], s["moved"]) == (3, 2, 1)
+    moved = s["moves_median"]
+    assert moved["cost_s"] == {"history_engine": 0.4, "chosen": 0.3}
+    assert moved["in_flight"] == {"history_engine": 2.0, "chosen": 0.0}
+    assert moved["load_s"]["history_engine"] == 0.01  # per-tier load parts are summed
+    assert s["cached_share"] == 1500 / 5000
