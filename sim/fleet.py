@@ -502,7 +502,19 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "--hash-algo",
         choices=("sha256", "sha256_cbor"),
         default=None,
-        help="vLLM's prefix-cache hash (default sha256)",
+        help="vLLM's prefix-cache hash (default sha256; vllm-cpu: vLLM's own default); vllm-router's"
+        " kv_aware policy needs sha256_cbor",
+    )
+    p.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="vllm-cpu: vLLM's --enable-scale-out (its /v1/chat/completions/render endpoint, which "
+        "vllm-router's kv_aware policy calls)",
+    )
+    p.add_argument(
+        "--dev-mode",
+        action="store_true",
+        help="vllm-cpu: VLLM_SERVER_DEV_MODE=1 (POST /reset_prefix_cache empties an engine's cache)",
     )
     p.add_argument(
         "--scheduling-policy",
@@ -517,6 +529,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
 def profile_from_args(args: argparse.Namespace) -> FleetProfile:
     for flag in ("vllm_venv", "start_timeout"):
         if getattr(args, flag, None) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} is for --backend vllm-cpu")
+    for flag in ("enable_scale_out", "dev_mode"):
+        if getattr(args, flag, False):
             raise ValueError(f"--{flag.replace('_', '-')} is for --backend vllm-cpu")
     prof = PROFILES[args.profile or "tiered"]
     overrides: dict[str, Any] = {

@@ -843,10 +843,12 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> Response:
+    async def reset_prefix_cache() -> dict[str, bool]:
+        # vLLM 0.32 answers {"success": bool} (false while blocks are held); this engine preempts
+        # what runs, so its reset always succeeds.
         if state.runner is not None:
             state.runner.reset_prefix_cache()
-        return Response(status_code=200)
+        return {"success": True}
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:

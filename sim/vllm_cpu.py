@@ -147,6 +147,9 @@ class VllmCpuProfile:
     hash_algo: str | None = None
     #: --enable-scale-out: the render endpoint vllm-router's kv_aware policy calls.
     enable_scale_out: bool = False
+    #: VLLM_SERVER_DEV_MODE=1: vLLM's development endpoints, among them POST /reset_prefix_cache
+    #: (a benchmark empties the engines' caches between runs instead of restarting them).
+    dev_mode: bool = False
     #: --enforce-eager: no torch.compile (starts in seconds instead of minutes, runs slower).
     enforce_eager: bool = False
     startup_timeout_s: float = 1800.0
@@ -186,6 +189,8 @@ def engine_env(profile: VllmCpuProfile) -> dict[str, str]:
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
     )
+    if profile.dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     return env
 
 
@@ -373,11 +378,13 @@ _SIM_ONLY = {
     "storage_blocks": None,
     "no_shared_storage": False,
     "time_scale": None,
-    "hash_algo": None,
     "base_port": None,
 }
 #: The flags a vllm-cpu fleet takes (said when a simulator-only flag is given).
-_VLLM_FLAGS = "--gpu-blocks, --block-size, --max-model-len, --scheduling-policy, --vllm-venv, --start-timeout"
+_VLLM_FLAGS = (
+    "--gpu-blocks, --block-size, --max-model-len, --scheduling-policy, --hash-algo, --enable-scale-out, "
+    "--dev-mode, --vllm-venv, --start-timeout"
+)
 
 
 def profile_from_args(args: Any) -> VllmCpuProfile:
@@ -387,10 +394,13 @@ def profile_from_args(args: Any) -> VllmCpuProfile:
         raise ValueError(f"{flags}: simulator-only; a vllm-cpu fleet takes {_VLLM_FLAGS}")
     prof = VllmCpuProfile()
     overrides: dict[str, Any] = {}
-    for key in ("gpu_blocks", "block_size", "scheduling_policy", "max_model_len"):
+    for key in ("gpu_blocks", "block_size", "scheduling_policy", "max_model_len", "hash_algo"):
         value = getattr(args, key, None)
         if value is not None:
             overrides[key] = value
+    for key in ("enable_scale_out", "dev_mode"):
+        if getattr(args, key, False):
+            overrides[key] = True
     if getattr(args, "start_timeout", None) is not None:
         overrides["startup_timeout_s"] = float(args.start_timeout)
     from dataclasses import replace

@@ -117,3 +117,23 @@ def test_an_engine_whose_port_was_taken_is_started_again_on_new_ports(tmp_path: 
         assert engine.url == f"http://{starts[1]}"
     finally:
         fleet.stop(timeout_s=5)
+
+
+def test_fleet_cli_flags_for_the_quality_bench_reach_the_engines() -> None:
+    """--hash-algo, --enable-scale-out and --dev-mode (what the real-vLLM quality bench needs) land in
+    the profile; dev mode is vLLM's environment switch for POST /reset_prefix_cache; the simulated
+    backend refuses the vLLM-only two."""
+    from sim.fleet import build_arg_parser
+    from sim.fleet import profile_from_args as sim_profile
+    from sim.vllm_cpu import profile_from_args
+
+    parser = build_arg_parser()
+    args = parser.parse_args(
+        ["--backend", "vllm-cpu", "--hash-algo", "sha256_cbor", "--enable-scale-out", "--dev-mode"]
+    )
+    prof = profile_from_args(args)
+    assert (prof.hash_algo, prof.enable_scale_out, prof.dev_mode) == ("sha256_cbor", True, True)
+    assert engine_env(prof)["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "VLLM_SERVER_DEV_MODE" not in engine_env(VllmCpuProfile())
+    with pytest.raises(ValueError, match="--dev-mode is for --backend vllm-cpu"):
+        sim_profile(parser.parse_args(["--dev-mode"]))

@@ -25,8 +25,9 @@ from sim.vllm_cpu import VllmCpuFleet, VllmCpuProfile
 from tests.conftest import ThreadedServer
 
 ENABLE_ENV = "TEST_VLLM_CPU"
-#: 264 x 32 = 8,448 tokens of KV per engine, for the default 8,192-token context.
-PROFILE = VllmCpuProfile(gpu_blocks=264)
+#: 264 x 32 = 8,448 tokens of KV per engine, for the default 8,192-token context; sha256_cbor hashes
+#: and the render endpoint (--enable-scale-out) for vllm-router's kv_aware policy.
+PROFILE = VllmCpuProfile(gpu_blocks=264, hash_algo="sha256_cbor", enable_scale_out=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

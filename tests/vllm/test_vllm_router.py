@@ -359,3 +359,58 @@ def test_an_engine_killed_mid_stream_raises_in_the_openai_sdk(
             killer.join()
     finally:
         own.stop()
+
+
+def test_vllm_router_kv_aware_follows_the_engines_kv_events(vllm_fleet: VllmCpuFleet, tmp_path: Path) -> None:
+    """vllm-router's kv_aware policy on real engines: it reads their ZMQ events and recomputes vLLM's
+    sha256_cbor block hashes from ``/v1/chat/completions/render`` (served with --enable-scale-out).
+    Four conversations, one request at a time (equal load: only the KV decides): every later turn
+    must land where its history is cached. Blind routing (events unread, hashes not matching) would
+    send about half of them to the other engine, which reports no cached tokens."""
+    from loadtest.bench_peers import default_peers_dir, install_peer, peer_command, wait_routes
+    from loadtest.load import stop_process
+    from sim.server import free_port
+
+    peers_dir = default_peers_dir()
+    try:
+        binary = install_peer(peers_dir, "vllm-router")
+    except RuntimeError as exc:
+        pytest.skip(f"vllm-router cannot be installed here: {exc}")
+    engines = vllm_fleet.engines
+    extra = ["--kv-event-block-size", str(PROFILE.block_size), "--kv-event-model", MODEL_NAME]
+    for e in engines:
+        extra += ["--kv-event-source", f"{e.url}={e.kv_events_endpoint}"]
+    port = free_port()
+    with open(tmp_path / "vllm-router.log", "wb") as log:
+        proc = subprocess.Popen(
+            peer_command(binary, "vllm-router", "kv_aware", port, engines, extra),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_routes(url, proc, model=MODEL_NAME)
+        later: list[tuple[int, int]] = []
+        for seed in range(4):
+            client = _client(url)
+            messages = [{"role": "user", "content": _words(300, seed=5000 + seed)}]
+            previous = 0
+            for k in range(3):
+                reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8)  # type: ignore[arg-type]
+                assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+                if k:
+                    later.append((reply.usage.prompt_tokens_details.cached_tokens or 0, previous))
+                previous = reply.usage.prompt_tokens
+                messages += [
+                    {"role": "assistant", "content": reply.choices[0].message.content or ""},
+                    {"role": "user", "content": _words(120, seed=6000 + 10 * seed + k)},
+                ]
+                time.sleep(0.3)  # the engine publishes its KV events after the step
+        # every later turn finds (nearly) its whole previous prompt cached: the blocks it filled
+        missed = [(c, p) for c, p in later if c < (p // PROFILE.block_size - 1) * PROFILE.block_size]
+        assert not missed, (
+            f"(cached, previous prompt) of later turns routed away from their history: {missed}"
+        )
+    finally:
+        stop_process(proc)

@@ -1,0 +1,190 @@
+"""The pieces of ``bench_quality_live --backend vllm-cpu`` without vLLM: simulated engines stand in for
+the real fleets (they serve the same /reset_prefix_cache, KV events and usage), so the
+reset-before-every-run, the fleet a ``@priority`` target runs on, the event counting and the rotated
+interleaving are checked in ``make test``; the real engines are ``make test-vllm``'s business."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from loadtest.bench_quality_live import (
+    QUALITY_PROFILE,
+    Backend,
+    FleetFile,
+    Run,
+    reset_prefix_caches,
+    split_spec,
+    vllm_runs,
+)
+from sim.fleet import Fleet, FleetEngine
+from tests.conftest import ThreadedServer
+
+#: Fast simulated engines, no CPU/STORAGE tier (real vLLM on CPUs has none), a GPU pool that two
+#: ladder conversations overflow.
+STAND_IN = replace(QUALITY_PROFILE, gpu_blocks=400, cpu_blocks=0, storage_blocks=0, time_scale=10.0)
+
+
+@pytest.fixture
+def fleets(tmp_path: Path) -> Iterator[dict[str, FleetFile]]:
+    """An fcfs and a priority fleet of 2 simulated engines each, read back from their fleet files as
+    the bench reads running real fleets."""
+    with Fleet(tmp_path / "fcfs") as fcfs, Fleet(tmp_path / "prio") as prio:
+        fcfs.start(2, STAND_IN)
+        prio.start(2, replace(STAND_IN, scheduling_policy="priority"))
+        yield {
+            "fcfs": FleetFile.read(fcfs.write_fleet_file(tmp_path / "fcfs.json")),
+            "priority": FleetFile.read(prio.write_fleet_file(tmp_path / "prio.json")),
+        }
+
+
+def _chat(engine: FleetEngine, text: str) -> int:
+    """Cached prompt tokens the engine reports for one chat request."""
+    body = {"model": engine.model, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+    resp = httpx.post(engine.url + "/v1/chat/completions", json=body, timeout=30)
+    resp.raise_for_status()
+    return int(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def _queries(engine: FleetEngine) -> float:
+    text = httpx.get(engine.url + "/metrics", timeout=10).text
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("vllm:prefix_cache_queries_total")
+    )
+
+
+def test_a_target_spec_names_its_engines_scheduling() -> None:
+    assert split_spec("kvroute:tier_cost@priority") == ("kvroute:tier_cost", "priority")
+    assert split_spec("vllm-router:kv_aware") == ("vllm-router:kv_aware", "")
+    with pytest.raises(ValueError, match="scheduling policy"):
+        split_spec("kvroute:tier_cost@lifo")
+    with pytest.raises(ValueError, match="kvroute policy"):
+        split_spec("kvroute:nope@priority")
+
+
+def test_reset_empties_an_engines_prefix_cache(fleets: dict[str, FleetFile]) -> None:
+    """What makes every run start cold: after the reset, the same prompt finds nothing cached."""
+    engine = fleets["fcfs"].engines[0]
+    text = "the same long prompt " * 60
+    _chat(engine, text)
+    assert _chat(engine, text) > 0
+    reset_prefix_caches([engine])
+    assert _chat(engine, text) == 0
+
+
+def test_reset_retries_while_vllm_refuses_and_names_dev_mode_when_absent(
+    serve_asgi: Callable[..., ThreadedServer],
+) -> None:
+    """vLLM answers success false while blocks are held (retry), and 404 without VLLM_SERVER_DEV_MODE."""
+    answers = [False, False, True]
+    app = FastAPI()
+
+    @app.post("/reset_prefix_cache")
+    async def reset() -> JSONResponse:
+        return JSONResponse({"success": answers.pop(0)})
+
+    server = serve_asgi(app)
+    engine = FleetEngine("v0", server.url, "m", "", "", "", "", 32, 0, "")
+    reset_prefix_caches([engine], timeout_s=30)
+    assert answers == []
+    bare = serve_asgi(FastAPI())
+    with pytest.raises(RuntimeError, match="--dev-mode"):
+        reset_prefix_caches([replace(engine, url=bare.url)])
+
+
+@pytest.mark.slow
+def test_vllm_runs_measure_each_target_on_its_fleet_and_count_evictions(
+    fleets: dict[str, FleetFile], tmp_path: Path
+) -> None:
+    cells = [("ladder", 2, "kvroute:kv_fixed_credit@priority"), ("ladder", 2, "kvroute:round_robin")]
+    seen: list[Run] = []
+    before = {k: sum(_queries(e) for e in f.engines) for k, f in fleets.items()}
+    runs = vllm_runs(
+        cells, dict(fleets), Backend("stand-in", "sim", "", STAND_IN.block_size), run_time_s=4,
+        think_mean_s=0.05, peers_dir=tmp_path / "peers", out=tmp_path / "out", on_run=seen.append,
+    )  # fmt: skip
+    assert seen == runs and [r.target for r in runs] == [c[2] for c in cells]
+    for r in runs:
+        assert not r.error, r.error
+        assert r.turns > 0 and r.failures == 0
+        # the engines' usage, not a router's guess: a share, and the ladder's later turns hit
+        assert r.cached is not None and 0 < r.cached["GPU"] < r.prompt_tokens
+        assert r.stored_blocks > 0 and r.removed_blocks > 0, "the small pool must evict, and it be seen"
+    after = {k: sum(_queries(e) for e in f.engines) for k, f in fleets.items()}
+    assert after["priority"] > before["priority"] and after["fcfs"] > before["fcfs"]
+
+
+def test_repeats_are_interleaved_in_a_rotated_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Repeat r runs every target once, the order shifted by r (no router always goes first)."""
+    import loadtest.bench_quality_live as bench
+
+    order: list[str] = []
+
+    def fake_runs(cells: list[tuple[str, int, str]], *args: object, **kwargs: object) -> list[Run]:
+        order.extend(c[2] for c in cells)
+        return []
+
+    class NoFleets:
+        def __init__(self, *args: object) -> None:
+            pass
+
+        def __enter__(self) -> tuple[dict[str, object], Path]:
+            return {
+                "fcfs": FleetFile(tmp_path, [FleetEngine("v0", "", "m", "", "", "", "", 32, 0, "")])
+            }, tmp_path
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    monkeypatch.setattr(bench, "vllm_runs", fake_runs)
+    monkeypatch.setattr(bench, "vllm_fleets", NoFleets)
+    targets = "kvroute:round_robin,kvroute:tier_cost,sglang-router:cache_aware"
+    bench.main(
+        ["--backend", "vllm-cpu", "--targets", targets, "--repeats", "3", "--out", str(tmp_path / "o")]
+    )
+    a, b, c = targets.split(",")
+    assert order == [a, b, c, b, c, a, c, a, b]
+
+
+def test_explain_probe_summary_counts_moves_and_prices_them_from_the_explain_before_the_turn() -> None:
+    """A later turn that left its history's engine is a move; its parts are read from the explain
+    taken just before it, for the history's engine and for the engine that served it."""
+    from loadtest.explain_probe import summarise
+
+    def turn(conv: str, k: int, engine: str, home_cost: float = 0.0, other_cost: float = 0.0) -> dict:
+        engines = [
+            {
+                "engine_id": "v0",
+                "prefix_tokens": 960,
+                "in_flight": 2,
+                "scores": {"cost_s": home_cost, "load_s_gpu": 0.01},
+            },
+            {"engine_id": "v1", "prefix_tokens": 0, "in_flight": 0, "scores": {"cost_s": other_cost}},
+        ]
+        return {
+            "conversation": conv,
+            "turn": k,
+            "engine": engine,
+            "ttft_s": 0.1 * (k + 1),
+            "prompt_tokens": 1000,
+            "cached_tokens": 500 if k else 0,
+            "explain": {"engines": engines},
+        }
+
+    records = [turn("a", 0, "v0"), turn("a", 1, "v0"), turn("a", 2, "v1", home_cost=0.4, other_cost=0.3)]
+    records += [turn("b", 1, "v0"), turn("b", 0, "v0")]  # completion order need not be turn order
+    s = summarise(records)
+    assert (s["later_turns"], s["stayed"], s["moved"]) == (3, 2, 1)
+    moved = s["moves_median"]
+    assert moved["cost_s"] == {"history_engine": 0.4, "chosen": 0.3}
+    assert moved["in_flight"] == {"history_engine": 2.0, "chosen": 0.0}
+    assert moved["load_s"]["history_engine"] == 0.01  # per-tier load parts are summed
+    assert s["cached_share"] == 1500 / 5000
