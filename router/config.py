@@ -19,7 +19,14 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from kvcore.core import PRIORITY_STEP_S, PRIORITY_STRETCH, SCHEDULING_POLICIES, check_priority_stretch
+from kvcore.core import (
+    PRIORITY_MAX_OVERTAKE_S,
+    PRIORITY_STEP_S,
+    PRIORITY_STRETCH,
+    SCHEDULING_POLICIES,
+    check_priority_max_overtake,
+    check_priority_stretch,
+)
 from policies.base import needs_block_keys
 
 ENV_PREFIX = "KVROUTE_"
@@ -205,11 +212,13 @@ class CostsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     priors: dict[str, Any] = msgspec.field(default_factory=dict)
     #: Seconds between scrapes of each engine's GET /metrics; 0 disables scraping.
     scrape_interval_s: float = 2.0
-    #: Engines with ``scheduling_policy: priority``: seconds per vLLM priority level, and the deadline
-    #: as that many times its own predicted service (loads + prefill) after placement, capped at
-    #: kvcore.core.PRIORITY_MAX_OVERTAKE_S (0 = arrival order; kvcore.core.shortest_first_priority).
+    #: Engines with ``scheduling_policy: priority``: seconds per vLLM priority level; the deadline
+    #: as ``priority_stretch`` times its own predicted service (loads + prefill) after placement
+    #: (0 = arrival order), never more than ``priority_max_overtake_s`` after it (the bound; inf =
+    #: none). kvcore.core.shortest_first_priority.
     priority_step_s: float = PRIORITY_STEP_S
     priority_stretch: float = PRIORITY_STRETCH
+    priority_max_overtake_s: float = PRIORITY_MAX_OVERTAKE_S
 
 
 class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -634,6 +643,7 @@ def _validate_index_events_costs(config: RouterConfig) -> None:
         raise ConfigError(f"costs.priority_step_s must be positive, got {config.costs.priority_step_s}")
     try:
         check_priority_stretch(config.costs.priority_stretch, "costs.priority_stretch")
+        check_priority_max_overtake(config.costs.priority_max_overtake_s, "costs.priority_max_overtake_s")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if config.costs.scrape_interval_s < 0:

@@ -559,6 +559,7 @@ class Router:
                     costs.priority_step_s,
                     now_s=time.time() - PRIORITY_EPOCH_S,
                     stretch=costs.priority_stretch,
+                    max_overtake_s=costs.priority_max_overtake_s,
                 )
                 start = body.index(b"{") + 1  # splice, as for stream_options: the key is absent
                 body = b'%s"priority":%d,%s' % (body[:start], ctx.priority, body[start:])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,14 +22,14 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcore.core import shortest_first_priority
+from kvcore.core import PRIORITY_EPOCH_S, PRIORITY_MAX_OVERTAKE_S, PRIORITY_STEP_S, shortest_first_priority
 from kvcore.sim_tokenizer import NAME, filler_text
 from policies.costs import PredictedParts
 from router.config import ConfigError, load_config
 from router.service import build_router_app
 from sim.engine import EngineCore, SimRequest
 from sim.fleet import Fleet, FleetEngine, FleetProfile
-from tests.conftest import ThreadedServer
+from tests.conftest import OpenAIUpstream, ThreadedServer
 from tests.test_des import memory_pressure_run
 from tests.test_sim_engine import profile, run
 
@@ -195,6 +196,62 @@ def test_router_config_checks_the_scheduling_policy() -> None:
         load_config(environ={}, overrides={"engines": [engine], "costs": {"priority_step_s": 0}})
     with pytest.raises(ConfigError, match="priority_stretch must be >= 0"):
         load_config(environ={}, overrides={"engines": [engine], "costs": {"priority_stretch": -1}})
+    for bad in (0, -5, "nan"):
+        with pytest.raises(
+            ConfigError, match=r"costs.priority_max_overtake_s must be > 0 seconds \(inf = no"
+        ):
+            load_config(
+                environ={}, overrides={"engines": [engine], "costs": {"priority_max_overtake_s": bad}}
+            )
+    with pytest.raises(ConfigError, match="priority_max_overtake_s"):
+        load_config(environ={"KVROUTE_COSTS_PRIORITY_MAX_OVERTAKE_S": "ten"}, overrides={"engines": [engine]})
+    unbounded = load_config(
+        environ={"KVROUTE_COSTS_PRIORITY_MAX_OVERTAKE_S": "inf"}, overrides={"engines": [engine]}
+    )
+    assert unbounded.costs.priority_max_overtake_s == float("inf")
+    assert (
+        load_config(environ={}, overrides={"engines": [engine]}).costs.priority_max_overtake_s
+        == PRIORITY_MAX_OVERTAKE_S
+    )
+
+
+@pytest.mark.parametrize("bound_s", [None, 2.0, 25.0])
+def test_the_configured_bound_sets_the_priority_the_router_sends(
+    bound_s: float | None,
+    serve_asgi: Callable[..., ThreadedServer],
+    upstreams: Callable[[int], list[tuple[OpenAIUpstream, str]]],
+) -> None:
+    """A priors' prefill rate of 1 token/s makes a prompt's own service seconds per token, so
+    stretch x own is past every bound here and the deadline the router sends is placement time plus
+    the bound exactly: costs.priority_max_overtake_s when set, else the 10 s default. The recording
+    engine sees the priority in the body."""
+    ((engine, engine_url),) = upstreams(1)
+    costs: dict[str, Any] = {"scrape_interval_s": 0, "priors": {"prefill_tokens_per_s": 1.0}}
+    if bound_s is not None:
+        costs["priority_max_overtake_s"] = bound_s
+    config = load_config(
+        environ={},
+        overrides={
+            "engines": [
+                {"id": "e0", "url": engine_url, "model": "test-model", "scheduling_policy": "priority"}
+            ],
+            "policy": {"name": "round_robin"},
+            "health": {"interval_s": 0},
+            "costs": costs,
+        },
+    )
+    router = serve_asgi(build_router_app(config))
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    before_s = time.time() - PRIORITY_EPOCH_S
+    client.completions.create(model="test-model", prompt="a prompt of some words", max_tokens=1)
+    after_s = time.time() - PRIORITY_EPOCH_S
+    sent = json.loads(engine.bodies[-1])["priority"]
+    bound = PRIORITY_MAX_OVERTAKE_S if bound_s is None else bound_s
+    step = PRIORITY_STEP_S
+    assert math.floor((before_s + bound) / step) <= sent <= math.floor((after_s + bound) / step), (
+        sent * step - before_s,
+        bound,
+    )
 
 
 # ------------------------------------------------------------------- live: router + engine process
