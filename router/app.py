@@ -22,7 +22,6 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
@@ -62,12 +61,26 @@ Send = Callable[[Any], Awaitable[None]]
 PROXY_PATHS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
 
 
+def header_map(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
+    """ASGI's raw headers (lower-case names) as a dict; the first value of a repeated name wins."""
+    out: dict[str, str] = {}
+    for name, value in raw:
+        key = name.decode("latin-1")
+        if key not in out:
+            out[key] = value.decode("latin-1")
+    return out
+
+
 class KvrouteApp(FastAPI):
     """FastAPI for every endpoint but the two proxied ones: their POSTs go straight to
     ``proxy_app`` (the guarded proxy), skipping the framework's routing, middleware and dependency
-    machinery, which cost about as much CPU per request as all of the routing did."""
+    machinery, which cost about as much CPU per request as all of the routing did. kvroute's own
+    HTTP protocol (router/fastpath.py) calls ``proxy_app`` itself for the ``proxy_paths``, without
+    an ASGI request cycle; any other ASGI server comes through ``__call__``."""
 
     proxy_app: Callable[[dict[str, Any], Receive, Send], Awaitable[None]] | None = None
+    #: Raw request path -> ASGI path, of the routes ``proxy_app`` answers.
+    proxy_paths: dict[bytes, str] = {path.encode(): path for path in PROXY_PATHS}
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:  # type: ignore[override]
         if (
@@ -329,7 +342,7 @@ def create_app(
     costs: Any = None,
     index_trusted: Callable[[str], bool] | None = None,
     core: RoutingCore | None = None,
-) -> FastAPI:
+) -> KvrouteApp:
     """The router app. ``experiments`` replaces the config's arm selection (and is also an observer
     if it has ``on_finished``); ``index``/``tokenizer`` are kept on ``app.state`` for the annotator
     and the explain endpoint; ``event_manager`` is started by the lifespan and asked for
@@ -429,7 +442,7 @@ def create_app(
         """POST /v1/chat/completions and /v1/completions, straight from the ASGI server (no
         framework routing, dependency solving or response objects on the hot path)."""
         endpoint = PROXY_PATHS[scope["path"]]
-        headers = Headers(raw=scope["headers"])  # case-insensitive, first value wins
+        headers = header_map(scope["headers"])
         request_id = request_id_of(headers)
         try:
             raw_body = await reader.body(headers, receive)

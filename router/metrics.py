@@ -108,10 +108,10 @@ class RouterMetrics:
         )
 
         # Labelled children cached by label tuple: labels() costs a lock and a dict build per call.
-        self._children: dict[tuple[str, ...], Any] = {}
+        self._children: dict[tuple[int | str, ...], Any] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
-        key = (str(id(metric)), *labels)
+        key: tuple[int | str, ...] = (id(metric), *labels)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = metric.labels(*labels)

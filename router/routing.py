@@ -346,12 +346,20 @@ def usage_from_stream_tail(tail: bytes) -> dict[str, Any] | None:
     return None
 
 
+class _UsageOnly(msgspec.Struct):
+    """The ``usage`` of an answer; its other fields are skipped unread (half the time of a full decode)."""
+
+    usage: Any = None
+
+
+_decode_usage = msgspec.json.Decoder(_UsageOnly).decode
+
+
 def _usage_from_json(body: bytes) -> dict[str, Any] | None:
     try:
-        doc = _decode_json(body)
-    except msgspec.DecodeError:
+        usage = _decode_usage(body).usage
+    except msgspec.DecodeError:  # not JSON, or not an object (ValidationError is a DecodeError)
         return None
-    usage = doc.get("usage") if isinstance(doc, dict) else None
     return usage if isinstance(usage, dict) else None
 
 
@@ -413,13 +421,17 @@ class Router:
                 code="model_not_found",
             )
         uses_index = arm.policy.uses_index
+        # The fleet's views, built once per request: ``filter`` refreshes their load figures and
+        # index trust in place, so the second filter (after the annotator's await) sees the load
+        # of that moment.
+        views = self.tracker.all_views()
         if self.annotator is not None:
             # Annotated for every arm, not only index-aware ones: the index self-check, the
             # experiments' predicted tier split and the trace need every request's keys.
-            ctx.fleet = FleetView(self.core.filter(request, self.tracker.all_views()))
+            ctx.fleet = FleetView(self.core.filter(request, views))
             await self.annotator.annotate(ctx)
         # No await from here to reserve: other requests' load is what it is at the choice.
-        candidates = self.core.filter(request, self.tracker.all_views(), uses_index=uses_index)
+        candidates = self.core.filter(request, views, uses_index=uses_index)
         now = time.monotonic()
         ctx.fleet = FleetView(candidates, now=now, costs=self.core.costs)
         if not candidates:
@@ -840,9 +852,13 @@ class DisconnectWatcher:
 
 
 def watch_disconnect(receive: Receive) -> DisconnectWatcher:
-    """A callback watcher when ``receive`` is uvicorn's request cycle (its connection_lost sets the
-    cycle's message event: no task per request), else one that awaits ASGI ``http.disconnect``."""
+    """A callback watcher when ``receive`` is kvroute's own exchange (router/fastpath.py) or
+    uvicorn's request cycle (their connection_lost calls back: no task per request), else one that
+    awaits ASGI ``http.disconnect``."""
     cycle = getattr(receive, "__self__", None)
+    hook = getattr(cycle, "disconnect_watcher", None)
+    if hook is not None:
+        return _HookDisconnectWatcher(hook)
     if isinstance(getattr(cycle, "message_event", None), asyncio.Event) and hasattr(cycle, "disconnected"):
         return _CycleDisconnectWatcher(cycle)
     return _TaskDisconnectWatcher(receive)
@@ -873,6 +889,21 @@ class _CycleDisconnectWatcher(DisconnectWatcher):
         event = self._cycle.message_event
         if isinstance(event, _CallbackEvent):
             event.callback = None
+
+
+class _HookDisconnectWatcher(DisconnectWatcher):
+    """An exchange that calls back on a lost connection (``ProxyExchange.disconnect_watcher``)."""
+
+    __slots__ = ("_hook",)
+
+    def __init__(self, hook: Callable[[Callable[[], None] | None], bool]) -> None:
+        super().__init__()
+        self._hook = hook
+        if hook(self._fire):
+            self._fire()
+
+    def stop(self) -> None:
+        self._hook(None)
 
 
 class _CallbackEvent(asyncio.Event):
