@@ -1,7 +1,8 @@
 """The router's front door: connection-level limits, authentication and a last-resort error guard.
 
-``guarded_http_protocol(limits)`` is uvicorn's httptools protocol with header read timeouts, header
-size/count limits and a connection cap (slow or idle clients must not hold sockets forever).
+``guarded_http_protocol(limits)`` is kvroute's HTTP protocol (uvicorn's httptools protocol that
+answers the proxied routes itself, router/fastpath.py) with header read timeouts, header size/count
+limits and a connection cap (slow or idle clients must not hold sockets forever).
 ``AccessGuard`` is the ASGI middleware around the app: client API keys, admin token and access to
 the introspection endpoints (constant-time comparisons, failures rate-limited per address), and an
 answer of 500 for any error the app did not handle, without dropping the keep-alive connection.
