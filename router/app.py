@@ -121,6 +121,8 @@ def request_id_of(headers: Mapping[str, str]) -> str:
 
 
 def _is_json_type(content_type: str) -> bool:
+    if content_type == "application/json":  # what nearly every client sends
+        return True
     media = content_type.split(";", 1)[0].strip().lower()
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
@@ -408,6 +410,10 @@ def create_app(
             # the router: out of the collector's sight, so that a collection triggered by the
             # requests' short-lived objects does not walk it every time.
             gc.freeze()
+            # A young-generation collection every 10,000 allocations instead of 700: a request
+            # allocates hundreds of container objects, nearly all freed by reference counting, so
+            # the frequent collections mostly re-scan the requests in flight (2-4% of the CPU).
+            gc.set_threshold(10_000, *gc.get_threshold()[1:])
             yield
         finally:
             for component in reversed(started):
