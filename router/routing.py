@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 import os
@@ -390,6 +391,7 @@ class Router:
         self.arm_selector = arm_selector
         self.annotator = annotator
         self.first_byte = FirstByteBudget(config.limits.first_byte_timeout_s)
+        self._prefill_releases = _DueCalls(core.release_prefill)
         self.observers: list[RouteObserver] = [metrics, self.first_byte, *observers]
         # Each hook's bound methods, looked up once (not per request and observer).
         self._hooks: dict[str, list[tuple[RouteObserver, Callable[[RouteContext], None]]]] = {
@@ -647,7 +649,7 @@ class Router:
             # count it for the whole answer (the scraped waiting gauge corrects the guess).
             delay_s = reservation.parts.total_s
             if 0 < delay_s < 3600:
-                asyncio.get_running_loop().call_later(delay_s, self.core.release_prefill, reservation)
+                self._prefill_releases.add(delay_s, reservation)
             else:
                 self.core.release_prefill(reservation)
         return await self._complete(ctx, response, out_headers, content_type)
@@ -772,6 +774,42 @@ class Router:
         )
         out_headers.append((b"content-type", content_type.encode("latin-1")))
         return _BodyAnswer(response.status, out_headers, data)
+
+
+class _DueCalls:
+    """``call(item)`` for items due at times of the event loop's clock, all on one loop timer armed
+    for the earliest (not a TimerHandle per request); items due within ``slack_s`` of each other
+    run together."""
+
+    def __init__(self, call: Callable[[Any], None], slack_s: float = 0.005) -> None:
+        self._call = call
+        self._slack_s = slack_s
+        self._heap: list[tuple[float, int, Any]] = []
+        self._seq = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_due = 0.0
+
+    def add(self, delay_s: float, item: Any) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay_s
+        heapq.heappush(self._heap, (due, next(self._seq), item))
+        if self._timer is None or due < self._timer_due - self._slack_s:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._timer_due = loop.call_at(due, self._run), due
+
+    def _run(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        heap, limit = self._heap, loop.time() + self._slack_s
+        while heap and heap[0][0] <= limit:
+            item = heapq.heappop(heap)[2]
+            try:
+                self._call(item)
+            except Exception:
+                log.exception("a due call failed")
+        if heap:
+            self._timer, self._timer_due = loop.call_at(heap[0][0], self._run), heap[0][0]
 
 
 class _Answer(Protocol):

@@ -211,3 +211,30 @@ def test_client_gone_mid_stream_cancels_the_engine_and_counts_499(
         time.sleep(0.05)
     assert upstream.cancelled_streams == 1
     assert 'status="499"' in metrics
+
+
+async def test_due_calls_run_in_due_order_on_one_timer() -> None:
+    """The non-stream prefill releases share one loop timer: an item due earlier than the armed
+    one re-arms it, items run in due order, none is lost, and a failing call does not stop the rest."""
+    import asyncio
+
+    from router.routing import _DueCalls
+
+    done: list[str] = []
+    all_done = asyncio.Event()
+
+    def call(item: str) -> None:
+        if item == "bad":
+            raise ValueError("boom")
+        done.append(item)
+        if len(done) == 3:
+            all_done.set()
+
+    calls = _DueCalls(call, slack_s=0.0)
+    calls.add(0.06, "third")
+    calls.add(0.02, "first")  # earlier than the armed timer: re-armed
+    calls.add(0.04, "bad")
+    calls.add(0.05, "second")
+    await asyncio.wait_for(all_done.wait(), 5)
+    assert done == ["first", "second", "third"]
+    assert calls._timer is None and not calls._heap
