@@ -401,6 +401,7 @@ def create_app(
             answer_liveness_s=config.health.answer_liveness_s,
         )
         started: list[Any] = []
+        thresholds = gc.get_threshold()
         try:
             poller.start()
             for component in components:
@@ -413,9 +414,10 @@ def create_app(
             # A young-generation collection every 10,000 allocations instead of 700: a request
             # allocates hundreds of container objects, nearly all freed by reference counting, so
             # the frequent collections mostly re-scan the requests in flight (2-4% of the CPU).
-            gc.set_threshold(10_000, *gc.get_threshold()[1:])
+            gc.set_threshold(10_000, *thresholds[1:])
             yield
         finally:
+            gc.set_threshold(*thresholds)  # the process's own again (tests run many apps in one)
             for component in reversed(started):
                 try:
                     await component.stop()
