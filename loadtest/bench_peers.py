@@ -7,6 +7,12 @@ stream mode and prompt size; "added" latency and the req/s ratio are taken again
 same repeat, then the median over repeats is reported. Writes ``b3.md``, ``b3.json`` and PNGs into
 ``--out``.
 
+``--stream no,yes,yes64``: ``yes`` streams 4 events per answer, ``yesN`` N events (the engine sends
+max_tokens events); with two event counts the notes price the relay per streamed event (router CPU
+difference over the event difference). ``--checkout LABEL=DIR`` adds targets ``LABEL:POLICY[+tok]``:
+kvroute run from another checkout (e.g. ``git archive`` of the commit before a change), so before and
+after are measured interleaved in one run.
+
     python -m loadtest.bench_peers --out runs/bench/b3                    # the default matrix
     python -m loadtest.bench_peers --quick                                 # smoke run (kvroute only)
 """
@@ -113,12 +119,17 @@ class Target:
     policy: str = ""
     tokenizer: bool = False
     workers: int = 1
+    #: kvroute from this checkout instead of this one (``--checkout LABEL=DIR``).
+    checkout: str = ""
 
     @staticmethod
-    def parse(spec: str) -> Target:
+    def parse(spec: str, checkouts: dict[str, str] | None = None) -> Target:
         if spec in ("direct", "raw_proxy"):
             return Target(spec, spec)
         kind, _, rest = spec.partition(":")
+        checkout = (checkouts or {}).get(kind, "")
+        if checkout:
+            kind = "kvroute"
         if kind not in ("kvroute", *PEER_PACKAGES) or not rest:
             raise ValueError(
                 f"target {spec!r}: expected direct, kvroute:POLICY[+tok][xN] or PEER:POLICY "
@@ -132,7 +143,7 @@ class Target:
         policy = rest.removesuffix("+tok")
         if kind == "kvroute" and policy not in KVROUTE_POLICIES:
             raise ValueError(f"target {spec!r}: kvroute policy must be one of {', '.join(KVROUTE_POLICIES)}")
-        return Target(spec, kind, policy, tok, workers)
+        return Target(spec, kind, policy, tok, workers, checkout)
 
 
 def peer_command(
@@ -147,6 +158,22 @@ def peer_command(
     if peer == "vllm-router":
         return [str(binary), *common, "--log-level", "warning", *extra]
     return [str(binary), "launch", *common, "--log-level", "warn", *extra]
+
+
+def stream_mode(text: str) -> int:
+    """``--stream`` item -> streamed events per answer: no = 0 (non-stream), yes = 4, yesN = N."""
+    text = text.strip()
+    if text == "no":
+        return 0
+    if text == "yes":
+        return 4
+    if text.startswith("yes") and text[3:].isdigit() and int(text[3:]) > 0:
+        return int(text[3:])
+    raise ValueError(f"--stream item {text!r}: expected no, yes or yesN (N events per answer)")
+
+
+def stream_label(events: int) -> str:
+    return "no" if not events else "yes" if events == 4 else f"yes ({events} ev.)"
 
 
 def chat_body(prompt_tokens: int, stream: bool, max_tokens: int = 4, model: str = SIM_MODEL) -> bytes:
@@ -220,8 +247,10 @@ def start_target(
     else:
         args = peer_command(install_peer(peers_dir, target.kind), target.kind, target.policy, port, engines)
     with open(log_path, "wb") as log:
+        # python -m router.cli from another checkout's folder imports that checkout's router.
+        cwd = Path(target.checkout) if target.checkout else REPO
         proc = subprocess.Popen(
-            args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            args, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -313,7 +342,8 @@ def run_wrk(url: str, body: bytes, concurrency: int, duration_s: float, workdir:
 class Matrix:
     targets: list[Target]
     concurrencies: list[int]
-    streams: list[bool]
+    #: Streamed events per answer; 0 = non-stream.
+    streams: list[int]
     prompt_tokens: list[int]
     duration_s: float = 5.0
     warmup_s: float = 1.0
@@ -381,7 +411,9 @@ def run_matrix(m: Matrix, peers_dir: Path, workdir: Path) -> list[dict[str, Any]
                 try:
                     for prompt in m.prompt_tokens:
                         for stream in m.streams:
-                            body = chat_body(prompt, stream, model=engines[0].model)
+                            body = chat_body(
+                                prompt, stream > 0, max_tokens=stream or 4, model=engines[0].model
+                            )
                             if m.warmup_s > 0:
                                 run_wrk(url, body, 4, m.warmup_s, workdir)
                             for conc in m.concurrencies:
@@ -400,7 +432,7 @@ def run_matrix(m: Matrix, peers_dir: Path, workdir: Path) -> list[dict[str, Any]
                                 points.append(point)
                                 print(
                                     f"  r{repeat} {target.spec:<28} {prompt:>6} tok c={conc:<3} "
-                                    f"stream={'y' if stream else 'n'} {point['rps']:8.0f} req/s "
+                                    f"stream={stream_label(stream)} {point['rps']:8.0f} req/s "
                                     f"p50 {point.get('p50_ms', float('nan')):7.2f} ms "
                                     f"p99 {point.get('p99_ms', float('nan')):7.2f} ms err {point['errors']}",
                                     file=sys.stderr,
@@ -461,7 +493,7 @@ def markdown(rows: list[dict[str, Any]], target_order: Sequence[str]) -> str:
     ):
         is_direct = r["target"] == "direct"
         lines.append(
-            f"| {r['prompt']} | {'yes' if r['stream'] else 'no'} | {r['concurrency']} | {r['target']} "
+            f"| {r['prompt']} | {stream_label(r['stream'])} | {r['concurrency']} | {r['target']} "
             f"| {rng(r, 'rps', 0)} | {'-' if is_direct else format(r['rps_vs_direct'], '.2f')} "
             f"| {r['p50_ms']:.2f} | {r['p99_ms']:.2f} "
             f"| {'-' if is_direct else rng(r, 'added_p50_ms', 2)} "
@@ -469,6 +501,28 @@ def markdown(rows: list[dict[str, Any]], target_order: Sequence[str]) -> str:
             f"| {'-' if is_direct else format(r['cpu_us_per_req'], '.0f')} | {r['errors']} |"
         )
     return "\n".join(lines)
+
+
+def per_event_costs(rows: list[dict[str, Any]]) -> list[str]:
+    """Router CPU per streamed event, per target, prompt and concurrency: the CPU per request of its
+    longest and shortest streams, their difference over the difference in events."""
+    lines = []
+    keyed: dict[tuple[str, int, int], dict[int, float]] = {}
+    for r in rows:
+        if r["stream"] and r["target"] != "direct" and r["cpu_us_per_req"] == r["cpu_us_per_req"]:
+            keyed.setdefault((r["target"], r["prompt"], r["concurrency"]), {})[r["stream"]] = r[
+                "cpu_us_per_req"
+            ]
+    for (target, prompt, conc), by_events in keyed.items():
+        if len(by_events) >= 2:
+            low, high = min(by_events), max(by_events)
+            per_event = (by_events[high] - by_events[low]) / (high - low)
+            cpu = f"{by_events[low]:.0f} | {by_events[high]:.0f}"
+            lines.append(f"| {prompt} | {conc} | {target} | {cpu} | {per_event:.2f} |")
+    if not lines:
+        return []
+    head = "| prompt | conc. | target | CPU µs/req, fewest events | most events | µs per event |"
+    return [head, "|---|---|---|---|---|---|", *lines]
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -501,9 +555,10 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
                 ax.set_title(title)
                 ax.grid(alpha=0.3)
             axes[0].legend(fontsize=7)
-            fig.suptitle(f"B3 overhead, {prompt}-token prompt, {'stream' if stream else 'non-stream'}")
+            what = f"stream, {stream} events" if stream else "non-stream"
+            fig.suptitle(f"B3 overhead, {prompt}-token prompt, {what}")
             fig.tight_layout()
-            path = out / f"b3_{prompt}tok_{'stream' if stream else 'nostream'}.png"
+            path = out / f"b3_{prompt}tok_{f'stream{stream}' if stream else 'nostream'}.png"
             fig.savefig(path, dpi=90)
             plt.close(fig)
             paths.append(path)
@@ -536,7 +591,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help="comma list (see the doc)")
     parser.add_argument("--concurrency", default="1,16,64,256")
-    parser.add_argument("--stream", default="no,yes", help="no, yes or no,yes")
+    parser.add_argument(
+        "--stream", default="no,yes", help="comma list of no, yes (4 events), yesN (N events)"
+    )
+    parser.add_argument(
+        "--checkout",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="targets LABEL:POLICY[+tok] run kvroute from checkout DIR (repeatable)",
+    )
     parser.add_argument("--prompt-tokens", default="1000,16000")
     parser.add_argument("--duration", type=float, default=5.0, help="measured seconds per point")
     parser.add_argument("--warmup", type=float, default=1.0)
@@ -551,7 +615,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     exit_on_sigterm()
     try:
-        targets = [Target.parse(t) for t in args.targets.split(",") if t]
+        checkouts = dict(item.split("=", 1) for item in args.checkout)
+        for label, folder in checkouts.items():
+            if not (Path(folder) / "router" / "cli.py").is_file():
+                raise ValueError(f"--checkout {label}={folder}: no kvroute checkout there (router/cli.py)")
+        targets = [Target.parse(t, checkouts) for t in args.targets.split(",") if t]
+        streams = [stream_mode(s) for s in args.stream.split(",")]
     except ValueError as exc:
         parser.error(str(exc))
     if not any(t.kind == "direct" for t in targets):
@@ -559,7 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     m = Matrix(
         targets=targets,
         concurrencies=[int(c) for c in args.concurrency.split(",")],
-        streams=[s.strip() == "yes" for s in args.stream.split(",")],
+        streams=streams,
         prompt_tokens=[int(p) for p in args.prompt_tokens.split(",")],
         duration_s=args.duration,
         warmup_s=args.warmup,
@@ -572,7 +641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             m,
             targets=[Target.parse("direct"), Target.parse("kvroute:round_robin")],
             concurrencies=[4],
-            streams=[False, True],
+            streams=[0, 4],
             prompt_tokens=[1000],
             duration_s=1.0,
             warmup_s=0.0,
@@ -594,6 +663,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for spec, why in m.unavailable.items():
         notes.append(f"**{spec} unavailable**: {why.splitlines()[0]}")
+    events = per_event_costs(rows)
+    if events:
+        table += "\n\nRouter CPU per streamed event:\n\n" + "\n".join(events)
     text = "\n\n".join([*notes, table, *[f"![{p.stem}]({p.name})" for p in pngs]]) + "\n"
     (args.out / "b3.md").write_text(text)
     (args.out / "b3.json").write_text(json.dumps({"points": points, "rows": rows}, indent=1))

@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
@@ -78,15 +79,25 @@ def run_upstream(port: int) -> None:
     chunk = (
         b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"%s "}}]}'
     )
-    # BENCH_UPSTREAM_CHUNKS (default 4): streamed events per answer, to price the relay per chunk.
-    n_chunks = int(os.environ.get("BENCH_UPSTREAM_CHUNKS", "4"))
-    words = [b"abcdefghijklmnopqrstuvwxyz"[i % 26 : i % 26 + 1] for i in range(n_chunks)]
-    chunks = [chunk % w + b"\n\n" for w in words] + [b"data: [DONE]\n\n"]
+    # Streamed events per answer: the request's max_tokens (4 when absent), or BENCH_UPSTREAM_CHUNKS
+    # when set; a second event count prices the relay per chunk (loadtest/bench_peers.py).
+    fixed = os.environ.get("BENCH_UPSTREAM_CHUNKS")
+    max_tokens = re.compile(rb'"max_tokens": *(\d+)')
+    events: dict[int, list[bytes]] = {}
+
+    def stream_of(n_chunks: int) -> list[bytes]:
+        found = events.get(n_chunks)
+        if found is None:
+            words = [b"abcdefghijklmnopqrstuvwxyz"[i % 26 : i % 26 + 1] for i in range(n_chunks)]
+            found = events[n_chunks] = [chunk % w + b"\n\n" for w in words] + [b"data: [DONE]\n\n"]
+        return found
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         if b'"stream": true' not in body:
             return web.Response(body=answer, content_type="application/json")
+        asked = max_tokens.search(body)
+        chunks = stream_of(int(fixed) if fixed else min(4096, int(asked.group(1))) if asked else 4)
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
         for chunk in chunks:

@@ -1,7 +1,8 @@
 """The router's front door: connection-level limits, authentication and a last-resort error guard.
 
-``guarded_http_protocol(limits)`` is uvicorn's httptools protocol with header read timeouts, header
-size/count limits and a connection cap (slow or idle clients must not hold sockets forever).
+``guarded_http_protocol(limits)`` is kvroute's HTTP protocol (uvicorn's httptools protocol that
+answers the proxied routes itself, router/fastpath.py) with header read timeouts, header size/count
+limits and a connection cap (slow or idle clients must not hold sockets forever).
 ``AccessGuard`` is the ASGI middleware around the app: client API keys, admin token and access to
 the introspection endpoints (constant-time comparisons, failures rate-limited per address), and an
 answer of 500 for any error the app did not handle, without dropping the keep-alive connection.
@@ -22,6 +23,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.config import LimitsConfig, RouterConfig
 from router.errors import RouterError
+from router.fastpath import ProxyHttpProtocol
 
 log = logging.getLogger("kvroute.guard")
 
@@ -66,7 +68,7 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
     waiting for its request or its body (a fresh connection is the youngest, so it has the time to
     send its request). Only when every slot is active is a newcomer refused with 503."""
 
-    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    class GuardedHttpToolsProtocol(ProxyHttpProtocol):
         header_timeout_s = limits.header_timeout_s
         max_header_bytes = limits.max_header_bytes
         max_headers = limits.max_headers
@@ -158,16 +160,22 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
                     self._header_bytes += len(head)
                     if data or self._header_bytes >= self.max_header_bytes + HEADER_SLACK_BYTES:
                         self._reject(431, b"request headers exceed limits.max_header_bytes")
+                    elif self._header_bytes:
+                        # A request's headers began and are not complete: they have the header
+                        # timeout from now on (armed here, not per request in on_message_begin: a
+                        # request whose headers come whole needs no timer).
+                        self._start_header_timer()
                     return
                 if not data or self.transport.is_closing():
                     return
             super().data_received(data)
+            if self._in_headers and not self.transport.is_closing():
+                self._start_header_timer()  # a pipelined request's headers began in this chunk
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._in_headers = True
             self._header_count = 0
-            self._start_header_timer()
 
         def on_header(self, name: bytes, value: bytes) -> None:
             self._header_count += 1

@@ -118,9 +118,15 @@ class UpstreamResponse:
             await self._wait()
 
     async def iter_any(self) -> AsyncIterator[bytes]:
-        """Body bytes as they arrive (chunked framing removed); UpstreamError when it breaks off."""
+        """Body bytes as they arrive (chunked framing removed); UpstreamError when it breaks off.
+        What arrived while the reader was away comes as one piece (one write to the client, not
+        one per network read)."""
         chunks = self._chunks
         while True:
+            if len(chunks) > 1:
+                data = b"".join(chunks)
+                chunks.clear()
+                yield data
             while chunks:
                 yield chunks.popleft()
             if self._done:

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 import os
@@ -346,12 +347,20 @@ def usage_from_stream_tail(tail: bytes) -> dict[str, Any] | None:
     return None
 
 
+class _UsageOnly(msgspec.Struct):
+    """The ``usage`` of an answer; its other fields are skipped unread (half the time of a full decode)."""
+
+    usage: Any = None
+
+
+_decode_usage = msgspec.json.Decoder(_UsageOnly).decode
+
+
 def _usage_from_json(body: bytes) -> dict[str, Any] | None:
     try:
-        doc = _decode_json(body)
-    except msgspec.DecodeError:
+        usage = _decode_usage(body).usage
+    except msgspec.DecodeError:  # not JSON, or not an object (ValidationError is a DecodeError)
         return None
-    usage = doc.get("usage") if isinstance(doc, dict) else None
     return usage if isinstance(usage, dict) else None
 
 
@@ -382,6 +391,7 @@ class Router:
         self.arm_selector = arm_selector
         self.annotator = annotator
         self.first_byte = FirstByteBudget(config.limits.first_byte_timeout_s)
+        self._prefill_releases = _DueCalls(core.release_prefill)
         self.observers: list[RouteObserver] = [metrics, self.first_byte, *observers]
         # Each hook's bound methods, looked up once (not per request and observer).
         self._hooks: dict[str, list[tuple[RouteObserver, Callable[[RouteContext], None]]]] = {
@@ -413,13 +423,17 @@ class Router:
                 code="model_not_found",
             )
         uses_index = arm.policy.uses_index
+        # The fleet's views, built once per request: ``filter`` refreshes their load figures and
+        # index trust in place, so the second filter (after the annotator's await) sees the load
+        # of that moment.
+        views = self.tracker.all_views()
         if self.annotator is not None:
             # Annotated for every arm, not only index-aware ones: the index self-check, the
             # experiments' predicted tier split and the trace need every request's keys.
-            ctx.fleet = FleetView(self.core.filter(request, self.tracker.all_views()))
+            ctx.fleet = FleetView(self.core.filter(request, views))
             await self.annotator.annotate(ctx)
         # No await from here to reserve: other requests' load is what it is at the choice.
-        candidates = self.core.filter(request, self.tracker.all_views(), uses_index=uses_index)
+        candidates = self.core.filter(request, views, uses_index=uses_index)
         now = time.monotonic()
         ctx.fleet = FleetView(candidates, now=now, costs=self.core.costs)
         if not candidates:
@@ -636,7 +650,7 @@ class Router:
             # count it for the whole answer (the scraped waiting gauge corrects the guess).
             delay_s = reservation.parts.total_s
             if 0 < delay_s < 3600:
-                asyncio.get_running_loop().call_later(delay_s, self.core.release_prefill, reservation)
+                self._prefill_releases.add(delay_s, reservation)
             else:
                 self.core.release_prefill(reservation)
         return await self._complete(ctx, response, out_headers, content_type)
@@ -763,6 +777,42 @@ class Router:
         return _BodyAnswer(response.status, out_headers, data)
 
 
+class _DueCalls:
+    """``call(item)`` for items due at times of the event loop's clock, all on one loop timer armed
+    for the earliest (not a TimerHandle per request); items due within ``slack_s`` of each other
+    run together."""
+
+    def __init__(self, call: Callable[[Any], None], slack_s: float = 0.005) -> None:
+        self._call = call
+        self._slack_s = slack_s
+        self._heap: list[tuple[float, int, Any]] = []
+        self._seq = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_due = 0.0
+
+    def add(self, delay_s: float, item: Any) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay_s
+        heapq.heappush(self._heap, (due, next(self._seq), item))
+        if self._timer is None or due < self._timer_due - self._slack_s:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._timer_due = loop.call_at(due, self._run), due
+
+    def _run(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        heap, limit = self._heap, loop.time() + self._slack_s
+        while heap and heap[0][0] <= limit:
+            item = heapq.heappop(heap)[2]
+            try:
+                self._call(item)
+            except Exception:
+                log.exception("a due call failed")
+        if heap:
+            self._timer, self._timer_due = loop.call_at(heap[0][0], self._run), heap[0][0]
+
+
 class _Answer(Protocol):
     async def send(self, send: Send, watcher: DisconnectWatcher) -> None: ...
 
@@ -841,9 +891,13 @@ class DisconnectWatcher:
 
 
 def watch_disconnect(receive: Receive) -> DisconnectWatcher:
-    """A callback watcher when ``receive`` is uvicorn's request cycle (its connection_lost sets the
-    cycle's message event: no task per request), else one that awaits ASGI ``http.disconnect``."""
+    """A callback watcher when ``receive`` is kvroute's own exchange (router/fastpath.py) or
+    uvicorn's request cycle (their connection_lost calls back: no task per request), else one that
+    awaits ASGI ``http.disconnect``."""
     cycle = getattr(receive, "__self__", None)
+    hook = getattr(cycle, "disconnect_watcher", None)
+    if hook is not None:
+        return _HookDisconnectWatcher(hook)
     if isinstance(getattr(cycle, "message_event", None), asyncio.Event) and hasattr(cycle, "disconnected"):
         return _CycleDisconnectWatcher(cycle)
     return _TaskDisconnectWatcher(receive)
@@ -874,6 +928,21 @@ class _CycleDisconnectWatcher(DisconnectWatcher):
         event = self._cycle.message_event
         if isinstance(event, _CallbackEvent):
             event.callback = None
+
+
+class _HookDisconnectWatcher(DisconnectWatcher):
+    """An exchange that calls back on a lost connection (``ProxyExchange.disconnect_watcher``)."""
+
+    __slots__ = ("_hook",)
+
+    def __init__(self, hook: Callable[[Callable[[], None] | None], bool]) -> None:
+        super().__init__()
+        self._hook = hook
+        if hook(self._fire):
+            self._fire()
+
+    def stop(self) -> None:
+        self._hook(None)
 
 
 class _CallbackEvent(asyncio.Event):

@@ -41,6 +41,14 @@ class ThreadedServer:
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int | None = None) -> None:
         self.host = host
         self.port = port or free_port(host)
+        options: dict[str, Any] = {}
+        router_config = getattr(getattr(app, "state", None), "config", None)
+        if getattr(app, "proxy_app", None) is not None and router_config is not None:
+            # The router runs on the protocol `kvroute serve` runs (router/guard.py, router/fastpath.py):
+            # the proxied routes are answered inside it, the rest through the ASGI app.
+            from router.guard import guarded_http_protocol
+
+            options = {"http": guarded_http_protocol(router_config.limits), "proxy_headers": False}
         config = uvicorn.Config(
             app,
             host=host,
@@ -49,6 +57,7 @@ class ThreadedServer:
             access_log=False,
             lifespan="on",
             loop="asyncio",
+            **options,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)

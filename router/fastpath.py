@@ -1,0 +1,253 @@
+"""The proxied routes answered inside the HTTP protocol: no ASGI request cycle per request.
+
+``ProxyHttpProtocol`` is uvicorn's httptools protocol that takes the POSTs to the app's
+``proxy_paths`` (/v1/chat/completions, /v1/completions) itself: the request becomes a
+``ProxyExchange`` instead of uvicorn's ``RequestResponseCycle``, and the app's ``proxy_app`` (the
+guarded proxy of router/app.py, the one definition of what the router does with a request) runs
+on it directly. Every other request - the control plane: /ready, /metrics, /v1/models, admin,
+explain - goes to the ASGI app as before.
+
+What the exchange saves per request, against uvicorn's cycle: the app dispatch, the per-request
+``asyncio.Event``, the header regexes and header copies of uvicorn's ``send`` (the router writes its
+own headers), and one write per answer (status line, headers and the first body bytes go out in
+one ``transport.write``). A client's disconnect comes from the protocol's ``connection_lost`` as a
+callback (``disconnect_watcher``), not from a task reading ``receive``.
+
+The exchange is a stand-in for uvicorn's cycle wherever the protocol touches one (``body``,
+``more_body``, ``message_event``, ``disconnected``, ``keep_alive``, ``response_complete``,
+``run_asgi``), so uvicorn's own body feeding, pipelining, keep-alive and shutdown logic run
+unchanged for both kinds of request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+log = logging.getLogger("kvroute.fastpath")
+
+Receive = Callable[[], Awaitable[Any]]
+Send = Callable[[Any], Awaitable[None]]
+ProxyApp = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_SERVER_ERROR = (
+    b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"content-length: 21\r\nconnection: close\r\n\r\nInternal Server Error"
+)
+
+
+class ProxyExchange:
+    """One proxied request on a connection, in the role of uvicorn's ``RequestResponseCycle``:
+    ``receive``/``send`` in ASGI form for ``proxy_app``, the response written straight to the
+    transport (content-length or chunked framing, keep-alive, flow control)."""
+
+    __slots__ = (
+        "_chunked",
+        "_head",
+        "_on_disconnect",
+        "_protocol",
+        "_waiter",
+        "body",
+        "disconnected",
+        "expect_100_continue",
+        "keep_alive",
+        "more_body",
+        "response_complete",
+        "response_started",
+        "scope",
+    )
+
+    def __init__(
+        self, protocol: ProxyHttpProtocol, scope: dict[str, Any], keep_alive: bool, expect_100_continue: bool
+    ) -> None:
+        self._protocol = protocol
+        self.scope = scope
+        self.keep_alive = keep_alive
+        self.expect_100_continue = expect_100_continue
+        # Filled by uvicorn's on_body / on_message_complete / connection_lost.
+        self.body = bytearray()
+        self.more_body = True
+        self.disconnected = False
+        self.response_started = False
+        self.response_complete = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._on_disconnect: Callable[[], None] | None = None
+        self._head: bytes = b""
+        self._chunked = False
+
+    # -- uvicorn's side: the protocol calls ``message_event.set()`` on body bytes, the end of the
+    # body and a lost connection.
+    @property
+    def message_event(self) -> ProxyExchange:
+        return self
+
+    def set(self) -> None:
+        if self.disconnected and self._on_disconnect is not None:
+            self._on_disconnect()
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def clear(self) -> None:
+        return None
+
+    def is_set(self) -> bool:
+        return bool(self.body) or not self.more_body or self.disconnected
+
+    def disconnect_watcher(self, on_disconnect: Callable[[], None] | None) -> bool:
+        """Call ``on_disconnect`` when the client's connection is lost before the answer is complete
+        (None: stop); True when it is already lost."""
+        self._on_disconnect = on_disconnect
+        return self.disconnected
+
+    async def run_asgi(self, app: ProxyApp) -> None:
+        """Run ``app`` (the guarded proxy) on this exchange, as uvicorn runs an ASGI app on a cycle:
+        a 500 when it fails before answering, the connection closed when it stops mid-answer."""
+        try:
+            await app(self.scope, self.receive, self.send)
+        except BaseException as exc:
+            log.error("exception in the proxy", exc_info=exc)
+            transport = self._protocol.transport
+            if not self.response_started and not self.disconnected:
+                self.response_complete = True
+                transport.write(_SERVER_ERROR)
+            transport.close()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        else:
+            if not self.response_complete and not self.disconnected:
+                # Stopped mid-answer (a stream that broke off): whatever was sent goes out, then the
+                # connection closes, so no client takes the answer for complete.
+                transport = self._protocol.transport
+                if self._head:
+                    transport.write(self._head)
+                    self._head = b""
+                if not self.response_started:
+                    log.error("the proxy returned without an answer")
+                    transport.write(_SERVER_ERROR)
+                transport.close()
+        finally:
+            self._on_disconnect = None
+
+    # -- the ASGI side
+    async def receive(self) -> dict[str, Any]:
+        if self.expect_100_continue:
+            self.expect_100_continue = False
+            if not self._protocol.transport.is_closing():
+                self._protocol.transport.write(_CONTINUE)
+        while not self.body and self.more_body and not self.disconnected and not self.response_complete:
+            self._protocol.flow.resume_reading()
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            await waiter
+        if self.disconnected or self.response_complete:
+            return {"type": "http.disconnect"}
+        body, self.body = bytes(self.body), bytearray()
+        return {"type": "http.request", "body": body, "more_body": self.more_body}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        protocol = self._protocol
+        if protocol.flow.write_paused and not self.disconnected:
+            await protocol.flow.drain()
+        if self.disconnected:
+            return
+        if not self.response_started:
+            if message["type"] != "http.response.start":
+                raise RuntimeError(f"expected 'http.response.start', got {message['type']!r}")
+            self.response_started = True
+            self.expect_100_continue = False
+            self._start(message["status"], message.get("headers") or ())
+            return
+        if self.response_complete:
+            raise RuntimeError(f"{message['type']!r} sent after the response was complete")
+        if message["type"] != "http.response.body":
+            raise RuntimeError(f"expected 'http.response.body', got {message['type']!r}")
+        body = message.get("body", b"")
+        more_body = message.get("more_body", False)
+        if self._chunked:
+            parts = [self._head, b"%x\r\n" % len(body), body, b"\r\n"] if body else [self._head]
+            if not more_body:
+                parts.append(b"0\r\n\r\n")
+            data = b"".join(parts)
+        else:
+            data = self._head + body if self._head else body
+        self._head = b""
+        if data:
+            protocol.transport.write(data)
+        if not more_body:
+            self.response_complete = True
+            if not self.keep_alive:
+                protocol.transport.close()
+            protocol.on_response_complete()
+
+    def _start(self, status: int, headers: Any) -> None:
+        """The status line and headers, kept to go out with the first body bytes (one write)."""
+        parts = [STATUS_LINE[status]]
+        for name, value in self._protocol.server_state.default_headers:
+            parts += [name, b": ", value, b"\r\n"]
+        chunked = True
+        for name, value in headers:
+            if name == b"content-length":
+                chunked = False
+            elif name == b"connection" and b"close" in value.lower():
+                self.keep_alive = False
+            parts += [name, b": ", value, b"\r\n"]
+        if chunked:
+            parts.append(b"transfer-encoding: chunked\r\n")
+        if not self.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        self._chunked = chunked
+        self._head = b"".join(parts)
+
+
+class ProxyHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol answering the app's proxied routes with a ``ProxyExchange``
+    (see the module's docstring); every other request goes through the ASGI app as before."""
+
+    def on_headers_complete(self) -> None:
+        app = self.app
+        proxy_app = getattr(app, "proxy_app", None)
+        parser = self.parser
+        if (
+            proxy_app is None
+            or parser.get_method() != b"POST"
+            or self.limit_concurrency is not None
+            or parser.should_upgrade()
+        ):
+            super().on_headers_complete()
+            return
+        parsed = httptools.parse_url(self.url)
+        path = app.proxy_paths.get(parsed.path)
+        if path is None:
+            super().on_headers_complete()
+            return
+        scope: dict[str, Any] = self.scope  # type: ignore[assignment]
+        scope["method"] = "POST"
+        http_version = parser.get_http_version()
+        if http_version != "1.1":
+            scope["http_version"] = http_version
+        scope["path"] = path
+        scope["raw_path"] = parsed.path
+        scope["query_string"] = parsed.query or b""
+        exchange = ProxyExchange(
+            self,
+            scope,
+            keep_alive=http_version != "1.0" and parser.should_keep_alive(),
+            expect_100_continue=self.expect_100_continue,
+        )
+        existing = self.cycle
+        self.cycle = exchange  # type: ignore[assignment]
+        if existing is None or existing.response_complete:
+            self._start_asgi_task(exchange, proxy_app)  # type: ignore[arg-type]
+        else:
+            # Pipelined behind an answer still going out: uvicorn starts it when that one is done.
+            self.flow.pause_reading()
+            self.pipeline.appendleft((exchange, proxy_app))  # type: ignore[arg-type]

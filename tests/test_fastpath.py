@@ -1,0 +1,240 @@
+"""The proxied routes answered inside the HTTP protocol (router/fastpath.py), on real sockets: which
+requests take it, pipelining and keep-alive next to ASGI requests, HTTP/1.0, 100-continue, a body
+in pieces, and a client that hangs up mid-stream."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from router.app import create_app
+from router.config import load_config
+from tests.conftest import OpenAIUpstream, ThreadedServer
+
+MODEL = "test-model"
+
+
+def chat(stream: bool = False, text: str = "hi") -> bytes:
+    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 3}
+    if stream:
+        body["stream"] = True
+    return json.dumps(body).encode()
+
+
+def post(path: str, body: bytes, extra: bytes = b"", version: bytes = b"1.1") -> bytes:
+    return (
+        b"POST %s HTTP/%s\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
+        % (path.encode(), version, len(body), extra, body)
+    )
+
+
+def read_answers(sock: socket.socket, count: int, timeout_s: float = 10.0) -> list[httpx.Response]:
+    """``count`` HTTP/1.1 answers read off ``sock`` in order (content-length or chunked bodies)."""
+    sock.settimeout(timeout_s)
+    data = b""
+    answers: list[httpx.Response] = []
+    while len(answers) < count:
+        while b"\r\n\r\n" not in data:
+            more = sock.recv(65536)
+            if not more:
+                raise AssertionError(f"connection closed after {len(answers)} answers: {data[:200]!r}")
+            data += more
+        head, data = data.split(b"\r\n\r\n", 1)
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = dict(line.split(": ", 1) for line in lines[1:])
+        headers = {k.lower(): v for k, v in headers.items()}
+        if "content-length" in headers:
+            size = int(headers["content-length"])
+            while len(data) < size:
+                data += sock.recv(65536)
+            body, data = data[:size], data[size:]
+        else:
+            assert headers.get("transfer-encoding") == "chunked", headers
+            body = b""
+            while True:
+                while b"\r\n" not in data:
+                    data += sock.recv(65536)
+                size_line, rest = data.split(b"\r\n", 1)
+                size = int(size_line, 16)
+                while len(rest) < size + 2:
+                    rest += sock.recv(65536)
+                body += rest[:size]
+                data = rest[size + 2 :]
+                if size == 0:
+                    break
+        answers.append(httpx.Response(status, headers=headers, content=body))
+    return answers
+
+
+@pytest.fixture
+def router(
+    serve_asgi: Callable[..., ThreadedServer], upstreams: Any
+) -> tuple[ThreadedServer, list[str], Any]:
+    engines = upstreams(2)
+    config = load_config(
+        environ={},
+        overrides={
+            "engines": [{"id": u.name, "url": url, "model": MODEL} for u, url in engines],
+            "health": {"interval_s": 0},
+            "policy": {"name": "round_robin"},
+        },
+    )
+    app = create_app(config)
+    # Record which kind of exchange the guarded proxy ran on, per request.
+    kinds: list[str] = []
+    proxy_app = app.proxy_app
+    assert proxy_app is not None
+
+    async def recording(scope: Any, receive: Any, send: Any) -> None:
+        kinds.append(type(getattr(receive, "__self__", None)).__name__)
+        await proxy_app(scope, receive, send)
+
+    app.proxy_app = recording
+    return serve_asgi(app), kinds, engines
+
+
+def test_proxied_posts_take_the_exchange_everything_else_the_asgi_app(router) -> None:
+    server, kinds, _ = router
+    with httpx.Client(base_url=server.url) as client:
+        assert (
+            client.post(
+                "/v1/chat/completions", content=chat(), headers={"content-type": "application/json"}
+            ).status_code
+            == 200
+        )
+        answer = client.post(
+            "/v1/chat/completions", content=chat(stream=True), headers={"content-type": "application/json"}
+        )
+        assert answer.status_code == 200 and answer.text.rstrip().endswith("data: [DONE]")
+        assert client.get("/ready").status_code == 200
+        assert client.get("/v1/models").json()["data"]
+        # A GET of a proxied path is not the proxy's: FastAPI answers 405.
+        assert client.get("/v1/chat/completions").status_code == 405
+    assert kinds == ["ProxyExchange", "ProxyExchange"]
+
+
+def test_pipelined_requests_answer_in_order_across_both_paths(router) -> None:
+    server, kinds, _ = router
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(
+            post("/v1/chat/completions", chat(text="first"))
+            + b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+            + post("/v1/chat/completions", chat(stream=True, text="third"))
+            + post(
+                "/v1/completions", json.dumps({"model": MODEL, "prompt": "fourth", "max_tokens": 2}).encode()
+            )
+        )
+        first, second, third, fourth = read_answers(sock, 4)
+    assert first.status_code == 200 and first.json()["object"] == "chat.completion"
+    assert second.status_code == 200 and second.json() == {"status": "ok"}
+    assert third.status_code == 200 and third.text.rstrip().endswith("data: [DONE]")
+    assert fourth.status_code == 200 and fourth.json()["object"] == "text_completion"
+    assert kinds == ["ProxyExchange"] * 3
+
+
+def test_keep_alive_many_requests_one_connection_and_errors_keep_it(router) -> None:
+    server, _, _ = router
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        for i in range(20):
+            body = b"{not json" if i % 5 == 4 else chat(stream=i % 2 == 1)
+            sock.sendall(post("/v1/chat/completions", body))
+            (answer,) = read_answers(sock, 1)
+            if i % 5 == 4:
+                assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_json"
+            else:
+                assert answer.status_code == 200
+            assert answer.headers.get("connection") != "close"
+
+
+def test_http10_gets_its_answer_and_a_closed_connection(router) -> None:
+    server, _, _ = router
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(post("/v1/chat/completions", chat(), version=b"1.0"))
+        (answer,) = read_answers(sock, 1)
+        assert answer.status_code == 200 and answer.headers["connection"] == "close"
+        sock.settimeout(5)
+        assert sock.recv(10) == b""  # closed by the router
+
+
+def test_expect_100_continue_and_a_body_in_pieces(router) -> None:
+    server, _, engines = router
+    body = chat(text="pieces " * 200)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        request = post("/v1/chat/completions", body, extra=b"expect: 100-continue\r\n")
+        head, payload = request.split(b"\r\n\r\n", 1)
+        sock.sendall(head + b"\r\n\r\n")
+        sock.settimeout(5)
+        assert sock.recv(100).startswith(b"HTTP/1.1 100 Continue")
+        for i in range(0, len(payload), 300):
+            sock.sendall(payload[i : i + 300])
+            time.sleep(0.01)
+        (answer,) = read_answers(sock, 1)
+    assert answer.status_code == 200
+    assert any(b == body for upstream, _ in engines for b in upstream.bodies)
+
+
+def test_client_gone_mid_stream_cancels_the_engine_and_counts_499(
+    serve_asgi: Callable[..., ThreadedServer], upstreams: Any
+) -> None:
+    engines = upstreams(1)
+    upstream: OpenAIUpstream = engines[0][0]
+    upstream.chunks, upstream.chunk_delay_s = 50, 0.05
+    config = load_config(
+        environ={},
+        overrides={
+            "engines": [{"id": u.name, "url": url, "model": MODEL} for u, url in engines],
+            "health": {"interval_s": 0},
+        },
+    )
+    server = serve_asgi(create_app(config))
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(post("/v1/chat/completions", chat(stream=True)))
+        sock.settimeout(5)
+        seen = b""
+        while b"data:" not in seen:  # the upstream sends a keep-alive comment first
+            more = sock.recv(65536)
+            assert more, seen
+            seen += more
+    deadline = time.monotonic() + 10
+    metrics = ""
+    while time.monotonic() < deadline:
+        metrics = httpx.get(server.url + "/metrics").text
+        if upstream.cancelled_streams and 'status="499"' in metrics:
+            break
+        time.sleep(0.05)
+    assert upstream.cancelled_streams == 1
+    assert 'status="499"' in metrics
+
+
+async def test_due_calls_run_in_due_order_on_one_timer() -> None:
+    """The non-stream prefill releases share one loop timer: an item due earlier than the armed
+    one re-arms it, items run in due order, none is lost, and a failing call does not stop the rest."""
+    import asyncio
+
+    from router.routing import _DueCalls
+
+    done: list[str] = []
+    all_done = asyncio.Event()
+
+    def call(item: str) -> None:
+        if item == "bad":
+            raise ValueError("boom")
+        done.append(item)
+        if len(done) == 3:
+            all_done.set()
+
+    calls = _DueCalls(call, slack_s=0.0)
+    calls.add(0.06, "third")
+    calls.add(0.02, "first")  # earlier than the armed timer: re-armed
+    calls.add(0.04, "bad")
+    calls.add(0.05, "second")
+    await asyncio.wait_for(all_done.wait(), 5)
+    assert done == ["first", "second", "third"]
+    assert calls._timer is None and not calls._heap
