@@ -38,7 +38,7 @@ import httpx
 import openai
 
 from kvcore.stats import percentiles
-from loadtest.calibrate_vllm import VLLM_CPU_MAX_NUM_SEQS
+from loadtest.calibrate_vllm import VLLM_CPU_MAX_NUM_SEQS, run_threads
 from loadtest.procs import stop_process, wait_http_ok
 from router.config import EngineConfig, load_fleet_file
 from sim.des import FleetSimulator, SimConfig
@@ -143,10 +143,9 @@ def live_run(
     for i in range(len(wl.conversations)):
         todo.put(i)
     records: list[TurnRecord] = []
-    errors: list[BaseException] = []
     lock = threading.Lock()
 
-    def worker() -> None:
+    def worker(_thread: int) -> None:
         while True:
             try:
                 i = todo.get_nowait()
@@ -159,25 +158,14 @@ def live_run(
                 with lock:
                     dealt = sent[0] % len(clients)
                     sent[0] += 1
-                try:
-                    rec = one_turn(clients[dealt], model, conv, k, turn, salt, t_run)
-                except Exception as exc:
-                    with lock:
-                        errors.append(exc)
-                    return
+                rec = one_turn(clients[dealt], model, conv, k, turn, salt, t_run)
                 rec.conv = i
                 if engine_ids:
                     rec.engine = engine_ids[dealt]
                 with lock:
                     records.append(rec)
 
-    threads = [threading.Thread(target=worker) for _ in range(wl.concurrency or 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise RuntimeError(f"{len(errors)} turns failed; first: {errors[0]!r}")
+    run_threads(wl.concurrency or 1, worker, "conversation workers")
     return records
 
 

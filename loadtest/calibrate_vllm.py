@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -316,7 +316,6 @@ def loaded_run(
     (prompt sizes cycling through ``words``; ``think_s`` between them), dealt round robin over
     ``clients`` (engine id, client). Times are relative to the run's start."""
     out: list[LoadedRequest] = []
-    errors: list[BaseException] = []
     lock = threading.Lock()
     sent = [0]
     t_run = time.perf_counter()
@@ -327,12 +326,7 @@ def loaded_run(
                 engine, client = clients[sent[0] % len(clients)]
                 sent[0] += 1
             t0 = time.perf_counter() - t_run
-            try:
-                r = stream_once(client, model, prompt_text(words[(i + k) % len(words)]), max_tokens)
-            except BaseException as exc:
-                with lock:
-                    errors.append(exc)
-                return
+            r = stream_once(client, model, prompt_text(words[(i + k) % len(words)]), max_tokens)
             end = r.chunk_times_s[-1] if r.chunk_times_s else r.ttft_s
             with lock:
                 out.append(
@@ -342,14 +336,30 @@ def loaded_run(
                 )
             time.sleep(think_s)
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(concurrency)]
+    run_threads(concurrency, stream, "front-end request streams")
+    return out
+
+
+def run_threads(n: int, target: Callable[[int], None], what: str) -> None:
+    """``target(i)`` on ``n`` threads; after all end, RuntimeError if any raised (a thread that
+    raises stops only itself)."""
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def run(i: int) -> None:
+        try:
+            target(i)
+        except BaseException as exc:
+            with lock:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
-        raise RuntimeError(f"{len(errors)} front-end requests failed; first: {errors[0]!r}")
-    return out
+        raise RuntimeError(f"{len(errors)} {what} failed; first: {errors[0]!r}")
 
 
 # ------------------------------------------------------------------------------ server stages
