@@ -293,14 +293,81 @@ async def test_fault3_late_join_replays_a_full_default_buffer(sim_publishers, ma
         pub.publish([stored_event(block)])
     index = PrefixIndex()
     source = EventSource("e0", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", topic=TOPIC)
-    # 0.5 s is far shorter than the whole replay on this machine: the timeout is per silence.
-    manager = make_manager(index, [source], replay_timeout_s=0.5)
+    manager = make_manager(index, [source])
     await manager.start()
     await wait_for(lambda: health_of(manager)["replayed_batches"] == 10_000, "the whole buffer", timeout_s=60)
     health = health_of(manager)
     assert health["batches"] == 10_000 and health["replayed_batches"] == 10_000, health
     assert health["status"] == "ok" and not health["stale"]
     assert held_blocks(index, tokens_of(10_000, 0)) == 10_000
+
+
+class PacedReplay:
+    """A replay ROUTER that answers every request with all ``payloads`` in ``slices`` pieces,
+    ``pause_s`` apart, then the end marker: a long answer that is never silent for long."""
+
+    def __init__(self, endpoint: str, payloads: list[bytes], slices: int, pause_s: float) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.payloads, self.slices, self.pause_s = payloads, slices, pause_s
+        self.requests = 0
+        self.took_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            identity, _empty, _start = self.sock.recv_multipart()
+            self.requests += 1
+            started = time.monotonic()
+            step = -(-len(self.payloads) // self.slices)
+            for first in range(0, len(self.payloads), step):
+                for seq in range(first, min(first + step, len(self.payloads))):
+                    frames = [identity, b"", TOPIC.encode(), seq.to_bytes(8, "big"), self.payloads[seq]]
+                    self.sock.send_multipart(frames)
+                if self._stop.wait(self.pause_s):
+                    return
+            self.took_s = time.monotonic() - started  # before the end marker the router waits for
+            self.sock.send_multipart([identity, b"", b"", b"\xff" * 8, b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+async def test_fault3_replay_timeout_is_per_silence_not_per_answer(
+    ipc_dir, make_publisher, make_manager
+) -> None:
+    """A replay answer that takes 3 s in all but is never silent for more than ~0.1 s is complete
+    with a 1.5 s replay timeout: the timeout measures silence, not the whole answer (a timeout on
+    the whole answer would fail this replay every time; the 15x margin on the silences keeps a
+    loaded machine from failing it)."""
+    endpoint, replay = f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay"
+    make_publisher(endpoint, None)
+    payloads = [_payload(stored_event(block)) for block in range(3_000)]
+    server = PacedReplay(replay, payloads, slices=30, pause_s=0.1)
+    try:
+        index = PrefixIndex()
+        manager = make_manager(index, [EventSource("e0", endpoint, replay)], replay_timeout_s=1.5)
+        await manager.start()
+        await wait_for(
+            lambda: health_of(manager)["replayed_batches"] == 3_000, "the paced replay", timeout_s=60
+        )
+        await wait_for(lambda: server.took_s > 0 and health_of(manager)["trusted"], "the end of the answer")
+        health = health_of(manager)
+        assert server.took_s > 1.5 * 1.9, server.took_s  # longer than the timeout, whatever the load
+        assert server.requests == 1 and health["replay_failures"] == 0, health
+        assert health["status"] == "ok" and not health["stale"] and health["trusted"], health
+        assert held_blocks(index, tokens_of(3_000, 0)) == 3_000
+    finally:
+        server.close()
 
 
 class StallingReplay:
