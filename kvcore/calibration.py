@@ -39,6 +39,22 @@ class CalibrationConfig:
     #: slow (or, with the intercept, an impossibly fast) prefill: under load the rates drifted to
     #: the 50x bound and requests herded onto the engine that looked fastest.
     clean_in_flight: int = 0
+    #: Engines that share a prior (same model and hardware, as configured) also share evidence: an
+    #: engine's rate multipliers are shrunk toward its twins' (their geometric mean, weighted by
+    #: each one's own clean observations), the twins weighing as much as this many observations
+    #: of the engine's own. 0 = off (each engine on its own, as before). Without it one slow
+    #: early TTFT can mark an engine several times slower than its twin, tier_cost then stops
+    #: sending it the requests that would correct that, and the estimate never recovers
+    #: (docs/benchmarks.md, the lock-in on real vLLM).
+    pool_observations: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.forgetting <= 1:
+            raise ValueError(f"calibration.forgetting must be in (0, 1], got {self.forgetting}")
+        if not self.pool_observations >= 0 or not math.isfinite(self.pool_observations):
+            raise ValueError(
+                f"calibration.pool_observations must be a finite number >= 0, got {self.pool_observations}"
+            )
 
 
 @dataclass(slots=True)
@@ -77,6 +93,10 @@ class _EngineState:
     rls: _Rls = field(default_factory=_Rls)
     #: Tiers whose bandwidth the engine's offload counters have measured.
     counter_tiers: set[Tier] = field(default_factory=set)
+    #: Forgetting-weighted counts of the clean observations that informed the prefill, CPU and
+    #: STORAGE multipliers (index 1-3 as in the regression; 0 unused): each engine's weight in
+    #: its pool and against it (``calibration.pool_observations``).
+    evidence: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
     observations: int = 0
     metric_samples: int = 0
     last_update_s: float = 0.0
@@ -182,6 +202,9 @@ class CostModel:
         self.calibration = calibration or CalibrationConfig()
         self.selfcheck = selfcheck or IndexSelfCheck()
         self._engines: dict[str, _EngineState] = {}
+        #: Engines that share each distinct prior, and their pool (``calibration.pool_observations``).
+        self._pool_members: dict[EngineCosts, list[str]] = {}
+        self._pools: dict[EngineCosts, _Pool] = {}
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any] | None) -> CostModel:
@@ -204,7 +227,13 @@ class CostModel:
             prior = self._engine_priors.get(engine_id, self.fleet_prior)
             state = self._engines[engine_id] = _EngineState(prior=prior, current=prior)
             state.slot_sxy = prior.slot_s_per_request
+            self._pool_members.setdefault(prior, []).append(engine_id)
+            if self.calibration.pool_observations > 0 and prior in self._pools:
+                self._refresh(state, set())  # a newcomer starts from what its twins have shown
         return state
+
+    def _pool_of(self, state: _EngineState) -> _Pool | None:
+        return self._pools.get(state.prior) if self.calibration.pool_observations > 0 else None
 
     def estimates(self, engine_id: str) -> EngineCosts:
         """The current estimate for ``engine_id`` (its prior when nothing was measured yet)."""
@@ -213,7 +242,12 @@ class CostModel:
     def set_prior(self, engine_id: str, prior: EngineCosts) -> None:
         """Replace an engine's prior (e.g. an engine added at runtime) and restart its estimate."""
         self._engine_priors[engine_id] = prior.validate(f"costs.engines.{engine_id}")
-        self._engines.pop(engine_id, None)
+        old = self._engines.pop(engine_id, None)
+        if old is not None:
+            self._pool_members[old.prior].remove(engine_id)
+            pool = self._pools.get(old.prior)
+            if pool is not None:
+                pool.remove(old)
 
     # -- learning from engine metrics -------------------------------------------------------
 
@@ -334,26 +368,62 @@ class CostModel:
         # Weighted by 1 / prediction: relative errors count, as TTFT noise grows with the TTFT
         # (a 5% jitter on a 2 s prefill must not drown a 20 ms load term of another request).
         weight = 1.0 / max(predicted_s, 1e-3)
-        _rls_update(rls, [v * weight for v in x], (observed_ttft_s - latency_s) * weight, cal.forgetting)
-        drift = cal.max_drift
-        theta = rls.theta
-        theta[0] = min(_MAX_OVERHEAD_S, max(0.0, theta[0]))
-        for k in (1, 2, 3, 4):
-            theta[k] = min(drift, max(1.0 / drift, theta[k]))
+        wx, wy = [v * weight for v in x], (observed_ttft_s - latency_s) * weight
+        loaded = {tier for k, tier in ((2, Tier.CPU), (3, Tier.STORAGE)) if x[k] > 0}
+        pool = None
+        if cal.pool_observations > 0:
+            pool = self._pools.get(prior)
+            if pool is None:
+                pool = self._pools[prior] = _Pool()
+            pool.remove(state)  # its contribution before this observation; added back below
+        _rls_update(rls, wx, wy, cal.forgetting)
+        _bound_theta(rls.theta, cal.max_drift)
+        state.observations += 1
+        state.last_update_s = now
+        if pool is not None:
+            for k in (1, 2, 3):
+                state.evidence[k] *= cal.forgetting
+                if x[k] > 0:
+                    state.evidence[k] += 1.0
+            pool.add(state)
+            if pool.moved():  # the twins' mean moved noticeably: every twin's estimate follows
+                for member in self._pool_members[prior]:
+                    self._refresh(self._engines[member], loaded if member == engine_id else set())
+                pool.settle()
+                return state.current
+        self._refresh(state, loaded)
+        return state.current
+
+    def _refresh(self, state: _EngineState, loaded: set[Tier]) -> None:
+        """Derive ``state.current``'s prefill rate and uncounted tier bandwidths from the fit: the
+        engine's own multipliers, or with pooling their weighted mean with its twins' in log
+        space (the engine's own weight is its evidence, the twins' ``pool_observations``).
+        ``loaded``: the tiers the observation just fitted had a load from."""
+        prior = state.prior
+        rls = state.rls
+        theta = list(rls.theta)
+        pool = self._pool_of(state)
+        if pool is not None:
+            w_pool = self.calibration.pool_observations
+            for k in (1, 2, 3):
+                twins = pool.mean_log(k)
+                if twins is not None:
+                    own = state.evidence[k]
+                    theta[k] = math.exp((own * math.log(theta[k]) + w_pool * twins) / (own + w_pool))
         bandwidth = list(state.current.load_bandwidth_bytes_per_s)
         for k, tier in ((2, Tier.CPU), (3, Tier.STORAGE)):
             if tier in state.counter_tiers:
                 continue  # measured by the engine itself: more direct than a TTFT regression
-            if x[k] > 0 or rls.cov[k][k] < _P0[k]:  # this tier was ever observed
+            observed = tier in loaded or rls.cov[k][k] < _P0[k]
+            if pool is not None:
+                observed = observed or pool.mean_log(k) is not None
+            if observed:  # this tier was ever observed (here, or with pooling on a twin)
                 bandwidth[tier] = prior.load_bandwidth_bytes_per_s[tier] / theta[k]
         state.current = replace(
             state.current,
             prefill_tokens_per_s=prior.prefill_tokens_per_s / theta[1],
             load_bandwidth_bytes_per_s=(bandwidth[0], bandwidth[1], bandwidth[2]),
         )
-        state.observations += 1
-        state.last_update_s = now
-        return state.current
 
     def overhead_s(self, engine_id: str) -> float:
         """The calibration's estimate of the fixed seconds every request pays on ``engine_id``."""
@@ -437,6 +507,61 @@ class CostModel:
                 )
             )
         return rows
+
+
+class _Pool:
+    """The engines that share a prior, as sums over their own fits: per multiplier (prefill, CPU,
+    STORAGE) the evidence-weighted sum of log multipliers and the sum of evidence. Kept
+    incrementally (an engine's old contribution out, its new one in), so an observation costs the
+    same whatever the fleet's size; the twins' estimates are re-derived only when the pool's mean
+    moved by more than 1% since they last were."""
+
+    __slots__ = ("_settled", "weight", "weighted_log")
+
+    #: A change of the pool's mean (in log space) below which the twins are not re-derived.
+    _MOVE = 0.01
+
+    def __init__(self) -> None:
+        self.weighted_log = [0.0, 0.0, 0.0, 0.0]
+        self.weight = [0.0, 0.0, 0.0, 0.0]
+        self._settled: list[float | None] = [None, None, None, None]
+
+    def _apply(self, state: _EngineState, sign: float) -> None:
+        for k in (1, 2, 3):
+            w = state.evidence[k]
+            if w > 0:
+                self.weight[k] += sign * w
+                self.weighted_log[k] += sign * w * math.log(state.rls.theta[k])
+
+    def add(self, state: _EngineState) -> None:
+        self._apply(state, 1.0)
+
+    def remove(self, state: _EngineState) -> None:
+        self._apply(state, -1.0)
+
+    def mean_log(self, k: int) -> float | None:
+        """The evidence-weighted mean log multiplier k of the pool; None before any evidence."""
+        w = self.weight[k]
+        return self.weighted_log[k] / w if w > 1e-9 else None
+
+    def moved(self) -> bool:
+        for k in (1, 2, 3):
+            now, then = self.mean_log(k), self._settled[k]
+            if (now is None) != (then is None) or (
+                now is not None and then is not None and abs(now - then) > self._MOVE
+            ):
+                return True
+        return False
+
+    def settle(self) -> None:
+        self._settled = [None, self.mean_log(1), self.mean_log(2), self.mean_log(3)]
+
+
+def _bound_theta(theta: list[float], drift: float) -> None:
+    """The overhead within [0, _MAX_OVERHEAD_S]; the multipliers within [1 / drift, drift]."""
+    theta[0] = min(_MAX_OVERHEAD_S, max(0.0, theta[0]))
+    for k in (1, 2, 3, 4):
+        theta[k] = min(drift, max(1.0 / drift, theta[k]))
 
 
 def _rls_update(rls: _Rls, x: list[float], y: float, forgetting: float) -> None:
