@@ -73,6 +73,8 @@ class Cell:
     #: request's ``shortest_first_priority``); "priority:S" with the priority stretch S,
     #: "priority:S:H" also with the bound H (``max_overtake_s``).
     scheduling: str = "fcfs"
+    #: The router's ``costs.priors.calibration.pool_observations`` (0 = off).
+    pool_observations: float = 0.0
 
 
 def parse_scheduling(spec: str) -> tuple[str, float, float]:
@@ -160,7 +162,12 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     wl, fleet = build(cell)
     name, params = parse_policy_spec(cell.policy)
     _, stretch, max_overtake_s = parse_scheduling(cell.scheduling)
-    config = SimConfig(seed=cell.seed, priority_stretch=stretch, priority_max_overtake_s=max_overtake_s)
+    config = SimConfig(
+        seed=cell.seed,
+        priority_stretch=stretch,
+        priority_max_overtake_s=max_overtake_s,
+        calibration_pool_observations=cell.pool_observations,
+    )
     sim = FleetSimulator(wl, name, fleet, config, policy_params=params)
     # Tier capacities reach the policy through sim.views[i].extra (FleetSimulator fills them).
     recorder = ArrivalRecorder(sim.policy)
@@ -306,6 +313,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
                             hetero=args.fleet == "hetero",
                             limit=args.limit,
                             stagger_s=args.stagger_s,
+                            pool_observations=args.pool_observations,
                         )
                     )
         return cells
@@ -325,6 +333,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
                             hetero=args.fleet == "hetero",
                             block_size=args.block_size,
                             conversations=args.conversations,
+                            pool_observations=args.pool_observations,
                         )
                     )
     return cells
@@ -363,6 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tail-reference",
         help="SPEC@SCHEDULING of one of the runs: also print the tail table (turns over 10x their TTFT"
         " in that run, over 30 s, max)",
+    )
+    p.add_argument(
+        "--pool-observations",
+        type=float,
+        default=0.0,
+        help="the router's costs.priors.calibration.pool_observations: twins share calibration"
+        " evidence (0 = off, the default)",
     )
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--out", help="markdown file (a .jsonl of raw rows is written next to it)")

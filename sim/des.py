@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcore.calibration import CostModel
+from kvcore.calibration import CalibrationConfig, CostModel
 from kvcore.core import (
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_STEP_S,
@@ -129,6 +129,8 @@ class SimConfig:
     #: Where the router's cost model starts: "defaults" (policies.costs' configured defaults, as a
     #: deployed router would) or "nominal" (the fleet's nominal engine profile: the old what-if).
     router_priors: str = "defaults"
+    #: The cost model's ``calibration.pool_observations`` (kvcore/calibration.py; 0 = off).
+    calibration_pool_observations: float = 0.0
     #: Engines whose profile has ``scheduling_policy="priority"`` get each request's
     #: ``shortest_first_priority`` (levels of ``priority_step_s`` seconds, deadlines stretched by
     #: ``priority_stretch`` and never more than ``priority_max_overtake_s`` after placement; virtual
@@ -292,10 +294,11 @@ class FleetSimulator:
             raise ValueError(
                 f"router_priors {cfg.router_priors!r} is unknown; accepted: {', '.join(ROUTER_PRIORS)}"
             )
+        calibration = CalibrationConfig(pool_observations=cfg.calibration_pool_observations)
         self.costs = (
-            CostModel(prior_costs(fleet.engines[0].profile))
+            CostModel(prior_costs(fleet.engines[0].profile), calibration=calibration)
             if cfg.router_priors == "nominal"
-            else CostModel()
+            else CostModel(calibration=calibration)
         )
         self.clairvoyant: ClairvoyantPolicy | None = None
         if isinstance(policy, str):

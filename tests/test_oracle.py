@@ -3,6 +3,7 @@ them), plus a smoke run of the quality sweep driver (loadtest/bench_quality.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import random
@@ -155,3 +156,16 @@ def test_sweep_runs_a_policy_at_its_own_scheduling_and_prints_the_tail_table(cap
     assert "is not one of the runs" in capsys.readouterr().err
     assert main([*args, "--scheduling", "priority:20:0"]) == 2
     assert "the bound must be > 0" in capsys.readouterr().err
+
+
+def test_the_pool_option_reaches_the_simulated_routers_calibration() -> None:
+    """``--pool-observations`` (Cell.pool_observations) is the DES router's
+    calibration.pool_observations: on a fleet with one slower engine, a pool so heavy the twins
+    cannot be told apart places differently from no pool (same seed: only the option differs)."""
+    base = Cell(
+        "t", "none", "tier_cost", seed=3, concurrency=8, conversations=1.0, block_size=256, hetero=True
+    )
+    alone = run_cell(base)
+    pooled = run_cell(dataclasses.replace(base, pool_observations=1000.0))
+    assert alone["load_imbalance"] != pooled["load_imbalance"]
+    assert alone["ttft_over_predicted"] != pooled["ttft_over_predicted"]
