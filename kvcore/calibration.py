@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from policies.base import TIERS, Tier
@@ -475,6 +475,7 @@ class CostModel:
                 for e, s in sorted(self._engines.items())
             },
             "selfcheck": self.selfcheck.snapshot(),
+            "calibration": asdict(self.calibration),
         }
 
     def gauge_values(self) -> list[tuple[str, dict[str, str], float]]:
