@@ -24,7 +24,7 @@ from kvcore.index import PrefixIndex
 from kvcore.keys import block_keys
 from kvcore.wire import offset_endpoint_port, publisher_binds
 from router.config import load_config
-from router.events import EventManager, EventSource, discover_sources, sources_for_engine
+from router.events import END_SEQ, EventManager, EventSource, discover_sources, sources_for_engine
 from router.service import build_router_app, event_sources
 from sim.server import EngineServerConfig, ThreadedEngineServer
 from sim.zmq_publisher import KVEventsConfig, ZmqEventPublisher
@@ -302,44 +302,71 @@ async def test_fault3_late_join_replays_a_full_default_buffer(sim_publishers, ma
     assert held_blocks(index, tokens_of(10_000, 0)) == 10_000
 
 
-class PacedReplay:
-    """A replay ROUTER that answers every request with all ``payloads`` in ``slices`` pieces,
-    ``pause_s`` apart, then the end marker: a long answer that is never silent for long."""
+class ReplayRouter:
+    """A stand-in for an engine's replay ROUTER socket, serving in its own thread: ``answer`` is
+    called for every request (the asker's identity and the first sequence asked for) and sends
+    with ``batch`` and ``end``; ``close`` stops the thread and the socket."""
 
-    def __init__(self, endpoint: str, payloads: list[bytes], slices: int, pause_s: float) -> None:
+    def __init__(self, endpoint: str, payloads: list[bytes]) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
-        self.payloads, self.slices, self.pause_s = payloads, slices, pause_s
+        self.payloads = payloads
         self.requests = 0
-        self.took_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def start(self) -> ReplayRouter:
         self._thread.start()
+        return self
 
     def _serve(self) -> None:
         while not self._stop.is_set():
             if not self.sock.poll(20):
                 continue
-            identity, _empty, _start = self.sock.recv_multipart()
+            identity, _empty, start = self.sock.recv_multipart()
             self.requests += 1
-            started = time.monotonic()
-            step = -(-len(self.payloads) // self.slices)
-            for first in range(0, len(self.payloads), step):
-                for seq in range(first, min(first + step, len(self.payloads))):
-                    frames = [identity, b"", TOPIC.encode(), seq.to_bytes(8, "big"), self.payloads[seq]]
-                    self.sock.send_multipart(frames)
-                if self._stop.wait(self.pause_s):
-                    return
-            self.took_s = time.monotonic() - started  # before the end marker the router waits for
-            self.sock.send_multipart([identity, b"", b"", b"\xff" * 8, b""])
+            self.answer(identity, int.from_bytes(start, "big"))
+
+    def answer(self, identity: bytes, start_seq: int) -> None:
+        raise NotImplementedError
+
+    def batch(self, identity: bytes, seq: int) -> None:
+        self.sock.send_multipart([identity, b"", TOPIC.encode(), seq.to_bytes(8, "big"), self.payloads[seq]])
+
+    def end(self, identity: bytes) -> None:
+        self.sock.send_multipart([identity, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
+
+    def stopped(self, wait_s: float = 0.0) -> bool:
+        return self._stop.wait(wait_s)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
         self.sock.close(0)
         self.ctx.term()
+
+
+class PacedReplay(ReplayRouter):
+    """Answers every request with all ``payloads`` in ``slices`` pieces, ``pause_s`` apart, then
+    the end marker: a long answer that is never silent for long."""
+
+    def __init__(self, endpoint: str, payloads: list[bytes], slices: int, pause_s: float) -> None:
+        super().__init__(endpoint, payloads)
+        self.slices, self.pause_s = slices, pause_s
+        self.took_s = 0.0
+
+    def answer(self, identity: bytes, start_seq: int) -> None:
+        started = time.monotonic()
+        step = -(-len(self.payloads) // self.slices)
+        for first in range(0, len(self.payloads), step):
+            for seq in range(first, min(first + step, len(self.payloads))):
+                self.batch(identity, seq)
+            if self.stopped(self.pause_s):
+                return
+        self.took_s = time.monotonic() - started  # before the end marker the router waits for
+        self.end(identity)
 
 
 async def test_fault3_replay_timeout_is_per_silence_not_per_answer(
@@ -352,7 +379,7 @@ async def test_fault3_replay_timeout_is_per_silence_not_per_answer(
     endpoint, replay = f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay"
     make_publisher(endpoint, None)
     payloads = [_payload(stored_event(block)) for block in range(3_000)]
-    server = PacedReplay(replay, payloads, slices=30, pause_s=0.1)
+    server = PacedReplay(replay, payloads, slices=30, pause_s=0.1).start()
     try:
         index = PrefixIndex()
         manager = make_manager(index, [EventSource("e0", endpoint, replay)], replay_timeout_s=1.5)
@@ -370,39 +397,20 @@ async def test_fault3_replay_timeout_is_per_silence_not_per_answer(
         server.close()
 
 
-class StallingReplay:
-    """A replay ROUTER that answers the first request with ``first_n`` batches and then falls
-    silent (no end marker); later requests get the whole buffer."""
+class StallingReplay(ReplayRouter):
+    """Answers the first request with ``first_n`` batches and then falls silent (no end marker);
+    later requests get the whole buffer."""
 
     def __init__(self, endpoint: str, payloads: list[bytes], first_n: int) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(endpoint)
-        self.payloads = payloads
+        super().__init__(endpoint, payloads)
         self.first_n = first_n
-        self.requests = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self.sock.poll(20):
-                continue
-            identity, _empty, _start = self.sock.recv_multipart()
-            self.requests += 1
-            n = self.first_n if self.requests == 1 else len(self.payloads)
-            for seq, payload in enumerate(self.payloads[:n]):
-                self.sock.send_multipart([identity, b"", TOPIC.encode(), seq.to_bytes(8, "big"), payload])
-            if self.requests > 1:
-                self.sock.send_multipart([identity, b"", b"", b"\xff" * 8, b""])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close(0)
-        self.ctx.term()
+    def answer(self, identity: bytes, start_seq: int) -> None:
+        n = self.first_n if self.requests == 1 else len(self.payloads)
+        for seq in range(n):
+            self.batch(identity, seq)
+        if self.requests > 1:
+            self.end(identity)
 
 
 async def test_fault3_incomplete_replay_marks_untrusted_until_caught_up(
@@ -411,7 +419,7 @@ async def test_fault3_incomplete_replay_marks_untrusted_until_caught_up(
     endpoint, replay = f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay"
     make_publisher(endpoint, None)
     payloads = [_payload(stored_event(block)) for block in range(300)]
-    server = StallingReplay(replay, payloads, first_n=100)
+    server = StallingReplay(replay, payloads, first_n=100).start()
     try:
         index = PrefixIndex()
         manager = make_manager(

@@ -9,15 +9,20 @@ import asyncio
 import threading
 from typing import Any
 
-import zmq
-
 from kvcore.index import PrefixIndex
 from kvcore.keys import block_keys
 from policies.base import Tier
-from router.events import END_SEQ, EventSource
+from router.events import EventSource
 from sim.cache import StoragePool
 from sim.engine import EngineCore, EngineProfile, SimRequest
-from tests.test_events_faults import health_of, held_blocks, sim_publishers, stored_event, tokens_of  # noqa: F401
+from tests.test_events_faults import (  # noqa: F401
+    ReplayRouter,
+    health_of,
+    held_blocks,
+    sim_publishers,
+    stored_event,
+    tokens_of,
+)
 from tests.test_events_live import (  # noqa: F401 - fixtures are used by name
     TOPIC,
     _payload,
@@ -178,51 +183,36 @@ async def test_item3_wrapped_buffer_trust_returns_on_delivered_cached_tokens(
 # ----------------------------------------------------------------------------- item 4
 
 
-class GatedReplay:
+class GatedReplay(ReplayRouter):
     """A replay ROUTER answering from a fixed buffer in two halves; the second half only once
     ``release`` is set (an engine whose answer takes a while)."""
 
     def __init__(self, endpoint: str, payloads: list[bytes]) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(endpoint)
-        self.payloads = payloads
+        super().__init__(endpoint, payloads)
         self.first_half_sent = threading.Event()
         self.release = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self.sock.poll(20):
-                continue
-            identity, _empty, start = self.sock.recv_multipart()
-            start_seq = int.from_bytes(start, "big")
-            half = len(self.payloads) // 2
-            for seq, payload in enumerate(self.payloads):
-                if seq == half:
-                    self.first_half_sent.set()
-                    while not self.release.wait(0.02):
-                        if self._stop.is_set():
-                            return
-                if seq >= start_seq:
-                    self.sock.send_multipart([identity, b"", TOPIC.encode(), seq.to_bytes(8, "big"), payload])
-            self.sock.send_multipart([identity, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
+    def answer(self, identity: bytes, start_seq: int) -> None:
+        half = len(self.payloads) // 2
+        for seq in range(len(self.payloads)):
+            if seq == half:
+                self.first_half_sent.set()
+                while not self.release.wait(0.02):
+                    if self.stopped():
+                        return
+            if seq >= start_seq:
+                self.batch(identity, seq)
+        self.end(identity)
 
     def close(self) -> None:
-        self._stop.set()
         self.release.set()
-        self._thread.join(5)
-        self.sock.close(0)
-        self.ctx.term()
+        super().close()
 
 
 async def test_item4_trust_waits_for_the_replay_answer(ipc_dir, make_publisher, make_manager) -> None:
     endpoint, replay = f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay"
     make_publisher(endpoint, None)
-    server = GatedReplay(replay, [_payload(stored_event(block)) for block in range(40)])
+    server = GatedReplay(replay, [_payload(stored_event(block)) for block in range(40)]).start()
     try:
         index = PrefixIndex()
         manager = make_manager(
