@@ -238,10 +238,16 @@ def predict_parts(
                + sum_t [hit_t > 0] (latency_t + hit_t x kv_bytes / bw_t) + prefill_tokens / prefill_rate
 
     split into its parts; ``PredictedParts.total_s`` is the sum."""
-    load = tuple(costs.load_time_s(tier, hit_tokens[tier]) for tier in TIERS)
+    gpu, cpu, storage = hit_tokens
+    load_time_s = costs.load_time_s
     return PredictedParts(
         wait_s=costs.prefill_time_s(wait_tokens),
-        load_s=(load[0], load[1], load[2]),
+        # Tiers without hits load nothing (load_time_s is 0 for no tokens): skip the call.
+        load_s=(
+            load_time_s(Tier.GPU, gpu) if gpu > 0 else 0.0,
+            load_time_s(Tier.CPU, cpu) if cpu > 0 else 0.0,
+            load_time_s(Tier.STORAGE, storage) if storage > 0 else 0.0,
+        ),
         prefill_s=costs.prefill_time_s(prefill_tokens),
         wait_tokens=wait_tokens,
         hit_tokens=hit_tokens,

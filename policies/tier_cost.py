@@ -167,9 +167,10 @@ class TierCostPolicy(BasePolicy):
         else:
             engines = list(all_engines)
         scores: dict[str, dict[str, float]] = {}
+        parts_by_engine: dict[str, PredictedParts] = {}
         cost_by_engine: dict[str, float] = {}
         for engine in engines:
-            parts = self.predict(request, engine, costs)
+            parts = parts_by_engine[engine.engine_id] = self.predict(request, engine, costs)
             decode_s, pressure_s = self.secondary_s(engine)
             work_s = self.work_weight * parts.service_s
             cost_s = parts.total_s + work_s + decode_s + pressure_s
@@ -212,7 +213,14 @@ class TierCostPolicy(BasePolicy):
         if runner_up is not None:
             reason += f"; next {runner_up.engine_id} cost {cost_by_engine[runner_up.engine_id]:.4f} s"
         fallbacks = tuple(e.engine_id for e in order if e.engine_id != chosen.engine_id)
-        return Decision(chosen.engine_id, self.name, reason=reason, scores=scores, fallbacks=fallbacks)
+        return Decision(
+            chosen.engine_id,
+            self.name,
+            reason=reason,
+            scores=scores,
+            fallbacks=fallbacks,
+            parts=parts_by_engine,
+        )
 
     def _softmax_pick(
         self, request: RouteRequest, order: list[EngineView], cost_by_engine: Mapping[str, float]

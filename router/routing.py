@@ -415,25 +415,27 @@ class Router:
         request = ctx.route_request
         arm = self._select_arm(ctx)
         ctx.arm, ctx.policy_name = arm.name, arm.policy.name
-        if not self.tracker.knows_model(request.model):
-            raise RouterError(
-                404,
-                f"model {request.model!r} is not served by any engine; see GET /v1/models",
-                type="not_found_error",
-                code="model_not_found",
-            )
         uses_index = arm.policy.uses_index
         # The fleet's views, built once per request: ``filter`` refreshes their load figures and
         # index trust in place, so the second filter (after the annotator's await) sees the load
         # of that moment.
         views = self.tracker.all_views()
-        if self.annotator is not None:
+        annotator = self.annotator
+        if annotator is None:
+            candidates = self.core.filter(request, views, uses_index=uses_index)
+        else:  # the annotator reads the candidates' ids and block sizes; load and trust come below
+            candidates = self.core.filter(request, views, refresh=False)
+        if not candidates:
+            # An unknown model leaves no candidate (every engine lists its models and not this
+            # one), so the fleet is asked only then, before any tokenising.
+            self._check_model(request.model)
+        if annotator is not None:
             # Annotated for every arm, not only index-aware ones: the index self-check, the
             # experiments' predicted tier split and the trace need every request's keys.
-            ctx.fleet = FleetView(self.core.filter(request, views))
-            await self.annotator.annotate(ctx)
-        # No await from here to reserve: other requests' load is what it is at the choice.
-        candidates = self.core.filter(request, views, uses_index=uses_index)
+            ctx.fleet = FleetView(candidates)
+            await annotator.annotate(ctx)
+            # No await from here to reserve: other requests' load is what it is at the choice.
+            candidates = self.core.filter(request, views, uses_index=uses_index)
         now = time.monotonic()
         ctx.fleet = FleetView(candidates, now=now, costs=self.core.costs)
         if not candidates:
@@ -458,6 +460,16 @@ class Router:
                 decision.reason,
             )
         return arm, decision
+
+    def _check_model(self, model: str) -> None:
+        """404 when no engine serves ``model``."""
+        if not self.tracker.knows_model(model):
+            raise RouterError(
+                404,
+                f"model {model!r} is not served by any engine; see GET /v1/models",
+                type="not_found_error",
+                code="model_not_found",
+            )
 
     def _select_arm(self, ctx: RouteContext) -> Arm:
         """The session's arm, or the one the x-kvroute-arm header forces (400 when unknown)."""
