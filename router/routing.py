@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import dis
 import heapq
 import itertools
 import logging
@@ -367,6 +368,18 @@ def _usage_from_json(body: bytes) -> dict[str, Any] | None:
 # -- the pipeline ------------------------------------------------------------------------------
 
 
+_EMPTY_BODIES = ([("LOAD_CONST", None), ("RETURN_VALUE", None)], [("RETURN_CONST", None)])
+
+
+def does_nothing(method: Callable[..., Any]) -> bool:
+    """True when ``method``'s body is empty (``return None``, ``pass`` or a docstring only)."""
+    code = getattr(getattr(method, "__func__", method), "__code__", None)
+    if code is None:
+        return False
+    body = [(i.opname, i.argval) for i in dis.get_instructions(code) if i.opname not in ("RESUME", "NOP")]
+    return body in _EMPTY_BODIES
+
+
 class Router:
     """Routes and proxies one request at a time; shared state lives in the injected components."""
 
@@ -393,9 +406,10 @@ class Router:
         self.first_byte = FirstByteBudget(config.limits.first_byte_timeout_s)
         self._prefill_releases = _DueCalls(core.release_prefill)
         self.observers: list[RouteObserver] = [metrics, self.first_byte, *observers]
-        # Each hook's bound methods, looked up once (not per request and observer).
+        # Each hook's bound methods, looked up once (not per request and observer); the hooks an
+        # observer leaves empty (``return None``) are not called at all.
         self._hooks: dict[str, list[tuple[RouteObserver, Callable[[RouteContext], None]]]] = {
-            hook: [(o, getattr(o, hook)) for o in self.observers]
+            hook: [(o, getattr(o, hook)) for o in self.observers if not does_nothing(getattr(o, hook))]
             for hook in ("on_routed", "on_first_byte", "on_finished")
         }
 
