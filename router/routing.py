@@ -200,6 +200,17 @@ def _check_type(body: Mapping[str, Any], key: str, types: tuple[type, ...], what
         raise bad_request(f"'{key}' must be {what}, got {type(value).__name__}", "invalid_type")
 
 
+#: Optional body fields with a required JSON type: (key, Python types, what the error calls it).
+_TYPED_FIELDS: tuple[tuple[str, tuple[type, ...], str], ...] = (
+    ("stream", (bool,), "a boolean"),
+    ("max_tokens", (int,), "an integer"),
+    ("max_completion_tokens", (int,), "an integer"),
+    ("n", (int,), "an integer"),
+    ("user", (str,), "a string"),
+    ("stream_options", (dict,), "an object"),
+)
+
+
 def _text_chars(content: Any) -> int:
     if isinstance(content, str):
         return len(content)
@@ -307,11 +318,9 @@ def parse_request(
         if "prompt" not in body:
             raise bad_request("'prompt' is required", "missing_prompt")
         _validate_prompt(body["prompt"])
-    _check_type(body, "stream", (bool,), "a boolean")
-    for key in ("max_tokens", "max_completion_tokens", "n"):
-        _check_type(body, key, (int,), "an integer")
-    _check_type(body, "user", (str,), "a string")
-    _check_type(body, "stream_options", (dict,), "an object")
+    for key, types, what in _TYPED_FIELDS:
+        if key in body:
+            _check_type(body, key, types, what)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     route_request = RouteRequest(
         request_id=request_id,
