@@ -416,14 +416,24 @@ class RoutingCore:
     # -- score ------------------------------------------------------------------------------
 
     def score(
-        self, policy: Policy, request: RouteRequest, candidates: Sequence[EngineView], now: float
+        self,
+        policy: Policy,
+        request: RouteRequest,
+        candidates: Sequence[EngineView],
+        now: float,
+        *,
+        fleet: FleetView | None = None,
     ) -> Decision:
-        """The policy's choice among ``candidates``; NoEngineAvailable when there are none."""
+        """The policy's choice among ``candidates``; NoEngineAvailable when there are none.
+        ``fleet``: the caller's FleetView of exactly these candidates, ``now`` and this core's
+        costs (else one is built)."""
         if not candidates:
             raise NoEngineAvailable(
                 f"no healthy engine serves model {request.model!r}" if request.model else "no healthy engine"
             )
-        return policy.choose(request, FleetView(candidates, now=now, costs=self.costs))
+        if fleet is None:
+            fleet = FleetView(candidates, now=now, costs=self.costs)
+        return policy.choose(request, fleet)
 
     # -- reserve ----------------------------------------------------------------------------
 

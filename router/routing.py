@@ -460,7 +460,7 @@ class Router:
             # No await from here to reserve: other requests' load is what it is at the choice.
             candidates = self.core.filter(request, views, uses_index=uses_index)
         now = time.monotonic()
-        ctx.fleet = FleetView(candidates, now=now, costs=self.core.costs)
+        ctx.fleet = fleet = FleetView(candidates, now=now, costs=self.core.costs)
         if not candidates:
             raise RouterError(
                 503,
@@ -469,7 +469,7 @@ class Router:
                 code="no_healthy_engine",
             )
         try:
-            decision = self.core.score(arm.policy, request, candidates, now)
+            decision = self.core.score(arm.policy, request, candidates, now, fleet=fleet)
         except NoEngineAvailable as exc:
             raise RouterError(503, str(exc), type="service_unavailable", code="no_healthy_engine") from None
         ctx.decision = decision

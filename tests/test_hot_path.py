@@ -176,3 +176,27 @@ def test_tier_cost_parts_reach_the_reservation_as_priced() -> None:
     fallback = decision.fallbacks[0]
     retry = core.reserve(policy, request, decision, 0.0, engine_id=fallback, candidates=candidates)
     assert retry.parts is decision.parts[fallback]
+
+
+def test_parity_window_counts_follow_the_window_rule() -> None:
+    # Catches: the running mismatch count drifting from the window (a sample leaving the window
+    # not subtracted, or subtracted twice): distrust set or lifted at the wrong request.
+    import random
+
+    from router.parity import PromptParity
+
+    rng = random.Random(7)
+    parity = PromptParity(tail_tokens=2, window=8, min_mismatches=4)
+    window: list[bool] = []
+    distrusted = False
+    for step in range(5000):
+        # Runs of agreement and disagreement, so distrust is both set and lifted many times.
+        mismatch = rng.random() < (0.7 if (step // 200) % 2 else 0.05)
+        router_tokens = 100
+        parity.observe("e0", router_tokens, router_tokens + (9 if mismatch else rng.randint(-2, 2)))
+        window = [*window, mismatch][-8:]
+        if not distrusted and sum(window) >= 4:
+            distrusted = True
+        elif distrusted and not any(window) and len(window) == 8:
+            distrusted = False
+        assert parity.distrusts("e0") is distrusted, step
