@@ -221,6 +221,8 @@ def max_hit_tokens(prompt_tokens: int) -> int:
 def hit_tokens_by_tier(match: PrefixMatch, block_size: int, prompt_tokens: int) -> tuple[float, float, float]:
     """``match``'s hits in tokens per tier, cheapest tier first, capped at ``max_hit_tokens``
     (the cap trims the most expensive tier's hits)."""
+    if match is NO_MATCH:  # nothing held (every engine for a policy without the index)
+        return 0.0, 0.0, 0.0
     left = float(max_hit_tokens(prompt_tokens))
     # Unrolled over the three tiers (GPU, CPU, storage): this runs per engine per request.
     gpu, cpu, storage = match.blocks_by_tier

@@ -24,6 +24,9 @@ DEFAULT_LOAD_BANDWIDTH_BYTES_PER_S: tuple[float, float, float] = (math.inf, 64e9
 DEFAULT_LOAD_LATENCY_S: tuple[float, float, float] = (0.0, 0.0005, 0.002)
 
 _TIER_NAMES = {t.name.lower(): t for t in TIERS}
+#: ``PredictedParts.as_scores`` keys per tier (enum names are slow to read per request).
+_LOAD_KEYS = tuple(f"load_{t.name.lower()}_s" for t in TIERS)
+_HIT_KEYS = tuple(f"hit_tokens_{t.name.lower()}" for t in TIERS)
 #: Upper bound of the (learned or configured) seconds per in-flight request.
 MAX_SLOT_S_PER_REQUEST = 5.0
 
@@ -201,10 +204,10 @@ class PredictedParts:
             "total_s": self.total_s,
             "in_flight": self.in_flight,
         }
+        load_s, hit_tokens = self.load_s, self.hit_tokens
         for tier in TIERS:
-            name = tier.name.lower()
-            out[f"load_{name}_s"] = self.load_s[tier]
-            out[f"hit_tokens_{name}"] = self.hit_tokens[tier]
+            out[_LOAD_KEYS[tier]] = load_s[tier]
+            out[_HIT_KEYS[tier]] = hit_tokens[tier]
         out["wait_tokens"] = self.wait_tokens
         out["prefill_tokens"] = self.prefill_tokens
         return out
@@ -212,13 +215,12 @@ class PredictedParts:
     @classmethod
     def from_scores(cls, scores: Mapping[str, float]) -> PredictedParts:
         """Parts back from one engine's ``Decision.scores`` entry written by ``as_scores``."""
-        names = [t.name.lower() for t in TIERS]
         return cls(
             wait_s=float(scores.get("wait_s", 0.0)),
-            load_s=tuple(float(scores.get(f"load_{n}_s", 0.0)) for n in names),  # type: ignore[arg-type]
+            load_s=tuple(float(scores.get(key, 0.0)) for key in _LOAD_KEYS),  # type: ignore[arg-type]
             prefill_s=float(scores.get("prefill_s", 0.0)),
             wait_tokens=float(scores.get("wait_tokens", 0.0)),
-            hit_tokens=tuple(float(scores.get(f"hit_tokens_{n}", 0.0)) for n in names),  # type: ignore[arg-type]
+            hit_tokens=tuple(float(scores.get(key, 0.0)) for key in _HIT_KEYS),  # type: ignore[arg-type]
             prefill_tokens=float(scores.get("prefill_tokens", 0.0)),
             in_flight=float(scores.get("in_flight", 0.0)),
             slot_s=float(scores.get("slot_s", 0.0)),

@@ -59,6 +59,9 @@ from policies.base import (
 )
 from policies.costs import CostEstimates, PredictedParts, PriorCosts, predict_parts
 
+#: Per tier: its name and its load and hit keys in the scores (for the reason text).
+_TIER_KEYS = tuple((t.name, f"load_{t.name.lower()}_s", f"hit_tokens_{t.name.lower()}") for t in TIERS)
+
 
 @register("tier_cost")
 class TierCostPolicy(BasePolicy):
@@ -199,9 +202,7 @@ class TierCostPolicy(BasePolicy):
             how = f"softmax pick (temperature {self.temperature_s:g} s)"
         s = scores[chosen.engine_id]
         load_text = " + ".join(
-            f"load {t.name} {s[f'load_{t.name.lower()}_s']:.4f}"
-            for t in TIERS
-            if s[f"hit_tokens_{t.name.lower()}"] > 0
+            f"load {name} {s[load_key]:.4f}" for name, load_key, hit_key in _TIER_KEYS if s[hit_key] > 0
         )
         reason = (
             f"{how}: {chosen.engine_id} TTFT {s['total_s']:.4f} s = wait {s['wait_s']:.4f}"
