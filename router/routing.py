@@ -46,7 +46,6 @@ from router.proxy import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamResponse,
-    read_body,
 )
 
 log = logging.getLogger("kvroute.router")
@@ -796,7 +795,7 @@ class Router:
     ) -> _Answer:
         """Read a whole (non-stream or error) answer."""
         try:
-            data = await read_body(response)
+            data = await response.read()
         except UpstreamError as exc:
             raise self._upstream_failure(ctx, ctx.engine_id, exc) from None
         finally:
