@@ -359,12 +359,18 @@ class RoutingCore:
     # -- filter -----------------------------------------------------------------------------
 
     def filter(
-        self, request: RouteRequest, engines: Sequence[EngineView], *, uses_index: bool = False
+        self,
+        request: RouteRequest,
+        engines: Sequence[EngineView],
+        *,
+        uses_index: bool = False,
+        refresh: bool = True,
     ) -> list[EngineView]:
         """The candidates for ``request``: healthy, not drained, serving its model; their load
         figures and index trust refreshed in place (callers run filter -> score -> reserve with no
         await in between, so the views are consistent). Large fleets are pre-filtered for
-        index-reading policies (``CoreConfig.prefilter_above_engines``)."""
+        index-reading policies (``CoreConfig.prefilter_above_engines``). ``refresh=False``: the
+        candidates only (a caller that filters again before choosing)."""
         model = request.model
         out = [
             v
@@ -375,6 +381,8 @@ class RoutingCore:
         if uses_index and 0 < cfg.prefilter_above_engines < len(out):
             out = self._prefilter(request, out)
             self.counters.prefiltered += 1
+        if not refresh:
+            return out
         ledger, costs, extra = self.ledger, self.costs, self._index_trusted
         for view in out:
             view.in_flight, view.queued_prefill_tokens = ledger.load(view.engine_id)
@@ -408,14 +416,24 @@ class RoutingCore:
     # -- score ------------------------------------------------------------------------------
 
     def score(
-        self, policy: Policy, request: RouteRequest, candidates: Sequence[EngineView], now: float
+        self,
+        policy: Policy,
+        request: RouteRequest,
+        candidates: Sequence[EngineView],
+        now: float,
+        *,
+        fleet: FleetView | None = None,
     ) -> Decision:
-        """The policy's choice among ``candidates``; NoEngineAvailable when there are none."""
+        """The policy's choice among ``candidates``; NoEngineAvailable when there are none.
+        ``fleet``: the caller's FleetView of exactly these candidates, ``now`` and this core's
+        costs (else one is built)."""
         if not candidates:
             raise NoEngineAvailable(
                 f"no healthy engine serves model {request.model!r}" if request.model else "no healthy engine"
             )
-        return policy.choose(request, FleetView(candidates, now=now, costs=self.costs))
+        if fleet is None:
+            fleet = FleetView(candidates, now=now, costs=self.costs)
+        return policy.choose(request, fleet)
 
     # -- reserve ----------------------------------------------------------------------------
 
@@ -461,6 +479,10 @@ class RoutingCore:
     ) -> PredictedParts:
         """The policy's priced parts (tier_cost), else the same formula on the index's match and
         the engine's queue, so every policy's requests calibrate the same cost model."""
+        if decision.parts is not None:
+            priced = decision.parts.get(engine_id)
+            if priced is not None:
+                return priced  # type: ignore[no-any-return]
         scores = decision.scores.get(engine_id)
         if scores is not None and "prefill_tokens" in scores and "wait_tokens" in scores:
             return PredictedParts.from_scores(scores)

@@ -132,6 +132,9 @@ class Decision:
     scores: dict[str, dict[str, float]] = field(default_factory=dict)
     #: Next-best engines in order, for a retry when the chosen engine refuses the connection.
     fallbacks: tuple[str, ...] = ()
+    #: Per engine id, the ``policies.costs.PredictedParts`` a pricing policy computed (the same
+    #: numbers as its ``scores``, kept as the object so the core need not rebuild it); None: none.
+    parts: Mapping[str, Any] | None = None
 
 
 class NoEngineAvailable(Exception):
@@ -218,11 +221,16 @@ def max_hit_tokens(prompt_tokens: int) -> int:
 def hit_tokens_by_tier(match: PrefixMatch, block_size: int, prompt_tokens: int) -> tuple[float, float, float]:
     """``match``'s hits in tokens per tier, cheapest tier first, capped at ``max_hit_tokens``
     (the cap trims the most expensive tier's hits)."""
-    cap = max_hit_tokens(prompt_tokens)
-    out = [0.0, 0.0, 0.0]
-    for tier in TIERS:
-        out[tier] = max(0.0, float(min(match.blocks_by_tier[tier] * block_size, cap - sum(out))))
-    return out[0], out[1], out[2]
+    if match is NO_MATCH:  # nothing held (every engine for a policy without the index)
+        return 0.0, 0.0, 0.0
+    left = float(max_hit_tokens(prompt_tokens))
+    # Unrolled over the three tiers (GPU, CPU, storage): this runs per engine per request.
+    gpu, cpu, storage = match.blocks_by_tier
+    gpu_tokens = max(0.0, min(float(gpu * block_size), left))
+    left -= gpu_tokens
+    cpu_tokens = max(0.0, min(float(cpu * block_size), left))
+    left -= cpu_tokens
+    return gpu_tokens, cpu_tokens, max(0.0, min(float(storage * block_size), left))
 
 
 def wait_tokens_of(engine: EngineView, request_prompt_tokens: int) -> float:

@@ -24,6 +24,9 @@ DEFAULT_LOAD_BANDWIDTH_BYTES_PER_S: tuple[float, float, float] = (math.inf, 64e9
 DEFAULT_LOAD_LATENCY_S: tuple[float, float, float] = (0.0, 0.0005, 0.002)
 
 _TIER_NAMES = {t.name.lower(): t for t in TIERS}
+#: ``PredictedParts.as_scores`` keys per tier (enum names are slow to read per request).
+_LOAD_KEYS = tuple(f"load_{t.name.lower()}_s" for t in TIERS)
+_HIT_KEYS = tuple(f"hit_tokens_{t.name.lower()}" for t in TIERS)
 #: Upper bound of the (learned or configured) seconds per in-flight request.
 MAX_SLOT_S_PER_REQUEST = 5.0
 
@@ -201,10 +204,10 @@ class PredictedParts:
             "total_s": self.total_s,
             "in_flight": self.in_flight,
         }
+        load_s, hit_tokens = self.load_s, self.hit_tokens
         for tier in TIERS:
-            name = tier.name.lower()
-            out[f"load_{name}_s"] = self.load_s[tier]
-            out[f"hit_tokens_{name}"] = self.hit_tokens[tier]
+            out[_LOAD_KEYS[tier]] = load_s[tier]
+            out[_HIT_KEYS[tier]] = hit_tokens[tier]
         out["wait_tokens"] = self.wait_tokens
         out["prefill_tokens"] = self.prefill_tokens
         return out
@@ -212,13 +215,12 @@ class PredictedParts:
     @classmethod
     def from_scores(cls, scores: Mapping[str, float]) -> PredictedParts:
         """Parts back from one engine's ``Decision.scores`` entry written by ``as_scores``."""
-        names = [t.name.lower() for t in TIERS]
         return cls(
             wait_s=float(scores.get("wait_s", 0.0)),
-            load_s=tuple(float(scores.get(f"load_{n}_s", 0.0)) for n in names),  # type: ignore[arg-type]
+            load_s=tuple(float(scores.get(key, 0.0)) for key in _LOAD_KEYS),  # type: ignore[arg-type]
             prefill_s=float(scores.get("prefill_s", 0.0)),
             wait_tokens=float(scores.get("wait_tokens", 0.0)),
-            hit_tokens=tuple(float(scores.get(f"hit_tokens_{n}", 0.0)) for n in names),  # type: ignore[arg-type]
+            hit_tokens=tuple(float(scores.get(key, 0.0)) for key in _HIT_KEYS),  # type: ignore[arg-type]
             prefill_tokens=float(scores.get("prefill_tokens", 0.0)),
             in_flight=float(scores.get("in_flight", 0.0)),
             slot_s=float(scores.get("slot_s", 0.0)),
@@ -238,10 +240,16 @@ def predict_parts(
                + sum_t [hit_t > 0] (latency_t + hit_t x kv_bytes / bw_t) + prefill_tokens / prefill_rate
 
     split into its parts; ``PredictedParts.total_s`` is the sum."""
-    load = tuple(costs.load_time_s(tier, hit_tokens[tier]) for tier in TIERS)
+    gpu, cpu, storage = hit_tokens
+    load_time_s = costs.load_time_s
     return PredictedParts(
         wait_s=costs.prefill_time_s(wait_tokens),
-        load_s=(load[0], load[1], load[2]),
+        # Tiers without hits load nothing (load_time_s is 0 for no tokens): skip the call.
+        load_s=(
+            load_time_s(Tier.GPU, gpu) if gpu > 0 else 0.0,
+            load_time_s(Tier.CPU, cpu) if cpu > 0 else 0.0,
+            load_time_s(Tier.STORAGE, storage) if storage > 0 else 0.0,
+        ),
         prefill_s=costs.prefill_time_s(prefill_tokens),
         wait_tokens=wait_tokens,
         hit_tokens=hit_tokens,

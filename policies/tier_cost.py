@@ -59,6 +59,9 @@ from policies.base import (
 )
 from policies.costs import CostEstimates, PredictedParts, PriorCosts, predict_parts
 
+#: Per tier: its name and its load and hit keys in the scores (for the reason text).
+_TIER_KEYS = tuple((t.name, f"load_{t.name.lower()}_s", f"hit_tokens_{t.name.lower()}") for t in TIERS)
+
 
 @register("tier_cost")
 class TierCostPolicy(BasePolicy):
@@ -167,9 +170,10 @@ class TierCostPolicy(BasePolicy):
         else:
             engines = list(all_engines)
         scores: dict[str, dict[str, float]] = {}
+        parts_by_engine: dict[str, PredictedParts] = {}
         cost_by_engine: dict[str, float] = {}
         for engine in engines:
-            parts = self.predict(request, engine, costs)
+            parts = parts_by_engine[engine.engine_id] = self.predict(request, engine, costs)
             decode_s, pressure_s = self.secondary_s(engine)
             work_s = self.work_weight * parts.service_s
             cost_s = parts.total_s + work_s + decode_s + pressure_s
@@ -198,9 +202,7 @@ class TierCostPolicy(BasePolicy):
             how = f"softmax pick (temperature {self.temperature_s:g} s)"
         s = scores[chosen.engine_id]
         load_text = " + ".join(
-            f"load {t.name} {s[f'load_{t.name.lower()}_s']:.4f}"
-            for t in TIERS
-            if s[f"hit_tokens_{t.name.lower()}"] > 0
+            f"load {name} {s[load_key]:.4f}" for name, load_key, hit_key in _TIER_KEYS if s[hit_key] > 0
         )
         reason = (
             f"{how}: {chosen.engine_id} TTFT {s['total_s']:.4f} s = wait {s['wait_s']:.4f}"
@@ -212,7 +214,14 @@ class TierCostPolicy(BasePolicy):
         if runner_up is not None:
             reason += f"; next {runner_up.engine_id} cost {cost_by_engine[runner_up.engine_id]:.4f} s"
         fallbacks = tuple(e.engine_id for e in order if e.engine_id != chosen.engine_id)
-        return Decision(chosen.engine_id, self.name, reason=reason, scores=scores, fallbacks=fallbacks)
+        return Decision(
+            chosen.engine_id,
+            self.name,
+            reason=reason,
+            scores=scores,
+            fallbacks=fallbacks,
+            parts=parts_by_engine,
+        )
 
     def _softmax_pick(
         self, request: RouteRequest, order: list[EngineView], cost_by_engine: Mapping[str, float]

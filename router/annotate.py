@@ -169,6 +169,8 @@ class IndexAnnotator:
 
     async def annotate(self, ctx: RouteContext) -> None:
         request = ctx.route_request
+        if self._tokenizer is None and ctx.endpoint == CHAT:
+            return  # no chat tokenizer: nothing to key (and no prompt names to build for it)
         try:
             # A chat prompt is named by its message prefixes (and its last message's content cuts),
             # once for the tokenizer and the key cache, so the next turn finds this one's work.

@@ -234,8 +234,15 @@ class RequestReader:
         cycle = getattr(receive, "__self__", None)
         if getattr(cycle, "more_body", True) is False:
             # uvicorn's request cycle holds the whole body already: the read cannot wait, so it
-            # needs no timeout (the common case: a body that came with its headers).
-            return await self._read(receive)
+            # needs no timeout (the common case: a body that came with its headers). kvroute's
+            # own exchange (router/fastpath.py) hands it over without an ASGI message.
+            complete_body = getattr(cycle, "complete_body", None)
+            body = complete_body() if complete_body is not None else None
+            if body is None:
+                return await self._read(receive)
+            if len(body) > self.max_body_bytes:
+                raise self._too_large()
+            return body
         try:
             async with asyncio.timeout(self.body_timeout_s):
                 return await self._read(receive)

@@ -172,10 +172,11 @@ class RouterServices:
         }
 
     def index_trusted(self, engine_id: str) -> bool:
-        untrusted = self.manager.untrusted_engines() if self.manager is not None else set()
+        """The shell's distrust of an engine's index (the routing core's ``index_trusted``; the
+        core applies the cost model's self-check verdict itself, before asking this)."""
         if self.parity.distrusts(engine_id):  # its prompt tokens are not the router's
             return False
-        return engine_id not in untrusted and self.costs.index_trusted(engine_id)
+        return self.manager is None or engine_id not in self.manager.untrusted_engines()
 
     # -- reload ---------------------------------------------------------------------------------
 

@@ -42,6 +42,20 @@ _SERVER_ERROR = (
 )
 
 
+_default_head_of: tuple[object, bytes] = (None, b"")
+
+
+def _default_head(default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """uvicorn's default response headers (server, date) as bytes, joined once per list: uvicorn
+    replaces the list when the date changes (once a second)."""
+    global _default_head_of
+    source, head = _default_head_of
+    if source is not default_headers:
+        head = b"".join(b"%s: %s\r\n" % (name, value) for name, value in default_headers)
+        _default_head_of = (default_headers, head)
+    return head
+
+
 class ProxyExchange:
     """One proxied request on a connection, in the role of uvicorn's ``RequestResponseCycle``:
     ``receive``/``send`` in ASGI form for ``proxy_app``, the response written straight to the
@@ -137,6 +151,14 @@ class ProxyExchange:
         finally:
             self._on_disconnect = None
 
+    def complete_body(self) -> bytes | None:
+        """The whole request body when it is all in (nothing to wait for, no 100 Continue owed,
+        the client still there), taken as ``receive`` would; else None: use ``receive``."""
+        if self.more_body or self.expect_100_continue or self.disconnected or self.response_complete:
+            return None
+        body, self.body = bytes(self.body), bytearray()
+        return body
+
     # -- the ASGI side
     async def receive(self) -> dict[str, Any]:
         if self.expect_100_continue:
@@ -189,9 +211,7 @@ class ProxyExchange:
 
     def _start(self, status: int, headers: Any) -> None:
         """The status line and headers, kept to go out with the first body bytes (one write)."""
-        parts = [STATUS_LINE[status]]
-        for name, value in self._protocol.server_state.default_headers:
-            parts += [name, b": ", value, b"\r\n"]
+        parts = [STATUS_LINE[status], _default_head(self._protocol.server_state.default_headers)]
         chunked = True
         for name, value in headers:
             if name == b"content-length":

@@ -82,7 +82,6 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._header_bytes = 0
-            self._header_count = 0
             self._in_headers = True
             self._answered_one = False
             self._header_timer: asyncio.TimerHandle | None = None
@@ -175,11 +174,6 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._in_headers = True
-            self._header_count = 0
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._header_count += 1
-            super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
             self._in_headers = False
@@ -187,7 +181,7 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
             self.waiting.pop(self, None)
             self.uploading[self] = None
             self._waiting_since_s = self.loop.time()
-            too_many = self._header_count > self.max_headers
+            too_many = len(self.headers) > self.max_headers  # uvicorn keeps every header line
             too_big = sum(len(n) + len(v) + 4 for n, v in self.headers) + len(self.url)
             self._header_bytes = 0
             if not too_many and too_big <= self.max_header_bytes:

@@ -221,7 +221,7 @@ class LoadTracker:
             engine_id=state.config.id,
             url=state.config.url,
             # An open circuit breaker takes the engine out like a failed health check.
-            healthy=state.healthy and not self.breaker_open(state, now_s),
+            healthy=state.healthy and not (state.breaker_open_until_s and self.breaker_open(state, now_s)),
             drained=state.drained,
             models=state.models_view,
             in_flight=in_flight,

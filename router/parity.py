@@ -34,6 +34,8 @@ class _EngineParity:
     #: Why the engine's index is distrusted ("" = it is not).
     reason: str = ""
     last_difference: int = 0
+    #: How many of ``samples`` are mismatches (kept as samples come and go: no scan per request).
+    bad_in_window: int = 0
 
 
 class PromptParity:
@@ -60,14 +62,18 @@ class PromptParity:
         state = self._engines.get(engine_id)
         if state is None:
             state = self._engines[engine_id] = _EngineParity(deque(maxlen=self.window))
-        state.samples.append((router_tokens, engine_tokens))
+        samples = state.samples
+        if len(samples) == samples.maxlen and self._mismatch(*samples[0]):
+            state.bad_in_window -= 1  # the oldest sample leaves the window with this append
+        samples.append((router_tokens, engine_tokens))
         state.last_difference = engine_tokens - router_tokens
         if self._mismatch(router_tokens, engine_tokens):
             state.mismatched_total += 1
+            state.bad_in_window += 1
         else:
             state.matched_total += 1
-        bad = [s for s in state.samples if self._mismatch(*s)]
-        if not state.reason and len(bad) >= self.min_mismatches:
+        if not state.reason and state.bad_in_window >= self.min_mismatches:
+            bad = [s for s in samples if self._mismatch(*s)]
             state.reason = (
                 f"the engine's usage.prompt_tokens differs from the router's own count on {len(bad)} of "
                 f"the last {len(state.samples)} requests (latest: router {router_tokens}, engine "
@@ -75,7 +81,7 @@ class PromptParity:
                 f"{self.window} requests in a row agree"
             )
             log.warning("engine %s: tokenizer parity lost: %s", engine_id, state.reason)
-        elif state.reason and not bad and len(state.samples) == self.window:
+        elif state.reason and not state.bad_in_window and len(samples) == self.window:
             log.info("engine %s: tokenizer parity restored (%d requests agree)", engine_id, self.window)
             state.reason = ""
 

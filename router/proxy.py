@@ -155,8 +155,17 @@ class UpstreamResponse:
         return head
 
     async def read(self) -> bytes:
-        parts = [chunk async for chunk in self.iter_any()]
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        """The whole body (what ``iter_any`` would yield, joined; no generator per answer)."""
+        parts: list[bytes] = []
+        chunks = self._chunks
+        while True:
+            parts += chunks
+            chunks.clear()
+            if self._done:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            if self._error is not None:
+                raise self._error
+            await self._wait()
 
     def close(self) -> None:
         conn, self._conn = self._conn, None

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import dis
 import heapq
 import itertools
 import logging
@@ -45,7 +46,6 @@ from router.proxy import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamResponse,
-    read_body,
 )
 
 log = logging.getLogger("kvroute.router")
@@ -199,6 +199,17 @@ def _check_type(body: Mapping[str, Any], key: str, types: tuple[type, ...], what
         raise bad_request(f"'{key}' must be {what}, got {type(value).__name__}", "invalid_type")
 
 
+#: Optional body fields with a required JSON type: (key, Python types, what the error calls it).
+_TYPED_FIELDS: tuple[tuple[str, tuple[type, ...], str], ...] = (
+    ("stream", (bool,), "a boolean"),
+    ("max_tokens", (int,), "an integer"),
+    ("max_completion_tokens", (int,), "an integer"),
+    ("n", (int,), "an integer"),
+    ("user", (str,), "a string"),
+    ("stream_options", (dict,), "an object"),
+)
+
+
 def _text_chars(content: Any) -> int:
     if isinstance(content, str):
         return len(content)
@@ -306,11 +317,9 @@ def parse_request(
         if "prompt" not in body:
             raise bad_request("'prompt' is required", "missing_prompt")
         _validate_prompt(body["prompt"])
-    _check_type(body, "stream", (bool,), "a boolean")
-    for key in ("max_tokens", "max_completion_tokens", "n"):
-        _check_type(body, key, (int,), "an integer")
-    _check_type(body, "user", (str,), "a string")
-    _check_type(body, "stream_options", (dict,), "an object")
+    for key, types, what in _TYPED_FIELDS:
+        if key in body:
+            _check_type(body, key, types, what)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     route_request = RouteRequest(
         request_id=request_id,
@@ -367,6 +376,18 @@ def _usage_from_json(body: bytes) -> dict[str, Any] | None:
 # -- the pipeline ------------------------------------------------------------------------------
 
 
+_EMPTY_BODIES = ([("LOAD_CONST", None), ("RETURN_VALUE", None)], [("RETURN_CONST", None)])
+
+
+def does_nothing(method: Callable[..., Any]) -> bool:
+    """True when ``method``'s body is empty (``return None``, ``pass`` or a docstring only)."""
+    code = getattr(getattr(method, "__func__", method), "__code__", None)
+    if code is None:
+        return False
+    body = [(i.opname, i.argval) for i in dis.get_instructions(code) if i.opname not in ("RESUME", "NOP")]
+    return body in _EMPTY_BODIES
+
+
 class Router:
     """Routes and proxies one request at a time; shared state lives in the injected components."""
 
@@ -393,9 +414,10 @@ class Router:
         self.first_byte = FirstByteBudget(config.limits.first_byte_timeout_s)
         self._prefill_releases = _DueCalls(core.release_prefill)
         self.observers: list[RouteObserver] = [metrics, self.first_byte, *observers]
-        # Each hook's bound methods, looked up once (not per request and observer).
+        # Each hook's bound methods, looked up once (not per request and observer); the hooks an
+        # observer leaves empty (``return None``) are not called at all.
         self._hooks: dict[str, list[tuple[RouteObserver, Callable[[RouteContext], None]]]] = {
-            hook: [(o, getattr(o, hook)) for o in self.observers]
+            hook: [(o, getattr(o, hook)) for o in self.observers if not does_nothing(getattr(o, hook))]
             for hook in ("on_routed", "on_first_byte", "on_finished")
         }
 
@@ -415,27 +437,29 @@ class Router:
         request = ctx.route_request
         arm = self._select_arm(ctx)
         ctx.arm, ctx.policy_name = arm.name, arm.policy.name
-        if not self.tracker.knows_model(request.model):
-            raise RouterError(
-                404,
-                f"model {request.model!r} is not served by any engine; see GET /v1/models",
-                type="not_found_error",
-                code="model_not_found",
-            )
         uses_index = arm.policy.uses_index
         # The fleet's views, built once per request: ``filter`` refreshes their load figures and
         # index trust in place, so the second filter (after the annotator's await) sees the load
         # of that moment.
         views = self.tracker.all_views()
-        if self.annotator is not None:
+        annotator = self.annotator
+        if annotator is None:
+            candidates = self.core.filter(request, views, uses_index=uses_index)
+        else:  # the annotator reads the candidates' ids and block sizes; load and trust come below
+            candidates = self.core.filter(request, views, refresh=False)
+        if not candidates:
+            # An unknown model leaves no candidate (every engine lists its models and not this
+            # one), so the fleet is asked only then, before any tokenising.
+            self._check_model(request.model)
+        if annotator is not None:
             # Annotated for every arm, not only index-aware ones: the index self-check, the
             # experiments' predicted tier split and the trace need every request's keys.
-            ctx.fleet = FleetView(self.core.filter(request, views))
-            await self.annotator.annotate(ctx)
-        # No await from here to reserve: other requests' load is what it is at the choice.
-        candidates = self.core.filter(request, views, uses_index=uses_index)
+            ctx.fleet = FleetView(candidates)
+            await annotator.annotate(ctx)
+            # No await from here to reserve: other requests' load is what it is at the choice.
+            candidates = self.core.filter(request, views, uses_index=uses_index)
         now = time.monotonic()
-        ctx.fleet = FleetView(candidates, now=now, costs=self.core.costs)
+        ctx.fleet = fleet = FleetView(candidates, now=now, costs=self.core.costs)
         if not candidates:
             raise RouterError(
                 503,
@@ -444,7 +468,7 @@ class Router:
                 code="no_healthy_engine",
             )
         try:
-            decision = self.core.score(arm.policy, request, candidates, now)
+            decision = self.core.score(arm.policy, request, candidates, now, fleet=fleet)
         except NoEngineAvailable as exc:
             raise RouterError(503, str(exc), type="service_unavailable", code="no_healthy_engine") from None
         ctx.decision = decision
@@ -458,6 +482,16 @@ class Router:
                 decision.reason,
             )
         return arm, decision
+
+    def _check_model(self, model: str) -> None:
+        """404 when no engine serves ``model``."""
+        if not self.tracker.knows_model(model):
+            raise RouterError(
+                404,
+                f"model {model!r} is not served by any engine; see GET /v1/models",
+                type="not_found_error",
+                code="model_not_found",
+            )
 
     def _select_arm(self, ctx: RouteContext) -> Arm:
         """The session's arm, or the one the x-kvroute-arm header forces (400 when unknown)."""
@@ -761,7 +795,7 @@ class Router:
     ) -> _Answer:
         """Read a whole (non-stream or error) answer."""
         try:
-            data = await read_body(response)
+            data = await response.read()
         except UpstreamError as exc:
             raise self._upstream_failure(ctx, ctx.engine_id, exc) from None
         finally:

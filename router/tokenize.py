@@ -187,6 +187,8 @@ class SimChatTokenizer:
             # The last message may extend an earlier prompt's last message (its cut hashes name the
             # messages before it too, so the cached tokens cover them).
             history = self._extend_cut(cuts, data)
+        if history is None and start == len(messages):
+            history = prefix  # the whole prompt was cached: nothing new to encode
         if history is None:
             new = list(messages[start:])
             new_chars = sum(len(str(m.get("content") or "")) for m in new)
@@ -195,7 +197,7 @@ class SimChatTokenizer:
             else:
                 body = sim_tokenizer.encode_chat(new, add_generation_prompt=False)
             history = prefix + body[1:]  # drop the BOS of the partial render
-        if messages:
+        if messages and start < len(messages):  # a whole-prompt hit is in the cache (and fresh) already
             self._cache.put(hashes[-1], history)
         if cuts:
             # The tokens up to the last message's deepest cut: all but its END and the content after.
