@@ -180,12 +180,13 @@ def test_expect_100_continue_and_a_body_in_pieces(router) -> None:
     assert any(b == body for upstream, _ in engines for b in upstream.bodies)
 
 
-def test_client_gone_mid_stream_cancels_the_engine_and_counts_499(
-    serve_asgi: Callable[..., ThreadedServer], upstreams: Any
-) -> None:
+def _router_over_a_slow_stream(
+    serve_asgi: Callable[..., ThreadedServer], upstreams: Any, chunks: int
+) -> tuple[ThreadedServer, OpenAIUpstream]:
+    """A router in front of one stand-in engine that streams ``chunks`` events 50 ms apart."""
     engines = upstreams(1)
     upstream: OpenAIUpstream = engines[0][0]
-    upstream.chunks, upstream.chunk_delay_s = 50, 0.05
+    upstream.chunks, upstream.chunk_delay_s = chunks, 0.05
     config = load_config(
         environ={},
         overrides={
@@ -193,7 +194,41 @@ def test_client_gone_mid_stream_cancels_the_engine_and_counts_499(
             "health": {"interval_s": 0},
         },
     )
-    server = serve_asgi(create_app(config))
+    return serve_asgi(create_app(config)), upstream
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_stream_events_reach_the_client_while_the_engine_writes(
+    serve_asgi: Callable[..., ThreadedServer], upstreams: Any, path: str
+) -> None:
+    """A stream is relayed as it is produced: a relay that held the events back until the end (or
+    until some buffer filled) would break streaming for every client and hide a mid-stream crash
+    behind a finished answer."""
+    server, _ = _router_over_a_slow_stream(serve_asgi, upstreams, 40)  # a 2 s answer
+    body: dict[str, Any] = {"model": MODEL, "stream": True, "max_tokens": 40}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "hello"}]
+    else:
+        body["prompt"] = "hello"
+    arrivals: list[float] = []
+    with httpx.stream("POST", server.url + path, json=body, timeout=30) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data:") and "[DONE]" not in line:
+                arrivals.append(time.monotonic())
+    assert len(arrivals) >= 40
+    # Relayed as they come, the events spread over the engine's ~2 s; held back, (nearly) all of
+    # them would arrive within a few milliseconds at the end.
+    spread = arrivals[-1] - arrivals[len(arrivals) // 4]
+    assert spread > 0.5, (
+        f"events arrived in a burst ({spread * 1000:.0f} ms from the first quarter to the end)"
+    )
+
+
+def test_client_gone_mid_stream_cancels_the_engine_and_counts_499(
+    serve_asgi: Callable[..., ThreadedServer], upstreams: Any
+) -> None:
+    server, upstream = _router_over_a_slow_stream(serve_asgi, upstreams, 50)
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(post("/v1/chat/completions", chat(stream=True)))
         sock.settimeout(5)
