@@ -58,6 +58,7 @@ from loadtest.bench_peers import (
 )
 from loadtest.demo import DEMO_PROFILE
 from loadtest.load import kvroute_router, run_locust, stop_process
+from loadtest.procs import wait_sources_connected
 from sim.fleet import Fleet, FleetEngine, FleetProfile
 from sim.server import free_port
 from sim.vllm_cpu import VLLM_CPU_VERSION, VllmCpuFleet, VllmCpuProfile
@@ -427,21 +428,6 @@ def measure(
     finally:
         stop_process(proc)
     return run
-
-
-def wait_sources_connected(url: str, timeout_s: float = 60.0) -> None:
-    """Until every KV-event source of the router at ``url`` is past connecting (its replay answered),
-    so that no run starts with a blind index."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        sources = httpx.get(f"{url}/debug/index", timeout=10).json()["events"]["sources"]
-        if sources and all(s["status"] not in ("connecting", "starting") for s in sources.values()):
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"the router's KV-event sources did not connect in {timeout_s:.0f} s: {sources}"
-            )
-        time.sleep(0.1)
 
 
 def vllm_runs(

@@ -39,7 +39,7 @@ import openai
 
 from kvcore.stats import percentiles
 from loadtest.calibrate_vllm import VLLM_CPU_MAX_NUM_SEQS, run_threads
-from loadtest.procs import stop_process, wait_http_ok
+from loadtest.procs import stop_process, wait_http_ok, wait_sources_connected
 from router.config import EngineConfig, load_fleet_file
 from sim.des import FleetSimulator, SimConfig
 from sim.engine import EngineProfile
@@ -329,23 +329,11 @@ def start_router(fleet: Path, model_dir: Path, policy: str, log: Path) -> tuple[
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http_ok(url + "/health", proc, timeout_s=120, output=lambda: log.read_text(errors="replace"))
-        wait_sources(url)
+        wait_sources_connected(url, timeout_s=120.0)
     except BaseException:
         stop_process(proc)
         raise
     return proc, url
-
-
-def wait_sources(url: str, timeout_s: float = 120.0) -> None:
-    """Until every KV-event source of the router has left 'connecting'/'starting'."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        sources = httpx.get(f"{url}/debug/index", timeout=10).json()["events"]["sources"]
-        if sources and all(s["status"] not in ("connecting", "starting") for s in sources.values()):
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"KV-event sources not connected: {sources}")
-        time.sleep(0.2)
 
 
 def fmt_table(rows: Sequence[Row]) -> str:

@@ -524,38 +524,24 @@ def fit_server_stages(
             clip_second_to_first=True,
         )
 
-    live = [r.ttft_s for r in direct]
+    def fit(runs: Sequence[Any], replay: Callable[[ServerStage], Sequence[Any]]) -> tuple[ServerStage, float]:
+        """One stage fitted to ``runs`` (``replay(stage)`` = the DES's replay with that stage in
+        place), its log error, and with ``noise`` its stall's sigma matched to their tail."""
+        live = [r.ttft_s for r in runs]
 
-    def api_err(x: Sequence[float]) -> float:
-        return _log_error(replay_loaded(direct, engine_ids, profile, stage(x), None), live)
+        def err(x: Sequence[float]) -> float:
+            return _log_error(replay(stage(x)), live)
 
-    x = search(api_err)
-    api = stage(x)
-    api_error = api_err(x)
-    if noise:
-        api = dataclasses.replace(
-            api,
-            stall_sigma=_tail_sigma(
-                lambda sg: replay_loaded(direct, engine_ids, profile, sg, None), api, live
-            ),
-        )
+        x = search(err)
+        fitted = stage(x)
+        if noise:
+            fitted = dataclasses.replace(fitted, stall_sigma=_tail_sigma(replay, fitted, live))
+        return fitted, err(x)
+
+    api, api_error = fit(direct, lambda sg: replay_loaded(direct, engine_ids, profile, sg, None))
     if not routed:
         return StageFit(api, None, api_error, math.nan)
-    rlive = [r.ttft_s for r in routed]
-
-    def router_err(y: Sequence[float]) -> float:
-        return _log_error(replay_loaded(routed, engine_ids, profile, api, stage(y)), rlive)
-
-    y = search(router_err)
-    router_error = router_err(y)
-    router = stage(y)
-    if noise:
-        router = dataclasses.replace(
-            router,
-            stall_sigma=_tail_sigma(
-                lambda sg: replay_loaded(routed, engine_ids, profile, api, sg), router, rlive
-            ),
-        )
+    router, router_error = fit(routed, lambda sg: replay_loaded(routed, engine_ids, profile, api, sg))
     return StageFit(api, router, api_error, router_error)
 
 

@@ -1,11 +1,13 @@
 """Child processes of the load tools and benchmarks (routers, engines, upstream stand-ins): wait
-until one answers over HTTP, stop one with its whole process group. Children are started with
+until one answers over HTTP (or, for a router, until its KV-event sources are connected), stop one
+with its whole process group. Children are started with
 ``start_new_session=True`` so that a stop reaches whatever they spawned (uvicorn workers).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -55,3 +57,22 @@ def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def wait_sources_connected(url: str, timeout_s: float = 60.0) -> None:
+    """Until every KV-event source of the router at ``url`` is past connecting (its replay answered),
+    so that no run starts with a blind index."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # No proxies, as above; urllib, not httpx: the load tools run without the test extras.
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            f"{url}/debug/index", timeout=10
+        ) as resp:
+            sources = json.load(resp)["events"]["sources"]
+        if sources and all(s["status"] not in ("connecting", "starting") for s in sources.values()):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the router's KV-event sources did not connect in {timeout_s:.0f} s: {sources}"
+            )
+        time.sleep(0.1)

@@ -16,9 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
+from loadtest.procs import wait_sources_connected
 from router.config import load_config
 from router.service import build_router_app
 from sim.vllm_cpu import VllmCpuFleet, VllmCpuProfile
@@ -81,16 +81,3 @@ def start_router(
         return server
 
     return start
-
-
-def wait_sources_connected(url: str, timeout_s: float = 60.0) -> None:
-    """Until every KV-event source of the router reports a status other than 'connecting'."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        sources = httpx.get(f"{url}/debug/index", timeout=10).json()["events"]["sources"]
-        if sources and all(s["status"] not in ("connecting", "starting") for s in sources.values()):
-            return
-        assert time.monotonic() < deadline, f"KV-event sources not connected: {sources}"
-        time.sleep(0.1)

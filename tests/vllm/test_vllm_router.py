@@ -21,11 +21,12 @@ import httpx
 import openai
 import pytest
 
+from loadtest.procs import wait_sources_connected
 from router.tokenize import EngineChatTokenizer, HfChatTokenizer
 from sim.vllm_cpu import VllmCpuFleet
 from sim.vllm_model import MODEL_NAME, training_text, write_model_dir
 from tests.conftest import ThreadedServer
-from tests.vllm.conftest import PROFILE, wait_sources_connected
+from tests.vllm.conftest import PROFILE
 
 # The first test also waits for the session fleet to start (minutes: the first start compiles).
 pytestmark = pytest.mark.timeout(2700)
