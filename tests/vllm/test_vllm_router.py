@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -326,24 +327,42 @@ def _events_seen(router_url: str, source: str) -> int:
     return int(sources[source]["events"])
 
 
+def _engine_core_pids(engine: Any) -> list[int]:
+    """The processes of an engine's process group other than its API server: vLLM's engine core
+    (and whatever it spawned). The fleet starts each engine in a session of its own, so the group
+    id is the API server's pid."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        pid = int(stat.parent.name)
+        if int(fields[2]) == engine.pid and pid != engine.pid:  # fields after ")": state, ppid, pgrp
+            pids.append(pid)
+    return pids
+
+
 def test_an_engine_killed_mid_stream_raises_in_the_openai_sdk(
     vllm_fleet: VllmCpuFleet, model_dir: Path, serve_asgi: Callable[..., ThreadedServer], tmp_path: Path
 ) -> None:
     """A third engine of its own (the session's two stay up): SIGKILL to its process group while a
     stream runs through the router; the client's iteration must raise, not end quietly.
 
-    When to kill is read from the engine, not from the chunks the client has seen: on two busy
-    cores vLLM's API server can hold a stream's events for seconds, even until the answer is
-    complete (measured: a direct client, nothing else running, got 2 of 4 1,000-token streams in
-    one burst at the end). So the kill waits until the client holds an open stream and the engine
-    core has published KV events of blocks filled by decoding; the answer is long enough (7,500
-    tokens, tens of seconds) that this is before its end (in one CI run the client's stream opened
-    only after 106 of its 234 blocks). An attempt whose answer ended before both
-    held (the engine's events and the client's stream both came late) is repeated."""
+    The kill must come while the engine is still generating, and on two busy cores that cannot be
+    read from the client: vLLM's API server can hold a stream's events until the answer is complete
+    (measured: a direct client, nothing else running, got 2 of 4 1,000-token streams in one burst
+    at the end; in CI a kill timed by the engine's KV events and the client's open stream came after
+    all 235 blocks of the answer were decoded). So the test stops the engine core first: once the
+    router has received KV events of blocks filled by decoding, SIGSTOP to every process of the
+    engine but its API server. Generation halts mid-answer for certain; the API server, with the
+    CPU to itself, sends what it already has; when the client holds some of the answer, SIGKILL to
+    the whole group."""
     from router.config import load_config
     from router.service import build_router_app
 
     max_tokens = 7500  # with the ~100-token prompt, within max_model_len 8192
+    answer_blocks = max_tokens // PROFILE.block_size
     own = VllmCpuFleet(tmp_path, model_dir=model_dir)
     try:
         # --enforce-eager: no compilation, so this extra engine starts in about a minute.
@@ -357,56 +376,60 @@ def test_an_engine_killed_mid_stream_raises_in_the_openai_sdk(
         router = serve_asgi(build_router_app(load_config(environ={}, overrides=data)))
         wait_sources_connected(router.url)
         source = f"{engine.id}/dp0"
-        for attempt in range(3):
-            outcome: dict[str, Any] = {"chunks": 0}
+        outcome: dict[str, Any] = {"chunks": 0}
 
-            def consume(outcome: dict[str, Any], seed: int) -> None:
-                try:
-                    stream = _client(router.url).chat.completions.create(
-                        model=MODEL_NAME,
-                        messages=[{"role": "user", "content": _words(50, 3 + seed)}],
-                        max_tokens=max_tokens,
-                        stream=True,
-                        extra_body={"ignore_eos": True, "min_tokens": max_tokens},
-                    )
-                    outcome["open"] = True  # the answer's headers reached the client
-                    for _chunk in stream:
-                        outcome["chunks"] += 1
-                    outcome["clean_end"] = True
-                except openai.APIError as exc:
-                    outcome["error"] = exc
+        def consume() -> None:
+            try:
+                stream = _client(router.url).chat.completions.create(
+                    model=MODEL_NAME,
+                    messages=[{"role": "user", "content": _words(50, 3)}],
+                    max_tokens=max_tokens,
+                    stream=True,
+                    extra_body={"ignore_eos": True, "min_tokens": max_tokens},
+                )
+                outcome["open"] = True  # the answer's headers reached the client
+                for _chunk in stream:
+                    outcome["chunks"] += 1
+                outcome["clean_end"] = True
+            except openai.APIError as exc:
+                outcome["error"] = exc
 
-            before = _events_seen(router.url, source)
-            client = threading.Thread(
-                target=consume, args=(outcome, attempt), name="stream-client", daemon=True
-            )
-            client.start()
-            # At least 6 events past the prompt's: blocks filled by decoding, ~200 of 7,500 tokens.
-            deadline = time.monotonic() + 120
-            while client.is_alive() and not (
-                outcome.get("open") and _events_seen(router.url, source) >= before + 7
-            ):
-                assert time.monotonic() < deadline, f"no open stream and decode events in 120 s: {outcome}"
-                time.sleep(0.05)
-            if not client.is_alive():
-                assert outcome.get("clean_end"), outcome  # a complete answer: nothing was killed yet
-                continue
-            events_at_kill = _events_seen(router.url, source) - before
-            own.stop_engine(engine, signal.SIGKILL)
-            client.join(timeout=120)
-            assert not client.is_alive(), "the client still waits two minutes after the engine died"
-            assert "clean_end" not in outcome, (
-                f"the stream ended as a complete answer after the engine was killed "
-                f"({outcome['chunks']} chunks; {events_at_kill} KV events of the answer at the kill)"
-            )
-            assert isinstance(outcome.get("error"), openai.APIError), outcome
-            assert outcome["chunks"] < max_tokens
-            # By the engine's own account it was still decoding at the kill (a block is 32 tokens):
-            # the answer broke off; it was not a complete one the client got late.
-            assert events_at_kill < max_tokens // PROFILE.block_size, events_at_kill
-            break
-        else:
-            pytest.fail("three answers ended before the client held an open stream while the engine decoded")
+        before = _events_seen(router.url, source)
+        client = threading.Thread(target=consume, name="stream-client", daemon=True)
+        client.start()
+        # At least 6 events past the prompt's: blocks filled by decoding, ~200 of 7,500 tokens.
+        deadline = time.monotonic() + 120
+        while _events_seen(router.url, source) < before + 7:
+            assert client.is_alive(), f"the stream ended before the engine decoded 200 tokens: {outcome}"
+            assert time.monotonic() < deadline, f"no decode events in 120 s: {outcome}"
+            time.sleep(0.05)
+        core = _engine_core_pids(engine)
+        assert core, "the engine has no engine-core process to stop"
+        for pid in core:
+            os.kill(pid, signal.SIGSTOP)
+        # The engine's progress as published before it stopped; it cannot grow any more.
+        events_at_stop = _events_seen(router.url, source) - before
+        assert events_at_stop < answer_blocks, (
+            f"the engine had decoded the whole answer ({events_at_stop} blocks) before it was stopped"
+        )
+        deadline = time.monotonic() + 60
+        while not outcome["chunks"]:
+            assert client.is_alive(), f"the stream ended while the engine was stopped: {outcome}"
+            assert time.monotonic() < deadline, f"no chunk reached the client in 60 s: {outcome}"
+            time.sleep(0.05)
+        chunks_at_kill = outcome["chunks"]
+        print(
+            f"engine core stopped after {events_at_stop} answer blocks; {chunks_at_kill} chunks at the kill"
+        )
+        own.stop_engine(engine, signal.SIGKILL)
+        client.join(timeout=120)
+        assert not client.is_alive(), "the client still waits two minutes after the engine died"
+        assert "clean_end" not in outcome, (
+            f"the stream ended as a complete answer after the engine was killed "
+            f"({outcome['chunks']} chunks; {events_at_stop} KV events of the answer when it was stopped)"
+        )
+        assert isinstance(outcome.get("error"), openai.APIError), outcome
+        assert 0 < outcome["chunks"] < max_tokens
     finally:
         own.stop()
 
