@@ -200,6 +200,10 @@ PRIORITY_STRETCH = 20.0
 #: The bound (seconds): no request is ever overtaken by one placed more than this after it,
 #: whatever its own service (``shortest_first_priority``); inf = no bound.
 PRIORITY_MAX_OVERTAKE_S = 10.0
+#: The relative bound (factor K >= 1): a request's deadline is never more than K x its predicted
+#: first-come TTFT on the chosen engine (``PredictedParts.total_s``: the queue ahead of it plus its
+#: own service) after it was placed (``shortest_first_priority``); inf = off (the default).
+PRIORITY_FCFS_FACTOR = math.inf
 #: Deadlines count seconds from 2026-01-01 UTC (wall clock), so that router replicas agree.
 PRIORITY_EPOCH_S = 1_767_225_600.0
 _MAX_PRIORITY = 1 << 62
@@ -217,6 +221,12 @@ def check_priority_max_overtake(max_overtake_s: float, what: str) -> None:
         raise ValueError(f"{what} must be > 0 seconds (inf = no bound), got {max_overtake_s}")
 
 
+def check_priority_fcfs_factor(fcfs_factor: float, what: str) -> None:
+    """ValueError naming ``what`` unless ``fcfs_factor`` is >= 1 (inf allowed: off)."""
+    if not fcfs_factor >= 1:
+        raise ValueError(f"{what} must be >= 1 (1 = first-come deadlines, inf = off), got {fcfs_factor}")
+
+
 def shortest_first_priority(
     parts: PredictedParts,
     step_s: float = PRIORITY_STEP_S,
@@ -224,27 +234,39 @@ def shortest_first_priority(
     now_s: float = 0.0,
     stretch: float = PRIORITY_STRETCH,
     max_overtake_s: float = PRIORITY_MAX_OVERTAKE_S,
+    fcfs_factor: float = PRIORITY_FCFS_FACTOR,
 ) -> int:
     """vLLM's ``priority`` for a routed request (lower is served first, ties in arrival order),
     in levels of ``step_s`` seconds: the request's deadline
 
-        deadline = now_s + min(stretch x own, max_overtake_s)
+        deadline = now_s + min(stretch x own, max_overtake_s, fcfs_factor x fcfs)
 
-    where own = its predicted own service on the chosen engine (loads plus prefill, no queueing).
+    where own = its predicted own service on the chosen engine (loads plus prefill, no queueing)
+    and fcfs = ``parts.total_s``, its predicted first-come TTFT there (the queue ahead of it plus
+    own: the cost model's one formula).
     An engine started with ``--scheduling-policy priority`` serves the earliest deadline first: a
     turn whose history is cached runs before a recompute queued ahead of it, while its blocks are
     still on the GPU. The bound: a request B served (or kept running) ahead of A has
     ``now_B <= deadline_B <= deadline_A <= now_A + max_overtake_s``, so no request is overtaken by
     one placed more than ``max_overtake_s`` after it, and its wait exceeds its first-come wait by
     at most the service of what was placed in that window. ``stretch`` only moves requests within
-    it: 0 = arrival order, larger = closer to pure shortest work first. docs/routing.md,
-    "Shortest work first"."""
+    it: 0 = arrival order, larger = closer to pure shortest work first. The relative bound
+    ``fcfs_factor`` (K) caps each deadline at K times what first-come would give the request, so a
+    long recompute behind a short queue is not pushed back by the stretch, while cached turns still
+    go ahead of it; with exact predictions and K = 1 every deadline is the request's first-come
+    completion. docs/routing.md, "Shortest work first"."""
     own_s = parts.prefill_s + sum(parts.load_s)
     if not own_s > 0.0:  # nothing to compute, or NaN
         own_s = 0.0
     offset_s = stretch * own_s if stretch > 0.0 else 0.0
     if offset_s > max_overtake_s:
         offset_s = max_overtake_s
+    if fcfs_factor < math.inf:
+        fcfs_s = parts.total_s
+        if not fcfs_s >= own_s:  # negative or NaN waits count as none
+            fcfs_s = own_s
+        if offset_s > fcfs_factor * fcfs_s:
+            offset_s = fcfs_factor * fcfs_s
     level = (now_s + offset_s) / step_s
     if not level > 0.0:
         return 0

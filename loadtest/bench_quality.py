@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.core import (
+    PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_STRETCH,
     SCHEDULING_POLICIES,
+    check_priority_fcfs_factor,
     check_priority_max_overtake,
     check_priority_stretch,
 )
@@ -71,29 +73,33 @@ class Cell:
     limit: int | None = None
     #: The engines' vLLM ``--scheduling-policy``: "fcfs", or "priority" (the router then sends each
     #: request's ``shortest_first_priority``); "priority:S" with the priority stretch S,
-    #: "priority:S:H" also with the bound H (``max_overtake_s``).
+    #: "priority:S:H" also with the bound H (``max_overtake_s``), "priority:S:H:K" also with the
+    #: relative bound K (``fcfs_factor``).
     scheduling: str = "fcfs"
     #: The router's ``costs.priors.calibration.pool_observations`` (0 = off).
     pool_observations: float = 0.0
 
 
-def parse_scheduling(spec: str) -> tuple[str, float, float]:
-    """ "fcfs", "priority", "priority:S" or "priority:S:H" -> (vLLM scheduling policy, priority
-    stretch, max overtake seconds)."""
+def parse_scheduling(spec: str) -> tuple[str, float, float, float]:
+    """ "fcfs", "priority", "priority:S", "priority:S:H" or "priority:S:H:K" -> (vLLM scheduling
+    policy, priority stretch, max overtake seconds, fcfs factor)."""
     policy, *numbers = spec.split(":")
-    if policy not in SCHEDULING_POLICIES or (numbers and policy != "priority") or len(numbers) > 2:
+    if policy not in SCHEDULING_POLICIES or (numbers and policy != "priority") or len(numbers) > 3:
         raise ValueError(
-            f"--scheduling {spec!r}: use fcfs, priority, priority:STRETCH or priority:STRETCH:MAX_OVERTAKE_S"
+            f"--scheduling {spec!r}: use fcfs, priority, priority:STRETCH, priority:STRETCH:MAX_OVERTAKE_S"
+            " or priority:STRETCH:MAX_OVERTAKE_S:FCFS_FACTOR"
         )
     try:
         values = [float(x) for x in numbers]
     except ValueError:
-        raise ValueError(f"--scheduling {spec!r}: the stretch and the bound must be numbers") from None
+        raise ValueError(f"--scheduling {spec!r}: the stretch and the bounds must be numbers") from None
     stretch = values[0] if values else PRIORITY_STRETCH
     max_overtake_s = values[1] if len(values) > 1 else PRIORITY_MAX_OVERTAKE_S
+    fcfs_factor = values[2] if len(values) > 2 else PRIORITY_FCFS_FACTOR
     check_priority_stretch(stretch, f"--scheduling {spec!r}: the stretch")
     check_priority_max_overtake(max_overtake_s, f"--scheduling {spec!r}: the bound")
-    return policy, stretch, max_overtake_s
+    check_priority_fcfs_factor(fcfs_factor, f"--scheduling {spec!r}: the fcfs factor")
+    return policy, stretch, max_overtake_s, fcfs_factor
 
 
 def policy_runs(policies: str, schedulings: str) -> list[tuple[str, str]]:
@@ -151,7 +157,7 @@ def build(cell: Cell) -> tuple[Workload, FleetSpec]:
             mean_conversation_tokens=lcfg.mean_prompt_tokens(),
         )
     fleet.storage_pool_blocks = storage_blocks(cell.storage, wl)
-    policy, _, _ = parse_scheduling(cell.scheduling)
+    policy = parse_scheduling(cell.scheduling)[0]
     for spec in fleet.engines:
         spec.profile = dataclasses.replace(spec.profile, scheduling_policy=policy)
     return wl, fleet
@@ -161,11 +167,12 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     """Run one cell; the result row (figures of the run and of its hindsight bound)."""
     wl, fleet = build(cell)
     name, params = parse_policy_spec(cell.policy)
-    _, stretch, max_overtake_s = parse_scheduling(cell.scheduling)
+    _, stretch, max_overtake_s, fcfs_factor = parse_scheduling(cell.scheduling)
     config = SimConfig(
         seed=cell.seed,
         priority_stretch=stretch,
         priority_max_overtake_s=max_overtake_s,
+        priority_fcfs_factor=fcfs_factor,
         calibration_pool_observations=cell.pool_observations,
     )
     sim = FleetSimulator(wl, name, fleet, config, policy_params=params)
@@ -366,7 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="fcfs",
         help="the engines' vLLM --scheduling-policy, comma-separated: fcfs, priority (the router"
         " then sends each request's shortest_first_priority), priority:STRETCH (0 = arrival order,"
-        " larger = more shortest-first), priority:STRETCH:MAX_OVERTAKE_S (the bound; inf = none)",
+        " larger = more shortest-first), priority:STRETCH:MAX_OVERTAKE_S (the bound; inf = none),"
+        " priority:STRETCH:MAX_OVERTAKE_S:FCFS_FACTOR (the relative bound K >= 1; inf = none)",
     )
     p.add_argument(
         "--tail-reference",

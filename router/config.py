@@ -20,10 +20,12 @@ from urllib.parse import urlsplit
 import msgspec
 
 from kvcore.core import (
+    PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_STEP_S,
     PRIORITY_STRETCH,
     SCHEDULING_POLICIES,
+    check_priority_fcfs_factor,
     check_priority_max_overtake,
     check_priority_stretch,
 )
@@ -215,10 +217,12 @@ class CostsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: Engines with ``scheduling_policy: priority``: seconds per vLLM priority level; the deadline
     #: as ``priority_stretch`` times its own predicted service (loads + prefill) after placement
     #: (0 = arrival order), never more than ``priority_max_overtake_s`` after it (the bound; inf =
-    #: none). kvcore.core.shortest_first_priority.
+    #: none) nor more than ``priority_fcfs_factor`` times its predicted first-come TTFT on that
+    #: engine (the relative bound, >= 1; inf = off). kvcore.core.shortest_first_priority.
     priority_step_s: float = PRIORITY_STEP_S
     priority_stretch: float = PRIORITY_STRETCH
     priority_max_overtake_s: float = PRIORITY_MAX_OVERTAKE_S
+    priority_fcfs_factor: float = PRIORITY_FCFS_FACTOR
 
 
 class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -644,6 +648,7 @@ def _validate_index_events_costs(config: RouterConfig) -> None:
     try:
         check_priority_stretch(config.costs.priority_stretch, "costs.priority_stretch")
         check_priority_max_overtake(config.costs.priority_max_overtake_s, "costs.priority_max_overtake_s")
+        check_priority_fcfs_factor(config.costs.priority_fcfs_factor, "costs.priority_fcfs_factor")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if config.costs.scrape_interval_s < 0:

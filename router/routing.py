@@ -608,6 +608,7 @@ class Router:
                     now_s=time.time() - PRIORITY_EPOCH_S,
                     stretch=costs.priority_stretch,
                     max_overtake_s=costs.priority_max_overtake_s,
+                    fcfs_factor=costs.priority_fcfs_factor,
                 )
                 start = body.index(b"{") + 1  # splice, as for stream_options: the key is absent
                 body = b'%s"priority":%d,%s' % (body[:start], ctx.priority, body[start:])

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvcore.calibration import CalibrationConfig, CostModel
 from kvcore.core import (
+    PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_STEP_S,
     PRIORITY_STRETCH,
@@ -133,11 +134,13 @@ class SimConfig:
     calibration_pool_observations: float = 0.0
     #: Engines whose profile has ``scheduling_policy="priority"`` get each request's
     #: ``shortest_first_priority`` (levels of ``priority_step_s`` seconds, deadlines stretched by
-    #: ``priority_stretch`` and never more than ``priority_max_overtake_s`` after placement; virtual
-    #: time is the clock), as the router sends them.
+    #: ``priority_stretch`` and never more than ``priority_max_overtake_s`` nor
+    #: ``priority_fcfs_factor`` x the predicted first-come TTFT after placement; virtual time is
+    #: the clock), as the router sends them.
     priority_step_s: float = PRIORITY_STEP_S
     priority_stretch: float = PRIORITY_STRETCH
     priority_max_overtake_s: float = PRIORITY_MAX_OVERTAKE_S
+    priority_fcfs_factor: float = PRIORITY_FCFS_FACTOR
 
 
 @dataclass(slots=True)
@@ -633,6 +636,7 @@ class FleetSimulator:
                 now_s=now,
                 stretch=self.config.priority_stretch,
                 max_overtake_s=self.config.priority_max_overtake_s,
+                fcfs_factor=self.config.priority_fcfs_factor,
             )
         if admit and not self._admit(r, sim_req, now):
             return None

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.core import (
+    PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_STRETCH,
     SCHEDULING_POLICIES,
+    check_priority_fcfs_factor,
     check_priority_max_overtake,
     check_priority_stretch,
 )
@@ -242,6 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"after it (default {PRIORITY_MAX_OVERTAKE_S:g}; inf = no bound)",
     )
     fl.add_argument(
+        "--priority-fcfs-factor",
+        type=float,
+        default=PRIORITY_FCFS_FACTOR,
+        help="priority engines: a request's deadline is never more than this many times its "
+        "predicted first-come TTFT on its engine after placement (>= 1; default inf = off)",
+    )
+    fl.add_argument(
         "--gpu-tokens",
         type=int,
         default=27_852 * 16,
@@ -354,9 +363,11 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         router_priors=args.router_priors,
         priority_stretch=args.priority_stretch,
         priority_max_overtake_s=args.priority_max_overtake_s,
+        priority_fcfs_factor=args.priority_fcfs_factor,
     )
     check_priority_stretch(args.priority_stretch, "--priority-stretch")
     check_priority_max_overtake(args.priority_max_overtake_s, "--priority-max-overtake-s")
+    check_priority_fcfs_factor(args.priority_fcfs_factor, "--priority-fcfs-factor")
     fleet_options = _fleet_options(args)
     storage_values: list[str] = args.storage
 

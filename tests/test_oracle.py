@@ -156,6 +156,23 @@ def test_sweep_runs_a_policy_at_its_own_scheduling_and_prints_the_tail_table(cap
     assert "is not one of the runs" in capsys.readouterr().err
     assert main([*args, "--scheduling", "priority:20:0"]) == 2
     assert "the bound must be > 0" in capsys.readouterr().err
+    assert main([*args, "--scheduling", "priority:20:inf:0.5"]) == 2
+    assert "the fcfs factor must be >= 1" in capsys.readouterr().err
+    assert main([*args, "--scheduling", "priority:20:inf:2:3"]) == 2
+    assert "priority:STRETCH:MAX_OVERTAKE_S:FCFS_FACTOR" in capsys.readouterr().err
+
+
+def test_the_fcfs_factor_reaches_the_simulated_engines_priorities() -> None:
+    """``priority:S:H:K``'s K is the DES's priority_fcfs_factor: at a stretch far past every
+    first-come TTFT, K = 1 serves (nearly) first come and unbounded is pure shortest work first,
+    so the same seed's TTFTs differ; K = inf is the same run as no K at all."""
+    base = Cell("t", "none", "tier_cost", seed=3, concurrency=32, conversations=1.0, block_size=256)
+    runs = {
+        spec: run_cell(dataclasses.replace(base, scheduling=spec))["ttft_by_request_s"]
+        for spec in ("priority:1000:inf", "priority:1000:inf:inf", "priority:1000:inf:1")
+    }
+    assert runs["priority:1000:inf"] == runs["priority:1000:inf:inf"]
+    assert runs["priority:1000:inf"] != runs["priority:1000:inf:1"]
 
 
 def test_the_pool_option_reaches_the_simulated_routers_calibration() -> None:

@@ -22,7 +22,13 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcore.core import PRIORITY_EPOCH_S, PRIORITY_MAX_OVERTAKE_S, PRIORITY_STEP_S, shortest_first_priority
+from kvcore.core import (
+    PRIORITY_EPOCH_S,
+    PRIORITY_FCFS_FACTOR,
+    PRIORITY_MAX_OVERTAKE_S,
+    PRIORITY_STEP_S,
+    shortest_first_priority,
+)
 from kvcore.sim_tokenizer import NAME, filler_text
 from policies.costs import PredictedParts
 from router.config import ConfigError, load_config
@@ -122,6 +128,43 @@ def test_priority_is_a_deadline_stretched_by_the_predicted_own_service_and_cappe
     assert shortest_first_priority(PredictedParts(prefill_s=float("nan")), 0.5, now_s=3.0) == 6
 
 
+def test_the_relative_bound_caps_the_deadline_at_k_times_the_predicted_first_come_ttft() -> None:
+    """fcfs = parts.total_s (the waits ahead plus own): wait 1 s + slot 0.5 s + own 0.5 s = 2 s.
+    At stretch 20 (10 s) the deadline is now + min(10, H, K x 2); K = inf (the default) is off. A
+    NaN or negative wait counts as none (fcfs = own), never as no cap."""
+    inf = float("inf")
+    parts = PredictedParts(wait_s=1.0, slot_s=0.5, prefill_s=0.5)
+    assert PRIORITY_FCFS_FACTOR == inf
+    assert shortest_first_priority(parts, 0.5, now_s=10.0, stretch=20, max_overtake_s=inf) == 40
+    assert (
+        shortest_first_priority(parts, 0.5, now_s=10.0, stretch=20, max_overtake_s=inf, fcfs_factor=3) == 32
+    )
+    assert (
+        shortest_first_priority(parts, 0.5, now_s=10.0, stretch=20, max_overtake_s=4.0, fcfs_factor=3) == 28
+    )
+    # K x fcfs above stretch x own: the stretch decides (a cached turn still jumps the queue).
+    assert shortest_first_priority(parts, 0.5, now_s=10.0, stretch=2, max_overtake_s=inf, fcfs_factor=3) == 22
+    nan_wait = PredictedParts(wait_s=float("nan"), prefill_s=0.5)
+    assert (
+        shortest_first_priority(nan_wait, 0.5, now_s=10.0, stretch=20, max_overtake_s=inf, fcfs_factor=2)
+        == 22
+    )
+    negative = PredictedParts(wait_s=-5.0, prefill_s=0.5)
+    assert (
+        shortest_first_priority(negative, 0.5, now_s=10.0, stretch=20, max_overtake_s=inf, fcfs_factor=2)
+        == 22
+    )
+    # The property over many parts: no deadline beyond now + K x fcfs (one level of rounding down).
+    for k in range(2000):
+        wait, own = (k % 37) * 0.31, (k % 11) * 0.07 + (k % 5) * 0.011
+        p = PredictedParts(wait_s=wait, slot_s=(k % 3) * 0.2, prefill_s=own)
+        for factor in (1.0, 1.5, 3.0):
+            level = shortest_first_priority(
+                p, 0.05, now_s=k * 0.013, stretch=40, max_overtake_s=inf, fcfs_factor=factor
+            )
+            assert level * 0.05 <= k * 0.013 + factor * p.total_s + 1e-9
+
+
 def _drive(engine: EngineCore, arrivals: list[tuple[float, SimRequest]]) -> dict[str, float]:
     """Add each request at its virtual arrival time, stepping the engine in between; each
     request's first-token time on the engine's clock."""
@@ -171,6 +214,73 @@ def test_no_request_is_overtaken_by_one_placed_more_than_the_bound_after_it(boun
         assert overtaken_by_placed_after_s > 30.0
 
 
+def _one_at_a_time_arrivals(
+    stretch: float, fcfs_factor: float
+) -> tuple[list[tuple[float, SimRequest]], dict[str, float]]:
+    """The bound test's arrivals (a 1 s prompt at 0, a 2 s prompt at 0.5 s, a 0.1 s prompt every
+    0.1 s for 40 s) with each request's exact predicted first-come TTFT on a one-at-a-time engine
+    (the queue ahead of it, then its own prefill) in its parts; their first-come TTFTs."""
+    per_token_s = 1 / 1000
+    specs = [("running", 1000, 0.0, 2 * 10**6), ("long", 2000, 0.5, 10**6)]
+    specs += [(f"s{k}", 100, 0.05 + 0.1 * k, 1000 * k) for k in range(400)]
+    specs.sort(key=lambda spec: spec[2])
+    free_at_s = 0.0
+    arrivals: list[tuple[float, SimRequest]] = []
+    fcfs: dict[str, float] = {}
+    for rid, tokens, at_s, seed in specs:
+        own_s = tokens * per_token_s
+        wait_s = max(free_at_s - at_s, 0.0)
+        free_at_s = at_s + wait_s + own_s
+        fcfs[rid] = wait_s + own_s
+        parts = PredictedParts(wait_s=wait_s, prefill_s=own_s)
+        prio = shortest_first_priority(
+            parts, 0.05, now_s=at_s, stretch=stretch, max_overtake_s=float("inf"), fcfs_factor=fcfs_factor
+        )
+        arrivals.append(
+            (at_s, SimRequest(rid, list(range(seed, seed + tokens)), max_tokens=1, priority=prio))
+        )
+    return arrivals, fcfs
+
+
+@pytest.mark.parametrize("fcfs_factor", [1.5, 3.0, float("inf")])
+def test_no_request_is_overtaken_by_one_placed_more_than_k_times_its_fcfs_ttft_after_it(
+    fcfs_factor: float,
+) -> None:
+    """The relative bound in the engine model's virtual time, on the bound test's engine and
+    arrivals, unbounded H, stretch 20, the predictions exact: the long prompt's first-come TTFT
+    is ~3 s (0.5 s of the running one, ~0.5 s of shorts, its own 2 s). With K it is served before
+    every short placed more than K x that after it, so its TTFT stays within K x its first-come
+    one plus the work of that window; off (inf) it waits behind everything placed in the next
+    38 s (stretch x own = 40 s)."""
+    engine = EngineCore("e0", profile(num_gpu_blocks=400, max_num_seqs=1, scheduling_policy="priority"))
+    arrivals, fcfs = _one_at_a_time_arrivals(20.0, fcfs_factor)
+    first = _drive(engine, arrivals)
+    placed = {req.request_id: at for at, req in arrivals}
+    assert 2.9 <= fcfs["long"] <= 3.1
+    ahead = [rid for rid in first if first[rid] < first["long"] and rid != "running"]
+    overtaken_by_placed_after_s = max(placed[rid] for rid in ahead) - placed["long"]
+    if fcfs_factor < float("inf"):
+        assert overtaken_by_placed_after_s <= fcfs_factor * fcfs["long"]
+        # Its first-come wait (~1 s), the window's shorts (~0.11 s of work per 0.1 s), its own 2 s.
+        ttft_s = first["long"] - placed["long"]
+        assert ttft_s < 1.0 + 1.15 * (fcfs_factor * fcfs["long"] + 0.5) + 2.5
+    else:
+        assert overtaken_by_placed_after_s > 30.0
+
+
+def test_k_1_with_exact_predictions_serves_in_arrival_order() -> None:
+    """K = 1 with a stretch past every first-come TTFT: each deadline is the request's own
+    first-come completion, which rises with arrival, so the priority engine serves in arrival
+    order; without K (pure shortest work first) the long prompt is served after later shorts."""
+    for fcfs_factor, in_order in ((1.0, True), (float("inf"), False)):
+        engine = EngineCore("e0", profile(num_gpu_blocks=400, max_num_seqs=1, scheduling_policy="priority"))
+        arrivals, _ = _one_at_a_time_arrivals(1e6, fcfs_factor)
+        first = _drive(engine, arrivals)
+        served = sorted(first, key=lambda rid: first[rid])
+        arrived = [req.request_id for _, req in arrivals]
+        assert (served == arrived) is in_order, served[:8]
+
+
 @pytest.mark.slow
 def test_des_priority_engines_keep_hits_that_fcfs_engines_evict_while_they_queue() -> None:
     """64 conversations on 2 engines whose GPU pools hold ~5 running requests each (the memory
@@ -205,6 +315,14 @@ def test_router_config_checks_the_scheduling_policy() -> None:
             )
     with pytest.raises(ConfigError, match="priority_max_overtake_s"):
         load_config(environ={"KVROUTE_COSTS_PRIORITY_MAX_OVERTAKE_S": "ten"}, overrides={"engines": [engine]})
+    for bad in (0, 0.5, -1, "nan"):
+        with pytest.raises(ConfigError, match=r"costs.priority_fcfs_factor must be >= 1 \(1 = first-come"):
+            load_config(environ={}, overrides={"engines": [engine], "costs": {"priority_fcfs_factor": bad}})
+    assert load_config(environ={}, overrides={"engines": [engine]}).costs.priority_fcfs_factor == float("inf")
+    relative = load_config(
+        environ={"KVROUTE_COSTS_PRIORITY_FCFS_FACTOR": "1.5"}, overrides={"engines": [engine]}
+    )
+    assert relative.costs.priority_fcfs_factor == 1.5
     unbounded = load_config(
         environ={"KVROUTE_COSTS_PRIORITY_MAX_OVERTAKE_S": "inf"}, overrides={"engines": [engine]}
     )
@@ -252,6 +370,43 @@ def test_the_configured_bound_sets_the_priority_the_router_sends(
         sent * step - before_s,
         bound,
     )
+
+
+def test_the_configured_fcfs_factor_caps_the_deadline_the_router_sends(
+    serve_asgi: Callable[..., ThreadedServer],
+    upstreams: Callable[[int], list[tuple[OpenAIUpstream, str]]],
+) -> None:
+    """One idle engine: the predicted first-come TTFT is the own service (nothing queued, nothing
+    in flight), so with no bound the router's deadline is now + 20 x own, with
+    costs.priority_fcfs_factor 2 it is now + 2 x own: a tenth (a prefill rate of 1 token/s makes
+    own seconds per prompt token, far above the 0.05 s levels)."""
+    ((engine, engine_url),) = upstreams(1)
+    offsets: list[float] = []
+    for factor in (float("inf"), 2.0):
+        costs = {
+            "scrape_interval_s": 0,
+            "priors": {"prefill_tokens_per_s": 1.0},
+            "priority_max_overtake_s": float("inf"),
+            "priority_fcfs_factor": factor,
+        }
+        engines = [{"id": "e0", "url": engine_url, "model": "test-model", "scheduling_policy": "priority"}]
+        config = load_config(
+            environ={},
+            overrides={
+                "engines": engines,
+                "policy": {"name": "round_robin"},
+                "health": {"interval_s": 0},
+                "costs": costs,
+            },
+        )
+        router = serve_asgi(build_router_app(config))
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        before_s = time.time() - PRIORITY_EPOCH_S
+        client.completions.create(model="test-model", prompt="a prompt of some words", max_tokens=1)
+        offsets.append(json.loads(engine.bodies[-1])["priority"] * PRIORITY_STEP_S - before_s)
+    unbounded, relative = offsets
+    assert unbounded > 20.0, offsets
+    assert relative == pytest.approx(unbounded / 10, abs=0.5), offsets
 
 
 # ------------------------------------------------------------------- live: router + engine process
