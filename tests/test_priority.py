@@ -333,20 +333,12 @@ def test_router_config_checks_the_scheduling_policy() -> None:
     )
 
 
-@pytest.mark.parametrize("bound_s", [None, 2.0, 25.0])
-def test_the_configured_bound_sets_the_priority_the_router_sends(
-    bound_s: float | None,
-    serve_asgi: Callable[..., ThreadedServer],
-    upstreams: Callable[[int], list[tuple[OpenAIUpstream, str]]],
-) -> None:
-    """A priors' prefill rate of 1 token/s makes a prompt's own service seconds per token, so
-    stretch x own is past every bound here and the deadline the router sends is placement time plus
-    the bound exactly: costs.priority_max_overtake_s when set, else the 10 s default. The recording
-    engine sees the priority in the body."""
-    ((engine, engine_url),) = upstreams(1)
-    costs: dict[str, Any] = {"scrape_interval_s": 0, "priors": {"prefill_tokens_per_s": 1.0}}
-    if bound_s is not None:
-        costs["priority_max_overtake_s"] = bound_s
+def _priority_sent(
+    serve_asgi: Callable[..., ThreadedServer], engine: OpenAIUpstream, engine_url: str, costs: dict[str, Any]
+) -> tuple[float, float, int]:
+    """One completion through a round_robin router with ``costs`` in front of the recording
+    engine: (placement window start, end, in seconds of the priority epoch; the priority the
+    engine received)."""
     config = load_config(
         environ={},
         overrides={
@@ -363,7 +355,24 @@ def test_the_configured_bound_sets_the_priority_the_router_sends(
     before_s = time.time() - PRIORITY_EPOCH_S
     client.completions.create(model="test-model", prompt="a prompt of some words", max_tokens=1)
     after_s = time.time() - PRIORITY_EPOCH_S
-    sent = json.loads(engine.bodies[-1])["priority"]
+    return before_s, after_s, int(json.loads(engine.bodies[-1])["priority"])
+
+
+@pytest.mark.parametrize("bound_s", [None, 2.0, 25.0])
+def test_the_configured_bound_sets_the_priority_the_router_sends(
+    bound_s: float | None,
+    serve_asgi: Callable[..., ThreadedServer],
+    upstreams: Callable[[int], list[tuple[OpenAIUpstream, str]]],
+) -> None:
+    """A priors' prefill rate of 1 token/s makes a prompt's own service seconds per token, so
+    stretch x own is past every bound here and the deadline the router sends is placement time plus
+    the bound exactly: costs.priority_max_overtake_s when set, else the 10 s default. The recording
+    engine sees the priority in the body."""
+    ((engine, engine_url),) = upstreams(1)
+    costs: dict[str, Any] = {"scrape_interval_s": 0, "priors": {"prefill_tokens_per_s": 1.0}}
+    if bound_s is not None:
+        costs["priority_max_overtake_s"] = bound_s
+    before_s, after_s, sent = _priority_sent(serve_asgi, engine, engine_url, costs)
     bound = PRIORITY_MAX_OVERTAKE_S if bound_s is None else bound_s
     step = PRIORITY_STEP_S
     assert math.floor((before_s + bound) / step) <= sent <= math.floor((after_s + bound) / step), (
@@ -389,21 +398,8 @@ def test_the_configured_fcfs_factor_caps_the_deadline_the_router_sends(
             "priority_max_overtake_s": float("inf"),
             "priority_fcfs_factor": factor,
         }
-        engines = [{"id": "e0", "url": engine_url, "model": "test-model", "scheduling_policy": "priority"}]
-        config = load_config(
-            environ={},
-            overrides={
-                "engines": engines,
-                "policy": {"name": "round_robin"},
-                "health": {"interval_s": 0},
-                "costs": costs,
-            },
-        )
-        router = serve_asgi(build_router_app(config))
-        client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
-        before_s = time.time() - PRIORITY_EPOCH_S
-        client.completions.create(model="test-model", prompt="a prompt of some words", max_tokens=1)
-        offsets.append(json.loads(engine.bodies[-1])["priority"] * PRIORITY_STEP_S - before_s)
+        before_s, _, sent = _priority_sent(serve_asgi, engine, engine_url, costs)
+        offsets.append(sent * PRIORITY_STEP_S - before_s)
     unbounded, relative = offsets
     assert unbounded > 20.0, offsets
     assert relative == pytest.approx(unbounded / 10, abs=0.5), offsets
