@@ -750,21 +750,25 @@ class PrefixIndex:
         spec_expiry = self._spec_expiry.setdefault(slot, {})
         # Blocks the engine's own events already put on its GPU need no provisional entry: a turn
         # resending its history speculates only the blocks that are new to that engine.
-        held = map(operator.and_, map(self._masks.get, keys, _ZEROS), itertools.repeat(bit))
-        keys = list(itertools.compress(keys, map(operator.not_, held)))
+        # (An engine whose events put nothing on its GPU, or that sends none, skips the check.)
+        if state.gpu_blocks:
+            held = map(operator.and_, map(self._masks.get, keys, _ZEROS), itertools.repeat(bit))
+            keys = list(itertools.compress(keys, map(operator.not_, held)))
         if not keys:
             return
         # Every key gets the new expiry; a heap entry is pushed only for keys no entry covers yet:
         # new keys, and keys whose expiry moves earlier (a replica's record of an older routing has
         # a shorter ttl). A key refreshed to a later expiry keeps the entry it has, which re-arms it
         # when it comes due (``_advance``): a prompt re-sent every few milliseconds costs a heap
-        # entry per ttl, not one per request, and no key is checked per request.
-        ends = list(map(spec_expiry.get, keys, _NEVER))
-        arm = list(itertools.compress(keys, map(operator.gt, ends, itertools.repeat(expiry))))
+        # entry per ttl, not one per request.
+        if expiry == _INF:  # never due: no heap entry
+            arm = []
+            new = list(itertools.compress(keys, map(operator.not_, map(spec_expiry.__contains__, keys))))
+        else:  # a new key reads as due at _INF, later than any finite expiry: it is armed
+            ends = map(spec_expiry.get, keys, _NEVER)
+            arm = list(itertools.compress(keys, map(operator.gt, ends, itertools.repeat(expiry))))
+            new = list(itertools.compress(arm, map(operator.not_, map(spec_expiry.__contains__, arm))))
         spec_expiry.update(dict.fromkeys(keys, expiry))
-        if not arm and expiry != _INF:
-            return  # every key was speculated here already (a new key's _INF is > any finite expiry)
-        new = list(itertools.compress(keys, map(operator.eq, ends, itertools.repeat(_INF))))
         if new:
             spec_masks.update(
                 zip(
