@@ -27,15 +27,12 @@ def measure(pattern: str, blocks: int, requests: int, ttl_s: float = 2.0) -> flo
     from kvcore.index import PrefixIndex
 
     rng = random.Random(1)
-    if pattern == "same":
-        prompts = [[rng.getrandbits(63) for _ in range(blocks)]]
-    else:
-        prompts = [[rng.getrandbits(63) for _ in range(blocks)] for _ in range(requests)]
+    same = [rng.getrandbits(63) for _ in range(blocks)]
     index = PrefixIndex()
     spent = 0.0
     clock = time.process_time
     for i in range(requests):
-        keys = prompts[i % len(prompts)]
+        keys = same if pattern == "same" else [rng.getrandbits(63) for _ in range(blocks)]
         start = clock()
         index.speculate(f"e{i % 2}", keys, ttl_s, i * 0.001)
         spent += clock() - start
