@@ -39,7 +39,10 @@ EngineHash = int | bytes
 #: Default 0 for ``map(dict.get, keys, _ZEROS)``: a missing key reads as an empty mask.
 _ZEROS = itertools.repeat(0)
 #: Default expiry of a key with no speculative entry: never due.
-_NEVER = itertools.repeat(float("inf"))
+_INF = float("inf")
+_NEVER = itertools.repeat(_INF)
+#: Default of ``map(dict.pop, keys, _NONES)``: a key already gone is no error.
+_NONES = itertools.repeat(None)
 
 _STORED, _REMOVED, _CLEARED, _UNKNOWN = range(4)
 
@@ -227,6 +230,9 @@ class PrefixIndex:
         #: Per engine slot: speculative key -> expiry (one dict per engine, so a prompt's keys are
         #: written, refreshed and checked in C, with no per-key tuple).
         self._spec_expiry: dict[int, dict[int, float]] = {}
+        #: Per engine slot: speculative key -> the heap entry (its counter) that expires or re-arms it.
+        self._spec_armed: dict[int, dict[int, int]] = {}
+        #: (expiry, entry, slot, keys): due entries expire the keys they are responsible for.
         self._spec_heap: list[tuple[float, int, int, tuple[int, ...]]] = []
         self._spec_counter = itertools.count()
         self._now = 0.0
@@ -416,12 +422,11 @@ class PrefixIndex:
             state.hash_to_key.update(zip(hashes, keys, strict=True))
         if tier is Tier.GPU:
             state.gpu_blocks += added
-            spec = self._spec_masks
-            if spec:
-                slot = state.slot
-                for key in keys:
-                    if key in spec:
-                        self._drop_spec(slot, key)
+            expiries = self._spec_expiry.get(state.slot)
+            if expiries:  # the store confirms this engine's speculative entries of these keys
+                self._drop_specs(
+                    state.slot, expiries, list(itertools.compress(keys, map(expiries.__contains__, keys)))
+                )
         else:
             state.cpu_blocks += added
 
@@ -573,8 +578,9 @@ class PrefixIndex:
             tier_ints = {int(t) for t in tier_set}
             state.extra_refs = {r: n for r, n in state.extra_refs.items() if r[0] not in tier_ints}
         if Tier.GPU in tier_set:
-            for key in list(self._spec_expiry.get(state.slot, ())):
-                self._drop_spec(state.slot, key)
+            expiries = self._spec_expiry.get(state.slot)
+            if expiries:
+                self._drop_specs(state.slot, expiries, list(expiries))
         pool = state.pool
         if Tier.STORAGE in tier_set and pool is not None and pool.slot == state.slot:
             for key in pool.lru:
@@ -744,37 +750,90 @@ class PrefixIndex:
         spec_expiry = self._spec_expiry.setdefault(slot, {})
         # Blocks the engine's own events already put on its GPU need no provisional entry: a turn
         # resending its history speculates only the blocks that are new to that engine.
-        held = map(operator.and_, map(self._masks.get, keys, _ZEROS), itertools.repeat(bit))
-        keys = list(itertools.compress(keys, map(operator.not_, held)))
+        # (An engine whose events put nothing on its GPU, or that sends none, skips the check.)
+        if state.gpu_blocks:
+            held = map(operator.and_, map(self._masks.get, keys, _ZEROS), itertools.repeat(bit))
+            keys = list(itertools.compress(keys, map(operator.not_, held)))
         if not keys:
             return
-        # Keys this engine already speculates only get the later expiry; new ones also their bit.
-        new = list(itertools.compress(keys, map(operator.not_, map(spec_expiry.__contains__, keys))))
+        # Every key gets the new expiry; a heap entry is pushed only for keys no entry covers yet:
+        # new keys, and keys whose expiry moves earlier (a replica's record of an older routing has
+        # a shorter ttl). A key refreshed to a later expiry keeps the entry it has, which re-arms it
+        # when it comes due (``_advance``): a prompt re-sent every few milliseconds costs a heap
+        # entry per ttl, not one per request.
+        if expiry == _INF:  # never due: no heap entry
+            arm = []
+            new = list(itertools.compress(keys, map(operator.not_, map(spec_expiry.__contains__, keys))))
+        else:  # a new key reads as due at _INF, later than any finite expiry: it is armed
+            ends = map(spec_expiry.get, keys, _NEVER)
+            arm = list(itertools.compress(keys, map(operator.gt, ends, itertools.repeat(expiry))))
+            new = list(itertools.compress(arm, map(operator.not_, map(spec_expiry.__contains__, arm))))
         spec_expiry.update(dict.fromkeys(keys, expiry))
-        for key in new:
-            spec_masks[key] = spec_masks.get(key, 0) | bit
-        heapq.heappush(self._spec_heap, (expiry, next(self._spec_counter), slot, tuple(keys)))
+        if new:
+            spec_masks.update(
+                zip(
+                    new,
+                    map(operator.or_, map(spec_masks.get, new, _ZEROS), itertools.repeat(bit)),
+                    strict=True,
+                )
+            )
+        if arm:
+            # New keys' first entry is their own; keys moved earlier are taken over from the
+            # entry that covered them (it must not re-arm them as well).
+            self._arm(slot, expiry, arm, taking_over=len(new) < len(arm))
 
-    def _drop_spec(self, slot: int, key: int) -> None:
-        expiries = self._spec_expiry.get(slot)
-        if expiries is None or expiries.pop(key, None) is None:
+    def _arm(self, slot: int, expiry: float, keys: list[int], *, taking_over: bool = True) -> None:
+        """Push a heap entry due at ``expiry`` for ``keys``. ``taking_over``: it replaces the entry
+        that covered them (recorded in ``_spec_armed``); a new key's first entry is its own."""
+        entry = next(self._spec_counter)
+        if taking_over:
+            self._spec_armed.setdefault(slot, {}).update(dict.fromkeys(keys, entry))
+        heapq.heappush(self._spec_heap, (expiry, entry, slot, tuple(keys)))
+
+    def _drop_specs(self, slot: int, expiries: dict[int, float], keys: Sequence[int]) -> None:
+        """Drop the speculative entries of ``keys`` on ``slot`` (``expiries`` is its expiry table):
+        in bulk, each step one C-level map over the keys, not a Python call per key."""
+        if not keys:
             return
-        mask = self._spec_masks.get(key, 0) & ~(1 << (_BITS_PER_SLOT * slot))
-        if mask:
-            self._spec_masks[key] = mask
-        else:
-            self._spec_masks.pop(key, None)
+        deque(map(expiries.pop, keys, _NONES), 0)
+        armed = self._spec_armed.get(slot)
+        if armed:
+            deque(map(armed.pop, keys, _NONES), 0)
+        spec_masks = self._spec_masks
+        others = itertools.repeat(~(1 << (_BITS_PER_SLOT * slot)))
+        masks = list(map(operator.and_, map(spec_masks.get, keys, _ZEROS), others))
+        spec_masks.update(zip(keys, masks, strict=True))
+        # Keys no other engine speculates leave the table (a zero mask is never kept).
+        deque(map(spec_masks.pop, itertools.compress(keys, map(operator.not_, masks)), _NONES), 0)
 
     def _advance(self, now: float) -> None:
-        self._now = max(self._now, now)
+        if now > self._now:
+            self._now = now
         heap = self._spec_heap
-        while heap and heap[0][0] <= self._now:
-            _, _, slot, keys = heapq.heappop(heap)
-            expiries = self._spec_expiry.get(slot, {})
-            # Keys a later speculation refreshed (or an event confirmed) are skipped in C.
-            due = map(operator.le, map(expiries.get, keys, _NEVER), itertools.repeat(self._now))
-            for key in itertools.compress(keys, due):
-                self._drop_spec(slot, key)
+        if not heap or heap[0][0] > self._now:
+            return
+        now = self._now
+        while heap and heap[0][0] <= now:
+            _, entry, slot, keys = heapq.heappop(heap)
+            expiries = self._spec_expiry.get(slot)
+            if not expiries:
+                continue
+            # Due keys go (a key gone already reads as never due); a key still live was refreshed
+            # to a later expiry and is re-armed there, by this entry only if no later entry took it
+            # over (``_spec_armed``; a key's first entry is recorded nowhere), so a key is never
+            # re-armed twice.
+            ends = list(map(expiries.get, keys, _NEVER))
+            due = list(itertools.compress(keys, map(operator.le, ends, itertools.repeat(now))))
+            self._drop_specs(slot, expiries, due)
+            if len(due) == len(keys):
+                continue
+            armed = self._spec_armed.get(slot, {})
+            later: dict[float, list[int]] = {}
+            for key, end in zip(keys, ends, strict=True):
+                if now < end < _INF and armed.get(key, entry) == entry:
+                    later.setdefault(end, []).append(key)
+            for end, group in later.items():
+                self._arm(slot, end, group)
 
     # ----------------------------------------------------------------------------- queries
 

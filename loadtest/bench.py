@@ -12,6 +12,8 @@
                               (loadtest/bench_events.py)
   kvroute bench annotate [...] router CPU per request before the policy (tokenise, keys, match),
                               conversation caches on vs off (loadtest/bench_annotate.py)
+  kvroute bench speculate [...] CPU per speculation and its expiry, checkouts interleaved
+                              (loadtest/bench_speculate.py)
   kvroute bench all           each of the above at its default size, one after the other
 Results and the commands that produced them are recorded in docs/benchmarks.md.
 """
@@ -31,6 +33,7 @@ BENCHES: dict[str, str] = {
     "quality": "loadtest.bench_quality_live",
     "events": "loadtest.bench_events",
     "annotate": "loadtest.bench_annotate",
+    "speculate": "loadtest.bench_speculate",
 }
 #: What `all` runs: moderate sizes that finish in minutes on 2 cores.
 ALL_ARGS: dict[str, list[str]] = {
@@ -42,6 +45,7 @@ ALL_ARGS: dict[str, list[str]] = {
     "quality": ["--time", "45", "--des", "--out", "runs/bench/quality"],
     "events": ["flood", "--rate", "100000", "--duration", "10", "--repeats", "3"],
     "annotate": [],
+    "speculate": [],
 }
 
 

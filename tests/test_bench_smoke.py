@@ -66,3 +66,13 @@ def test_bench_annotate_prints_both_prompt_shapes() -> None:
     for shape in ("chat", "growing"):
         row = re.search(rf"\| {shape} \| (\d+) \| (\d+) / (\d+) \| (\d+) / (\d+) \| ([\d.]+)x \|", out)
         assert row and int(row.group(1)) > 6000, out
+
+
+@pytest.mark.slow
+def test_bench_speculate_prints_both_patterns_per_checkout() -> None:
+    out = _run(
+        "speculate", "--requests", "300", "--repeats", "1", "--blocks", "8", "--checkout", f"here={REPO}"
+    )
+    for pattern in ("same", "fresh"):
+        row = re.search(rf"\| 8 \| {pattern} \| here \| ([\d.]+) \[", out)
+        assert row and float(row.group(1)) > 0, out

@@ -579,3 +579,100 @@ def test_pool_only_engines_share_one_match_and_local_holders_are_exact() -> None
         "e500": PrefixMatch(4, (0, 0, 4)),
         "nobody": NO_MATCH,
     }
+
+
+EXPIRY_ENGINES = ("a", "b", "c")
+EXPIRY_KEYS = [block_keys(toks(1000 * chain, 8), 16) for chain in range(3)]
+expiry_span_st = st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(1, 8))
+expiry_op_st = st.one_of(
+    # (op, engine, span, ttl_s or None, seconds since the previous op)
+    st.tuples(
+        st.just("speculate"),
+        st.sampled_from(EXPIRY_ENGINES),
+        expiry_span_st,
+        st.sampled_from([0.5, 1.0, 1.0, 2.0]),
+        st.sampled_from([0.0, 0.0, 0.25, 0.5, 1.0, 2.5]),
+    ),
+    st.tuples(
+        st.just("store"),
+        st.sampled_from(EXPIRY_ENGINES),
+        expiry_span_st,
+        st.none(),
+        st.sampled_from([0.0, 0.25, 1.0]),
+    ),
+    st.tuples(st.just("clear"), st.sampled_from(EXPIRY_ENGINES), st.just((0, 0, 1)), st.none(), st.just(0.0)),
+    st.tuples(st.just("match"), st.just("a"), expiry_span_st, st.none(), st.sampled_from([0.0, 0.5, 1.0])),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@example(  # a key re-speculated later outlives the first speculation's expiry
+    ops=[
+        ("speculate", "a", (0, 0, 4), 1.0, 0.0),
+        ("speculate", "a", (0, 2, 4), 1.0, 0.5),
+        ("match", "a", (0, 0, 8), None, 0.6),
+    ]
+)
+@example(  # due exactly at now + ttl: gone at that instant, not one step later
+    ops=[("speculate", "b", (1, 0, 3), 1.0, 0.0), ("match", "a", (1, 0, 3), None, 1.0)]
+)
+@given(ops=st.lists(expiry_op_st, min_size=1, max_size=40))
+def test_speculation_expires_exactly_at_its_last_ttl(ops) -> None:
+    """A speculative entry lives from its latest speculation until ``now + ttl_s`` (gone at that
+    instant), unless a GPU store confirms it or the engine's GPU is cleared first; entries that
+    are due are dropped, not kept. Checked against a plain expiry table after every operation:
+    catches an entry expired too early (a refresh ignored), too late or never (left behind)."""
+    index = PrefixIndex()
+    expiry: dict[tuple[str, int], float] = {}  # (engine, key) -> when it stops counting
+    now = 0.0
+    for op, engine, (chain, start, n), ttl_s, step_s in ops:
+        now += step_s
+        keys = EXPIRY_KEYS[chain][start : start + n]
+        if op == "speculate":
+            index.speculate(engine, keys, ttl_s, now)
+            expiry = {k: t for k, t in expiry.items() if t > now}
+            held = index.holders
+            expiry |= {(engine, k): now + ttl_s for k in keys if Tier.GPU not in held(k).get(engine, set())}
+        elif op == "store":  # whole chains from block 0, so no store is an orphan
+            tokens = toks(1000 * chain, start + n)
+            keys = EXPIRY_KEYS[chain][: start + n]
+            index.apply_batch(engine, [stored([k % 2**64 for k in keys], tokens)], now=now)
+            expiry = {
+                (e, k): t for (e, k), t in expiry.items() if t > now and not (e == engine and k in keys)
+            }
+        elif op == "clear":
+            index.apply_batch(engine, [AllBlocksCleared()], now=now)
+            expiry = {(e, k): t for (e, k), t in expiry.items() if t > now and e != engine}
+        else:
+            got = index.match(keys, EXPIRY_ENGINES, now=now)
+            expiry = {k: t for k, t in expiry.items() if t > now}
+            live = set(expiry)
+            assert got == {e: reference_match(index, e, keys, live) for e in EXPIRY_ENGINES}
+        assert index.stats()["speculative_entries"] == len(expiry), (op, now)
+
+
+def test_a_prompt_speculated_again_and_again_keeps_a_bounded_expiry_heap() -> None:
+    """A hot prompt re-speculated every millisecond, half the time by a replica's record with a
+    shorter ttl (an earlier expiry, so a new heap entry each time): entries that another entry
+    took over do not re-arm, so the heap holds about one ttl's worth of those entries (~950)
+    instead of growing without bound (every entry re-arming); and the prompt still expires on time."""
+    index = PrefixIndex()
+    keys = block_keys(toks(0, 62), 16)
+    for i in range(6000):
+        index.speculate("a", keys, 2.0 if i % 2 else 1.9, i * 0.001)
+        assert len(index._spec_heap) <= 1000
+    last = 5999 * 0.001  # the last speculation (ttl 2.0)
+    assert index.match(keys, ["a"], now=last + 1.999)["a"].blocks == 62
+    assert index.match(keys, ["a"], now=last + 2.0) == {"a": NO_MATCH}
+    assert index.stats()["speculative_entries"] == 0
+    assert not index._spec_heap
+
+
+def test_a_prompt_refreshed_by_one_router_needs_no_heap_entry_per_request() -> None:
+    index = PrefixIndex()
+    keys = block_keys(toks(0, 62), 16)
+    for i in range(5000):
+        index.speculate("a", keys, 2.0, i * 0.001)
+    assert len(index._spec_heap) == 1  # re-armed once a ttl, not pushed per request
+    assert index.match(keys, ["a"], now=4.999 + 1.999)["a"].blocks == 62
+    assert index.match(keys, ["a"], now=4.999 + 2.0) == {"a": NO_MATCH}
