@@ -34,10 +34,13 @@ def post(path: str, body: bytes, extra: bytes = b"", version: bytes = b"1.1") ->
     )
 
 
-def read_answers(sock: socket.socket, count: int, timeout_s: float = 10.0) -> list[httpx.Response]:
-    """``count`` HTTP/1.1 answers read off ``sock`` in order (content-length or chunked bodies)."""
+def read_answers(
+    sock: socket.socket, count: int, timeout_s: float = 30.0, pending: bytes = b""
+) -> list[httpx.Response]:
+    """``count`` HTTP/1.1 answers read off ``sock`` in order (content-length or chunked bodies);
+    ``pending``: bytes of them already read off the socket."""
     sock.settimeout(timeout_s)
-    data = b""
+    data = pending
     answers: list[httpx.Response] = []
     while len(answers) < count:
         while b"\r\n\r\n" not in data:
@@ -159,7 +162,7 @@ def test_http10_gets_its_answer_and_a_closed_connection(router) -> None:
         sock.sendall(post("/v1/chat/completions", chat(), version=b"1.0"))
         (answer,) = read_answers(sock, 1)
         assert answer.status_code == 200 and answer.headers["connection"] == "close"
-        sock.settimeout(5)
+        sock.settimeout(30)  # a bound for a failing run; a loaded machine can take seconds
         assert sock.recv(10) == b""  # closed by the router
 
 
@@ -170,7 +173,7 @@ def test_expect_100_continue_and_a_body_in_pieces(router) -> None:
         request = post("/v1/chat/completions", body, extra=b"expect: 100-continue\r\n")
         head, payload = request.split(b"\r\n\r\n", 1)
         sock.sendall(head + b"\r\n\r\n")
-        sock.settimeout(5)
+        sock.settimeout(30)  # a bound for a failing run; a loaded machine can take seconds
         assert sock.recv(100).startswith(b"HTTP/1.1 100 Continue")
         for i in range(0, len(payload), 300):
             sock.sendall(payload[i : i + 300])
@@ -231,7 +234,7 @@ def test_client_gone_mid_stream_cancels_the_engine_and_counts_499(
     server, upstream = _router_over_a_slow_stream(serve_asgi, upstreams, 50)
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(post("/v1/chat/completions", chat(stream=True)))
-        sock.settimeout(5)
+        sock.settimeout(30)  # a bound for a failing run; a loaded machine can take seconds
         seen = b""
         while b"data:" not in seen:  # the upstream sends a keep-alive comment first
             more = sock.recv(65536)
