@@ -44,6 +44,11 @@ _NEVER = itertools.repeat(_INF)
 #: Default of ``map(dict.pop, keys, _NONES)``: a key already gone is no error.
 _NONES = itertools.repeat(None)
 
+#: A kept match result's name: (block count, last key, the engine ids asked for or None).
+_MatchName = tuple[int, int, tuple[str, ...] | None]
+#: Match results kept for repeated prompts (all dropped by any change to what the index holds).
+_MATCHES_KEPT = 64
+
 _STORED, _REMOVED, _CLEARED, _UNKNOWN = range(4)
 
 #: Medium names (upper-cased) of the publishers the router knows, and their tier: vLLM's GPU pool
@@ -201,6 +206,10 @@ class PrefixIndex:
     ) -> None:
         self._namespace = namespace
         self._default_private_pool_blocks = default_private_pool_blocks
+        #: (block count, last key, engine ids) -> (keys, result) of recent ``match`` calls: a prompt
+        #: sent again finds its answer without a pass over its blocks' masks. Emptied by every
+        #: change a match could see (``_forget_matches``); the keys are compared in full on a hit.
+        self._matches: dict[_MatchName, tuple[list[int], dict[str, PrefixMatch]]] = {}
         self._masks: dict[int, int] = {}
         self._engines: dict[str, _EngineState] = {}
         self._all_ids: list[str] = []  # engine ids in slot order, for filling many matches at once
@@ -241,6 +250,12 @@ class PrefixIndex:
 
     # ----------------------------------------------------------------------------- engines
 
+    def _forget_matches(self) -> None:
+        """What the index holds changed (an event, an engine, a speculative entry added or due):
+        no kept match result may answer again."""
+        if self._matches:
+            self._matches.clear()
+
     def _take_slot(self) -> int:
         slot = self._next_slot
         self._next_slot += 1
@@ -254,6 +269,7 @@ class PrefixIndex:
         state = self._engines.get(engine_id)
         if state is not None:
             return state
+        self._forget_matches()
         state = _EngineState(engine_id, self._take_slot())
         pool_id = self._engine_pool_ids.get(engine_id)
         if pool_id is not None:
@@ -290,6 +306,7 @@ class PrefixIndex:
         and skipped, so one bad event never loses the rest of the batch."""
         if now is not None:
             self._advance(now)
+        self._forget_matches()
         state = self._engine(engine_id)
         kinds = self._event_kinds
         for event in events:
@@ -554,6 +571,7 @@ class PrefixIndex:
         state = self._engines.get(engine_id)
         if state is None:
             return
+        self._forget_matches()
         tier_set = set(TIERS_ALL if tiers is None else tiers)
         bits = 0
         if Tier.GPU in tier_set:
@@ -646,6 +664,7 @@ class PrefixIndex:
         stamp = pool.lru.get(key)
         if stamp is None or stamp >= routed_s:
             return False
+        self._forget_matches()
         self._pool_remove(pool, key)
         pool.shortfall_drops += 1
         return True
@@ -770,6 +789,7 @@ class PrefixIndex:
             new = list(itertools.compress(arm, map(operator.not_, map(spec_expiry.__contains__, arm))))
         spec_expiry.update(dict.fromkeys(keys, expiry))
         if new:
+            self._forget_matches()
             spec_masks.update(
                 zip(
                     new,
@@ -795,6 +815,7 @@ class PrefixIndex:
         in bulk, each step one C-level map over the keys, not a Python call per key."""
         if not keys:
             return
+        self._forget_matches()
         deque(map(expiries.pop, keys, _NONES), 0)
         armed = self._spec_armed.get(slot)
         if armed:
@@ -843,14 +864,18 @@ class PrefixIndex:
         """Per engine: the contiguous prefix of ``keys`` it holds in any tier, split by best tier.
 
         With ``engine_ids`` every listed engine is in the result (NO_MATCH when it holds
-        nothing); without, only engines holding at least block 0 are."""
+        nothing); without, only engines holding at least block 0 are. A prompt matched again
+        while nothing in the index changed gets the kept result (a new dict)."""
         if now is not None:
             self._advance(now)
-        if engine_ids is None:
-            wanted: list[str] | None = None
+        wanted = None if engine_ids is None else tuple(engine_ids)
+        name = (len(keys), keys[-1], wanted) if keys else None
+        kept = self._matches.get(name) if name is not None else None
+        if kept is not None and (kept[0] is keys or kept[0] == keys):
+            return dict(kept[1])
+        if wanted is None:
             candidates = self._engine_positions
         else:
-            wanted = list(engine_ids)
             candidates = 0
             for engine_id in wanted:
                 state = self._engines.get(engine_id)
@@ -860,7 +885,11 @@ class PrefixIndex:
         if candidates and keys:
             self._match_into(keys, candidates, result)
         if wanted is not None:
-            return {engine_id: result.get(engine_id, NO_MATCH) for engine_id in wanted}
+            result = {engine_id: result.get(engine_id, NO_MATCH) for engine_id in wanted}
+        if name is not None:
+            if len(self._matches) >= _MATCHES_KEPT:
+                self._matches.clear()
+            self._matches[name] = (list(keys), dict(result))
         return result
 
     def _match_into(self, keys: Sequence[int], candidates: int, result: dict[str, PrefixMatch]) -> None:

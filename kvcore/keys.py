@@ -105,7 +105,10 @@ _CACHE_ENTRY_BYTES = 200
 
 def _same_prefix(a: Sequence[int], b: Sequence[int], width: int) -> bool:
     """``a[:width] == b[:width]``, slicing only what is longer than ``width`` (a 16K-token prompt
-    costs two 128 KB copies otherwise)."""
+    costs two 128 KB copies otherwise). One list is equal to itself: a repeated prompt, which the
+    tokenizer's whole-prompt cache hands back as the same list, costs no pass over its tokens."""
+    if a is b:
+        return True
     return (a if len(a) == width else a[:width]) == (b if len(b) == width else b[:width])
 
 

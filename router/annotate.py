@@ -117,7 +117,7 @@ class IndexAnnotator:
         if ctx.endpoint == CHAT:
             if self._tokenizer is None:
                 return None
-            # Every back-end returns a list of its own (the prefix key cache keeps it by reference).
+            # The list is kept by reference (key cache) and never changed: a repeat may get it back.
             return await self._tokenizer.chat_tokens(
                 body["messages"], model=ctx.route_request.model, names=names
             )

@@ -146,9 +146,11 @@ class _Lru:
 
 
 class ChatTokenizer(Protocol):
-    """What the router needs: prompt token ids of a chat (generation prompt appended), in a new
-    list the caller may keep (never one of the tokenizer's cached lists). ``names``: the prompt's
-    ``PromptNames`` when the caller has them already (else computed here)."""
+    """What the router needs: prompt token ids of a chat (generation prompt appended), in a list
+    the caller may keep but must not change: a whole-prompt cache hit hands back the very list of
+    the earlier call, so the router's key cache knows an unchanged prompt by identity instead of a
+    token-by-token check. ``names``: the prompt's ``PromptNames`` when the caller has them already
+    (else computed here)."""
 
     async def chat_tokens(
         self, messages: Messages, *, model: str = "", names: PromptNames | None = None
@@ -161,8 +163,10 @@ class SimChatTokenizer:
     """The simulator's tokenizer and template (prefix-stable: only new messages are encoded)."""
 
     def __init__(self, *, cache_max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        #: Message-prefix hash -> that prompt's tokens, generation prompt included (the list handed
+        #: out: a repeat gets the same object; a next turn takes all but its last token).
         self._cache = _Lru(cache_max_bytes)
-        #: Last-message cut hash -> (history tokens, how many of them the cut covers); sized by the
+        #: Last-message cut hash -> (prompt tokens, how many of them the cut covers); sized by the
         #: whole list, which the entry keeps alive.
         self._cuts = _Lru(cache_max_bytes // 4, size_of=lambda entry: entry_bytes(entry[0]))
 
@@ -171,51 +175,56 @@ class SimChatTokenizer:
     ) -> list[int]:
         names = names or PromptNames.of(messages)
         hashes = names.prefixes
-        start, prefix = 0, [sim_tokenizer.BOS]
+        start, cached = 0, None
         for i in range(len(hashes) - 1, -1, -1):
             cached = self._cache.get(hashes[i])
             if cached is not None:
-                start, prefix = i + 1, cached
+                start = i + 1
                 break
         if start:
             self._cache.hits += 1
         else:
             self._cache.misses += 1
         cuts, data = names.cuts, names.last_content
-        history = None
-        if cuts and start < len(messages):
+        prompt = None
+        if cached is not None and start == len(messages):
+            prompt = cached  # the whole prompt was cached: the same list, nothing new to encode
+        elif cuts:
             # The last message may extend an earlier prompt's last message (its cut hashes name the
             # messages before it too, so the cached tokens cover them).
-            history = self._extend_cut(cuts, data)
-        if history is None and start == len(messages):
-            history = prefix  # the whole prompt was cached: nothing new to encode
-        if history is None:
+            prompt = self._extend_cut(cuts, data)
+        if prompt is None:
             new = list(messages[start:])
             new_chars = sum(len(str(m.get("content") or "")) for m in new)
             if new_chars > _INLINE_CHARS:
                 body = await asyncio.to_thread(sim_tokenizer.encode_chat, new, add_generation_prompt=False)
             else:
                 body = sim_tokenizer.encode_chat(new, add_generation_prompt=False)
-            history = prefix + body[1:]  # drop the BOS of the partial render
-        if messages and start < len(messages):  # a whole-prompt hit is in the cache (and fresh) already
-            self._cache.put(hashes[-1], history)
+            # The cached prompt's history (all but its generation prompt), then the new messages
+            # without the BOS of their partial render.
+            prompt = cached[:-1] if cached is not None else [sim_tokenizer.BOS]
+            prompt += body[1:]
+            prompt.append(sim_tokenizer.ROLE_TOKENS["assistant"])
+        if messages and prompt is not cached:  # a whole-prompt hit is in the cache (and fresh) already
+            self._cache.put(hashes[-1], prompt)
         if cuts:
-            # The tokens up to the last message's deepest cut: all but its END and the content after.
+            # The tokens up to the last message's deepest cut: all but the generation prompt, the
+            # message's END and the content after the cut.
             tail_tokens = -(-(len(data) - len(cuts) * CUT_BYTES) // sim_tokenizer.CHUNK_BYTES)
-            self._cuts.put(cuts[-1], (history, len(history) - 1 - tail_tokens))
-        return [*history, sim_tokenizer.ROLE_TOKENS["assistant"]]
+            self._cuts.put(cuts[-1], (prompt, len(prompt) - 2 - tail_tokens))
+        return prompt
 
     def _extend_cut(self, cuts: list[int], data: bytes) -> list[int] | None:
-        """History tokens when the last message (content ``data``, cut hashes ``cuts``) extends a
-        cached prompt's last message: its tokens up to the deepest shared cut, then only the rest
-        encoded. None when no cut is cached."""
+        """Prompt tokens (generation prompt included) when the last message (content ``data``, cut
+        hashes ``cuts``) extends a cached prompt's last message: its tokens up to the deepest shared
+        cut, then only the rest encoded. None when no cut is cached."""
         for k in range(len(cuts) - 1, -1, -1):
             found = self._cuts.get(cuts[k])
             if found is not None:
                 self._cuts.hits += 1
                 tokens, n = found
                 tail = sim_tokenizer.encode_utf8(data[(k + 1) * CUT_BYTES :])
-                return [*tokens[:n], *tail, sim_tokenizer.END]
+                return [*tokens[:n], *tail, sim_tokenizer.END, sim_tokenizer.ROLE_TOKENS["assistant"]]
         self._cuts.misses += 1
         return None
 
@@ -376,7 +385,7 @@ class EngineChatTokenizer:
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.hits += 1
-            return list(cached)
+            return cached  # the same list as the first time: the caller knows the prompt by identity
         self._cache.misses += 1
         import aiohttp
 
@@ -391,8 +400,9 @@ class EngineChatTokenizer:
         tokens = payload.get("tokens")
         if not isinstance(tokens, list):
             raise ValueError(f"POST {self._url}: response has no 'tokens' list")
+        tokens = list(tokens)
         self._cache.put(key, tokens)
-        return list(tokens)
+        return tokens
 
     def cache_stats(self) -> dict[str, int]:
         return self._cache.stats()

@@ -676,3 +676,51 @@ def test_a_prompt_refreshed_by_one_router_needs_no_heap_entry_per_request() -> N
     assert len(index._spec_heap) == 1  # re-armed once a ttl, not pushed per request
     assert index.match(keys, ["a"], now=4.999 + 1.999)["a"].blocks == 62
     assert index.match(keys, ["a"], now=4.999 + 2.0) == {"a": NO_MATCH}
+
+
+def test_a_repeated_match_sees_every_change_between_two_identical_requests() -> None:
+    """``match`` keeps its result for a prompt sent again; anything between two identical requests
+    that a match could see must show in the second: a store, a removal, an engine's restart, a
+    speculation (new keys), its expiry, a pool's shortfall drop, and one different
+    key anywhere in an equal-length chain. Each step asks with a fresh, equal key list, as the
+    router does. Catches a kept result served after a change (a stale match)."""
+    index = PrefixIndex(storage_pools={"nfs": 8}, engine_storage_pool={"c": "nfs"})
+    keys = block_keys(toks(0, 4), 16)
+    engines = ["a", "b", "c", "d"]
+    for engine_id in engines:
+        index.add_engine(engine_id)
+
+    def ask(now: float | None = None) -> dict[str, PrefixMatch]:
+        first = index.match(list(keys), engines, now=now)
+        assert index.match(list(keys), engines, now=now) == first  # the kept result, unchanged
+        return first
+
+    assert ask() == dict.fromkeys(engines, NO_MATCH)
+    index.apply_batch("a", [stored([1, 2], toks(0, 2))], now=1.0)
+    assert ask()["a"] == PrefixMatch(2, (2, 0, 0))
+    index.apply_batch("a", [removed([2])], now=1.0)
+    assert ask()["a"] == PrefixMatch(1, (1, 0, 0))
+    index.clear_engine("a")
+    assert ask()["a"] == NO_MATCH
+    index.speculate("b", keys, ttl_s=2.0, now=2.0)
+    assert ask(now=2.0)["b"] == PrefixMatch(4, (4, 0, 0))
+    index.speculate("b", keys, ttl_s=2.0, now=3.0)  # a refresh only: still held until 5.0
+    assert ask(now=4.9)["b"] == PrefixMatch(4, (4, 0, 0))
+    assert ask(now=5.0)["b"] == NO_MATCH  # due: gone, though the kept result said 4 blocks
+    index.apply_batch("c", [stored([7, 8, 9], toks(0, 3), medium="STORAGE")], now=6.0)
+    assert ask()["c"] == PrefixMatch(3, (0, 0, 3))
+    assert index.learn_delivered("c", keys, 1, 3, routed_s=7.0)  # the pool lost block 1
+    assert ask()["c"] == PrefixMatch(1, (0, 0, 1))
+    index.apply_batch("d", [stored([1], toks(0, 1))])
+    assert ask()["d"] == PrefixMatch(1, (1, 0, 0))
+    index.apply_batch("a", [stored([1, 2, 3, 4], toks(0, 4))])
+    assert ask()["a"] == PrefixMatch(4, (4, 0, 0))
+    # An equal-length chain differing in its first or a middle key (same last key) is its own prompt.
+    for position, blocks in ((0, 0), (2, 2)):
+        other = list(keys)
+        other[position] = 12345
+        assert index.match(other, engines)["a"].blocks == blocks
+    assert index.match(list(keys), engines)["a"] == PrefixMatch(4, (4, 0, 0))
+    # A caller changing the returned dict does not change the kept result.
+    index.match(list(keys), engines)["a"] = NO_MATCH
+    assert index.match(list(keys), engines)["a"] == PrefixMatch(4, (4, 0, 0))

@@ -107,6 +107,49 @@ async def test_another_salt_or_an_edited_history_is_never_reused() -> None:
     assert cache.stats()["entries"] == 1  # the edited entry lost its only name
 
 
+async def test_a_repeated_prompt_is_known_by_identity_and_a_one_token_change_never_is() -> None:
+    """A repeat gets the tokenizer's very list back (so the key cache skips its token check); a
+    prompt of the same length with one character changed in the middle or at the end is a new
+    list whose keys are its own full hash. Catches a shortcut that takes an equal-length or
+    equally-named prompt for the cached one (stale keys), and a tokenizer that copies the list
+    on a whole-prompt hit (the O(prompt) check comes back)."""
+
+    def body(content: str) -> dict[str, Any]:
+        return {
+            "model": "m",
+            "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": content}],
+        }
+
+    annotator = _annotator()
+    text = sim_tokenizer.filler_text(4000, seed=3)
+    while len(sim_tokenizer.encode_chat(body(text)["messages"])) % 16:  # the last token in a full block
+        text = text[:-1]
+
+    keys, tokens = await _keys_of(annotator, body(text))
+    again_keys, again = await _keys_of(annotator, body(text))
+    assert again is tokens and again_keys == keys
+    middle = len(text) // 2
+    for edited in (text[:-1] + ("x" if text[-1] != "x" else "y"), text[:middle] + "Q" + text[middle + 1 :]):
+        assert len(edited) == len(text) and edited != text
+        edited_keys, edited_tokens = await _keys_of(annotator, body(edited))
+        assert edited_tokens is not tokens and len(edited_tokens) == len(tokens)
+        assert edited_tokens == sim_tokenizer.encode_chat(body(edited)["messages"])
+        assert edited_keys == block_keys(edited_tokens, 16, parent=7)
+        assert edited_keys != keys
+        # The cached original still answers for the original.
+        assert (await _keys_of(annotator, body(text)))[0] == keys
+    # The cache itself, without the tokenizer: an equal-length list one token off at the end or in
+    # the middle shares only the blocks before the change; the cached list itself shares all.
+    cache = KeyChainCache(1 << 20)
+    cached = list(range(96))
+    cache.put([1], "s", cached, block_keys(cached, 16))
+    assert cache.reusable([1], "s", cached, 16)[0] == block_keys(cached, 16)
+    for position in (95, 50):
+        changed = list(cached)
+        changed[position] = -1
+        assert cache.reusable([1], "s", changed, 16)[0] == block_keys(cached, 16)[: position // 16]
+
+
 def test_common_blocks_finds_the_first_differing_block() -> None:
     rng = random.Random(5)
     for _ in range(300):

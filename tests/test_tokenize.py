@@ -138,8 +138,9 @@ async def test_engine_tokenize_backend_against_real_server() -> None:
             engine = EngineChatTokenizer(session, f"http://127.0.0.1:{port}", model="m")
             msgs = conversation(2)
             want = sim_tokenizer.encode_chat(msgs, add_generation_prompt=True)
-            assert await engine.chat_tokens(msgs) == want
-            assert await engine.chat_tokens(msgs) == want  # exact repeat: cached
+            first = await engine.chat_tokens(msgs)
+            assert first == want
+            assert await engine.chat_tokens(msgs) is first  # exact repeat: cached, the same list
             assert len(calls) == 1 and calls[0]["model"] == "m" and calls[0]["add_generation_prompt"] is True
             bad = EngineChatTokenizer(session, f"http://127.0.0.1:{port}/nope")
             with pytest.raises(ValueError, match="404"):
