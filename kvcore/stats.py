@@ -9,6 +9,7 @@ an arm and a cache history, so treating them as independent would make intervals
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,14 @@ def percentiles(values: Sequence[float], qs: Sequence[float], *, empty: float = 
     if len(values) == 0:
         return [empty for _ in qs]
     return [float(x) for x in np.percentile(np.asarray(values, dtype=float), list(qs))]
+
+
+def median_span(values: Sequence[float], fmt: str = ".3f", *, single_bare: bool = True) -> str:
+    """The median of repeats or seeds with their range, "median [min-max]", each formatted with
+    ``fmt``; one value alone is printed bare unless ``single_bare`` is False."""
+    if single_bare and len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(statistics.median(values), fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
 
 
 @dataclass(frozen=True, slots=True)

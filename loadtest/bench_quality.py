@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from kvcore.core import (
     check_priority_max_overtake,
     check_priority_stretch,
 )
+from kvcore.stats import median_span
 from sim.des import FleetSimulator, SimConfig
 from sim.des_cli import parse_policy_spec
 from sim.engine import EngineProfile
@@ -205,13 +205,6 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     return row
 
 
-def _mr(values: Sequence[float], fmt: str) -> str:
-    """median [min-max] of a cell's seeds."""
-    if len(values) == 1:
-        return format(values[0], fmt)
-    return f"{format(statistics.median(values), fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
-
-
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
     """One line per (label, storage, policy, scheduling): medians over seeds with [min-max]."""
     groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
@@ -227,15 +220,17 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     for (label, storage, policy, scheduling), rs in groups.items():
         out.append(
             f"| {label} | {storage} | {policy} | {scheduling} | {len(rs)}"
-            f" | {_mr([r['ttft_p50_s'] for r in rs], '.3f')}"
-            f" | {_mr([r['ttft_p90_s'] for r in rs], '.3f')} | {_mr([r['ttft_p99_s'] for r in rs], '.2f')}"
-            f" | {_mr([r.get('ttft_max_s', math.nan) for r in rs], '.1f')}"
-            f" | {_mr([r['turns_per_s'] for r in rs], '.2f')} | {_mr([r['hit'] for r in rs], '.3f')}"
-            f" | {_mr([r['bound_hit'] for r in rs], '.3f')}"
-            f" | {_mr([r['hit'] / r['bound_hit'] if r['bound_hit'] else 0.0 for r in rs], '.2f')}"
-            f" | {_mr([r.get('sticky_lru_hit', math.nan) for r in rs], '.3f')}"
-            f" | {_mr([r['ttft_floor_p50_s'] for r in rs], '.3f')}"
-            f" | {_mr([r.get('ttft_over_predicted', math.nan) for r in rs], '.2f')} |"
+            f" | {median_span([r['ttft_p50_s'] for r in rs], '.3f')}"
+            f" | {median_span([r['ttft_p90_s'] for r in rs], '.3f')}"
+            f" | {median_span([r['ttft_p99_s'] for r in rs], '.2f')}"
+            f" | {median_span([r.get('ttft_max_s', math.nan) for r in rs], '.1f')}"
+            f" | {median_span([r['turns_per_s'] for r in rs], '.2f')}"
+            f" | {median_span([r['hit'] for r in rs], '.3f')}"
+            f" | {median_span([r['bound_hit'] for r in rs], '.3f')}"
+            f" | {median_span([r['hit'] / r['bound_hit'] if r['bound_hit'] else 0.0 for r in rs], '.2f')}"
+            f" | {median_span([r.get('sticky_lru_hit', math.nan) for r in rs], '.3f')}"
+            f" | {median_span([r['ttft_floor_p50_s'] for r in rs], '.3f')}"
+            f" | {median_span([r.get('ttft_over_predicted', math.nan) for r in rs], '.2f')} |"
         )
     return "\n".join(out)
 
@@ -277,9 +272,9 @@ def tail_markdown(rows: Sequence[dict[str, Any]], reference: str) -> str:
         over_abs = [float(sum(1 for t in r["ttft_by_request_s"].values() if t > TAIL_ABSOLUTE_S)) for r in rs]
         out.append(
             f"| {label} | {storage} | {policy} | {scheduling} | {len(rs)}"
-            f" | {_mr([float(len(r['ttft_by_request_s'])) for r in rs], '.0f')}"
-            f" | {_mr(over_ref, '.0f') if over_ref else '-'} | {_mr(over_abs, '.0f')}"
-            f" | {_mr([r['ttft_max_s'] for r in rs], '.1f')} |"
+            f" | {median_span([float(len(r['ttft_by_request_s'])) for r in rs], '.0f')}"
+            f" | {median_span(over_ref, '.0f') if over_ref else '-'} | {median_span(over_abs, '.0f')}"
+            f" | {median_span([r['ttft_max_s'] for r in rs], '.1f')} |"
         )
     return "\n".join(out)
 

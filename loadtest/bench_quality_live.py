@@ -46,6 +46,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore.core import SCHEDULING_POLICIES
+from kvcore.stats import median_span
 from kvcore.wire import decode_payload, parse_live_frames
 from loadtest.bench_peers import (
     Target,
@@ -564,12 +565,6 @@ def fmt_summary(runs: Sequence[Run]) -> str:
         if not r.error:
             groups.setdefault((r.workload, r.users, r.target), []).append(r)
 
-    def cell(values: list[float], digits: int = 3) -> str:
-        med = statistics.median(values)
-        if len(values) == 1:
-            return f"{med:.{digits}f}"
-        return f"{med:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
-
     lines = [
         "| workload | users | router | runs | TTFT p50 s | p90 s | p99 s | turns/s | cached / prompt "
         "| x rr | TTFT / predicted |",
@@ -582,10 +577,11 @@ def fmt_summary(runs: Sequence[Run]) -> str:
         fracs = [sum((r.cached or {}).values()) / r.prompt_tokens for r in rs if r.prompt_tokens]
         preds = [r.ttft_over_predicted for r in rs if not math.isnan(r.ttft_over_predicted)]
         lines.append(
-            f"| {workload} | {users} | {target} | {len(rs)} | {cell([r.ttft_p50_s for r in rs])} "
-            f"| {cell([r.ttft_p90_s for r in rs])} | {cell([r.ttft_p99_s for r in rs])} "
-            f"| {cell([r.turns_per_s for r in rs], 2)} | {cell(fracs) if fracs else '-'} | {ratio} "
-            f"| {cell(preds, 2) if preds else '-'} |"
+            f"| {workload} | {users} | {target} | {len(rs)} | {median_span([r.ttft_p50_s for r in rs])} "
+            f"| {median_span([r.ttft_p90_s for r in rs])} | {median_span([r.ttft_p99_s for r in rs])} "
+            f"| {median_span([r.turns_per_s for r in rs], '.2f')} "
+            f"| {median_span(fracs) if fracs else '-'} | {ratio} "
+            f"| {median_span(preds, '.2f') if preds else '-'} |"
         )
     return "\n".join(lines)
 

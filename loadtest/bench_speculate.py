@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from kvcore.stats import median_span
 
 PATTERNS = ("same", "fresh")
 
@@ -65,10 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("| keys per prompt | pattern | checkout | CPU µs per speculate, median [min-max] |")
     print("|---|---|---|---|")
     for (label, pattern, blocks), values in results.items():
-        print(
-            f"| {blocks} | {pattern} | {label} | {statistics.median(values):.1f} "
-            f"[{min(values):.1f}-{max(values):.1f}] |"
-        )
+        print(f"| {blocks} | {pattern} | {label} | {median_span(values, '.1f', single_bare=False)} |")
     return 0
 
 

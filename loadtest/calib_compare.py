@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import openai
 
-from kvcore.stats import percentiles
+from kvcore.stats import median_span, percentiles
 from loadtest.calibrate_vllm import VLLM_CPU_MAX_NUM_SEQS, run_threads
 from loadtest.procs import stop_process, wait_http_ok, wait_sources_connected
 from router.config import EngineConfig, load_fleet_file
@@ -552,9 +552,6 @@ def fmt_repeats_table(repeats: dict[str, list[Row]], des: dict[str, Row]) -> str
     """Several live runs per policy against the one DES run: the live median [min - max] of each
     figure, and the DES over the live median."""
 
-    def span(values: Sequence[float], digits: int = 3) -> str:
-        return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
-
     lines = [
         "| policy | runs | hit live | hit DES | diff | TTFT p50 live | DES | DES/live "
         "| TTFT p90 live | DES | DES/live |",
@@ -566,9 +563,12 @@ def fmt_repeats_table(repeats: dict[str, list[Row]], des: dict[str, Row]) -> str
         p50 = statistics.median(r.ttft_p50_s for r in live)
         p90 = statistics.median(r.ttft_p90_s for r in live)
         lines.append(
-            f"| {policy} | {len(live)} | {span([r.hit for r in live])} | {d.hit:.3f} | {d.hit - hit:+.3f} "
-            f"| {span([r.ttft_p50_s for r in live])} | {d.ttft_p50_s:.3f} | {d.ttft_p50_s / p50:.2f} "
-            f"| {span([r.ttft_p90_s for r in live])} | {d.ttft_p90_s:.3f} | {d.ttft_p90_s / p90:.2f} |"
+            f"| {policy} | {len(live)} | {median_span([r.hit for r in live], single_bare=False)} "
+            f"| {d.hit:.3f} | {d.hit - hit:+.3f} "
+            f"| {median_span([r.ttft_p50_s for r in live], single_bare=False)} "
+            f"| {d.ttft_p50_s:.3f} | {d.ttft_p50_s / p50:.2f} "
+            f"| {median_span([r.ttft_p90_s for r in live], single_bare=False)} "
+            f"| {d.ttft_p90_s:.3f} | {d.ttft_p90_s / p90:.2f} |"
         )
     return "\n".join(lines)
 

@@ -155,7 +155,8 @@ class UpstreamResponse:
         return head
 
     async def read(self) -> bytes:
-        """The whole body (what ``iter_any`` would yield, joined; no generator per answer)."""
+        """The whole body (what ``iter_any`` would yield, joined; no generator per answer); failures
+        are UpstreamErrors."""
         parts: list[bytes] = []
         chunks = self._chunks
         while True:
@@ -549,8 +550,3 @@ async def iter_body(response: UpstreamResponse) -> AsyncIterator[bytes]:
     async for chunk in response.iter_any():
         if chunk:
             yield chunk
-
-
-async def read_body(response: UpstreamResponse) -> bytes:
-    """The whole response body (a non-stream answer); failures are UpstreamErrors."""
-    return await response.read()

@@ -16,7 +16,6 @@ from router.proxy import (
     UpstreamFirstByteTimeout,
     UpstreamTimeout,
     iter_body,
-    read_body,
 )
 
 OK = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 12\r\n\r\n{"ok": true}'
@@ -111,7 +110,7 @@ async def test_keep_alive_connection_is_reused(client: UpstreamClient) -> None:
         for _ in range(5):
             response = await client.send(engine.url + "/ok", b"{}", {"content-type": "application/json"})
             assert response.status == 200 and response.headers["content-type"] == "application/json"
-            assert await read_body(response) == b'{"ok": true}'
+            assert await response.read() == b'{"ok": true}'
         assert engine.connections == 1  # a new connection per request would be 5
         # Nothing of a finished exchange stays armed: deadline state kept per request until its
         # 600 s read timeout would grow with the request rate.
@@ -149,7 +148,7 @@ async def test_read_timeout_and_a_broken_answer(client: UpstreamClient) -> None:
     async with Engine() as engine:
         response = await client.send(engine.url + "/stall", b"{}", {})
         with pytest.raises(UpstreamTimeout):  # read_timeout_s = 0.3: nothing after the headers
-            await read_body(response)
+            await response.read()
         response = await client.send(engine.url + "/broken", b"{}", {})
         chunks = iter_body(response)
         assert await chunks.__anext__() == b"data: 0\n\n"
@@ -181,7 +180,7 @@ async def test_connection_cap_per_engine_holds() -> None:
 
             async def one() -> bytes:
                 response = await client.send(engine.url + "/gated", b"{}", {})
-                return await read_body(response)
+                return await response.read()
 
             tasks = [asyncio.create_task(one()) for _ in range(5)]
             await asyncio.wait_for(engine.two_active.wait(), 5)
