@@ -11,6 +11,9 @@ For engine e (all times in seconds, token counts in tokens, bandwidths in bytes/
     cost_s    = total_s + work_s + decode_s + pressure_s                  (what is minimised)
 
     wait_tokens_e = max(queued_prefill_tokens_e, num_requests_waiting_e x tokens per queued request)
+                    (on an engine with ``EngineView.queued_ahead``, a priority engine priced as it
+                    serves: only the queued prefill ahead of this request; policies.costs
+                    .priority_wait_parts)
     decode_s      = decode_s_per_running x running requests (decode steps share the GPU with prefill)
     pressure_s    = pressure_s_at_full x max(0, kv_cache_usage - pressure_threshold)
                     / (1 - pressure_threshold)           (a near-full pool evicts and preempts)

@@ -257,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=PRIORITY_WAITS[0],
         help="priority engines: the wait the router's cost model prices; all = every queued prefill "
         "token (first come, the default), ahead = only the queued prefill sent with a priority no "
-        "larger than the request's (what the engine serves first)",
+        "larger than the request's (what the engine serves first), overtake = that / (1 - the engine's "
+        "recent rate of earlier-deadline work)",
     )
     fl.add_argument(
         "--gpu-tokens",
