@@ -93,7 +93,10 @@ def parse_scheduling(spec: str) -> tuple[str, float, float, float, str]:
         )
     wait = numbers.pop() if len(numbers) == 4 else PRIORITY_WAITS[0]
     if wait not in PRIORITY_WAITS:
-        raise ValueError(f"--scheduling {spec!r}: the priced wait must be one of {', '.join(PRIORITY_WAITS)}")
+        raise ValueError(
+            f"--scheduling {spec!r}: the priced wait must be one of {', '.join(PRIORITY_WAITS)}"
+            " (priority:STRETCH:MAX_OVERTAKE_S:FCFS_FACTOR:WAIT)"
+        )
     try:
         values = [float(x) for x in numbers]
     except ValueError:
