@@ -197,17 +197,23 @@ class InMemoryLoadLedger:
             entries = self._by_priority[ticket.engine_id] = SortedList()
         entries.add((priority, ticket.priority_seq, ticket.prefill_tokens))
 
-    def queued_ahead(self, engine_id: str, priority: int) -> int:
+    def queued_ahead(self, engine_id: str, priority: int, *, running_first: bool = False) -> int:
         """Queued prefill tokens of ``engine_id`` that a priority engine serves before a request of
         ``priority`` arriving now: every pending prefill except those sent with a larger priority
         (vLLM serves the lowest priority first, ties in arrival order; a prefill whose priority is
-        not known counts as ahead). With no priorities set this is ``load(engine_id)[1]``."""
+        not known counts as ahead). With no priorities set this is ``load(engine_id)[1]``.
+        ``running_first``: the pending prefill with the lowest priority counts as ahead whatever its
+        priority: it is the one the engine is serving (vLLM schedules running requests before any
+        waiting one, so a new request waits for the rest of its chunks)."""
         queued = self._queued.get(engine_id, 0)
         entries = self._by_priority.get(engine_id)
         if not entries:
             return queued
+        start = entries.bisect_left((priority + 1,))
+        if running_first and start == 0:
+            start = 1
         behind = 0
-        for _, _, tokens in entries.islice(entries.bisect_left((priority + 1,))):
+        for _, _, tokens in entries.islice(start):
             behind += tokens
         return queued - behind
 
@@ -344,8 +350,9 @@ def shortest_first_priority(
 #: queued prefill token is ahead (first come; the default), "ahead" = only the queued prefill that
 #: engine serves before the request, "overtake" = that, over (1 - rho): rho = the engine's recent
 #: rate of work with an earlier deadline, which overtakes the request while it waits
-#: (``priority_queued_ahead``; docs/routing.md).
-PRIORITY_WAITS = ("all", "ahead", "overtake")
+#: (``priority_queued_ahead``; docs/routing.md); "running" = overtake, with the pending prefill of
+#: the lowest priority (the one the engine is serving) ahead whatever its priority.
+PRIORITY_WAITS = ("all", "ahead", "overtake", "running")
 #: "overtake": the window (seconds) over which the rate of overtaking work is measured, and the
 #: largest share of the engine it may take (the wait grows at most 1 / (1 - max) = 10x).
 PRIORITY_OVERTAKE_WINDOW_S = 30.0
@@ -362,6 +369,7 @@ def priority_queued_ahead(
     max_overtake_s: float = PRIORITY_MAX_OVERTAKE_S,
     fcfs_factor: float = PRIORITY_FCFS_FACTOR,
     overtake: CostEstimates | None = None,
+    running_first: bool = False,
 ) -> Callable[[PredictedParts], float]:
     """``EngineView.queued_ahead`` of a priority engine: a request's first-come parts -> the
     priority it would be sent with there (``shortest_first_priority`` at ``clock()``, the clock its
@@ -375,7 +383,9 @@ def priority_queued_ahead(
         ahead_tokens / (1 - rho),  rho = min(PRIORITY_OVERTAKE_MAX_RHO, overtaking tokens sent in
                                              the last PRIORITY_OVERTAKE_WINDOW_S / window / prefill rate)
 
-    where the overtaking tokens are those sent with a deadline offset below this request's."""
+    where the overtaking tokens are those sent with a deadline offset below this request's.
+    ``running_first``: the ledger counts the prefill the engine is serving as ahead
+    (``InMemoryLoadLedger.queued_ahead``)."""
     window_levels = PRIORITY_OVERTAKE_WINDOW_S / step_s
 
     def ahead(parts: PredictedParts) -> float:
@@ -388,7 +398,7 @@ def priority_queued_ahead(
             max_overtake_s=max_overtake_s,
             fcfs_factor=fcfs_factor,
         )
-        tokens = float(ledger.queued_ahead(engine_id, level))
+        tokens = float(ledger.queued_ahead(engine_id, level, running_first=running_first))
         if overtake is None:
             return tokens
         now_level = now_s / step_s

@@ -381,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
         " priority:STRETCH:MAX_OVERTAKE_S:FCFS_FACTOR (the relative bound K >= 1; inf = none),"
         " priority:STRETCH:MAX_OVERTAKE_S:FCFS_FACTOR:WAIT (the router's priced wait: all = every"
         " queued prefill token, ahead = only what the engine serves first, overtake = that / (1 - the"
-        " recent rate of earlier-deadline work); default all)",
+        " recent rate of earlier-deadline work), running = overtake with the prefill the engine serves"
+        " ahead; default all)",
     )
     p.add_argument(
         "--tail-reference",

@@ -146,7 +146,8 @@ class SimConfig:
     #: How the router's cost model prices the wait on priority engines (``kvcore.core
     #: .PRIORITY_WAITS``): "all" = every queued prefill token (first come), "ahead" = only the
     #: queued prefill sent with a priority no larger than the request's there
-    #: (``priority_queued_ahead``). fcfs engines always count every queued token.
+    #: (``priority_queued_ahead``), "overtake" / "running" (kvcore.core.PRIORITY_WAITS). fcfs
+    #: engines always count every queued token.
     priority_wait: str = "all"
 
 
@@ -358,7 +359,8 @@ class FleetSimulator:
                         stretch=cfg.priority_stretch,
                         max_overtake_s=cfg.priority_max_overtake_s,
                         fcfs_factor=cfg.priority_fcfs_factor,
-                        overtake=self.costs if cfg.priority_wait == "overtake" else None,
+                        overtake=self.costs if cfg.priority_wait in ("overtake", "running") else None,
+                        running_first=cfg.priority_wait == "running",
                     )
 
     # -- the event loop ----------------------------------------------------------------------

@@ -258,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="priority engines: the wait the router's cost model prices; all = every queued prefill "
         "token (first come, the default), ahead = only the queued prefill sent with a priority no "
         "larger than the request's (what the engine serves first), overtake = that / (1 - the engine's "
-        "recent rate of earlier-deadline work)",
+        "recent rate of earlier-deadline work), running = overtake with the engine's lowest-priority pending "
+        "prefill (the one it serves) ahead",
     )
     fl.add_argument(
         "--gpu-tokens",

@@ -61,6 +61,24 @@ def test_queued_ahead_counts_only_prefill_the_engine_serves_first() -> None:
     assert ledger.queued_ahead("e", 0) == 1_000
 
 
+def test_running_first_counts_the_prefill_the_engine_is_serving_whatever_its_priority() -> None:
+    """vLLM schedules running requests before waiting ones: a cached turn placed while a long
+    recompute (the lowest priority pending, so the one being served) is chunk-prefilled waits for
+    it. Without running_first it is left out; with it, only that one is added."""
+    ledger = InMemoryLoadLedger(["e"])
+    running = ledger.reserve("e", 20_000)
+    ledger.set_priority(running, _level(2.0, 0.0))
+    later = ledger.reserve("e", 24_000)
+    ledger.set_priority(later, _level(2.4, 0.0))
+    cached = _level(0.03, 0.2)
+    assert ledger.queued_ahead("e", cached) == 0
+    assert ledger.queued_ahead("e", cached, running_first=True) == 20_000
+    # A request that outranks nothing pending but has the lowest one ahead anyway: counted once.
+    assert ledger.queued_ahead("e", _level(2.0, 0.0), running_first=True) == 20_000
+    ledger.first_token(running)  # the next one is now the engine's
+    assert ledger.queued_ahead("e", cached, running_first=True) == 24_000
+
+
 def test_without_priorities_queued_ahead_is_the_whole_queue() -> None:
     ledger = InMemoryLoadLedger(["e"])
     ledger.reserve("e", 5_000)
@@ -196,20 +214,23 @@ def test_fcfs_engines_are_priced_first_come_whatever_priority_wait_says() -> Non
     base = _small_run("fcfs", "all")
     assert _small_run("fcfs", "ahead") == base
     assert _small_run("fcfs", "overtake") == base
+    assert _small_run("fcfs", "running") == base
     assert _small_run("priority", "ahead") != _small_run("priority", "all")
 
 
 def test_an_unknown_priority_wait_is_refused() -> None:
     fleet = FleetSpec([EngineSpec("e0", EngineProfile())])
     wl = ladder_workload(LadderConfig(concurrency=1, total_conversations=1, turns=1))
-    with pytest.raises(ValueError, match="priority_wait 'fifo' is unknown; accepted: all, ahead, overtake"):
+    with pytest.raises(
+        ValueError, match="priority_wait 'fifo' is unknown; accepted: all, ahead, overtake, running"
+    ):
         FleetSimulator(wl, "tier_cost", fleet, SimConfig(priority_wait="fifo"))
 
 
 def test_bench_quality_reads_the_priced_wait_from_the_scheduling_spec() -> None:
     assert parse_scheduling("priority:20:40:inf:overtake") == ("priority", 20.0, 40.0, math.inf, "overtake")
     assert parse_scheduling("priority:20:40:3")[4] == "all"
-    with pytest.raises(ValueError, match="the priced wait must be one of all, ahead, overtake"):
+    with pytest.raises(ValueError, match="the priced wait must be one of all, ahead, overtake, running"):
         parse_scheduling("priority:20:40:inf:fifo")
     with pytest.raises(ValueError, match="use fcfs, priority"):
         parse_scheduling("priority:20:40:inf:ahead:1")
