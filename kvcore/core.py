@@ -32,6 +32,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -51,7 +52,13 @@ from policies.base import (
     hit_tokens_by_tier,
     prompt_tokens_of,
 )
-from policies.costs import PredictedParts, predict_parts, predicted_prefill_tokens
+from policies.costs import (
+    CostEstimates,
+    PredictedParts,
+    predict_parts,
+    predicted_prefill_tokens,
+    priority_wait_parts,
+)
 
 log = logging.getLogger("kvroute.core")
 
@@ -67,6 +74,10 @@ class LoadTicket:
     prefill_tokens: int
     prefill_pending: bool = True
     done: bool = False
+    #: vLLM priority sent with the request (``InMemoryLoadLedger.set_priority``); None = not known.
+    priority: int | None = None
+    #: Arrival order among the engine's prioritised tickets (ties of equal priority: first come).
+    priority_seq: int = -1
 
 
 class LoadLedger(Protocol):
@@ -108,6 +119,13 @@ class InMemoryLoadLedger:
     ) -> None:
         self._in_flight: dict[str, int] = {}
         self._queued: dict[str, int] = {}
+        #: Per engine: (priority, sequence, prefill tokens) of the pending prefills whose priority is
+        #: known (``set_priority``), for ``queued_ahead``.
+        self._by_priority: dict[str, SortedList] = {}
+        self._sequence = 0
+        #: Per engine: (placed at, deadline offset, prefill tokens) of the prioritised requests in
+        #: placement order, for ``overtaking`` (pruned to its window as it is read).
+        self._placed: dict[str, deque[tuple[float, float, int]]] = {}
         self._on_change = on_change
         self._order: SortedList | None = SortedList() if ordered else None
         for engine_id in engine_ids:
@@ -145,6 +163,10 @@ class InMemoryLoadLedger:
         if ticket.prefill_pending and not ticket.done:
             ticket.prefill_pending = False
             self._change(ticket.engine_id, 0, -ticket.prefill_tokens)
+            if ticket.priority is not None:
+                self._by_priority[ticket.engine_id].remove(
+                    (ticket.priority, ticket.priority_seq, ticket.prefill_tokens)
+                )
 
     def finish(self, ticket: LoadTicket) -> None:
         if ticket.done:
@@ -155,6 +177,57 @@ class InMemoryLoadLedger:
 
     def load(self, engine_id: str) -> tuple[int, int]:
         return self._in_flight.get(engine_id, 0), self._queued.get(engine_id, 0)
+
+    def set_priority(self, ticket: LoadTicket, priority: int, placed: float = 0.0) -> None:
+        """The vLLM ``priority`` the request was sent with (once; a request whose prefill is over is
+        not queued any more): ``queued_ahead`` then counts its prefill only for requests the engine
+        serves after it. ``placed``: when it was sent, in the priority's own units (now / step), so
+        ``priority - placed`` is how far its deadline lies ahead (for ``overtaking``)."""
+        if ticket.priority is not None or not ticket.prefill_pending or ticket.done:
+            return
+        recent = self._placed.get(ticket.engine_id)
+        if recent is None:
+            recent = self._placed[ticket.engine_id] = deque()
+        recent.append((placed, priority - placed, ticket.prefill_tokens))
+        ticket.priority = priority
+        ticket.priority_seq = self._sequence
+        self._sequence += 1
+        entries = self._by_priority.get(ticket.engine_id)
+        if entries is None:
+            entries = self._by_priority[ticket.engine_id] = SortedList()
+        entries.add((priority, ticket.priority_seq, ticket.prefill_tokens))
+
+    def queued_ahead(self, engine_id: str, priority: int, *, running_first: bool = False) -> int:
+        """Queued prefill tokens of ``engine_id`` that a priority engine serves before a request of
+        ``priority`` arriving now: every pending prefill except those sent with a larger priority
+        (vLLM serves the lowest priority first, ties in arrival order; a prefill whose priority is
+        not known counts as ahead). With no priorities set this is ``load(engine_id)[1]``.
+        ``running_first``: the pending prefill with the lowest priority counts as ahead whatever its
+        priority: it is the one the engine is serving (vLLM schedules running requests before any
+        waiting one, so a new request waits for the rest of its chunks)."""
+        queued = self._queued.get(engine_id, 0)
+        entries = self._by_priority.get(engine_id)
+        if not entries:
+            return queued
+        start = entries.bisect_left((priority + 1,))
+        if running_first and start == 0:
+            start = 1
+        behind = 0
+        for _, _, tokens in entries.islice(start):
+            behind += tokens
+        return queued - behind
+
+    def overtaking(self, engine_id: str, offset: float, since: float) -> int:
+        """Prefill tokens sent to ``engine_id`` at or after ``since`` with a deadline offset below
+        ``offset`` (units of ``set_priority``'s): the recent arrival of work that a request whose
+        deadline lies ``offset`` ahead is overtaken by while it waits. Entries before ``since`` are
+        dropped (callers pass a ``since`` that never moves back)."""
+        recent = self._placed.get(engine_id)
+        if not recent:
+            return 0
+        while recent and recent[0][0] < since:
+            recent.popleft()
+        return sum(tokens for _, their_offset, tokens in recent if their_offset < offset)
 
     def least_loaded(self) -> Iterator[str]:
         if self._order is not None:
@@ -271,6 +344,70 @@ def shortest_first_priority(
     if not level > 0.0:
         return 0
     return _MAX_PRIORITY if level >= _MAX_PRIORITY else int(level)
+
+
+#: How the cost model prices the wait on an engine that orders its queue by priority: "all" = every
+#: queued prefill token is ahead (first come; the default), "ahead" = only the queued prefill that
+#: engine serves before the request, "overtake" = that, over (1 - rho): rho = the engine's recent
+#: rate of work with an earlier deadline, which overtakes the request while it waits
+#: (``priority_queued_ahead``; docs/routing.md); "running" = overtake, with the pending prefill of
+#: the lowest priority (the one the engine is serving) ahead whatever its priority.
+PRIORITY_WAITS = ("all", "ahead", "overtake", "running")
+#: "overtake": the window (seconds) over which the rate of overtaking work is measured, and the
+#: largest share of the engine it may take (the wait grows at most 1 / (1 - max) = 10x).
+PRIORITY_OVERTAKE_WINDOW_S = 30.0
+PRIORITY_OVERTAKE_MAX_RHO = 0.9
+
+
+def priority_queued_ahead(
+    ledger: InMemoryLoadLedger,
+    engine_id: str,
+    clock: Callable[[], float],
+    *,
+    step_s: float = PRIORITY_STEP_S,
+    stretch: float = PRIORITY_STRETCH,
+    max_overtake_s: float = PRIORITY_MAX_OVERTAKE_S,
+    fcfs_factor: float = PRIORITY_FCFS_FACTOR,
+    overtake: CostEstimates | None = None,
+    running_first: bool = False,
+) -> Callable[[PredictedParts], float]:
+    """``EngineView.queued_ahead`` of a priority engine: a request's first-come parts -> the
+    priority it would be sent with there (``shortest_first_priority`` at ``clock()``, the clock its
+    priorities are sent in) -> the ledger's prefill tokens queued with a priority no larger
+    (``InMemoryLoadLedger.queued_ahead``: what the engine serves first). The caller records each
+    sent priority with ``InMemoryLoadLedger.set_priority``. A cached turn (small own service, early
+    deadline) no longer counts the long recomputes queued before it; a long recompute still counts
+    every cached turn queued ahead of it. With ``overtake`` (the router's cost estimates) it also
+    counts the ones that will arrive while it waits, as a priority queue's waiting time does:
+
+        ahead_tokens / (1 - rho),  rho = min(PRIORITY_OVERTAKE_MAX_RHO, overtaking tokens sent in
+                                             the last PRIORITY_OVERTAKE_WINDOW_S / window / prefill rate)
+
+    where the overtaking tokens are those sent with a deadline offset below this request's.
+    ``running_first``: the ledger counts the prefill the engine is serving as ahead
+    (``InMemoryLoadLedger.queued_ahead``)."""
+    window_levels = PRIORITY_OVERTAKE_WINDOW_S / step_s
+
+    def ahead(parts: PredictedParts) -> float:
+        now_s = clock()
+        level = shortest_first_priority(
+            parts,
+            step_s,
+            now_s=now_s,
+            stretch=stretch,
+            max_overtake_s=max_overtake_s,
+            fcfs_factor=fcfs_factor,
+        )
+        tokens = float(ledger.queued_ahead(engine_id, level, running_first=running_first))
+        if overtake is None:
+            return tokens
+        now_level = now_s / step_s
+        recent = ledger.overtaking(engine_id, level - now_level, now_level - window_levels)
+        rate = overtake.estimates(engine_id).prefill_tokens_per_s * PRIORITY_OVERTAKE_WINDOW_S
+        rho = min(PRIORITY_OVERTAKE_MAX_RHO, recent / rate)
+        return tokens / (1.0 - rho)
+
+    return ahead
 
 
 @dataclass(frozen=True, slots=True)
@@ -511,14 +648,18 @@ class RoutingCore:
         hits = predicted_hit_tokens_by_tier(request, engine_id)
         prompt_tokens = prompt_tokens_of(request)
         wait_tokens = in_flight = 0.0
+        chosen: EngineView | None = None
         for view in candidates:
             if view.engine_id == engine_id:
                 wait_tokens = float(view.queued_prefill_tokens)
                 in_flight = float(view.in_flight)
+                chosen = view
                 break
-        return predict_parts(
-            self.costs.estimates(engine_id), hits, prompt_tokens - sum(hits), wait_tokens, in_flight
-        )
+        est = self.costs.estimates(engine_id)
+        parts = predict_parts(est, hits, prompt_tokens - sum(hits), wait_tokens, in_flight)
+        if chosen is not None and chosen.queued_ahead is not None:
+            parts = priority_wait_parts(est, parts, chosen)
+        return parts
 
     # -- post-response ----------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from kvcore.core import (
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_STRETCH,
+    PRIORITY_WAITS,
     SCHEDULING_POLICIES,
     check_priority_fcfs_factor,
     check_priority_max_overtake,
@@ -74,20 +75,27 @@ class Cell:
     #: The engines' vLLM ``--scheduling-policy``: "fcfs", or "priority" (the router then sends each
     #: request's ``shortest_first_priority``); "priority:S" with the priority stretch S,
     #: "priority:S:H" also with the bound H (``max_overtake_s``), "priority:S:H:K" also with the
-    #: relative bound K (``fcfs_factor``).
+    #: relative bound K (``fcfs_factor``), "priority:S:H:K:W" also with the router's priced wait W
+    #: (``SimConfig.priority_wait``: all, ahead).
     scheduling: str = "fcfs"
     #: The router's ``costs.priors.calibration.pool_observations`` (0 = off).
     pool_observations: float = 0.0
 
 
-def parse_scheduling(spec: str) -> tuple[str, float, float, float]:
-    """ "fcfs", "priority", "priority:S", "priority:S:H" or "priority:S:H:K" -> (vLLM scheduling
-    policy, priority stretch, max overtake seconds, fcfs factor)."""
+def parse_scheduling(spec: str) -> tuple[str, float, float, float, str]:
+    """ "fcfs", "priority", "priority:S", "priority:S:H", "priority:S:H:K" or "priority:S:H:K:W"
+    -> (vLLM scheduling policy, priority stretch, max overtake seconds, fcfs factor, priced wait)."""
     policy, *numbers = spec.split(":")
-    if policy not in SCHEDULING_POLICIES or (numbers and policy != "priority") or len(numbers) > 3:
+    if policy not in SCHEDULING_POLICIES or (numbers and policy != "priority") or len(numbers) > 4:
         raise ValueError(
-            f"--scheduling {spec!r}: use fcfs, priority, priority:STRETCH, priority:STRETCH:MAX_OVERTAKE_S"
-            " or priority:STRETCH:MAX_OVERTAKE_S:FCFS_FACTOR"
+            f"--scheduling {spec!r}: use fcfs, priority, priority:STRETCH, priority:STRETCH:MAX_OVERTAKE_S,"
+            " priority:STRETCH:MAX_OVERTAKE_S:FCFS_FACTOR or priority:STRETCH:MAX_OVERTAKE_S:FCFS_FACTOR:WAIT"
+        )
+    wait = numbers.pop() if len(numbers) == 4 else PRIORITY_WAITS[0]
+    if wait not in PRIORITY_WAITS:
+        raise ValueError(
+            f"--scheduling {spec!r}: the priced wait must be one of {', '.join(PRIORITY_WAITS)}"
+            " (priority:STRETCH:MAX_OVERTAKE_S:FCFS_FACTOR:WAIT)"
         )
     try:
         values = [float(x) for x in numbers]
@@ -99,7 +107,7 @@ def parse_scheduling(spec: str) -> tuple[str, float, float, float]:
     check_priority_stretch(stretch, f"--scheduling {spec!r}: the stretch")
     check_priority_max_overtake(max_overtake_s, f"--scheduling {spec!r}: the bound")
     check_priority_fcfs_factor(fcfs_factor, f"--scheduling {spec!r}: the fcfs factor")
-    return policy, stretch, max_overtake_s, fcfs_factor
+    return policy, stretch, max_overtake_s, fcfs_factor, wait
 
 
 def policy_runs(policies: str, schedulings: str) -> list[tuple[str, str]]:
@@ -167,12 +175,13 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     """Run one cell; the result row (figures of the run and of its hindsight bound)."""
     wl, fleet = build(cell)
     name, params = parse_policy_spec(cell.policy)
-    _, stretch, max_overtake_s, fcfs_factor = parse_scheduling(cell.scheduling)
+    _, stretch, max_overtake_s, fcfs_factor, wait = parse_scheduling(cell.scheduling)
     config = SimConfig(
         seed=cell.seed,
         priority_stretch=stretch,
         priority_max_overtake_s=max_overtake_s,
         priority_fcfs_factor=fcfs_factor,
+        priority_wait=wait,
         calibration_pool_observations=cell.pool_observations,
     )
     sim = FleetSimulator(wl, name, fleet, config, policy_params=params)
@@ -369,7 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the engines' vLLM --scheduling-policy, comma-separated: fcfs, priority (the router"
         " then sends each request's shortest_first_priority), priority:STRETCH (0 = arrival order,"
         " larger = more shortest-first), priority:STRETCH:MAX_OVERTAKE_S (the bound; inf = none),"
-        " priority:STRETCH:MAX_OVERTAKE_S:FCFS_FACTOR (the relative bound K >= 1; inf = none)",
+        " priority:STRETCH:MAX_OVERTAKE_S:FCFS_FACTOR (the relative bound K >= 1; inf = none),"
+        " priority:STRETCH:MAX_OVERTAKE_S:FCFS_FACTOR:WAIT (the router's priced wait: all = every"
+        " queued prefill token, ahead = only what the engine serves first, overtake = that / (1 - the"
+        " recent rate of earlier-deadline work), running = overtake with the prefill the engine serves"
+        " ahead; default all)",
     )
     p.add_argument(
         "--tail-reference",

@@ -82,6 +82,11 @@ class EngineView:
     models: frozenset[str] = frozenset()
     #: Free-form extra numbers a policy may use (e.g. measured costs); keys documented by the producer.
     extra: dict[str, Any] = field(default_factory=dict)
+    #: On an engine that orders its queue by ``priority`` and a router that prices the wait it
+    #: really gives: (a request's first-come ``PredictedParts``) -> the queued prefill tokens that
+    #: engine serves before it (``policies.costs.priority_wait_parts``). None = every queued token
+    #: is ahead (first come, first served).
+    queued_ahead: Callable[[Any], float] | None = None
 
 
 @dataclass(slots=True)

@@ -13,7 +13,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from policies.base import NO_MATCH, TIERS, Decision, RouteRequest, Tier, max_hit_tokens, prompt_tokens_of
+from policies.base import (
+    NO_MATCH,
+    TIERS,
+    Decision,
+    EngineView,
+    RouteRequest,
+    Tier,
+    max_hit_tokens,
+    prompt_tokens_of,
+)
 
 #: Reference numbers (Llama-3-8B bf16 on one H100, see docs/routing.md): 128 KiB of KV per token,
 #: host->GPU over PCIe 5 at 64 GB/s, prefill ~22x slower than a host reload.
@@ -257,6 +266,23 @@ def predict_parts(
         in_flight=in_flight,
         slot_s=in_flight * costs.slot_s_per_request,
     )
+
+
+def priority_wait_parts(costs: EngineCosts, parts: PredictedParts, engine: EngineView) -> PredictedParts:
+    """``parts`` (priced with every queued token ahead: first come) re-priced with the wait a
+    priority engine gives: only the queued prefill it serves before this request
+    (``engine.queued_ahead``; kvcore.core.InMemoryLoadLedger.queued_ahead), as the same share of
+    the queue estimate (``wait_tokens_of``, which may add scraped waiting requests of unknown
+    priority: those stay ahead). ``parts`` unchanged where ``queued_ahead`` is None."""
+    ahead = engine.queued_ahead
+    if ahead is None or not parts.wait_tokens > 0:
+        return parts
+    queued = float(engine.queued_prefill_tokens)
+    wait_tokens = parts.wait_tokens
+    if queued > 0:
+        unknown = max(0.0, wait_tokens - queued)  # scraped waiting requests the ledger does not hold
+        wait_tokens = max(0.0, ahead(parts)) + unknown
+    return predict_parts(costs, parts.hit_tokens, parts.prefill_tokens, wait_tokens, parts.in_flight)
 
 
 def predicted_prefill_tokens(request: RouteRequest, decision: Decision, engine_id: str | None = None) -> int:

@@ -11,6 +11,9 @@ For engine e (all times in seconds, token counts in tokens, bandwidths in bytes/
     cost_s    = total_s + work_s + decode_s + pressure_s                  (what is minimised)
 
     wait_tokens_e = max(queued_prefill_tokens_e, num_requests_waiting_e x tokens per queued request)
+                    (on an engine with ``EngineView.queued_ahead``, a priority engine priced as it
+                    serves: only the queued prefill ahead of this request; policies.costs
+                    .priority_wait_parts)
     decode_s      = decode_s_per_running x running requests (decode steps share the GPU with prefill)
     pressure_s    = pressure_s_at_full x max(0, kv_cache_usage - pressure_threshold)
                     / (1 - pressure_threshold)           (a near-full pool evicts and preempts)
@@ -57,7 +60,7 @@ from policies.base import (
     tiebreak,
     wait_tokens_of,
 )
-from policies.costs import CostEstimates, PredictedParts, PriorCosts, predict_parts
+from policies.costs import CostEstimates, PredictedParts, PriorCosts, predict_parts, priority_wait_parts
 
 #: Per tier: its name and its load and hit keys in the scores (for the reason text).
 _TIER_KEYS = tuple((t.name, f"load_{t.name.lower()}_s", f"hit_tokens_{t.name.lower()}") for t in TIERS)
@@ -112,13 +115,15 @@ class TierCostPolicy(BasePolicy):
         if not engine.index_trusted:
             hits = [h * self.stale_hit_factor for h in hits]
         prefill_tokens = prompt_tokens - sum(hits)
-        return predict_parts(
-            costs.estimates(engine.engine_id),
+        est = costs.estimates(engine.engine_id)
+        parts = predict_parts(
+            est,
             (hits[0], hits[1], hits[2]),
             prefill_tokens,
             wait_tokens_of(engine, prompt_tokens),
             float(engine.in_flight),
         )
+        return parts if engine.queued_ahead is None else priority_wait_parts(est, parts, engine)
 
     def secondary_s(self, engine: EngineView) -> tuple[float, float]:
         """(decode_s, pressure_s): the documented secondary terms."""
@@ -141,6 +146,8 @@ class TierCostPolicy(BasePolicy):
             hit *= self.stale_hit_factor
         wait_tokens = wait_tokens_of(engine, prompt_tokens)
         parts = predict_parts(est, (0.0, 0.0, hit), prompt_tokens - hit, wait_tokens, float(engine.in_flight))
+        if engine.queued_ahead is not None:
+            parts = priority_wait_parts(est, parts, engine)
         decode_s, pressure_s = self.secondary_s(engine)
         return parts.total_s + self.work_weight * parts.service_s + decode_s + pressure_s
 

@@ -25,11 +25,13 @@ from kvcore.core import (
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_STEP_S,
     PRIORITY_STRETCH,
+    PRIORITY_WAITS,
     CoreConfig,
     InMemoryLoadLedger,
     Outcome,
     Reservation,
     RoutingCore,
+    priority_queued_ahead,
     shortest_first_priority,
 )
 from kvcore.index import PrefixIndex
@@ -141,6 +143,12 @@ class SimConfig:
     priority_stretch: float = PRIORITY_STRETCH
     priority_max_overtake_s: float = PRIORITY_MAX_OVERTAKE_S
     priority_fcfs_factor: float = PRIORITY_FCFS_FACTOR
+    #: How the router's cost model prices the wait on priority engines (``kvcore.core
+    #: .PRIORITY_WAITS``): "all" = every queued prefill token (first come), "ahead" = only the
+    #: queued prefill sent with a priority no larger than the request's there
+    #: (``priority_queued_ahead``), "overtake" / "running" (kvcore.core.PRIORITY_WAITS). fcfs
+    #: engines always count every queued token.
+    priority_wait: str = "all"
 
 
 @dataclass(slots=True)
@@ -333,6 +341,27 @@ class FleetSimulator:
         )
         # Trace mode keys: one pseudo-token per block id (block_size 1), as the engine's events.
         self._key_block_size = fleet.block_size if cfg.token_mode else 1
+        if cfg.priority_wait not in PRIORITY_WAITS:
+            raise ValueError(
+                f"priority_wait {cfg.priority_wait!r} is unknown; accepted: {', '.join(PRIORITY_WAITS)}"
+            )
+        #: The routing clock the priorities are sent in (the virtual time of the request being routed).
+        self._route_now = 0.0
+        self._priority_ahead = cfg.priority_wait != "all"
+        if self._priority_ahead:
+            for spec, view in zip(fleet.engines, self.views, strict=True):
+                if spec.profile.scheduling_policy == "priority":
+                    view.queued_ahead = priority_queued_ahead(
+                        self.ledger,
+                        spec.engine_id,
+                        lambda: self._route_now,
+                        step_s=cfg.priority_step_s,
+                        stretch=cfg.priority_stretch,
+                        max_overtake_s=cfg.priority_max_overtake_s,
+                        fcfs_factor=cfg.priority_fcfs_factor,
+                        overtake=self.costs if cfg.priority_wait in ("overtake", "running") else None,
+                        running_first=cfg.priority_wait == "running",
+                    )
 
     # -- the event loop ----------------------------------------------------------------------
 
@@ -615,6 +644,7 @@ class FleetSimulator:
                     chain.append((block_id,))
             self.clairvoyant.hashes = chain.hashes
         # filter -> score -> reserve: the same calls the router makes.
+        self._route_now = now
         reservation = self.core.route(self.policy, route, self.views, now)
         engine = self._pos[reservation.engine_id]
         if tokens is not None:
@@ -638,6 +668,10 @@ class FleetSimulator:
                 max_overtake_s=self.config.priority_max_overtake_s,
                 fcfs_factor=self.config.priority_fcfs_factor,
             )
+            if self._priority_ahead:
+                self.ledger.set_priority(
+                    reservation.ticket, sim_req.priority, now / self.config.priority_step_s
+                )
         if admit and not self._admit(r, sim_req, now):
             return None
         return r, sim_req

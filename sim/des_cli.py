@@ -20,6 +20,7 @@ from kvcore.core import (
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_STRETCH,
+    PRIORITY_WAITS,
     SCHEDULING_POLICIES,
     check_priority_fcfs_factor,
     check_priority_max_overtake,
@@ -251,6 +252,16 @@ def build_parser() -> argparse.ArgumentParser:
         "predicted first-come TTFT on its engine after placement (>= 1; default inf = off)",
     )
     fl.add_argument(
+        "--priority-wait",
+        choices=PRIORITY_WAITS,
+        default=PRIORITY_WAITS[0],
+        help="priority engines: the wait the router's cost model prices; all = every queued prefill "
+        "token (first come, the default), ahead = only the queued prefill sent with a priority no "
+        "larger than the request's (what the engine serves first), overtake = that / (1 - the engine's "
+        "recent rate of earlier-deadline work), running = overtake with the engine's lowest-priority pending "
+        "prefill (the one it serves) ahead",
+    )
+    fl.add_argument(
         "--gpu-tokens",
         type=int,
         default=27_852 * 16,
@@ -364,6 +375,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         priority_stretch=args.priority_stretch,
         priority_max_overtake_s=args.priority_max_overtake_s,
         priority_fcfs_factor=args.priority_fcfs_factor,
+        priority_wait=args.priority_wait,
     )
     check_priority_stretch(args.priority_stretch, "--priority-stretch")
     check_priority_max_overtake(args.priority_max_overtake_s, "--priority-max-overtake-s")

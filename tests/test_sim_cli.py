@@ -50,7 +50,13 @@ def test_priority_options_are_checked_and_a_priority_fleet_runs() -> None:
     proc = sim(*TINY, "--scheduling-policy", "priority", "--priority-fcfs-factor", "0.9")
     _, stderr = proc.communicate(timeout=100)
     assert proc.returncode == 2 and "--priority-fcfs-factor must be >= 1" in stderr, stderr
-    proc = sim(*TINY, "--concurrency", "2", "--policies", "tier_cost", "--scheduling-policy", "priority")
+    proc = sim(*TINY, "--scheduling-policy", "priority", "--priority-wait", "fifo")
+    _, stderr = proc.communicate(timeout=100)
+    assert proc.returncode == 2 and "--priority-wait: invalid choice: 'fifo'" in stderr, stderr
+    proc = sim(
+        *TINY, "--concurrency", "2", "--policies", "tier_cost", "--scheduling-policy", "priority",
+        "--priority-wait", "overtake",
+    )  # fmt: skip
     stdout, stderr = proc.communicate(timeout=200)
     assert proc.returncode == 0, stderr
     assert "tier_cost" in stdout
