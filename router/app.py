@@ -135,6 +135,16 @@ def _check_number(body: Mapping[str, Any], key: str, low: float, high: float, wh
         raise bad_request(f"'{key}' must be {what}, got {str(value)[:40]}", "invalid_value")
 
 
+#: Numeric body fields with a range: (key, lowest, highest, what the error calls it).
+_NUMBER_FIELDS: tuple[tuple[str, float, float, str], ...] = (
+    ("max_tokens", 1, 2**31 - 1, "an integer >= 1"),
+    ("max_completion_tokens", 1, 2**31 - 1, "an integer >= 1"),
+    ("n", 1, 2**31 - 1, "an integer >= 1"),
+    ("temperature", 0.0, 1e6, "a number >= 0"),
+    ("top_p", 1e-9, 1.0, "a number in (0, 1]"),
+)
+
+
 def validate_body(endpoint: str, body: Mapping[str, Any]) -> None:
     """Checks beyond ``parse_request`` that an engine would also make, so the explain endpoint and
     the router's own prompt estimate never work on values the engine rejects: message content is
@@ -159,10 +169,9 @@ def validate_body(endpoint: str, body: Mapping[str, Any]) -> None:
                     )
                 if "text" in part and not isinstance(part["text"], str):
                     raise bad_request(f"'messages[{i}].content[{j}].text' must be a string", "invalid_type")
-    for key in ("max_tokens", "max_completion_tokens", "n"):
-        _check_number(body, key, 1, 2**31 - 1, "an integer >= 1")
-    _check_number(body, "temperature", 0.0, 1e6, "a number >= 0")
-    _check_number(body, "top_p", 1e-9, 1.0, "a number in (0, 1]")
+    for key, low, high, what in _NUMBER_FIELDS:
+        if key in body:  # most requests set one or two of them
+            _check_number(body, key, low, high, what)
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad_request("'cache_salt' must be a non-empty string", "invalid_type")
@@ -478,7 +487,7 @@ def create_app(
             metrics.requests.labels("none", "", "", str(STATUS_CLIENT_GONE)).inc()
 
     # The hot path, behind the same guard (authentication, a JSON 500 for anything unhandled).
-    app.proxy_app = AccessGuard(proxy, auth=auth)
+    app.proxy_app = AccessGuard(proxy, auth=auth, paths=PROXY_PATHS)
 
     @app.post("/v1/chat/completions", openapi_extra=openapi.operation(openapi.CHAT_BODY, streams=True))
     async def chat_completions(request: Request) -> Response:

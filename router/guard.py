@@ -17,6 +17,7 @@ import ipaddress
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -437,15 +438,21 @@ class AccessGuard:
     (Starlette's own handler re-raises, and uvicorn then closes a keep-alive connection without
     saying so: the client's next request on it fails)."""
 
-    def __init__(self, app: Any, auth: Authenticator) -> None:
+    def __init__(self, app: Any, auth: Authenticator, paths: Iterable[str] = ()) -> None:
+        """``paths``: the paths ``app`` mostly serves (the proxied routes); what they require is
+        looked up once here (it depends on the config only), not per request."""
         self.app = app
         self.auth = auth
+        self._need_of = {path: auth.required(path) for path in paths}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        need = self.auth.required(scope["path"])
+        path = scope["path"]
+        need = self._need_of.get(path)
+        if need is None:
+            need = self.auth.required(path)
         if need:
             try:
                 self.auth.check(scope, need)

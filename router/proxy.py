@@ -70,6 +70,7 @@ class UpstreamResponse:
         "_conn",
         "_done",
         "_error",
+        "_loop",
         "_waiter",
         "event_seen",
         "got_bytes",
@@ -78,8 +79,9 @@ class UpstreamResponse:
         "url",
     )
 
-    def __init__(self, conn: _Connection, url: str) -> None:
+    def __init__(self, conn: _Connection, url: str, loop: asyncio.AbstractEventLoop) -> None:
         self._conn: _Connection | None = conn
+        self._loop = loop
         self.url = url
         self.status = 0
         self.headers: dict[str, str] = {}
@@ -104,7 +106,9 @@ class UpstreamResponse:
         self._wake()
 
     async def _wait(self) -> None:
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        # The loop the client runs on, not asyncio.get_running_loop(): on Python 3.11 that is a
+        # getpid() system call per await.
+        waiter = self._waiter = self._loop.create_future()
         try:
             await waiter
         except BaseException:
@@ -335,7 +339,9 @@ class UpstreamClient:
         self._keepalive_timeout_s = keepalive_timeout_s
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        #: URL -> its engine's pool and the request's head up to the headers (request line, host).
         self._pools: dict[str, tuple[_Pool, bytes]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
         #: Connections carrying an exchange (their deadlines are checked by ``_tick``).
         self._running: set[_Connection] = set()
         self._ticker: asyncio.TimerHandle | None = None
@@ -371,12 +377,14 @@ class UpstreamClient:
                 conn.abort()
             pool.idle.clear()
         self._pools.clear()
+        self._loop = None
         if self._session is not None:
             await self._session.close()
             self._session = None
 
     def _pool_of(self, url: str) -> tuple[_Pool, bytes]:
-        """The pool of ``url``'s engine and the request line's path (cached per URL)."""
+        """The pool of ``url``'s engine and the request's head up to its headers: the request line
+        and the host header (cached per URL)."""
         found = self._pools.get(url)
         if found is None:
             parts = urlsplit(url)
@@ -388,7 +396,7 @@ class UpstreamClient:
                 (p for p, _ in self._pools.values() if (p.host, p.port, p.tls) == (host, port, tls)), None
             ) or _Pool(self, host, port, tls)
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            found = self._pools[url] = (pool, path.encode("latin-1"))
+            found = self._pools[url] = (pool, b"POST %s HTTP/1.1\r\n%s" % (path.encode("latin-1"), pool.head))
         return found
 
     def _note_idle(self) -> None:
@@ -470,7 +478,7 @@ class UpstreamClient:
         self,
         url: str,
         body: bytes,
-        headers: Mapping[str, str],
+        headers: Mapping[str, str] | bytes,
         *,
         first_byte_timeout_s: float | None = None,
         until_event: bool = False,
@@ -478,8 +486,9 @@ class UpstreamClient:
         """POST ``body`` unchanged to ``url``; the response is open once its headers are in (the
         caller must ``close`` it). ``first_byte_timeout_s`` bounds the wait for the headers and,
         with ``until_event``, for a 200 answer's first SSE ``data:`` event as well: then the
-        answer fails with UpstreamFirstByteTimeout (wait for it with ``first_event``)."""
-        pool, path = self._pool_of(url)
+        answer fails with UpstreamFirstByteTimeout (wait for it with ``first_event``).
+        ``headers``: a mapping, or its header lines already encoded (``encode_headers``)."""
+        pool, request_head = self._pool_of(url)
         conn = pool.take(time.monotonic())
         if conn is None and self._limit_per_host:
             while pool.busy >= self._limit_per_host:
@@ -490,12 +499,8 @@ class UpstreamClient:
         reused = conn is not None
         if conn is None:
             conn = await self._new_connection(pool, url)
-        head = [b"POST ", path, b" HTTP/1.1\r\n", pool.head]
-        for name, value in headers.items():
-            head += [name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n"]
-        head.append(b"content-length: %d\r\n\r\n" % len(body))
-        head.append(body)
-        request = b"".join(head)
+        header_lines = headers if isinstance(headers, bytes) else encode_headers(headers)
+        request = b"%s%scontent-length: %d\r\n\r\n%s" % (request_head, header_lines, len(body), body)
         response = self._start(pool, conn, url, request, first_byte_timeout_s, until_event)
         try:
             await response.headers_in()
@@ -531,7 +536,10 @@ class UpstreamClient:
     ) -> UpstreamResponse:
         """Send ``request`` on ``conn`` and arm its deadlines (checked by ``_tick``)."""
         pool.busy += 1
-        response = UpstreamResponse(conn, url)
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        response = UpstreamResponse(conn, url, loop)
         conn.send(response, request)
         if first_byte_timeout_s is not None:
             conn.first_byte_due_s = conn.last_io_s + first_byte_timeout_s
@@ -541,8 +549,15 @@ class UpstreamClient:
         conn.until_event = until_event
         self._running.add(conn)
         if self._ticker is None:
-            self._ticker = asyncio.get_running_loop().call_later(DEADLINE_TICK_S, self._tick)
+            self._ticker = loop.call_later(DEADLINE_TICK_S, self._tick)
         return response
+
+
+def encode_headers(headers: Mapping[str, str]) -> bytes:
+    """Header lines (``name: value\\r\\n`` each) as ``UpstreamClient.send`` writes them."""
+    return b"".join(
+        b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()
+    )
 
 
 async def iter_body(response: UpstreamResponse) -> AsyncIterator[bytes]:

@@ -46,6 +46,7 @@ from router.proxy import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamResponse,
+    encode_headers,
 )
 
 log = logging.getLogger("kvroute.router")
@@ -570,11 +571,13 @@ class Router:
         """Send to the chosen engine (one retry on the next choice if it refuses) and build the
         response."""
 
-        upstream_headers = {"content-type": "application/json", "x-request-id": ctx.request_id}
-        for name in FORWARDED_REQUEST_HEADERS:
-            value = headers.get(name)
-            if value is not None:
-                upstream_headers[name] = value
+        # The header lines encoded once per request (not once per attempt, nor from a dict).
+        upstream_headers = b"content-type: application/json\r\nx-request-id: %s\r\n" % ctx.request_id.encode(
+            "latin-1"
+        )
+        forwarded = {name: headers[name] for name in FORWARDED_REQUEST_HEADERS if name in headers}
+        if forwarded:
+            upstream_headers += encode_headers(forwarded)
         path = ENDPOINT_PATHS[ctx.endpoint]
         base_body = self._upstream_body(ctx)
         # A priority engine gets the request's shortest-work-first priority unless the client set one.
@@ -863,6 +866,11 @@ class _BodyAnswer:
     async def send(self, send: Send, watcher: DisconnectWatcher) -> None:
         self.headers.append((b"content-length", b"%d" % len(self.body)))
         watcher.answered = True  # from here on a "disconnect" is the end of the answer
+        # kvroute's own exchange (router/fastpath.py) takes the whole answer in one call.
+        respond = getattr(getattr(send, "__self__", None), "respond", None)
+        if respond is not None:
+            respond(self.status, self.headers, self.body)
+            return
         await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
         await send({"type": "http.response.body", "body": self.body, "more_body": False})
 

@@ -82,6 +82,31 @@ def test_wrong_types(one_engine, body, code) -> None:
     assert upstream.bodies == []
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "what"),
+    [
+        ("max_tokens", 0, "an integer >= 1"),
+        ("max_completion_tokens", -3, "an integer >= 1"),
+        ("n", 2**31, "an integer >= 1"),
+        ("temperature", -0.5, "a number >= 0"),
+        ("top_p", 0, "a number in (0, 1]"),
+        ("top_p", True, "a number in (0, 1]"),
+    ],
+)
+def test_numbers_out_of_range_are_400s_naming_the_field(one_engine, field, value, what) -> None:
+    """Each ranged number is checked when the body has it (the checks run only for the keys
+    present): a field dropped from that table would be sent on to the engine."""
+    upstream, router = one_engine
+    sent = len(upstream.bodies)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, field: value}
+    error = assert_error(httpx.post(router.url + CHAT, json=body), 400, "invalid_value")
+    assert error["message"].startswith(f"'{field}' must be {what}")
+    assert len(upstream.bodies) == sent
+    # In range, the same field passes.
+    body[field] = 1 if field != "temperature" else 0.5
+    assert httpx.post(router.url + CHAT, json=body).status_code == 200
+
+
 def test_missing_model(one_engine) -> None:
     error = assert_error(
         httpx.post(router_url(one_engine) + CHAT, json={"messages": MESSAGES}), 400, "missing_model"

@@ -156,6 +156,39 @@ def test_keep_alive_many_requests_one_connection_and_errors_keep_it(router) -> N
             assert answer.headers.get("connection") != "close"
 
 
+def test_the_engine_gets_the_routers_header_lines_and_only_the_forwarded_client_ones(router) -> None:
+    """The upstream request's header block (encoded once per request, router/proxy.py): the JSON
+    content type, the request id, the body's length, the forwarded tracing/session/auth headers
+    with their values byte for byte, and no other client header."""
+    server, _, engines = router
+    body = chat(text="headers")
+    forwarded = {
+        "authorization": "Bearer sk-\u00e9t\u00e9",
+        "x-session-id": "conv-9",
+        "x-correlation-id": "corr-1",
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "tracestate": "congo=t61rcWkgMzE",
+    }
+    extra = b"".join(b"%s: %s\r\n" % (k.encode(), v.encode("latin-1")) for k, v in forwarded.items())
+    extra += b"x-request-id: client-id-7\r\nuser-agent: ua/1\r\nx-not-forwarded: no\r\n"
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(post("/v1/chat/completions", body, extra))
+        (answer,) = read_answers(sock, 1)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-request-id"] == "client-id-7"
+    assert int(answer.headers["content-length"]) == len(answer.content)
+    engine = next(u for u, _ in engines if u.name == answer.headers["x-kvroute-engine"])
+    assert engine.bodies[-1] == body
+    got = engine.headers[-1]
+    for name, value in forwarded.items():
+        assert got[name].encode("latin-1") == value.encode("latin-1"), name
+    assert got["content-type"] == "application/json"
+    assert got["x-request-id"] == "client-id-7"
+    assert got["content-length"] == str(len(body))
+    assert "user-agent" not in got and "x-not-forwarded" not in got
+    assert set(got) == {*forwarded, "content-type", "x-request-id", "content-length", "host"}
+
+
 def test_http10_gets_its_answer_and_a_closed_connection(router) -> None:
     server, _, _ = router
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
