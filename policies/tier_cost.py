@@ -190,15 +190,15 @@ class TierCostPolicy(BasePolicy):
             score["pressure_s"] = pressure_s
             score["cost_s"] = cost_s
             score["index_trusted"] = 1.0 if engine.index_trusted else 0.0
-        # Microsecond rounding makes equal predictions tie exactly despite float noise.
-        order = sorted(
-            engines,
-            key=lambda e: (
-                round(cost_by_engine[e.engine_id], 6),
-                e.in_flight,
-                tiebreak(request.request_id, e.engine_id),
-            ),
-        )
+        # Microsecond rounding makes equal predictions tie exactly despite float noise. The hash
+        # tiebreak is computed only when two engines tie on (cost, in flight): the same order.
+        ranks = {e.engine_id: (round(cost_by_engine[e.engine_id], 6), e.in_flight) for e in engines}
+        if len(set(ranks.values())) == len(ranks):
+            order = sorted(engines, key=lambda e: ranks[e.engine_id])
+        else:
+            order = sorted(
+                engines, key=lambda e: (*ranks[e.engine_id], tiebreak(request.request_id, e.engine_id))
+            )
         chosen = order[0]
         how = "lowest predicted cost"
         if self.temperature_s > 0 and len(order) > 1:
