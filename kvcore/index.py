@@ -51,6 +51,19 @@ _MATCHES_KEPT = 64
 
 _STORED, _REMOVED, _CLEARED, _UNKNOWN = range(4)
 
+
+@dataclass(slots=True)
+class _LastSpeculation:
+    """An engine slot's latest speculated chain: every key of ``keys`` is speculative on the slot
+    with expiry ``expiry``. ``written``: the slot's expiry table says so too; while False the
+    table may hold an earlier expiry for them (a re-sent prompt's refresh, written only when
+    something reads the table: ``PrefixIndex._settle``)."""
+
+    keys: list[int]
+    expiry: float
+    written: bool = True
+
+
 #: Medium names (upper-cased) of the publishers the router knows, and their tier: vLLM's GPU pool
 #: (None or "GPU"), its offloading connector's ``Medium`` enum ("CPU", "STORAGE") and the older
 #: ``DiskLoadStoreSpec.medium()`` ("Disk"); LMCache's CPU backend ("cpu") and CXL memory ("CXL",
@@ -244,6 +257,9 @@ class PrefixIndex:
         #: (expiry, entry, slot, keys): due entries expire the keys they are responsible for.
         self._spec_heap: list[tuple[float, int, int, tuple[int, ...]]] = []
         self._spec_counter = itertools.count()
+        #: Per engine slot: its latest speculated chain, so the same chain sent again refreshes one
+        #: expiry, not one per block (``speculate``'s shortcut; ``_settle`` writes it through).
+        self._spec_last: dict[int, _LastSpeculation] = {}
         self._now = 0.0
         self._mask_intern: dict[int, int] = {}
         self._event_kinds: dict[type, int] = {}
@@ -775,6 +791,18 @@ class PrefixIndex:
             keys = list(itertools.compress(keys, map(operator.not_, held)))
         if not keys:
             return
+        last = self._spec_last.get(slot)
+        if last is not None:
+            # The same chain again, due no earlier (a prompt re-sent to the engine that holds it):
+            # its keys are all speculative here already and each has a heap entry due at or
+            # before its new expiry, which re-arms it (``_advance`` settles first), so one
+            # expiry for the chain is refreshed instead of one per block.
+            if expiry >= last.expiry and (last.keys is keys or last.keys == keys):
+                if expiry != last.expiry:
+                    last.expiry = expiry
+                    last.written = False
+                return
+            self._settle(slot)
         # Every key gets the new expiry; a heap entry is pushed only for keys no entry covers yet:
         # new keys, and keys whose expiry moves earlier (a replica's record of an older routing has
         # a shorter ttl). A key refreshed to a later expiry keeps the entry it has, which re-arms it
@@ -801,6 +829,14 @@ class PrefixIndex:
             # New keys' first entry is their own; keys moved earlier are taken over from the
             # entry that covered them (it must not re-arm them as well).
             self._arm(slot, expiry, arm, taking_over=len(new) < len(arm))
+        self._spec_last[slot] = _LastSpeculation(list(keys), expiry)
+
+    def _settle(self, slot: int) -> None:
+        """Write the slot's latest chain's expiry into its expiry table (before anything reads it)."""
+        last = self._spec_last.get(slot)
+        if last is not None and not last.written:
+            self._spec_expiry[slot].update(dict.fromkeys(last.keys, last.expiry))
+            last.written = True
 
     def _arm(self, slot: int, expiry: float, keys: list[int], *, taking_over: bool = True) -> None:
         """Push a heap entry due at ``expiry`` for ``keys``. ``taking_over``: it replaces the entry
@@ -816,6 +852,9 @@ class PrefixIndex:
         if not keys:
             return
         self._forget_matches()
+        # Keys of the latest chain leave: the rest get its expiry, and the chain is no longer whole.
+        self._settle(slot)
+        self._spec_last.pop(slot, None)
         deque(map(expiries.pop, keys, _NONES), 0)
         armed = self._spec_armed.get(slot)
         if armed:
@@ -839,6 +878,7 @@ class PrefixIndex:
             expiries = self._spec_expiry.get(slot)
             if not expiries:
                 continue
+            self._settle(slot)
             # Due keys go (a key gone already reads as never due); a key still live was refreshed
             # to a later expiry and is re-armed there, by this entry only if no later entry took it
             # over (``_spec_armed``; a key's first entry is recorded nowhere), so a key is never

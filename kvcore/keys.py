@@ -206,8 +206,18 @@ class KeyChainCache:
         they extend (``replaces``, from ``reusable``): one entry per conversation."""
         self.reused_blocks += reused_blocks
         self.hashed_blocks += len(keys) - reused_blocks
-        if replaces is not None and replaces in self._entries:
-            self._drop(replaces)
+        if replaces is not None:
+            entry = self._entries.get(replaces)
+            if (
+                entry is not None
+                and entry.keys is keys
+                and entry.tokens is tokens
+                and file_under
+                and all(self._names.get((scope, anchor)) == replaces for anchor in file_under)
+            ):
+                return  # the very prompt filed again under its own names: nothing changes
+            if entry is not None:
+                self._drop(replaces)
         size = _CACHE_ENTRY_BYTES + _CACHE_TOKEN_BYTES * len(tokens) + _CACHE_KEY_BYTES * len(keys)
         if not file_under or size > self.max_bytes:
             return

@@ -109,17 +109,21 @@ class TierCostPolicy(BasePolicy):
 
     def predict(self, request: RouteRequest, engine: EngineView, costs: CostEstimates) -> PredictedParts:
         """The predicted TTFT parts of ``request`` on ``engine``."""
-        prompt_tokens = prompt_tokens_of(request)
+        return self._predict(request, engine, costs, prompt_tokens_of(request))
+
+    def _predict(
+        self, request: RouteRequest, engine: EngineView, costs: CostEstimates, prompt_tokens: int
+    ) -> PredictedParts:
         match = request.prefix_matches.get(engine.engine_id, NO_MATCH)
-        hits = list(hit_tokens_by_tier(match, request.block_size, prompt_tokens))
+        hits = hit_tokens_by_tier(match, request.block_size, prompt_tokens)
         if not engine.index_trusted:
-            hits = [h * self.stale_hit_factor for h in hits]
-        prefill_tokens = prompt_tokens - sum(hits)
+            factor = self.stale_hit_factor
+            hits = (hits[0] * factor, hits[1] * factor, hits[2] * factor)
         est = costs.estimates(engine.engine_id)
         parts = predict_parts(
             est,
-            (hits[0], hits[1], hits[2]),
-            prefill_tokens,
+            hits,
+            prompt_tokens - sum(hits),
             wait_tokens_of(engine, prompt_tokens),
             float(engine.in_flight),
         )
@@ -179,29 +183,29 @@ class TierCostPolicy(BasePolicy):
         scores: dict[str, dict[str, float]] = {}
         parts_by_engine: dict[str, PredictedParts] = {}
         cost_by_engine: dict[str, float] = {}
+        prompt_tokens = prompt_tokens_of(request)
+        work_weight = self.work_weight
         for engine in engines:
-            parts = parts_by_engine[engine.engine_id] = self.predict(request, engine, costs)
+            engine_id = engine.engine_id
+            parts = parts_by_engine[engine_id] = self._predict(request, engine, costs, prompt_tokens)
             decode_s, pressure_s = self.secondary_s(engine)
-            work_s = self.work_weight * parts.service_s
-            cost_s = parts.total_s + work_s + decode_s + pressure_s
-            scores[engine.engine_id] = {
-                **parts.as_scores(),
-                "work_s": work_s,
-                "decode_s": decode_s,
-                "pressure_s": pressure_s,
-                "cost_s": cost_s,
-                "index_trusted": 1.0 if engine.index_trusted else 0.0,
-            }
-            cost_by_engine[engine.engine_id] = cost_s
-        # Microsecond rounding makes equal predictions tie exactly despite float noise.
-        order = sorted(
-            engines,
-            key=lambda e: (
-                round(cost_by_engine[e.engine_id], 6),
-                e.in_flight,
-                tiebreak(request.request_id, e.engine_id),
-            ),
-        )
+            score = scores[engine_id] = parts.as_scores()
+            work_s = work_weight * parts.service_s
+            cost_s = cost_by_engine[engine_id] = score["total_s"] + work_s + decode_s + pressure_s
+            score["work_s"] = work_s
+            score["decode_s"] = decode_s
+            score["pressure_s"] = pressure_s
+            score["cost_s"] = cost_s
+            score["index_trusted"] = 1.0 if engine.index_trusted else 0.0
+        # Microsecond rounding makes equal predictions tie exactly despite float noise. The hash
+        # tiebreak is computed only when two engines tie on (cost, in flight): the same order.
+        ranks = {e.engine_id: (round(cost_by_engine[e.engine_id], 6), e.in_flight) for e in engines}
+        if len(set(ranks.values())) == len(ranks):
+            order = sorted(engines, key=lambda e: ranks[e.engine_id])
+        else:
+            order = sorted(
+                engines, key=lambda e: (*ranks[e.engine_id], tiebreak(request.request_id, e.engine_id))
+            )
         chosen = order[0]
         how = "lowest predicted cost"
         if self.temperature_s > 0 and len(order) > 1:

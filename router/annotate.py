@@ -148,7 +148,9 @@ class IndexAnnotator:
             new = await asyncio.to_thread(block_keys, rest, block_size, parent=parent, extra_keys=rest_extra)
         else:
             new = block_keys(rest, block_size, parent=parent, extra_keys=rest_extra)
-        keys = reused + new if reused else new
+        # A prompt sent again gets the cache's own list back (nobody changes it): the cache sees
+        # the very entry filed again, and no 1,000-key copy is made.
+        keys = reused + new if reused and new else reused or new
         self._key_cache.put(file_under, scope, tokens, keys, reused_blocks=start, replaces=extended)
         return keys
 

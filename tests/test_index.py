@@ -678,6 +678,61 @@ def test_a_prompt_refreshed_by_one_router_needs_no_heap_entry_per_request() -> N
     assert index.match(keys, ["a"], now=4.999 + 2.0) == {"a": NO_MATCH}
 
 
+def test_a_chain_speculated_again_sees_every_change_between_two_identical_requests() -> None:
+    """``speculate`` refreshes one expiry for a chain sent again to the same engine (a fresh, equal
+    key list each time, as the router sends); anything between two identical speculations that
+    drops some of its entries or moves them earlier must show: an expiry, a clear, a GPU store of
+    part of the chain, a replica's shorter ttl, another chain on the engine. Catches the shortcut
+    taken for a chain that is no longer whole (entries not re-added) or an expiry not refreshed."""
+    index = PrefixIndex()
+    keys = block_keys(toks(0, 8), 16)
+    other = block_keys(toks(0, 4) + toks(900, 4), 16)  # shares the first 4 blocks
+
+    def blocks(now: float) -> int:
+        return index.match(list(keys), ["a"], now=now)["a"].blocks
+
+    def speculated() -> int:
+        return int(index.stats()["speculative_entries"])
+
+    # Refreshed: the second speculation's expiry counts, not the first's.
+    index.speculate("a", list(keys), 1.0, 0.0)
+    index.speculate("a", list(keys), 1.0, 0.5)
+    assert blocks(1.49) == 8 and blocks(1.5) == 0 and speculated() == 0
+    # Expired between two identical speculations: the second adds the entries again.
+    index.speculate("a", list(keys), 1.0, 2.0)
+    index.speculate("a", list(keys), 1.0, 3.5)
+    assert blocks(3.5) == 8 and speculated() == 8
+    assert blocks(4.5) == 0
+    # Cleared between them.
+    index.speculate("a", list(keys), 1.0, 5.0)
+    index.apply_batch("a", [AllBlocksCleared()], now=5.1)
+    assert blocks(5.1) == 0
+    index.speculate("a", list(keys), 1.0, 5.2)
+    assert blocks(5.2) == 8 and speculated() == 8
+    # A replica's record of an older routing (shorter ttl) moves the expiry earlier.
+    index.speculate("a", list(keys), 0.3, 5.3)
+    assert blocks(5.59) == 8 and blocks(5.6) == 0 and speculated() == 0
+    # Another chain sharing a prefix in between, right after a refresh: the first 4 blocks take
+    # its expiry, the other 4 keep the refreshed one; then the chain sent again takes them back.
+    index.speculate("a", list(keys), 1.0, 6.0)
+    index.speculate("a", list(keys), 1.0, 6.05)
+    index.speculate("a", list(other), 0.2, 6.1)
+    assert blocks(6.35) == 0 and speculated() == 4  # the shared blocks went at 6.3
+    assert blocks(7.04) == 0 and speculated() == 4
+    assert blocks(7.05) == 0 and speculated() == 0
+    index.speculate("a", list(keys), 1.0, 7.1)
+    assert blocks(7.1) == 8 and blocks(8.09) == 8 and blocks(8.1) == 0
+    # A GPU store of part of the chain confirms those blocks; the rest stay speculative, and the
+    # chain sent again speculates only what the GPU does not hold.
+    index.speculate("a", list(keys), 1.0, 9.0)
+    index.apply_batch("a", [stored([k % 2**64 for k in keys[:3]], toks(0, 3))], now=9.1)
+    assert speculated() == 5
+    index.speculate("a", list(keys), 1.0, 9.5)
+    assert speculated() == 5 and blocks(10.49) == 8
+    assert index.match(list(keys), ["a"], now=10.5)["a"] == PrefixMatch(3, (3, 0, 0))
+    assert speculated() == 0
+
+
 def test_a_repeated_match_sees_every_change_between_two_identical_requests() -> None:
     """``match`` keeps its result for a prompt sent again; anything between two identical requests
     that a match could see must show in the second: a store, a removal, an engine's restart, a

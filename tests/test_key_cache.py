@@ -177,3 +177,30 @@ def test_the_cache_stays_within_its_byte_bound() -> None:
     big = list(range(10_000))
     cache.put([99], "s", big, block_keys(big, 16))
     assert cache.reusable([99], "s", big, 16) == ([], None)
+
+
+def test_a_prompt_filed_again_keeps_its_entry_and_a_new_name_is_filed() -> None:
+    """``put`` of the very entry ``reusable`` handed back (its token list, its key list) under its
+    own names changes nothing but the counters; under a name it lacks (the same prompt reached by
+    another message split), or with another token list, it is filed as before. Catches the
+    shortcut taken without checking the names or the tokens."""
+    cache = KeyChainCache(1 << 20)
+    tokens = list(range(160))
+    keys = block_keys(tokens, 16)
+    cache.put([1, 2], "s", tokens, keys)
+    reused, extended = cache.reusable([1, 2], "s", tokens, 16)
+    assert reused is keys and extended is not None
+    cache.put([1, 2], "s", tokens, reused, reused_blocks=10, replaces=extended)
+    assert (cache.stats()["entries"], cache.stats()["names"], cache.stats()["reused_blocks"]) == (1, 2, 10)
+    assert cache.reusable([2], "s", tokens, 16)[0] is keys
+    # A new name: filed (and the entry it extends replaced, as before).
+    reused, extended = cache.reusable([1, 2], "s", tokens, 16)
+    cache.put([3], "s", tokens, reused, reused_blocks=10, replaces=extended)
+    assert cache.reusable([3], "s", tokens, 16)[0] == keys
+    # An equal prompt in another list: filed by that list (its blocks are checked against it).
+    again = list(tokens)
+    reused, extended = cache.reusable([3], "s", again, 16)
+    cache.put([3], "s", again, reused, reused_blocks=10, replaces=extended)
+    changed = [*tokens[:-1], -1]
+    again[-1] = -1  # the caller must not change a filed list; this shows which list is held
+    assert cache.reusable([3], "s", changed, 16)[0] == keys

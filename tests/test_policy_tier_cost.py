@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcore.calibration import CostModel
-from policies.base import EngineView, FleetView, PrefixMatch, RouteRequest, build_policy
+from policies.base import EngineView, FleetView, PrefixMatch, RouteRequest, build_policy, tiebreak
 from policies.costs import EngineCosts, PredictedParts
 
 BLOCK = 16
@@ -138,6 +138,29 @@ def test_ties_go_to_fewer_in_flight_then_stable_hash() -> None:
     assert len(picks) > 1  # the hash spreads ties
     again = [policy.choose(request({}, "same"), even).engine_id for _ in range(5)]
     assert len(set(again)) == 1  # ...deterministically per request id
+
+
+def test_the_whole_order_is_cost_then_in_flight_then_hash_with_and_without_ties() -> None:
+    """The choice and its fallbacks follow (cost rounded to the microsecond, in flight, hash of the
+    request and engine ids), the hash computed only for ties: in a fleet where some engines tie and
+    some do not, and in one where none do, for many request ids. Catches ties left in input order
+    or broken only among the first engines."""
+    policy = build_policy("tier_cost", {"decode_s_per_running": 0.0, "keep_unmatched": 10})
+    mixed = FleetView(
+        [EngineView(f"t{i}", in_flight=1) for i in range(4)]
+        + [EngineView("u0", in_flight=0), EngineView("u1", in_flight=2), EngineView("hit", in_flight=1)]
+    )
+    distinct = FleetView([EngineView(f"d{i}", in_flight=i) for i in range(5)])
+    for fleet in (mixed, distinct):
+        for i in range(30):
+            req = request({"hit": gpu(PROMPT_BLOCKS // 2)}, f"req-{i}")
+            decision = policy.choose(req, fleet)
+            costs = {e: round(s["cost_s"], 6) for e, s in decision.scores.items()}
+            expected = sorted(
+                fleet.engines,
+                key=lambda e: (costs[e.engine_id], e.in_flight, tiebreak(req.request_id, e.engine_id)),
+            )
+            assert [decision.engine_id, *decision.fallbacks] == [e.engine_id for e in expected]
 
 
 def test_softmax_is_seeded_and_prefers_cheaper() -> None:
