@@ -283,8 +283,13 @@ def session_key_of(endpoint: str, body: Mapping[str, Any], headers: Mapping[str,
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             start = prompt[0][:256]
     # MessagePack, not JSON: a 16K-token first message is copied, not scanned for escapes (5 µs
-    # against 50); the key only has to be stable, and it names the same things.
-    return "h" + xxhash.xxh3_64_hexdigest(_encode_msgpack(start))
+    # against 50); the key only has to be stable, and it names the same things. JSON takes what
+    # MessagePack cannot hold (an integer beyond 64 bits, which a valid JSON body may carry).
+    try:
+        encoded = _encode_msgpack(start)
+    except OverflowError:
+        encoded = _encode_json(start)
+    return "h" + xxhash.xxh3_64_hexdigest(encoded)
 
 
 def parse_request(

@@ -107,6 +107,19 @@ def test_numbers_out_of_range_are_400s_naming_the_field(one_engine, field, value
     assert httpx.post(router.url + CHAT, json=body).status_code == 200
 
 
+def test_integers_beyond_64_bits_in_the_conversation_start_are_forwarded(one_engine) -> None:
+    """A valid JSON body may carry an integer MessagePack cannot hold (the session key hashes the
+    conversation's start): the request is answered and forwarded whole, never a 500 (schemathesis
+    found `{'': -9223372036854775809, 'role': ''}` as a message)."""
+    upstream, router = one_engine
+    for big in (-(2**63) - 1, 2**64, 10**30):
+        sent = len(upstream.bodies)
+        message = {"role": "user", "content": "hi", "x": big}
+        resp = httpx.post(router.url + CHAT, json={"model": MODEL, "messages": [message], "max_tokens": 4})
+        assert resp.status_code == 200, resp.text
+        assert len(upstream.bodies) == sent + 1
+
+
 def test_missing_model(one_engine) -> None:
     error = assert_error(
         httpx.post(router_url(one_engine) + CHAT, json={"messages": MESSAGES}), 400, "missing_model"

@@ -51,6 +51,16 @@ def test_session_key_precedence_header_user_hash() -> None:
     )
 
 
+def test_session_key_of_a_start_with_integers_beyond_64_bits_is_stable_and_distinct() -> None:
+    def key(big: int) -> str:
+        return session_key_of(
+            CHAT, {"model": "m", "messages": [{"role": "user", "content": "q", "x": big}]}, {}
+        )
+
+    assert key(2**64) == key(2**64)
+    assert len({key(2**64), key(2**64 + 1), key(-(2**63) - 1), key(1)}) == 4
+
+
 def test_parse_builds_route_request() -> None:
     ctx = parse(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 9})
     request = ctx.route_request
