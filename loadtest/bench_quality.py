@@ -33,7 +33,7 @@ from kvcore.core import (
 )
 from kvcore.stats import median_span
 from sim.des import FleetSimulator, SimConfig
-from sim.des_cli import parse_policy_spec
+from sim.des_cli import parse_policy_spec, worker_pool
 from sim.engine import EngineProfile
 from sim.fleets import (
     UNBOUNDED_STORAGE_BLOCKS,
@@ -412,9 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     raw = Path(args.out).with_suffix(".jsonl") if args.out else None
     if args.jobs > 1:
-        import multiprocessing
-
-        with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
+        with worker_pool(args.jobs) as pool:
             for row in pool.imap(run_cell, cells, chunksize=1):
                 rows.append(row)
                 _progress(row, len(rows), len(cells), raw)

@@ -11,7 +11,7 @@ import resource
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -480,6 +480,27 @@ def _execute_indexed(item: tuple[int, _RunSpec]) -> tuple[int, SimResult]:
     return index, _execute(spec)
 
 
+def worker_pool(
+    jobs: int, initializer: Callable[..., None] | None = None, initargs: tuple[Any, ...] = ()
+) -> Any:
+    """A fork pool of ``jobs`` simulation workers. Each worker first puts SIGTERM back to its
+    default action: ``Pool.terminate`` (run on leaving the ``with``) stops workers with SIGTERM, and
+    a worker that inherited a Python handler from its parent (a benchmark's ``exit_on_sigterm``, a
+    server's graceful stop) could outlive it, the pool's join then waiting for ever (seen once in
+    the test suite, a worker blocked on the task queue's lock after its sibling had gone)."""
+    import multiprocessing
+
+    return multiprocessing.get_context("fork").Pool(
+        jobs, initializer=_init_worker, initargs=(initializer, initargs)
+    )
+
+
+def _init_worker(initializer: Callable[..., None] | None, initargs: tuple[Any, ...]) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if initializer is not None:
+        initializer(*initargs)
+
+
 def _count_into(counter: Any) -> None:
     """Worker initializer: this process's runs report finished requests into ``counter``."""
 
@@ -613,9 +634,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             import multiprocessing
 
-            ctx = multiprocessing.get_context("fork")
-            counter = ctx.Value("q", 0)
-            with ctx.Pool(jobs, initializer=_count_into, initargs=(counter,)) as pool:
+            counter = multiprocessing.get_context("fork").Value("q", 0)
+            with worker_pool(jobs, _count_into, (counter,)) as pool:
                 results_iter = pool.imap_unordered(_execute_indexed, list(enumerate(runs)), chunksize=1)
                 while len(files.done) < len(runs):
                     try:

@@ -611,3 +611,25 @@ def test_ttft_over_predicted_reports_a_prefill_rate_the_router_got_wrong() -> No
     assert 0.95 < right < 1.3
     assert ratio(11_000.0, calibrate=False) == pytest.approx(2.0 * right, rel=0.1)
     assert ratio(11_000.0, calibrate=True) == pytest.approx(right, rel=0.1)
+
+
+def _sigterm_is_default(_: int) -> bool:
+    import signal
+
+    return signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_pool_workers_die_on_sigterm_whatever_handler_the_parent_has() -> None:
+    """Pool.terminate stops workers with SIGTERM; a worker keeping a Python handler inherited from
+    the parent (a benchmark's exit_on_sigterm, in the same test process) once outlived it and the
+    pool's join hung the suite. Workers put SIGTERM back to its default first."""
+    import signal
+
+    from sim.des_cli import worker_pool
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        with worker_pool(2) as pool:
+            assert pool.map(_sigterm_is_default, range(4), chunksize=1) == [True] * 4
+    finally:
+        signal.signal(signal.SIGTERM, previous)
