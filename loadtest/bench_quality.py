@@ -76,7 +76,7 @@ class Cell:
     #: request's ``shortest_first_priority``); "priority:S" with the priority stretch S,
     #: "priority:S:H" also with the bound H (``max_overtake_s``), "priority:S:H:K" also with the
     #: relative bound K (``fcfs_factor``), "priority:S:H:K:W" also with the router's priced wait W
-    #: (``SimConfig.priority_wait``: all, ahead).
+    #: (``SimConfig.priority_wait``, one of ``kvcore.core.PRIORITY_WAITS``).
     scheduling: str = "fcfs"
     #: The router's ``costs.priors.calibration.pool_observations`` (0 = off).
     pool_observations: float = 0.0

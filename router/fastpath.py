@@ -191,24 +191,8 @@ class ProxyExchange:
             raise RuntimeError(f"{message['type']!r} sent after the response was complete")
         if message["type"] != "http.response.body":
             raise RuntimeError(f"expected 'http.response.body', got {message['type']!r}")
-        self._write_body(message.get("body", b""), message.get("more_body", False))
-
-    def respond(self, status: int, headers: Any, body: bytes) -> None:
-        """A whole answer at once: what ``send`` does with a start message and one final body
-        message, without the two messages and awaits. Nothing is written to a client that has gone
-        (as ``send``); a paused transport buffers the answer, which is in memory already."""
-        if self.disconnected:
-            return
-        if self.response_started:
-            raise RuntimeError("respond() after the response had started")
-        self.response_started = True
-        self.expect_100_continue = False
-        self._start(status, headers)
-        self._write_body(body, False)
-
-    def _write_body(self, body: bytes, more_body: bool) -> None:
-        """``body`` in the response's framing, with the head when it has not gone out yet."""
-        protocol = self._protocol
+        body = message.get("body", b"")
+        more_body = message.get("more_body", False)
         if self._chunked:
             parts = [self._head, b"%x\r\n" % len(body), body, b"\r\n"] if body else [self._head]
             if not more_body:

@@ -874,11 +874,6 @@ class _BodyAnswer:
     async def send(self, send: Send, watcher: DisconnectWatcher) -> None:
         self.headers.append((b"content-length", b"%d" % len(self.body)))
         watcher.answered = True  # from here on a "disconnect" is the end of the answer
-        # kvroute's own exchange (router/fastpath.py) takes the whole answer in one call.
-        respond = getattr(getattr(send, "__self__", None), "respond", None)
-        if respond is not None:
-            respond(self.status, self.headers, self.body)
-            return
         await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
         await send({"type": "http.response.body", "body": self.body, "more_body": False})
 

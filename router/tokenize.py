@@ -400,7 +400,6 @@ class EngineChatTokenizer:
         tokens = payload.get("tokens")
         if not isinstance(tokens, list):
             raise ValueError(f"POST {self._url}: response has no 'tokens' list")
-        tokens = list(tokens)
         self._cache.put(key, tokens)
         return tokens
 
