@@ -483,20 +483,26 @@ def _execute_indexed(item: tuple[int, _RunSpec]) -> tuple[int, SimResult]:
 def worker_pool(
     jobs: int, initializer: Callable[..., None] | None = None, initargs: tuple[Any, ...] = ()
 ) -> Any:
-    """A fork pool of ``jobs`` simulation workers. Each worker first puts SIGTERM back to its
-    default action: ``Pool.terminate`` (run on leaving the ``with``) stops workers with SIGTERM, and
-    a worker that inherited a Python handler from its parent (a benchmark's ``exit_on_sigterm``, a
-    server's graceful stop) could outlive it, the pool's join then waiting for ever (seen once in
-    the test suite, a worker blocked on the task queue's lock after its sibling had gone)."""
+    """A fork pool of ``jobs`` simulation workers that ``Pool.terminate`` (run on leaving the
+    ``with``) always stops. Terminate stops workers with SIGTERM; a worker that inherited a Python
+    handler from its parent (a benchmark's ``exit_on_sigterm``, a server's graceful stop) and got
+    the signal while starting could outlive it, and the pool's join then waited for ever (seen
+    twice in the test suite, the worker blocked on the task queue's lock). So the workers are
+    forked with SIGTERM blocked, and each puts it back to its default action before unblocking it:
+    a SIGTERM sent while it starts waits, and then stops it."""
     import multiprocessing
 
-    return multiprocessing.get_context("fork").Pool(
-        jobs, initializer=_init_worker, initargs=(initializer, initargs)
-    )
+    ctx = multiprocessing.get_context("fork")
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return ctx.Pool(jobs, initializer=_init_worker, initargs=(initializer, initargs))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _init_worker(initializer: Callable[..., None] | None, initargs: tuple[Any, ...]) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     if initializer is not None:
         initializer(*initargs)
 

@@ -633,3 +633,23 @@ def test_pool_workers_die_on_sigterm_whatever_handler_the_parent_has() -> None:
             assert pool.map(_sigterm_is_default, range(4), chunksize=1) == [True] * 4
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_pool_terminated_while_its_workers_start_never_hangs() -> None:
+    """The race behind the suite's hang: SIGTERM reaching a worker before it has put the default
+    action back (the parent's handler inherited) let it outlive Pool.terminate. 100 pools left
+    right after the fork, in a child process killed if it hangs."""
+    import subprocess
+    import sys
+
+    script = (
+        "import signal\n"
+        "from sim.des_cli import worker_pool\n"
+        "signal.signal(signal.SIGTERM, lambda *_: None)\n"
+        "for _ in range(100):\n"
+        "    with worker_pool(2):\n"
+        "        pass\n"
+        "print('done')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-2000:]
