@@ -6,6 +6,7 @@ priorities, tokenizer parity, and an engine killed mid-stream. Skipped by ``make
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -343,27 +344,36 @@ def _engine_core_pids(engine: Any) -> list[int]:
     return pids
 
 
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # a helper process that has exited
+            os.kill(pid, sig)
+
+
 def test_an_engine_killed_mid_stream_raises_in_the_openai_sdk(
     vllm_fleet: VllmCpuFleet, model_dir: Path, serve_asgi: Callable[..., ThreadedServer], tmp_path: Path
 ) -> None:
     """A third engine of its own (the session's two stay up): SIGKILL to its process group while a
     stream runs through the router; the client's iteration must raise, not end quietly.
 
-    The kill must come while the engine is still generating, and on two busy cores that cannot be
-    read from the client: vLLM's API server can hold a stream's events until the answer is complete
-    (measured: a direct client, nothing else running, got 2 of 4 1,000-token streams in one burst
-    at the end; in CI a kill timed by the engine's KV events and the client's open stream came after
-    all 235 blocks of the answer were decoded). So the test stops the engine core first: once the
-    router has received KV events of blocks filled by decoding, SIGSTOP to every process of the
-    engine but its API server. Generation halts mid-answer for certain; the API server, with the
-    CPU to itself, sends what it already has; when the client holds some of the answer, SIGKILL to
-    the whole group."""
+    The kill must come while the engine is still generating, and on two busy cores nothing the
+    engine publishes says when that is: vLLM's CPU API server can hold a stream's events until the
+    answer is complete (a direct client, nothing else running, got 2 of 4 1,000-token streams in one
+    burst at the end), and its KV events can come in one burst too (CI, stop 34: the router went
+    from under 7 answer blocks to all 235 between two polls 50 ms apart). So the test rations the
+    engine core's CPU itself: the core (every process of the engine but its API server) is stopped
+    before the request is sent, then let run 0.1 s at a time, each slice followed by up to 2 s
+    stopped for the API server and the router to pass on what it made. The first slice after which
+    the client holds some of the answer ends it: SIGKILL to the whole group, with the engine core
+    never having run more than the slices (7,500 tokens take the engine far longer)."""
     from router.config import load_config
     from router.service import build_router_app
 
     max_tokens = 7500  # with the ~100-token prompt, within max_model_len 8192
     answer_blocks = max_tokens // PROFILE.block_size
+    slice_s, max_slices = 0.1, 60
     own = VllmCpuFleet(tmp_path, model_dir=model_dir)
+    core: list[int] = []
     try:
         # --enforce-eager: no compilation, so this extra engine starts in about a minute.
         (engine,) = own.start_each([replace(PROFILE, enforce_eager=True)], id_prefix="k")
@@ -394,43 +404,44 @@ def test_an_engine_killed_mid_stream_raises_in_the_openai_sdk(
             except openai.APIError as exc:
                 outcome["error"] = exc
 
-        before = _events_seen(router.url, source)
-        client = threading.Thread(target=consume, name="stream-client", daemon=True)
-        client.start()
-        # At least 6 events past the prompt's: blocks filled by decoding, ~200 of 7,500 tokens.
-        deadline = time.monotonic() + 120
-        while _events_seen(router.url, source) < before + 7:
-            assert client.is_alive(), f"the stream ended before the engine decoded 200 tokens: {outcome}"
-            assert time.monotonic() < deadline, f"no decode events in 120 s: {outcome}"
-            time.sleep(0.05)
         core = _engine_core_pids(engine)
         assert core, "the engine has no engine-core process to stop"
-        for pid in core:
-            os.kill(pid, signal.SIGSTOP)
-        # The engine's progress as published before it stopped; it cannot grow any more.
-        events_at_stop = _events_seen(router.url, source) - before
-        assert events_at_stop < answer_blocks, (
-            f"the engine had decoded the whole answer ({events_at_stop} blocks) before it was stopped"
-        )
-        deadline = time.monotonic() + 60
+        before = _events_seen(router.url, source)
+        _signal_all(core, signal.SIGSTOP)
+        client = threading.Thread(target=consume, name="stream-client", daemon=True)
+        client.start()
+        slices = 0
         while not outcome["chunks"]:
-            assert client.is_alive(), f"the stream ended while the engine was stopped: {outcome}"
-            assert time.monotonic() < deadline, f"no chunk reached the client in 60 s: {outcome}"
-            time.sleep(0.05)
+            assert client.is_alive(), f"the stream ended while the engine was rationed: {outcome}"
+            assert slices < max_slices, f"no chunk reached the client after {slices} slices: {outcome}"
+            _signal_all(core, signal.SIGCONT)
+            time.sleep(slice_s)  # the engine core's ration of CPU, not a wait for a condition
+            _signal_all(core, signal.SIGSTOP)
+            slices += 1
+            drained = time.monotonic() + 2
+            while not outcome["chunks"] and time.monotonic() < drained:
+                time.sleep(0.02)
         chunks_at_kill = outcome["chunks"]
+        # The engine's progress as published while it ran; it cannot grow any more.
+        events_at_kill = _events_seen(router.url, source) - before
         print(
-            f"engine core stopped after {events_at_stop} answer blocks; {chunks_at_kill} chunks at the kill"
+            f"engine core ran {slices} slices of {slice_s} s: "
+            f"{events_at_kill} KV events, {chunks_at_kill} chunks at the kill"
+        )
+        assert events_at_kill < answer_blocks, (
+            f"the engine decoded the whole answer ({events_at_kill} blocks) in {slices} slices of {slice_s} s"
         )
         own.stop_engine(engine, signal.SIGKILL)
         client.join(timeout=120)
         assert not client.is_alive(), "the client still waits two minutes after the engine died"
         assert "clean_end" not in outcome, (
             f"the stream ended as a complete answer after the engine was killed "
-            f"({outcome['chunks']} chunks; {events_at_stop} KV events of the answer when it was stopped)"
+            f"({outcome['chunks']} chunks; {events_at_kill} KV events of the answer at the kill)"
         )
         assert isinstance(outcome.get("error"), openai.APIError), outcome
         assert 0 < outcome["chunks"] < max_tokens
     finally:
+        _signal_all(core, signal.SIGCONT)  # a stopped process would hold its SIGTERM
         own.stop()
 
 
