@@ -445,12 +445,18 @@ def test_an_engine_killed_mid_stream_raises_in_the_openai_sdk(
         own.stop()
 
 
-def test_vllm_router_kv_aware_follows_the_engines_kv_events(vllm_fleet: VllmCpuFleet, tmp_path: Path) -> None:
+def test_vllm_router_kv_aware_follows_the_engines_kv_events(
+    vllm_fleet: VllmCpuFleet, start_router: Callable[..., ThreadedServer], tmp_path: Path
+) -> None:
     """vllm-router's kv_aware policy on real engines: it reads their ZMQ events and recomputes vLLM's
     sha256_cbor block hashes from ``/v1/chat/completions/render`` (served with --enable-scale-out).
     Four conversations, one request at a time (equal load: only the KV decides): every later turn
     must land where its history is cached. Blind routing (events unread, hashes not matching) would
-    send about half of them to the other engine, which reports no cached tokens."""
+    send about half of them to the other engine, which reports no cached tokens.
+
+    Between turns the test waits until the engines' events of the turn are out: a kvroute router
+    subscribed to the same sockets holds a barrier prompt sent to each engine after the turn (an
+    engine publishes its batches in order on one socket, and both subscribers read it on loopback)."""
     from loadtest.bench_peers import default_peers_dir, install_peer, peer_command, wait_routes
     from loadtest.load import stop_process
     from sim.server import free_port
@@ -473,6 +479,7 @@ def test_vllm_router_kv_aware_follows_the_engines_kv_events(vllm_fleet: VllmCpuF
             start_new_session=True,
         )
     try:
+        watcher = start_router()
         url = f"http://127.0.0.1:{port}"
         wait_routes(url, proc, model=MODEL_NAME)
         later: list[tuple[int, int]] = []
@@ -490,7 +497,8 @@ def test_vllm_router_kv_aware_follows_the_engines_kv_events(vllm_fleet: VllmCpuF
                     {"role": "assistant", "content": reply.choices[0].message.content or ""},
                     {"role": "user", "content": _words(120, seed=6000 + 10 * seed + k)},
                 ]
-                time.sleep(0.3)  # the engine publishes its KV events after the step
+                for e in engines:
+                    _barrier(watcher.url, e.url, e.id, f"kv-aware-{seed}-{k}")
         # every later turn finds (nearly) its whole previous prompt cached: the blocks it filled
         missed = [(c, p) for c, p in later if c < (p // PROFILE.block_size - 1) * PROFILE.block_size]
         assert not missed, (
