@@ -14,6 +14,9 @@
                               conversation caches on vs off (loadtest/bench_annotate.py)
   kvroute bench speculate [...] CPU per speculation and its expiry, checkouts interleaved
                               (loadtest/bench_speculate.py)
+  kvroute bench split [...]   router CPU per request with the network taken out of the proxied
+                              path: B3's CPU split into kvroute's own work and the network's
+                              (loadtest/bench_split.py)
   kvroute bench all           each of the above at its default size, one after the other
 Results and the commands that produced them are recorded in docs/benchmarks.md.
 """
@@ -34,6 +37,7 @@ BENCHES: dict[str, str] = {
     "events": "loadtest.bench_events",
     "annotate": "loadtest.bench_annotate",
     "speculate": "loadtest.bench_speculate",
+    "split": "loadtest.bench_split",
 }
 #: What `all` runs: moderate sizes that finish in minutes on 2 cores.
 ALL_ARGS: dict[str, list[str]] = {
@@ -46,6 +50,7 @@ ALL_ARGS: dict[str, list[str]] = {
     "events": ["flood", "--rate", "100000", "--duration", "10", "--repeats", "3"],
     "annotate": [],
     "speculate": [],
+    "split": [],
 }
 
 

@@ -64,18 +64,46 @@ def free_port() -> int:
 def run_upstream(port: int) -> None:
     from aiohttp import web
 
-    answer = json.dumps(
-        {
-            "id": "x",
-            "object": "chat.completion",
-            "created": 0,
-            "model": MODEL,
-            "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "a b c d"}, "finish_reason": "stop"}
-            ],
-            "usage": {"prompt_tokens": 60, "completion_tokens": 4, "total_tokens": 64},
-        }
-    ).encode()
+    from kvcore.sim_tokenizer import encode_chat
+
+    def answer_of(prompt_tokens: int) -> bytes:
+        return json.dumps(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "created": 0,
+                "model": MODEL,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "a b c d"},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": 4,
+                    "total_tokens": prompt_tokens + 4,
+                },
+            }
+        ).encode()
+
+    # The answer's usage.prompt_tokens is the chat's count through the simulator's template, as a
+    # router with the sim tokenizer counts it (a fixed count would fail the router's tokenizer parity
+    # check and leave its index distrusted). Counted once per distinct body: the benchmarks send
+    # the same few bodies again and again.
+    answers: dict[bytes, bytes] = {}
+
+    def answer_for(body: bytes) -> bytes:
+        found = answers.get(body)
+        if found is None:
+            doc = json.loads(body)
+            found = answer_of(len(encode_chat(doc.get("messages") or [])))
+            if len(answers) >= 64:
+                answers.clear()
+            answers[body] = found
+        return found
+
     chunk = (
         b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"%s "}}]}'
     )
@@ -95,7 +123,7 @@ def run_upstream(port: int) -> None:
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         if b'"stream": true' not in body:
-            return web.Response(body=answer, content_type="application/json")
+            return web.Response(body=answer_for(body), content_type="application/json")
         asked = max_tokens.search(body)
         chunks = stream_of(int(fixed) if fixed else min(4096, int(asked.group(1))) if asked else 4)
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})

@@ -76,3 +76,32 @@ def test_bench_speculate_prints_both_patterns_per_checkout() -> None:
     for pattern in ("same", "fresh"):
         row = re.search(rf"\| 8 \| {pattern} \| here \| ([\d.]+) \[", out)
         assert row and float(row.group(1)) > 0, out
+
+
+@pytest.mark.slow
+def test_bench_split_prints_each_target_and_size() -> None:
+    """The bench itself refuses a run where a request was not answered 200, did not reach the
+    upstream, or left the router distrusting the engines' prompt counts (loadtest/bench_split.py)."""
+    out = _run("split", "--requests", "40", "--repeats", "1", "--prompt-tokens", "300")
+    for target in ("round_robin", "tier_cost+tok"):
+        row = re.search(rf"\| {re.escape(target)} \| 300 \| (\d+) \[", out)
+        assert row and int(row.group(1)) > 0, out
+
+
+def test_the_zero_delay_upstream_counts_prompt_tokens_as_the_sim_tokenizer(tmp_path: Path) -> None:
+    """B3's `fast` upstream answers usage.prompt_tokens as a router with the sim tokenizer counts the
+    chat. Catches the fixed count it used to answer (60), which failed the router's tokenizer parity
+    check within 4 requests and left every B3 tier_cost+tok figure measured on a distrusted index."""
+    import httpx
+
+    from kvcore.sim_tokenizer import encode_chat
+    from loadtest.bench_peers import FAST_MODEL, chat_body, zero_delay_engines
+
+    with zero_delay_engines("fast", 1, tmp_path) as (up,):
+        for tokens in (50, 1000, 1000, 4000):
+            body = chat_body(tokens, False, model=FAST_MODEL)
+            resp = httpx.post(
+                f"{up.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+            )
+            messages = httpx.Response(200, content=body).json()["messages"]
+            assert resp.json()["usage"]["prompt_tokens"] == len(encode_chat(messages)), tokens

@@ -1,0 +1,220 @@
+"""Router CPU per request without the network: where B3's CPU goes, split in two.
+
+B3 (loadtest/bench_peers.py) measures the router's CPU per request over real sockets. This program
+measures the same router, set up the same way (``build_router_app`` behind two zero-delay ``fast``
+upstreams, its lifespan running: health polls, scrapes, event sources), with the network taken out
+of the proxied path: each request goes into the guarded proxy (``app.proxy_app``, what the HTTP
+protocol calls for POST /v1/chat/completions) as an in-memory exchange, and the router's upstream
+client is swapped, after start-up, for one that hands back the upstream's answer to the same body from
+memory (captured from it once). What is left is kvroute's own work per request - the guard, body reading
+and validation, the session key, tokenising and the index (``+tok``), the policy, the reservation,
+the priority and usage splices, the answer's head, metrics, observers, the due-call release - with
+no socket read or write, no protocol callback and no event-loop wake-up.
+
+So B3's CPU per request minus this figure is what the network path costs (the HTTP protocols on
+both sides, the transports, the loop); the raw-Python reference proxy (B3's ``raw_proxy``) is what
+that path costs with nothing else. Non-stream answers only. Figures are the main thread's CPU
+(``time.thread_time``) over each repeat's requests, medians over interleaved repeats.
+
+    python -m loadtest.bench_split --targets round_robin,tier_cost+tok --prompt-tokens 1000,16000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest.bench_peers import FAST_MODEL, chat_body, zero_delay_engines
+from router.config import load_config
+from router.service import build_router_app
+
+
+class MemoryExchange:
+    """One request's client side in memory, in the role of kvroute's own exchange
+    (router/fastpath.py): the whole body handed over at once, the answer's ASGI messages kept,
+    a disconnect hook that never fires."""
+
+    __slots__ = ("_body", "messages", "more_body")
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+        self.more_body = False
+        self.messages: list[dict[str, Any]] = []
+
+    def complete_body(self) -> bytes:
+        return self._body
+
+    async def receive(self) -> dict[str, Any]:
+        return {"type": "http.request", "body": self._body, "more_body": False}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.messages.append(message)
+
+    def disconnect_watcher(self, callback: Any) -> bool:
+        return False  # the client is never gone
+
+
+class MemoryAnswer:
+    """An engine's whole answer, from memory (the attributes the router reads of a response)."""
+
+    __slots__ = ("_body", "headers", "status")
+
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status, self.headers, self._body = status, headers, body
+
+    async def read(self) -> bytes:
+        return self._body
+
+    def close(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+class MemoryUpstream:
+    """In the role of ``router.proxy.UpstreamClient`` for non-stream requests: every send answers
+    ``answer`` (the engine's answer to the body being measured) at once; counts the sends."""
+
+    def __init__(self, answer: MemoryAnswer) -> None:
+        self.answer = answer
+        self.sent = 0
+
+    async def send(self, url: str, body: bytes, headers: bytes, **_: Any) -> MemoryAnswer:
+        self.sent += 1
+        return self.answer
+
+
+def _scope(body: bytes) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"127.0.0.1"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
+    }
+
+
+async def _measure(app: Any, body: bytes, requests: int) -> float:
+    """CPU µs per request over ``requests`` requests (each answered 200, or it raises)."""
+    proxy, scope = app.proxy_app, _scope(body)
+    started = time.thread_time()
+    for _ in range(requests):
+        exchange = MemoryExchange(body)
+        await proxy(scope, exchange.receive, exchange.send)
+        status = exchange.messages[0].get("status") if exchange.messages else None
+        if status != 200:
+            raise RuntimeError(f"the router answered {status}: {exchange.messages[-1:]}")
+    return (time.thread_time() - started) / requests * 1e6
+
+
+async def _run_target(
+    policy: str,
+    tokenizer: bool,
+    engines: Sequence[Any],
+    answers: dict[int, MemoryAnswer],
+    bodies: dict[int, bytes],
+    requests: int,
+) -> dict[int, float]:
+    config = load_config(
+        environ={},
+        overrides={
+            "engines": [{"id": e.id, "url": e.url, "model": e.model} for e in engines],
+            "policy": {"name": policy},
+            "tokenizer": {"backend": "sim" if tokenizer else "none"},
+            "log_level": "warning",
+        },
+    )
+    app = build_router_app(config)
+    out: dict[int, float] = {}
+    async with app.router.lifespan_context(app):
+        router = app.state.router
+        real, memory = router.client, MemoryUpstream(answers[next(iter(answers))])
+        router.client = memory
+        try:
+            for prompt, body in bodies.items():
+                memory.answer = answers[prompt]
+                await _measure(app, body, max(50, requests // 10))  # warm-up: caches filled, as in B3
+                out[prompt] = await _measure(app, body, requests)
+        finally:
+            router.client = real
+        if memory.sent < len(bodies) * requests:
+            raise RuntimeError(f"only {memory.sent} requests reached the upstream")
+        # Figures of a router that distrusts its engines' prompt counts would be of a blind index.
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            ready = (await client.get("/ready")).json()
+        mismatch = (ready.get("events") or {}).get("prompt_token_mismatch") or {}
+        if mismatch:
+            raise RuntimeError(f"the router distrusts the engines' prompt counts: {mismatch}")
+    return out
+
+
+def _capture(url: str, body: bytes) -> MemoryAnswer:
+    resp = httpx.post(
+        f"{url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    resp.raise_for_status()
+    return MemoryAnswer(
+        200, {"content-type": resp.headers.get("content-type", "application/json")}, resp.content
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument(
+        "--targets", default="round_robin,tier_cost+tok", help="POLICY[+tok], comma-separated"
+    )
+    parser.add_argument("--prompt-tokens", default="1000,16000", help="comma-separated prompt sizes")
+    parser.add_argument("--requests", type=int, default=3000, help="requests per target, size and repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    prompts = [int(p) for p in args.prompt_tokens.split(",") if p.strip()]
+    if args.requests < 1 or args.repeats < 1 or not targets or not prompts:
+        parser.error("--requests and --repeats must be >= 1, --targets and --prompt-tokens non-empty")
+    bodies = {p: chat_body(p, False, model=FAST_MODEL) for p in prompts}
+    figures: dict[tuple[str, int], list[float]] = {}
+    with (
+        tempfile.TemporaryDirectory(prefix="kvroute-split-") as tmp,
+        zero_delay_engines("fast", 2, Path(tmp)) as ups,
+    ):
+        answers = {p: _capture(ups[0].url, body) for p, body in bodies.items()}
+        for repeat in range(args.repeats):
+            for target in targets:  # interleaved: every target once per repeat
+                policy, tok = target.removesuffix("+tok"), target.endswith("+tok")
+                got = asyncio.run(_run_target(policy, tok, ups, answers, bodies, args.requests))
+                for prompt, us in got.items():
+                    figures.setdefault((target, prompt), []).append(us)
+                    print(f"  r{repeat} {target:<20} {prompt:>6} tok  {us:7.1f} µs/request", file=sys.stderr)
+    print("| target | prompt tokens | router CPU µs/request, no network (median [range]) |")
+    print("|---|---|---|")
+    for (target, prompt), values in figures.items():
+        print(
+            f"| {target} | {prompt} | {statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}] |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
