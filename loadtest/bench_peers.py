@@ -438,9 +438,19 @@ def run_matrix(m: Matrix, peers_dir: Path, workdir: Path) -> list[dict[str, Any]
                                     file=sys.stderr,
                                     flush=True,
                                 )
+                    if target.kind == "kvroute":
+                        check_prompt_parity(url, target.spec)
                 finally:
                     ctx.__exit__(None, None, None)
     return points
+
+
+def check_prompt_parity(url: str, spec: str) -> None:
+    """Refuse figures of a kvroute that distrusts its engines' prompt counts (its index is blind)."""
+    events = httpx.get(f"{url}/ready", timeout=10).json().get("events") or {}
+    mismatch = events.get("prompt_token_mismatch") or {}
+    if mismatch:
+        raise RuntimeError(f"{spec}: the router distrusts the engines' prompt counts: {mismatch}")
 
 
 def summarise(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
