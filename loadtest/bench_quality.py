@@ -31,8 +31,8 @@ from kvcore.core import (
     check_priority_max_overtake,
     check_priority_stretch,
 )
-from kvcore.stats import median_span
-from sim.des import FleetSimulator, SimConfig
+from kvcore.stats import median_span, percentiles
+from sim.des import TTFT_SPLIT_KEYS, FleetSimulator, SimConfig
 from sim.des_cli import parse_policy_spec, worker_pool
 from sim.engine import EngineProfile
 from sim.fleets import (
@@ -80,6 +80,9 @@ class Cell:
     scheduling: str = "fcfs"
     #: The router's ``costs.priors.calibration.pool_observations`` (0 = off).
     pool_observations: float = 0.0
+    #: Split each turn's TTFT into where it went (``sim.des.ttft_split``) and summarise the split
+    #: of the turns around the p50 and above the p99 (``split_summary``).
+    split_ttft: bool = False
 
 
 def parse_scheduling(spec: str) -> tuple[str, float, float, float, str]:
@@ -183,6 +186,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         priority_fcfs_factor=fcfs_factor,
         priority_wait=wait,
         calibration_pool_observations=cell.pool_observations,
+        split_ttft=cell.split_ttft,
     )
     sim = FleetSimulator(wl, name, fleet, config, policy_params=params)
     # Tier capacities reach the policy through sim.views[i].extra (FleetSimulator fills them).
@@ -211,7 +215,49 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         ttft_max_s=max(result.ttfts_s, default=0.0),
         ttft_by_request_s=result.ttft_by_request_s,
     )
+    if cell.split_ttft:
+        row["ttft_split"] = split_summary(result.ttft_split_by_request)
     return row
+
+
+#: ``split_summary``'s groups of turns, by their TTFT's percentile rank in the run: around the
+#: median, above the p99, and every turn.
+SPLIT_GROUPS = {"p45-p55": (45.0, 55.0), "above p99": (99.0, 100.0), "all": (0.0, 100.0)}
+
+
+def split_summary(splits: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per SPLIT_GROUPS group: the number of turns and the mean of each ``TTFT_SPLIT_KEYS`` part."""
+    ttfts = [s["ttft_s"] for s in splits.values()]
+    out: dict[str, dict[str, float]] = {}
+    for group, (low, high) in SPLIT_GROUPS.items():
+        lo_s, hi_s = percentiles(ttfts, (low, high), empty=0.0)
+        members = [s for s in splits.values() if lo_s <= s["ttft_s"] <= hi_s]
+        if low > 0 and high == 100.0:
+            members = [s for s in members if s["ttft_s"] > lo_s]
+        summary = {"turns": float(len(members))}
+        for key in TTFT_SPLIT_KEYS:
+            summary[key] = sum(s[key] for s in members) / len(members) if members else math.nan
+        out[group] = summary
+    return out
+
+
+def split_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """One line per run and SPLIT_GROUPS group: mean measured parts of the TTFT against the
+    predicted ones (``sim.des.ttft_split``), seconds."""
+    out = [
+        "| workload | storage | policy | engine scheduling | seed | turns | n | TTFT | queue (prefill)"
+        " | admission: KV | admission: seqs | service | preemption | predicted | pred. wait | pred. slot"
+        " | pred. service |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for group, m in r.get("ttft_split", {}).items():
+            figures = " | ".join(f"{m[key]:.2f}" for key in TTFT_SPLIT_KEYS)
+            out.append(
+                f"| {r['label']} | {r['storage']} | {r['policy']} | {r['scheduling']} | {r['seed']}"
+                f" | {group} | {m['turns']:.0f} | {figures} |"
+            )
+    return "\n".join(out)
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
@@ -325,6 +371,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
                             limit=args.limit,
                             stagger_s=args.stagger_s,
                             pool_observations=args.pool_observations,
+                            split_ttft=args.split_ttft,
                         )
                     )
         return cells
@@ -345,6 +392,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
                             block_size=args.block_size,
                             conversations=args.conversations,
                             pool_observations=args.pool_observations,
+                            split_ttft=args.split_ttft,
                         )
                     )
     return cells
@@ -396,6 +444,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the router's costs.priors.calibration.pool_observations: twins share calibration"
         " evidence (0 = off, the default)",
     )
+    p.add_argument(
+        "--split-ttft",
+        action="store_true",
+        help="also print where each run's TTFT went (queued prefill, admission wait for KV blocks or"
+        " slots, service, preemption) against the predicted parts, for the turns around the p50 and"
+        " above the p99",
+    )
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--out", help="markdown file (a .jsonl of raw rows is written next to it)")
     return p
@@ -423,6 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = markdown(rows)
     if args.tail_reference:
         table += "\n\n" + tail_markdown(rows, args.tail_reference)
+    if args.split_ttft:
+        table += "\n\n" + split_markdown(rows)
     cmd = "python -m loadtest.bench_quality " + " ".join(sys.argv[1:] if argv is None else argv)
     footer = f"{len(cells)} runs, wall {time.perf_counter() - wall0:.0f} s"
     print(table + "\n\n" + footer)
