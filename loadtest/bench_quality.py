@@ -76,7 +76,8 @@ class Cell:
     #: request's ``shortest_first_priority``); "priority:S" with the priority stretch S,
     #: "priority:S:H" also with the bound H (``max_overtake_s``), "priority:S:H:K" also with the
     #: relative bound K (``fcfs_factor``), "priority:S:H:K:W" also with the router's priced wait W
-    #: (``SimConfig.priority_wait``, one of ``kvcore.core.PRIORITY_WAITS``).
+    #: (``SimConfig.priority_wait``, one of ``kvcore.core.PRIORITY_WAITS``); any of them followed by
+    #: ADMISSION_SUFFIX: the router also prices the admission wait (``SimConfig.admission_wait``).
     scheduling: str = "fcfs"
     #: The router's ``costs.priors.calibration.pool_observations`` (0 = off).
     pool_observations: float = 0.0
@@ -85,10 +86,22 @@ class Cell:
     split_ttft: bool = False
 
 
+#: A scheduling spec ending in this prices the admission wait (``SimConfig.admission_wait``).
+ADMISSION_SUFFIX = "+admission"
+
+
+def admission_of(spec: str) -> tuple[str, bool]:
+    """(the scheduling spec without ADMISSION_SUFFIX, whether it had it)."""
+    if spec.endswith(ADMISSION_SUFFIX):
+        return spec[: -len(ADMISSION_SUFFIX)], True
+    return spec, False
+
+
 def parse_scheduling(spec: str) -> tuple[str, float, float, float, str]:
-    """ "fcfs", "priority", "priority:S", "priority:S:H", "priority:S:H:K" or "priority:S:H:K:W"
-    -> (vLLM scheduling policy, priority stretch, max overtake seconds, fcfs factor, priced wait)."""
-    policy, *numbers = spec.split(":")
+    """ "fcfs", "priority", "priority:S", "priority:S:H", "priority:S:H:K" or "priority:S:H:K:W",
+    each optionally followed by ADMISSION_SUFFIX (read with ``admission_of``) -> (vLLM scheduling
+    policy, priority stretch, max overtake seconds, fcfs factor, priced wait)."""
+    policy, *numbers = admission_of(spec)[0].split(":")
     if policy not in SCHEDULING_POLICIES or (numbers and policy != "priority") or len(numbers) > 4:
         raise ValueError(
             f"--scheduling {spec!r}: use fcfs, priority, priority:STRETCH, priority:STRETCH:MAX_OVERTAKE_S,"
@@ -185,6 +198,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         priority_max_overtake_s=max_overtake_s,
         priority_fcfs_factor=fcfs_factor,
         priority_wait=wait,
+        admission_wait=admission_of(cell.scheduling)[1],
         calibration_pool_observations=cell.pool_observations,
         split_ttft=cell.split_ttft,
     )
@@ -430,7 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
         " priority:STRETCH:MAX_OVERTAKE_S:FCFS_FACTOR:WAIT (the router's priced wait: all = every"
         " queued prefill token, ahead = only what the engine serves first, overtake = that / (1 - the"
         " recent rate of earlier-deadline work), running = overtake with the prefill the engine serves"
-        " ahead; default all)",
+        " ahead; default all); any of them followed by +admission: the router also prices the admission"
+        " wait (the time until the sequences it placed on the engine free room for the whole prompt)",
     )
     p.add_argument(
         "--tail-reference",

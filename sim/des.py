@@ -31,6 +31,7 @@ from kvcore.core import (
     Outcome,
     Reservation,
     RoutingCore,
+    SequenceLedger,
     priority_queued_ahead,
     shortest_first_priority,
 )
@@ -47,7 +48,7 @@ from policies.base import (
     build_policy,
     max_hit_tokens,
 )
-from policies.costs import EngineCosts, PredictedParts
+from policies.costs import ADMISSION_WAIT_KEY, EngineCosts, PredictedParts
 from sim.cache import StoragePool
 from sim.engine import (
     WAIT_REASONS,
@@ -157,6 +158,11 @@ class SimConfig:
     #: (``priority_queued_ahead``), "overtake" / "running" (kvcore.core.PRIORITY_WAITS). fcfs
     #: engines always count every queued token.
     priority_wait: str = "all"
+    #: Price the admission wait (``policies.costs.admission_wait_parts``): on engines that admit a
+    #: request only when its whole sequence fits (``EngineProfile.reserve_full_isl``), the router's
+    #: slot wait becomes the time until the sequences it placed there free room for the prompt
+    #: (``kvcore.core.SequenceLedger``), instead of in flight x the learned slot seconds.
+    admission_wait: bool = False
     #: Split each turn's measured TTFT into where it went on the engine and keep it beside the
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
     #: server stages only.
@@ -403,6 +409,14 @@ class FleetSimulator:
         )
         # Trace mode keys: one pseudo-token per block id (block_size 1), as the engine's events.
         self._key_block_size = fleet.block_size if cfg.token_mode else 1
+        #: The router's placed sequences (``SimConfig.admission_wait``).
+        self.sequences: SequenceLedger | None = None
+        if cfg.admission_wait:
+            self.sequences = SequenceLedger()
+            for spec, view in zip(fleet.engines, self.views, strict=True):
+                if spec.profile.reserve_full_isl:
+                    capacity = float(spec.profile.num_gpu_blocks * spec.profile.block_size)
+                    view.extra[ADMISSION_WAIT_KEY] = self._admission_wait(spec.engine_id, capacity)
         self._ttft_split: dict[str, dict[str, float]] = {}
         if cfg.split_ttft:
             if fleet.api_server is not None or fleet.router_stage is not None:
@@ -430,6 +444,16 @@ class FleetSimulator:
                         overtake=self.costs if cfg.priority_wait in ("overtake", "running") else None,
                         running_first=cfg.priority_wait == "running",
                     )
+
+    def _admission_wait(self, engine_id: str, capacity_tokens: float) -> Callable[[float], float]:
+        """``ADMISSION_WAIT_KEY`` of one engine: a prompt placed now -> its admission wait there."""
+        sequences = self.sequences
+        assert sequences is not None
+
+        def wait_s(prompt_tokens: float) -> float:
+            return sequences.admission_wait_s(engine_id, prompt_tokens, capacity_tokens, self._route_now)
+
+        return wait_s
 
     # -- the event loop ----------------------------------------------------------------------
 
@@ -587,6 +611,8 @@ class FleetSimulator:
                 r, ntok, first, fin = payload
                 if first:
                     self.core.on_first_token(r.reservation, now)
+                    if self.sequences is not None:
+                        self.sequences.first_token(r.request_id, now)
                 if fin is not None:
                     self._on_finished(r, fin, now)
                 done_s = (
@@ -728,6 +754,8 @@ class FleetSimulator:
             )
         engine_core = self.cores[engine]
         r = _Req(request_id, slot, k, engine, sent_s, prompt_tokens, reservation)
+        if self.sequences is not None:
+            self.sequences.place(request_id, reservation.engine_id, prompt_tokens, turn.output_tokens)
         if engine_core.profile.scheduling_policy == "priority":
             sim_req.priority = shortest_first_priority(
                 reservation.parts,
@@ -752,6 +780,8 @@ class FleetSimulator:
         except ValueError:
             # A real engine answers 400; the router counts the failure and the client moves on.
             self.core.on_finished(r.reservation, Outcome(ok=False), now)
+            if self.sequences is not None:
+                self.sequences.finish(r.request_id, None)
             return False
         return True
 
@@ -787,6 +817,8 @@ class FleetSimulator:
             prompt_tokens=fin.prompt_tokens,
         )
         self.core.on_finished(r.reservation, outcome, now)
+        if self.sequences is not None:
+            self.sequences.finish(r.request_id, now)
 
     def _on_step(
         self,
@@ -805,6 +837,8 @@ class FleetSimulator:
             r = reqs.get(rid)
             if r is not None and r.reservation.first_token_s is None:
                 core.on_first_token(r.reservation, now)
+                if self.sequences is not None:
+                    self.sequences.first_token(rid, now)
                 ttfts.append(now - r.arrival_s)
                 self._ttft_by_request[rid] = now - r.arrival_s
                 records = self.cores[i].wait_records
