@@ -55,6 +55,7 @@ from policies.base import (
 from policies.costs import (
     CostEstimates,
     PredictedParts,
+    admission_wait_parts,
     predict_parts,
     predicted_prefill_tokens,
     priority_wait_parts,
@@ -410,6 +411,103 @@ def priority_queued_ahead(
     return ahead
 
 
+#: Seconds per output token a running sequence is assumed to take before the engine's first
+#: finished request is seen (``SequenceLedger``): a decode step shared with chunked prefills.
+ADMISSION_DECODE_S_PER_TOKEN = 0.05
+#: Weight of each finished request's seconds per output token in an engine's running average.
+ADMISSION_DECODE_SMOOTHING = 0.1
+
+
+@dataclass(slots=True)
+class _Sequence:
+    engine_id: str
+    #: KV tokens the sequence holds at its end: prompt + expected output.
+    reserved_tokens: int
+    output_tokens: int
+    first_token_s: float | None = None
+
+
+class SequenceLedger:
+    """The sequences the router placed on each engine and has not seen finish (prompt + expected
+    output tokens each) and each engine's seconds per output token (first token -> finish of the
+    requests it saw finish): what it needs to price the admission wait of an engine that admits a
+    request only when its whole sequence fits the free KV blocks (vLLM's
+    ``scheduler_reserve_full_isl``, on by default)."""
+
+    def __init__(self, decode_s_per_token: float = ADMISSION_DECODE_S_PER_TOKEN) -> None:
+        if not decode_s_per_token > 0:
+            raise ValueError(f"decode_s_per_token must be > 0 seconds, got {decode_s_per_token}")
+        self._prior_decode_s = decode_s_per_token
+        self._sequences: dict[str, _Sequence] = {}
+        self._by_engine: dict[str, dict[str, _Sequence]] = {}
+        self._reserved: dict[str, int] = {}
+        self._decode_s: dict[str, float] = {}
+
+    def place(self, request_id: str, engine_id: str, prompt_tokens: int, output_tokens: int) -> None:
+        """A request sent to ``engine_id`` (a request id already placed is moved)."""
+        self.finish(request_id, None)
+        seq = _Sequence(engine_id, max(0, prompt_tokens) + max(0, output_tokens), max(0, output_tokens))
+        self._sequences[request_id] = seq
+        self._by_engine.setdefault(engine_id, {})[request_id] = seq
+        self._reserved[engine_id] = self._reserved.get(engine_id, 0) + seq.reserved_tokens
+
+    def first_token(self, request_id: str, now: float) -> None:
+        seq = self._sequences.get(request_id)
+        if seq is not None and seq.first_token_s is None:
+            seq.first_token_s = now
+
+    def finish(self, request_id: str, now: float | None) -> None:
+        """The request is over (unknown ids are ignored); with ``now`` and a first token seen, its
+        seconds per output token update its engine's average."""
+        seq = self._sequences.pop(request_id, None)
+        if seq is None:
+            return
+        del self._by_engine[seq.engine_id][request_id]
+        self._reserved[seq.engine_id] -= seq.reserved_tokens
+        if now is not None and seq.first_token_s is not None and seq.output_tokens > 1:
+            sample = (now - seq.first_token_s) / (seq.output_tokens - 1)
+            old = self._decode_s.get(seq.engine_id)
+            self._decode_s[seq.engine_id] = (
+                sample if old is None else old + ADMISSION_DECODE_SMOOTHING * (sample - old)
+            )
+
+    def decode_s_per_token(self, engine_id: str) -> float:
+        return self._decode_s.get(engine_id, self._prior_decode_s)
+
+    def reserved_tokens(self, engine_id: str) -> int:
+        return self._reserved.get(engine_id, 0)
+
+    def admission_wait_s(
+        self, engine_id: str, need_tokens: float, capacity_tokens: float, now: float
+    ) -> float:
+        """Seconds until ``need_tokens`` (a new request's whole prompt) fit ``engine_id``'s KV of
+        ``capacity_tokens`` beside the sequences placed there:
+
+            excess = reserved tokens of the placed sequences + need_tokens - capacity_tokens
+            wait   = 0 if excess <= 0, else the time until the placed sequences that finish first
+                     free excess tokens, each finishing at
+                     (its first token, or now if none yet) + its output tokens x seconds per token
+
+        (past the last one when even all of them do not free enough)."""
+        excess = self._reserved.get(engine_id, 0) + need_tokens - capacity_tokens
+        if excess <= 0:
+            return 0.0
+        decode_s = self.decode_s_per_token(engine_id)
+        finishes = sorted(
+            (
+                (now if seq.first_token_s is None else seq.first_token_s) + seq.output_tokens * decode_s,
+                seq.reserved_tokens,
+            )
+            for seq in self._by_engine.get(engine_id, {}).values()
+        )
+        freed = 0
+        for end_s, tokens in finishes:
+            freed += tokens
+            if freed >= excess:
+                return max(0.0, end_s - now)
+        return max(0.0, finishes[-1][0] - now) if finishes else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """How a request ended, as the engine reported it."""
@@ -659,6 +757,8 @@ class RoutingCore:
         parts = predict_parts(est, hits, prompt_tokens - sum(hits), wait_tokens, in_flight)
         if chosen is not None and chosen.queued_ahead is not None:
             parts = priority_wait_parts(est, parts, chosen)
+        if chosen is not None:
+            parts = admission_wait_parts(parts, chosen, prompt_tokens)
         return parts
 
     # -- post-response ----------------------------------------------------------------------

@@ -31,8 +31,8 @@ from kvcore.core import (
     check_priority_max_overtake,
     check_priority_stretch,
 )
-from kvcore.stats import median_span
-from sim.des import FleetSimulator, SimConfig
+from kvcore.stats import median_span, percentiles
+from sim.des import TTFT_SPLIT_KEYS, FleetSimulator, SimConfig
 from sim.des_cli import parse_policy_spec, worker_pool
 from sim.engine import EngineProfile
 from sim.fleets import (
@@ -76,16 +76,32 @@ class Cell:
     #: request's ``shortest_first_priority``); "priority:S" with the priority stretch S,
     #: "priority:S:H" also with the bound H (``max_overtake_s``), "priority:S:H:K" also with the
     #: relative bound K (``fcfs_factor``), "priority:S:H:K:W" also with the router's priced wait W
-    #: (``SimConfig.priority_wait``, one of ``kvcore.core.PRIORITY_WAITS``).
+    #: (``SimConfig.priority_wait``, one of ``kvcore.core.PRIORITY_WAITS``); any of them followed by
+    #: ADMISSION_SUFFIX: the router also prices the admission wait (``SimConfig.admission_wait``).
     scheduling: str = "fcfs"
     #: The router's ``costs.priors.calibration.pool_observations`` (0 = off).
     pool_observations: float = 0.0
+    #: Split each turn's TTFT into where it went (``sim.des.ttft_split``) and summarise the split
+    #: of the turns around the p50 and above the p99 (``split_summary``).
+    split_ttft: bool = False
+
+
+#: A scheduling spec ending in this prices the admission wait (``SimConfig.admission_wait``).
+ADMISSION_SUFFIX = "+admission"
+
+
+def admission_of(spec: str) -> tuple[str, bool]:
+    """(the scheduling spec without ADMISSION_SUFFIX, whether it had it)."""
+    if spec.endswith(ADMISSION_SUFFIX):
+        return spec[: -len(ADMISSION_SUFFIX)], True
+    return spec, False
 
 
 def parse_scheduling(spec: str) -> tuple[str, float, float, float, str]:
-    """ "fcfs", "priority", "priority:S", "priority:S:H", "priority:S:H:K" or "priority:S:H:K:W"
-    -> (vLLM scheduling policy, priority stretch, max overtake seconds, fcfs factor, priced wait)."""
-    policy, *numbers = spec.split(":")
+    """ "fcfs", "priority", "priority:S", "priority:S:H", "priority:S:H:K" or "priority:S:H:K:W",
+    each optionally followed by ADMISSION_SUFFIX (read with ``admission_of``) -> (vLLM scheduling
+    policy, priority stretch, max overtake seconds, fcfs factor, priced wait)."""
+    policy, *numbers = admission_of(spec)[0].split(":")
     if policy not in SCHEDULING_POLICIES or (numbers and policy != "priority") or len(numbers) > 4:
         raise ValueError(
             f"--scheduling {spec!r}: use fcfs, priority, priority:STRETCH, priority:STRETCH:MAX_OVERTAKE_S,"
@@ -182,7 +198,9 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         priority_max_overtake_s=max_overtake_s,
         priority_fcfs_factor=fcfs_factor,
         priority_wait=wait,
+        admission_wait=admission_of(cell.scheduling)[1],
         calibration_pool_observations=cell.pool_observations,
+        split_ttft=cell.split_ttft,
     )
     sim = FleetSimulator(wl, name, fleet, config, policy_params=params)
     # Tier capacities reach the policy through sim.views[i].extra (FleetSimulator fills them).
@@ -211,7 +229,49 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         ttft_max_s=max(result.ttfts_s, default=0.0),
         ttft_by_request_s=result.ttft_by_request_s,
     )
+    if cell.split_ttft:
+        row["ttft_split"] = split_summary(result.ttft_split_by_request)
     return row
+
+
+#: ``split_summary``'s groups of turns, by their TTFT's percentile rank in the run: around the
+#: median, above the p99, and every turn.
+SPLIT_GROUPS = {"p45-p55": (45.0, 55.0), "above p99": (99.0, 100.0), "all": (0.0, 100.0)}
+
+
+def split_summary(splits: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per SPLIT_GROUPS group: the number of turns and the mean of each ``TTFT_SPLIT_KEYS`` part."""
+    ttfts = [s["ttft_s"] for s in splits.values()]
+    out: dict[str, dict[str, float]] = {}
+    for group, (low, high) in SPLIT_GROUPS.items():
+        lo_s, hi_s = percentiles(ttfts, (low, high), empty=0.0)
+        members = [s for s in splits.values() if lo_s <= s["ttft_s"] <= hi_s]
+        if low > 0 and high == 100.0:
+            members = [s for s in members if s["ttft_s"] > lo_s]
+        summary = {"turns": float(len(members))}
+        for key in TTFT_SPLIT_KEYS:
+            summary[key] = sum(s[key] for s in members) / len(members) if members else math.nan
+        out[group] = summary
+    return out
+
+
+def split_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """One line per run and SPLIT_GROUPS group: mean measured parts of the TTFT against the
+    predicted ones (``sim.des.ttft_split``), seconds."""
+    out = [
+        "| workload | storage | policy | engine scheduling | seed | turns | n | TTFT | queue (prefill)"
+        " | admission: KV | admission: seqs | service | preemption | predicted | pred. wait | pred. slot"
+        " | pred. service |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for group, m in r.get("ttft_split", {}).items():
+            figures = " | ".join(f"{m[key]:.2f}" for key in TTFT_SPLIT_KEYS)
+            out.append(
+                f"| {r['label']} | {r['storage']} | {r['policy']} | {r['scheduling']} | {r['seed']}"
+                f" | {group} | {m['turns']:.0f} | {figures} |"
+            )
+    return "\n".join(out)
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
@@ -325,6 +385,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
                             limit=args.limit,
                             stagger_s=args.stagger_s,
                             pool_observations=args.pool_observations,
+                            split_ttft=args.split_ttft,
                         )
                     )
         return cells
@@ -345,6 +406,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
                             block_size=args.block_size,
                             conversations=args.conversations,
                             pool_observations=args.pool_observations,
+                            split_ttft=args.split_ttft,
                         )
                     )
     return cells
@@ -382,7 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
         " priority:STRETCH:MAX_OVERTAKE_S:FCFS_FACTOR:WAIT (the router's priced wait: all = every"
         " queued prefill token, ahead = only what the engine serves first, overtake = that / (1 - the"
         " recent rate of earlier-deadline work), running = overtake with the prefill the engine serves"
-        " ahead; default all)",
+        " ahead; default all); any of them followed by +admission: the router also prices the admission"
+        " wait (the time until the sequences it placed on the engine free room for the whole prompt)",
     )
     p.add_argument(
         "--tail-reference",
@@ -395,6 +458,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="the router's costs.priors.calibration.pool_observations: twins share calibration"
         " evidence (0 = off, the default)",
+    )
+    p.add_argument(
+        "--split-ttft",
+        action="store_true",
+        help="also print where each run's TTFT went (queued prefill, admission wait for KV blocks or"
+        " slots, service, preemption) against the predicted parts, for the turns around the p50 and"
+        " above the p99",
     )
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--out", help="markdown file (a .jsonl of raw rows is written next to it)")
@@ -423,6 +493,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = markdown(rows)
     if args.tail_reference:
         table += "\n\n" + tail_markdown(rows, args.tail_reference)
+    if args.split_ttft:
+        table += "\n\n" + split_markdown(rows)
     cmd = "python -m loadtest.bench_quality " + " ".join(sys.argv[1:] if argv is None else argv)
     footer = f"{len(cells)} runs, wall {time.perf_counter() - wall0:.0f} s"
     print(table + "\n\n" + footer)

@@ -8,6 +8,7 @@ through ``CostEstimates``. Pure code.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -283,6 +284,23 @@ def priority_wait_parts(costs: EngineCosts, parts: PredictedParts, engine: Engin
         unknown = max(0.0, wait_tokens - queued)  # scraped waiting requests the ledger does not hold
         wait_tokens = max(0.0, ahead(parts)) + unknown
     return predict_parts(costs, parts.hit_tokens, parts.prefill_tokens, wait_tokens, parts.in_flight)
+
+
+#: ``EngineView.extra`` key of an engine whose router prices the admission wait (vLLM admits a
+#: waiting request only when its whole sequence fits the free KV blocks): a callable (the prompt
+#: tokens of a request placed now) -> seconds until enough of the engine's running sequences
+#: finish to fit it (``kvcore.core.SequenceLedger.admission_wait_s``). Absent = the learned
+#: ``slot_s_per_request`` prices that wait.
+ADMISSION_WAIT_KEY = "admission_wait_s"
+
+
+def admission_wait_parts(parts: PredictedParts, engine: EngineView, prompt_tokens: float) -> PredictedParts:
+    """``parts`` with its slot wait (``slot_s``, in flight x the learned seconds per request) replaced
+    by the engine's admission wait for this prompt (``ADMISSION_WAIT_KEY``); unchanged without it."""
+    wait_s = engine.extra.get(ADMISSION_WAIT_KEY)
+    if wait_s is None:
+        return parts
+    return dataclasses.replace(parts, slot_s=max(0.0, float(wait_s(prompt_tokens))))
 
 
 def predicted_prefill_tokens(request: RouteRequest, decision: Decision, engine_id: str | None = None) -> int:

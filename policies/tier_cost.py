@@ -5,7 +5,9 @@ For engine e (all times in seconds, token counts in tokens, bandwidths in bytes/
     wait_s    = wait_tokens_e / prefill_tokens_per_s_e
     load_s[t] = hit_tokens_e,t x kv_bytes_per_token / load_bandwidth_e,t + load_latency_e,t  (if hits)
     prefill_s = (prompt_tokens - sum_t hit_tokens_e,t) / prefill_tokens_per_s_e
-    slot_s    = in_flight_e x slot_s_per_request_e   (wait for KV memory / a running slot, learned)
+    slot_s    = in_flight_e x slot_s_per_request_e   (wait for KV memory / a running slot, learned;
+                or the admission wait for this prompt's whole sequence where the router prices it:
+                policies.costs.admission_wait_parts)
     total_s   = wait_s + slot_s + sum_t load_s[t] + prefill_s             (the predicted TTFT)
     work_s    = work_weight x (sum_t load_s[t] + prefill_s)
     cost_s    = total_s + work_s + decode_s + pressure_s                  (what is minimised)
@@ -60,7 +62,14 @@ from policies.base import (
     tiebreak,
     wait_tokens_of,
 )
-from policies.costs import CostEstimates, PredictedParts, PriorCosts, predict_parts, priority_wait_parts
+from policies.costs import (
+    CostEstimates,
+    PredictedParts,
+    PriorCosts,
+    admission_wait_parts,
+    predict_parts,
+    priority_wait_parts,
+)
 
 #: Per tier: its name and its load and hit keys in the scores (for the reason text).
 _TIER_KEYS = tuple((t.name, f"load_{t.name.lower()}_s", f"hit_tokens_{t.name.lower()}") for t in TIERS)
@@ -127,7 +136,9 @@ class TierCostPolicy(BasePolicy):
             wait_tokens_of(engine, prompt_tokens),
             float(engine.in_flight),
         )
-        return parts if engine.queued_ahead is None else priority_wait_parts(est, parts, engine)
+        if engine.queued_ahead is not None:
+            parts = priority_wait_parts(est, parts, engine)
+        return admission_wait_parts(parts, engine, prompt_tokens)
 
     def secondary_s(self, engine: EngineView) -> tuple[float, float]:
         """(decode_s, pressure_s): the documented secondary terms."""
@@ -152,6 +163,7 @@ class TierCostPolicy(BasePolicy):
         parts = predict_parts(est, (0.0, 0.0, hit), prompt_tokens - hit, wait_tokens, float(engine.in_flight))
         if engine.queued_ahead is not None:
             parts = priority_wait_parts(est, parts, engine)
+        parts = admission_wait_parts(parts, engine, prompt_tokens)
         decode_s, pressure_s = self.secondary_s(engine)
         return parts.total_s + self.work_weight * parts.service_s + decode_s + pressure_s
 

@@ -31,6 +31,7 @@ from kvcore.core import (
     Outcome,
     Reservation,
     RoutingCore,
+    SequenceLedger,
     priority_queued_ahead,
     shortest_first_priority,
 )
@@ -47,9 +48,17 @@ from policies.base import (
     build_policy,
     max_hit_tokens,
 )
-from policies.costs import EngineCosts
+from policies.costs import ADMISSION_WAIT_KEY, EngineCosts, PredictedParts
 from sim.cache import StoragePool
-from sim.engine import EngineCore, EngineProfile, FinishedRequest, SimRequest, StepOutput
+from sim.engine import (
+    WAIT_REASONS,
+    EngineCore,
+    EngineProfile,
+    FinishedRequest,
+    SimRequest,
+    StepOutput,
+    WaitRecord,
+)
 from sim.fleets import (
     ROUTER_PRIORS,
     FleetSpec,
@@ -149,6 +158,62 @@ class SimConfig:
     #: (``priority_queued_ahead``), "overtake" / "running" (kvcore.core.PRIORITY_WAITS). fcfs
     #: engines always count every queued token.
     priority_wait: str = "all"
+    #: Price the admission wait (``policies.costs.admission_wait_parts``): on engines that admit a
+    #: request only when its whole sequence fits (``EngineProfile.reserve_full_isl``), the router's
+    #: slot wait becomes the time until the sequences it placed there free room for the prompt
+    #: (``kvcore.core.SequenceLedger``), instead of in flight x the learned slot seconds.
+    admission_wait: bool = False
+    #: Split each turn's measured TTFT into where it went on the engine and keep it beside the
+    #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
+    #: server stages only.
+    split_ttft: bool = False
+
+
+#: ``ttft_split`` keys: the measured TTFT's parts, then the predicted ones (seconds).
+TTFT_SPLIT_KEYS = (
+    "ttft_s",
+    "queue_s",
+    "admission_kv_s",
+    "admission_seqs_s",
+    "service_s",
+    "preemption_s",
+    "predicted_s",
+    "predicted_wait_s",
+    "predicted_slot_s",
+    "predicted_service_s",
+)
+
+
+def ttft_split(record: WaitRecord, arrival_s: float, parts: PredictedParts) -> dict[str, float]:
+    """One turn's measured TTFT (``arrival_s`` -> first token) split by where it went:
+
+        queue_s          waiting while the engine's steps were full of other prefill (their token
+                         budget spent), and the step in progress when it arrived
+        admission_kv_s   waiting at an engine whose next request's whole sequence did not fit the
+                         free KV blocks (vLLM's scheduler_reserve_full_isl), or that preempted
+        admission_seqs_s waiting while max_num_seqs requests ran
+        service_s        first admission -> first token (its loads, its prefill chunks), or ->
+                         its first preemption
+        preemption_s     first preemption -> first token (the work lost and the wait again)
+
+    summing to ``ttft_s``; beside the predicted parts: ``predicted_wait_s`` (queued prefill ahead),
+    ``predicted_slot_s`` (in flight x slot seconds) and ``predicted_service_s`` (loads + prefill)."""
+    waits = record.waits_s
+    kv_s = waits[WAIT_REASONS.index("kv")] + waits[WAIT_REASONS.index("preempt")]
+    seqs_s = waits[WAIT_REASONS.index("seqs")]
+    preempted = record.preempted_s >= 0
+    return {
+        "ttft_s": record.first_token_s - arrival_s,
+        "queue_s": record.admitted_s - arrival_s - kv_s - seqs_s,
+        "admission_kv_s": kv_s,
+        "admission_seqs_s": seqs_s,
+        "service_s": (record.preempted_s if preempted else record.first_token_s) - record.admitted_s,
+        "preemption_s": record.first_token_s - record.preempted_s if preempted else 0.0,
+        "predicted_s": parts.total_s,
+        "predicted_wait_s": parts.wait_s,
+        "predicted_slot_s": parts.slot_s,
+        "predicted_service_s": parts.service_s,
+    }
 
 
 @dataclass(slots=True)
@@ -211,6 +276,8 @@ class SimResult:
     #: Each request's TTFT by request id ("conversation#turn": the same turn in every run of a
     #: seed), for per-turn comparisons between runs (loadtest/bench_quality.py's tail table).
     ttft_by_request_s: dict[str, float] = field(default_factory=dict, repr=False)
+    #: With ``SimConfig.split_ttft``: each request's ``ttft_split`` by request id.
+    ttft_split_by_request: dict[str, dict[str, float]] = field(default_factory=dict, repr=False)
 
     @property
     def hit(self) -> float:
@@ -220,6 +287,7 @@ class SimResult:
         d = dataclasses.asdict(self)
         d.pop("ttfts_s")
         d.pop("ttft_by_request_s")
+        d.pop("ttft_split_by_request")
         d["hit"] = self.hit
         return d
 
@@ -341,6 +409,20 @@ class FleetSimulator:
         )
         # Trace mode keys: one pseudo-token per block id (block_size 1), as the engine's events.
         self._key_block_size = fleet.block_size if cfg.token_mode else 1
+        #: The router's placed sequences (``SimConfig.admission_wait``).
+        self.sequences: SequenceLedger | None = None
+        if cfg.admission_wait:
+            self.sequences = SequenceLedger()
+            for spec, view in zip(fleet.engines, self.views, strict=True):
+                if spec.profile.reserve_full_isl:
+                    capacity = float(spec.profile.num_gpu_blocks * spec.profile.block_size)
+                    view.extra[ADMISSION_WAIT_KEY] = self._admission_wait(spec.engine_id, capacity)
+        self._ttft_split: dict[str, dict[str, float]] = {}
+        if cfg.split_ttft:
+            if fleet.api_server is not None or fleet.router_stage is not None:
+                raise ValueError("split_ttft needs a fleet without server stages (api_server, router_stage)")
+            for core in self.cores:
+                core.wait_records = {}
         if cfg.priority_wait not in PRIORITY_WAITS:
             raise ValueError(
                 f"priority_wait {cfg.priority_wait!r} is unknown; accepted: {', '.join(PRIORITY_WAITS)}"
@@ -362,6 +444,16 @@ class FleetSimulator:
                         overtake=self.costs if cfg.priority_wait in ("overtake", "running") else None,
                         running_first=cfg.priority_wait == "running",
                     )
+
+    def _admission_wait(self, engine_id: str, capacity_tokens: float) -> Callable[[float], float]:
+        """``ADMISSION_WAIT_KEY`` of one engine: a prompt placed now -> its admission wait there."""
+        sequences = self.sequences
+        assert sequences is not None
+
+        def wait_s(prompt_tokens: float) -> float:
+            return sequences.admission_wait_s(engine_id, prompt_tokens, capacity_tokens, self._route_now)
+
+        return wait_s
 
     # -- the event loop ----------------------------------------------------------------------
 
@@ -519,6 +611,8 @@ class FleetSimulator:
                 r, ntok, first, fin = payload
                 if first:
                     self.core.on_first_token(r.reservation, now)
+                    if self.sequences is not None:
+                        self.sequences.first_token(r.request_id, now)
                 if fin is not None:
                     self._on_finished(r, fin, now)
                 done_s = (
@@ -593,6 +687,7 @@ class FleetSimulator:
             ttft_over_predicted=self.core.ttft_over_predicted(),
             ttfts_s=ttfts,
             ttft_by_request_s=self._ttft_by_request,
+            ttft_split_by_request=self._ttft_split,
         )
 
     # -- pieces of the loop ------------------------------------------------------------------
@@ -659,6 +754,8 @@ class FleetSimulator:
             )
         engine_core = self.cores[engine]
         r = _Req(request_id, slot, k, engine, sent_s, prompt_tokens, reservation)
+        if self.sequences is not None:
+            self.sequences.place(request_id, reservation.engine_id, prompt_tokens, turn.output_tokens)
         if engine_core.profile.scheduling_policy == "priority":
             sim_req.priority = shortest_first_priority(
                 reservation.parts,
@@ -683,6 +780,8 @@ class FleetSimulator:
         except ValueError:
             # A real engine answers 400; the router counts the failure and the client moves on.
             self.core.on_finished(r.reservation, Outcome(ok=False), now)
+            if self.sequences is not None:
+                self.sequences.finish(r.request_id, None)
             return False
         return True
 
@@ -718,6 +817,8 @@ class FleetSimulator:
             prompt_tokens=fin.prompt_tokens,
         )
         self.core.on_finished(r.reservation, outcome, now)
+        if self.sequences is not None:
+            self.sequences.finish(r.request_id, now)
 
     def _on_step(
         self,
@@ -736,8 +837,13 @@ class FleetSimulator:
             r = reqs.get(rid)
             if r is not None and r.reservation.first_token_s is None:
                 core.on_first_token(r.reservation, now)
+                if self.sequences is not None:
+                    self.sequences.first_token(rid, now)
                 ttfts.append(now - r.arrival_s)
                 self._ttft_by_request[rid] = now - r.arrival_s
+                records = self.cores[i].wait_records
+                if records is not None:
+                    self._ttft_split[rid] = ttft_split(records.pop(rid), r.arrival_s, r.reservation.parts)
         for fin in out.finished:
             self._on_finished(reqs[fin.request_id], fin, now)
         if out.events:

@@ -262,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill (the one it serves) ahead",
     )
     fl.add_argument(
+        "--admission-wait",
+        action="store_true",
+        help="the router prices the admission wait: on engines that admit a request only when its whole"
+        " sequence fits the free KV blocks, the time until the sequences it placed there (prompt + expected"
+        " output each) free room for the prompt, instead of in flight x the learned slot seconds",
+    )
+    fl.add_argument(
         "--gpu-tokens",
         type=int,
         default=27_852 * 16,
@@ -376,6 +383,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         priority_max_overtake_s=args.priority_max_overtake_s,
         priority_fcfs_factor=args.priority_fcfs_factor,
         priority_wait=args.priority_wait,
+        admission_wait=args.admission_wait,
     )
     check_priority_stretch(args.priority_stretch, "--priority-stretch")
     check_priority_max_overtake(args.priority_max_overtake_s, "--priority-max-overtake-s")

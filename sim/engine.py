@@ -40,6 +40,12 @@ _MEDIUM = ("GPU", "CPU", "STORAGE")
 #: Length of the deterministic output-token cycle each engine draws answers from.
 _OUTPUT_CYCLE_TOKENS = 4096
 
+#: Why a step admitted no further waiting request (``EngineCore.wait_records``): the step's token
+#: budget was spent (prefill queued ahead), the head's whole sequence did not fit the free KV
+#: blocks, ``max_num_seqs`` requests were running, or a preemption stopped admission.
+WAIT_REASONS = ("budget", "kv", "seqs", "preempt")
+_BUDGET, _KV, _SEQS, _PREEMPT = 0, 1, 2, 3
+
 
 @dataclass
 class EngineProfile:
@@ -254,10 +260,27 @@ class EngineStats:
     busy_time_s: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class WaitRecord:
+    """Where one request's time before its first token went, on the engine clock
+    (``EngineCore.wait_records``)."""
+
+    #: Seconds it waited while each step stopped admitting for a reason, in WAIT_REASONS order,
+    #: until its first admission.
+    waits_s: tuple[float, float, float, float]
+    #: When it was first admitted (the start of that step).
+    admitted_s: float
+    #: When it was first preempted before its first token (-1 = never).
+    preempted_s: float
+    #: When its first token was produced (the end of that step).
+    first_token_s: float
+
+
 class _Request:
     """Engine-side state of one request."""
 
     __slots__ = (
+        "admitted_s",
         "block_ids",
         "blocks",
         "cached_by_tier",
@@ -271,11 +294,14 @@ class _Request:
         "num_prompt_blocks",
         "output_offset",
         "output_token_ids",
+        "preempted_s",
         "prio_key",
         "prompt_len",
         "ready_at_s",
         "request",
         "tokens",
+        "wait_snapshot",
+        "waits_s",
     )
 
     def __init__(
@@ -317,6 +343,12 @@ class _Request:
         self.loading_hashes: list[int] | None = None
         #: (priority, arrival order): the priority scheduler's sort key.
         self.prio_key: tuple[int, int] = (request.priority, 0)
+        #: Wait accounting (EngineCore.wait_records): the engine's per-reason wait totals when it
+        #: was queued, its own waits at its first admission, and the clock of each milestone.
+        self.wait_snapshot: tuple[float, ...] = ()
+        self.waits_s: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+        self.admitted_s = -1.0
+        self.preempted_s = -1.0
 
     @property
     def num_tokens(self) -> int:
@@ -396,6 +428,11 @@ class EngineCore:
         self._link_free_s = 0.0
         #: Hash -> time its GPU copy finishes loading, for blocks loaded asynchronously.
         self._ready_at: dict[int, float] = {}
+        #: Per WAIT_REASONS: seconds of steps that ended with requests waiting for that reason.
+        self._wait_totals_s = [0.0, 0.0, 0.0, 0.0]
+        #: Request id -> WaitRecord of each request at its first token, when not None (set it to
+        #: {} to measure; the driver pops the records it reads).
+        self.wait_records: dict[str, WaitRecord] | None = None
         self._noise_rng = random.Random(f"counters:{engine_id}:{seed}") if profile.counter_noise else None
         if storage is not None:
             self._storage_bw = storage.load_bytes_per_s or profile.storage_load_bytes_per_s
@@ -450,6 +487,7 @@ class EngineCore:
         # vLLM's V1 input processor no longer refuses a priority on an fcfs engine: its fcfs queue
         # and victim choice simply never read it.
         state.prio_key = (req.priority if self._priority else 0, self._arrivals)
+        state.wait_snapshot = tuple(self._wait_totals_s)
         self._requests[rid] = state
         self._enqueue(state)
 
@@ -600,13 +638,24 @@ class EngineCore:
             i += 1
 
         # Admission stops for the step once anything was preempted (as vLLM does): the pool is full.
+        waiting = self._waiting
+        blocked = _PREEMPT
         if not preempted:
-            waiting = self._waiting
             while waiting and budget > 0 and len(running) < p.max_num_seqs:
                 admitted = self._try_admit(waiting[0], budget, events, now)
                 if admitted is None:
+                    blocked = _KV
                     break
                 req = waiting.popleft()
+                if req.admitted_s < 0:
+                    totals, snapshot = self._wait_totals_s, req.wait_snapshot
+                    req.waits_s = (
+                        totals[0] - snapshot[0],
+                        totals[1] - snapshot[1],
+                        totals[2] - snapshot[2],
+                        totals[3] - snapshot[3],
+                    )
+                    req.admitted_s = now
                 n_new, req_load_s = admitted
                 running.append(req)
                 load_s += req_load_s
@@ -615,6 +664,8 @@ class EngineCore:
                     budget -= n_new
                     prefill_tokens += n_new
                     prefill_token_ctx += n_new * (req.num_computed + (n_new - 1) / 2)
+            if blocked != _KV:
+                blocked = _SEQS if len(running) >= p.max_num_seqs else _BUDGET
 
         if scheduled or not running:
             duration_s = (
@@ -630,6 +681,9 @@ class EngineCore:
             first_ready = min((r.ready_at_s for r in running if r.ready_at_s > now), default=now)
             duration_s = max(first_ready - now, 1e-6) + load_s
 
+        if waiting:
+            self._wait_totals_s[blocked] += duration_s
+        records = self.wait_records
         new_token_ids: dict[str, list[int]] = {}
         cycle = self._output_cycle
         num_generated = 0
@@ -646,6 +700,10 @@ class EngineCore:
                     req.tokens.append(token)
                 new_token_ids[req.request.request_id] = [token]
                 num_generated += 1
+                if records is not None and len(outputs) == 1:
+                    records[req.request.request_id] = WaitRecord(
+                        req.waits_s, req.admitted_s, req.preempted_s, now + duration_s
+                    )
                 if len(outputs) >= req.max_output:
                     finished.append(self._finish(req))
 
@@ -1003,6 +1061,8 @@ class EngineCore:
         (priority, arrival) on a priority engine) and later recomputes prompt + output so far
         (prefix hits still apply)."""
         self._free_blocks(req)
+        if req.preempted_s < 0 and not req.output_token_ids:
+            req.preempted_s = self.now_s
         req.num_computed = 0
         req.num_committed_blocks = 0
         # Its loads may still be in flight; _ready_at keeps their blocks unusable until they land.

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvcore.keys import block_keys
 from sim.cache import StoragePool
-from sim.engine import EngineCore, EngineProfile, FinishedRequest, SimRequest, StepOutput
+from sim.engine import WAIT_REASONS, EngineCore, EngineProfile, FinishedRequest, SimRequest, StepOutput
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 FIXTURE = DATA / "fixtures" / "vllm-kv-events" / "vllm-0.33.0-frames.jsonl"
@@ -786,6 +786,29 @@ def test_a_waiting_request_is_admitted_only_if_its_whole_sequence_fits() -> None
             assert engine.stats().num_preemptions == 0
         assert {f.request_id: len(f.output_token_ids) for o in outs for f in o.finished} == {"a": 20, "b": 20}
         assert engine.gpu.num_used() == 0
+
+
+def test_wait_records_say_a_request_waited_for_kv_blocks_not_for_prefill() -> None:
+    """The same pool: b waits one step for budget (a's first chunk takes all 100 tokens), then for
+    KV blocks while a finishes its prefill and its 19 decodes (b's whole prompt does not fit), then
+    is served. Catches: the KV wait booked as prefill queue (the step's reason taken from the
+    budget), the step that admits b counted as its wait, or a wait after admission counted."""
+    engine = EngineCore("e0", profile(num_gpu_blocks=16, max_num_batched_tokens=100))
+    engine.wait_records = {}
+    engine.add_request(SimRequest("a", list(range(160)), max_tokens=20))
+    engine.add_request(SimRequest("b", list(range(1000, 1160)), max_tokens=20))
+    run(engine)
+    a, b = engine.wait_records["a"], engine.wait_records["b"]
+    first_chunk_s, second_chunk_s, decode_s = OVERHEAD_S + 0.1, OVERHEAD_S + 0.06, OVERHEAD_S + DECODE_S
+    assert a.waits_s == (0.0, 0.0, 0.0, 0.0) and a.admitted_s == 0.0 and a.preempted_s == -1.0
+    assert a.first_token_s == pytest.approx(first_chunk_s + second_chunk_s)
+    waits = dict(zip(WAIT_REASONS, b.waits_s, strict=True))
+    assert waits["budget"] == pytest.approx(first_chunk_s)
+    assert waits["kv"] == pytest.approx(second_chunk_s + 19 * decode_s)
+    assert waits["seqs"] == waits["preempt"] == 0.0
+    assert b.admitted_s == pytest.approx(first_chunk_s + second_chunk_s + 19 * decode_s)
+    assert b.first_token_s == pytest.approx(b.admitted_s + first_chunk_s + second_chunk_s)
+    assert b.preempted_s == -1.0
 
 
 def test_a_request_whose_kv_is_still_loading_is_never_preempted() -> None:
