@@ -754,7 +754,7 @@ class RoutingCore:
                 chosen = view
                 break
         est = self.costs.estimates(engine_id)
-        parts = predict_parts(est, hits, prompt_tokens - sum(hits), wait_tokens, in_flight)
+        parts = predict_parts(est, hits, prompt_tokens - sum(hits, 0.0), wait_tokens, in_flight)
         if chosen is not None and chosen.queued_ahead is not None:
             parts = priority_wait_parts(est, parts, chosen)
         if chosen is not None:

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httptools
+from mypy_extensions import mypyc_attr
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 log = logging.getLogger("kvroute.fastpath")
@@ -228,6 +229,9 @@ class ProxyExchange:
         self._head = b"".join(parts)
 
 
+# router/guard.py subclasses it; when mypyc compiles this module (tools/mypyc_build.py) a compiled
+# class refuses interpreted subclasses unless told otherwise.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ProxyHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol answering the app's proxied routes with a ``ProxyExchange``
     (see the module's docstring); every other request goes through the ASGI app as before."""
@@ -244,7 +248,9 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         ):
             super().on_headers_complete()
             return
-        parsed = httptools.parse_url(self.url)
+        # Any: httptools types ``query`` as bytes but gives None without a query (compiled, the
+        # declared type would be checked on read).
+        parsed: Any = httptools.parse_url(self.url)
         path = app.proxy_paths.get(parsed.path)
         if path is None:
             super().on_headers_complete()

@@ -284,7 +284,7 @@ class ClientAddress:
         peer = str((scope.get("client") or ("-", 0))[0])
         if not self._trusted or not self._is_trusted(peer):
             return peer
-        forwarded = [
+        forwarded: list[str] = [
             part.strip()
             for name, value in scope.get("headers") or ()
             if name == b"x-forwarded-for"
