@@ -439,16 +439,16 @@ def run_matrix(m: Matrix, peers_dir: Path, workdir: Path) -> list[dict[str, Any]
                                     flush=True,
                                 )
                     if target.kind == "kvroute":
-                        check_prompt_parity(url, target.spec)
+                        refuse_distrusted(httpx.get(f"{url}/ready", timeout=10).json(), target.spec)
                 finally:
                     ctx.__exit__(None, None, None)
     return points
 
 
-def check_prompt_parity(url: str, spec: str) -> None:
-    """Refuse figures of a kvroute that distrusts its engines' prompt counts (its index is blind)."""
-    events = httpx.get(f"{url}/ready", timeout=10).json().get("events") or {}
-    mismatch = events.get("prompt_token_mismatch") or {}
+def refuse_distrusted(ready: dict[str, Any], spec: str) -> None:
+    """Refuse the figures of a kvroute whose ``GET /ready`` answer (``ready``) says it distrusts its
+    engines' prompt counts: they would be of a blind index."""
+    mismatch = (ready.get("events") or {}).get("prompt_token_mismatch") or {}
     if mismatch:
         raise RuntimeError(f"{spec}: the router distrusts the engines' prompt counts: {mismatch}")
 

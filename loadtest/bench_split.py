@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.bench_peers import FAST_MODEL, chat_body, zero_delay_engines
+from loadtest.bench_peers import FAST_MODEL, chat_body, refuse_distrusted, zero_delay_engines
 from router.config import load_config
 from router.service import build_router_app
 
@@ -160,13 +160,9 @@ async def _run_target(
             router.client = real
         if memory.sent < len(bodies) * requests:
             raise RuntimeError(f"only {memory.sent} requests reached the upstream")
-        # Figures of a router that distrusts its engines' prompt counts would be of a blind index.
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
-            ready = (await client.get("/ready")).json()
-        mismatch = (ready.get("events") or {}).get("prompt_token_mismatch") or {}
-        if mismatch:
-            raise RuntimeError(f"the router distrusts the engines' prompt counts: {mismatch}")
+            refuse_distrusted((await client.get("/ready")).json(), policy + ("+tok" if tokenizer else ""))
     return out
 
 

@@ -1,7 +1,8 @@
-"""Opt-in mypyc build of kvroute's hot-path modules (issue 26, round dp7): compiles them to C
-extensions next to their sources (``make compiled``) or removes every such extension again
-(``make uncompiled``). Pure Python stays the default: nothing in kvroute imports this script, and a
-module runs the same with or without its extension (Python imports the extension when it is there).
+"""A mypyc build of kvroute's hot-path modules (issue 26, round dp7, measured in
+docs/results/dp7.md: no gain, so no Makefile target or install path uses it): compiles them to C
+extensions next to their sources, or removes every such extension again. Nothing in kvroute imports
+this script, and a module runs the same with or without its extension (Python imports the extension
+when it is there).
 
     python tools/mypyc_build.py build [--root DIR] [--modules router/load.py,...]
     python tools/mypyc_build.py clean [--root DIR]
