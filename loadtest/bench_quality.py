@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.core import (
+    ADMISSION_FORMS,
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_STRETCH,
@@ -77,7 +78,8 @@ class Cell:
     #: "priority:S:H" also with the bound H (``max_overtake_s``), "priority:S:H:K" also with the
     #: relative bound K (``fcfs_factor``), "priority:S:H:K:W" also with the router's priced wait W
     #: (``SimConfig.priority_wait``, one of ``kvcore.core.PRIORITY_WAITS``); any of them followed by
-    #: ADMISSION_SUFFIX: the router also prices the admission wait (``SimConfig.admission_wait``).
+    #: ADMISSION_SUFFIX (optionally ":FORM"): the router also prices the admission wait
+    #: (``SimConfig.admission_wait``, counted as ``SimConfig.admission_form``).
     scheduling: str = "fcfs"
     #: The router's ``costs.priors.calibration.pool_observations`` (0 = off).
     pool_observations: float = 0.0
@@ -86,15 +88,27 @@ class Cell:
     split_ttft: bool = False
 
 
-#: A scheduling spec ending in this prices the admission wait (``SimConfig.admission_wait``).
+#: A scheduling spec ending in this prices the admission wait (``SimConfig.admission_wait``);
+#: ``+admission:FORM`` also names how it counts the placed sequences' KV (``SimConfig
+#: .admission_form``, one of ``kvcore.core.ADMISSION_FORMS``; plain ``+admission`` = "reserved").
 ADMISSION_SUFFIX = "+admission"
 
 
-def admission_of(spec: str) -> tuple[str, bool]:
-    """(the scheduling spec without ADMISSION_SUFFIX, whether it had it)."""
-    if spec.endswith(ADMISSION_SUFFIX):
-        return spec[: -len(ADMISSION_SUFFIX)], True
-    return spec, False
+def admission_of(spec: str) -> tuple[str, str | None]:
+    """(the scheduling spec without its ADMISSION_SUFFIX part, the admission form it names: None
+    without the suffix, "reserved" for a plain ``+admission``)."""
+    head, sep, tail = spec.partition(ADMISSION_SUFFIX)
+    if not sep:
+        return spec, None
+    if not tail:
+        return head, ADMISSION_FORMS[0]
+    form = tail[1:] if tail.startswith(":") else ""
+    if form not in ADMISSION_FORMS:
+        raise ValueError(
+            f"--scheduling {spec!r}: end it in {ADMISSION_SUFFIX} or {ADMISSION_SUFFIX}:FORM, FORM one of"
+            f" {', '.join(ADMISSION_FORMS)}"
+        )
+    return head, form
 
 
 def parse_scheduling(spec: str) -> tuple[str, float, float, float, str]:
@@ -192,13 +206,15 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     wl, fleet = build(cell)
     name, params = parse_policy_spec(cell.policy)
     _, stretch, max_overtake_s, fcfs_factor, wait = parse_scheduling(cell.scheduling)
+    admission_form = admission_of(cell.scheduling)[1]
     config = SimConfig(
         seed=cell.seed,
         priority_stretch=stretch,
         priority_max_overtake_s=max_overtake_s,
         priority_fcfs_factor=fcfs_factor,
         priority_wait=wait,
-        admission_wait=admission_of(cell.scheduling)[1],
+        admission_wait=admission_form is not None,
+        admission_form=admission_form or ADMISSION_FORMS[0],
         calibration_pool_observations=cell.pool_observations,
         split_ttft=cell.split_ttft,
     )
@@ -445,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
         " queued prefill token, ahead = only what the engine serves first, overtake = that / (1 - the"
         " recent rate of earlier-deadline work), running = overtake with the prefill the engine serves"
         " ahead; default all); any of them followed by +admission: the router also prices the admission"
-        " wait (the time until the sequences it placed on the engine free room for the whole prompt)",
+        " wait (the time until the sequences it placed on the engine free room for the whole prompt);"
+        " +admission:held or +admission:overtake count that KV as SimConfig.admission_form says",
     )
     p.add_argument(
         "--tail-reference",
