@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvcore.core import (
     ADMISSION_FORMS,
     PRIORITY_FCFS_FACTOR,
@@ -247,6 +249,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     )
     if cell.split_ttft:
         row["ttft_split"] = split_summary(result.ttft_split_by_request)
+        row["ttft_split_ranks"] = split_ranks(result.ttft_split_by_request)
     return row
 
 
@@ -271,6 +274,44 @@ def split_summary(splits: dict[str, dict[str, float]]) -> dict[str, dict[str, fl
     return out
 
 
+#: ``split_ranks``: (name, predicted key, measured key) of ``sim.des.ttft_split``'s parts whose
+#: rank correlation over a run's turns says whether the prediction orders the turns as they went.
+SPLIT_RANK_PAIRS = (
+    ("pred. slot ~ admission: KV", "predicted_slot_s", "admission_kv_s"),
+    ("predicted ~ TTFT", "predicted_s", "ttft_s"),
+)
+
+
+def rank_correlation(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman's rank correlation of two equally long series (ties take their mean rank): 1 = the
+    same order, 0 = unrelated; NaN for fewer than two values or a constant series."""
+    if len(xs) != len(ys):
+        raise ValueError(f"rank_correlation needs series of one length, got {len(xs)} and {len(ys)}")
+    if len(xs) < 2:
+        return math.nan
+    rx, ry = _mean_ranks(xs), _mean_ranks(ys)
+    if rx.std() == 0.0 or ry.std() == 0.0:
+        return math.nan
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def _mean_ranks(values: Sequence[float]) -> np.ndarray:
+    array = np.asarray(values, dtype=float)
+    _, inverse, counts = np.unique(array, return_inverse=True, return_counts=True)
+    # Rank of each distinct value = the mean of the positions its copies take in sorted order.
+    ends = np.cumsum(counts)
+    return ((ends - counts + 1 + ends) / 2.0)[inverse]
+
+
+def split_ranks(splits: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Per SPLIT_RANK_PAIRS pair: the rank correlation over every turn of the run."""
+    parts = list(splits.values())
+    return {
+        name: rank_correlation([s[predicted] for s in parts], [s[measured] for s in parts])
+        for name, predicted, measured in SPLIT_RANK_PAIRS
+    }
+
+
 def split_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """One line per run and SPLIT_GROUPS group: mean measured parts of the TTFT against the
     predicted ones (``sim.des.ttft_split``), seconds."""
@@ -286,6 +327,22 @@ def split_markdown(rows: Sequence[dict[str, Any]]) -> str:
             out.append(
                 f"| {r['label']} | {r['storage']} | {r['policy']} | {r['scheduling']} | {r['seed']}"
                 f" | {group} | {m['turns']:.0f} | {figures} |"
+            )
+    names = [name for name, _, _ in SPLIT_RANK_PAIRS]
+    out += [
+        "",
+        "| workload | storage | policy | engine scheduling | seed | "
+        + " | ".join(f"rank correlation {name}" for name in names)
+        + " |",
+        "|---|---|---|---|---|" + "---|" * len(names),
+    ]
+    for r in rows:
+        ranks = r.get("ttft_split_ranks")
+        if ranks is not None:
+            figures = " | ".join(f"{ranks[name]:.2f}" for name in names)
+            out.append(
+                f"| {r['label']} | {r['storage']} | {r['policy']} | {r['scheduling']} | {r['seed']}"
+                f" | {figures} |"
             )
     return "\n".join(out)
 

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
 from kvcore.core import ADMISSION_DECODE_S_PER_TOKEN, ADMISSION_OVERTAKE_WINDOW_S, SequenceLedger
+from loadtest.bench_quality import rank_correlation
 from sim.des import FleetSimulator, SimConfig
 from sim.engine import EngineProfile
 from sim.fleets import EngineSpec, FleetSpec
@@ -177,3 +179,16 @@ def test_the_forms_change_the_run_on_priority_engines_and_not_on_first_chunk_one
     assert len({tuple(r) for r in runs.values()}) == 3
     assert ttfts("overtake") == runs["overtake"]
     assert ttfts("overtake", reserve_full_isl=False) == ttfts(None, reserve_full_isl=False)
+
+
+def test_rank_correlation_is_spearmans_with_tied_ranks_averaged() -> None:
+    """Catches: values correlated instead of ranks (the outlier would pull a Pearson r below 1),
+    ties ranked in order of appearance, or a constant series reported as a correlation."""
+    assert rank_correlation([1.0, 2.0, 3.0, 1_000.0], [0.1, 0.2, 0.3, 0.4]) == pytest.approx(1.0)
+    assert rank_correlation([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    # Ranks (1.5, 1.5, 3) against (1, 2, 3): r = 0.866.
+    assert rank_correlation([5.0, 5.0, 7.0], [1.0, 2.0, 3.0]) == pytest.approx(3**0.5 / 2)
+    assert math.isnan(rank_correlation([0.0, 0.0, 0.0], [1.0, 2.0, 3.0]))
+    assert math.isnan(rank_correlation([1.0], [2.0]))
+    with pytest.raises(ValueError, match="series of one length, got 2 and 3"):
+        rank_correlation([1.0, 2.0], [1.0, 2.0, 3.0])
