@@ -9,7 +9,7 @@ import math
 import pytest
 
 from kvcore.core import ADMISSION_DECODE_S_PER_TOKEN, ADMISSION_OVERTAKE_WINDOW_S, SequenceLedger
-from loadtest.bench_quality import rank_correlation
+from loadtest.bench_quality import SPLIT_SEPARATION_NAMES, rank_correlation, split_separation, top_share_mean
 from sim.des import FleetSimulator, SimConfig
 from sim.engine import EngineProfile
 from sim.fleets import EngineSpec, FleetSpec
@@ -192,3 +192,30 @@ def test_rank_correlation_is_spearmans_with_tied_ranks_averaged() -> None:
     assert math.isnan(rank_correlation([1.0], [2.0]))
     with pytest.raises(ValueError, match="series of one length, got 2 and 3"):
         rank_correlation([1.0, 2.0], [1.0, 2.0, 3.0])
+
+
+def test_split_separation_scores_an_estimate_by_the_turns_it_prices_highest() -> None:
+    """200 turns: 190 wait for nothing, 10 wait 1..10 s. An estimate that prices the waiting turns
+    in order but the longest one low is caught by the top-1% figure (its top 2 turns waited 9 and
+    8 s, not the 10 and 9 s of the longest) and by the correlation over the turns that waited,
+    while the correlation over all turns stays high. Catches: the top share taken by the measured
+    wait (no estimate could score below the ideal), or the zero-wait turns left in the second
+    correlation."""
+    splits = {}
+    for i in range(200):
+        kv = float(i - 189) if i >= 190 else 0.0
+        priced = kv if kv < 10.0 else 0.5
+        splits[f"r{i}"] = {
+            "admission_kv_s": kv,
+            "predicted_slot_s": priced,
+            "predicted_s": priced,
+            "ttft_s": kv,
+        }
+    got = split_separation(splits)
+    names = SPLIT_SEPARATION_NAMES
+    assert got[names[4]] == pytest.approx((10.0 + 9.0) / 2)
+    assert got[names[3]] == pytest.approx((9.0 + 8.0) / 2)
+    assert got[names[0]] > 0.8
+    assert got[names[1]] == pytest.approx(rank_correlation([0.5, *range(1, 10)], [10.0, *range(1, 10)]))
+    assert got[names[1]] < got[names[0]]
+    assert math.isnan(top_share_mean([], "a", "b", 0.01))
