@@ -419,10 +419,11 @@ ADMISSION_DECODE_SMOOTHING = 0.1
 #: How ``SequenceLedger.admission_wait_s`` counts the KV of the sequences placed on an engine:
 #: "reserved" = every placed sequence holds its prompt + expected output from now until it ends;
 #: "held" = a running sequence (first token seen) holds its prompt + the tokens it decoded so far
-#: and grows one token per decode step until it ends, a waiting one holds nothing; "overtake" =
-#: "held", plus what the waiting sequences served before the request and the expected arrivals
-#: with earlier deadlines claim first (a priority queue's wait over KV space).
-ADMISSION_FORMS = ("reserved", "held", "overtake")
+#: and grows one token per decode step until it ends, a waiting one holds nothing; "ahead" =
+#: "held", plus what the waiting sequences served before the request claim first; "overtake" =
+#: "ahead", plus what the expected arrivals with earlier deadlines claim while it waits (a
+#: priority queue's wait over KV space).
+ADMISSION_FORMS = ("reserved", "held", "ahead", "overtake")
 #: "overtake": the window (seconds) over which the rate of earlier-deadline arrivals is measured.
 ADMISSION_OVERTAKE_WINDOW_S = PRIORITY_OVERTAKE_WINDOW_S
 
@@ -543,12 +544,13 @@ class SequenceLedger:
             wait   = 0 if excess <= 0, else the time until the sequences that end first free excess
                      tokens (past the last one when even all of them do not free enough)
 
-        "held" and "overtake": the earliest t in {now} and the running sequences' ends with
+        "held", "ahead" and "overtake": the earliest t in {now} and the running sequences' ends with
 
             capacity - held(t) >= need_tokens + claims(t)
             held(t)   = sum over the running sequences not ended by t of
                         prompt + (t - first token) / seconds per token   (decoded so far, growing)
             claims(t) = 0                                                 ("held")
+                      = ahead                                             ("ahead")
                       = ahead + rate x (min(t, deadline_s) - now)         ("overtake")
 
         where ahead = the prompts of the waiting sequences (no first token) the engine serves
@@ -563,7 +565,7 @@ class SequenceLedger:
             return self._reserved_wait_s(engine_id, need_tokens, capacity_tokens, now)
         if form not in ADMISSION_FORMS:
             raise ValueError(f"admission form {form!r} is unknown; accepted: {', '.join(ADMISSION_FORMS)}")
-        overtake = form == "overtake"
+        queue_ahead = form != "held"  # the waiting sequences served first claim first
         decode_s = self.decode_s_per_token(engine_id)
         running: list[tuple[float, int, float]] = []  # (end, prompt tokens, first token) per sequence
         ahead = 0.0
@@ -571,7 +573,7 @@ class SequenceLedger:
         for seq in self._by_engine.get(engine_id, {}).values():
             first_s = seq.first_token_s
             if first_s is None:
-                if overtake and (
+                if queue_ahead and (
                     deadline_s is None or seq.deadline_s is None or seq.deadline_s <= deadline_s
                 ):
                     ahead += seq.prompt_tokens
@@ -581,7 +583,7 @@ class SequenceLedger:
             if end_s > now:  # an overdue sequence counts as ending now
                 running.append((end_s, seq.prompt_tokens, first_s))
         rate = 0.0
-        if overtake and deadline_s is not None and deadline_s > now:
+        if form == "overtake" and deadline_s is not None and deadline_s > now:
             rate = self.overtaking_tokens_per_s(engine_id, deadline_s - now, now)
         free_for = capacity_tokens - need_tokens - ahead
         # held(t) of the sequences still running at t = prompts + (count x t - sum of first tokens) / s

@@ -546,7 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
         " recent rate of earlier-deadline work), running = overtake with the prefill the engine serves"
         " ahead; default all); any of them followed by +admission: the router also prices the admission"
         " wait (the time until the sequences it placed on the engine free room for the whole prompt);"
-        " +admission:held or +admission:overtake count that KV as SimConfig.admission_form says",
+        " +admission:held, +admission:ahead or +admission:overtake count that KV as SimConfig.admission_form"
+        " says",
     )
     p.add_argument(
         "--tail-reference",

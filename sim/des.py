@@ -166,8 +166,9 @@ class SimConfig:
     admission_wait: bool = False
     #: How that admission wait counts the placed sequences' KV (``kvcore.core.ADMISSION_FORMS``):
     #: "reserved" (each at prompt + expected output from now), "held" (running ones at prompt +
-    #: decoded so far, waiting ones at nothing) or "overtake" ("held" plus the waiting sequences
-    #: a priority engine serves first and the expected earlier-deadline arrivals).
+    #: decoded so far, waiting ones at nothing), "ahead" ("held" plus the waiting sequences a
+    #: priority engine serves first) or "overtake" ("ahead" plus the expected earlier-deadline
+    #: arrivals).
     admission_form: str = "reserved"
     #: Split each turn's measured TTFT into where it went on the engine and keep it beside the
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
@@ -461,7 +462,8 @@ class FleetSimulator:
         self, engine_id: str, capacity_tokens: float, by_priority: bool
     ) -> Callable[[float, PredictedParts], float]:
         """``ADMISSION_WAIT_KEY`` of one engine: a prompt placed now (and its parts) -> its admission
-        wait there; on a priority engine the "overtake" form reads the deadline it would be sent with."""
+        wait there; on a priority engine the "ahead" and "overtake" forms read the deadline it would be
+        sent with."""
         sequences = self.sequences
         assert sequences is not None
         form = self.config.admission_form
@@ -470,7 +472,7 @@ class FleetSimulator:
         def wait_s(prompt_tokens: float, parts: PredictedParts) -> float:
             now = self._route_now
             deadline_s = None
-            if by_priority and form == "overtake":
+            if by_priority and form in ("ahead", "overtake"):
                 deadline_s = self._priority(parts, now) * step_s
             return sequences.admission_wait_s(
                 engine_id, prompt_tokens, capacity_tokens, now, form=form, deadline_s=deadline_s

@@ -275,8 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=ADMISSION_FORMS[0],
         help="with --admission-wait: how the placed sequences' KV is counted; reserved = each at prompt +"
         " expected output from now (the default), held = running ones at prompt + decoded so far and"
-        " waiting ones at nothing, overtake = held plus what a priority engine serves first (waiting"
-        " sequences with earlier deadlines, and the expected earlier-deadline arrivals)",
+        " waiting ones at nothing, ahead = held plus the waiting sequences a priority engine serves"
+        " first (earlier deadlines), overtake = ahead plus the expected earlier-deadline arrivals",
     )
     fl.add_argument(
         "--gpu-tokens",

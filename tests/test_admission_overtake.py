@@ -67,6 +67,9 @@ def test_a_waiting_earlier_deadline_sequence_adds_its_blocks_to_a_later_turn_onl
     )
     assert book.admission_wait_s("e", 4_000, 10_000, now, form="overtake", deadline_s=15.0) == 0.0
     assert book.admission_wait_s("e", 4_000, 10_000, now, form="held", deadline_s=30.0) == 0.0
+    for deadline_s, wait_s in ((30.0, 1_000 * D - now), (15.0, 0.0)):
+        got = book.admission_wait_s("e", 4_000, 10_000, now, form="ahead", deadline_s=deadline_s)
+        assert got == pytest.approx(wait_s)
     assert book.admission_wait_s("e", 4_000, 10_000, now, form="overtake") == pytest.approx(1_000 * D - now)
 
 
@@ -111,6 +114,10 @@ def test_earlier_deadline_arrivals_claim_kv_while_a_late_turn_waits_but_not_past
         pytest.approx(1_000 * D - now)
     )
     assert book.admission_wait_s("e", 4_000, 10_000, now, form="held") == pytest.approx(200 * D)
+    # "ahead" counts no arrival: as "held" here (nothing waits), though the deadline lies 40 s ahead.
+    assert book.admission_wait_s("e", 4_000, 10_000, now, form="ahead", deadline_s=now + 40.0) == (
+        pytest.approx(200 * D)
+    )
     assert book.admission_wait_s("e", 5_500, 10_000, now, form="overtake", deadline_s=now + 0.5) == (
         pytest.approx(200 * D)
     )
@@ -131,11 +138,11 @@ def test_a_request_that_never_fits_beside_what_is_ahead_waits_past_the_last_end(
 
 def test_an_unknown_form_is_refused_by_name() -> None:
     with pytest.raises(
-        ValueError, match="admission form 'ahead' is unknown; accepted: reserved, held, overtake"
+        ValueError, match="admission form 'queued' is unknown; accepted: reserved, held, ahead, overtake"
     ):
-        SequenceLedger().admission_wait_s("e", 1, 10, 0.0, form="ahead")
-    with pytest.raises(ValueError, match="admission_form 'ahead' is unknown"):
-        FleetSimulator(_workload(), "tier_cost", _tight_fleet(), SimConfig(admission_form="ahead"))
+        SequenceLedger().admission_wait_s("e", 1, 10, 0.0, form="queued")
+    with pytest.raises(ValueError, match="admission_form 'queued' is unknown"):
+        FleetSimulator(_workload(), "tier_cost", _tight_fleet(), SimConfig(admission_form="queued"))
 
 
 def _tight_fleet(scheduling_policy: str = "priority") -> FleetSpec:
@@ -175,8 +182,9 @@ def test_the_forms_change_the_run_on_priority_engines_and_not_on_first_chunk_one
         config = SimConfig(seed=3, admission_wait=form is not None, admission_form=form or "reserved")
         return FleetSimulator(_workload(), "tier_cost", fleet, config).run().ttfts_s
 
-    runs = {form: ttfts(form) for form in ("reserved", "held", "overtake")}
-    assert len({tuple(r) for r in runs.values()}) == 3
+    runs = {form: ttfts(form) for form in ("reserved", "held", "ahead", "overtake")}
+    assert len({tuple(runs[form]) for form in ("reserved", "held", "overtake")}) == 3
+    assert runs["ahead"] != runs["held"]  # (ahead and overtake differ by the arrivals, tested above)
     assert ttfts("overtake") == runs["overtake"]
     assert ttfts("overtake", reserve_full_isl=False) == ttfts(None, reserve_full_isl=False)
 

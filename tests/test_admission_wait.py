@@ -172,8 +172,9 @@ def test_bench_quality_reads_the_admission_suffix() -> None:
     assert admission_of("priority:20:inf+admission:held") == ("priority:20:inf", "held")
     assert admission_of("priority:20:inf+admission:overtake") == ("priority:20:inf", "overtake")
     assert admission_of("fcfs") == ("fcfs", None)
-    for bad in ("fcfs+admission:", "fcfs+admission:ahead", "fcfs+admissionheld"):
-        with pytest.raises(ValueError, match="FORM one of reserved, held, overtake"):
+    assert admission_of("priority:20:inf+admission:ahead") == ("priority:20:inf", "ahead")
+    for bad in ("fcfs+admission:", "fcfs+admission:all", "fcfs+admissionheld"):
+        with pytest.raises(ValueError, match="FORM one of reserved, held, ahead, overtake"):
             admission_of(bad)
     assert parse_scheduling("fcfs+admission") == parse_scheduling("fcfs")
     assert parse_scheduling("priority:20:40:inf:ahead+admission")[4] == "ahead"
