@@ -416,22 +416,38 @@ def priority_queued_ahead(
 ADMISSION_DECODE_S_PER_TOKEN = 0.05
 #: Weight of each finished request's seconds per output token in an engine's running average.
 ADMISSION_DECODE_SMOOTHING = 0.1
+#: How ``SequenceLedger.admission_wait_s`` counts the KV of the sequences placed on an engine:
+#: "reserved" = every placed sequence holds its prompt + expected output from now until it ends;
+#: "held" = a running sequence (first token seen) holds its prompt + the tokens it decoded so far
+#: and grows one token per decode step until it ends, a waiting one holds nothing; "ahead" =
+#: "held", plus what the waiting sequences served before the request claim first; "overtake" =
+#: "ahead", plus what the expected arrivals with earlier deadlines claim while it waits (a
+#: priority queue's wait over KV space).
+ADMISSION_FORMS = ("reserved", "held", "ahead", "overtake")
+#: "overtake": the window (seconds) over which the rate of earlier-deadline arrivals is measured.
+ADMISSION_OVERTAKE_WINDOW_S = PRIORITY_OVERTAKE_WINDOW_S
 
 
 @dataclass(slots=True)
 class _Sequence:
     engine_id: str
-    #: KV tokens the sequence holds at its end: prompt + expected output.
-    reserved_tokens: int
+    prompt_tokens: int
     output_tokens: int
     first_token_s: float | None = None
+    #: The deadline it was sent with (seconds; ``priority x step``), None on a first-come engine.
+    deadline_s: float | None = None
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV tokens the sequence holds at its end: prompt + expected output."""
+        return self.prompt_tokens + self.output_tokens
 
 
 class SequenceLedger:
     """The sequences the router placed on each engine and has not seen finish (prompt + expected
-    output tokens each) and each engine's seconds per output token (first token -> finish of the
-    requests it saw finish): what it needs to price the admission wait of an engine that admits a
-    request only when its whole sequence fits the free KV blocks (vLLM's
+    output tokens each, the deadline each was sent with) and each engine's seconds per output token
+    (first token -> finish of the requests it saw finish): what it needs to price the admission wait
+    of an engine that admits a request only when its whole sequence fits the free KV blocks (vLLM's
     ``scheduler_reserve_full_isl``, on by default)."""
 
     def __init__(self, decode_s_per_token: float = ADMISSION_DECODE_S_PER_TOKEN) -> None:
@@ -442,14 +458,29 @@ class SequenceLedger:
         self._by_engine: dict[str, dict[str, _Sequence]] = {}
         self._reserved: dict[str, int] = {}
         self._decode_s: dict[str, float] = {}
+        #: Per engine: (placed at s, deadline offset s, prompt tokens) of the sequences sent with a
+        #: deadline, in placement order (pruned to ADMISSION_OVERTAKE_WINDOW_S as they are read).
+        self._placed: dict[str, deque[tuple[float, float, int]]] = {}
 
     def place(self, request_id: str, engine_id: str, prompt_tokens: int, output_tokens: int) -> None:
         """A request sent to ``engine_id`` (a request id already placed is moved)."""
         self.finish(request_id, None)
-        seq = _Sequence(engine_id, max(0, prompt_tokens) + max(0, output_tokens), max(0, output_tokens))
+        seq = _Sequence(engine_id, max(0, prompt_tokens), max(0, output_tokens))
         self._sequences[request_id] = seq
         self._by_engine.setdefault(engine_id, {})[request_id] = seq
         self._reserved[engine_id] = self._reserved.get(engine_id, 0) + seq.reserved_tokens
+
+    def set_deadline(self, request_id: str, deadline_s: float, placed_s: float) -> None:
+        """The deadline a placed request was sent with to a priority engine (its ``priority`` x the
+        priority step, in the clock of ``placed_s``, when it was sent); unknown ids are ignored."""
+        seq = self._sequences.get(request_id)
+        if seq is None or seq.deadline_s is not None:
+            return
+        seq.deadline_s = deadline_s
+        recent = self._placed.get(seq.engine_id)
+        if recent is None:
+            recent = self._placed[seq.engine_id] = deque()
+        recent.append((placed_s, deadline_s - placed_s, seq.prompt_tokens))
 
     def first_token(self, request_id: str, now: float) -> None:
         seq = self._sequences.get(request_id)
@@ -477,18 +508,109 @@ class SequenceLedger:
     def reserved_tokens(self, engine_id: str) -> int:
         return self._reserved.get(engine_id, 0)
 
+    def overtaking_tokens_per_s(self, engine_id: str, offset_s: float, now: float) -> float:
+        """Prompt tokens per second sent to ``engine_id`` over the last ADMISSION_OVERTAKE_WINDOW_S
+        with a deadline offset below ``offset_s``: the rate at which arrivals that a request whose
+        deadline lies ``offset_s`` ahead is overtaken by claim KV (callers pass a ``now`` that
+        never moves back)."""
+        recent = self._placed.get(engine_id)
+        if not recent:
+            return 0.0
+        since = now - ADMISSION_OVERTAKE_WINDOW_S
+        while recent and recent[0][0] < since:
+            recent.popleft()
+        tokens = sum(prompt for _, their_offset, prompt in recent if their_offset < offset_s)
+        return tokens / ADMISSION_OVERTAKE_WINDOW_S
+
     def admission_wait_s(
-        self, engine_id: str, need_tokens: float, capacity_tokens: float, now: float
+        self,
+        engine_id: str,
+        need_tokens: float,
+        capacity_tokens: float,
+        now: float,
+        *,
+        form: str = "reserved",
+        deadline_s: float | None = None,
     ) -> float:
         """Seconds until ``need_tokens`` (a new request's whole prompt) fit ``engine_id``'s KV of
-        ``capacity_tokens`` beside the sequences placed there:
+        ``capacity_tokens`` beside the sequences placed there, counted as ``form``
+        (ADMISSION_FORMS) says. Each running sequence ends at
+
+            end = (its first token, or now if none yet) + its output tokens x seconds per token
+
+        "reserved" (every placed sequence at its full reservation until it ends):
 
             excess = reserved tokens of the placed sequences + need_tokens - capacity_tokens
-            wait   = 0 if excess <= 0, else the time until the placed sequences that finish first
-                     free excess tokens, each finishing at
-                     (its first token, or now if none yet) + its output tokens x seconds per token
+            wait   = 0 if excess <= 0, else the time until the sequences that end first free excess
+                     tokens (past the last one when even all of them do not free enough)
 
-        (past the last one when even all of them do not free enough)."""
+        "held", "ahead" and "overtake": the earliest t in {now} and the running sequences' ends with
+
+            capacity - held(t) >= need_tokens + claims(t)
+            held(t)   = sum over the running sequences not ended by t of
+                        prompt + (t - first token) / seconds per token   (decoded so far, growing)
+            claims(t) = 0                                                 ("held")
+                      = ahead                                             ("ahead")
+                      = ahead + rate x (min(t, deadline_s) - now)         ("overtake")
+
+        where ahead = the prompts of the waiting sequences (no first token) the engine serves
+        before the request: those with a deadline no later than ``deadline_s`` (or none known),
+        every waiting one when ``deadline_s`` is None (a first-come engine: nothing overtakes);
+        rate = ``overtaking_tokens_per_s`` at the request's deadline offset (arrivals after
+        ``deadline_s`` come later in the queue, so the claims stop growing there). Between two ends
+        held(t) only grows and claims(t) only grow, so the condition first holds at one of them.
+        When even an empty engine does not fit the request beside what is ahead, it waits past the
+        last end by the longest expected decode of the waiting sequences ahead (they run first)."""
+        if form == "reserved":
+            return self._reserved_wait_s(engine_id, need_tokens, capacity_tokens, now)
+        if form not in ADMISSION_FORMS:
+            raise ValueError(f"admission form {form!r} is unknown; accepted: {', '.join(ADMISSION_FORMS)}")
+        queue_ahead = form != "held"  # the waiting sequences served first claim first
+        decode_s = self.decode_s_per_token(engine_id)
+        running: list[tuple[float, int, float]] = []  # (end, prompt tokens, first token) per sequence
+        ahead = 0.0
+        longest_ahead_s = 0.0
+        for seq in self._by_engine.get(engine_id, {}).values():
+            first_s = seq.first_token_s
+            if first_s is None:
+                if queue_ahead and (
+                    deadline_s is None or seq.deadline_s is None or seq.deadline_s <= deadline_s
+                ):
+                    ahead += seq.prompt_tokens
+                    longest_ahead_s = max(longest_ahead_s, seq.output_tokens * decode_s)
+                continue
+            end_s = first_s + seq.output_tokens * decode_s
+            if end_s > now:  # an overdue sequence counts as ending now
+                running.append((end_s, seq.prompt_tokens, first_s))
+        rate = 0.0
+        if form == "overtake" and deadline_s is not None and deadline_s > now:
+            rate = self.overtaking_tokens_per_s(engine_id, deadline_s - now, now)
+        free_for = capacity_tokens - need_tokens - ahead
+        # held(t) of the sequences still running at t = prompts + (count x t - sum of first tokens) / s
+        prompts = float(sum(prompt for _, prompt, _ in running))
+        firsts = sum(first for _, _, first in running)
+        count = len(running)
+
+        def fits(t: float) -> bool:
+            held = prompts + (count * t - firsts) / decode_s
+            claimed = rate * (min(t, deadline_s) - now) if rate > 0.0 and deadline_s is not None else 0.0
+            return held + claimed <= free_for
+
+        if fits(now):
+            return 0.0
+        running.sort()
+        for end_s, prompt, first_s in running:
+            prompts -= prompt
+            firsts -= first_s
+            count -= 1
+            if fits(end_s):
+                return end_s - now
+        return (running[-1][0] - now if running else 0.0) + longest_ahead_s
+
+    def _reserved_wait_s(
+        self, engine_id: str, need_tokens: float, capacity_tokens: float, now: float
+    ) -> float:
+        """``admission_wait_s``'s "reserved" form."""
         excess = self._reserved.get(engine_id, 0) + need_tokens - capacity_tokens
         if excess <= 0:
             return 0.0

@@ -21,7 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvcore.core import (
+    ADMISSION_FORMS,
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_STRETCH,
@@ -77,7 +80,8 @@ class Cell:
     #: "priority:S:H" also with the bound H (``max_overtake_s``), "priority:S:H:K" also with the
     #: relative bound K (``fcfs_factor``), "priority:S:H:K:W" also with the router's priced wait W
     #: (``SimConfig.priority_wait``, one of ``kvcore.core.PRIORITY_WAITS``); any of them followed by
-    #: ADMISSION_SUFFIX: the router also prices the admission wait (``SimConfig.admission_wait``).
+    #: ADMISSION_SUFFIX (optionally ":FORM"): the router also prices the admission wait
+    #: (``SimConfig.admission_wait``, counted as ``SimConfig.admission_form``).
     scheduling: str = "fcfs"
     #: The router's ``costs.priors.calibration.pool_observations`` (0 = off).
     pool_observations: float = 0.0
@@ -86,15 +90,27 @@ class Cell:
     split_ttft: bool = False
 
 
-#: A scheduling spec ending in this prices the admission wait (``SimConfig.admission_wait``).
+#: A scheduling spec ending in this prices the admission wait (``SimConfig.admission_wait``);
+#: ``+admission:FORM`` also names how it counts the placed sequences' KV (``SimConfig
+#: .admission_form``, one of ``kvcore.core.ADMISSION_FORMS``; plain ``+admission`` = "reserved").
 ADMISSION_SUFFIX = "+admission"
 
 
-def admission_of(spec: str) -> tuple[str, bool]:
-    """(the scheduling spec without ADMISSION_SUFFIX, whether it had it)."""
-    if spec.endswith(ADMISSION_SUFFIX):
-        return spec[: -len(ADMISSION_SUFFIX)], True
-    return spec, False
+def admission_of(spec: str) -> tuple[str, str | None]:
+    """(the scheduling spec without its ADMISSION_SUFFIX part, the admission form it names: None
+    without the suffix, "reserved" for a plain ``+admission``)."""
+    head, sep, tail = spec.partition(ADMISSION_SUFFIX)
+    if not sep:
+        return spec, None
+    if not tail:
+        return head, ADMISSION_FORMS[0]
+    form = tail[1:] if tail.startswith(":") else ""
+    if form not in ADMISSION_FORMS:
+        raise ValueError(
+            f"--scheduling {spec!r}: end it in {ADMISSION_SUFFIX} or {ADMISSION_SUFFIX}:FORM, FORM one of"
+            f" {', '.join(ADMISSION_FORMS)}"
+        )
+    return head, form
 
 
 def parse_scheduling(spec: str) -> tuple[str, float, float, float, str]:
@@ -192,13 +208,15 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     wl, fleet = build(cell)
     name, params = parse_policy_spec(cell.policy)
     _, stretch, max_overtake_s, fcfs_factor, wait = parse_scheduling(cell.scheduling)
+    admission_form = admission_of(cell.scheduling)[1]
     config = SimConfig(
         seed=cell.seed,
         priority_stretch=stretch,
         priority_max_overtake_s=max_overtake_s,
         priority_fcfs_factor=fcfs_factor,
         priority_wait=wait,
-        admission_wait=admission_of(cell.scheduling)[1],
+        admission_wait=admission_form is not None,
+        admission_form=admission_form or ADMISSION_FORMS[0],
         calibration_pool_observations=cell.pool_observations,
         split_ttft=cell.split_ttft,
     )
@@ -231,6 +249,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     )
     if cell.split_ttft:
         row["ttft_split"] = split_summary(result.ttft_split_by_request)
+        row["ttft_split_separation"] = split_separation(result.ttft_split_by_request)
     return row
 
 
@@ -255,6 +274,73 @@ def split_summary(splits: dict[str, dict[str, float]]) -> dict[str, dict[str, fl
     return out
 
 
+#: ``split_separation``'s share of a run's turns that counts as its longest waits.
+SPLIT_TOP_SHARE = 0.01
+#: ``split_separation``'s figures, in print order: whether the priced admission wait (``pred.
+#: slot``) and the predicted TTFT order the turns as they went (``sim.des.ttft_split``'s parts).
+SPLIT_SEPARATION_NAMES = (
+    "rank corr. pred. slot ~ admission: KV",
+    "the same over the turns that waited for KV",
+    "rank corr. predicted ~ TTFT",
+    "admission: KV of the top 1% by pred. slot",
+    "admission: KV of the top 1% by admission: KV",
+)
+
+
+def rank_correlation(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman's rank correlation of two equally long series (ties take their mean rank): 1 = the
+    same order, 0 = unrelated; NaN for fewer than two values or a constant series."""
+    if len(xs) != len(ys):
+        raise ValueError(f"rank_correlation needs series of one length, got {len(xs)} and {len(ys)}")
+    if len(xs) < 2:
+        return math.nan
+    rx, ry = _mean_ranks(xs), _mean_ranks(ys)
+    if rx.std() == 0.0 or ry.std() == 0.0:
+        return math.nan
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def _mean_ranks(values: Sequence[float]) -> np.ndarray:
+    array = np.asarray(values, dtype=float)
+    _, inverse, counts = np.unique(array, return_inverse=True, return_counts=True)
+    # Rank of each distinct value = the mean of the positions its copies take in sorted order.
+    ends = np.cumsum(counts)
+    return ((ends - counts + 1 + ends) / 2.0)[inverse]
+
+
+def top_share_mean(parts: Sequence[dict[str, float]], by: str, of: str, share: float) -> float:
+    """Mean ``of`` over the ``share`` of ``parts`` (at least one) with the largest ``by`` (ties in
+    their order); NaN without parts."""
+    if not parts:
+        return math.nan
+    count = max(1, round(share * len(parts)))
+    top = sorted(parts, key=lambda s: s[by], reverse=True)[:count]
+    return sum(s[of] for s in top) / count
+
+
+def split_separation(splits: dict[str, dict[str, float]]) -> dict[str, float]:
+    """SPLIT_SEPARATION_NAMES' figures over a run's turns: the rank correlation of the priced
+    admission wait with the measured KV wait (every turn, then only those that waited: most turns
+    wait for nothing and every estimate gives them little, which alone makes a correlation high),
+    of the predicted TTFT with the measured one, and the mean measured KV wait (seconds) of the
+    SPLIT_TOP_SHARE of turns the estimate prices highest, beside that of the turns that waited
+    longest (the most any estimate could pick)."""
+    parts = list(splits.values())
+    waited = [s for s in parts if s["admission_kv_s"] > 0.0]
+    names = SPLIT_SEPARATION_NAMES
+    return {
+        names[0]: rank_correlation(
+            [s["predicted_slot_s"] for s in parts], [s["admission_kv_s"] for s in parts]
+        ),
+        names[1]: rank_correlation(
+            [s["predicted_slot_s"] for s in waited], [s["admission_kv_s"] for s in waited]
+        ),
+        names[2]: rank_correlation([s["predicted_s"] for s in parts], [s["ttft_s"] for s in parts]),
+        names[3]: top_share_mean(parts, "predicted_slot_s", "admission_kv_s", SPLIT_TOP_SHARE),
+        names[4]: top_share_mean(parts, "admission_kv_s", "admission_kv_s", SPLIT_TOP_SHARE),
+    }
+
+
 def split_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """One line per run and SPLIT_GROUPS group: mean measured parts of the TTFT against the
     predicted ones (``sim.des.ttft_split``), seconds."""
@@ -270,6 +356,20 @@ def split_markdown(rows: Sequence[dict[str, Any]]) -> str:
             out.append(
                 f"| {r['label']} | {r['storage']} | {r['policy']} | {r['scheduling']} | {r['seed']}"
                 f" | {group} | {m['turns']:.0f} | {figures} |"
+            )
+    names = SPLIT_SEPARATION_NAMES
+    out += [
+        "",
+        "| workload | storage | policy | engine scheduling | seed | " + " | ".join(names) + " |",
+        "|---|---|---|---|---|" + "---|" * len(names),
+    ]
+    for r in rows:
+        separation = r.get("ttft_split_separation")
+        if separation is not None:
+            figures = " | ".join(f"{separation[name]:.2f}" for name in names)
+            out.append(
+                f"| {r['label']} | {r['storage']} | {r['policy']} | {r['scheduling']} | {r['seed']}"
+                f" | {figures} |"
             )
     return "\n".join(out)
 
@@ -445,7 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
         " queued prefill token, ahead = only what the engine serves first, overtake = that / (1 - the"
         " recent rate of earlier-deadline work), running = overtake with the prefill the engine serves"
         " ahead; default all); any of them followed by +admission: the router also prices the admission"
-        " wait (the time until the sequences it placed on the engine free room for the whole prompt)",
+        " wait (the time until the sequences it placed on the engine free room for the whole prompt);"
+        " +admission:held, +admission:ahead or +admission:overtake count that KV as SimConfig.admission_form"
+        " says",
     )
     p.add_argument(
         "--tail-reference",

@@ -288,8 +288,9 @@ def priority_wait_parts(costs: EngineCosts, parts: PredictedParts, engine: Engin
 
 #: ``EngineView.extra`` key of an engine whose router prices the admission wait (vLLM admits a
 #: waiting request only when its whole sequence fits the free KV blocks): a callable (the prompt
-#: tokens of a request placed now) -> seconds until enough of the engine's running sequences
-#: finish to fit it (``kvcore.core.SequenceLedger.admission_wait_s``). Absent = the learned
+#: tokens of a request placed now, its parts priced so far) -> seconds until enough of the engine's
+#: running sequences finish to fit it (``kvcore.core.SequenceLedger.admission_wait_s``; the parts
+#: give the deadline a priority engine would serve it by). Absent = the learned
 #: ``slot_s_per_request`` prices that wait.
 ADMISSION_WAIT_KEY = "admission_wait_s"
 
@@ -300,7 +301,7 @@ def admission_wait_parts(parts: PredictedParts, engine: EngineView, prompt_token
     wait_s = engine.extra.get(ADMISSION_WAIT_KEY)
     if wait_s is None:
         return parts
-    return dataclasses.replace(parts, slot_s=max(0.0, float(wait_s(prompt_tokens))))
+    return dataclasses.replace(parts, slot_s=max(0.0, float(wait_s(prompt_tokens, parts))))
 
 
 def predicted_prefill_tokens(request: RouteRequest, decision: Decision, engine_id: str | None = None) -> int:

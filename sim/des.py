@@ -21,6 +21,7 @@ from typing import Any
 
 from kvcore.calibration import CalibrationConfig, CostModel
 from kvcore.core import (
+    ADMISSION_FORMS,
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_STEP_S,
@@ -163,6 +164,12 @@ class SimConfig:
     #: slot wait becomes the time until the sequences it placed there free room for the prompt
     #: (``kvcore.core.SequenceLedger``), instead of in flight x the learned slot seconds.
     admission_wait: bool = False
+    #: How that admission wait counts the placed sequences' KV (``kvcore.core.ADMISSION_FORMS``):
+    #: "reserved" (each at prompt + expected output from now), "held" (running ones at prompt +
+    #: decoded so far, waiting ones at nothing), "ahead" ("held" plus the waiting sequences a
+    #: priority engine serves first) or "overtake" ("ahead" plus the expected earlier-deadline
+    #: arrivals).
+    admission_form: str = "reserved"
     #: Split each turn's measured TTFT into where it went on the engine and keep it beside the
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
     #: server stages only.
@@ -411,12 +418,18 @@ class FleetSimulator:
         self._key_block_size = fleet.block_size if cfg.token_mode else 1
         #: The router's placed sequences (``SimConfig.admission_wait``).
         self.sequences: SequenceLedger | None = None
+        if cfg.admission_form not in ADMISSION_FORMS:
+            raise ValueError(
+                f"admission_form {cfg.admission_form!r} is unknown; accepted: {', '.join(ADMISSION_FORMS)}"
+            )
         if cfg.admission_wait:
             self.sequences = SequenceLedger()
             for spec, view in zip(fleet.engines, self.views, strict=True):
                 if spec.profile.reserve_full_isl:
                     capacity = float(spec.profile.num_gpu_blocks * spec.profile.block_size)
-                    view.extra[ADMISSION_WAIT_KEY] = self._admission_wait(spec.engine_id, capacity)
+                    view.extra[ADMISSION_WAIT_KEY] = self._admission_wait(
+                        spec.engine_id, capacity, spec.profile.scheduling_policy == "priority"
+                    )
         self._ttft_split: dict[str, dict[str, float]] = {}
         if cfg.split_ttft:
             if fleet.api_server is not None or fleet.router_stage is not None:
@@ -445,15 +458,39 @@ class FleetSimulator:
                         running_first=cfg.priority_wait == "running",
                     )
 
-    def _admission_wait(self, engine_id: str, capacity_tokens: float) -> Callable[[float], float]:
-        """``ADMISSION_WAIT_KEY`` of one engine: a prompt placed now -> its admission wait there."""
+    def _admission_wait(
+        self, engine_id: str, capacity_tokens: float, by_priority: bool
+    ) -> Callable[[float, PredictedParts], float]:
+        """``ADMISSION_WAIT_KEY`` of one engine: a prompt placed now (and its parts) -> its admission
+        wait there; on a priority engine the "ahead" and "overtake" forms read the deadline it would be
+        sent with."""
         sequences = self.sequences
         assert sequences is not None
+        form = self.config.admission_form
+        step_s = self.config.priority_step_s
 
-        def wait_s(prompt_tokens: float) -> float:
-            return sequences.admission_wait_s(engine_id, prompt_tokens, capacity_tokens, self._route_now)
+        def wait_s(prompt_tokens: float, parts: PredictedParts) -> float:
+            now = self._route_now
+            deadline_s = None
+            if by_priority and form in ("ahead", "overtake"):
+                deadline_s = self._priority(parts, now) * step_s
+            return sequences.admission_wait_s(
+                engine_id, prompt_tokens, capacity_tokens, now, form=form, deadline_s=deadline_s
+            )
 
         return wait_s
+
+    def _priority(self, parts: PredictedParts, now: float) -> int:
+        """The vLLM ``priority`` the router sends a request with ``parts`` placed at ``now``."""
+        cfg = self.config
+        return shortest_first_priority(
+            parts,
+            cfg.priority_step_s,
+            now_s=now,
+            stretch=cfg.priority_stretch,
+            max_overtake_s=cfg.priority_max_overtake_s,
+            fcfs_factor=cfg.priority_fcfs_factor,
+        )
 
     # -- the event loop ----------------------------------------------------------------------
 
@@ -757,14 +794,9 @@ class FleetSimulator:
         if self.sequences is not None:
             self.sequences.place(request_id, reservation.engine_id, prompt_tokens, turn.output_tokens)
         if engine_core.profile.scheduling_policy == "priority":
-            sim_req.priority = shortest_first_priority(
-                reservation.parts,
-                self.config.priority_step_s,
-                now_s=now,
-                stretch=self.config.priority_stretch,
-                max_overtake_s=self.config.priority_max_overtake_s,
-                fcfs_factor=self.config.priority_fcfs_factor,
-            )
+            sim_req.priority = self._priority(reservation.parts, now)
+            if self.sequences is not None:
+                self.sequences.set_deadline(request_id, sim_req.priority * self.config.priority_step_s, now)
             if self._priority_ahead:
                 self.ledger.set_priority(
                     reservation.ticket, sim_req.priority, now / self.config.priority_step_s

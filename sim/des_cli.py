@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.core import (
+    ADMISSION_FORMS,
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_STRETCH,
@@ -269,6 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
         " output each) free room for the prompt, instead of in flight x the learned slot seconds",
     )
     fl.add_argument(
+        "--admission-form",
+        choices=ADMISSION_FORMS,
+        default=ADMISSION_FORMS[0],
+        help="with --admission-wait: how the placed sequences' KV is counted; reserved = each at prompt +"
+        " expected output from now (the default), held = running ones at prompt + decoded so far and"
+        " waiting ones at nothing, ahead = held plus the waiting sequences a priority engine serves"
+        " first (earlier deadlines), overtake = ahead plus the expected earlier-deadline arrivals",
+    )
+    fl.add_argument(
         "--gpu-tokens",
         type=int,
         default=27_852 * 16,
@@ -384,6 +394,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         priority_fcfs_factor=args.priority_fcfs_factor,
         priority_wait=args.priority_wait,
         admission_wait=args.admission_wait,
+        admission_form=args.admission_form,
     )
     check_priority_stretch(args.priority_stretch, "--priority-stretch")
     check_priority_max_overtake(args.priority_max_overtake_s, "--priority-max-overtake-s")

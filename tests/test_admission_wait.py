@@ -121,7 +121,7 @@ def test_a_decode_prior_that_is_not_positive_is_refused() -> None:
 def _engine(engine_id: str, wait_s: float | None) -> EngineView:
     view = EngineView(engine_id=engine_id, in_flight=4)
     if wait_s is not None:
-        view.extra[ADMISSION_WAIT_KEY] = lambda prompt_tokens: wait_s * prompt_tokens / 10_000
+        view.extra[ADMISSION_WAIT_KEY] = lambda prompt_tokens, parts: wait_s * prompt_tokens / 10_000
     return view
 
 
@@ -165,8 +165,17 @@ def test_first_chunk_engines_and_the_default_are_unchanged_and_the_switch_does_s
 
 
 def test_bench_quality_reads_the_admission_suffix() -> None:
-    assert admission_of("priority:20:inf:inf:overtake+admission") == ("priority:20:inf:inf:overtake", True)
-    assert admission_of("fcfs") == ("fcfs", False)
+    assert admission_of("priority:20:inf:inf:overtake+admission") == (
+        "priority:20:inf:inf:overtake",
+        "reserved",
+    )
+    assert admission_of("priority:20:inf+admission:held") == ("priority:20:inf", "held")
+    assert admission_of("priority:20:inf+admission:overtake") == ("priority:20:inf", "overtake")
+    assert admission_of("fcfs") == ("fcfs", None)
+    assert admission_of("priority:20:inf+admission:ahead") == ("priority:20:inf", "ahead")
+    for bad in ("fcfs+admission:", "fcfs+admission:all", "fcfs+admissionheld"):
+        with pytest.raises(ValueError, match="FORM one of reserved, held, ahead, overtake"):
+            admission_of(bad)
     assert parse_scheduling("fcfs+admission") == parse_scheduling("fcfs")
     assert parse_scheduling("priority:20:40:inf:ahead+admission")[4] == "ahead"
     with pytest.raises(ValueError, match="use fcfs, priority"):

@@ -55,7 +55,7 @@ def test_priority_options_are_checked_and_a_priority_fleet_runs() -> None:
     assert proc.returncode == 2 and "--priority-wait: invalid choice: 'fifo'" in stderr, stderr
     proc = sim(
         *TINY, "--concurrency", "2", "--policies", "tier_cost", "--scheduling-policy", "priority",
-        "--priority-wait", "overtake", "--admission-wait",
+        "--priority-wait", "overtake", "--admission-wait", "--admission-form", "overtake",
     )  # fmt: skip
     stdout, stderr = proc.communicate(timeout=200)
     assert proc.returncode == 0, stderr
