@@ -983,6 +983,23 @@ class _Relay:
         self.started = False
 
     def on_event(self) -> None:
+        try:
+            self._relay()
+        except Exception:  # a bug: the client gets the task path's last-resort 500, not silence
+            log.exception("request %s: the callback path failed", self.ctx.request_id)
+            self._stop_watching()
+            self.response.close()
+            self.router._finish(self.ctx, 500, "internal router error", log_error=False)
+            self.client.refuse(
+                RouterError(
+                    500,
+                    "internal router error; see the router log",
+                    type="server_error",
+                    code="internal_error",
+                )
+            )
+
+    def _relay(self) -> None:
         response = self.response
         if not response.status:
             if response.error is not None:
