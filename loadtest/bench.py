@@ -17,6 +17,8 @@
   kvroute bench split [...]   router CPU per request with the network taken out of the proxied
                               path: B3's CPU split into kvroute's own work and the network's
                               (loadtest/bench_split.py)
+  kvroute bench paths [...]   router CPU per request with proxy.callback_path off and on, both in
+                              one process, wrk alternating (loadtest/bench_paths.py)
   kvroute bench all           each of the above at its default size, one after the other
 Results and the commands that produced them are recorded in docs/benchmarks.md.
 """
@@ -38,6 +40,7 @@ BENCHES: dict[str, str] = {
     "annotate": "loadtest.bench_annotate",
     "speculate": "loadtest.bench_speculate",
     "split": "loadtest.bench_split",
+    "paths": "loadtest.bench_paths",
 }
 #: What `all` runs: moderate sizes that finish in minutes on 2 cores.
 ALL_ARGS: dict[str, list[str]] = {
@@ -51,6 +54,7 @@ ALL_ARGS: dict[str, list[str]] = {
     "annotate": [],
     "speculate": [],
     "split": [],
+    "paths": ["--repeats", "3"],
 }
 
 

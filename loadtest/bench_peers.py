@@ -112,7 +112,8 @@ def install_peer(peers_dir: Path, peer: str) -> Path:
 @dataclass(frozen=True, slots=True)
 class Target:
     """``direct``, ``raw_proxy`` (loadtest/bench_proxy.py's reference proxy: what Python can reach
-    here), ``kvroute:POLICY[+tok][xN]`` or ``PEER:POLICY``."""
+    here), ``kvroute:POLICY[+tok][+cb][xN]`` or ``PEER:POLICY``; ``+cb``: kvroute with the callback
+    path on (proxy.callback_path), off without it."""
 
     spec: str
     kind: str
@@ -121,6 +122,7 @@ class Target:
     workers: int = 1
     #: kvroute from this checkout instead of this one (``--checkout LABEL=DIR``).
     checkout: str = ""
+    callback_path: bool = False
 
     @staticmethod
     def parse(spec: str, checkouts: dict[str, str] | None = None) -> Target:
@@ -132,18 +134,21 @@ class Target:
             kind = "kvroute"
         if kind not in ("kvroute", *PEER_PACKAGES) or not rest:
             raise ValueError(
-                f"target {spec!r}: expected direct, kvroute:POLICY[+tok][xN] or PEER:POLICY "
+                f"target {spec!r}: expected direct, kvroute:POLICY[+tok][+cb][xN] or PEER:POLICY "
                 f"with PEER in {', '.join(PEER_PACKAGES)}"
             )
         workers = 1
         m = re.fullmatch(r"(.*)x(\d+)", rest)
         if m and kind == "kvroute":
             rest, workers = m.group(1), int(m.group(2))
+        callback_path = kind == "kvroute" and rest.endswith("+cb")
+        if callback_path:
+            rest = rest.removesuffix("+cb")
         tok = rest.endswith("+tok")
         policy = rest.removesuffix("+tok")
         if kind == "kvroute" and policy not in KVROUTE_POLICIES:
             raise ValueError(f"target {spec!r}: kvroute policy must be one of {', '.join(KVROUTE_POLICIES)}")
-        return Target(spec, kind, policy, tok, workers, checkout)
+        return Target(spec, kind, policy, tok, workers, checkout, callback_path)
 
 
 def peer_command(
@@ -235,6 +240,10 @@ def start_target(
         if target.workers > 1:
             args += ["--workers", str(target.workers)]
         env["KVROUTE_TOKENIZER_BACKEND"] = "sim" if target.tokenizer else "none"
+        if target.callback_path:
+            env["KVROUTE_PROXY_CALLBACK_PATH"] = "true"
+        else:  # a checkout from before the key would refuse the variable
+            env.pop("KVROUTE_PROXY_CALLBACK_PATH", None)
     elif target.kind == "raw_proxy":
         args = [
             sys.executable,

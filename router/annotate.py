@@ -111,6 +111,10 @@ class IndexAnnotator:
         self._default_block_size = config.engines[0].block_size if config.engines else 16
         self._key_cache = KeyChainCache(config.tokenizer.cache_max_bytes)
         self.failures = 0
+        #: ``annotate`` may start outside an asyncio task (the callback path steps ``Router.decide``
+        #: by hand and gives it a task only when it suspends): true unless the tokenizer is an
+        #: engine's (aiohttp's timeouts need the current task).
+        self.steps_outside_task = config.tokenizer.backend != "engine"
 
     async def _token_ids(self, ctx: RouteContext, names: PromptNames | None) -> list[int] | None:
         body = ctx.body

@@ -30,7 +30,7 @@ from kvcore.core import CoreConfig, RoutingCore
 from router import __version__, openapi
 from router.config import RouterConfig
 from router.errors import RouterError, bad_request
-from router.guard import TENANT_STATE_KEY, AccessGuard, Authenticator, send_error
+from router.guard import TENANT_STATE_KEY, AccessGuard, Authenticator, error_headers, send_error
 from router.load import EnginePoller, LoadTracker
 from router.metrics import CONTENT_TYPE, RouterMetrics, create_metrics
 from router.proxy import UpstreamClient
@@ -79,6 +79,10 @@ class KvrouteApp(FastAPI):
     an ASGI request cycle; any other ASGI server comes through ``__call__``."""
 
     proxy_app: Callable[[dict[str, Any], Receive, Send], Awaitable[None]] | None = None
+    #: The callback path (proxy.callback_path, router/fastpath.py); None = off.
+    proxy_now: Callable[[Any], bool] | None = None
+    #: The callback path's entry whether or not it is on (tests switch it on for a whole run).
+    callback_proxy: Callable[[Any], bool] | None = None
     #: Raw request path -> ASGI path, of the routes ``proxy_app`` answers.
     proxy_paths: dict[bytes, str] = {path.encode(): path for path in PROXY_PATHS}
 
@@ -92,6 +96,43 @@ class KvrouteApp(FastAPI):
             await self.proxy_app(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
+
+
+class _HandedOver:
+    """A request the callback path handed over to a task, and how far it got (``Router.serve``)."""
+
+    __slots__ = ("ctx", "deciding", "headers", "sent")
+
+    def __init__(self, ctx: RouteContext, headers: Mapping[str, str], deciding: Any, sent: Any) -> None:
+        self.ctx, self.headers, self.deciding, self.sent = ctx, headers, deciding, sent
+
+
+class _CallbackClient:
+    """``router.routing.CallbackClient`` on router/fastpath.py's exchange."""
+
+    __slots__ = ("_refused", "ctx", "exchange", "headers", "request_id", "resume_app")
+
+    def __init__(self, exchange: Any, request_id: str, refused: Callable[[RouterError, str], None]) -> None:
+        self.exchange = exchange
+        self.request_id = request_id
+        self._refused = refused
+        self.ctx: RouteContext | None = None
+        self.headers: Mapping[str, str] = {}
+        self.resume_app: Callable[[_HandedOver], Any] | None = None
+
+    def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.exchange.answer_now(status, headers, body)
+
+    def refuse(self, err: RouterError) -> None:
+        self._refused(err, self.request_id)
+        self.exchange.answer_now(err.status, error_headers(err, self.request_id), err.body())
+
+    def hand_over(self, deciding: Any, sent: Any) -> None:
+        assert self.ctx is not None and self.resume_app is not None
+        self.exchange.run_as_task(self.resume_app(_HandedOver(self.ctx, self.headers, deciding, sent)))
+
+    def watch_disconnect(self, on_disconnect: Callable[[], None] | None) -> bool:
+        return bool(self.exchange.disconnect_watcher(on_disconnect))
 
 
 class _AsgiResponse(Response):
@@ -462,9 +503,27 @@ def create_app(
     app.state.tokenizer = tokenizer
     app.state.event_manager = event_manager
 
-    async def proxy(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    def refused(err: RouterError, request_id: str) -> None:
+        """The log line and count of a request answered with ``err``."""
+        log.warning("request %s: %d %s: %s", request_id, err.status, err.code, err.message)
+        if err.status < 500 or err.code == "no_healthy_engine":
+            metrics.requests.labels("none", "", "", str(err.status)).inc()
+
+    async def proxy(
+        scope: dict[str, Any], receive: Receive, send: Send, resume: _HandedOver | None = None
+    ) -> None:
         """POST /v1/chat/completions and /v1/completions, straight from the ASGI server (no
-        framework routing, dependency solving or response objects on the hot path)."""
+        framework routing, dependency solving or response objects on the hot path). ``resume``:
+        a request the callback path (``proxy_now``) handed over, parsed and maybe decided."""
+        if resume is not None:
+            try:
+                await router.serve(
+                    resume.ctx, resume.headers, receive, send, deciding=resume.deciding, sent=resume.sent
+                )
+            except RouterError as err:
+                refused(err, resume.ctx.request_id)
+                await send_error(send, err, resume.ctx.request_id)
+            return
         endpoint = PROXY_PATHS[scope["path"]]
         headers = header_map(scope["headers"])
         request_id = request_id_of(headers)
@@ -476,9 +535,7 @@ def create_app(
             ctx.started_s = started_s
             await router.serve(ctx, headers, receive, send)
         except RouterError as err:
-            log.warning("request %s: %d %s: %s", request_id, err.status, err.code, err.message)
-            if err.status < 500 or err.code == "no_healthy_engine":
-                metrics.requests.labels("none", "", "", str(err.status)).inc()
+            refused(err, request_id)
             await send_error(send, err, request_id)
         except ClientDisconnect:
             # The client went away while sending its body: counted, no traceback (a flood of
@@ -488,6 +545,47 @@ def create_app(
 
     # The hot path, behind the same guard (authentication, a JSON 500 for anything unhandled).
     app.proxy_app = AccessGuard(proxy, auth=auth, paths=PROXY_PATHS)
+    needs_auth = any(auth.required(path) for path in PROXY_PATHS)
+
+    def proxy_now(exchange: Any) -> bool:
+        """The callback path (proxy.callback_path): a proxied request whose body is in, answered
+        from callbacks (``Router.serve_now``); False: run it as a task (``proxy_app``) instead -
+        an API key to check, a body that is not JSON or too large."""
+        scope = exchange.scope
+        headers = header_map(scope["headers"])
+        if (
+            needs_auth
+            or not _is_json_type(headers.get("content-type", ""))
+            or len(exchange.body) > reader.max_body_bytes
+        ):
+            return False
+        raw_body = exchange.complete_body()
+        if raw_body is None:
+            return False
+        request_id = request_id_of(headers)
+        client = _CallbackClient(exchange, request_id, refused)
+        try:
+            started_s = time.monotonic()
+            ctx = reader.parse(PROXY_PATHS[scope["path"]], raw_body, headers, scope, request_id)
+            ctx.started_s = started_s
+            client.ctx, client.headers = ctx, headers
+            client.resume_app = resume_app
+            router.serve_now(ctx, headers, client)
+        except RouterError as err:
+            client.refuse(err)
+        return True
+
+    def resume_app(handed: _HandedOver) -> Callable[[dict[str, Any], Receive, Send], Awaitable[None]]:
+        """The guarded proxy going on with ``handed`` (a JSON 500 for anything unhandled)."""
+
+        async def resumed(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+            await proxy(scope, receive, send, handed)
+
+        return AccessGuard(resumed, auth=auth)
+
+    app.callback_proxy = proxy_now
+    if config.proxy.callback_path:
+        app.proxy_now = proxy_now
 
     @app.post("/v1/chat/completions", openapi_extra=openapi.operation(openapi.CHAT_BODY, streams=True))
     async def chat_completions(request: Request) -> Response:

@@ -179,6 +179,16 @@ class ListenConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     port: int = 8000
 
 
+class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How the proxied routes run inside the router process."""
+
+    #: Answer the common request (body complete, no API key to check, a decision that needs no
+    #: await, an idle keep-alive connection to the chosen engine, no stream) entirely in the HTTP
+    #: protocols' callbacks, without an asyncio task; anything else goes on as a task from the
+    #: point reached (router/fastpath.py). Off = every request runs as a task.
+    callback_path: bool = False
+
+
 class IndexConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The global prefix index fed by the engines' KV events (router/index.py)."""
 
@@ -314,6 +324,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tenancy: TenancyConfig = msgspec.field(default_factory=TenancyConfig)
     trace: TraceConfig = msgspec.field(default_factory=TraceConfig)
     shared: SharedConfig = msgspec.field(default_factory=SharedConfig)
+    proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
     #: Fleet file whose engines are appended to ``engines``.
     fleet_file: str = ""
     log_level: str = "info"
@@ -334,6 +345,7 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "tenancy": TenancyConfig,
     "trace": TraceConfig,
     "shared": SharedConfig,
+    "proxy": ProxyConfig,
 }
 #: Keys whose env-var values are JSON (dicts and lists).
 _JSON_KEYS = ("params", "arms", "pools", "priors", "api_keys")

@@ -43,6 +43,10 @@ _SERVER_ERROR = (
 )
 
 
+#: How long a proxied request's body may take to complete, its headers in, before a task reads it
+#: (on the callback path; the task's own limits.body_timeout_s applies from then on).
+UPLOAD_GRACE_S = 0.05
+
 _default_head_of: tuple[object, bytes] = (None, b"")
 
 
@@ -210,6 +214,28 @@ class ProxyExchange:
                 protocol.transport.close()
             protocol.on_response_complete()
 
+    def answer_now(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """A complete answer written at once, without ``send``'s awaits (the callback path): what
+        its two messages would write, in one write."""
+        if self.disconnected or self.response_started:
+            return
+        self.response_started = True
+        self.expect_100_continue = False
+        headers.append((b"content-length", b"%d" % len(body)))
+        self._start(status, headers)
+        head, self._head = self._head, b""
+        protocol = self._protocol
+        protocol.transport.write(head + body)
+        self.response_complete = True
+        if not self.keep_alive:
+            protocol.transport.close()
+        protocol.on_response_complete()
+
+    def run_as_task(self, app: ProxyApp) -> None:
+        """Run ``app`` on this exchange as a task, as the protocol starts a proxied request (the
+        callback path handing a request over)."""
+        self._protocol._start_asgi_task(self, app)  # type: ignore[arg-type]
+
     def _start(self, status: int, headers: Any) -> None:
         """The status line and headers, kept to go out with the first body bytes (one write)."""
         parts = [STATUS_LINE[status], _default_head(self._protocol.server_state.default_headers)]
@@ -235,6 +261,59 @@ class ProxyExchange:
 class ProxyHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol answering the app's proxied routes with a ``ProxyExchange``
     (see the module's docstring); every other request goes through the ASGI app as before."""
+
+    #: A proxied request not started yet, and its app: with the app's ``proxy_now``
+    #: (proxy.callback_path), a request is answered in callbacks once its body is complete at the
+    #: end of a chunk, and run as a task otherwise (``_start_deferred``).
+    _deferred: tuple[ProxyExchange, ProxyApp] | None = None
+    _upload_timer: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        deferred = self._deferred
+        if deferred is None:
+            return
+        exchange, _ = deferred
+        if exchange.more_body:
+            # The body comes in more chunks (a client writing its headers and body apart): it
+            # has UPLOAD_GRACE_S to complete, then a task reads it under limits.body_timeout_s.
+            # A body past uvicorn's high-water mark (reading paused) or owed a 100 Continue goes
+            # to the task at once.
+            if self.flow.read_paused or exchange.expect_100_continue or exchange.disconnected:
+                self._start_deferred()
+            elif self._upload_timer is None:
+                self._upload_timer = self.loop.call_later(UPLOAD_GRACE_S, self._start_deferred)
+            return
+        self._deferred = None
+        if self._upload_timer is not None:
+            self._upload_timer.cancel()
+            self._upload_timer = None
+        if not exchange.expect_100_continue and not exchange.disconnected:
+            try:
+                if self.app.proxy_now(exchange):
+                    return
+            except Exception as exc:
+                log.error("exception in the proxy's callback path", exc_info=exc)
+                if not exchange.response_started and not exchange.disconnected:
+                    exchange.response_complete = True
+                    self.transport.write(_SERVER_ERROR)
+                self.transport.close()
+                return
+        self._start_asgi_task(exchange, deferred[1])  # type: ignore[arg-type]
+
+    def _start_deferred(self) -> None:
+        """The deferred request goes on as a task (``proxy_app``), as without the callback path."""
+        if self._upload_timer is not None:
+            self._upload_timer.cancel()
+            self._upload_timer = None
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            self._start_asgi_task(deferred[0], deferred[1])  # type: ignore[arg-type]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        # A request cut off during its upload: its task sees the disconnect and counts it.
+        self._start_deferred()
 
     def on_headers_complete(self) -> None:
         app = self.app
@@ -272,7 +351,11 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         existing = self.cycle
         self.cycle = exchange  # type: ignore[assignment]
         if existing is None or existing.response_complete:
-            self._start_asgi_task(exchange, proxy_app)  # type: ignore[arg-type]
+            if getattr(app, "proxy_now", None) is not None:
+                # The callback path: decided once this chunk is parsed (``data_received``).
+                self._deferred = (exchange, proxy_app)
+            else:
+                self._start_asgi_task(exchange, proxy_app)  # type: ignore[arg-type]
         else:
             # Pipelined behind an answer still going out: uvicorn starts it when that one is done.
             self.flow.pause_reading()

@@ -421,14 +421,20 @@ def _bearer(scope: dict[str, Any]) -> str | None:
     return None
 
 
-async def send_error(send: Any, err: RouterError, request_id: str = "") -> None:
-    """Send ``err`` as a complete OpenAI-shaped JSON response through ASGI ``send``."""
-    body = err.body()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+def error_headers(err: RouterError, request_id: str = "") -> list[tuple[bytes, bytes]]:
+    """The headers of ``err``'s answer but its content-length."""
+    headers = [(b"content-type", b"application/json")]
     if request_id:
         headers.append((b"x-request-id", request_id.encode()))
     for name, value in (err.headers or {}).items():
         headers.append((name.encode(), value.encode()))
+    return headers
+
+
+async def send_error(send: Any, err: RouterError, request_id: str = "") -> None:
+    """Send ``err`` as a complete OpenAI-shaped JSON response through ASGI ``send``."""
+    body = err.body()
+    headers = [*error_headers(err, request_id), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

@@ -19,7 +19,7 @@ import logging
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -71,10 +71,12 @@ class UpstreamResponse:
         "_done",
         "_error",
         "_loop",
+        "_retry",
         "_waiter",
         "event_seen",
         "got_bytes",
         "headers",
+        "on_event",
         "status",
         "url",
     )
@@ -92,8 +94,17 @@ class UpstreamResponse:
         #: Any byte of the answer arrived; an SSE ``data:`` event arrived.
         self.got_bytes = False
         self.event_seen = False
+        #: Called instead of waking an awaiting reader, on every change (headers, body bytes, the
+        #: end, a failure): the callback path's relay (router/routing.py); None = await as usual.
+        self.on_event: Callable[[], None] | None = None
+        #: How to send the request again on a new connection (a reused connection's answer only).
+        self._retry: tuple[_Pool, bytes, float | None, bool] | None = None
 
     def _wake(self) -> None:
+        on_event = self.on_event
+        if on_event is not None:
+            on_event()
+            return
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -114,6 +125,23 @@ class UpstreamResponse:
         except BaseException:
             self.close()  # cancelled (client gone, first-byte budget): the engine must stop
             raise
+
+    @property
+    def error(self) -> UpstreamError | None:
+        """Why the answer failed (None: it did not)."""
+        return self._error
+
+    @property
+    def done(self) -> bool:
+        """The whole answer is in."""
+        return self._done
+
+    def take_body(self) -> bytes:
+        """The body bytes in so far (``read`` without the wait), taken."""
+        chunks = self._chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        return data
 
     async def headers_in(self) -> None:
         while not self.status:
@@ -489,6 +517,8 @@ class UpstreamClient:
         answer fails with UpstreamFirstByteTimeout (wait for it with ``first_event``).
         ``headers``: a mapping, or its header lines already encoded (``encode_headers``)."""
         pool, request_head = self._pool_of(url)
+        header_lines = headers if isinstance(headers, bytes) else encode_headers(headers)
+        request = b"%s%scontent-length: %d\r\n\r\n%s" % (request_head, header_lines, len(body), body)
         conn = pool.take(time.monotonic())
         if conn is None and self._limit_per_host:
             while pool.busy >= self._limit_per_host:
@@ -496,25 +526,52 @@ class UpstreamClient:
                 pool.waiters.append(waiter)
                 await waiter
             conn = pool.take(time.monotonic())
-        reused = conn is not None
         if conn is None:
             conn = await self._new_connection(pool, url)
-        header_lines = headers if isinstance(headers, bytes) else encode_headers(headers)
+            response = self._start(pool, conn, url, request, first_byte_timeout_s, until_event)
+        else:
+            response = self._start(pool, conn, url, request, first_byte_timeout_s, until_event)
+            response._retry = (pool, request, first_byte_timeout_s, until_event)
+        return await self.headers_of(response)
+
+    def send_on_idle(
+        self,
+        url: str,
+        body: bytes,
+        header_lines: bytes,
+        *,
+        first_byte_timeout_s: float | None = None,
+        until_event: bool = False,
+    ) -> UpstreamResponse | None:
+        """``send`` without an await: the request written on an idle keep-alive connection to
+        ``url``'s engine and its answer returned at once (headers not in yet: ``headers_of``, or
+        its ``on_event``); None when no idle connection is there (use ``send``)."""
+        pool, request_head = self._pool_of(url)
+        conn = pool.take(time.monotonic())
+        if conn is None:
+            return None
         request = b"%s%scontent-length: %d\r\n\r\n%s" % (request_head, header_lines, len(body), body)
         response = self._start(pool, conn, url, request, first_byte_timeout_s, until_event)
+        response._retry = (pool, request, first_byte_timeout_s, until_event)
+        return response
+
+    async def headers_of(self, response: UpstreamResponse) -> UpstreamResponse:
+        """``response`` once its headers are in (see ``send``): on a reused connection that turns
+        out dead before any answer, the request goes once more on a new connection."""
         try:
             await response.headers_in()
         except UpstreamFirstByteTimeout:
             raise
         except UpstreamConnectError:
-            if not reused:
+            if response._retry is None:
                 raise
             # A pooled keep-alive socket the engine had closed or reset while it sat idle (the
             # engine restarted, or its keep-alive ran out first): that says nothing about the
             # engine, so once more on a new connection; only a failure of that one counts.
+            pool, request, first_byte_timeout_s, until_event = response._retry
             self.stale_retries += 1
-            conn = await self._new_connection(pool, url)
-            response = self._start(pool, conn, url, request, first_byte_timeout_s, until_event)
+            conn = await self._new_connection(pool, response.url)
+            response = self._start(pool, conn, response.url, request, first_byte_timeout_s, until_event)
             await response.headers_in()
         return response
 

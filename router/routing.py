@@ -25,7 +25,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -425,6 +425,10 @@ class Router:
         self.observers: list[RouteObserver] = [metrics, self.first_byte, *observers]
         # Each hook's bound methods, looked up once (not per request and observer); the hooks an
         # observer leaves empty (``return None``) are not called at all.
+        #: ``decide`` may be stepped outside a task (``serve_now``): its only await is the annotator's.
+        self._decides_outside_task = annotator is None or bool(
+            getattr(annotator, "steps_outside_task", False)
+        )
         self._hooks: dict[str, list[tuple[RouteObserver, Callable[[RouteContext], None]]]] = {
             hook: [(o, getattr(o, hook)) for o in self.observers if not does_nothing(getattr(o, hook))]
             for hook in ("on_routed", "on_first_byte", "on_finished")
@@ -517,24 +521,38 @@ class Router:
         return arm
 
     async def serve(
-        self, ctx: RouteContext, headers: Mapping[str, str], receive: Receive, send: Send
+        self,
+        ctx: RouteContext,
+        headers: Mapping[str, str],
+        receive: Receive,
+        send: Send,
+        *,
+        deciding: Awaitable[tuple[Arm, Decision]] | None = None,
+        sent: UpstreamResponse | None = None,
     ) -> None:
         """Route ``ctx``, proxy it and send the answer through ASGI ``send`` (streaming or
-        complete). RouterErrors raised before any byte was sent are the caller's to answer."""
-        arm, decision = await self.decide(ctx)
-        # Reserve the engine's load now, with no await since the choice: requests that arrive
-        # together must see each other's load, or a burst piles onto the engine that looked idle.
-        fleet = ctx.fleet.engines if ctx.fleet is not None else ()
-        ctx.reservation = self.core.reserve(
-            arm.policy, ctx.route_request, decision, time.monotonic(), arm=arm.name, candidates=fleet
-        )
-        self._notify("on_routed", ctx)
+        complete). RouterErrors raised before any byte was sent are the caller's to answer.
+        The callback path (``serve_now``) hands a request over from where it stopped: the rest of
+        its ``decide`` (``deciding``), its reservation taken (``ctx.reservation``), or its request
+        sent on a pooled connection as well (``sent``)."""
+        if ctx.reservation is None:
+            arm, decision = await (deciding if deciding is not None else self.decide(ctx))
+            # Reserve the engine's load now, with no await since the choice: requests that arrive
+            # together must see each other's load, or a burst piles onto the engine that looked idle.
+            fleet = ctx.fleet.engines if ctx.fleet is not None else ()
+            ctx.reservation = self.core.reserve(
+                arm.policy, ctx.route_request, decision, time.monotonic(), arm=arm.name, candidates=fleet
+            )
+            self._notify("on_routed", ctx)
+        else:
+            assert ctx.decision is not None
+            decision = ctx.decision
         # One disconnect watcher for the whole exchange (the wait for the engine, a non-stream
         # body, every streamed chunk): a client that goes away cancels the upstream request,
         # which is what stops the engine's work.
         watcher = watch_disconnect(receive)
         try:
-            answer = await self._forward(ctx, decision, headers)
+            answer = await self._forward(ctx, decision, headers, sent)
             await answer.send(send, watcher)
         except asyncio.CancelledError:
             if not watcher.uncancel_if_fired():
@@ -542,6 +560,46 @@ class Router:
             self._finish(ctx, STATUS_CLIENT_GONE, "client disconnected; upstream request cancelled")
         finally:
             watcher.stop()
+
+    def serve_now(self, ctx: RouteContext, headers: Mapping[str, str], client: CallbackClient) -> None:
+        """The callback path (``proxy.callback_path``): route ``ctx`` and send it upstream without
+        an await, then relay the answer from the upstream connection's callbacks (``_Relay``).
+        Where that cannot go on without waiting - a stream, a ``decide`` that suspends (a
+        tokenizer or key-cache miss), no idle connection to the chosen engine, an engine failing
+        before its answer (stale connection, fail-over) - the request goes on as a task through
+        ``serve`` from the point reached (``client.hand_over``). RouterErrors raised here are the
+        caller's to answer."""
+        if ctx.stream or not self._decides_outside_task:
+            client.hand_over(None, None)
+            return
+        deciding = self.decide(ctx)
+        try:
+            yielded = deciding.send(None)
+        except StopIteration as done:
+            arm, decision = done.value
+        else:  # suspended: a task resumes it where it stopped
+            client.hand_over(_Resumed(deciding, yielded), None)
+            return
+        fleet = ctx.fleet.engines if ctx.fleet is not None else ()
+        reservation = ctx.reservation = self.core.reserve(
+            arm.policy, ctx.route_request, decision, time.monotonic(), arm=arm.name, candidates=fleet
+        )
+        self._notify("on_routed", ctx)
+        engine_id = decision.engine_id
+        engine = self.tracker.engines[engine_id].config
+        upstream_headers, body = self._upstream_request(ctx, headers)
+        body = self._engine_body(ctx, engine, reservation, body)
+        ctx.sent_s = reservation.sent_s = time.monotonic()
+        response = self.client.send_on_idle(engine.url + ENDPOINT_PATHS[ctx.endpoint], body, upstream_headers)
+        if response is None:
+            client.hand_over(None, None)
+            return
+        ctx.engine_id = engine_id
+        ctx.attempts.append(engine_id)
+        relay = _Relay(self, ctx, response, client)
+        response.on_event = relay.on_event
+        if client.watch_disconnect(relay.on_disconnect):
+            relay.on_disconnect()
 
     def _upstream_failure(self, ctx: RouteContext, engine_id: str, exc: UpstreamError) -> RouterError:
         """Account a failed upstream exchange and the client error for it: 504 on a timeout, else 502."""
@@ -575,10 +633,8 @@ class Router:
         body["stream_options"] = {**(options or {}), "include_usage": True}
         return _encode_json(body)
 
-    async def _forward(self, ctx: RouteContext, decision: Decision, headers: Mapping[str, str]) -> _Answer:
-        """Send to the chosen engine (one retry on the next choice if it refuses) and build the
-        response."""
-
+    def _upstream_request(self, ctx: RouteContext, headers: Mapping[str, str]) -> tuple[bytes, bytes]:
+        """The upstream request's header lines and body (before any priority splice)."""
         # The header lines encoded once per request (not once per attempt, nor from a dict).
         upstream_headers = b"content-type: application/json\r\nx-request-id: %s\r\n" % ctx.request_id.encode(
             "latin-1"
@@ -586,55 +642,75 @@ class Router:
         forwarded = {name: headers[name] for name in FORWARDED_REQUEST_HEADERS if name in headers}
         if forwarded:
             upstream_headers += encode_headers(forwarded)
+        return upstream_headers, self._upstream_body(ctx)
+
+    def _engine_body(self, ctx: RouteContext, engine: Any, reservation: Reservation, body: bytes) -> bytes:
+        """``body`` for ``engine``: a priority engine gets the request's shortest-work-first
+        priority unless the client set one."""
+        if engine.scheduling_policy != "priority" or "priority" in ctx.body:
+            return body
+        costs = self.config.costs
+        ctx.priority = shortest_first_priority(
+            reservation.parts,
+            costs.priority_step_s,
+            now_s=time.time() - PRIORITY_EPOCH_S,
+            stretch=costs.priority_stretch,
+            max_overtake_s=costs.priority_max_overtake_s,
+            fcfs_factor=costs.priority_fcfs_factor,
+        )
+        start = body.index(b"{") + 1  # splice, as for stream_options: the key is absent
+        return b'%s"priority":%d,%s' % (body[:start], ctx.priority, body[start:])
+
+    async def _forward(
+        self,
+        ctx: RouteContext,
+        decision: Decision,
+        headers: Mapping[str, str],
+        sent: UpstreamResponse | None = None,
+    ) -> _Answer:
+        """Send to the chosen engine (one retry on the next choice if it refuses) and build the
+        response. ``sent``: the first attempt's request is out already (the callback path)."""
+        upstream_headers, base_body = self._upstream_request(ctx, headers)
         path = ENDPOINT_PATHS[ctx.endpoint]
-        base_body = self._upstream_body(ctx)
-        # A priority engine gets the request's shortest-work-first priority unless the client set one.
-        set_priority = "priority" not in ctx.body
         order = [decision.engine_id, *decision.fallbacks][:2]  # the choice, then one retry
         response: UpstreamResponse | None = None
         budget_s = self.first_byte.budget_s()
         for attempt, engine_id in enumerate(order):
-            ctx.engine_id = engine_id
-            ctx.attempts.append(engine_id)
-            engine = self.tracker.engines[engine_id].config
-            if attempt > 0:  # the first attempt's load was reserved when the engine was chosen
-                assert ctx.reservation is not None
-                ctx.reservation = self.core.reserve(
-                    ctx.reservation.policy,
-                    ctx.route_request,
-                    decision,
-                    time.monotonic(),
-                    engine_id=engine_id,
-                    arm=ctx.arm,
-                    candidates=ctx.fleet.engines if ctx.fleet is not None else (),
-                )
-            reservation = ctx.reservation
-            assert reservation is not None
-            body = base_body
-            if set_priority and engine.scheduling_policy == "priority":
-                costs = self.config.costs
-                ctx.priority = shortest_first_priority(
-                    reservation.parts,
-                    costs.priority_step_s,
-                    now_s=time.time() - PRIORITY_EPOCH_S,
-                    stretch=costs.priority_stretch,
-                    max_overtake_s=costs.priority_max_overtake_s,
-                    fcfs_factor=costs.priority_fcfs_factor,
-                )
-                start = body.index(b"{") + 1  # splice, as for stream_options: the key is absent
-                body = b'%s"priority":%d,%s' % (body[:start], ctx.priority, body[start:])
-            ctx.sent_s = reservation.sent_s = time.monotonic()
-            try:
+            if attempt == 0 and sent is not None:
+                reservation = ctx.reservation
+                assert reservation is not None
+                waiting = self.client.headers_of(sent)
+            else:
+                ctx.engine_id = engine_id
+                ctx.attempts.append(engine_id)
+                engine = self.tracker.engines[engine_id].config
+                if attempt > 0:  # the first attempt's load was reserved when the engine was chosen
+                    assert ctx.reservation is not None
+                    ctx.reservation = self.core.reserve(
+                        ctx.reservation.policy,
+                        ctx.route_request,
+                        decision,
+                        time.monotonic(),
+                        engine_id=engine_id,
+                        arm=ctx.arm,
+                        candidates=ctx.fleet.engines if ctx.fleet is not None else (),
+                    )
+                reservation = ctx.reservation
+                assert reservation is not None
+                body = self._engine_body(ctx, engine, reservation, base_body)
+                ctx.sent_s = reservation.sent_s = time.monotonic()
                 # Streams: the time-to-first-byte budget covers the headers and the first event
                 # (the long read timeout only applies once tokens flow). Until that event nothing
                 # is sent to the client, so a hung engine is left for the next choice.
-                response = await self.client.send(
+                waiting = self.client.send(
                     engine.url + path,
                     body,
                     upstream_headers,
                     first_byte_timeout_s=budget_s if ctx.stream else None,
                     until_event=ctx.stream,
                 )
+            try:
+                response = await waiting
                 if ctx.stream and response.status == 200:
                     try:  # the budget's deadline is the client's (until_event)
                         head = await response.first_event()
@@ -674,12 +750,7 @@ class Router:
                 self.core.abandon(reservation)
                 raise
         assert response is not None
-        out_headers = [
-            (b"x-kvroute-engine", ctx.engine_id.encode()),
-            (b"x-kvroute-policy", ctx.policy_name.encode()),
-            (b"x-kvroute-arm", ctx.arm.encode()),
-            (b"x-request-id", ctx.request_id.encode()),
-        ]
+        out_headers = _answer_headers(ctx)
         content_type = response.headers.get("content-type", "application/json")
         if ctx.stream and response.status == 200:
 
@@ -689,6 +760,11 @@ class Router:
 
             out_headers.append((b"content-type", content_type.encode("latin-1")))
             return _StreamAnswer(self._stream(ctx, response), out_headers, on_close)
+        self._answer_started(ctx)
+        return await self._complete(ctx, response, out_headers, content_type)
+
+    def _answer_started(self, ctx: RouteContext) -> None:
+        """A complete (non-stream or error) answer's headers are in."""
         reservation = ctx.reservation
         if reservation is not None:
             # A non-stream body arrives only when generation is over: no token to time. The
@@ -699,7 +775,6 @@ class Router:
                 self._prefill_releases.add(delay_s, reservation)
             else:
                 self.core.release_prefill(reservation)
-        return await self._complete(ctx, response, out_headers, content_type)
 
     def _first_token(self, ctx: RouteContext) -> None:
         ctx.first_token_s = now = time.monotonic()
@@ -812,6 +887,17 @@ class Router:
             raise self._upstream_failure(ctx, ctx.engine_id, exc) from None
         finally:
             response.close()
+        return self._completed(ctx, response, data, out_headers, content_type)
+
+    def _completed(
+        self,
+        ctx: RouteContext,
+        response: UpstreamResponse,
+        data: bytes,
+        out_headers: list[tuple[bytes, bytes]],
+        content_type: str,
+    ) -> _BodyAnswer:
+        """Account a whole answer read off ``response`` and build the client's."""
         if response.status >= 500:
             self.metrics.upstream_error(ctx.engine_id, f"http_{response.status}")
         if response.status == 200:
@@ -821,6 +907,133 @@ class Router:
         )
         out_headers.append((b"content-type", content_type.encode("latin-1")))
         return _BodyAnswer(response.status, out_headers, data)
+
+
+def _answer_headers(ctx: RouteContext) -> list[tuple[bytes, bytes]]:
+    """The router's own headers on every proxied answer."""
+    return [
+        (b"x-kvroute-engine", ctx.engine_id.encode()),
+        (b"x-kvroute-policy", ctx.policy_name.encode()),
+        (b"x-kvroute-arm", ctx.arm.encode()),
+        (b"x-request-id", ctx.request_id.encode()),
+    ]
+
+
+class CallbackClient(Protocol):
+    """The client's side of a request on the callback path (router/app.py, on router/fastpath.py's
+    exchange)."""
+
+    def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """Send a complete answer (a content-length is added)."""
+        ...
+
+    def refuse(self, err: RouterError) -> None:
+        """Answer ``err`` as the coroutine path's caller would (log line, metric, JSON error)."""
+        ...
+
+    def hand_over(
+        self, deciding: Awaitable[tuple[Arm, Decision]] | None, sent: UpstreamResponse | None
+    ) -> None:
+        """Go on as a task through ``Router.serve`` from where the callback path stopped."""
+        ...
+
+    def watch_disconnect(self, on_disconnect: Callable[[], None] | None) -> bool:
+        """Call ``on_disconnect`` when the client goes away (None: stop); True if it has gone."""
+        ...
+
+
+class _Resumed:
+    """The rest of a coroutine started outside a task that suspended on ``yielded`` (a future):
+    awaited in a task, it hands that future to the task and goes on where the coroutine stopped."""
+
+    __slots__ = ("_coro", "_yielded")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], yielded: Any) -> None:
+        self._coro, self._yielded = coro, yielded
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, yielded = self._coro, self._yielded
+        while True:
+            try:
+                value = yield yielded
+            except BaseException as exc:  # the task throws in what the future raised or a cancel
+                try:
+                    yielded = coro.throw(exc)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    yielded = coro.send(value)
+                except StopIteration as done:
+                    return done.value
+
+
+class _Relay:
+    """A complete (non-stream) answer relayed from the upstream connection's callbacks
+    (``UpstreamResponse.on_event``): the accounting and the client's answer as ``_forward`` and
+    ``_complete`` do them; a failure before the answer's headers goes on in ``serve`` (stale
+    connection retry, fail-over), one after them is a 502/504 as there."""
+
+    __slots__ = ("client", "ctx", "response", "router", "started")
+
+    def __init__(
+        self, router: Router, ctx: RouteContext, response: UpstreamResponse, client: CallbackClient
+    ) -> None:
+        self.router, self.ctx, self.response, self.client = router, ctx, response, client
+        self.started = False
+
+    def on_event(self) -> None:
+        try:
+            self._relay()
+        except Exception:  # a bug: the client gets the task path's last-resort 500, not silence
+            log.exception("request %s: the callback path failed", self.ctx.request_id)
+            self._stop_watching()
+            self.response.close()
+            self.router._finish(self.ctx, 500, "internal router error", log_error=False)
+            self.client.refuse(
+                RouterError(
+                    500,
+                    "internal router error; see the router log",
+                    type="server_error",
+                    code="internal_error",
+                )
+            )
+
+    def _relay(self) -> None:
+        response = self.response
+        if not response.status:
+            if response.error is not None:
+                self._stop_watching()
+                self.client.hand_over(None, response)
+            return
+        router, ctx = self.router, self.ctx
+        if not self.started:
+            self.started = True
+            router._answer_started(ctx)
+        error = response.error
+        if error is not None:
+            self._stop_watching()
+            response.close()
+            self.client.refuse(router._upstream_failure(ctx, ctx.engine_id, error))
+            return
+        if not response.done:
+            return
+        self._stop_watching()
+        data = response.take_body()
+        response.close()
+        content_type = response.headers.get("content-type", "application/json")
+        answer = router._completed(ctx, response, data, _answer_headers(ctx), content_type)
+        self.client.answer(answer.status, answer.headers, answer.body)
+
+    def on_disconnect(self) -> None:
+        """The client went away before its answer: the engine's request is cancelled."""
+        self._stop_watching()
+        self.response.close()
+        self.router._finish(self.ctx, STATUS_CLIENT_GONE, "client disconnected; upstream request cancelled")
+
+    def _stop_watching(self) -> None:
+        self.response.on_event = None
+        self.client.watch_disconnect(None)
 
 
 class _DueCalls:

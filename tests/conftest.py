@@ -50,6 +50,9 @@ class ThreadedServer:
             from router.guard import guarded_http_protocol
 
             options = {"http": guarded_http_protocol(router_config.limits), "proxy_headers": False}
+            if os.environ.get("TEST_KVROUTE_CALLBACK_PATH") == "1":
+                # The whole run on the callback path (proxy.callback_path), whatever each test's config.
+                app.proxy_now = app.callback_proxy
         config = uvicorn.Config(
             app,
             host=host,

@@ -105,3 +105,15 @@ def test_the_zero_delay_upstream_counts_prompt_tokens_as_the_sim_tokenizer(tmp_p
             )
             messages = httpx.Response(200, content=body).json()["messages"]
             assert resp.json()["usage"]["prompt_tokens"] == len(encode_chat(messages)), tokens
+
+
+def test_bench_peers_targets_name_the_callback_path() -> None:
+    """``+cb`` runs kvroute with proxy.callback_path on (B3 measures both paths of one commit);
+    catches a suffix read as part of the policy name or left on for the plain target."""
+    from loadtest.bench_peers import Target
+
+    on = Target.parse("kvroute:tier_cost+tok+cbx2")
+    assert (on.policy, on.tokenizer, on.callback_path, on.workers) == ("tier_cost", True, True, 2)
+    off = Target.parse("kvroute:round_robin")
+    assert (off.policy, off.tokenizer, off.callback_path) == ("round_robin", False, False)
+    assert Target.parse("kvroute:round_robin+cb").callback_path
