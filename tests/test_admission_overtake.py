@@ -11,9 +11,7 @@ import pytest
 from kvcore.core import ADMISSION_DECODE_S_PER_TOKEN, ADMISSION_OVERTAKE_WINDOW_S, SequenceLedger
 from loadtest.bench_quality import SPLIT_SEPARATION_NAMES, rank_correlation, split_separation, top_share_mean
 from sim.des import FleetSimulator, SimConfig
-from sim.engine import EngineProfile
-from sim.fleets import EngineSpec, FleetSpec
-from sim.workloads import LadderConfig, Workload, ladder_workload
+from tests.test_admission_wait import _tight_fleet, _workload
 
 D = ADMISSION_DECODE_S_PER_TOKEN
 
@@ -142,32 +140,7 @@ def test_an_unknown_form_is_refused_by_name() -> None:
     ):
         SequenceLedger().admission_wait_s("e", 1, 10, 0.0, form="queued")
     with pytest.raises(ValueError, match="admission_form 'queued' is unknown"):
-        FleetSimulator(_workload(), "tier_cost", _tight_fleet(), SimConfig(admission_form="queued"))
-
-
-def _tight_fleet(scheduling_policy: str = "priority") -> FleetSpec:
-    engine = EngineProfile(
-        block_size=16, num_gpu_blocks=640, num_cpu_blocks=1024, scheduling_policy=scheduling_policy
-    )
-    return FleetSpec([EngineSpec(f"e{i}", engine) for i in range(2)])
-
-
-def _workload(seed: int = 3) -> Workload:
-    return ladder_workload(
-        LadderConfig(
-            first_prompt_tokens=2_000,
-            system_prefix_tokens=400,
-            tokens_per_turn=400,
-            turns=3,
-            answer_min_tokens=40,
-            answer_max_tokens=120,
-            think_time_mean_s=1.0,
-            concurrency=16,
-            total_conversations=24,
-            block_size=16,
-            seed=seed,
-        )
-    )
+        FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), SimConfig(admission_form="queued"))
 
 
 def test_the_forms_change_the_run_on_priority_engines_and_not_on_first_chunk_ones() -> None:
@@ -176,7 +149,7 @@ def test_the_forms_change_the_run_on_priority_engines_and_not_on_first_chunk_one
     without the admission wait whatever the form."""
 
     def ttfts(form: str | None, reserve_full_isl: bool = True) -> list[float]:
-        fleet = _tight_fleet()
+        fleet = _tight_fleet("priority")
         for spec in fleet.engines:
             spec.profile = dataclasses.replace(spec.profile, reserve_full_isl=reserve_full_isl)
         config = SimConfig(seed=3, admission_wait=form is not None, admission_form=form or "reserved")
