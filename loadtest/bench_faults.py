@@ -139,7 +139,12 @@ def _toml(value: Any) -> str:
 
 
 def router_toml(
-    engines: list[dict[str, Any]], port: int, *, first_byte_timeout_s: float, policy: str = "kv_gpu"
+    engines: list[dict[str, Any]],
+    port: int,
+    *,
+    first_byte_timeout_s: float,
+    policy: str = "kv_gpu",
+    callback_path: bool = False,
 ) -> str:
     sections: dict[str, dict[str, Any]] = {
         "listen": {"host": "127.0.0.1", "port": port},
@@ -149,6 +154,8 @@ def router_toml(
         "limits": {"first_byte_timeout_s": first_byte_timeout_s, "read_timeout_s": 15.0},
         "costs": {"scrape_interval_s": 1.0},
     }
+    if callback_path:
+        sections["proxy"] = {"callback_path": True}
     lines = ['log_level = "warning"']
     for name, values in sections.items():
         lines.append(f"[{name}]")
@@ -289,7 +296,13 @@ async def run_phase(name: str, args: argparse.Namespace, workdir: Path) -> Phase
         port = free_port()
         router = RouterProc(
             workdir,
-            router_toml(entries, port, first_byte_timeout_s=args.first_byte_timeout_s, policy=args.policy),
+            router_toml(
+                entries,
+                port,
+                first_byte_timeout_s=args.first_byte_timeout_s,
+                policy=args.policy,
+                callback_path=args.callback_path,
+            ),
             port,
         )
         router.start()
@@ -447,6 +460,8 @@ def hand_cases() -> list[tuple[str, str, dict[str, str], bytes]]:
 def run_inputs(args: argparse.Namespace, workdir: Path) -> None:
     report = workdir / "fuzz.txt"
     env = dict(os.environ, KVROUTE_FUZZ_EXAMPLES=str(args.fuzz_examples), KVROUTE_FUZZ_REPORT=str(report))
+    if args.callback_path:  # tests/conftest.py's switch: the test routers run on the callback path
+        env["TEST_KVROUTE_CALLBACK_PATH"] = "1"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_app_fuzz.py"],
         cwd=REPO_ROOT,
@@ -460,6 +475,7 @@ def run_inputs(args: argparse.Namespace, workdir: Path) -> None:
     print(
         f"schemathesis (tests/test_app_fuzz.py, {args.fuzz_examples} examples per operation and mode): "
         f"{sum(fuzz.values())} requests; pytest: {_last_line(proc.stdout) or proc.returncode}"
+        + ("; every router with proxy.callback_path on" if args.callback_path else "")
     )
     print("| source | requests | statuses | 5xx from the router |")
     print("|---|---:|---|---:|")
@@ -469,7 +485,14 @@ def run_inputs(args: argparse.Namespace, workdir: Path) -> None:
         engines = fleet.start(1, replace(PROFILES["gpu-only"], time_scale=100.0))
         port = free_port()
         router = RouterProc(
-            workdir, router_toml([e.fleet_entry() for e in engines], port, first_byte_timeout_s=10.0), port
+            workdir,
+            router_toml(
+                [e.fleet_entry() for e in engines],
+                port,
+                first_byte_timeout_s=10.0,
+                callback_path=args.callback_path,
+            ),
+            port,
         )
         router.start()
         try:
@@ -800,6 +823,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout-s", type=float, default=60.0)
     p.add_argument("--first-byte-timeout-s", type=float, default=3.0)
     p.add_argument("--policy", default="kv_gpu", help="routing policy of the router under test")
+    p.add_argument(
+        "--callback-path",
+        action="store_true",
+        help="the router under test with proxy.callback_path on (the fault phases and the input table)",
+    )
     p.add_argument("--inputs", action="store_true", help="also run the input table")
     p.add_argument("--fuzz-examples", type=int, default=50)
     p.add_argument(
@@ -829,7 +857,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.conversations} streaming conversations per phase ({args.policy}), "
                 f"{args.phase_s:.0f} s each, "
                 f"fault at {args.fault_at_s:.0f} s; router first_byte_timeout_s={args.first_byte_timeout_s}, "
-                "read_timeout_s=15"
+                "read_timeout_s=15" + (", proxy.callback_path on" if args.callback_path else "")
             )
             print_phases(results)
         if args.inputs:

@@ -117,3 +117,17 @@ def test_bench_peers_targets_name_the_callback_path() -> None:
     off = Target.parse("kvroute:round_robin")
     assert (off.policy, off.tokenizer, off.callback_path) == ("round_robin", False, False)
     assert Target.parse("kvroute:round_robin+cb").callback_path
+
+
+def test_bench_faults_router_config_puts_the_router_on_the_callback_path(tmp_path: Path) -> None:
+    """``bench_faults --callback-path`` writes a router config the router reads with
+    proxy.callback_path on (and off without it); catches a section or key the config does not know,
+    which would leave the fault and input tables measuring the task path under the other label."""
+    from loadtest.bench_faults import router_toml
+    from router.config import load_config
+
+    engine = {"id": "e0", "url": "http://127.0.0.1:9", "model": "m"}
+    for flag in (True, False):
+        path = tmp_path / f"router-{flag}.toml"
+        path.write_text(router_toml([engine], 8000, first_byte_timeout_s=3.0, callback_path=flag))
+        assert load_config(path, environ={}).proxy.callback_path is flag
