@@ -49,7 +49,7 @@ from policies.base import (
     build_policy,
     max_hit_tokens,
 )
-from policies.costs import ADMISSION_WAIT_KEY, EngineCosts, PredictedParts
+from policies.costs import ADMISSION_RECOMPUTE_BELOW_KEY, ADMISSION_WAIT_KEY, EngineCosts, PredictedParts
 from sim.cache import StoragePool
 from sim.engine import (
     WAIT_REASONS,
@@ -112,6 +112,12 @@ def prior_costs(profile: EngineProfile) -> EngineCosts:
 # ------------------------------------------------------------------------------- simulation
 
 
+def check_admission_recompute_below(value: float, name: str) -> None:
+    """Refuse an admission recompute gate outside (0, 1] (a fraction of the prompt; nan included)."""
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1] (a fraction of the prompt), got {value}")
+
+
 @dataclass(slots=True)
 class SimConfig:
     seed: int = 0
@@ -170,6 +176,12 @@ class SimConfig:
     #: priority engine serves first) or "overtake" ("ahead" plus the expected earlier-deadline
     #: arrivals).
     admission_form: str = "reserved"
+    #: With ``admission_wait``: price it only for a turn that is a recompute on every engine anyway,
+    #: its best cached fraction (``policies.costs.best_cached_fraction``: the largest share of the
+    #: prompt any engine holds in any tier) below this fraction of the prompt, in (0, 1]; every
+    #: other turn keeps the learned slot term (``policies.costs.ADMISSION_RECOMPUTE_BELOW_KEY``).
+    #: None = every turn.
+    admission_recompute_below: float | None = None
     #: Split each turn's measured TTFT into where it went on the engine and keep it beside the
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
     #: server stages only.
@@ -422,6 +434,11 @@ class FleetSimulator:
             raise ValueError(
                 f"admission_form {cfg.admission_form!r} is unknown; accepted: {', '.join(ADMISSION_FORMS)}"
             )
+        below = cfg.admission_recompute_below
+        if below is not None:
+            if not cfg.admission_wait:
+                raise ValueError("admission_recompute_below gates the admission wait: set admission_wait too")
+            check_admission_recompute_below(below, "admission_recompute_below")
         if cfg.admission_wait:
             self.sequences = SequenceLedger()
             for spec, view in zip(fleet.engines, self.views, strict=True):
@@ -430,6 +447,8 @@ class FleetSimulator:
                     view.extra[ADMISSION_WAIT_KEY] = self._admission_wait(
                         spec.engine_id, capacity, spec.profile.scheduling_policy == "priority"
                     )
+                    if below is not None:
+                        view.extra[ADMISSION_RECOMPUTE_BELOW_KEY] = below
         self._ttft_split: dict[str, dict[str, float]] = {}
         if cfg.split_ttft:
             if fleet.api_server is not None or fleet.router_stage is not None:

@@ -168,11 +168,12 @@ def test_bench_quality_reads_the_admission_suffix() -> None:
     assert admission_of("priority:20:inf:inf:overtake+admission") == (
         "priority:20:inf:inf:overtake",
         "reserved",
+        None,
     )
-    assert admission_of("priority:20:inf+admission:held") == ("priority:20:inf", "held")
-    assert admission_of("priority:20:inf+admission:overtake") == ("priority:20:inf", "overtake")
-    assert admission_of("fcfs") == ("fcfs", None)
-    assert admission_of("priority:20:inf+admission:ahead") == ("priority:20:inf", "ahead")
+    assert admission_of("priority:20:inf+admission:held") == ("priority:20:inf", "held", None)
+    assert admission_of("priority:20:inf+admission:overtake") == ("priority:20:inf", "overtake", None)
+    assert admission_of("fcfs") == ("fcfs", None, None)
+    assert admission_of("priority:20:inf+admission:ahead") == ("priority:20:inf", "ahead", None)
     for bad in ("fcfs+admission:", "fcfs+admission:all", "fcfs+admissionheld"):
         with pytest.raises(ValueError, match="FORM one of reserved, held, ahead, overtake"):
             admission_of(bad)
