@@ -35,7 +35,13 @@ from kvcore.core import (
     check_priority_stretch,
 )
 from kvcore.stats import median_span, percentiles
-from sim.des import TTFT_SPLIT_KEYS, FleetSimulator, SimConfig, check_admission_recompute_below
+from sim.des import (
+    SPLIT_CACHED_FRACTION_KEY,
+    TTFT_SPLIT_KEYS,
+    FleetSimulator,
+    SimConfig,
+    check_admission_recompute_below,
+)
 from sim.des_cli import parse_policy_spec, worker_pool
 from sim.engine import EngineProfile
 from sim.fleets import (
@@ -279,6 +285,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     if cell.split_ttft:
         row["ttft_split"] = split_summary(result.ttft_split_by_request)
         row["ttft_split_separation"] = split_separation(result.ttft_split_by_request)
+        row["ttft_split_recompute"] = split_by_recompute(result.ttft_split_by_request)
     return row
 
 
@@ -370,6 +377,40 @@ def split_separation(splits: dict[str, dict[str, float]]) -> dict[str, float]:
     }
 
 
+#: ``split_by_recompute``'s classes of turns, in print order.
+SPLIT_RECOMPUTE_CLASSES = ("recompute", "cached")
+
+
+def split_by_recompute(
+    splits: dict[str, dict[str, float]], below: float = ADMISSION_RECOMPUTE_BELOW
+) -> dict[str, dict[str, float]]:
+    """A run's turns in two classes by their best cached fraction when routed
+    (``sim.des.SPLIT_CACHED_FRACTION_KEY``): "recompute" (below ``below``, the ``:recompute``
+    gate's default: no engine held much of the prompt) and "cached"; per class SPLIT_RECOMPUTE_NAMES:
+    turns, mean, p50 and max TTFT, and how many of the run's turns above its p99 (as
+    ``split_summary``) and over TAIL_ABSOLUTE_S are in it."""
+    ttfts = [s["ttft_s"] for s in splits.values()]
+    (p99_s,) = percentiles(ttfts, (99.0,), empty=0.0)
+    out: dict[str, dict[str, float]] = {}
+    for name in SPLIT_RECOMPUTE_CLASSES:
+        members = [
+            s["ttft_s"]
+            for s in splits.values()
+            if (s[SPLIT_CACHED_FRACTION_KEY] < below) == (name == "recompute")
+        ]
+        (p50_s,) = percentiles(members, (50.0,), empty=math.nan)
+        figures = (
+            float(len(members)),
+            sum(members) / len(members) if members else math.nan,
+            p50_s,
+            max(members, default=math.nan),
+            float(sum(1 for t in members if t > p99_s)),
+            float(sum(1 for t in members if t > TAIL_ABSOLUTE_S)),
+        )
+        out[name] = dict(zip(SPLIT_RECOMPUTE_NAMES, figures, strict=True))
+    return out
+
+
 def split_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """One line per run and SPLIT_GROUPS group: mean measured parts of the TTFT against the
     predicted ones (``sim.des.ttft_split``), seconds."""
@@ -399,6 +440,21 @@ def split_markdown(rows: Sequence[dict[str, Any]]) -> str:
             out.append(
                 f"| {r['label']} | {r['storage']} | {r['policy']} | {r['scheduling']} | {r['seed']}"
                 f" | {figures} |"
+            )
+    recompute_names = SPLIT_RECOMPUTE_NAMES
+    counts = (recompute_names[0], recompute_names[4], recompute_names[5])
+    out += [
+        "",
+        f"| workload | storage | policy | engine scheduling | seed | turns (recompute: no engine held"
+        f" {ADMISSION_RECOMPUTE_BELOW:g} of the prompt) | " + " | ".join(recompute_names) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(recompute_names),
+    ]
+    for r in rows:
+        for group, m in r.get("ttft_split_recompute", {}).items():
+            figures = " | ".join(format(m[k], ".0f" if k in counts else ".2f") for k in recompute_names)
+            out.append(
+                f"| {r['label']} | {r['storage']} | {r['policy']} | {r['scheduling']} | {r['seed']}"
+                f" | {group} | {figures} |"
             )
     return "\n".join(out)
 
@@ -437,6 +493,15 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
 #: TAIL_ABSOLUTE_S seconds (issue 27's tail table).
 TAIL_FACTOR = 10.0
 TAIL_ABSOLUTE_S = 30.0
+#: ``split_by_recompute``'s figures per class, in print order.
+SPLIT_RECOMPUTE_NAMES = (
+    "n",
+    "mean TTFT s",
+    "p50 TTFT s",
+    "max TTFT s",
+    "of the run's turns above p99",
+    f"over {TAIL_ABSOLUTE_S:g} s",
+)
 
 
 def tail_markdown(rows: Sequence[dict[str, Any]], reference: str) -> str:

@@ -49,7 +49,13 @@ from policies.base import (
     build_policy,
     max_hit_tokens,
 )
-from policies.costs import ADMISSION_RECOMPUTE_BELOW_KEY, ADMISSION_WAIT_KEY, EngineCosts, PredictedParts
+from policies.costs import (
+    ADMISSION_RECOMPUTE_BELOW_KEY,
+    ADMISSION_WAIT_KEY,
+    EngineCosts,
+    PredictedParts,
+    best_cached_fraction,
+)
 from sim.cache import StoragePool
 from sim.engine import (
     WAIT_REASONS,
@@ -203,6 +209,13 @@ TTFT_SPLIT_KEYS = (
 )
 
 
+#: ``SimResult.ttft_split_by_request`` key beside ``TTFT_SPLIT_KEYS``: the turn's best cached fraction
+#: when it was first routed (``policies.costs.best_cached_fraction`` over the router's index: the
+#: largest share of its prompt any engine held in any tier; below a small fraction it is a recompute
+#: wherever it goes).
+SPLIT_CACHED_FRACTION_KEY = "best_cached_fraction"
+
+
 def ttft_split(record: WaitRecord, arrival_s: float, parts: PredictedParts) -> dict[str, float]:
     """One turn's measured TTFT (``arrival_s`` -> first token) split by where it went:
 
@@ -295,7 +308,8 @@ class SimResult:
     #: Each request's TTFT by request id ("conversation#turn": the same turn in every run of a
     #: seed), for per-turn comparisons between runs (loadtest/bench_quality.py's tail table).
     ttft_by_request_s: dict[str, float] = field(default_factory=dict, repr=False)
-    #: With ``SimConfig.split_ttft``: each request's ``ttft_split`` by request id.
+    #: With ``SimConfig.split_ttft``: each request's ``ttft_split`` by request id (and its
+    #: ``SPLIT_CACHED_FRACTION_KEY``).
     ttft_split_by_request: dict[str, dict[str, float]] = field(default_factory=dict, repr=False)
 
     @property
@@ -450,6 +464,8 @@ class FleetSimulator:
                     if below is not None:
                         view.extra[ADMISSION_RECOMPUTE_BELOW_KEY] = below
         self._ttft_split: dict[str, dict[str, float]] = {}
+        #: Per request routed and not yet split: its best cached fraction when first routed.
+        self._cached_fraction: dict[str, float] = {}
         if cfg.split_ttft:
             if fleet.api_server is not None or fleet.router_stage is not None:
                 raise ValueError("split_ttft needs a fleet without server stages (api_server, router_stage)")
@@ -794,6 +810,15 @@ class FleetSimulator:
                 for block_id in turn.block_ids:
                     chain.append((block_id,))
             self.clairvoyant.hashes = chain.hashes
+        if self.config.split_ttft:  # what the fleet held of the turn when it was routed
+            matches = route.prefix_matches if uses_index else self.index.match(keys)
+            held = RouteRequest(
+                request_id=request_id,
+                prompt_tokens=prompt_tokens,
+                block_size=route.block_size,
+                prefix_matches=matches,
+            )
+            self._cached_fraction.setdefault(request_id, best_cached_fraction(held, prompt_tokens))
         # filter -> score -> reserve: the same calls the router makes.
         self._route_now = now
         reservation = self.core.route(self.policy, route, self.views, now)
@@ -894,7 +919,9 @@ class FleetSimulator:
                 self._ttft_by_request[rid] = now - r.arrival_s
                 records = self.cores[i].wait_records
                 if records is not None:
-                    self._ttft_split[rid] = ttft_split(records.pop(rid), r.arrival_s, r.reservation.parts)
+                    split = ttft_split(records.pop(rid), r.arrival_s, r.reservation.parts)
+                    split[SPLIT_CACHED_FRACTION_KEY] = self._cached_fraction.pop(rid, 0.0)
+                    self._ttft_split[rid] = split
         for fin in out.finished:
             self._on_finished(reqs[fin.request_id], fin, now)
         if out.events:

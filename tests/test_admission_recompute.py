@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench_quality import ADMISSION_RECOMPUTE_BELOW, admission_of
+from loadtest.bench_quality import ADMISSION_RECOMPUTE_BELOW, admission_of, split_by_recompute
 from policies.base import EngineView, FleetView, PrefixMatch, RouteRequest
 from policies.costs import (
     ADMISSION_RECOMPUTE_BELOW_KEY,
@@ -22,7 +22,7 @@ from policies.costs import (
     best_cached_fraction,
 )
 from policies.tier_cost import TierCostPolicy
-from sim.des import FleetSimulator, SimConfig
+from sim.des import SPLIT_CACHED_FRACTION_KEY, FleetSimulator, SimConfig
 from sim.engine import EngineProfile
 from sim.fleets import EngineSpec, FleetSpec
 from sim.workloads import LadderConfig, Workload, ladder_workload
@@ -233,3 +233,43 @@ def test_kvroute_sim_refuses_a_gate_without_the_admission_wait_or_out_of_range()
             timeout=100,
         )
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_split_records_what_the_fleet_held_of_each_turn_when_routed() -> None:
+    """A first turn can find at most the shared system prefix (400 of 2,000 tokens) held; a later
+    turn of a conversation whose history stayed somewhere finds more; recording it changes no
+    TTFT. Catches: the fraction read after placement (the turn's own blocks) or from one engine."""
+    config = SimConfig(seed=3, split_ttft=True)
+    result = FleetSimulator(_workload(), "tier_cost", _tight_fleet(), config).run()
+    assert (
+        result.ttfts_s
+        == FleetSimulator(_workload(), "tier_cost", _tight_fleet(), SimConfig(seed=3)).run().ttfts_s
+    )
+    fractions = {rid: s[SPLIT_CACHED_FRACTION_KEY] for rid, s in result.ttft_split_by_request.items()}
+    assert all(0.0 <= f < 1.0 for f in fractions.values())
+    first = [f for rid, f in fractions.items() if rid.endswith("#0")]
+    later = [f for rid, f in fractions.items() if not rid.endswith("#0")]
+    assert len(first) == 24 and max(first) <= 400 / 2_000
+    assert max(first) > 0.0  # the system prefix is found once some conversation has run
+    assert max(later) > 0.5
+
+
+def test_split_by_recompute_classes_turns_and_counts_the_tail_in_each() -> None:
+    """100 turns at 1..100 s; the 10 longest are recomputes (fraction 0.1), the rest cached (0.9).
+    The p99 (99.01 s) leaves one turn above it, a recompute; 70 turns are over 30 s. The edge:
+    a turn at exactly the threshold is cached."""
+    splits = {
+        f"c{i}#1": {"ttft_s": float(i), SPLIT_CACHED_FRACTION_KEY: 0.1 if i > 90 else 0.9}
+        for i in range(1, 101)
+    }
+    splits["c1#1"][SPLIT_CACHED_FRACTION_KEY] = ADMISSION_RECOMPUTE_BELOW
+    out = split_by_recompute(splits)
+    recompute, cached = out["recompute"], out["cached"]
+    assert recompute["n"] == 10 and cached["n"] == 90
+    assert recompute["mean TTFT s"] == pytest.approx(95.5) and recompute["max TTFT s"] == 100.0
+    assert cached["p50 TTFT s"] == pytest.approx(45.5) and cached["max TTFT s"] == 90.0
+    assert recompute["of the run's turns above p99"] == 1 and cached["of the run's turns above p99"] == 0
+    assert recompute["over 30 s"] == 10 and cached["over 30 s"] == 60
+    assert split_by_recompute(splits, below=0.95)["recompute"]["n"] == 100
+    empty = split_by_recompute({})["recompute"]
+    assert empty["n"] == 0 and math.isnan(empty["mean TTFT s"])
