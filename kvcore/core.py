@@ -880,7 +880,7 @@ class RoutingCore:
         if chosen is not None and chosen.queued_ahead is not None:
             parts = priority_wait_parts(est, parts, chosen)
         if chosen is not None:
-            parts = admission_wait_parts(parts, chosen, prompt_tokens)
+            parts = admission_wait_parts(parts, chosen, request, prompt_tokens)
         return parts
 
     # -- post-response ----------------------------------------------------------------------

@@ -35,7 +35,13 @@ from kvcore.core import (
     check_priority_stretch,
 )
 from kvcore.stats import median_span, percentiles
-from sim.des import TTFT_SPLIT_KEYS, FleetSimulator, SimConfig
+from sim.des import (
+    SPLIT_CACHED_FRACTION_KEY,
+    TTFT_SPLIT_KEYS,
+    FleetSimulator,
+    SimConfig,
+    check_admission_recompute_below,
+)
 from sim.des_cli import parse_policy_spec, worker_pool
 from sim.engine import EngineProfile
 from sim.fleets import (
@@ -80,8 +86,9 @@ class Cell:
     #: "priority:S:H" also with the bound H (``max_overtake_s``), "priority:S:H:K" also with the
     #: relative bound K (``fcfs_factor``), "priority:S:H:K:W" also with the router's priced wait W
     #: (``SimConfig.priority_wait``, one of ``kvcore.core.PRIORITY_WAITS``); any of them followed by
-    #: ADMISSION_SUFFIX (optionally ":FORM"): the router also prices the admission wait
-    #: (``SimConfig.admission_wait``, counted as ``SimConfig.admission_form``).
+    #: ADMISSION_SUFFIX (optionally ":FORM", then optionally ":recompute[:X]"): the router also prices
+    #: the admission wait (``SimConfig.admission_wait``, counted as ``SimConfig.admission_form``,
+    #: gated by ``SimConfig.admission_recompute_below``; ``admission_of``).
     scheduling: str = "fcfs"
     #: The router's ``costs.priors.calibration.pool_observations`` (0 = off).
     pool_observations: float = 0.0
@@ -92,25 +99,52 @@ class Cell:
 
 #: A scheduling spec ending in this prices the admission wait (``SimConfig.admission_wait``);
 #: ``+admission:FORM`` also names how it counts the placed sequences' KV (``SimConfig
-#: .admission_form``, one of ``kvcore.core.ADMISSION_FORMS``; plain ``+admission`` = "reserved").
+#: .admission_form``, one of ``kvcore.core.ADMISSION_FORMS``; plain ``+admission`` = "reserved");
+#: ``+admission:FORM:recompute`` prices it only for turns no engine holds much of
+#: (``SimConfig.admission_recompute_below`` = ``ADMISSION_RECOMPUTE_BELOW``), and
+#: ``+admission:FORM:recompute:X`` below the fraction X of the prompt.
 ADMISSION_SUFFIX = "+admission"
+ADMISSION_RECOMPUTE = "recompute"
+#: The ``:recompute`` gate's fraction of the prompt unless one is given: above the B1 ladder's shared
+#: system prefix (1,000 of a 12,000-token first prompt, 0.08) and below what any engine holding the
+#: previous turn has (12,000 of 16,000 tokens at the second turn, 0.75, more later).
+ADMISSION_RECOMPUTE_BELOW = 0.25
 
 
-def admission_of(spec: str) -> tuple[str, str | None]:
+def admission_of(spec: str) -> tuple[str, str | None, float | None]:
     """(the scheduling spec without its ADMISSION_SUFFIX part, the admission form it names: None
-    without the suffix, "reserved" for a plain ``+admission``)."""
+    without the suffix, "reserved" for a plain ``+admission``; the ``:recompute`` gate's fraction,
+    None without it)."""
     head, sep, tail = spec.partition(ADMISSION_SUFFIX)
     if not sep:
-        return spec, None
+        return spec, None, None
     if not tail:
-        return head, ADMISSION_FORMS[0]
-    form = tail[1:] if tail.startswith(":") else ""
+        return head, ADMISSION_FORMS[0], None
+    form, _, gate = tail[1:].partition(":") if tail.startswith(":") else ("", "", "")
     if form not in ADMISSION_FORMS:
         raise ValueError(
-            f"--scheduling {spec!r}: end it in {ADMISSION_SUFFIX} or {ADMISSION_SUFFIX}:FORM, FORM one of"
-            f" {', '.join(ADMISSION_FORMS)}"
+            f"--scheduling {spec!r}: end it in {ADMISSION_SUFFIX}, {ADMISSION_SUFFIX}:FORM or"
+            f" {ADMISSION_SUFFIX}:FORM:{ADMISSION_RECOMPUTE}[:X], FORM one of {', '.join(ADMISSION_FORMS)}"
         )
-    return head, form
+    if not gate:
+        if tail.endswith(":"):
+            raise ValueError(f"--scheduling {spec!r}: nothing after the last ':'")
+        return head, form, None
+    word, colon, fraction = gate.partition(":")
+    if word != ADMISSION_RECOMPUTE:
+        raise ValueError(
+            f"--scheduling {spec!r}: after {ADMISSION_SUFFIX}:FORM only :{ADMISSION_RECOMPUTE}[:X]"
+        )
+    below = ADMISSION_RECOMPUTE_BELOW
+    if colon:
+        try:
+            below = float(fraction)
+        except ValueError:
+            raise ValueError(
+                f"--scheduling {spec!r}: the {ADMISSION_RECOMPUTE} fraction X must be a number"
+            ) from None
+    check_admission_recompute_below(below, f"--scheduling {spec!r}: the {ADMISSION_RECOMPUTE} fraction")
+    return head, form, below
 
 
 def parse_scheduling(spec: str) -> tuple[str, float, float, float, str]:
@@ -208,7 +242,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     wl, fleet = build(cell)
     name, params = parse_policy_spec(cell.policy)
     _, stretch, max_overtake_s, fcfs_factor, wait = parse_scheduling(cell.scheduling)
-    admission_form = admission_of(cell.scheduling)[1]
+    _, admission_form, recompute_below = admission_of(cell.scheduling)
     config = SimConfig(
         seed=cell.seed,
         priority_stretch=stretch,
@@ -217,6 +251,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         priority_wait=wait,
         admission_wait=admission_form is not None,
         admission_form=admission_form or ADMISSION_FORMS[0],
+        admission_recompute_below=recompute_below,
         calibration_pool_observations=cell.pool_observations,
         split_ttft=cell.split_ttft,
     )
@@ -250,6 +285,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     if cell.split_ttft:
         row["ttft_split"] = split_summary(result.ttft_split_by_request)
         row["ttft_split_separation"] = split_separation(result.ttft_split_by_request)
+        row["ttft_split_recompute"] = split_by_recompute(result.ttft_split_by_request)
     return row
 
 
@@ -341,6 +377,40 @@ def split_separation(splits: dict[str, dict[str, float]]) -> dict[str, float]:
     }
 
 
+#: ``split_by_recompute``'s classes of turns, in print order.
+SPLIT_RECOMPUTE_CLASSES = ("recompute", "cached")
+
+
+def split_by_recompute(
+    splits: dict[str, dict[str, float]], below: float = ADMISSION_RECOMPUTE_BELOW
+) -> dict[str, dict[str, float]]:
+    """A run's turns in two classes by their best cached fraction when routed
+    (``sim.des.SPLIT_CACHED_FRACTION_KEY``): "recompute" (below ``below``, the ``:recompute``
+    gate's default: no engine held much of the prompt) and "cached"; per class SPLIT_RECOMPUTE_NAMES:
+    turns, mean, p50 and max TTFT, and how many of the run's turns above its p99 (as
+    ``split_summary``) and over TAIL_ABSOLUTE_S are in it."""
+    ttfts = [s["ttft_s"] for s in splits.values()]
+    (p99_s,) = percentiles(ttfts, (99.0,), empty=0.0)
+    out: dict[str, dict[str, float]] = {}
+    for name in SPLIT_RECOMPUTE_CLASSES:
+        members = [
+            s["ttft_s"]
+            for s in splits.values()
+            if (s[SPLIT_CACHED_FRACTION_KEY] < below) == (name == "recompute")
+        ]
+        (p50_s,) = percentiles(members, (50.0,), empty=math.nan)
+        figures = (
+            float(len(members)),
+            sum(members) / len(members) if members else math.nan,
+            p50_s,
+            max(members, default=math.nan),
+            float(sum(1 for t in members if t > p99_s)),
+            float(sum(1 for t in members if t > TAIL_ABSOLUTE_S)),
+        )
+        out[name] = dict(zip(SPLIT_RECOMPUTE_NAMES, figures, strict=True))
+    return out
+
+
 def split_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """One line per run and SPLIT_GROUPS group: mean measured parts of the TTFT against the
     predicted ones (``sim.des.ttft_split``), seconds."""
@@ -370,6 +440,21 @@ def split_markdown(rows: Sequence[dict[str, Any]]) -> str:
             out.append(
                 f"| {r['label']} | {r['storage']} | {r['policy']} | {r['scheduling']} | {r['seed']}"
                 f" | {figures} |"
+            )
+    recompute_names = SPLIT_RECOMPUTE_NAMES
+    counts = (recompute_names[0], recompute_names[4], recompute_names[5])
+    out += [
+        "",
+        f"| workload | storage | policy | engine scheduling | seed | turns (recompute: no engine held"
+        f" {ADMISSION_RECOMPUTE_BELOW:g} of the prompt) | " + " | ".join(recompute_names) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(recompute_names),
+    ]
+    for r in rows:
+        for group, m in r.get("ttft_split_recompute", {}).items():
+            figures = " | ".join(format(m[k], ".0f" if k in counts else ".2f") for k in recompute_names)
+            out.append(
+                f"| {r['label']} | {r['storage']} | {r['policy']} | {r['scheduling']} | {r['seed']}"
+                f" | {group} | {figures} |"
             )
     return "\n".join(out)
 
@@ -408,6 +493,15 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
 #: TAIL_ABSOLUTE_S seconds (issue 27's tail table).
 TAIL_FACTOR = 10.0
 TAIL_ABSOLUTE_S = 30.0
+#: ``split_by_recompute``'s figures per class, in print order.
+SPLIT_RECOMPUTE_NAMES = (
+    "n",
+    "mean TTFT s",
+    "p50 TTFT s",
+    "max TTFT s",
+    "of the run's turns above p99",
+    f"over {TAIL_ABSOLUTE_S:g} s",
+)
 
 
 def tail_markdown(rows: Sequence[dict[str, Any]], reference: str) -> str:
@@ -547,7 +641,8 @@ def build_parser() -> argparse.ArgumentParser:
         " ahead; default all); any of them followed by +admission: the router also prices the admission"
         " wait (the time until the sequences it placed on the engine free room for the whole prompt);"
         " +admission:held, +admission:ahead or +admission:overtake count that KV as SimConfig.admission_form"
-        " says",
+        " says; +admission:FORM:recompute[:X] prices it only for turns every engine holds less than the"
+        f" fraction X (default {ADMISSION_RECOMPUTE_BELOW}) of (recomputes anyway)",
     )
     p.add_argument(
         "--tail-reference",

@@ -295,11 +295,35 @@ def priority_wait_parts(costs: EngineCosts, parts: PredictedParts, engine: Engin
 ADMISSION_WAIT_KEY = "admission_wait_s"
 
 
-def admission_wait_parts(parts: PredictedParts, engine: EngineView, prompt_tokens: float) -> PredictedParts:
+#: ``EngineView.extra`` key beside ``ADMISSION_WAIT_KEY``: a fraction of the prompt in (0, 1]. The
+#: admission wait then prices only a request that is a recompute on every engine anyway: one whose
+#: ``best_cached_fraction`` is below it (placing it where it is admitted soonest moves no cached turn
+#: off its history); every other request keeps the learned slot term. Absent = every request.
+ADMISSION_RECOMPUTE_BELOW_KEY = "admission_recompute_below"
+
+
+def best_cached_fraction(request: RouteRequest, prompt_tokens: int) -> float:
+    """The largest share of the prompt any engine holds in any tier: the longest prefix match in
+    ``request.prefix_matches`` (blocks x block size, capped at ``max_hit_tokens``) / the prompt
+    tokens; 0 for an empty prompt or no match."""
+    if prompt_tokens <= 0:
+        return 0.0
+    blocks = max((m.blocks for m in request.prefix_matches.values()), default=0)
+    return min(blocks * request.block_size, max_hit_tokens(prompt_tokens)) / prompt_tokens
+
+
+def admission_wait_parts(
+    parts: PredictedParts, engine: EngineView, request: RouteRequest, prompt_tokens: int
+) -> PredictedParts:
     """``parts`` with its slot wait (``slot_s``, in flight x the learned seconds per request) replaced
-    by the engine's admission wait for this prompt (``ADMISSION_WAIT_KEY``); unchanged without it."""
+    by the engine's admission wait for this prompt (``ADMISSION_WAIT_KEY``); unchanged without it, and
+    unchanged where ``ADMISSION_RECOMPUTE_BELOW_KEY`` gates the request out (some engine holds at
+    least that fraction of its prompt)."""
     wait_s = engine.extra.get(ADMISSION_WAIT_KEY)
     if wait_s is None:
+        return parts
+    below = engine.extra.get(ADMISSION_RECOMPUTE_BELOW_KEY)
+    if below is not None and not best_cached_fraction(request, prompt_tokens) < below:
         return parts
     return dataclasses.replace(parts, slot_s=max(0.0, float(wait_s(prompt_tokens, parts))))
 

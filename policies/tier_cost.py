@@ -6,8 +6,9 @@ For engine e (all times in seconds, token counts in tokens, bandwidths in bytes/
     load_s[t] = hit_tokens_e,t x kv_bytes_per_token / load_bandwidth_e,t + load_latency_e,t  (if hits)
     prefill_s = (prompt_tokens - sum_t hit_tokens_e,t) / prefill_tokens_per_s_e
     slot_s    = in_flight_e x slot_s_per_request_e   (wait for KV memory / a running slot, learned;
-                or the admission wait for this prompt's whole sequence where the router prices it:
-                policies.costs.admission_wait_parts)
+                or the admission wait for this prompt's whole sequence where the router prices it,
+                optionally only for a prompt no engine holds much of: policies.costs
+                .admission_wait_parts)
     total_s   = wait_s + slot_s + sum_t load_s[t] + prefill_s             (the predicted TTFT)
     work_s    = work_weight x (sum_t load_s[t] + prefill_s)
     cost_s    = total_s + work_s + decode_s + pressure_s                  (what is minimised)
@@ -138,7 +139,7 @@ class TierCostPolicy(BasePolicy):
         )
         if engine.queued_ahead is not None:
             parts = priority_wait_parts(est, parts, engine)
-        return admission_wait_parts(parts, engine, prompt_tokens)
+        return admission_wait_parts(parts, engine, request, prompt_tokens)
 
     def secondary_s(self, engine: EngineView) -> tuple[float, float]:
         """(decode_s, pressure_s): the documented secondary terms."""
@@ -163,7 +164,7 @@ class TierCostPolicy(BasePolicy):
         parts = predict_parts(est, (0.0, 0.0, hit), prompt_tokens - hit, wait_tokens, float(engine.in_flight))
         if engine.queued_ahead is not None:
             parts = priority_wait_parts(est, parts, engine)
-        parts = admission_wait_parts(parts, engine, prompt_tokens)
+        parts = admission_wait_parts(parts, engine, request, prompt_tokens)
         decode_s, pressure_s = self.secondary_s(engine)
         return parts.total_s + self.work_weight * parts.service_s + decode_s + pressure_s
 

@@ -49,7 +49,13 @@ from policies.base import (
     build_policy,
     max_hit_tokens,
 )
-from policies.costs import ADMISSION_WAIT_KEY, EngineCosts, PredictedParts
+from policies.costs import (
+    ADMISSION_RECOMPUTE_BELOW_KEY,
+    ADMISSION_WAIT_KEY,
+    EngineCosts,
+    PredictedParts,
+    best_cached_fraction,
+)
 from sim.cache import StoragePool
 from sim.engine import (
     WAIT_REASONS,
@@ -112,6 +118,12 @@ def prior_costs(profile: EngineProfile) -> EngineCosts:
 # ------------------------------------------------------------------------------- simulation
 
 
+def check_admission_recompute_below(value: float, name: str) -> None:
+    """Refuse an admission recompute gate outside (0, 1] (a fraction of the prompt; nan included)."""
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1] (a fraction of the prompt), got {value}")
+
+
 @dataclass(slots=True)
 class SimConfig:
     seed: int = 0
@@ -170,6 +182,12 @@ class SimConfig:
     #: priority engine serves first) or "overtake" ("ahead" plus the expected earlier-deadline
     #: arrivals).
     admission_form: str = "reserved"
+    #: With ``admission_wait``: price it only for a turn that is a recompute on every engine anyway,
+    #: its best cached fraction (``policies.costs.best_cached_fraction``: the largest share of the
+    #: prompt any engine holds in any tier) below this fraction of the prompt, in (0, 1]; every
+    #: other turn keeps the learned slot term (``policies.costs.ADMISSION_RECOMPUTE_BELOW_KEY``).
+    #: None = every turn.
+    admission_recompute_below: float | None = None
     #: Split each turn's measured TTFT into where it went on the engine and keep it beside the
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
     #: server stages only.
@@ -189,6 +207,13 @@ TTFT_SPLIT_KEYS = (
     "predicted_slot_s",
     "predicted_service_s",
 )
+
+
+#: ``SimResult.ttft_split_by_request`` key beside ``TTFT_SPLIT_KEYS``: the turn's best cached fraction
+#: when it was first routed (``policies.costs.best_cached_fraction`` over the router's index: the
+#: largest share of its prompt any engine held in any tier; below a small fraction it is a recompute
+#: wherever it goes).
+SPLIT_CACHED_FRACTION_KEY = "best_cached_fraction"
 
 
 def ttft_split(record: WaitRecord, arrival_s: float, parts: PredictedParts) -> dict[str, float]:
@@ -283,7 +308,8 @@ class SimResult:
     #: Each request's TTFT by request id ("conversation#turn": the same turn in every run of a
     #: seed), for per-turn comparisons between runs (loadtest/bench_quality.py's tail table).
     ttft_by_request_s: dict[str, float] = field(default_factory=dict, repr=False)
-    #: With ``SimConfig.split_ttft``: each request's ``ttft_split`` by request id.
+    #: With ``SimConfig.split_ttft``: each request's ``ttft_split`` by request id (and its
+    #: ``SPLIT_CACHED_FRACTION_KEY``).
     ttft_split_by_request: dict[str, dict[str, float]] = field(default_factory=dict, repr=False)
 
     @property
@@ -422,6 +448,11 @@ class FleetSimulator:
             raise ValueError(
                 f"admission_form {cfg.admission_form!r} is unknown; accepted: {', '.join(ADMISSION_FORMS)}"
             )
+        below = cfg.admission_recompute_below
+        if below is not None:
+            if not cfg.admission_wait:
+                raise ValueError("admission_recompute_below gates the admission wait: set admission_wait too")
+            check_admission_recompute_below(below, "admission_recompute_below")
         if cfg.admission_wait:
             self.sequences = SequenceLedger()
             for spec, view in zip(fleet.engines, self.views, strict=True):
@@ -430,7 +461,11 @@ class FleetSimulator:
                     view.extra[ADMISSION_WAIT_KEY] = self._admission_wait(
                         spec.engine_id, capacity, spec.profile.scheduling_policy == "priority"
                     )
+                    if below is not None:
+                        view.extra[ADMISSION_RECOMPUTE_BELOW_KEY] = below
         self._ttft_split: dict[str, dict[str, float]] = {}
+        #: Per request routed and not yet split: its best cached fraction when first routed.
+        self._cached_fraction: dict[str, float] = {}
         if cfg.split_ttft:
             if fleet.api_server is not None or fleet.router_stage is not None:
                 raise ValueError("split_ttft needs a fleet without server stages (api_server, router_stage)")
@@ -775,6 +810,15 @@ class FleetSimulator:
                 for block_id in turn.block_ids:
                     chain.append((block_id,))
             self.clairvoyant.hashes = chain.hashes
+        if self.config.split_ttft:  # what the fleet held of the turn when it was routed
+            matches = route.prefix_matches if uses_index else self.index.match(keys)
+            held = RouteRequest(
+                request_id=request_id,
+                prompt_tokens=prompt_tokens,
+                block_size=route.block_size,
+                prefix_matches=matches,
+            )
+            self._cached_fraction.setdefault(request_id, best_cached_fraction(held, prompt_tokens))
         # filter -> score -> reserve: the same calls the router makes.
         self._route_now = now
         reservation = self.core.route(self.policy, route, self.views, now)
@@ -875,7 +919,9 @@ class FleetSimulator:
                 self._ttft_by_request[rid] = now - r.arrival_s
                 records = self.cores[i].wait_records
                 if records is not None:
-                    self._ttft_split[rid] = ttft_split(records.pop(rid), r.arrival_s, r.reservation.parts)
+                    split = ttft_split(records.pop(rid), r.arrival_s, r.reservation.parts)
+                    split[SPLIT_CACHED_FRACTION_KEY] = self._cached_fraction.pop(rid, 0.0)
+                    self._ttft_split[rid] = split
         for fin in out.finished:
             self._on_finished(reqs[fin.request_id], fin, now)
         if out.events:

@@ -35,6 +35,7 @@ from sim.des import (
     SimConfig,
     SimResult,
     _Progress,
+    check_admission_recompute_below,
     simulate,
 )
 from sim.engine import EngineProfile
@@ -279,6 +280,15 @@ def build_parser() -> argparse.ArgumentParser:
         " first (earlier deadlines), overtake = ahead plus the expected earlier-deadline arrivals",
     )
     fl.add_argument(
+        "--admission-recompute-below",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="with --admission-wait: price it only for turns that are recomputes on every engine anyway"
+        " (no engine holds this fraction of the prompt in any tier; in (0, 1]); the others keep the"
+        " learned slot term (default: every turn)",
+    )
+    fl.add_argument(
         "--gpu-tokens",
         type=int,
         default=27_852 * 16,
@@ -395,10 +405,15 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         priority_wait=args.priority_wait,
         admission_wait=args.admission_wait,
         admission_form=args.admission_form,
+        admission_recompute_below=args.admission_recompute_below,
     )
     check_priority_stretch(args.priority_stretch, "--priority-stretch")
     check_priority_max_overtake(args.priority_max_overtake_s, "--priority-max-overtake-s")
     check_priority_fcfs_factor(args.priority_fcfs_factor, "--priority-fcfs-factor")
+    if args.admission_recompute_below is not None:
+        if not args.admission_wait:
+            raise ValueError("--admission-recompute-below gates the admission wait: add --admission-wait")
+        check_admission_recompute_below(args.admission_recompute_below, "--admission-recompute-below")
     fleet_options = _fleet_options(args)
     storage_values: list[str] = args.storage
 

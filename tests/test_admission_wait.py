@@ -12,7 +12,7 @@ from loadtest.bench_quality import admission_of, parse_scheduling
 from policies.base import EngineView, FleetView, PrefixMatch, RouteRequest
 from policies.costs import ADMISSION_WAIT_KEY, EngineCosts, PriorCosts
 from policies.tier_cost import TierCostPolicy
-from sim.des import TTFT_SPLIT_KEYS, FleetSimulator, SimConfig
+from sim.des import SPLIT_CACHED_FRACTION_KEY, TTFT_SPLIT_KEYS, FleetSimulator, SimConfig
 from sim.engine import EngineProfile
 from sim.fleets import EngineSpec, FleetSpec
 from sim.frontend import ServerStage
@@ -56,7 +56,7 @@ def test_the_ttft_split_adds_up_to_the_measured_ttft_and_finds_the_kv_wait() -> 
     splits = result.ttft_split_by_request
     assert set(splits) == set(result.ttft_by_request_s)
     for rid, s in splits.items():
-        assert set(s) == set(TTFT_SPLIT_KEYS)
+        assert set(s) == {*TTFT_SPLIT_KEYS, SPLIT_CACHED_FRACTION_KEY}
         measured = (
             s["queue_s"] + s["admission_kv_s"] + s["admission_seqs_s"] + s["service_s"] + s["preemption_s"]
         )
@@ -168,11 +168,12 @@ def test_bench_quality_reads_the_admission_suffix() -> None:
     assert admission_of("priority:20:inf:inf:overtake+admission") == (
         "priority:20:inf:inf:overtake",
         "reserved",
+        None,
     )
-    assert admission_of("priority:20:inf+admission:held") == ("priority:20:inf", "held")
-    assert admission_of("priority:20:inf+admission:overtake") == ("priority:20:inf", "overtake")
-    assert admission_of("fcfs") == ("fcfs", None)
-    assert admission_of("priority:20:inf+admission:ahead") == ("priority:20:inf", "ahead")
+    assert admission_of("priority:20:inf+admission:held") == ("priority:20:inf", "held", None)
+    assert admission_of("priority:20:inf+admission:overtake") == ("priority:20:inf", "overtake", None)
+    assert admission_of("fcfs") == ("fcfs", None, None)
+    assert admission_of("priority:20:inf+admission:ahead") == ("priority:20:inf", "ahead", None)
     for bad in ("fcfs+admission:", "fcfs+admission:all", "fcfs+admissionheld"):
         with pytest.raises(ValueError, match="FORM one of reserved, held, ahead, overtake"):
             admission_of(bad)
