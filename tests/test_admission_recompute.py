@@ -23,9 +23,7 @@ from policies.costs import (
 )
 from policies.tier_cost import TierCostPolicy
 from sim.des import SPLIT_CACHED_FRACTION_KEY, FleetSimulator, SimConfig
-from sim.engine import EngineProfile
-from sim.fleets import EngineSpec, FleetSpec
-from sim.workloads import LadderConfig, Workload, ladder_workload
+from tests.test_admission_wait import _tight_fleet, _workload
 
 REPO = Path(__file__).resolve().parents[1]
 COSTS = PriorCosts(EngineCosts(prefill_tokens_per_s=10_000.0, slot_s_per_request=0.5))
@@ -138,32 +136,6 @@ def test_the_threshold_edge_a_turn_held_at_exactly_the_fraction_keeps_the_learne
 # ------------------------------------------------------------------ the simulator and the specs
 
 
-def _tight_fleet() -> FleetSpec:
-    """Two priority engines whose KV holds about four of the workload's sequences."""
-    engine = EngineProfile(
-        block_size=16, num_gpu_blocks=640, num_cpu_blocks=1024, scheduling_policy="priority"
-    )
-    return FleetSpec([EngineSpec(f"e{i}", engine) for i in range(2)])
-
-
-def _workload() -> Workload:
-    return ladder_workload(
-        LadderConfig(
-            first_prompt_tokens=2_000,
-            system_prefix_tokens=400,
-            tokens_per_turn=400,
-            turns=3,
-            answer_min_tokens=40,
-            answer_max_tokens=120,
-            think_time_mean_s=1.0,
-            concurrency=16,
-            total_conversations=24,
-            block_size=16,
-            seed=3,
-        )
-    )
-
-
 def _ttfts(below: float | None, *, admission_wait: bool = True) -> list[float]:
     config = SimConfig(
         seed=3,
@@ -172,7 +144,7 @@ def _ttfts(below: float | None, *, admission_wait: bool = True) -> list[float]:
         admission_form="ahead",
         admission_recompute_below=below,
     )
-    return FleetSimulator(_workload(), "tier_cost", _tight_fleet(), config).run().ttfts_s
+    return FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), config).run().ttfts_s
 
 
 def test_the_gate_in_the_des_prices_every_turn_at_1_and_changes_the_run_below_it() -> None:
@@ -190,9 +162,11 @@ def test_the_gate_in_the_des_prices_every_turn_at_1_and_changes_the_run_below_it
 def test_a_threshold_outside_0_1_or_without_the_admission_wait_is_refused(below: float) -> None:
     config = SimConfig(admission_wait=True, admission_recompute_below=below)
     with pytest.raises(ValueError, match=r"admission_recompute_below must be in \(0, 1\]"):
-        FleetSimulator(_workload(), "tier_cost", _tight_fleet(), config)
+        FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), config)
     with pytest.raises(ValueError, match="set admission_wait too"):
-        FleetSimulator(_workload(), "tier_cost", _tight_fleet(), SimConfig(admission_recompute_below=0.5))
+        FleetSimulator(
+            _workload(), "tier_cost", _tight_fleet("priority"), SimConfig(admission_recompute_below=0.5)
+        )
 
 
 def test_bench_quality_reads_the_recompute_gate() -> None:
@@ -240,10 +214,10 @@ def test_the_split_records_what_the_fleet_held_of_each_turn_when_routed() -> Non
     turn of a conversation whose history stayed somewhere finds more; recording it changes no
     TTFT. Catches: the fraction read after placement (the turn's own blocks) or from one engine."""
     config = SimConfig(seed=3, split_ttft=True)
-    result = FleetSimulator(_workload(), "tier_cost", _tight_fleet(), config).run()
+    result = FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), config).run()
     assert (
         result.ttfts_s
-        == FleetSimulator(_workload(), "tier_cost", _tight_fleet(), SimConfig(seed=3)).run().ttfts_s
+        == FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), SimConfig(seed=3)).run().ttfts_s
     )
     fractions = {rid: s[SPLIT_CACHED_FRACTION_KEY] for rid, s in result.ttft_split_by_request.items()}
     assert all(0.0 <= f < 1.0 for f in fractions.values())
