@@ -53,9 +53,11 @@ from policies.base import (
     prompt_tokens_of,
 )
 from policies.costs import (
+    RECOMPUTE_BELOW,
     CostEstimates,
     PredictedParts,
     admission_wait_parts,
+    best_cached_fraction,
     predict_parts,
     predicted_prefill_tokens,
     priority_wait_parts,
@@ -278,6 +280,14 @@ PRIORITY_MAX_OVERTAKE_S = 10.0
 #: first-come TTFT on the chosen engine (``PredictedParts.total_s``: the queue ahead of it plus its
 #: own service) after it was placed (``shortest_first_priority``); inf = off (the default).
 PRIORITY_FCFS_FACTOR = math.inf
+#: The recompute bound (factor K_r >= 1): the relative bound of a request that is a recompute on
+#: every engine (``policies.costs.best_cached_fraction`` below ``PRIORITY_RECOMPUTE_BELOW``), in
+#: place of ``PRIORITY_FCFS_FACTOR`` when tighter (``priority_fcfs_factor_for``); inf = off (the
+#: default): a long recompute then gets a late deadline and is overtaken on every engine.
+PRIORITY_RECOMPUTE_FCFS_FACTOR = math.inf
+#: The recompute bound's gate: a fraction of the prompt in (0, 1], the recompute definition of
+#: ``policies.costs.RECOMPUTE_BELOW`` unless set.
+PRIORITY_RECOMPUTE_BELOW = RECOMPUTE_BELOW
 #: Deadlines count seconds from 2026-01-01 UTC (wall clock), so that router replicas agree.
 PRIORITY_EPOCH_S = 1_767_225_600.0
 _MAX_PRIORITY = 1 << 62
@@ -299,6 +309,34 @@ def check_priority_fcfs_factor(fcfs_factor: float, what: str) -> None:
     """ValueError naming ``what`` unless ``fcfs_factor`` is >= 1 (inf allowed: off)."""
     if not fcfs_factor >= 1:
         raise ValueError(f"{what} must be >= 1 (1 = first-come deadlines, inf = off), got {fcfs_factor}")
+
+
+def check_priority_recompute_below(fraction: float, what: str) -> None:
+    """ValueError naming ``what`` unless ``fraction`` is in (0, 1] (a fraction of the prompt)."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"{what} must be in (0, 1] (a fraction of the prompt), got {fraction}")
+
+
+def priority_fcfs_factor_for(
+    request: RouteRequest,
+    fcfs_factor: float = PRIORITY_FCFS_FACTOR,
+    recompute_fcfs_factor: float = PRIORITY_RECOMPUTE_FCFS_FACTOR,
+    recompute_below: float = PRIORITY_RECOMPUTE_BELOW,
+) -> float:
+    """The relative bound (``shortest_first_priority``'s ``fcfs_factor``) of ``request``:
+
+        min(fcfs_factor, recompute_fcfs_factor)  if best_cached_fraction < recompute_below
+        fcfs_factor                              otherwise
+
+    where best_cached_fraction (``policies.costs.best_cached_fraction``) is the longest prefix any
+    engine holds of the prompt in any tier, over its length, from ``request.prefix_matches`` (empty
+    when the policy reads no index: every request is then a recompute). A cached turn keeps its
+    ordering; a recompute's deadline is never beyond recompute_fcfs_factor x its first-come TTFT."""
+    if recompute_fcfs_factor >= fcfs_factor:
+        return fcfs_factor
+    if best_cached_fraction(request, prompt_tokens_of(request)) < recompute_below:
+        return recompute_fcfs_factor
+    return fcfs_factor
 
 
 def shortest_first_priority(
@@ -369,6 +407,7 @@ def priority_queued_ahead(
     stretch: float = PRIORITY_STRETCH,
     max_overtake_s: float = PRIORITY_MAX_OVERTAKE_S,
     fcfs_factor: float = PRIORITY_FCFS_FACTOR,
+    fcfs_factor_now: Callable[[], float] | None = None,
     overtake: CostEstimates | None = None,
     running_first: bool = False,
 ) -> Callable[[PredictedParts], float]:
@@ -386,7 +425,8 @@ def priority_queued_ahead(
 
     where the overtaking tokens are those sent with a deadline offset below this request's.
     ``running_first``: the ledger counts the prefill the engine is serving as ahead
-    (``InMemoryLoadLedger.queued_ahead``)."""
+    (``InMemoryLoadLedger.queued_ahead``). ``fcfs_factor_now``: read at each call, the relative
+    bound of the request being priced (``priority_fcfs_factor_for``), in place of ``fcfs_factor``."""
     window_levels = PRIORITY_OVERTAKE_WINDOW_S / step_s
 
     def ahead(parts: PredictedParts) -> float:
@@ -397,7 +437,7 @@ def priority_queued_ahead(
             now_s=now_s,
             stretch=stretch,
             max_overtake_s=max_overtake_s,
-            fcfs_factor=fcfs_factor,
+            fcfs_factor=fcfs_factor if fcfs_factor_now is None else fcfs_factor_now(),
         )
         tokens = float(ledger.queued_ahead(engine_id, level, running_first=running_first))
         if overtake is None:

@@ -27,14 +27,18 @@ from kvcore.core import (
     ADMISSION_FORMS,
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
+    PRIORITY_RECOMPUTE_BELOW,
+    PRIORITY_RECOMPUTE_FCFS_FACTOR,
     PRIORITY_STRETCH,
     PRIORITY_WAITS,
     SCHEDULING_POLICIES,
     check_priority_fcfs_factor,
     check_priority_max_overtake,
+    check_priority_recompute_below,
     check_priority_stretch,
 )
 from kvcore.stats import median_span, percentiles
+from policies.costs import RECOMPUTE_BELOW
 from sim.des import (
     SPLIT_CACHED_FRACTION_KEY,
     TTFT_SPLIT_KEYS,
@@ -88,7 +92,8 @@ class Cell:
     #: (``SimConfig.priority_wait``, one of ``kvcore.core.PRIORITY_WAITS``); any of them followed by
     #: ADMISSION_SUFFIX (optionally ":FORM", then optionally ":recompute[:X]"): the router also prices
     #: the admission wait (``SimConfig.admission_wait``, counted as ``SimConfig.admission_form``,
-    #: gated by ``SimConfig.admission_recompute_below``; ``admission_of``).
+    #: gated by ``SimConfig.admission_recompute_below``; ``admission_of``). A priority spec may
+    #: carry RECOMPUTE_BOUND_SUFFIX before that: ``+recompute-k:KR[:X]`` (``recompute_bound_of``).
     scheduling: str = "fcfs"
     #: The router's ``costs.priors.calibration.pool_observations`` (0 = off).
     pool_observations: float = 0.0
@@ -105,10 +110,9 @@ class Cell:
 #: ``+admission:FORM:recompute:X`` below the fraction X of the prompt.
 ADMISSION_SUFFIX = "+admission"
 ADMISSION_RECOMPUTE = "recompute"
-#: The ``:recompute`` gate's fraction of the prompt unless one is given: above the B1 ladder's shared
-#: system prefix (1,000 of a 12,000-token first prompt, 0.08) and below what any engine holding the
-#: previous turn has (12,000 of 16,000 tokens at the second turn, 0.75, more later).
-ADMISSION_RECOMPUTE_BELOW = 0.25
+#: The ``:recompute`` gate's fraction of the prompt unless one is given (``policies.costs
+#: .RECOMPUTE_BELOW``: the one recompute definition).
+ADMISSION_RECOMPUTE_BELOW = RECOMPUTE_BELOW
 
 
 def admission_of(spec: str) -> tuple[str, str | None, float | None]:
@@ -147,11 +151,42 @@ def admission_of(spec: str) -> tuple[str, str | None, float | None]:
     return head, form, below
 
 
+#: A priority spec followed by ``+recompute-k:KR`` bounds the ordering for recomputes only
+#: (``SimConfig.priority_recompute_fcfs_factor`` = KR, >= 1): a turn no engine holds
+#: ``RECOMPUTE_BELOW`` of gets a deadline of at most min(K, KR) x its first-come TTFT, the other
+#: turns keep K; ``+recompute-k:KR:X`` gates at the fraction X of the prompt
+#: (``SimConfig.priority_recompute_below``). It comes before any ADMISSION_SUFFIX.
+RECOMPUTE_BOUND_SUFFIX = "+recompute-k"
+
+
+def recompute_bound_of(spec: str) -> tuple[str, float, float]:
+    """(the scheduling spec without its RECOMPUTE_BOUND_SUFFIX part and without ADMISSION_SUFFIX's,
+    the recompute bound KR: inf without the suffix, its gate's fraction X)."""
+    head, sep, tail = admission_of(spec)[0].partition(RECOMPUTE_BOUND_SUFFIX)
+    if not sep:
+        return head, PRIORITY_RECOMPUTE_FCFS_FACTOR, PRIORITY_RECOMPUTE_BELOW
+    usage = f"--scheduling {spec!r}: write priority[:...]{RECOMPUTE_BOUND_SUFFIX}:KR[:X]"
+    if not head.startswith("priority") or not tail.startswith(":"):
+        raise ValueError(f"{usage} (KR >= 1, X in (0, 1]; priority engines only)")
+    fields = tail[1:].split(":")
+    if len(fields) > 2:
+        raise ValueError(f"{usage}: too many fields after {RECOMPUTE_BOUND_SUFFIX}")
+    try:
+        factor = float(fields[0])
+        below = float(fields[1]) if len(fields) > 1 else PRIORITY_RECOMPUTE_BELOW
+    except ValueError:
+        raise ValueError(f"{usage}: KR and X must be numbers") from None
+    check_priority_fcfs_factor(factor, f"--scheduling {spec!r}: the recompute bound KR")
+    check_priority_recompute_below(below, f"--scheduling {spec!r}: the recompute fraction X")
+    return head, factor, below
+
+
 def parse_scheduling(spec: str) -> tuple[str, float, float, float, str]:
     """ "fcfs", "priority", "priority:S", "priority:S:H", "priority:S:H:K" or "priority:S:H:K:W",
-    each optionally followed by ADMISSION_SUFFIX (read with ``admission_of``) -> (vLLM scheduling
+    each optionally followed by RECOMPUTE_BOUND_SUFFIX (``recompute_bound_of``), then by
+    ADMISSION_SUFFIX (read with ``admission_of``) -> (vLLM scheduling
     policy, priority stretch, max overtake seconds, fcfs factor, priced wait)."""
-    policy, *numbers = admission_of(spec)[0].split(":")
+    policy, *numbers = recompute_bound_of(spec)[0].split(":")
     if policy not in SCHEDULING_POLICIES or (numbers and policy != "priority") or len(numbers) > 4:
         raise ValueError(
             f"--scheduling {spec!r}: use fcfs, priority, priority:STRETCH, priority:STRETCH:MAX_OVERTAKE_S,"
@@ -243,11 +278,14 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     name, params = parse_policy_spec(cell.policy)
     _, stretch, max_overtake_s, fcfs_factor, wait = parse_scheduling(cell.scheduling)
     _, admission_form, recompute_below = admission_of(cell.scheduling)
+    _, recompute_fcfs_factor, priority_recompute_below = recompute_bound_of(cell.scheduling)
     config = SimConfig(
         seed=cell.seed,
         priority_stretch=stretch,
         priority_max_overtake_s=max_overtake_s,
         priority_fcfs_factor=fcfs_factor,
+        priority_recompute_fcfs_factor=recompute_fcfs_factor,
+        priority_recompute_below=priority_recompute_below,
         priority_wait=wait,
         admission_wait=admission_form is not None,
         admission_form=admission_form or ADMISSION_FORMS[0],
@@ -642,7 +680,9 @@ def build_parser() -> argparse.ArgumentParser:
         " wait (the time until the sequences it placed on the engine free room for the whole prompt);"
         " +admission:held, +admission:ahead or +admission:overtake count that KV as SimConfig.admission_form"
         " says; +admission:FORM:recompute[:X] prices it only for turns every engine holds less than the"
-        f" fraction X (default {ADMISSION_RECOMPUTE_BELOW}) of (recomputes anyway)",
+        f" fraction X (default {ADMISSION_RECOMPUTE_BELOW}) of (recomputes anyway); a priority spec may"
+        " carry +recompute-k:KR[:X] before that: a turn every engine holds less than X of (default"
+        f" {PRIORITY_RECOMPUTE_BELOW}) gets a deadline of at most min(K, KR) x its first-come TTFT",
     )
     p.add_argument(
         "--tail-reference",

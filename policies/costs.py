@@ -302,6 +302,14 @@ ADMISSION_WAIT_KEY = "admission_wait_s"
 ADMISSION_RECOMPUTE_BELOW_KEY = "admission_recompute_below"
 
 
+#: A turn is a recompute (on every engine, wherever it goes) when its ``best_cached_fraction`` is
+#: below this: above the B1 ladder's shared system prefix (1,000 of a 12,000-token first prompt,
+#: 0.08) and below what any engine holding the previous turn has (12,000 of 16,000 tokens at the
+#: second turn, 0.75, more later). The default gate of the admission wait's and the priority
+#: ordering's recompute rules (``kvcore.core.PRIORITY_RECOMPUTE_BELOW``).
+RECOMPUTE_BELOW = 0.25
+
+
 def best_cached_fraction(request: RouteRequest, prompt_tokens: int) -> float:
     """The largest share of the prompt any engine holds in any tier: the longest prefix match in
     ``request.prefix_matches`` (blocks x block size, capped at ``max_hit_tokens``) / the prompt

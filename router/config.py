@@ -22,11 +22,14 @@ import msgspec
 from kvcore.core import (
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
+    PRIORITY_RECOMPUTE_BELOW,
+    PRIORITY_RECOMPUTE_FCFS_FACTOR,
     PRIORITY_STEP_S,
     PRIORITY_STRETCH,
     SCHEDULING_POLICIES,
     check_priority_fcfs_factor,
     check_priority_max_overtake,
+    check_priority_recompute_below,
     check_priority_stretch,
 )
 from policies.base import needs_block_keys
@@ -229,10 +232,15 @@ class CostsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: (0 = arrival order), never more than ``priority_max_overtake_s`` after it (the bound; inf =
     #: none) nor more than ``priority_fcfs_factor`` times its predicted first-come TTFT on that
     #: engine (the relative bound, >= 1; inf = off). kvcore.core.shortest_first_priority.
+    #: ``priority_recompute_fcfs_factor``: the relative bound of a request no engine holds
+    #: ``priority_recompute_below`` of its prompt (a recompute), when tighter (>= 1; inf = off).
+    #: kvcore.core.priority_fcfs_factor_for.
     priority_step_s: float = PRIORITY_STEP_S
     priority_stretch: float = PRIORITY_STRETCH
     priority_max_overtake_s: float = PRIORITY_MAX_OVERTAKE_S
     priority_fcfs_factor: float = PRIORITY_FCFS_FACTOR
+    priority_recompute_fcfs_factor: float = PRIORITY_RECOMPUTE_FCFS_FACTOR
+    priority_recompute_below: float = PRIORITY_RECOMPUTE_BELOW
 
 
 class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -661,6 +669,12 @@ def _validate_index_events_costs(config: RouterConfig) -> None:
         check_priority_stretch(config.costs.priority_stretch, "costs.priority_stretch")
         check_priority_max_overtake(config.costs.priority_max_overtake_s, "costs.priority_max_overtake_s")
         check_priority_fcfs_factor(config.costs.priority_fcfs_factor, "costs.priority_fcfs_factor")
+        check_priority_fcfs_factor(
+            config.costs.priority_recompute_fcfs_factor, "costs.priority_recompute_fcfs_factor"
+        )
+        check_priority_recompute_below(
+            config.costs.priority_recompute_below, "costs.priority_recompute_below"
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if config.costs.scrape_interval_s < 0:

@@ -32,7 +32,14 @@ from typing import Any, Protocol
 import msgspec
 import xxhash
 
-from kvcore.core import PRIORITY_EPOCH_S, Outcome, Reservation, RoutingCore, shortest_first_priority
+from kvcore.core import (
+    PRIORITY_EPOCH_S,
+    Outcome,
+    Reservation,
+    RoutingCore,
+    priority_fcfs_factor_for,
+    shortest_first_priority,
+)
 from policies.base import Decision, FleetView, NoEngineAvailable, RouteRequest
 from router.config import RouterConfig
 from router.errors import RouterError, bad_request, sse_error_event
@@ -656,7 +663,12 @@ class Router:
             now_s=time.time() - PRIORITY_EPOCH_S,
             stretch=costs.priority_stretch,
             max_overtake_s=costs.priority_max_overtake_s,
-            fcfs_factor=costs.priority_fcfs_factor,
+            fcfs_factor=priority_fcfs_factor_for(
+                ctx.route_request,
+                costs.priority_fcfs_factor,
+                costs.priority_recompute_fcfs_factor,
+                costs.priority_recompute_below,
+            ),
         )
         start = body.index(b"{") + 1  # splice, as for stream_options: the key is absent
         return b'%s"priority":%d,%s' % (body[:start], ctx.priority, body[start:])

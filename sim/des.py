@@ -24,6 +24,8 @@ from kvcore.core import (
     ADMISSION_FORMS,
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
+    PRIORITY_RECOMPUTE_BELOW,
+    PRIORITY_RECOMPUTE_FCFS_FACTOR,
     PRIORITY_STEP_S,
     PRIORITY_STRETCH,
     PRIORITY_WAITS,
@@ -33,6 +35,9 @@ from kvcore.core import (
     Reservation,
     RoutingCore,
     SequenceLedger,
+    check_priority_fcfs_factor,
+    check_priority_recompute_below,
+    priority_fcfs_factor_for,
     priority_queued_ahead,
     shortest_first_priority,
 )
@@ -165,6 +170,12 @@ class SimConfig:
     priority_stretch: float = PRIORITY_STRETCH
     priority_max_overtake_s: float = PRIORITY_MAX_OVERTAKE_S
     priority_fcfs_factor: float = PRIORITY_FCFS_FACTOR
+    #: The recompute bound (``kvcore.core.priority_fcfs_factor_for``): a turn whose best cached
+    #: fraction over the router's index is below ``priority_recompute_below`` when routed has its
+    #: deadline capped at min(``priority_fcfs_factor``, this) x its predicted first-come TTFT, in
+    #: the priority it is sent with and in the priced waits that read it; >= 1, inf = off.
+    priority_recompute_fcfs_factor: float = PRIORITY_RECOMPUTE_FCFS_FACTOR
+    priority_recompute_below: float = PRIORITY_RECOMPUTE_BELOW
     #: How the router's cost model prices the wait on priority engines (``kvcore.core
     #: .PRIORITY_WAITS``): "all" = every queued prefill token (first come), "ahead" = only the
     #: queued prefill sent with a priority no larger than the request's there
@@ -475,8 +486,12 @@ class FleetSimulator:
             raise ValueError(
                 f"priority_wait {cfg.priority_wait!r} is unknown; accepted: {', '.join(PRIORITY_WAITS)}"
             )
+        check_priority_fcfs_factor(cfg.priority_recompute_fcfs_factor, "priority_recompute_fcfs_factor")
+        check_priority_recompute_below(cfg.priority_recompute_below, "priority_recompute_below")
         #: The routing clock the priorities are sent in (the virtual time of the request being routed).
         self._route_now = 0.0
+        #: The relative bound of the request being routed (``priority_fcfs_factor_for``).
+        self._route_fcfs_factor = cfg.priority_fcfs_factor
         self._priority_ahead = cfg.priority_wait != "all"
         if self._priority_ahead:
             for spec, view in zip(fleet.engines, self.views, strict=True):
@@ -489,6 +504,7 @@ class FleetSimulator:
                         stretch=cfg.priority_stretch,
                         max_overtake_s=cfg.priority_max_overtake_s,
                         fcfs_factor=cfg.priority_fcfs_factor,
+                        fcfs_factor_now=lambda: self._route_fcfs_factor,
                         overtake=self.costs if cfg.priority_wait in ("overtake", "running") else None,
                         running_first=cfg.priority_wait == "running",
                     )
@@ -516,7 +532,8 @@ class FleetSimulator:
         return wait_s
 
     def _priority(self, parts: PredictedParts, now: float) -> int:
-        """The vLLM ``priority`` the router sends a request with ``parts`` placed at ``now``."""
+        """The vLLM ``priority`` the router sends the request being routed (``_route_fcfs_factor``)
+        with ``parts`` placed at ``now``."""
         cfg = self.config
         return shortest_first_priority(
             parts,
@@ -524,7 +541,7 @@ class FleetSimulator:
             now_s=now,
             stretch=cfg.priority_stretch,
             max_overtake_s=cfg.priority_max_overtake_s,
-            fcfs_factor=cfg.priority_fcfs_factor,
+            fcfs_factor=self._route_fcfs_factor,
         )
 
     # -- the event loop ----------------------------------------------------------------------
@@ -821,6 +838,10 @@ class FleetSimulator:
             self._cached_fraction.setdefault(request_id, best_cached_fraction(held, prompt_tokens))
         # filter -> score -> reserve: the same calls the router makes.
         self._route_now = now
+        cfg = self.config
+        self._route_fcfs_factor = priority_fcfs_factor_for(
+            route, cfg.priority_fcfs_factor, cfg.priority_recompute_fcfs_factor, cfg.priority_recompute_below
+        )
         reservation = self.core.route(self.policy, route, self.views, now)
         engine = self._pos[reservation.engine_id]
         if tokens is not None:

@@ -20,11 +20,14 @@ from kvcore.core import (
     ADMISSION_FORMS,
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
+    PRIORITY_RECOMPUTE_BELOW,
+    PRIORITY_RECOMPUTE_FCFS_FACTOR,
     PRIORITY_STRETCH,
     PRIORITY_WAITS,
     SCHEDULING_POLICIES,
     check_priority_fcfs_factor,
     check_priority_max_overtake,
+    check_priority_recompute_below,
     check_priority_stretch,
 )
 from policies.base import (
@@ -254,6 +257,23 @@ def build_parser() -> argparse.ArgumentParser:
         "predicted first-come TTFT on its engine after placement (>= 1; default inf = off)",
     )
     fl.add_argument(
+        "--priority-recompute-fcfs-factor",
+        type=float,
+        default=PRIORITY_RECOMPUTE_FCFS_FACTOR,
+        metavar="KR",
+        help="priority engines: a turn every engine holds less than --priority-recompute-below of (a"
+        " recompute) gets a deadline of at most min(--priority-fcfs-factor, KR) times its predicted"
+        " first-come TTFT; the other turns keep --priority-fcfs-factor (>= 1; default inf = off)",
+    )
+    fl.add_argument(
+        "--priority-recompute-below",
+        type=float,
+        default=PRIORITY_RECOMPUTE_BELOW,
+        metavar="FRACTION",
+        help="the recompute gate of --priority-recompute-fcfs-factor, a fraction of the prompt in (0, 1]"
+        f" (default {PRIORITY_RECOMPUTE_BELOW})",
+    )
+    fl.add_argument(
         "--priority-wait",
         choices=PRIORITY_WAITS,
         default=PRIORITY_WAITS[0],
@@ -402,6 +422,8 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         priority_stretch=args.priority_stretch,
         priority_max_overtake_s=args.priority_max_overtake_s,
         priority_fcfs_factor=args.priority_fcfs_factor,
+        priority_recompute_fcfs_factor=args.priority_recompute_fcfs_factor,
+        priority_recompute_below=args.priority_recompute_below,
         priority_wait=args.priority_wait,
         admission_wait=args.admission_wait,
         admission_form=args.admission_form,
@@ -410,6 +432,8 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
     check_priority_stretch(args.priority_stretch, "--priority-stretch")
     check_priority_max_overtake(args.priority_max_overtake_s, "--priority-max-overtake-s")
     check_priority_fcfs_factor(args.priority_fcfs_factor, "--priority-fcfs-factor")
+    check_priority_fcfs_factor(args.priority_recompute_fcfs_factor, "--priority-recompute-fcfs-factor")
+    check_priority_recompute_below(args.priority_recompute_below, "--priority-recompute-below")
     if args.admission_recompute_below is not None:
         if not args.admission_wait:
             raise ValueError("--admission-recompute-below gates the admission wait: add --admission-wait")
