@@ -6,9 +6,6 @@ engine; a turn no engine holds gets the admission wait on every engine."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -24,8 +21,8 @@ from policies.costs import (
 from policies.tier_cost import TierCostPolicy
 from sim.des import SPLIT_CACHED_FRACTION_KEY, FleetSimulator, SimConfig
 from tests.test_admission_wait import _tight_fleet, _workload
+from tests.test_sim_cli import assert_sim_refuses
 
-REPO = Path(__file__).resolve().parents[1]
 COSTS = PriorCosts(EngineCosts(prefill_tokens_per_s=10_000.0, slot_s_per_request=0.5))
 #: The learned slot term of the engines below: 4 in flight x 0.5 s.
 LEARNED_SLOT_S = 2.0
@@ -199,14 +196,7 @@ def test_kvroute_sim_refuses_a_gate_without_the_admission_wait_or_out_of_range()
         (["--admission-recompute-below", "0.25"], "add --admission-wait"),
         (["--admission-wait", "--admission-recompute-below", "0"], r"must be in (0, 1]"),
     ):
-        proc = subprocess.run(
-            [sys.executable, "-m", "router.cli", "sim", *args],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=100,
-        )
-        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert_sim_refuses(args, message)
 
 
 def test_the_split_records_what_the_fleet_held_of_each_turn_when_routed() -> None:

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
@@ -31,8 +28,8 @@ from sim.des import FleetSimulator, SimConfig
 from tests.conftest import OpenAIUpstream, ThreadedServer
 from tests.test_admission_wait import _tight_fleet, _workload
 from tests.test_priority import _priority_sent
+from tests.test_sim_cli import assert_sim_refuses
 
-REPO = Path(__file__).resolve().parents[1]
 INF = math.inf
 
 
@@ -216,14 +213,7 @@ def test_kvroute_sim_refuses_a_bad_recompute_bound() -> None:
         (["--priority-recompute-fcfs-factor", "0.5"], "--priority-recompute-fcfs-factor must be >= 1"),
         (["--priority-recompute-below", "0"], "--priority-recompute-below must be in (0, 1]"),
     ):
-        proc = subprocess.run(
-            [sys.executable, "-m", "router.cli", "sim", *args],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=100,
-        )
-        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert_sim_refuses(args, message)
 
 
 # ---------------------------------------------------------------------------------- the router

@@ -31,6 +31,14 @@ def sim(*args: str) -> subprocess.Popen[str]:
     )
 
 
+def assert_sim_refuses(args: list[str], message: str) -> None:
+    """``kvroute sim *args`` exits 2 with ``message`` and no traceback, before running anything."""
+    proc = sim(*args)
+    stdout, stderr = proc.communicate(timeout=100)
+    assert proc.returncode == 2 and message in stderr and "Traceback" not in stderr, stderr
+    assert stdout == ""
+
+
 def test_out_at_an_existing_file_is_refused_before_running(tmp_path: Path) -> None:
     target = tmp_path / "results.md"
     target.write_text("keep me")
