@@ -40,8 +40,9 @@ demo: $(VENV)/.core
 test: $(VENV)/.test
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# Day-to-day subset (under 2 minutes): everything but the tests marked slow (engine and router
-# processes, live fleets, benchmarks, long DES runs). `make test` stays the whole suite.
+# Day-to-day subset (about 2 minutes of CPU, 3 of wall time here): everything but the tests marked
+# slow (engine and router processes, live fleets, benchmarks, long DES runs). `make test` stays the
+# whole suite.
 test-quick: $(VENV)/.test
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
