@@ -311,8 +311,9 @@ def check_priority_fcfs_factor(fcfs_factor: float, what: str) -> None:
         raise ValueError(f"{what} must be >= 1 (1 = first-come deadlines, inf = off), got {fcfs_factor}")
 
 
-def check_priority_recompute_below(fraction: float, what: str) -> None:
-    """ValueError naming ``what`` unless ``fraction`` is in (0, 1] (a fraction of the prompt)."""
+def check_recompute_below(fraction: float, what: str) -> None:
+    """ValueError naming ``what`` unless ``fraction`` is in (0, 1] (a fraction of the prompt: the
+    recompute threshold of the recompute bound and of the admission wait's recompute gate)."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"{what} must be in (0, 1] (a fraction of the prompt), got {fraction}")
 

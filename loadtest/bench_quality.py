@@ -34,8 +34,8 @@ from kvcore.core import (
     SCHEDULING_POLICIES,
     check_priority_fcfs_factor,
     check_priority_max_overtake,
-    check_priority_recompute_below,
     check_priority_stretch,
+    check_recompute_below,
 )
 from kvcore.stats import median_span, percentiles
 from policies.costs import RECOMPUTE_BELOW
@@ -44,7 +44,6 @@ from sim.des import (
     TTFT_SPLIT_KEYS,
     FleetSimulator,
     SimConfig,
-    check_admission_recompute_below,
 )
 from sim.des_cli import parse_policy_spec, worker_pool
 from sim.engine import EngineProfile
@@ -106,13 +105,10 @@ class Cell:
 #: ``+admission:FORM`` also names how it counts the placed sequences' KV (``SimConfig
 #: .admission_form``, one of ``kvcore.core.ADMISSION_FORMS``; plain ``+admission`` = "reserved");
 #: ``+admission:FORM:recompute`` prices it only for turns no engine holds much of
-#: (``SimConfig.admission_recompute_below`` = ``ADMISSION_RECOMPUTE_BELOW``), and
+#: (``SimConfig.admission_recompute_below`` = ``policies.costs.RECOMPUTE_BELOW``), and
 #: ``+admission:FORM:recompute:X`` below the fraction X of the prompt.
 ADMISSION_SUFFIX = "+admission"
 ADMISSION_RECOMPUTE = "recompute"
-#: The ``:recompute`` gate's fraction of the prompt unless one is given (``policies.costs
-#: .RECOMPUTE_BELOW``: the one recompute definition).
-ADMISSION_RECOMPUTE_BELOW = RECOMPUTE_BELOW
 
 
 def admission_of(spec: str) -> tuple[str, str | None, float | None]:
@@ -139,7 +135,7 @@ def admission_of(spec: str) -> tuple[str, str | None, float | None]:
         raise ValueError(
             f"--scheduling {spec!r}: after {ADMISSION_SUFFIX}:FORM only :{ADMISSION_RECOMPUTE}[:X]"
         )
-    below = ADMISSION_RECOMPUTE_BELOW
+    below = RECOMPUTE_BELOW
     if colon:
         try:
             below = float(fraction)
@@ -147,7 +143,7 @@ def admission_of(spec: str) -> tuple[str, str | None, float | None]:
             raise ValueError(
                 f"--scheduling {spec!r}: the {ADMISSION_RECOMPUTE} fraction X must be a number"
             ) from None
-    check_admission_recompute_below(below, f"--scheduling {spec!r}: the {ADMISSION_RECOMPUTE} fraction")
+    check_recompute_below(below, f"--scheduling {spec!r}: the {ADMISSION_RECOMPUTE} fraction")
     return head, form, below
 
 
@@ -177,7 +173,7 @@ def recompute_bound_of(spec: str) -> tuple[str, float, float]:
     except ValueError:
         raise ValueError(f"{usage}: KR and X must be numbers") from None
     check_priority_fcfs_factor(factor, f"--scheduling {spec!r}: the recompute bound KR")
-    check_priority_recompute_below(below, f"--scheduling {spec!r}: the recompute fraction X")
+    check_recompute_below(below, f"--scheduling {spec!r}: the recompute fraction X")
     return head, factor, below
 
 
@@ -420,7 +416,7 @@ SPLIT_RECOMPUTE_CLASSES = ("recompute", "cached")
 
 
 def split_by_recompute(
-    splits: dict[str, dict[str, float]], below: float = ADMISSION_RECOMPUTE_BELOW
+    splits: dict[str, dict[str, float]], below: float = RECOMPUTE_BELOW
 ) -> dict[str, dict[str, float]]:
     """A run's turns in two classes by their best cached fraction when routed
     (``sim.des.SPLIT_CACHED_FRACTION_KEY``): "recompute" (below ``below``, the ``:recompute``
@@ -484,7 +480,7 @@ def split_markdown(rows: Sequence[dict[str, Any]]) -> str:
     out += [
         "",
         f"| workload | storage | policy | engine scheduling | seed | turns (recompute: no engine held"
-        f" {ADMISSION_RECOMPUTE_BELOW:g} of the prompt) | " + " | ".join(recompute_names) + " |",
+        f" {RECOMPUTE_BELOW:g} of the prompt) | " + " | ".join(recompute_names) + " |",
         "|---|---|---|---|---|---|" + "---|" * len(recompute_names),
     ]
     for r in rows:
@@ -680,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
         " wait (the time until the sequences it placed on the engine free room for the whole prompt);"
         " +admission:held, +admission:ahead or +admission:overtake count that KV as SimConfig.admission_form"
         " says; +admission:FORM:recompute[:X] prices it only for turns every engine holds less than the"
-        f" fraction X (default {ADMISSION_RECOMPUTE_BELOW}) of (recomputes anyway); a priority spec may"
+        f" fraction X (default {RECOMPUTE_BELOW}) of (recomputes anyway); a priority spec may"
         " carry +recompute-k:KR[:X] before that: a turn every engine holds less than X of (default"
         f" {PRIORITY_RECOMPUTE_BELOW}) gets a deadline of at most min(K, KR) x its first-come TTFT",
     )

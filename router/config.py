@@ -29,8 +29,8 @@ from kvcore.core import (
     SCHEDULING_POLICIES,
     check_priority_fcfs_factor,
     check_priority_max_overtake,
-    check_priority_recompute_below,
     check_priority_stretch,
+    check_recompute_below,
 )
 from policies.base import needs_block_keys
 
@@ -672,9 +672,7 @@ def _validate_index_events_costs(config: RouterConfig) -> None:
         check_priority_fcfs_factor(
             config.costs.priority_recompute_fcfs_factor, "costs.priority_recompute_fcfs_factor"
         )
-        check_priority_recompute_below(
-            config.costs.priority_recompute_below, "costs.priority_recompute_below"
-        )
+        check_recompute_below(config.costs.priority_recompute_below, "costs.priority_recompute_below")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if config.costs.scrape_interval_s < 0:

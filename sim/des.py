@@ -36,7 +36,7 @@ from kvcore.core import (
     RoutingCore,
     SequenceLedger,
     check_priority_fcfs_factor,
-    check_priority_recompute_below,
+    check_recompute_below,
     priority_fcfs_factor_for,
     priority_queued_ahead,
     shortest_first_priority,
@@ -121,12 +121,6 @@ def prior_costs(profile: EngineProfile) -> EngineCosts:
 
 
 # ------------------------------------------------------------------------------- simulation
-
-
-def check_admission_recompute_below(value: float, name: str) -> None:
-    """Refuse an admission recompute gate outside (0, 1] (a fraction of the prompt; nan included)."""
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"{name} must be in (0, 1] (a fraction of the prompt), got {value}")
 
 
 @dataclass(slots=True)
@@ -463,7 +457,7 @@ class FleetSimulator:
         if below is not None:
             if not cfg.admission_wait:
                 raise ValueError("admission_recompute_below gates the admission wait: set admission_wait too")
-            check_admission_recompute_below(below, "admission_recompute_below")
+            check_recompute_below(below, "admission_recompute_below")
         if cfg.admission_wait:
             self.sequences = SequenceLedger()
             for spec, view in zip(fleet.engines, self.views, strict=True):
@@ -487,7 +481,7 @@ class FleetSimulator:
                 f"priority_wait {cfg.priority_wait!r} is unknown; accepted: {', '.join(PRIORITY_WAITS)}"
             )
         check_priority_fcfs_factor(cfg.priority_recompute_fcfs_factor, "priority_recompute_fcfs_factor")
-        check_priority_recompute_below(cfg.priority_recompute_below, "priority_recompute_below")
+        check_recompute_below(cfg.priority_recompute_below, "priority_recompute_below")
         #: The routing clock the priorities are sent in (the virtual time of the request being routed).
         self._route_now = 0.0
         #: The relative bound of the request being routed (``priority_fcfs_factor_for``).

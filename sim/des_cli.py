@@ -27,8 +27,8 @@ from kvcore.core import (
     SCHEDULING_POLICIES,
     check_priority_fcfs_factor,
     check_priority_max_overtake,
-    check_priority_recompute_below,
     check_priority_stretch,
+    check_recompute_below,
 )
 from policies.base import (
     build_policy,
@@ -38,7 +38,6 @@ from sim.des import (
     SimConfig,
     SimResult,
     _Progress,
-    check_admission_recompute_below,
     simulate,
 )
 from sim.engine import EngineProfile
@@ -433,11 +432,11 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
     check_priority_max_overtake(args.priority_max_overtake_s, "--priority-max-overtake-s")
     check_priority_fcfs_factor(args.priority_fcfs_factor, "--priority-fcfs-factor")
     check_priority_fcfs_factor(args.priority_recompute_fcfs_factor, "--priority-recompute-fcfs-factor")
-    check_priority_recompute_below(args.priority_recompute_below, "--priority-recompute-below")
+    check_recompute_below(args.priority_recompute_below, "--priority-recompute-below")
     if args.admission_recompute_below is not None:
         if not args.admission_wait:
             raise ValueError("--admission-recompute-below gates the admission wait: add --admission-wait")
-        check_admission_recompute_below(args.admission_recompute_below, "--admission-recompute-below")
+        check_recompute_below(args.admission_recompute_below, "--admission-recompute-below")
     fleet_options = _fleet_options(args)
     storage_values: list[str] = args.storage
 

@@ -9,11 +9,12 @@ import math
 
 import pytest
 
-from loadtest.bench_quality import ADMISSION_RECOMPUTE_BELOW, admission_of, split_by_recompute
+from loadtest.bench_quality import admission_of, split_by_recompute
 from policies.base import EngineView, FleetView, PrefixMatch, RouteRequest
 from policies.costs import (
     ADMISSION_RECOMPUTE_BELOW_KEY,
     ADMISSION_WAIT_KEY,
+    RECOMPUTE_BELOW,
     EngineCosts,
     PriorCosts,
     best_cached_fraction,
@@ -170,7 +171,7 @@ def test_bench_quality_reads_the_recompute_gate() -> None:
     assert admission_of("priority:20:inf:inf:overtake+admission:ahead:recompute") == (
         "priority:20:inf:inf:overtake",
         "ahead",
-        ADMISSION_RECOMPUTE_BELOW,
+        RECOMPUTE_BELOW,
     )
     assert admission_of("priority:20:inf+admission:overtake:recompute:0.5") == (
         "priority:20:inf",
@@ -226,7 +227,7 @@ def test_split_by_recompute_classes_turns_and_counts_the_tail_in_each() -> None:
         f"c{i}#1": {"ttft_s": float(i), SPLIT_CACHED_FRACTION_KEY: 0.1 if i > 90 else 0.9}
         for i in range(1, 101)
     }
-    splits["c1#1"][SPLIT_CACHED_FRACTION_KEY] = ADMISSION_RECOMPUTE_BELOW
+    splits["c1#1"][SPLIT_CACHED_FRACTION_KEY] = RECOMPUTE_BELOW
     out = split_by_recompute(splits)
     recompute, cached = out["recompute"], out["cached"]
     assert recompute["n"] == 10 and cached["n"] == 90
