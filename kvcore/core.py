@@ -671,9 +671,10 @@ class SequenceLedger:
         return max(0.0, finishes[-1][0] - now) if finishes else 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Outcome:
-    """How a request ended, as the engine reported it."""
+    """How a request ended, as the engine reported it (not frozen: one is built per request, and
+    a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``)."""
 
     ok: bool
     #: usage.prompt_tokens_details.cached_tokens (None when the engine did not report usage).

@@ -265,6 +265,12 @@ class RequestReader:
     async def body(self, headers: Mapping[str, str], receive: Receive) -> bytes:
         """The request body from ASGI ``receive`` (JSON only, within the size and time limits);
         ClientDisconnect when the client goes away during the upload."""
+        body = self.body_now(headers, receive)
+        return body if body is not None else await self.wait_body(receive)
+
+    def body_now(self, headers: Mapping[str, str], receive: Receive) -> bytes | None:
+        """``body``'s checks and the body when the server holds all of it already (no await: the
+        usual case, a body that came with its headers), else None: ``body`` waits for it."""
         content_type = headers.get("content-type", "")
         if not _is_json_type(content_type):
             raise RouterError(
@@ -288,11 +294,17 @@ class RequestReader:
             # own exchange (router/fastpath.py) hands it over without an ASGI message.
             complete_body = getattr(cycle, "complete_body", None)
             body = complete_body() if complete_body is not None else None
-            if body is None:
-                return await self._read(receive)
-            if len(body) > self.max_body_bytes:
+            if body is not None and len(body) > self.max_body_bytes:
                 raise self._too_large()
             return body
+        return None
+
+    async def wait_body(self, receive: Receive) -> bytes:
+        """The body read message by message (within the time limit unless the server holds all
+        of it already)."""
+        cycle = getattr(receive, "__self__", None)
+        if getattr(cycle, "more_body", True) is False:
+            return await self._read(receive)
         try:
             async with asyncio.timeout(self.body_timeout_s):
                 return await self._read(receive)
@@ -528,7 +540,9 @@ def create_app(
         headers = header_map(scope["headers"])
         request_id = request_id_of(headers)
         try:
-            raw_body = await reader.body(headers, receive)
+            raw_body = reader.body_now(headers, receive)
+            if raw_body is None:
+                raw_body = await reader.wait_body(receive)
             # The router's clock starts once the body is in: its upload is the client's network.
             started_s = time.monotonic()
             ctx = reader.parse(endpoint, raw_body, headers, scope, request_id)

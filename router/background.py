@@ -176,7 +176,7 @@ class RouterServices:
         core applies the cost model's self-check verdict itself, before asking this)."""
         if self.parity.distrusts(engine_id):  # its prompt tokens are not the router's
             return False
-        return self.manager is None or engine_id not in self.manager.untrusted_engines()
+        return self.manager is None or self.manager.trusts(engine_id)
 
     # -- reload ---------------------------------------------------------------------------------
 

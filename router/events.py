@@ -410,6 +410,8 @@ class EventManager:
         self._clock = clock
         self._on_batch = on_batch
         self._health: dict[str, SourceHealth] = {}
+        #: ``_health``'s entries by engine id (``trusts``).
+        self._by_engine: dict[str, list[SourceHealth]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._discovery_errors: dict[str, str] = {}
         self._started = False
@@ -447,6 +449,7 @@ class EventManager:
             tokens_at=now,
         )
         self._health[source.name] = health
+        self._by_engine.setdefault(source.engine_id, []).append(health)
         self._index.add_engine(source.engine_id)
         block_size = self._block_sizes.get(source.engine_id)
         if block_size is not None:
@@ -1148,7 +1151,7 @@ class EventManager:
         return trusted
 
     def _sources_of(self, engine_id: str) -> list[SourceHealth]:
-        return [h for h in self._health.values() if h.source.engine_id == engine_id]
+        return self._by_engine.get(engine_id, [])
 
     # ----------------------------------------------------------------------------- health
 
@@ -1241,6 +1244,15 @@ class EventManager:
                 "last_error": h.last_error,
             }
         return {"sources": sources, "discovery_errors": dict(self._discovery_errors)}
+
+    def trusts(self, engine_id: str) -> bool:
+        """``engine_id not in untrusted_engines()``, asking only that engine's sources (the
+        routing core asks it per candidate and request)."""
+        sources = self._sources_of(engine_id)
+        if not sources:
+            return True
+        now = self._clock()
+        return all(self._distrust(h, now)[0] == "ok" for h in sources)
 
     def untrusted_engines(self) -> set[str]:
         """Engines whose picture is not trusted (EngineView.index_trusted=False): any rank stale,

@@ -209,14 +209,16 @@ class LoadTracker:
         """Take an engine out of routing until undrained (in-flight requests finish normally)."""
         self.engines[engine_id].drained = True
 
-    def view(self, state: EngineState, now_s: float | None = None) -> EngineView:
-        """``state`` as policies see it; ``now_s`` (monotonic) decides whether its breaker is open."""
+    def view(self, state: EngineState, now_s: float | None = None, *, with_load: bool = True) -> EngineView:
+        """``state`` as policies see it; ``now_s`` (monotonic) decides whether its breaker is open.
+        ``with_load=False``: in-flight and queued figures left at 0, for a caller that reads them
+        itself (the routing core's ``filter`` refreshes its candidates' load)."""
         if now_s is None:
             now_s = time.monotonic()
         scraped = state.scraped
         running = scraped.get("num_requests_running")
         waiting = scraped.get("num_requests_waiting")
-        in_flight, queued = self.ledger.load(state.config.id)
+        in_flight, queued = self.ledger.load(state.config.id) if with_load else (0, 0)
         return EngineView(
             engine_id=state.config.id,
             url=state.config.url,
@@ -242,10 +244,11 @@ class LoadTracker:
             if s.healthy and not s.drained and not self.breaker_open(s, now_s)
         ]
 
-    def all_views(self) -> list[EngineView]:
-        """Every engine's view; the routing core's ``filter`` picks the candidates."""
+    def all_views(self, *, with_load: bool = True) -> list[EngineView]:
+        """Every engine's view; the routing core's ``filter`` picks the candidates (``view``'s
+        ``with_load``)."""
         now_s = time.monotonic()
-        return [self.view(s, now_s) for s in self.engines.values()]
+        return [self.view(s, now_s, with_load=with_load) for s in self.engines.values()]
 
 
 class EnginePoller:

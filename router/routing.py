@@ -458,10 +458,10 @@ class Router:
         arm = self._select_arm(ctx)
         ctx.arm, ctx.policy_name = arm.name, arm.policy.name
         uses_index = arm.policy.uses_index
-        # The fleet's views, built once per request: ``filter`` refreshes their load figures and
-        # index trust in place, so the second filter (after the annotator's await) sees the load
-        # of that moment.
-        views = self.tracker.all_views()
+        # The fleet's views, built once per request and without their load: ``filter`` reads the
+        # candidates' load figures and index trust in place, so the second filter (after the
+        # annotator's await) sees the load of that moment.
+        views = self.tracker.all_views(with_load=False)
         annotator = self.annotator
         if annotator is None:
             candidates = self.core.filter(request, views, uses_index=uses_index)
@@ -773,7 +773,13 @@ class Router:
             out_headers.append((b"content-type", content_type.encode("latin-1")))
             return _StreamAnswer(self._stream(ctx, response), out_headers, on_close)
         self._answer_started(ctx)
-        return await self._complete(ctx, response, out_headers, content_type)
+        try:  # a whole (non-stream or error) answer, read here (not in one more coroutine)
+            data = await response.read()
+        except UpstreamError as exc:
+            raise self._upstream_failure(ctx, ctx.engine_id, exc) from None
+        finally:
+            response.close()
+        return self._completed(ctx, response, data, out_headers, content_type)
 
     def _answer_started(self, ctx: RouteContext) -> None:
         """A complete (non-stream or error) answer's headers are in."""
@@ -885,22 +891,6 @@ class Router:
             ctx.usage = strip.usage if strip is not None else usage_from_stream_tail(b"".join(tail))
             self._finish(ctx, status, error)
 
-    async def _complete(
-        self,
-        ctx: RouteContext,
-        response: UpstreamResponse,
-        out_headers: list[tuple[bytes, bytes]],
-        content_type: str,
-    ) -> _Answer:
-        """Read a whole (non-stream or error) answer."""
-        try:
-            data = await response.read()
-        except UpstreamError as exc:
-            raise self._upstream_failure(ctx, ctx.engine_id, exc) from None
-        finally:
-            response.close()
-        return self._completed(ctx, response, data, out_headers, content_type)
-
     def _completed(
         self,
         ctx: RouteContext,
@@ -982,8 +972,8 @@ class _Resumed:
 
 class _Relay:
     """A complete (non-stream) answer relayed from the upstream connection's callbacks
-    (``UpstreamResponse.on_event``): the accounting and the client's answer as ``_forward`` and
-    ``_complete`` do them; a failure before the answer's headers goes on in ``serve`` (stale
+    (``UpstreamResponse.on_event``): the accounting and the client's answer as ``_forward`` does
+    them; a failure before the answer's headers goes on in ``serve`` (stale
     connection retry, fail-over), one after them is a 502/504 as there."""
 
     __slots__ = ("client", "ctx", "response", "router", "started")
