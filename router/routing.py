@@ -471,15 +471,17 @@ class Router:
             # An unknown model leaves no candidate (every engine lists its models and not this
             # one), so the fleet is asked only then, before any tokenising.
             self._check_model(request.model)
+        fleet = FleetView(candidates)  # one per request: the annotator's, then the policy's
         if annotator is not None:
             # Annotated for every arm, not only index-aware ones: the index self-check, the
             # experiments' predicted tier split and the trace need every request's keys.
-            ctx.fleet = FleetView(candidates)
+            ctx.fleet = fleet
             await annotator.annotate(ctx)
             # No await from here to reserve: other requests' load is what it is at the choice.
-            candidates = self.core.filter(request, views, uses_index=uses_index)
-        now = time.monotonic()
-        ctx.fleet = fleet = FleetView(candidates, now=now, costs=self.core.costs)
+            fleet.engines = candidates = self.core.filter(request, views, uses_index=uses_index)
+        ctx.fleet = fleet
+        fleet.now = now = time.monotonic()
+        fleet.costs = self.core.costs
         if not candidates:
             raise RouterError(
                 503,

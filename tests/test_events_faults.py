@@ -436,10 +436,11 @@ async def test_fault3_incomplete_replay_marks_untrusted_until_caught_up(
             lambda: "incomplete" in (health_of(manager)["stale_reason"] or ""),
             "untrusted after the stalled replay",
         )
-        assert manager.untrusted_engines() == {"e0"}
+        assert manager.untrusted_engines() == {"e0"} and not manager.trusts("e0")
         # The retry (held back by the rate limit, then allowed) brings the whole buffer.
         await wait_for(lambda: last_seq(manager) == 299, "the retried replay")
         await wait_for(lambda: manager.untrusted_engines() == set(), "trusted again")
+        assert manager.trusts("e0")
         assert server.requests == 2 and held_blocks(index, tokens_of(300, 0)) == 300
     finally:
         server.close()

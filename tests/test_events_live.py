@@ -278,10 +278,12 @@ async def test_gap_without_replay_marks_stale(make_publisher, make_manager) -> N
     health = manager.health()["sources"]["e0/dp0"]
     assert health["stale"] and health["status"] == "stale" and health["missed_batches"] == 2
     assert manager.untrusted_engines() == {"e0"}
+    assert not manager.trusts("e0") and manager.trusts("e1")  # the per-engine query agrees
     # AllBlocksCleared resets the picture: trusted again.
     pub.publish(*live[7])
     await wait_for(lambda: last_seq(manager) == 7, "seq 7")
     assert manager.untrusted_engines() == set()
+    assert manager.trusts("e0")
 
 
 def _stored(hashes: list[int], tokens: list[int], parent: int | None = None) -> dict:

@@ -201,3 +201,47 @@ def test_parity_window_counts_follow_the_window_rule() -> None:
         elif distrusted and not any(window) and len(window) == 8:
             distrusted = False
         assert parity.distrusts("e0") is distrusted, step
+
+
+def test_finished_requests_are_counted_in_bulk_and_every_scrape_sees_them_all() -> None:
+    """RouterMetrics keeps a finished request as one tuple and folds them every FOLD_EVERY
+    requests; a scrape in between folds the rest first, so /metrics is never behind."""
+    from router.metrics import FOLD_EVERY, RouterMetrics
+
+    metrics = RouterMetrics()
+
+    def finish(status: int, latency_s: float) -> None:
+        ctx = RouteContext(
+            request_id="r",
+            endpoint="chat",
+            raw_body=b"{}",
+            body={},
+            stream=False,
+            route_request=RouteRequest("r"),
+            started_s=10.0,
+            arm="default",
+            policy_name="round_robin",
+            engine_id="e0",
+            sent_s=10.0002,
+            finished_s=10.0 + latency_s,
+            http_status=status,
+        )
+        metrics.on_finished(ctx)
+
+    def scraped(name: str, **labels: str) -> float:
+        value = metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    for _ in range(FOLD_EVERY + 10):  # one bulk fold and 10 left over
+        finish(200, 0.003)
+    finish(502, 0.5)
+    engine = {"engine": "e0", "policy": "round_robin", "arm": "default"}
+    assert scraped("kvroute_requests_total", **engine, status="200") == FOLD_EVERY + 10
+    assert scraped("kvroute_requests_total", **engine, status="502") == 1
+    assert scraped("kvroute_request_latency_seconds_count", **engine) == FOLD_EVERY + 11
+    assert scraped("kvroute_request_latency_seconds_bucket", **engine, le="0.005") == FOLD_EVERY + 10
+    latency_sum = scraped("kvroute_request_latency_seconds_sum", **engine)
+    assert abs(latency_sum - (0.003 * (FOLD_EVERY + 10) + 0.5)) < 1e-9
+    assert scraped("kvroute_router_seconds_bucket", arm="default", le="0.00025") == FOLD_EVERY + 11
+    finish(200, 0.003)  # after a scrape: counted by the next one
+    assert scraped("kvroute_requests_total", **engine, status="200") == FOLD_EVERY + 11
