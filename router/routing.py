@@ -478,7 +478,9 @@ class Router:
             ctx.fleet = fleet
             await annotator.annotate(ctx)
             # No await from here to reserve: other requests' load is what it is at the choice.
-            fleet.engines = candidates = self.core.filter(request, views, uses_index=uses_index)
+            # (The views' health, drain and models are those of before the await: filtering the
+            # candidates again is filtering every view again.)
+            fleet.engines = candidates = self.core.filter(request, candidates, uses_index=uses_index)
         ctx.fleet = fleet
         fleet.now = now = time.monotonic()
         fleet.costs = self.core.costs
