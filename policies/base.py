@@ -229,13 +229,22 @@ def hit_tokens_by_tier(match: PrefixMatch, block_size: int, prompt_tokens: int) 
     if match is NO_MATCH:  # nothing held (every engine for a policy without the index)
         return 0.0, 0.0, 0.0
     left = float(max_hit_tokens(prompt_tokens))
-    # Unrolled over the three tiers (GPU, CPU, storage): this runs per engine per request.
+    # Unrolled over the three tiers (GPU, CPU, storage), with conditional expressions rather than
+    # min/max calls: this runs per engine per request. Each tier takes its hits up to what is
+    # left (never below 0).
     gpu, cpu, storage = match.blocks_by_tier
-    gpu_tokens = max(0.0, min(float(gpu * block_size), left))
+    gpu_tokens = float(gpu * block_size)
+    gpu_tokens = left if gpu_tokens > left else (gpu_tokens if gpu_tokens > 0.0 else 0.0)
     left -= gpu_tokens
-    cpu_tokens = max(0.0, min(float(cpu * block_size), left))
+    cpu_tokens = float(cpu * block_size)
+    cpu_tokens = left if cpu_tokens > left else (cpu_tokens if cpu_tokens > 0.0 else 0.0)
     left -= cpu_tokens
-    return gpu_tokens, cpu_tokens, max(0.0, min(float(storage * block_size), left))
+    storage_tokens = float(storage * block_size)
+    return (
+        gpu_tokens,
+        cpu_tokens,
+        left if storage_tokens > left else (storage_tokens if storage_tokens > 0.0 else 0.0),
+    )
 
 
 def wait_tokens_of(engine: EngineView, request_prompt_tokens: int) -> float:

@@ -207,20 +207,24 @@ class PredictedParts:
 
     def as_scores(self) -> dict[str, float]:
         """Flat numbers for ``Decision.scores`` (the inverse of ``from_scores``)."""
-        out = {
+        load_s, hit_tokens = self.load_s, self.hit_tokens
+        # One dict display (keys in ``Tier`` order, as ``_LOAD_KEYS``/``_HIT_KEYS`` name them):
+        # this runs per engine per request.
+        return {
             "wait_s": self.wait_s,
             "slot_s": self.slot_s,
             "prefill_s": self.prefill_s,
-            "total_s": self.total_s,
+            "total_s": self.wait_s + self.slot_s + (sum(load_s) + self.prefill_s),
             "in_flight": self.in_flight,
+            "load_gpu_s": load_s[0],
+            "hit_tokens_gpu": hit_tokens[0],
+            "load_cpu_s": load_s[1],
+            "hit_tokens_cpu": hit_tokens[1],
+            "load_storage_s": load_s[2],
+            "hit_tokens_storage": hit_tokens[2],
+            "wait_tokens": self.wait_tokens,
+            "prefill_tokens": self.prefill_tokens,
         }
-        load_s, hit_tokens = self.load_s, self.hit_tokens
-        for tier in TIERS:
-            out[_LOAD_KEYS[tier]] = load_s[tier]
-            out[_HIT_KEYS[tier]] = hit_tokens[tier]
-        out["wait_tokens"] = self.wait_tokens
-        out["prefill_tokens"] = self.prefill_tokens
-        return out
 
     @classmethod
     def from_scores(cls, scores: Mapping[str, float]) -> PredictedParts:
@@ -252,20 +256,22 @@ def predict_parts(
     split into its parts; ``PredictedParts.total_s`` is the sum."""
     gpu, cpu, storage = hit_tokens
     load_time_s = costs.load_time_s
+    # Positional (in field order): a frozen dataclass's keywords cost more, and this runs per
+    # engine per request.
     return PredictedParts(
-        wait_s=costs.prefill_time_s(wait_tokens),
+        costs.prefill_time_s(wait_tokens),  # wait_s
         # Tiers without hits load nothing (load_time_s is 0 for no tokens): skip the call.
-        load_s=(
+        (
             load_time_s(Tier.GPU, gpu) if gpu > 0 else 0.0,
             load_time_s(Tier.CPU, cpu) if cpu > 0 else 0.0,
             load_time_s(Tier.STORAGE, storage) if storage > 0 else 0.0,
-        ),
-        prefill_s=costs.prefill_time_s(prefill_tokens),
-        wait_tokens=wait_tokens,
-        hit_tokens=hit_tokens,
-        prefill_tokens=prefill_tokens,
-        in_flight=in_flight,
-        slot_s=in_flight * costs.slot_s_per_request,
+        ),  # load_s
+        costs.prefill_time_s(prefill_tokens),  # prefill_s
+        wait_tokens,
+        hit_tokens,
+        prefill_tokens,
+        in_flight,
+        in_flight * costs.slot_s_per_request,  # slot_s
     )
 
 

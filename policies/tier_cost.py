@@ -42,7 +42,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import xxhash
@@ -74,6 +74,22 @@ from policies.costs import (
 
 #: Per tier: its name and its load and hit keys in the scores (for the reason text).
 _TIER_KEYS = tuple((t.name, f"load_{t.name.lower()}_s", f"hit_tokens_{t.name.lower()}") for t in TIERS)
+
+
+def _rank_of(item: tuple[tuple[float, int], EngineView]) -> tuple[float, int]:
+    return item[0]
+
+
+def _reason(how: str, engine_id: str, s: Mapping[str, float]) -> str:
+    """The decision's reason line for the chosen engine's scores ``s`` (the runner-up is appended)."""
+    loads = [f"load {name} {s[load_key]:.4f}" for name, load_key, hit_key in _TIER_KEYS if s[hit_key] > 0]
+    slot_s = s["slot_s"]
+    return (
+        f"{how}: {engine_id} TTFT {s['total_s']:.4f} s = wait {s['wait_s']:.4f}"
+        f"{' + slot ' + format(slot_s, '.4f') if slot_s else ''}"
+        f"{' + ' + ' + '.join(loads) if loads else ''} + prefill {s['prefill_s']:.4f}"
+        f" ({s['prefill_tokens']:.0f} tokens) + work {s['work_s']:.4f}"
+    )
 
 
 @register("tier_cost")
@@ -124,12 +140,14 @@ class TierCostPolicy(BasePolicy):
     def _predict(
         self, request: RouteRequest, engine: EngineView, costs: CostEstimates, prompt_tokens: int
     ) -> PredictedParts:
-        match = request.prefix_matches.get(engine.engine_id, NO_MATCH)
-        hits = hit_tokens_by_tier(match, request.block_size, prompt_tokens)
+        engine_id = engine.engine_id
+        hits = hit_tokens_by_tier(
+            request.prefix_matches.get(engine_id, NO_MATCH), request.block_size, prompt_tokens
+        )
         if not engine.index_trusted:
             factor = self.stale_hit_factor
             hits = (hits[0] * factor, hits[1] * factor, hits[2] * factor)
-        est = costs.estimates(engine.engine_id)
+        est = costs.estimates(engine_id)
         parts = predict_parts(
             est,
             hits,
@@ -139,7 +157,8 @@ class TierCostPolicy(BasePolicy):
         )
         if engine.queued_ahead is not None:
             parts = priority_wait_parts(est, parts, engine)
-        return admission_wait_parts(parts, engine, request, prompt_tokens)
+        # Only an engine with extra numbers can price an admission wait (skip the call otherwise).
+        return admission_wait_parts(parts, engine, request, prompt_tokens) if engine.extra else parts
 
     def secondary_s(self, engine: EngineView) -> tuple[float, float]:
         """(decode_s, pressure_s): the documented secondary terms."""
@@ -168,9 +187,14 @@ class TierCostPolicy(BasePolicy):
         decode_s, pressure_s = self.secondary_s(engine)
         return parts.total_s + self.work_weight * parts.service_s + decode_s + pressure_s
 
-    def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
-        all_engines = require_engines(fleet, self.name)
-        costs: CostEstimates = fleet.costs if fleet.costs is not None else self._own_costs
+    def _priced_engines(
+        self, request: RouteRequest, all_engines: Sequence[EngineView], costs: CostEstimates
+    ) -> Sequence[EngineView]:
+        """The engines to price in full: every engine of a fleet of at most ``keep_unmatched`` more
+        than hold something locally, else those with local (GPU or CPU) hits and the
+        ``keep_unmatched`` best of the rest."""
+        if len(all_engines) <= self.keep_unmatched:  # nothing can be left out: no match to read
+            return all_engines
         matches = request.prefix_matches
 
         def local(engine: EngineView) -> bool:
@@ -181,23 +205,30 @@ class TierCostPolicy(BasePolicy):
         # queue and rates: a cheap exact cost ranks them and the few best join the engines with GPU
         # or CPU hits for full pricing (a 1,000-engine fleet builds a handful of dicts).
         engines: list[EngineView] = [e for e in all_engines if local(e)]
-        if len(all_engines) - len(engines) > self.keep_unmatched:
-            engines += heapq.nsmallest(
-                self.keep_unmatched,
-                (e for e in all_engines if not local(e)),
-                key=lambda e: (
-                    round(self._remote_cost_s(request, e, costs), 6),
-                    e.in_flight,
-                    tiebreak(request.request_id, e.engine_id),
-                ),
-            )
-        else:
-            engines = list(all_engines)
+        if len(all_engines) - len(engines) <= self.keep_unmatched:
+            return all_engines
+        return engines + heapq.nsmallest(
+            self.keep_unmatched,
+            (e for e in all_engines if not local(e)),
+            key=lambda e: (
+                round(self._remote_cost_s(request, e, costs), 6),
+                e.in_flight,
+                tiebreak(request.request_id, e.engine_id),
+            ),
+        )
+
+    def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
+        all_engines = require_engines(fleet, self.name)
+        costs: CostEstimates = fleet.costs if fleet.costs is not None else self._own_costs
+        engines = self._priced_engines(request, all_engines, costs)
         scores: dict[str, dict[str, float]] = {}
         parts_by_engine: dict[str, PredictedParts] = {}
         cost_by_engine: dict[str, float] = {}
         prompt_tokens = prompt_tokens_of(request)
         work_weight = self.work_weight
+        # (rank, engine): the rank is (cost to the microsecond, in flight); microsecond rounding
+        # makes equal predictions tie exactly despite float noise.
+        ranked: list[tuple[tuple[float, int], EngineView]] = []
         for engine in engines:
             engine_id = engine.engine_id
             parts = parts_by_engine[engine_id] = self._predict(request, engine, costs, prompt_tokens)
@@ -210,42 +241,32 @@ class TierCostPolicy(BasePolicy):
             score["pressure_s"] = pressure_s
             score["cost_s"] = cost_s
             score["index_trusted"] = 1.0 if engine.index_trusted else 0.0
-        # Microsecond rounding makes equal predictions tie exactly despite float noise. The hash
-        # tiebreak is computed only when two engines tie on (cost, in flight): the same order.
-        ranks = {e.engine_id: (round(cost_by_engine[e.engine_id], 6), e.in_flight) for e in engines}
-        if len(set(ranks.values())) == len(ranks):
-            order = sorted(engines, key=lambda e: ranks[e.engine_id])
+            ranked.append(((round(cost_s, 6), engine.in_flight), engine))
+        # Stable sort by rank; the hash tiebreak is computed only when two engines tie on it.
+        if len({rank for rank, _ in ranked}) == len(ranked):
+            ranked.sort(key=_rank_of)
+            order = [engine for _, engine in ranked]
         else:
             order = sorted(
-                engines, key=lambda e: (*ranks[e.engine_id], tiebreak(request.request_id, e.engine_id))
+                engines,
+                key=lambda e: (
+                    round(cost_by_engine[e.engine_id], 6),
+                    e.in_flight,
+                    tiebreak(request.request_id, e.engine_id),
+                ),
             )
         chosen = order[0]
         how = "lowest predicted cost"
         if self.temperature_s > 0 and len(order) > 1:
             chosen = self._softmax_pick(request, order, cost_by_engine)
             how = f"softmax pick (temperature {self.temperature_s:g} s)"
-        s = scores[chosen.engine_id]
-        load_text = " + ".join(
-            f"load {name} {s[load_key]:.4f}" for name, load_key, hit_key in _TIER_KEYS if s[hit_key] > 0
-        )
-        reason = (
-            f"{how}: {chosen.engine_id} TTFT {s['total_s']:.4f} s = wait {s['wait_s']:.4f}"
-            f"{' + slot ' + format(s['slot_s'], '.4f') if s['slot_s'] else ''}"
-            f"{' + ' + load_text if load_text else ''} + prefill {s['prefill_s']:.4f}"
-            f" ({s['prefill_tokens']:.0f} tokens) + work {s['work_s']:.4f}"
-        )
-        runner_up = next((e for e in order if e.engine_id != chosen.engine_id), None)
-        if runner_up is not None:
-            reason += f"; next {runner_up.engine_id} cost {cost_by_engine[runner_up.engine_id]:.4f} s"
-        fallbacks = tuple(e.engine_id for e in order if e.engine_id != chosen.engine_id)
-        return Decision(
-            chosen.engine_id,
-            self.name,
-            reason=reason,
-            scores=scores,
-            fallbacks=fallbacks,
-            parts=parts_by_engine,
-        )
+        chosen_id = chosen.engine_id
+        fallbacks = tuple([e.engine_id for e in order if e is not chosen])
+        reason = _reason(how, chosen_id, scores[chosen_id])
+        if fallbacks:
+            runner_up = fallbacks[0]
+            reason += f"; next {runner_up} cost {cost_by_engine[runner_up]:.4f} s"
+        return Decision(chosen_id, self.name, reason, scores, fallbacks, parts_by_engine)
 
     def _softmax_pick(
         self, request: RouteRequest, order: list[EngineView], cost_by_engine: Mapping[str, float]
