@@ -208,14 +208,13 @@ class KeyChainCache:
         self.hashed_blocks += len(keys) - reused_blocks
         if replaces is not None:
             entry = self._entries.get(replaces)
-            if (
-                entry is not None
-                and entry.keys is keys
-                and entry.tokens is tokens
-                and file_under
-                and all(self._names.get((scope, anchor)) == replaces for anchor in file_under)
-            ):
-                return  # the very prompt filed again under its own names: nothing changes
+            if entry is not None and entry.keys is keys and entry.tokens is tokens and file_under:
+                names = self._names
+                for anchor in file_under:
+                    if names.get((scope, anchor)) != replaces:
+                        break
+                else:
+                    return  # the very prompt filed again under its own names: nothing changes
             if entry is not None:
                 self._drop(replaces)
         size = _CACHE_ENTRY_BYTES + _CACHE_TOKEN_BYTES * len(tokens) + _CACHE_KEY_BYTES * len(keys)
