@@ -125,21 +125,63 @@ class FleetView:
         return {e.engine_id: e for e in self.engines}
 
 
-@dataclass(slots=True)
 class Decision:
-    """A policy's choice and why."""
+    """A policy's choice and why.
 
-    engine_id: str
-    policy: str
-    #: One human-readable line: why this engine.
-    reason: str = ""
-    #: Per engine id, the numbers the policy compared (e.g. {"gpu_blocks": 12, "predicted_ttft_s": 0.03}).
-    scores: dict[str, dict[str, float]] = field(default_factory=dict)
-    #: Next-best engines in order, for a retry when the chosen engine refuses the connection.
-    fallbacks: tuple[str, ...] = ()
-    #: Per engine id, the ``policies.costs.PredictedParts`` a pricing policy computed (the same
-    #: numbers as its ``scores``, kept as the object so the core need not rebuild it); None: none.
-    parts: Mapping[str, Any] | None = None
+    ``reason`` may be given as a function that writes it: it runs once, when the reason is first
+    read (the explain endpoint, a debug log), not on every request. Such a function must only read
+    what the policy has finished with (its own values, immutable ``parts``), never ``scores``,
+    which a wrapping policy may still change."""
+
+    __slots__ = ("_reason", "engine_id", "fallbacks", "parts", "policy", "scores")
+
+    def __init__(
+        self,
+        engine_id: str,
+        policy: str,
+        reason: str | Callable[[], str] = "",
+        scores: dict[str, dict[str, float]] | None = None,
+        fallbacks: tuple[str, ...] = (),
+        parts: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.engine_id = engine_id
+        self.policy = policy
+        self._reason = reason
+        #: Per engine id, the numbers the policy compared (e.g. {"gpu_blocks": 12, "predicted_ttft_s": 0.03}).
+        self.scores: dict[str, dict[str, float]] = {} if scores is None else scores
+        #: Next-best engines in order, for a retry when the chosen engine refuses the connection.
+        self.fallbacks = fallbacks
+        #: Per engine id, the ``policies.costs.PredictedParts`` a pricing policy computed (the same
+        #: numbers as its ``scores``, kept as the object so the core need not rebuild it); None: none.
+        self.parts = parts
+
+    @property
+    def reason(self) -> str:
+        """One human-readable line: why this engine."""
+        reason = self._reason
+        if not isinstance(reason, str):
+            reason = self._reason = reason()
+        return reason
+
+    @reason.setter
+    def reason(self, value: str) -> None:
+        self._reason = value
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (self.engine_id, self.policy, self.reason, self.scores, self.fallbacks, self.parts)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._fields() == other._fields()  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value (as the dataclass was)
+
+    def __repr__(self) -> str:
+        return (
+            f"Decision(engine_id={self.engine_id!r}, policy={self.policy!r}, reason={self.reason!r}, "
+            f"scores={self.scores!r}, fallbacks={self.fallbacks!r}, parts={self.parts!r})"
+        )
 
 
 class NoEngineAvailable(Exception):

@@ -43,6 +43,7 @@ import heapq
 import math
 import random
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import xxhash
@@ -72,24 +73,36 @@ from policies.costs import (
     priority_wait_parts,
 )
 
-#: Per tier: its name and its load and hit keys in the scores (for the reason text).
-_TIER_KEYS = tuple((t.name, f"load_{t.name.lower()}_s", f"hit_tokens_{t.name.lower()}") for t in TIERS)
+#: Per tier: its index and its name (for the reason text).
+_TIER_NAMES = tuple((int(t), t.name) for t in TIERS)
 
 
 def _rank_of(item: tuple[tuple[float, int], EngineView]) -> tuple[float, int]:
     return item[0]
 
 
-def _reason(how: str, engine_id: str, s: Mapping[str, float]) -> str:
-    """The decision's reason line for the chosen engine's scores ``s`` (the runner-up is appended)."""
-    loads = [f"load {name} {s[load_key]:.4f}" for name, load_key, hit_key in _TIER_KEYS if s[hit_key] > 0]
-    slot_s = s["slot_s"]
-    return (
-        f"{how}: {engine_id} TTFT {s['total_s']:.4f} s = wait {s['wait_s']:.4f}"
+def _reason(
+    how: str,
+    engine_id: str,
+    parts: PredictedParts,
+    work_s: float,
+    runner_up: str | None,
+    runner_up_cost_s: float,
+) -> str:
+    """The decision's reason line: the chosen engine's predicted parts and work, and the runner-up's
+    cost (written when first read: ``Decision.reason``)."""
+    load_s, hit_tokens = parts.load_s, parts.hit_tokens
+    loads = [f"load {name} {load_s[tier]:.4f}" for tier, name in _TIER_NAMES if hit_tokens[tier] > 0]
+    slot_s = parts.slot_s
+    reason = (
+        f"{how}: {engine_id} TTFT {parts.total_s:.4f} s = wait {parts.wait_s:.4f}"
         f"{' + slot ' + format(slot_s, '.4f') if slot_s else ''}"
-        f"{' + ' + ' + '.join(loads) if loads else ''} + prefill {s['prefill_s']:.4f}"
-        f" ({s['prefill_tokens']:.0f} tokens) + work {s['work_s']:.4f}"
+        f"{' + ' + ' + '.join(loads) if loads else ''} + prefill {parts.prefill_s:.4f}"
+        f" ({parts.prefill_tokens:.0f} tokens) + work {work_s:.4f}"
     )
+    if runner_up is not None:
+        reason += f"; next {runner_up} cost {runner_up_cost_s:.4f} s"
+    return reason
 
 
 @register("tier_cost")
@@ -262,10 +275,18 @@ class TierCostPolicy(BasePolicy):
             how = f"softmax pick (temperature {self.temperature_s:g} s)"
         chosen_id = chosen.engine_id
         fallbacks = tuple([e.engine_id for e in order if e is not chosen])
-        reason = _reason(how, chosen_id, scores[chosen_id])
-        if fallbacks:
-            runner_up = fallbacks[0]
-            reason += f"; next {runner_up} cost {cost_by_engine[runner_up]:.4f} s"
+        runner_up = fallbacks[0] if fallbacks else None
+        # The reason is written only if someone reads it (explain, a debug log), from the values
+        # it names as they are now.
+        reason = partial(
+            _reason,
+            how,
+            chosen_id,
+            parts_by_engine[chosen_id],
+            scores[chosen_id]["work_s"],
+            runner_up,
+            cost_by_engine[runner_up] if runner_up is not None else 0.0,
+        )
         return Decision(chosen_id, self.name, reason, scores, fallbacks, parts_by_engine)
 
     def _softmax_pick(
