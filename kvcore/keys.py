@@ -209,9 +209,9 @@ class KeyChainCache:
         if replaces is not None:
             entry = self._entries.get(replaces)
             if entry is not None and entry.keys is keys and entry.tokens is tokens and file_under:
-                names = self._names
+                filed = self._names
                 for anchor in file_under:
-                    if names.get((scope, anchor)) != replaces:
+                    if filed.get((scope, anchor)) != replaces:
                         break
                 else:
                     return  # the very prompt filed again under its own names: nothing changes

@@ -77,7 +77,12 @@ from policies.costs import (
 _TIER_NAMES = tuple((int(t), t.name) for t in TIERS)
 
 
-def _rank_of(item: tuple[tuple[float, int], EngineView]) -> tuple[float, int]:
+#: Two costs further apart than this keep their strict order when rounded to the microsecond
+#: (each moves at most half a microsecond, and float error is far below that).
+_CLEAR_GAP_S = 2e-6
+
+
+def _cost_of(item: tuple[float, EngineView]) -> float:
     return item[0]
 
 
@@ -239,9 +244,7 @@ class TierCostPolicy(BasePolicy):
         cost_by_engine: dict[str, float] = {}
         prompt_tokens = prompt_tokens_of(request)
         work_weight = self.work_weight
-        # (rank, engine): the rank is (cost to the microsecond, in flight); microsecond rounding
-        # makes equal predictions tie exactly despite float noise.
-        ranked: list[tuple[tuple[float, int], EngineView]] = []
+        priced: list[tuple[float, EngineView]] = []
         for engine in engines:
             engine_id = engine.engine_id
             parts = parts_by_engine[engine_id] = self._predict(request, engine, costs, prompt_tokens)
@@ -254,20 +257,20 @@ class TierCostPolicy(BasePolicy):
             score["pressure_s"] = pressure_s
             score["cost_s"] = cost_s
             score["index_trusted"] = 1.0 if engine.index_trusted else 0.0
-            ranked.append(((round(cost_s, 6), engine.in_flight), engine))
-        # Stable sort by rank; the hash tiebreak is computed only when two engines tie on it.
-        if len({rank for rank, _ in ranked}) == len(ranked):
-            ranked.sort(key=_rank_of)
-            order = [engine for _, engine in ranked]
+            priced.append((cost_s, engine))
+        # The order is by (cost to the microsecond, in flight, a hash of request and engine): the
+        # rounding makes equal predictions tie exactly despite float noise. Costs more than
+        # _CLEAR_GAP_S apart keep their strict order when rounded, so when every cost is that far
+        # from the next the order by cost alone is that order, with no rounding or hash computed.
+        priced.sort(key=_cost_of)
+        previous = -math.inf
+        for cost_s, _ in priced:
+            if not cost_s - previous > _CLEAR_GAP_S:  # (also false for a nan)
+                order = self._rounded_order(request, engines, cost_by_engine)
+                break
+            previous = cost_s
         else:
-            order = sorted(
-                engines,
-                key=lambda e: (
-                    round(cost_by_engine[e.engine_id], 6),
-                    e.in_flight,
-                    tiebreak(request.request_id, e.engine_id),
-                ),
-            )
+            order = [engine for _, engine in priced]
         chosen = order[0]
         how = "lowest predicted cost"
         if self.temperature_s > 0 and len(order) > 1:
@@ -288,6 +291,17 @@ class TierCostPolicy(BasePolicy):
             cost_by_engine[runner_up] if runner_up is not None else 0.0,
         )
         return Decision(chosen_id, self.name, reason, scores, fallbacks, parts_by_engine)
+
+    @staticmethod
+    def _rounded_order(
+        request: RouteRequest, engines: Sequence[EngineView], cost_by_engine: Mapping[str, float]
+    ) -> list[EngineView]:
+        """``engines`` by (cost rounded to the microsecond, in flight), stable; the hash tiebreak
+        is computed only when two engines tie on both."""
+        ranks = {e.engine_id: (round(cost_by_engine[e.engine_id], 6), e.in_flight) for e in engines}
+        if len(set(ranks.values())) == len(ranks):
+            return sorted(engines, key=lambda e: ranks[e.engine_id])
+        return sorted(engines, key=lambda e: (*ranks[e.engine_id], tiebreak(request.request_id, e.engine_id)))
 
     def _softmax_pick(
         self, request: RouteRequest, order: list[EngineView], cost_by_engine: Mapping[str, float]
