@@ -126,6 +126,41 @@ class IndexAnnotator:
             return sim_tokenizer.encode_prompt(prompt)
         return None
 
+    async def _keys(
+        self,
+        names: PromptNames | None,
+        file_under: Sequence[int],
+        scope: tuple[int, str | None, str | None],
+        tokens: list[int],
+        block_size: int,
+        lora: str | None,
+        salt: str | None,
+    ) -> list[int]:
+        """Block keys of ``tokens``: the blocks a cached turn of the same conversation already
+        hashed are reused (verified token by token), only the rest are hashed (in a thread when
+        they are many); filed in the key cache."""
+        key_cache = self._key_cache
+        lookup = names.anchors if names is not None else ()
+        reused, extended = key_cache.reusable(lookup, scope, tokens, block_size)
+        start = len(reused)
+        new: list[int] = []
+        if len(tokens) - start * block_size >= block_size:  # a full block is left to hash
+            extra = request_extra_keys(len(tokens) // block_size, lora_name=lora, cache_salt=salt)
+            parent = reused[-1] if reused else self._namespace
+            rest = tokens[start * block_size :] if start else tokens
+            rest_extra = extra[start:] if extra is not None and start else extra
+            if len(rest) > _INLINE_KEY_TOKENS:  # hashing a long prompt would stall every request
+                new = await asyncio.to_thread(
+                    block_keys, rest, block_size, parent=parent, extra_keys=rest_extra
+                )
+            else:
+                new = block_keys(rest, block_size, parent=parent, extra_keys=rest_extra)
+        # A prompt whose blocks are all reused gets the cache's own list back (nobody changes
+        # it): no 1,000-key copy is made.
+        keys = reused + new if reused and new else reused or new
+        key_cache.put(file_under, scope, tokens, keys, reused_blocks=start, replaces=extended)
+        return keys
+
     def key_cache_stats(self) -> dict[str, int]:
         return self._key_cache.stats()
 
@@ -177,37 +212,16 @@ class IndexAnnotator:
         salt = ctx.body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
         lora = self._lora_of(request.model) if self._lora_of is not None else None
-        request.prompt_tokens = n_tokens = len(tokens)
-        lookup, file_under = (names.anchors, names.file_under) if names is not None else ((), ())
+        request.prompt_tokens = len(tokens)
+        file_under = names.file_under if names is not None else ()
         key_cache, index = self._key_cache, self._index
         matches: dict[str, Any] | None = None
         for block_size, engine_ids in by_size.items():
             scope = (block_size, lora, salt)
-            # The blocks a cached turn of the same conversation already hashed are reused
-            # (verified token by token); only the rest are hashed.
-            reused, extended = key_cache.reusable(lookup, scope, tokens, block_size)
-            start = len(reused)
-            if n_tokens - start * block_size < block_size:
-                new: list[int] = []  # no full block left to hash
-            else:
-                extra = (
-                    request_extra_keys(n_tokens // block_size, lora_name=lora, cache_salt=salt)
-                    if lora or salt
-                    else None
-                )
-                parent = reused[-1] if reused else self._namespace
-                rest = tokens[start * block_size :] if start else tokens
-                rest_extra = extra[start:] if extra is not None and start else extra
-                if len(rest) > _INLINE_KEY_TOKENS:  # hashing a long prompt would stall every request
-                    new = await asyncio.to_thread(
-                        block_keys, rest, block_size, parent=parent, extra_keys=rest_extra
-                    )
-                else:
-                    new = block_keys(rest, block_size, parent=parent, extra_keys=rest_extra)
-            # A prompt sent again gets the cache's own list back (nobody changes it): the cache
-            # sees the very entry filed again, and no 1,000-key copy is made.
-            keys = reused + new if reused and new else reused or new
-            key_cache.put(file_under, scope, tokens, keys, reused_blocks=start, replaces=extended)
+            # A prompt sent again (the tokenizer's very list, filed under its names) has its keys.
+            keys = key_cache.refiled(file_under, scope, tokens, block_size)
+            if keys is None:
+                keys = await self._keys(names, file_under, scope, tokens, block_size, lora, salt)
             if matches is None:  # speculation, trace and pricing use the first group's chain
                 request.block_size = block_size
                 request.block_keys = keys
