@@ -128,27 +128,27 @@ class FleetView:
 class Decision:
     """A policy's choice and why.
 
-    ``reason`` may be given as a function that writes it: it runs once, when the reason is first
-    read (the explain endpoint, a debug log), not on every request. Such a function must only read
-    what the policy has finished with (its own values, immutable ``parts``), never ``scores``,
-    which a wrapping policy may still change."""
+    ``reason`` and ``scores`` (the explanation) may each be given as a function that builds them:
+    it runs once, when they are first read (the explain endpoint, a debug log, a wrapping policy),
+    not on every request. Such a function must only read what the policy has finished with (its
+    own values, immutable ``parts``), never objects that change later (an engine's view, or
+    ``scores`` themselves, which a wrapping policy may change in place)."""
 
-    __slots__ = ("_reason", "engine_id", "fallbacks", "parts", "policy", "scores")
+    __slots__ = ("_reason", "_scores", "engine_id", "fallbacks", "parts", "policy")
 
     def __init__(
         self,
         engine_id: str,
         policy: str,
         reason: str | Callable[[], str] = "",
-        scores: dict[str, dict[str, float]] | None = None,
+        scores: dict[str, dict[str, float]] | Callable[[], dict[str, dict[str, float]]] | None = None,
         fallbacks: tuple[str, ...] = (),
         parts: Mapping[str, Any] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.policy = policy
         self._reason = reason
-        #: Per engine id, the numbers the policy compared (e.g. {"gpu_blocks": 12, "predicted_ttft_s": 0.03}).
-        self.scores: dict[str, dict[str, float]] = {} if scores is None else scores
+        self._scores = {} if scores is None else scores
         #: Next-best engines in order, for a retry when the chosen engine refuses the connection.
         self.fallbacks = fallbacks
         #: Per engine id, the ``policies.costs.PredictedParts`` a pricing policy computed (the same
@@ -166,6 +166,18 @@ class Decision:
     @reason.setter
     def reason(self, value: str) -> None:
         self._reason = value
+
+    @property
+    def scores(self) -> dict[str, dict[str, float]]:
+        """Per engine id, the numbers the policy compared (e.g. {"gpu_blocks": 12, "ttft_s": 0.03})."""
+        scores = self._scores
+        if not isinstance(scores, dict):
+            scores = self._scores = scores()
+        return scores
+
+    @scores.setter
+    def scores(self, value: dict[str, dict[str, float]]) -> None:
+        self._scores = value
 
     def _fields(self) -> tuple[Any, ...]:
         return (self.engine_id, self.policy, self.reason, self.scores, self.fallbacks, self.parts)

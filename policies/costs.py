@@ -348,7 +348,8 @@ def predicted_prefill_tokens(request: RouteRequest, decision: Decision, engine_i
     """Prompt tokens the chosen engine is expected to compute: what the in-flight accounting should
     queue as pending prefill (``LoadTracker.begin``) until the first token.
 
-    The decision's own prediction (``scores[chosen]["prefill_tokens"]``, tier_cost) when present;
+    The decision's own prediction (its ``parts[chosen].prefill_tokens``, which its
+    ``scores[chosen]["prefill_tokens"]`` repeat, tier_cost; or that score alone) when present;
     else the prompt minus the chosen engine's prefix match in any tier (capped at prompt - 1: the
     engine recomputes the last token); else the whole prompt. Counting a mostly cached prompt whole
     makes its engine look busy and pushes the conversation's next turn away from its history.
@@ -356,6 +357,9 @@ def predicted_prefill_tokens(request: RouteRequest, decision: Decision, engine_i
     """
     engine_id = decision.engine_id if engine_id is None else engine_id
     prompt_tokens = prompt_tokens_of(request)
+    priced = decision.parts.get(engine_id) if decision.parts is not None else None
+    if priced is not None:  # the parts its scores are made of (read without building the scores)
+        return max(0, min(prompt_tokens, round(priced.prefill_tokens)))
     score = decision.scores.get(engine_id)
     if score is not None and "prefill_tokens" in score:
         return max(0, min(prompt_tokens, round(score["prefill_tokens"])))

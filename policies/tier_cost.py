@@ -110,6 +110,24 @@ def _reason(
     return reason
 
 
+def _scores(
+    parts_by_engine: Mapping[str, PredictedParts],
+    terms: Mapping[str, tuple[float, float, float, float, float]],
+) -> dict[str, dict[str, float]]:
+    """The decision's scores: per engine its parts' scores and the terms tier_cost added."""
+    scores = {}
+    for engine_id, parts in parts_by_engine.items():
+        score = scores[engine_id] = parts.as_scores()
+        (
+            score["work_s"],
+            score["decode_s"],
+            score["pressure_s"],
+            score["cost_s"],
+            score["index_trusted"],
+        ) = terms[engine_id]
+    return scores
+
+
 @register("tier_cost")
 class TierCostPolicy(BasePolicy):
     """Minimum predicted TTFT across engines, pricing each tier's hits by measured load cost."""
@@ -208,11 +226,9 @@ class TierCostPolicy(BasePolicy):
     def _priced_engines(
         self, request: RouteRequest, all_engines: Sequence[EngineView], costs: CostEstimates
     ) -> Sequence[EngineView]:
-        """The engines to price in full: every engine of a fleet of at most ``keep_unmatched`` more
-        than hold something locally, else those with local (GPU or CPU) hits and the
-        ``keep_unmatched`` best of the rest."""
-        if len(all_engines) <= self.keep_unmatched:  # nothing can be left out: no match to read
-            return all_engines
+        """The engines to price in full (of a fleet larger than ``keep_unmatched``): every engine
+        when at most ``keep_unmatched`` hold nothing locally, else those with local (GPU or CPU)
+        hits and the ``keep_unmatched`` best of the rest."""
         matches = request.prefix_matches
 
         def local(engine: EngineView) -> bool:
@@ -238,9 +254,15 @@ class TierCostPolicy(BasePolicy):
     def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
         all_engines = require_engines(fleet, self.name)
         costs: CostEstimates = fleet.costs if fleet.costs is not None else self._own_costs
-        engines = self._priced_engines(request, all_engines, costs)
-        scores: dict[str, dict[str, float]] = {}
+        engines = (
+            all_engines
+            if len(all_engines) <= self.keep_unmatched  # nothing can be left out
+            else self._priced_engines(request, all_engines, costs)
+        )
         parts_by_engine: dict[str, PredictedParts] = {}
+        #: Per engine: (work_s, decode_s, pressure_s, cost_s, index_trusted), the terms the scores
+        #: add to its parts (the scores are built from them only if someone reads them).
+        terms: dict[str, tuple[float, float, float, float, float]] = {}
         cost_by_engine: dict[str, float] = {}
         prompt_tokens = prompt_tokens_of(request)
         work_weight = self.work_weight
@@ -249,14 +271,9 @@ class TierCostPolicy(BasePolicy):
             engine_id = engine.engine_id
             parts = parts_by_engine[engine_id] = self._predict(request, engine, costs, prompt_tokens)
             decode_s, pressure_s = self.secondary_s(engine)
-            score = scores[engine_id] = parts.as_scores()
             work_s = work_weight * parts.service_s
-            cost_s = cost_by_engine[engine_id] = score["total_s"] + work_s + decode_s + pressure_s
-            score["work_s"] = work_s
-            score["decode_s"] = decode_s
-            score["pressure_s"] = pressure_s
-            score["cost_s"] = cost_s
-            score["index_trusted"] = 1.0 if engine.index_trusted else 0.0
+            cost_s = cost_by_engine[engine_id] = parts.total_s + work_s + decode_s + pressure_s
+            terms[engine_id] = (work_s, decode_s, pressure_s, cost_s, 1.0 if engine.index_trusted else 0.0)
             priced.append((cost_s, engine))
         # The order is by (cost to the microsecond, in flight, a hash of request and engine): the
         # rounding makes equal predictions tie exactly despite float noise. Costs more than
@@ -279,17 +296,18 @@ class TierCostPolicy(BasePolicy):
         chosen_id = chosen.engine_id
         fallbacks = tuple([e.engine_id for e in order if e is not chosen])
         runner_up = fallbacks[0] if fallbacks else None
-        # The reason is written only if someone reads it (explain, a debug log), from the values
-        # it names as they are now.
+        # The explanation (reason line and scores) is built only if someone reads it (explain, a
+        # debug log, horizon_cost), from the values priced here.
         reason = partial(
             _reason,
             how,
             chosen_id,
             parts_by_engine[chosen_id],
-            scores[chosen_id]["work_s"],
+            terms[chosen_id][0],
             runner_up,
             cost_by_engine[runner_up] if runner_up is not None else 0.0,
         )
+        scores = partial(_scores, parts_by_engine, terms)
         return Decision(chosen_id, self.name, reason, scores, fallbacks, parts_by_engine)
 
     @staticmethod

@@ -200,6 +200,20 @@ def test_reason_is_written_when_read_from_the_choice_as_made() -> None:
     assert decision.reason is decision.reason  # written once
 
 
+def test_scores_read_later_are_the_choice_as_made() -> None:
+    """Catches scores built (when first read) from engine views the router has refreshed since the
+    choice: they hold the load, trust and pool pressure the policy compared."""
+    policy = build_policy("tier_cost")
+    views = [EngineView("a", in_flight=2, kv_cache_usage=0.95), EngineView("b", index_trusted=False)]
+    req = request({"a": gpu(PROMPT_BLOCKS // 2), "b": gpu(PROMPT_BLOCKS // 2)})
+    now = policy.choose(req, FleetView(views)).scores
+    later = policy.choose(req, FleetView(views))
+    for view in views:  # the next request's refresh, in place
+        view.in_flight, view.kv_cache_usage, view.index_trusted = 9, 0.2, not view.index_trusted
+    assert later.scores == now
+    assert now["a"]["pressure_s"] > 0 and now["a"]["decode_s"] == 0.001 and now["b"]["index_trusted"] == 0.0
+
+
 def test_softmax_is_seeded_and_prefers_cheaper() -> None:
     policy = build_policy("tier_cost", {"temperature_s": 0.05, "seed": 7})
     hit = PROMPT_BLOCKS - 4
