@@ -33,6 +33,8 @@ DEFAULT_LOAD_BANDWIDTH_BYTES_PER_S: tuple[float, float, float] = (math.inf, 64e9
 DEFAULT_LOAD_LATENCY_S: tuple[float, float, float] = (0.0, 0.0005, 0.002)
 
 _TIER_NAMES = {t.name.lower(): t for t in TIERS}
+#: The tiers as module constants (an enum member read through its class costs a lookup each time).
+_GPU, _CPU, _STORAGE = TIERS
 #: ``PredictedParts.as_scores`` keys per tier (enum names are slow to read per request).
 _LOAD_KEYS = tuple(f"load_{t.name.lower()}_s" for t in TIERS)
 _HIT_KEYS = tuple(f"hit_tokens_{t.name.lower()}" for t in TIERS)
@@ -264,9 +266,9 @@ def predict_parts(
         costs.prefill_time_s(wait_tokens),  # wait_s
         # Tiers without hits load nothing (load_time_s is 0 for no tokens): skip the call.
         (
-            load_time_s(Tier.GPU, gpu) if gpu > 0 else 0.0,
-            load_time_s(Tier.CPU, cpu) if cpu > 0 else 0.0,
-            load_time_s(Tier.STORAGE, storage) if storage > 0 else 0.0,
+            load_time_s(_GPU, gpu) if gpu > 0 else 0.0,
+            load_time_s(_CPU, cpu) if cpu > 0 else 0.0,
+            load_time_s(_STORAGE, storage) if storage > 0 else 0.0,
         ),  # load_s
         costs.prefill_time_s(prefill_tokens),  # prefill_s
         wait_tokens,

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 import random
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -82,8 +83,8 @@ _TIER_NAMES = tuple((int(t), t.name) for t in TIERS)
 _CLEAR_GAP_S = 2e-6
 
 
-def _cost_of(item: tuple[float, EngineView]) -> float:
-    return item[0]
+#: The cost of a (cost, engine) pair.
+_cost_of = operator.itemgetter(0)
 
 
 def _reason(

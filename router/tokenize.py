@@ -10,9 +10,8 @@ import asyncio
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 import xxhash
@@ -55,13 +54,17 @@ CUT_BYTES = 3 * 1024
 def content_cuts(parent: int, message: Mapping[str, Any]) -> tuple[list[int], bytes]:
     """(chained hashes of ``message``'s role and its content cut every ``CUT_BYTES`` bytes: ``out[k]``
     names the messages hashed into ``parent`` plus the role and the first ``(k + 1) * CUT_BYTES``
-    bytes of the content; full cuts only, the content's UTF-8 bytes)."""
+    bytes of the content; full cuts only, the content's UTF-8 bytes, or b"" for a message too short
+    to cut, whose bytes nothing reads)."""
     cuts: list[int] = []
     if type(message) is not dict and not isinstance(message, Mapping):  # (the ABC check is slow)
         return cuts, b""
-    data = sim_tokenizer.message_text(message.get("content")).encode("utf-8")
+    text = sim_tokenizer.message_text(message.get("content"))
+    if len(text) < 2 * CUT_BYTES and text.isascii():  # short: one byte per character, no encoding
+        return cuts, b""
+    data = text.encode("utf-8")
     if len(data) < 2 * CUT_BYTES:  # a short message: the message-prefix hash is enough
-        return cuts, data
+        return cuts, b""
     h = _xxh3(str(message.get("role")).encode(), parent)
     view = memoryview(data)  # the cuts are hashed in place, not copied out
     for start in range(0, len(data) - CUT_BYTES + 1, CUT_BYTES):
@@ -70,11 +73,10 @@ def content_cuts(parent: int, message: Mapping[str, Any]) -> tuple[list[int], by
     return cuts, data
 
 
-@dataclass(frozen=True, slots=True)
-class PromptNames:
+class PromptNames(NamedTuple):
     """What names a chat prompt in the conversation caches (the tokenizer's and the block keys'),
     computed once per request: every message prefix's hash, the last message's content cuts and
-    its UTF-8 content."""
+    its UTF-8 content (when it has cuts). A named tuple: built once per request, cheaply."""
 
     prefixes: list[int]
     cuts: list[int]
