@@ -33,6 +33,8 @@ DES's calibrated ``kvcore.calibration.CostModel``) or from this policy's own fix
 Engines with no GPU or CPU hit (at most the shared storage pool's copy) differ only by queue and
 rates: they get the same cost formula in a cheap loop, and only the ``keep_unmatched`` best of them
 get full scores and explanation dicts (O(engines with local hits + a few) dicts per request).
+The explanation (the reason line and the score dicts) is built only when something reads it
+(``Decision`` takes functions for both), from the parts and terms fixed at the choice.
 Ties go to fewer in-flight requests, then to a hash of (request_id, engine_id). With
 ``temperature_s > 0`` the choice is a softmax over -cost_s / temperature_s, seeded per request.
 """
