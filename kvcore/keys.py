@@ -191,6 +191,32 @@ class KeyChainCache:
         self.misses += 1
         return [], None
 
+    def refiled(
+        self, file_under: Sequence[int], scope: Hashable, tokens: Sequence[int], block_size: int
+    ) -> list[int] | None:
+        """The keys of ``tokens`` when they are the very list (the same object) filed under every
+        name of ``file_under`` with keys for all its full blocks: a prompt sent again, whose
+        tokenizer handed back its cached list. Counted as ``reusable`` (looking ``file_under[0]``
+        up first, as it does the whole prompt's name) and ``put`` count that prompt; None, with
+        nothing counted, otherwise."""
+        if not file_under:
+            return None
+        filed = self._names
+        entry_id = filed.get((scope, file_under[0]))
+        if entry_id is None:
+            return None
+        entry = self._entries[entry_id]
+        keys = entry.keys
+        if entry.tokens is not tokens or not keys or len(keys) != len(tokens) // block_size:
+            return None
+        for anchor in file_under[1:]:
+            if filed.get((scope, anchor)) != entry_id:
+                return None
+        self._entries.move_to_end(entry_id)
+        self.hits += 1
+        self.reused_blocks += len(keys)
+        return keys
+
     def put(
         self,
         file_under: Sequence[int],
@@ -208,14 +234,13 @@ class KeyChainCache:
         self.hashed_blocks += len(keys) - reused_blocks
         if replaces is not None:
             entry = self._entries.get(replaces)
-            if (
-                entry is not None
-                and entry.keys is keys
-                and entry.tokens is tokens
-                and file_under
-                and all(self._names.get((scope, anchor)) == replaces for anchor in file_under)
-            ):
-                return  # the very prompt filed again under its own names: nothing changes
+            if entry is not None and entry.keys is keys and entry.tokens is tokens and file_under:
+                filed = self._names
+                for anchor in file_under:
+                    if filed.get((scope, anchor)) != replaces:
+                        break
+                else:
+                    return  # the very prompt filed again under its own names: nothing changes
             if entry is not None:
                 self._drop(replaces)
         size = _CACHE_ENTRY_BYTES + _CACHE_TOKEN_BYTES * len(tokens) + _CACHE_KEY_BYTES * len(keys)

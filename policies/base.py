@@ -125,21 +125,75 @@ class FleetView:
         return {e.engine_id: e for e in self.engines}
 
 
-@dataclass(slots=True)
 class Decision:
-    """A policy's choice and why."""
+    """A policy's choice and why.
 
-    engine_id: str
-    policy: str
-    #: One human-readable line: why this engine.
-    reason: str = ""
-    #: Per engine id, the numbers the policy compared (e.g. {"gpu_blocks": 12, "predicted_ttft_s": 0.03}).
-    scores: dict[str, dict[str, float]] = field(default_factory=dict)
-    #: Next-best engines in order, for a retry when the chosen engine refuses the connection.
-    fallbacks: tuple[str, ...] = ()
-    #: Per engine id, the ``policies.costs.PredictedParts`` a pricing policy computed (the same
-    #: numbers as its ``scores``, kept as the object so the core need not rebuild it); None: none.
-    parts: Mapping[str, Any] | None = None
+    ``reason`` and ``scores`` (the explanation) may each be given as a function that builds them:
+    it runs once, when they are first read (the explain endpoint, a debug log, a wrapping policy),
+    not on every request. Such a function must only read what the policy has finished with (its
+    own values, immutable ``parts``), never objects that change later (an engine's view, or
+    ``scores`` themselves, which a wrapping policy may change in place)."""
+
+    __slots__ = ("_reason", "_scores", "engine_id", "fallbacks", "parts", "policy")
+
+    def __init__(
+        self,
+        engine_id: str,
+        policy: str,
+        reason: str | Callable[[], str] = "",
+        scores: dict[str, dict[str, float]] | Callable[[], dict[str, dict[str, float]]] | None = None,
+        fallbacks: tuple[str, ...] = (),
+        parts: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.engine_id = engine_id
+        self.policy = policy
+        self._reason = reason
+        self._scores = {} if scores is None else scores
+        #: Next-best engines in order, for a retry when the chosen engine refuses the connection.
+        self.fallbacks = fallbacks
+        #: Per engine id, the ``policies.costs.PredictedParts`` a pricing policy computed (the same
+        #: numbers as its ``scores``, kept as the object so the core need not rebuild it); None: none.
+        self.parts = parts
+
+    @property
+    def reason(self) -> str:
+        """One human-readable line: why this engine."""
+        reason = self._reason
+        if not isinstance(reason, str):
+            reason = self._reason = reason()
+        return reason
+
+    @reason.setter
+    def reason(self, value: str) -> None:
+        self._reason = value
+
+    @property
+    def scores(self) -> dict[str, dict[str, float]]:
+        """Per engine id, the numbers the policy compared (e.g. {"gpu_blocks": 12, "ttft_s": 0.03})."""
+        scores = self._scores
+        if not isinstance(scores, dict):
+            scores = self._scores = scores()
+        return scores
+
+    @scores.setter
+    def scores(self, value: dict[str, dict[str, float]]) -> None:
+        self._scores = value
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (self.engine_id, self.policy, self.reason, self.scores, self.fallbacks, self.parts)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._fields() == other._fields()  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value (as the dataclass was)
+
+    def __repr__(self) -> str:
+        return (
+            f"Decision(engine_id={self.engine_id!r}, policy={self.policy!r}, reason={self.reason!r}, "
+            f"scores={self.scores!r}, fallbacks={self.fallbacks!r}, parts={self.parts!r})"
+        )
 
 
 class NoEngineAvailable(Exception):
@@ -229,13 +283,22 @@ def hit_tokens_by_tier(match: PrefixMatch, block_size: int, prompt_tokens: int) 
     if match is NO_MATCH:  # nothing held (every engine for a policy without the index)
         return 0.0, 0.0, 0.0
     left = float(max_hit_tokens(prompt_tokens))
-    # Unrolled over the three tiers (GPU, CPU, storage): this runs per engine per request.
+    # Unrolled over the three tiers (GPU, CPU, storage), with conditional expressions rather than
+    # min/max calls: this runs per engine per request. Each tier takes its hits up to what is
+    # left (never below 0).
     gpu, cpu, storage = match.blocks_by_tier
-    gpu_tokens = max(0.0, min(float(gpu * block_size), left))
+    gpu_tokens = float(gpu * block_size)
+    gpu_tokens = left if gpu_tokens > left else (gpu_tokens if gpu_tokens > 0.0 else 0.0)
     left -= gpu_tokens
-    cpu_tokens = max(0.0, min(float(cpu * block_size), left))
+    cpu_tokens = float(cpu * block_size)
+    cpu_tokens = left if cpu_tokens > left else (cpu_tokens if cpu_tokens > 0.0 else 0.0)
     left -= cpu_tokens
-    return gpu_tokens, cpu_tokens, max(0.0, min(float(storage * block_size), left))
+    storage_tokens = float(storage * block_size)
+    return (
+        gpu_tokens,
+        cpu_tokens,
+        left if storage_tokens > left else (storage_tokens if storage_tokens > 0.0 else 0.0),
+    )
 
 
 def wait_tokens_of(engine: EngineView, request_prompt_tokens: int) -> float:

@@ -8,11 +8,10 @@ through ``CostEstimates``. Pure code.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from policies.base import (
     NO_MATCH,
@@ -34,6 +33,8 @@ DEFAULT_LOAD_BANDWIDTH_BYTES_PER_S: tuple[float, float, float] = (math.inf, 64e9
 DEFAULT_LOAD_LATENCY_S: tuple[float, float, float] = (0.0, 0.0005, 0.002)
 
 _TIER_NAMES = {t.name.lower(): t for t in TIERS}
+#: The tiers as module constants (an enum member read through its class costs a lookup each time).
+_GPU, _CPU, _STORAGE = TIERS
 #: ``PredictedParts.as_scores`` keys per tier (enum names are slow to read per request).
 _LOAD_KEYS = tuple(f"load_{t.name.lower()}_s" for t in TIERS)
 _HIT_KEYS = tuple(f"hit_tokens_{t.name.lower()}" for t in TIERS)
@@ -172,13 +173,16 @@ class PriorCosts:
         return self._engine_priors.get(engine_id, self.fleet_prior)
 
 
-@dataclass(frozen=True, slots=True)
-class PredictedParts:
+class PredictedParts(NamedTuple):
     """What ``tier_cost`` predicted for one request on one engine, in seconds and tokens.
 
     ``total_s`` (the predicted TTFT) = wait_s + slot_s + sum(load_s) + prefill_s. The token and
     request counts let the cost model re-price the same request with newer estimates when the
     observation comes back.
+
+    Immutable; a named tuple rather than a frozen dataclass because one is built per engine per
+    request and a frozen dataclass takes about three times as long to build (each field set
+    through ``object.__setattr__``). ``_replace`` gives a changed copy.
     """
 
     wait_s: float = 0.0
@@ -207,20 +211,24 @@ class PredictedParts:
 
     def as_scores(self) -> dict[str, float]:
         """Flat numbers for ``Decision.scores`` (the inverse of ``from_scores``)."""
-        out = {
+        load_s, hit_tokens = self.load_s, self.hit_tokens
+        # One dict display (keys in ``Tier`` order, as ``_LOAD_KEYS``/``_HIT_KEYS`` name them):
+        # this runs per engine per request.
+        return {
             "wait_s": self.wait_s,
             "slot_s": self.slot_s,
             "prefill_s": self.prefill_s,
-            "total_s": self.total_s,
+            "total_s": self.wait_s + self.slot_s + (sum(load_s) + self.prefill_s),
             "in_flight": self.in_flight,
+            "load_gpu_s": load_s[0],
+            "hit_tokens_gpu": hit_tokens[0],
+            "load_cpu_s": load_s[1],
+            "hit_tokens_cpu": hit_tokens[1],
+            "load_storage_s": load_s[2],
+            "hit_tokens_storage": hit_tokens[2],
+            "wait_tokens": self.wait_tokens,
+            "prefill_tokens": self.prefill_tokens,
         }
-        load_s, hit_tokens = self.load_s, self.hit_tokens
-        for tier in TIERS:
-            out[_LOAD_KEYS[tier]] = load_s[tier]
-            out[_HIT_KEYS[tier]] = hit_tokens[tier]
-        out["wait_tokens"] = self.wait_tokens
-        out["prefill_tokens"] = self.prefill_tokens
-        return out
 
     @classmethod
     def from_scores(cls, scores: Mapping[str, float]) -> PredictedParts:
@@ -252,20 +260,22 @@ def predict_parts(
     split into its parts; ``PredictedParts.total_s`` is the sum."""
     gpu, cpu, storage = hit_tokens
     load_time_s = costs.load_time_s
+    # Positional (in field order): a frozen dataclass's keywords cost more, and this runs per
+    # engine per request.
     return PredictedParts(
-        wait_s=costs.prefill_time_s(wait_tokens),
+        costs.prefill_time_s(wait_tokens),  # wait_s
         # Tiers without hits load nothing (load_time_s is 0 for no tokens): skip the call.
-        load_s=(
-            load_time_s(Tier.GPU, gpu) if gpu > 0 else 0.0,
-            load_time_s(Tier.CPU, cpu) if cpu > 0 else 0.0,
-            load_time_s(Tier.STORAGE, storage) if storage > 0 else 0.0,
-        ),
-        prefill_s=costs.prefill_time_s(prefill_tokens),
-        wait_tokens=wait_tokens,
-        hit_tokens=hit_tokens,
-        prefill_tokens=prefill_tokens,
-        in_flight=in_flight,
-        slot_s=in_flight * costs.slot_s_per_request,
+        (
+            load_time_s(_GPU, gpu) if gpu > 0 else 0.0,
+            load_time_s(_CPU, cpu) if cpu > 0 else 0.0,
+            load_time_s(_STORAGE, storage) if storage > 0 else 0.0,
+        ),  # load_s
+        costs.prefill_time_s(prefill_tokens),  # prefill_s
+        wait_tokens,
+        hit_tokens,
+        prefill_tokens,
+        in_flight,
+        in_flight * costs.slot_s_per_request,  # slot_s
     )
 
 
@@ -333,14 +343,15 @@ def admission_wait_parts(
     below = engine.extra.get(ADMISSION_RECOMPUTE_BELOW_KEY)
     if below is not None and not best_cached_fraction(request, prompt_tokens) < below:
         return parts
-    return dataclasses.replace(parts, slot_s=max(0.0, float(wait_s(prompt_tokens, parts))))
+    return parts._replace(slot_s=max(0.0, float(wait_s(prompt_tokens, parts))))
 
 
 def predicted_prefill_tokens(request: RouteRequest, decision: Decision, engine_id: str | None = None) -> int:
     """Prompt tokens the chosen engine is expected to compute: what the in-flight accounting should
     queue as pending prefill (``LoadTracker.begin``) until the first token.
 
-    The decision's own prediction (``scores[chosen]["prefill_tokens"]``, tier_cost) when present;
+    The decision's own prediction (its ``parts[chosen].prefill_tokens``, which its
+    ``scores[chosen]["prefill_tokens"]`` repeat, tier_cost; or that score alone) when present;
     else the prompt minus the chosen engine's prefix match in any tier (capped at prompt - 1: the
     engine recomputes the last token); else the whole prompt. Counting a mostly cached prompt whole
     makes its engine look busy and pushes the conversation's next turn away from its history.
@@ -348,6 +359,9 @@ def predicted_prefill_tokens(request: RouteRequest, decision: Decision, engine_i
     """
     engine_id = decision.engine_id if engine_id is None else engine_id
     prompt_tokens = prompt_tokens_of(request)
+    priced = decision.parts.get(engine_id) if decision.parts is not None else None
+    if priced is not None:  # the parts its scores are made of (read without building the scores)
+        return max(0, min(prompt_tokens, round(priced.prefill_tokens)))
     score = decision.scores.get(engine_id)
     if score is not None and "prefill_tokens" in score:
         return max(0, min(prompt_tokens, round(score["prefill_tokens"])))

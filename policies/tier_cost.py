@@ -33,6 +33,8 @@ DES's calibrated ``kvcore.calibration.CostModel``) or from this policy's own fix
 Engines with no GPU or CPU hit (at most the shared storage pool's copy) differ only by queue and
 rates: they get the same cost formula in a cheap loop, and only the ``keep_unmatched`` best of them
 get full scores and explanation dicts (O(engines with local hits + a few) dicts per request).
+The explanation (the reason line and the score dicts) is built only when something reads it
+(``Decision`` takes functions for both), from the parts and terms fixed at the choice.
 Ties go to fewer in-flight requests, then to a hash of (request_id, engine_id). With
 ``temperature_s > 0`` the choice is a softmax over -cost_s / temperature_s, seeded per request.
 """
@@ -41,8 +43,10 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import xxhash
@@ -72,8 +76,59 @@ from policies.costs import (
     priority_wait_parts,
 )
 
-#: Per tier: its name and its load and hit keys in the scores (for the reason text).
-_TIER_KEYS = tuple((t.name, f"load_{t.name.lower()}_s", f"hit_tokens_{t.name.lower()}") for t in TIERS)
+#: Per tier: its index and its name (for the reason text).
+_TIER_NAMES = tuple((int(t), t.name) for t in TIERS)
+
+
+#: Two costs further apart than this keep their strict order when rounded to the microsecond
+#: (each moves at most half a microsecond, and float error is far below that).
+_CLEAR_GAP_S = 2e-6
+
+
+#: The cost of a (cost, engine) pair.
+_cost_of = operator.itemgetter(0)
+
+
+def _reason(
+    how: str,
+    engine_id: str,
+    parts: PredictedParts,
+    work_s: float,
+    runner_up: str | None,
+    runner_up_cost_s: float,
+) -> str:
+    """The decision's reason line: the chosen engine's predicted parts and work, and the runner-up's
+    cost (written when first read: ``Decision.reason``)."""
+    load_s, hit_tokens = parts.load_s, parts.hit_tokens
+    loads = [f"load {name} {load_s[tier]:.4f}" for tier, name in _TIER_NAMES if hit_tokens[tier] > 0]
+    slot_s = parts.slot_s
+    reason = (
+        f"{how}: {engine_id} TTFT {parts.total_s:.4f} s = wait {parts.wait_s:.4f}"
+        f"{' + slot ' + format(slot_s, '.4f') if slot_s else ''}"
+        f"{' + ' + ' + '.join(loads) if loads else ''} + prefill {parts.prefill_s:.4f}"
+        f" ({parts.prefill_tokens:.0f} tokens) + work {work_s:.4f}"
+    )
+    if runner_up is not None:
+        reason += f"; next {runner_up} cost {runner_up_cost_s:.4f} s"
+    return reason
+
+
+def _scores(
+    parts_by_engine: Mapping[str, PredictedParts],
+    terms: Mapping[str, tuple[float, float, float, float, float]],
+) -> dict[str, dict[str, float]]:
+    """The decision's scores: per engine its parts' scores and the terms tier_cost added."""
+    scores = {}
+    for engine_id, parts in parts_by_engine.items():
+        score = scores[engine_id] = parts.as_scores()
+        (
+            score["work_s"],
+            score["decode_s"],
+            score["pressure_s"],
+            score["cost_s"],
+            score["index_trusted"],
+        ) = terms[engine_id]
+    return scores
 
 
 @register("tier_cost")
@@ -124,12 +179,14 @@ class TierCostPolicy(BasePolicy):
     def _predict(
         self, request: RouteRequest, engine: EngineView, costs: CostEstimates, prompt_tokens: int
     ) -> PredictedParts:
-        match = request.prefix_matches.get(engine.engine_id, NO_MATCH)
-        hits = hit_tokens_by_tier(match, request.block_size, prompt_tokens)
+        engine_id = engine.engine_id
+        hits = hit_tokens_by_tier(
+            request.prefix_matches.get(engine_id, NO_MATCH), request.block_size, prompt_tokens
+        )
         if not engine.index_trusted:
             factor = self.stale_hit_factor
             hits = (hits[0] * factor, hits[1] * factor, hits[2] * factor)
-        est = costs.estimates(engine.engine_id)
+        est = costs.estimates(engine_id)
         parts = predict_parts(
             est,
             hits,
@@ -139,7 +196,8 @@ class TierCostPolicy(BasePolicy):
         )
         if engine.queued_ahead is not None:
             parts = priority_wait_parts(est, parts, engine)
-        return admission_wait_parts(parts, engine, request, prompt_tokens)
+        # Only an engine with extra numbers can price an admission wait (skip the call otherwise).
+        return admission_wait_parts(parts, engine, request, prompt_tokens) if engine.extra else parts
 
     def secondary_s(self, engine: EngineView) -> tuple[float, float]:
         """(decode_s, pressure_s): the documented secondary terms."""
@@ -168,9 +226,12 @@ class TierCostPolicy(BasePolicy):
         decode_s, pressure_s = self.secondary_s(engine)
         return parts.total_s + self.work_weight * parts.service_s + decode_s + pressure_s
 
-    def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
-        all_engines = require_engines(fleet, self.name)
-        costs: CostEstimates = fleet.costs if fleet.costs is not None else self._own_costs
+    def _priced_engines(
+        self, request: RouteRequest, all_engines: Sequence[EngineView], costs: CostEstimates
+    ) -> Sequence[EngineView]:
+        """The engines to price in full (of a fleet larger than ``keep_unmatched``): every engine
+        when at most ``keep_unmatched`` hold nothing locally, else those with local (GPU or CPU)
+        hits and the ``keep_unmatched`` best of the rest."""
         matches = request.prefix_matches
 
         def local(engine: EngineView) -> bool:
@@ -181,71 +242,87 @@ class TierCostPolicy(BasePolicy):
         # queue and rates: a cheap exact cost ranks them and the few best join the engines with GPU
         # or CPU hits for full pricing (a 1,000-engine fleet builds a handful of dicts).
         engines: list[EngineView] = [e for e in all_engines if local(e)]
-        if len(all_engines) - len(engines) > self.keep_unmatched:
-            engines += heapq.nsmallest(
-                self.keep_unmatched,
-                (e for e in all_engines if not local(e)),
-                key=lambda e: (
-                    round(self._remote_cost_s(request, e, costs), 6),
-                    e.in_flight,
-                    tiebreak(request.request_id, e.engine_id),
-                ),
-            )
-        else:
-            engines = list(all_engines)
-        scores: dict[str, dict[str, float]] = {}
+        if len(all_engines) - len(engines) <= self.keep_unmatched:
+            return all_engines
+        return engines + heapq.nsmallest(
+            self.keep_unmatched,
+            (e for e in all_engines if not local(e)),
+            key=lambda e: (
+                round(self._remote_cost_s(request, e, costs), 6),
+                e.in_flight,
+                tiebreak(request.request_id, e.engine_id),
+            ),
+        )
+
+    def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
+        all_engines = require_engines(fleet, self.name)
+        costs: CostEstimates = fleet.costs if fleet.costs is not None else self._own_costs
+        engines = (
+            all_engines
+            if len(all_engines) <= self.keep_unmatched  # nothing can be left out
+            else self._priced_engines(request, all_engines, costs)
+        )
         parts_by_engine: dict[str, PredictedParts] = {}
+        #: Per engine: (work_s, decode_s, pressure_s, cost_s, index_trusted), the terms the scores
+        #: add to its parts (the scores are built from them only if someone reads them).
+        terms: dict[str, tuple[float, float, float, float, float]] = {}
         cost_by_engine: dict[str, float] = {}
         prompt_tokens = prompt_tokens_of(request)
         work_weight = self.work_weight
+        priced: list[tuple[float, EngineView]] = []
         for engine in engines:
             engine_id = engine.engine_id
             parts = parts_by_engine[engine_id] = self._predict(request, engine, costs, prompt_tokens)
             decode_s, pressure_s = self.secondary_s(engine)
-            score = scores[engine_id] = parts.as_scores()
             work_s = work_weight * parts.service_s
-            cost_s = cost_by_engine[engine_id] = score["total_s"] + work_s + decode_s + pressure_s
-            score["work_s"] = work_s
-            score["decode_s"] = decode_s
-            score["pressure_s"] = pressure_s
-            score["cost_s"] = cost_s
-            score["index_trusted"] = 1.0 if engine.index_trusted else 0.0
-        # Microsecond rounding makes equal predictions tie exactly despite float noise. The hash
-        # tiebreak is computed only when two engines tie on (cost, in flight): the same order.
-        ranks = {e.engine_id: (round(cost_by_engine[e.engine_id], 6), e.in_flight) for e in engines}
-        if len(set(ranks.values())) == len(ranks):
-            order = sorted(engines, key=lambda e: ranks[e.engine_id])
+            cost_s = cost_by_engine[engine_id] = parts.total_s + work_s + decode_s + pressure_s
+            terms[engine_id] = (work_s, decode_s, pressure_s, cost_s, 1.0 if engine.index_trusted else 0.0)
+            priced.append((cost_s, engine))
+        # The order is by (cost to the microsecond, in flight, a hash of request and engine): the
+        # rounding makes equal predictions tie exactly despite float noise. Costs more than
+        # _CLEAR_GAP_S apart keep their strict order when rounded, so when every cost is that far
+        # from the next the order by cost alone is that order, with no rounding or hash computed.
+        priced.sort(key=_cost_of)
+        previous = -math.inf
+        for cost_s, _ in priced:
+            if not cost_s - previous > _CLEAR_GAP_S:  # (also false for a nan)
+                order = self._rounded_order(request, engines, cost_by_engine)
+                break
+            previous = cost_s
         else:
-            order = sorted(
-                engines, key=lambda e: (*ranks[e.engine_id], tiebreak(request.request_id, e.engine_id))
-            )
+            order = [engine for _, engine in priced]
         chosen = order[0]
         how = "lowest predicted cost"
         if self.temperature_s > 0 and len(order) > 1:
             chosen = self._softmax_pick(request, order, cost_by_engine)
             how = f"softmax pick (temperature {self.temperature_s:g} s)"
-        s = scores[chosen.engine_id]
-        load_text = " + ".join(
-            f"load {name} {s[load_key]:.4f}" for name, load_key, hit_key in _TIER_KEYS if s[hit_key] > 0
+        chosen_id = chosen.engine_id
+        fallbacks = tuple([e.engine_id for e in order if e is not chosen])
+        runner_up = fallbacks[0] if fallbacks else None
+        # The explanation (reason line and scores) is built only if someone reads it (explain, a
+        # debug log, horizon_cost), from the values priced here.
+        reason = partial(
+            _reason,
+            how,
+            chosen_id,
+            parts_by_engine[chosen_id],
+            terms[chosen_id][0],
+            runner_up,
+            cost_by_engine[runner_up] if runner_up is not None else 0.0,
         )
-        reason = (
-            f"{how}: {chosen.engine_id} TTFT {s['total_s']:.4f} s = wait {s['wait_s']:.4f}"
-            f"{' + slot ' + format(s['slot_s'], '.4f') if s['slot_s'] else ''}"
-            f"{' + ' + load_text if load_text else ''} + prefill {s['prefill_s']:.4f}"
-            f" ({s['prefill_tokens']:.0f} tokens) + work {s['work_s']:.4f}"
-        )
-        runner_up = next((e for e in order if e.engine_id != chosen.engine_id), None)
-        if runner_up is not None:
-            reason += f"; next {runner_up.engine_id} cost {cost_by_engine[runner_up.engine_id]:.4f} s"
-        fallbacks = tuple(e.engine_id for e in order if e.engine_id != chosen.engine_id)
-        return Decision(
-            chosen.engine_id,
-            self.name,
-            reason=reason,
-            scores=scores,
-            fallbacks=fallbacks,
-            parts=parts_by_engine,
-        )
+        scores = partial(_scores, parts_by_engine, terms)
+        return Decision(chosen_id, self.name, reason, scores, fallbacks, parts_by_engine)
+
+    @staticmethod
+    def _rounded_order(
+        request: RouteRequest, engines: Sequence[EngineView], cost_by_engine: Mapping[str, float]
+    ) -> list[EngineView]:
+        """``engines`` by (cost rounded to the microsecond, in flight), stable; the hash tiebreak
+        is computed only when two engines tie on both."""
+        ranks = {e.engine_id: (round(cost_by_engine[e.engine_id], 6), e.in_flight) for e in engines}
+        if len(set(ranks.values())) == len(ranks):
+            return sorted(engines, key=lambda e: ranks[e.engine_id])
+        return sorted(engines, key=lambda e: (*ranks[e.engine_id], tiebreak(request.request_id, e.engine_id)))
 
     def _softmax_pick(
         self, request: RouteRequest, order: list[EngineView], cost_by_engine: Mapping[str, float]

@@ -116,46 +116,49 @@ class IndexAnnotator:
         #: engine's (aiohttp's timeouts need the current task).
         self.steps_outside_task = config.tokenizer.backend != "engine"
 
-    async def _token_ids(self, ctx: RouteContext, names: PromptNames | None) -> list[int] | None:
-        body = ctx.body
-        if ctx.endpoint == CHAT:
-            if self._tokenizer is None:
-                return None
-            # The list is kept by reference (key cache) and never changed: a repeat may get it back.
-            return await self._tokenizer.chat_tokens(
-                body["messages"], model=ctx.route_request.model, names=names
-            )
+    def _completion_ids(self, body: dict[str, Any]) -> list[int] | None:
+        """Token ids of a completion's ``prompt``: ids as sent, or a text prompt through the
+        simulator's tokenizer; None for batches and text prompts without a completion tokenizer."""
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return list(prompt)  # token ids are used as sent
         if isinstance(prompt, str) and self._sim:
             return sim_tokenizer.encode_prompt(prompt)
-        return None  # batches of prompts and text prompts without a completion tokenizer
+        return None
 
     async def _keys(
         self,
         names: PromptNames | None,
+        file_under: Sequence[int],
         scope: tuple[int, str | None, str | None],
         tokens: list[int],
         block_size: int,
-        extra: list[Any] | None,
+        lora: str | None,
+        salt: str | None,
     ) -> list[int]:
         """Block keys of ``tokens``: the blocks a cached turn of the same conversation already
-        hashed are reused (verified token by token), only the rest are hashed."""
-        lookup, file_under = (names.anchors, names.file_under) if names is not None else ([], [])
-        reused, extended = self._key_cache.reusable(lookup, scope, tokens, block_size)
+        hashed are reused (verified token by token), only the rest are hashed (in a thread when
+        they are many); filed in the key cache."""
+        key_cache = self._key_cache
+        lookup = names.anchors if names is not None else ()
+        reused, extended = key_cache.reusable(lookup, scope, tokens, block_size)
         start = len(reused)
-        parent = reused[-1] if reused else self._namespace
-        rest = tokens[start * block_size :] if start else tokens
-        rest_extra = extra[start:] if extra is not None and start else extra
-        if len(rest) > _INLINE_KEY_TOKENS:  # hashing a long prompt would stall every request
-            new = await asyncio.to_thread(block_keys, rest, block_size, parent=parent, extra_keys=rest_extra)
-        else:
-            new = block_keys(rest, block_size, parent=parent, extra_keys=rest_extra)
-        # A prompt sent again gets the cache's own list back (nobody changes it): the cache sees
-        # the very entry filed again, and no 1,000-key copy is made.
+        new: list[int] = []
+        if len(tokens) - start * block_size >= block_size:  # a full block is left to hash
+            extra = request_extra_keys(len(tokens) // block_size, lora_name=lora, cache_salt=salt)
+            parent = reused[-1] if reused else self._namespace
+            rest = tokens[start * block_size :] if start else tokens
+            rest_extra = extra[start:] if extra is not None and start else extra
+            if len(rest) > _INLINE_KEY_TOKENS:  # hashing a long prompt would stall every request
+                new = await asyncio.to_thread(
+                    block_keys, rest, block_size, parent=parent, extra_keys=rest_extra
+                )
+            else:
+                new = block_keys(rest, block_size, parent=parent, extra_keys=rest_extra)
+        # A prompt whose blocks are all reused gets the cache's own list back (nobody changes
+        # it): no 1,000-key copy is made.
         keys = reused + new if reused and new else reused or new
-        self._key_cache.put(file_under, scope, tokens, keys, reused_blocks=start, replaces=extended)
+        key_cache.put(file_under, scope, tokens, keys, reused_blocks=start, replaces=extended)
         return keys
 
     def key_cache_stats(self) -> dict[str, int]:
@@ -175,13 +178,21 @@ class IndexAnnotator:
 
     async def annotate(self, ctx: RouteContext) -> None:
         request = ctx.route_request
-        if self._tokenizer is None and ctx.endpoint == CHAT:
+        chat = ctx.endpoint == CHAT
+        if chat and self._tokenizer is None:
             return  # no chat tokenizer: nothing to key (and no prompt names to build for it)
+        names: PromptNames | None = None
         try:
-            # A chat prompt is named by its message prefixes (and its last message's content cuts),
-            # once for the tokenizer and the key cache, so the next turn finds this one's work.
-            names = PromptNames.of(ctx.body["messages"]) if ctx.endpoint == CHAT else None
-            tokens = await self._token_ids(ctx, names)
+            if chat:
+                # A chat prompt is named by its message prefixes (and its last message's content
+                # cuts), once for the tokenizer and the key cache, so the next turn finds this one's
+                # work. The list is kept by reference (key cache) and never changed: a repeat may
+                # get it back.
+                messages = ctx.body["messages"]
+                names = PromptNames.of(messages)
+                tokens = await self._tokenizer.chat_tokens(messages, model=request.model, names=names)
+            else:
+                tokens = self._completion_ids(ctx.body)
         except Exception as exc:  # routing goes on without keys; counted and logged
             self.failures += 1
             log.warning(
@@ -202,15 +213,24 @@ class IndexAnnotator:
         salt = salt if isinstance(salt, str) else None
         lora = self._lora_of(request.model) if self._lora_of is not None else None
         request.prompt_tokens = len(tokens)
-        matches: dict[str, Any] = {}
-        for i, (block_size, engine_ids) in enumerate(by_size.items()):
-            n_blocks = len(tokens) // block_size
-            extra = request_extra_keys(n_blocks, lora_name=lora, cache_salt=salt)
-            keys = await self._keys(names, (block_size, lora, salt), tokens, block_size, extra)
-            if i == 0:  # speculation, trace and pricing use the first group's chain
+        file_under = names.file_under if names is not None else ()
+        key_cache, index = self._key_cache, self._index
+        matches: dict[str, Any] | None = None
+        for block_size, engine_ids in by_size.items():
+            scope = (block_size, lora, salt)
+            # A prompt sent again (the tokenizer's very list, filed under its names) has its keys.
+            keys = key_cache.refiled(file_under, scope, tokens, block_size)
+            if keys is None:
+                keys = await self._keys(names, file_under, scope, tokens, block_size, lora, salt)
+            if matches is None:  # speculation, trace and pricing use the first group's chain
                 request.block_size = block_size
                 request.block_keys = keys
-            if self._index is not None and keys:
-                matches.update(self._index.match(keys, engine_ids, now=time.monotonic()))
-        if self._index is not None:
-            request.prefix_matches = matches
+                matches = {}
+            if index is not None and keys:
+                found = index.match(keys, engine_ids, now=time.monotonic())
+                if matches:
+                    matches.update(found)
+                else:
+                    matches = found  # a new dict of the index's, this request's own
+        if index is not None:
+            request.prefix_matches = matches if matches is not None else {}

@@ -10,9 +10,8 @@ import asyncio
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 import xxhash
@@ -21,6 +20,7 @@ from kvcore import sim_tokenizer
 
 Messages = Sequence[Mapping[str, Any]]
 _encode_msg = msgspec.msgpack.Encoder(order="deterministic").encode
+_xxh3 = xxhash.xxh3_64_intdigest
 
 #: Below this many new characters tokenisation is cheaper than a thread hop.
 _INLINE_CHARS = 4096
@@ -33,11 +33,13 @@ _ENTRY_OVERHEAD_BYTES = 200  # dict slot, key int, tuple/list headers
 
 
 def prefix_hashes(messages: Messages) -> list[int]:
-    """Rolling hash of every message prefix: ``out[i]`` identifies ``messages[: i + 1]``."""
+    """Rolling hash of every message prefix: ``out[i]`` identifies ``messages[: i + 1]`` (each
+    message's MessagePack hashed with the hash of the messages before it as the seed: no copy of
+    a long message is made to chain it)."""
     out = []
     h = 0
     for msg in messages:
-        h = xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + _encode_msg(dict(msg)))
+        h = _xxh3(_encode_msg(msg if type(msg) is dict else dict(msg)), h)
         out.append(h)
     return out
 
@@ -52,25 +54,29 @@ CUT_BYTES = 3 * 1024
 def content_cuts(parent: int, message: Mapping[str, Any]) -> tuple[list[int], bytes]:
     """(chained hashes of ``message``'s role and its content cut every ``CUT_BYTES`` bytes: ``out[k]``
     names the messages hashed into ``parent`` plus the role and the first ``(k + 1) * CUT_BYTES``
-    bytes of the content; full cuts only, the content's UTF-8 bytes)."""
+    bytes of the content; full cuts only, the content's UTF-8 bytes, or b"" for a message too short
+    to cut, whose bytes nothing reads)."""
     cuts: list[int] = []
-    if not isinstance(message, Mapping):
+    if type(message) is not dict and not isinstance(message, Mapping):  # (the ABC check is slow)
         return cuts, b""
-    data = sim_tokenizer.message_text(message.get("content")).encode("utf-8")
+    text = sim_tokenizer.message_text(message.get("content"))
+    if len(text) < 2 * CUT_BYTES and text.isascii():  # short: one byte per character, no encoding
+        return cuts, b""
+    data = text.encode("utf-8")
     if len(data) < 2 * CUT_BYTES:  # a short message: the message-prefix hash is enough
-        return cuts, data
-    h = xxhash.xxh3_64_intdigest(str(message.get("role")).encode(), seed=parent)
+        return cuts, b""
+    h = _xxh3(str(message.get("role")).encode(), parent)
+    view = memoryview(data)  # the cuts are hashed in place, not copied out
     for start in range(0, len(data) - CUT_BYTES + 1, CUT_BYTES):
-        h = xxhash.xxh3_64_intdigest(data[start : start + CUT_BYTES], seed=h)
+        h = _xxh3(view[start : start + CUT_BYTES], h)
         cuts.append(h)
     return cuts, data
 
 
-@dataclass(frozen=True, slots=True)
-class PromptNames:
+class PromptNames(NamedTuple):
     """What names a chat prompt in the conversation caches (the tokenizer's and the block keys'),
     computed once per request: every message prefix's hash, the last message's content cuts and
-    its UTF-8 content."""
+    its UTF-8 content (when it has cuts). A named tuple: built once per request, cheaply."""
 
     prefixes: list[int]
     cuts: list[int]
@@ -211,7 +217,10 @@ class SimChatTokenizer:
             # The tokens up to the last message's deepest cut: all but the generation prompt, the
             # message's END and the content after the cut.
             tail_tokens = -(-(len(data) - len(cuts) * CUT_BYTES) // sim_tokenizer.CHUNK_BYTES)
-            self._cuts.put(cuts[-1], (prompt, len(prompt) - 2 - tail_tokens))
+            covered = len(prompt) - 2 - tail_tokens
+            held = self._cuts.get(cuts[-1])  # most recent now, as a put would make it
+            if held is None or held[0] is not prompt or held[1] != covered:  # else: filed already
+                self._cuts.put(cuts[-1], (prompt, covered))
         return prompt
 
     def _extend_cut(self, cuts: list[int], data: bytes) -> list[int] | None:

@@ -204,3 +204,35 @@ def test_a_prompt_filed_again_keeps_its_entry_and_a_new_name_is_filed() -> None:
     changed = [*tokens[:-1], -1]
     again[-1] = -1  # the caller must not change a filed list; this shows which list is held
     assert cache.reusable([3], "s", changed, 16)[0] == keys
+
+
+def test_refiled_counts_a_repeat_as_reusable_then_put_would() -> None:
+    """A prompt sent again (the very token list, filed under every one of its names) gets its keys
+    from ``refiled`` with the same counters and LRU order as ``reusable`` then ``put``; any other
+    prompt gets None and nothing counted. Catches the shortcut answering for another token list,
+    a missing name, a partial key list, or skipping the counters or the recency."""
+
+    def filled() -> tuple[KeyChainCache, list[int], list[int], list[int]]:
+        cache = KeyChainCache(1 << 20)
+        tokens, other = list(range(168)), list(range(1000, 1168))
+        cache.put([1, 2], "s", tokens, block_keys(tokens, 16))
+        cache.put([5], "s", other, block_keys(other, 16))  # more recent than the first
+        return cache, tokens, other, block_keys(tokens, 16)
+
+    slow, tokens, _, keys = filled()
+    reused, extended = slow.reusable([0, 2, 1], "s", tokens, 16)  # the whole prompt's name last
+    slow.put([1, 2], "s", tokens, reused, reused_blocks=len(reused), replaces=extended)
+    fast, tokens_fast, _, _ = filled()
+    assert fast.refiled([1, 2], "s", tokens_fast, 16) == keys
+    assert fast.stats() == slow.stats() and fast.stats()["hits"] == 1
+    assert list(fast._entries) == list(slow._entries)  # the repeat is the most recent entry now
+    before = fast.stats()
+    assert fast.refiled([1, 2], "s", list(tokens_fast), 16) is None  # an equal list, not the one filed
+    assert fast.refiled([1, 3], "s", tokens_fast, 16) is None  # a name it is not filed under
+    assert fast.refiled([1, 2], "t", tokens_fast, 16) is None  # another scope
+    assert fast.refiled([1, 2], "s", tokens_fast, 8) is None  # keys of another block size
+    assert fast.refiled([], "s", tokens_fast, 16) is None
+    assert fast.stats() == before
+    partial = KeyChainCache(1 << 20)
+    partial.put([1], "s", tokens_fast, keys[:5])
+    assert partial.refiled([1], "s", tokens_fast, 16) is None

@@ -163,6 +163,57 @@ def test_the_whole_order_is_cost_then_in_flight_then_hash_with_and_without_ties(
             assert [decision.engine_id, *decision.fallbacks] == [e.engine_id for e in expected]
 
 
+def test_costs_a_fraction_of_a_microsecond_apart_tie_and_in_flight_decides() -> None:
+    """Catches an order taken from the raw costs: two costs 0.2 µs apart round to the same
+    microsecond, so the engine with fewer requests in flight goes first although its raw cost is
+    the higher one (and costs far apart keep the raw order)."""
+    policy = build_policy("tier_cost")
+    # "near" pays 0.2 µs of pool pressure: 0.05 s x (usage - 0.9) / 0.1.
+    near = EngineView("near", in_flight=0, num_requests_running=0, kv_cache_usage=0.9 + 4e-7)
+    busy = EngineView("busy", in_flight=1, num_requests_running=0)
+    decision = policy.choose(request({}), FleetView([busy, near]))
+    raw = {e: s["cost_s"] for e, s in decision.scores.items()}
+    assert 0 < raw["near"] - raw["busy"] < 1e-6
+    assert round(raw["near"], 6) == round(raw["busy"], 6)  # the test's premise
+    assert (decision.engine_id, decision.fallbacks) == ("near", ("busy",))
+    # 2 µs of pressure is a real difference: the raw order stands.
+    far = EngineView("far", in_flight=0, num_requests_running=0, kv_cache_usage=0.9 + 4e-6)
+    assert policy.choose(request({}), FleetView([busy, far])).engine_id == "busy"
+
+
+def test_reason_is_written_when_read_from_the_choice_as_made() -> None:
+    """Catches a reason built from scores changed after the choice (horizon_cost re-prices its
+    base decision's scores in place): the reason names the chosen engine's TTFT, work and the
+    runner-up's cost as compared."""
+    policy = build_policy("tier_cost")
+    fleet = FleetView([EngineView("idle"), EngineView("busy", in_flight=4, queued_prefill_tokens=22_000)])
+    decision = policy.choose(request({"idle": gpu(PROMPT_BLOCKS // 2)}), fleet)
+    s = dict(decision.scores["idle"])
+    next_cost = decision.scores["busy"]["cost_s"]
+    for score in decision.scores.values():
+        score["total_s"] = score["work_s"] = score["cost_s"] = 99.0
+    assert decision.reason == (
+        f"lowest predicted cost: idle TTFT {s['total_s']:.4f} s = wait {s['wait_s']:.4f}"
+        f" + load GPU {s['load_gpu_s']:.4f} + prefill {s['prefill_s']:.4f}"
+        f" ({s['prefill_tokens']:.0f} tokens) + work {s['work_s']:.4f}; next busy cost {next_cost:.4f} s"
+    )
+    assert decision.reason is decision.reason  # written once
+
+
+def test_scores_read_later_are_the_choice_as_made() -> None:
+    """Catches scores built (when first read) from engine views the router has refreshed since the
+    choice: they hold the load, trust and pool pressure the policy compared."""
+    policy = build_policy("tier_cost")
+    views = [EngineView("a", in_flight=2, kv_cache_usage=0.95), EngineView("b", index_trusted=False)]
+    req = request({"a": gpu(PROMPT_BLOCKS // 2), "b": gpu(PROMPT_BLOCKS // 2)})
+    now = policy.choose(req, FleetView(views)).scores
+    later = policy.choose(req, FleetView(views))
+    for view in views:  # the next request's refresh, in place
+        view.in_flight, view.kv_cache_usage, view.index_trusted = 9, 0.2, not view.index_trusted
+    assert later.scores == now
+    assert now["a"]["pressure_s"] > 0 and now["a"]["decode_s"] == 0.001 and now["b"]["index_trusted"] == 0.0
+
+
 def test_softmax_is_seeded_and_prefers_cheaper() -> None:
     policy = build_policy("tier_cost", {"temperature_s": 0.05, "seed": 7})
     hit = PROMPT_BLOCKS - 4
