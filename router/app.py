@@ -234,7 +234,10 @@ class LivenessObserver:
                 self._tracker.record_success(engine_id)
 
     def on_routed(self, ctx: RouteContext) -> None:
-        self._tracker.claim_trial(ctx.engine_id)  # a half-open breaker lets one request through
+        # A half-open breaker lets one request through. The decision names the engine: on_routed
+        # runs before the request is sent, so ``ctx.engine_id`` is not set yet.
+        if ctx.decision is not None:
+            self._tracker.claim_trial(ctx.decision.engine_id)
 
     def on_first_byte(self, ctx: RouteContext) -> None:
         self._answered(ctx.engine_id)

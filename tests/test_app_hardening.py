@@ -432,3 +432,37 @@ def test_a_half_open_breaker_lets_one_trial_request_through() -> None:
     assert not tracker.breaker_open(state, 116.2)
     tracker.claim_trial("e0", now_s=116.2)
     assert not tracker.breaker_open(state, 116.3)
+
+
+def test_the_router_claims_a_half_open_breakers_trial_when_it_routes_there(serve_asgi, upstreams) -> None:
+    """The wiring, not the tracker alone: the request routed to a half-open engine is its one trial
+    (the breaker counts as open while it is out) and its answer closes the breaker. Before the fix
+    the liveness observer claimed the trial for ``ctx.engine_id``, still empty when ``on_routed``
+    runs, so a half-open engine took every request."""
+    ((upstream, url),) = upstreams(1)
+    server = router_for(serve_asgi, [("e0", url)], health={"interval_s": 0, "breaker_failures": 1})
+    tracker = server.server.config.app.state.tracker
+    state = tracker.engines["e0"]
+    tracker.record_failure("e0", "refused", now_s=time.monotonic() - 3600)  # opened an hour ago
+    assert state.breaker_open_until_s and not tracker.breaker_open(state, time.monotonic())  # half-open
+    upstream.delay_s = 60.0  # the trial is held at the engine until the test lets it go
+    answers: list[int] = []
+    trial = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(
+                server.url + CHAT, json={"model": MODEL, "messages": MESSAGES}, timeout=60
+            ).status_code
+        )
+    )
+    trial.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not upstream.bodies and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert upstream.bodies, "the trial request never reached the engine"
+        assert tracker.breaker_open(state, time.monotonic())  # the trial is out: nobody else goes
+    finally:
+        upstream.delay_s = 0.0
+        trial.join(timeout=30)
+    assert answers == [200]
+    assert not state.breaker_open_until_s and not tracker.breaker_open(state, time.monotonic())
