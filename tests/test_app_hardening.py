@@ -449,9 +449,7 @@ def test_the_router_claims_a_half_open_breakers_trial_when_it_routes_there(serve
     answers: list[int] = []
     trial = threading.Thread(
         target=lambda: answers.append(
-            httpx.post(
-                server.url + CHAT, json={"model": MODEL, "messages": MESSAGES}, timeout=60
-            ).status_code
+            httpx.post(server.url + CHAT, json={"model": MODEL, "messages": MESSAGES}, timeout=60).status_code
         )
     )
     trial.start()
