@@ -475,17 +475,26 @@ async def _engine_holds(engine_url: str, n: int) -> None:
 
 
 async def _first_tokens(
-    url: str, engine_url: str, sends: list[tuple[str, str, dict[str, Any]]]
+    url: str,
+    engine_url: str,
+    sends: list[tuple[str, str, dict[str, Any]]],
+    headers: dict[str, dict[str, str]] | None = None,
 ) -> dict[str, float]:
-    """Send each (name, prompt, extra body), streamed, once the engine holds every one sent before
-    (the first one decodes HOLD_TOKENS tokens, so the others queue behind it in sending order
-    however slowly this machine runs); the time each one's first content chunk arrived."""
+    """Send each (name, prompt, extra body), streamed, with ``headers[name]`` if given, once the
+    engine holds every one sent before (the first one decodes HOLD_TOKENS tokens, so the others
+    queue behind it in sending order however slowly this machine runs); the time each one's first
+    content chunk arrived."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     seen: dict[str, float] = {}
 
     async def one(max_tokens: int, name: str, prompt: str, extra: dict[str, Any]) -> None:
         stream = await client.completions.create(
-            model=NAME, prompt=prompt, max_tokens=max_tokens, stream=True, extra_body=extra or None
+            model=NAME,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=True,
+            extra_body=extra or None,
+            extra_headers=(headers or {}).get(name),
         )
         async for _ in stream:
             seen.setdefault(name, time.monotonic())
@@ -573,40 +582,17 @@ def test_a_client_priority_is_passed_on_not_replaced(
 
 
 def test_the_x_vllm_priority_header_overrides_the_body(engines: dict[str, FleetEngine]) -> None:
-    """Straight to the priority engine (one request at a time): "a" says priority 5 in its body
-    and -5 in vLLM's X-Vllm-Priority header, "b" 0 in its body. The header wins, so a is served
-    before b (by the body alone b would be). A header that is not an integer is a 400."""
+    """Straight to the priority engine, each request sent once the engine holds the ones before
+    it: "a" says priority 5 in its body and -5 in vLLM's X-Vllm-Priority header, "b" 0 in its
+    body. The header wins, so a is served before b (by the body alone b would be). A header that
+    is not an integer is a 400."""
     url = engines["priority"].url
-    seen: dict[str, float] = {}
-
-    async def send() -> None:
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-
-        async def one(
-            delay_s: float, name: str, tokens: int, body: dict[str, Any], headers: dict[str, str]
-        ) -> None:
-            await asyncio.sleep(delay_s)
-            stream = await client.completions.create(
-                model=NAME,
-                prompt=_prompt(tokens, 20 + len(name)),
-                max_tokens=1,
-                stream=True,
-                extra_body=body or None,
-                extra_headers=headers or None,
-            )
-            async for _ in stream:
-                seen.setdefault(name, time.monotonic())
-
-        try:
-            await asyncio.gather(
-                one(0.0, "running", BIG_TOKENS, {}, {}),
-                one(0.15, "b", SMALL_TOKENS, {"priority": 0}, {}),
-                one(0.3, "a", SMALL_TOKENS, {"priority": 5}, {"X-Vllm-Priority": "-5"}),
-            )
-        finally:
-            await client.close()
-
-    asyncio.run(send())
+    sends: list[tuple[str, str, dict[str, Any]]] = [
+        ("running", _prompt(BIG_TOKENS, 21), {}),
+        ("b", _prompt(SMALL_TOKENS, 22), {"priority": 0}),
+        ("a", _prompt(SMALL_TOKENS, 23), {"priority": 5}),
+    ]
+    seen = asyncio.run(_first_tokens(url, url, sends, headers={"a": {"X-Vllm-Priority": "-5"}}))
     assert seen["running"] < seen["a"] < seen["b"], seen
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="X-Vllm-Priority' must be an integer"):
