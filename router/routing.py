@@ -702,6 +702,9 @@ class Router:
                 engine = self.tracker.engines[engine_id].config
                 if attempt > 0:  # the first attempt's load was reserved when the engine was chosen
                     assert ctx.reservation is not None
+                    # Observers heard on_routed for the first choice only: a half-open engine taking
+                    # the fail-over is its breaker's one trial all the same.
+                    self.tracker.claim_trial(engine_id)
                     ctx.reservation = self.core.reserve(
                         ctx.reservation.policy,
                         ctx.route_request,

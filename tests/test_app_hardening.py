@@ -26,6 +26,7 @@ from router.config import load_config
 from router.experiments import Experiments
 from router.tokenize import SimChatTokenizer
 from tests.conftest import ThreadedServer
+from tests.test_app_errors import dead_url
 
 MODEL = "test-model"
 CHAT = "/v1/chat/completions"
@@ -458,6 +459,40 @@ def test_the_router_claims_a_half_open_breakers_trial_when_it_routes_there(serve
         while not upstream.bodies and time.monotonic() < deadline:
             time.sleep(0.01)
         assert upstream.bodies, "the trial request never reached the engine"
+        assert tracker.breaker_open(state, time.monotonic())  # the trial is out: nobody else goes
+    finally:
+        upstream.delay_s = 0.0
+        trial.join(timeout=30)
+    assert answers == [200]
+    assert not state.breaker_open_until_s and not tracker.breaker_open(state, time.monotonic())
+
+
+def test_a_fail_over_to_a_half_open_engine_claims_its_trial(serve_asgi, upstreams) -> None:
+    """The second attempt of a request (its first engine refused) is a trial too when it lands on a
+    half-open engine: routing notifies ``on_routed`` once, for the first choice, so before the fix
+    the fail-over's engine took its request without claiming the trial and stayed open to all."""
+    ((upstream, url),) = upstreams(1)
+    server = router_for(
+        serve_asgi, [("e0", dead_url()), ("e1", url)], health={"interval_s": 0, "breaker_failures": 1}
+    )
+    tracker = server.server.config.app.state.tracker
+    first, state = tracker.engines["e0"], tracker.engines["e1"]
+    tracker.record_failure("e1", "refused", now_s=time.monotonic() - 3600)  # opened an hour ago
+    assert state.breaker_open_until_s and not tracker.breaker_open(state, time.monotonic())  # half-open
+    upstream.delay_s = 60.0  # the trial is held at the engine until the test lets it go
+    answers: list[int] = []
+    trial = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(server.url + CHAT, json={"model": MODEL, "messages": MESSAGES}, timeout=60).status_code
+        )
+    )
+    trial.start()  # round_robin's first request goes to e0 (nothing listens), then fails over to e1
+    try:
+        deadline = time.monotonic() + 30
+        while not upstream.bodies and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert upstream.bodies, "the fail-over never reached the half-open engine"
+        assert first.breaker_failures, "the request did not try e0 first"
         assert tracker.breaker_open(state, time.monotonic())  # the trial is out: nobody else goes
     finally:
         upstream.delay_s = 0.0
