@@ -435,16 +435,16 @@ def test_a_half_open_breaker_lets_one_trial_request_through() -> None:
     assert not tracker.breaker_open(state, 116.3)
 
 
-def test_the_router_claims_a_half_open_breakers_trial_when_it_routes_there(serve_asgi, upstreams) -> None:
-    """The wiring, not the tracker alone: the request routed to a half-open engine is its one trial
-    (the breaker counts as open while it is out) and its answer closes the breaker. Before the fix
-    the liveness observer claimed the trial for ``ctx.engine_id``, still empty when ``on_routed``
-    runs, so a half-open engine took every request."""
-    ((upstream, url),) = upstreams(1)
-    server = router_for(serve_asgi, [("e0", url)], health={"interval_s": 0, "breaker_failures": 1})
+def _held_trial(
+    server: ThreadedServer, upstream: Any, half_open: str, tried_first: str | None = None
+) -> None:
+    """Opens ``half_open``'s breaker an hour ago (half-open now), sends one chat request and holds
+    it at ``upstream`` (that engine): while it is held the breaker must count as open (the trial
+    is out: nobody else goes there); its answer must close it. ``tried_first``: an engine the
+    request must have failed on before (a fail-over)."""
     tracker = server.server.config.app.state.tracker
-    state = tracker.engines["e0"]
-    tracker.record_failure("e0", "refused", now_s=time.monotonic() - 3600)  # opened an hour ago
+    state = tracker.engines[half_open]
+    tracker.record_failure(half_open, "refused", now_s=time.monotonic() - 3600)
     assert state.breaker_open_until_s and not tracker.breaker_open(state, time.monotonic())  # half-open
     upstream.delay_s = 60.0  # the trial is held at the engine until the test lets it go
     answers: list[int] = []
@@ -458,13 +458,27 @@ def test_the_router_claims_a_half_open_breakers_trial_when_it_routes_there(serve
         deadline = time.monotonic() + 30
         while not upstream.bodies and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert upstream.bodies, "the trial request never reached the engine"
+        assert upstream.bodies, "the trial request never reached the half-open engine"
+        if tried_first is not None:
+            assert tracker.engines[tried_first].breaker_failures, (
+                f"the request did not try {tried_first} first"
+            )
         assert tracker.breaker_open(state, time.monotonic())  # the trial is out: nobody else goes
     finally:
         upstream.delay_s = 0.0
         trial.join(timeout=30)
     assert answers == [200]
     assert not state.breaker_open_until_s and not tracker.breaker_open(state, time.monotonic())
+
+
+def test_the_router_claims_a_half_open_breakers_trial_when_it_routes_there(serve_asgi, upstreams) -> None:
+    """The wiring, not the tracker alone: the request routed to a half-open engine is its one trial
+    (the breaker counts as open while it is out) and its answer closes the breaker. Before the fix
+    the liveness observer claimed the trial for ``ctx.engine_id``, still empty when ``on_routed``
+    runs, so a half-open engine took every request."""
+    ((upstream, url),) = upstreams(1)
+    server = router_for(serve_asgi, [("e0", url)], health={"interval_s": 0, "breaker_failures": 1})
+    _held_trial(server, upstream, "e0")
 
 
 def test_a_fail_over_to_a_half_open_engine_claims_its_trial(serve_asgi, upstreams) -> None:
@@ -472,30 +486,8 @@ def test_a_fail_over_to_a_half_open_engine_claims_its_trial(serve_asgi, upstream
     half-open engine: routing notifies ``on_routed`` once, for the first choice, so before the fix
     the fail-over's engine took its request without claiming the trial and stayed open to all."""
     ((upstream, url),) = upstreams(1)
+    # round_robin's first request goes to e0 (nothing listens), then fails over to e1
     server = router_for(
         serve_asgi, [("e0", dead_url()), ("e1", url)], health={"interval_s": 0, "breaker_failures": 1}
     )
-    tracker = server.server.config.app.state.tracker
-    first, state = tracker.engines["e0"], tracker.engines["e1"]
-    tracker.record_failure("e1", "refused", now_s=time.monotonic() - 3600)  # opened an hour ago
-    assert state.breaker_open_until_s and not tracker.breaker_open(state, time.monotonic())  # half-open
-    upstream.delay_s = 60.0  # the trial is held at the engine until the test lets it go
-    answers: list[int] = []
-    trial = threading.Thread(
-        target=lambda: answers.append(
-            httpx.post(server.url + CHAT, json={"model": MODEL, "messages": MESSAGES}, timeout=60).status_code
-        )
-    )
-    trial.start()  # round_robin's first request goes to e0 (nothing listens), then fails over to e1
-    try:
-        deadline = time.monotonic() + 30
-        while not upstream.bodies and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert upstream.bodies, "the fail-over never reached the half-open engine"
-        assert first.breaker_failures, "the request did not try e0 first"
-        assert tracker.breaker_open(state, time.monotonic())  # the trial is out: nobody else goes
-    finally:
-        upstream.delay_s = 0.0
-        trial.join(timeout=30)
-    assert answers == [200]
-    assert not state.breaker_open_until_s and not tracker.breaker_open(state, time.monotonic())
+    _held_trial(server, upstream, "e1", tried_first="e0")
