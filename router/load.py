@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,27 +213,42 @@ class LoadTracker:
         """``state`` as policies see it; ``now_s`` (monotonic) decides whether its breaker is open.
         ``with_load=False``: in-flight and queued figures left at 0, for a caller that reads them
         itself (the routing core's ``filter`` refreshes its candidates' load)."""
-        if now_s is None:
-            now_s = time.monotonic()
-        scraped = state.scraped
-        running = scraped.get("num_requests_running")
-        waiting = scraped.get("num_requests_waiting")
-        in_flight, queued = self.ledger.load(state.config.id) if with_load else (0, 0)
-        return EngineView(
-            engine_id=state.config.id,
-            url=state.config.url,
-            # An open circuit breaker takes the engine out like a failed health check.
-            healthy=state.healthy and not (state.breaker_open_until_s and self.breaker_open(state, now_s)),
-            drained=state.drained,
-            models=state.models_view,
-            in_flight=in_flight,
-            queued_prefill_tokens=queued,
-            num_requests_running=None if running is None else int(running),
-            num_requests_waiting=None if waiting is None else int(waiting),
-            kv_cache_usage=scraped.get("kv_cache_usage_perc"),
-            block_size=state.reported_block_size or state.config.block_size,
-            extra=state.extra,
-        )
+        return self._views((state,), time.monotonic() if now_s is None else now_s, with_load)[0]
+
+    def _views(self, states: Iterable[EngineState], now_s: float, with_load: bool) -> list[EngineView]:
+        """``view`` of each of ``states`` (one loop for a request's whole fleet, no call per engine)."""
+        views = []
+        ledger_load, breaker_open = self.ledger.load, self.breaker_open
+        for state in states:
+            config, scraped = state.config, state.scraped
+            if scraped:
+                running = scraped.get("num_requests_running")
+                waiting = scraped.get("num_requests_waiting")
+                running_count = None if running is None else int(running)
+                waiting_count = None if waiting is None else int(waiting)
+                kv_cache_usage = scraped.get("kv_cache_usage_perc")
+            else:
+                running_count = waiting_count = kv_cache_usage = None
+            in_flight, queued = ledger_load(config.id) if with_load else (0, 0)
+            views.append(
+                EngineView(  # positional, in field order (this runs per engine per request)
+                    config.id,  # engine_id
+                    config.url,  # url
+                    # An open circuit breaker takes the engine out like a failed health check.
+                    state.healthy and not (state.breaker_open_until_s and breaker_open(state, now_s)),
+                    in_flight,
+                    queued,  # queued_prefill_tokens
+                    running_count,  # num_requests_running
+                    waiting_count,  # num_requests_waiting
+                    kv_cache_usage,
+                    state.reported_block_size or config.block_size,  # block_size
+                    True,  # index_trusted
+                    state.drained,
+                    state.models_view,  # models
+                    state.extra,
+                )
+            )
+        return views
 
     def serving(self) -> list[EngineState]:
         """Engines that take new requests: healthy, not drained, breaker closed (GET /ready counts)."""
@@ -247,8 +262,7 @@ class LoadTracker:
     def all_views(self, *, with_load: bool = True) -> list[EngineView]:
         """Every engine's view; the routing core's ``filter`` picks the candidates (``view``'s
         ``with_load``)."""
-        now_s = time.monotonic()
-        return [self.view(s, now_s, with_load=with_load) for s in self.engines.values()]
+        return self._views(self.engines.values(), time.monotonic(), with_load)
 
 
 class EnginePoller:
