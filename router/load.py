@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -28,8 +29,32 @@ from router.metrics import RouterMetrics
 log = logging.getLogger("kvroute.load")
 
 
+#: The fields of ``EngineState`` its ``EngineView`` reads (a write of a new value to one of them
+#: makes ``LoadTracker.fleet_views`` build the views again).
+_VIEWED_FIELDS = frozenset(
+    {
+        "config",
+        "healthy",
+        "drained",
+        "breaker_open_until_s",
+        "breaker_trial_until_s",
+        "reported_block_size",
+        "models_view",
+        "extra",
+        "scraped",
+    }
+)
+#: Changes of any ``EngineState``'s viewed fields so far, in this process (``fleet_views``).
+_VIEW_CHANGES = [0]
+_UNSET = object()
+
+
 @dataclass(slots=True)
 class EngineState:
+    """One engine as the router knows it. A write of a new value to a field its view reads is
+    counted (``_VIEW_CHANGES``) wherever it comes from (this module, the scraper, the admin
+    endpoints, tests), so ``LoadTracker.fleet_views`` knows when its views are out of date."""
+
     config: EngineConfig
     healthy: bool = True
     #: Model ids the engine serves (config model plus what GET /v1/models reported).
@@ -61,6 +86,11 @@ class EngineState:
     #: (router.scrape.tier_capacities_tokens). Replaced whole, never mutated: views share it.
     extra: dict[str, float] = field(default_factory=dict)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _VIEWED_FIELDS and getattr(self, name, _UNSET) is not value:
+            _VIEW_CHANGES[0] += 1
+        object.__setattr__(self, name, value)
+
 
 class LoadTracker:
     """In-flight accounting and health per engine; the source of the policies' ``EngineView``s."""
@@ -79,6 +109,11 @@ class LoadTracker:
             [e.id for e in engines], on_change=metrics.set_in_flight if metrics else None
         )
         self.engines: dict[str, EngineState] = {}
+        #: ``fleet_views``'s views, the ``_VIEW_CHANGES`` count they were built at and the
+        #: monotonic time until which their breakers' verdicts hold.
+        self._fleet_views: list[EngineView] = []
+        self._fleet_views_changes = -1
+        self._fleet_views_until = 0.0
         #: LoRA adapter id -> its base model, from the engines' GET /v1/models.
         self.lora_adapters: dict[str, str] = {}
         for engine in engines:
@@ -180,6 +215,7 @@ class LoadTracker:
 
     def update_scraped(self, engine_id: str, values: dict[str, float]) -> None:
         self.engines[engine_id].scraped.update(values)
+        _VIEW_CHANGES[0] += 1  # changed in place: no attribute write counts it
 
     def serves(self, state: EngineState, model: str) -> bool:
         # An engine whose models are not known yet is assumed to serve anything: the engine
@@ -258,6 +294,25 @@ class LoadTracker:
             for s in self.engines.values()
             if s.healthy and not s.drained and not self.breaker_open(s, now_s)
         ]
+
+    def fleet_views(self) -> list[EngineView]:
+        """Every engine's view without its load (``all_views(with_load=False)``), built again
+        only when a field a view reads has changed (any engine's, ``_VIEW_CHANGES``) or a
+        breaker's open or trial time has passed since: the same list and views until then. The
+        views are shared by the requests routed meanwhile: the routing core's ``filter``/``refresh``
+        write each request's load and trust into its candidates before its choice, with no
+        await in between."""
+        now_s = time.monotonic()
+        if self._fleet_views_changes != _VIEW_CHANGES[0] or now_s >= self._fleet_views_until:
+            self._fleet_views_changes = _VIEW_CHANGES[0]
+            states = self.engines.values()
+            self._fleet_views = self._views(states, now_s, False)
+            # A breaker's verdict (``breaker_open``) changes when ``now`` passes its open or trial time.
+            self._fleet_views_until = min(
+                (t for s in states for t in (s.breaker_open_until_s, s.breaker_trial_until_s) if t > now_s),
+                default=math.inf,
+            )
+        return self._fleet_views
 
     def all_views(self, *, with_load: bool = True) -> list[EngineView]:
         """Every engine's view; the routing core's ``filter`` picks the candidates (``view``'s

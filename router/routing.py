@@ -461,10 +461,10 @@ class Router:
         arm = self._select_arm(ctx)
         ctx.arm, ctx.policy_name = arm.name, arm.policy.name
         uses_index = arm.policy.uses_index
-        # The fleet's views, built once per request and without their load: ``filter`` reads the
-        # candidates' load figures and index trust in place, so the second filter (after the
-        # annotator's await) sees the load of that moment.
-        views = self.tracker.all_views(with_load=False)
+        # The fleet's views, built once per change of the fleet and without their load:
+        # ``filter``/``refresh`` write the candidates' load figures and index trust in place
+        # (after the annotator's await: the load of that moment), right before the choice.
+        views = self.tracker.fleet_views()
         annotator = self.annotator
         if annotator is None:
             candidates = self.core.filter(request, views, uses_index=uses_index)
