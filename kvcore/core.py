@@ -942,7 +942,7 @@ class RoutingCore:
         parts = predict_parts(est, hits, prompt_tokens - sum(hits, 0.0), wait_tokens, in_flight)
         if chosen is not None and chosen.queued_ahead is not None:
             parts = priority_wait_parts(est, parts, chosen)
-        if chosen is not None:
+        if chosen is not None and chosen.extra:  # (only an engine with extra numbers has one)
             parts = admission_wait_parts(parts, chosen, request, prompt_tokens)
         return parts
 
