@@ -333,7 +333,10 @@ def _observe_grouped(
 ) -> None:
     """``histogram.observe`` of each finished request's ``value`` (None: not observed) under
     ``labels(key(request))``, label tuples in the order they first occur."""
-    groups = {k: list(filter(_not_none, map(value, g))) for k, g in groupby(sorted(finished, key=key), key)}
+    groups: dict[Any, list[float]] = {
+        k: list(filter(_not_none, map(value, g)))  # type: ignore[arg-type]  # (None filtered out)
+        for k, g in groupby(sorted(finished, key=key), key)
+    }
     observed_keys = compress(map(key, finished), map(_not_none, map(value, finished)))
     for k in dict.fromkeys(observed_keys):  # in the order of their first observed value
         histogram.observe_many(labels(k), groups[k])
