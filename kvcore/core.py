@@ -174,9 +174,16 @@ class InMemoryLoadLedger:
     def finish(self, ticket: LoadTicket) -> None:
         if ticket.done:
             return
-        self.first_token(ticket)
+        queued = 0
+        if ticket.prefill_pending:  # ``first_token`` and the finish in one change of the figures
+            ticket.prefill_pending = False
+            queued = -ticket.prefill_tokens
+            if ticket.priority is not None:
+                self._by_priority[ticket.engine_id].remove(
+                    (ticket.priority, ticket.priority_seq, ticket.prefill_tokens)
+                )
         ticket.done = True
-        self._change(ticket.engine_id, -1, 0)
+        self._change(ticket.engine_id, -1, queued)
 
     def load(self, engine_id: str) -> tuple[int, int]:
         return self._in_flight.get(engine_id, 0), self._queued.get(engine_id, 0)
@@ -798,18 +805,32 @@ class RoutingCore:
             for v in engines
             if v.healthy and not v.drained and (not model or not v.models or model in v.models)
         ]
-        cfg = self.config
-        if uses_index and 0 < cfg.prefilter_above_engines < len(out):
-            out = self._prefilter(request, out)
-            self.counters.prefiltered += 1
         if not refresh:
-            return out
+            return self._prefiltered(request, out) if uses_index else out
+        return self.refresh(request, out, uses_index=uses_index)
+
+    def refresh(
+        self, request: RouteRequest, candidates: list[EngineView], *, uses_index: bool = False
+    ) -> list[EngineView]:
+        """``filter``'s second half, for candidates ``filter(refresh=False)`` returned from the
+        same views (a caller that awaited between the two: the candidates are what filtering the
+        views again would give): the large fleet's pre-filter, then the load figures and index
+        trust refreshed in place."""
+        out = self._prefiltered(request, candidates) if uses_index else candidates
         ledger, costs, extra = self.ledger, self.costs, self._index_trusted
         for view in out:
-            view.in_flight, view.queued_prefill_tokens = ledger.load(view.engine_id)
-            trusted = costs.index_trusted(view.engine_id)
-            view.index_trusted = trusted and (extra is None or extra(view.engine_id))
+            engine_id = view.engine_id
+            view.in_flight, view.queued_prefill_tokens = ledger.load(engine_id)
+            trusted = costs.index_trusted(engine_id)
+            view.index_trusted = trusted and (extra is None or extra(engine_id))
         return out
+
+    def _prefiltered(self, request: RouteRequest, candidates: list[EngineView]) -> list[EngineView]:
+        """``candidates``, pre-filtered when there are more than ``prefilter_above_engines``."""
+        if 0 < self.config.prefilter_above_engines < len(candidates):
+            self.counters.prefiltered += 1
+            return self._prefilter(request, candidates)
+        return candidates
 
     def _prefilter(self, request: RouteRequest, engines: list[EngineView]) -> list[EngineView]:
         """The engines with the longest local (GPU or CPU) hits - a shared storage pool's copy is
@@ -921,7 +942,7 @@ class RoutingCore:
         parts = predict_parts(est, hits, prompt_tokens - sum(hits, 0.0), wait_tokens, in_flight)
         if chosen is not None and chosen.queued_ahead is not None:
             parts = priority_wait_parts(est, parts, chosen)
-        if chosen is not None:
+        if chosen is not None and chosen.extra:  # (only an engine with extra numbers has one)
             parts = admission_wait_parts(parts, chosen, request, prompt_tokens)
         return parts
 

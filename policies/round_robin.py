@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from policies.base import BasePolicy, Decision, FleetView, RouteRequest, register, require_engines
+
+_REASON = "turn {} of {} engines"
 
 
 @register("round_robin")
@@ -17,13 +21,14 @@ class RoundRobinPolicy(BasePolicy):
 
     def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
         engines = require_engines(fleet, self.name)
-        start = self._counter % len(engines)
+        n = len(engines)
+        start = self._counter % n
         self._counter += 1
-        order = [engines[(start + i) % len(engines)] for i in range(len(engines))]
+        order = [*engines[start:], *engines[:start]]  # engine (start + i) mod n at position i
         return Decision(
             engine_id=order[0].engine_id,
             policy=self.name,
-            reason=f"turn {start} of {len(engines)} engines",
+            reason=partial(_REASON.format, start, n),  # written when read (explain, a debug log)
             scores={e.engine_id: {"position": float(i)} for i, e in enumerate(order)},
-            fallbacks=tuple(e.engine_id for e in order[1:]),
+            fallbacks=tuple([e.engine_id for e in order[1:]]),
         )

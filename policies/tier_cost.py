@@ -274,8 +274,10 @@ class TierCostPolicy(BasePolicy):
             engine_id = engine.engine_id
             parts = parts_by_engine[engine_id] = self._predict(request, engine, costs, prompt_tokens)
             decode_s, pressure_s = self.secondary_s(engine)
-            work_s = work_weight * parts.service_s
-            cost_s = cost_by_engine[engine_id] = parts.total_s + work_s + decode_s + pressure_s
+            service_s = parts.service_s  # once: total_s is the waits plus it (PredictedParts.total_s)
+            work_s = work_weight * service_s
+            total_s = parts.wait_s + parts.slot_s + service_s
+            cost_s = cost_by_engine[engine_id] = total_s + work_s + decode_s + pressure_s
             terms[engine_id] = (work_s, decode_s, pressure_s, cost_s, 1.0 if engine.index_trusted else 0.0)
             priced.append((cost_s, engine))
         # The order is by (cost to the microsecond, in flight, a hash of request and engine): the

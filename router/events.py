@@ -1248,11 +1248,15 @@ class EventManager:
     def trusts(self, engine_id: str) -> bool:
         """``engine_id not in untrusted_engines()``, asking only that engine's sources (the
         routing core asks it per candidate and request)."""
-        sources = self._sources_of(engine_id)
-        if not sources:
-            return True
-        now = self._clock()
-        return all(self._distrust(h, now)[0] == "ok" for h in sources)
+        now = None
+        for h in self._by_engine.get(engine_id, ()):
+            if h.connected and not h.stale and (h.peer_connected or h.peer_lost_at is None):
+                continue  # ``_distrust`` says "ok" without reading the clock (the usual case)
+            if now is None:
+                now = self._clock()
+            if self._distrust(h, now)[0] != "ok":
+                return False
+        return True
 
     def untrusted_engines(self) -> set[str]:
         """Engines whose picture is not trusted (EngineView.index_trusted=False): any rank stale,

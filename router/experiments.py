@@ -27,6 +27,8 @@ from policies.base import TIERS, Policy, build_policy
 SESSION_ENTRY_BYTES = 144
 #: Header whose value forces an arm for one request (for tests and manual comparisons).
 FORCED_ARM_HEADER = "x-kvroute-arm"
+#: Longest session key whose digest is kept for the request's finish (``Experiments._digest``).
+_KEPT_KEY_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +133,9 @@ class ArmStats:
             if slot < self.reservoir_size:
                 self.ttft_samples_s[slot] = ttft_s
 
-    def conversation(self, session_key: str) -> list[float] | None:
-        key = xxhash.xxh3_64_intdigest(session_key.encode())
+    def conversation(self, session_key: str, digest: int | None = None) -> list[float] | None:
+        """The conversation's totals row (``digest``: the session key's, when known)."""
+        key = xxhash.xxh3_64_intdigest(session_key.encode()) if digest is None else digest
         row = self.conversations.get(key)
         if row is None and len(self.conversations) < self.max_conversations:
             row = self.conversations[key] = [0.0, 0.0, 0.0, 0.0]
@@ -169,7 +172,12 @@ class Experiments:
         # client-chosen strings of any length: a 1 MB ``user`` must not be kept whole).
         self._sessions: OrderedDict[int, str] = OrderedDict()
         self.arms: list[Arm] = []
+        self._by_name: dict[str, Arm] = {}
         self._bounds: list[float] = []
+        #: The last session key digested and its digest: a request's finish digests the key its
+        #: arm assignment did (the same string object), so it is hashed once per request.
+        self._last_key: str | None = None
+        self._last_digest = 0
         self._install(parse_experiment_config(config))
 
     def _install(self, configs: list[ArmConfig]) -> None:
@@ -189,6 +197,7 @@ class Experiments:
             bounds.append(acc)
         bounds[-1] = 1.0
         self.arms, self._bounds = arms, bounds
+        self._by_name = {a.name: a for a in arms}
         for i, a in enumerate(arms):
             if a.name not in self._stats:
                 self._stats[a.name] = ArmStats(
@@ -206,13 +215,13 @@ class Experiments:
         """The arm of a conversation: the forced one (header value), the one it had, or its hash bucket."""
         if forced_arm:
             return self.arm(forced_arm)
-        digest = xxhash.xxh3_64_intdigest(session_key.encode())
+        digest = self._digest(session_key)
         known = self._sessions.get(digest)
         if known is not None:
             self._sessions.move_to_end(digest)
-            for a in self.arms:
-                if a.name == known:
-                    return a
+            arm = self._by_name.get(known)
+            if arm is not None:
+                return arm
         bucket = session_bucket(session_key)
         chosen = self.arms[-1]
         for a, bound in zip(self.arms, self._bounds, strict=True):
@@ -223,6 +232,15 @@ class Experiments:
         while len(self._sessions) > self._max_sessions:
             self._sessions.popitem(last=False)
         return chosen
+
+    def _digest(self, session_key: str) -> int:
+        """xxh3_64 of the session key (the last key's digest kept)."""
+        if session_key is self._last_key:
+            return self._last_digest
+        digest = xxhash.xxh3_64_intdigest(session_key.encode())
+        if len(session_key) <= _KEPT_KEY_CHARS:  # a client's 1 MB ``user`` is not kept alive
+            self._last_key, self._last_digest = session_key, digest
+        return digest
 
     def bound_sessions(self, max_bytes: int) -> None:
         """Keep about ``max_bytes`` of session -> arm entries (SESSION_ENTRY_BYTES each)."""
@@ -255,7 +273,7 @@ class Experiments:
         if not ok:
             stats.errors += 1
             return
-        row = stats.conversation(session_key)
+        row = stats.conversation(session_key, self._digest(session_key))
         if ttft_s is not None and math.isfinite(ttft_s):
             stats.add_ttft(ttft_s)
             if row is not None:
@@ -270,8 +288,10 @@ class Experiments:
             if row is not None:
                 row[2] += cached_tokens
                 row[3] += prompt_tokens
-        for tier in TIERS:
-            stats.predicted_hit_tokens_by_tier[tier] += predicted_hit_tokens_by_tier[tier]
+        hits = stats.predicted_hit_tokens_by_tier  # per tier (GPU, CPU, storage), unrolled
+        hits[0] += predicted_hit_tokens_by_tier[0]
+        hits[1] += predicted_hit_tokens_by_tier[1]
+        hits[2] += predicted_hit_tokens_by_tier[2]
         stats.prompt_tokens += prompt_tokens
 
     def reload(self, new_config: Any) -> None:

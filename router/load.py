@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +29,32 @@ from router.metrics import RouterMetrics
 log = logging.getLogger("kvroute.load")
 
 
+#: The fields of ``EngineState`` its ``EngineView`` reads (a write of a new value to one of them
+#: makes ``LoadTracker.fleet_views`` build the views again).
+_VIEWED_FIELDS = frozenset(
+    {
+        "config",
+        "healthy",
+        "drained",
+        "breaker_open_until_s",
+        "breaker_trial_until_s",
+        "reported_block_size",
+        "models_view",
+        "extra",
+        "scraped",
+    }
+)
+#: Changes of any ``EngineState``'s viewed fields so far, in this process (``fleet_views``).
+_VIEW_CHANGES = [0]
+_UNSET = object()
+
+
 @dataclass(slots=True)
 class EngineState:
+    """One engine as the router knows it. A write of a new value to a field its view reads is
+    counted (``_VIEW_CHANGES``) wherever it comes from (this module, the scraper, the admin
+    endpoints, tests), so ``LoadTracker.fleet_views`` knows when its views are out of date."""
+
     config: EngineConfig
     healthy: bool = True
     #: Model ids the engine serves (config model plus what GET /v1/models reported).
@@ -61,6 +86,11 @@ class EngineState:
     #: (router.scrape.tier_capacities_tokens). Replaced whole, never mutated: views share it.
     extra: dict[str, float] = field(default_factory=dict)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _VIEWED_FIELDS and getattr(self, name, _UNSET) is not value:
+            _VIEW_CHANGES[0] += 1
+        object.__setattr__(self, name, value)
+
 
 class LoadTracker:
     """In-flight accounting and health per engine; the source of the policies' ``EngineView``s."""
@@ -79,6 +109,11 @@ class LoadTracker:
             [e.id for e in engines], on_change=metrics.set_in_flight if metrics else None
         )
         self.engines: dict[str, EngineState] = {}
+        #: ``fleet_views``'s views, the ``_VIEW_CHANGES`` count they were built at and the
+        #: monotonic time until which their breakers' verdicts hold.
+        self._fleet_views: list[EngineView] = []
+        self._fleet_views_changes = -1
+        self._fleet_views_until = 0.0
         #: LoRA adapter id -> its base model, from the engines' GET /v1/models.
         self.lora_adapters: dict[str, str] = {}
         for engine in engines:
@@ -180,6 +215,7 @@ class LoadTracker:
 
     def update_scraped(self, engine_id: str, values: dict[str, float]) -> None:
         self.engines[engine_id].scraped.update(values)
+        _VIEW_CHANGES[0] += 1  # changed in place: no attribute write counts it
 
     def serves(self, state: EngineState, model: str) -> bool:
         # An engine whose models are not known yet is assumed to serve anything: the engine
@@ -213,27 +249,42 @@ class LoadTracker:
         """``state`` as policies see it; ``now_s`` (monotonic) decides whether its breaker is open.
         ``with_load=False``: in-flight and queued figures left at 0, for a caller that reads them
         itself (the routing core's ``filter`` refreshes its candidates' load)."""
-        if now_s is None:
-            now_s = time.monotonic()
-        scraped = state.scraped
-        running = scraped.get("num_requests_running")
-        waiting = scraped.get("num_requests_waiting")
-        in_flight, queued = self.ledger.load(state.config.id) if with_load else (0, 0)
-        return EngineView(
-            engine_id=state.config.id,
-            url=state.config.url,
-            # An open circuit breaker takes the engine out like a failed health check.
-            healthy=state.healthy and not (state.breaker_open_until_s and self.breaker_open(state, now_s)),
-            drained=state.drained,
-            models=state.models_view,
-            in_flight=in_flight,
-            queued_prefill_tokens=queued,
-            num_requests_running=None if running is None else int(running),
-            num_requests_waiting=None if waiting is None else int(waiting),
-            kv_cache_usage=scraped.get("kv_cache_usage_perc"),
-            block_size=state.reported_block_size or state.config.block_size,
-            extra=state.extra,
-        )
+        return self._views((state,), time.monotonic() if now_s is None else now_s, with_load)[0]
+
+    def _views(self, states: Iterable[EngineState], now_s: float, with_load: bool) -> list[EngineView]:
+        """``view`` of each of ``states`` (one loop for a request's whole fleet, no call per engine)."""
+        views = []
+        ledger_load, breaker_open = self.ledger.load, self.breaker_open
+        for state in states:
+            config, scraped = state.config, state.scraped
+            if scraped:
+                running = scraped.get("num_requests_running")
+                waiting = scraped.get("num_requests_waiting")
+                running_count = None if running is None else int(running)
+                waiting_count = None if waiting is None else int(waiting)
+                kv_cache_usage = scraped.get("kv_cache_usage_perc")
+            else:
+                running_count = waiting_count = kv_cache_usage = None
+            in_flight, queued = ledger_load(config.id) if with_load else (0, 0)
+            views.append(
+                EngineView(  # positional, in field order (this runs per engine per request)
+                    config.id,  # engine_id
+                    config.url,  # url
+                    # An open circuit breaker takes the engine out like a failed health check.
+                    state.healthy and not (state.breaker_open_until_s and breaker_open(state, now_s)),
+                    in_flight,
+                    queued,  # queued_prefill_tokens
+                    running_count,  # num_requests_running
+                    waiting_count,  # num_requests_waiting
+                    kv_cache_usage,
+                    state.reported_block_size or config.block_size,  # block_size
+                    True,  # index_trusted
+                    state.drained,
+                    state.models_view,  # models
+                    state.extra,
+                )
+            )
+        return views
 
     def serving(self) -> list[EngineState]:
         """Engines that take new requests: healthy, not drained, breaker closed (GET /ready counts)."""
@@ -244,11 +295,29 @@ class LoadTracker:
             if s.healthy and not s.drained and not self.breaker_open(s, now_s)
         ]
 
+    def fleet_views(self) -> list[EngineView]:
+        """Every engine's view without its load (``all_views(with_load=False)``), built again
+        only when a field a view reads has changed (any engine's, ``_VIEW_CHANGES``) or a
+        breaker's open or trial time has passed since: the same list and views until then. The
+        views are shared by the requests routed meanwhile: the routing core's ``filter``/``refresh``
+        write each request's load and trust into its candidates before its choice, with no
+        await in between."""
+        now_s = time.monotonic()
+        if self._fleet_views_changes != _VIEW_CHANGES[0] or now_s >= self._fleet_views_until:
+            self._fleet_views_changes = _VIEW_CHANGES[0]
+            states = self.engines.values()
+            self._fleet_views = self._views(states, now_s, False)
+            # A breaker's verdict (``breaker_open``) changes when ``now`` passes its open or trial time.
+            self._fleet_views_until = min(
+                (t for s in states for t in (s.breaker_open_until_s, s.breaker_trial_until_s) if t > now_s),
+                default=math.inf,
+            )
+        return self._fleet_views
+
     def all_views(self, *, with_load: bool = True) -> list[EngineView]:
         """Every engine's view; the routing core's ``filter`` picks the candidates (``view``'s
         ``with_load``)."""
-        now_s = time.monotonic()
-        return [self.view(s, now_s, with_load=with_load) for s in self.engines.values()]
+        return self._views(self.engines.values(), time.monotonic(), with_load)
 
 
 class EnginePoller:

@@ -14,7 +14,11 @@ bulk every ``FOLD_EVERY`` requests and before each scrape.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial, reduce
+from itertools import compress, groupby
+from operator import add, is_not, itemgetter
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -93,11 +97,12 @@ class LoopCounter(_LoopMetric):
     def inc(self, labels: tuple[str, ...], amount: float = 1.0) -> None:
         self._values[labels] = self._values.get(labels, 0.0) + amount
 
-    def inc_all(self, labels: Iterable[tuple[str, ...]]) -> None:
-        """``inc`` by 1 for each label tuple, in one call (a batch's counts)."""
+    def inc_counts(self, counts: Mapping[tuple[str, ...], int]) -> None:
+        """``inc`` by ``count`` for each (labels, count), in the order given: a batch's counts
+        (a count added at once equals that many additions of 1.0: whole numbers are exact)."""
         values = self._values
-        for key in labels:
-            values[key] = values.get(key, 0.0) + 1.0
+        for key, count in counts.items():
+            values[key] = values.get(key, 0.0) + count
 
     def _family(self) -> Any:
         return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -139,6 +144,19 @@ class LoopHistogram(_LoopMetric):
                 row = values[labels] = [0.0] * width
             row[bisect_left(bounds, value)] += 1  # the first bucket whose bound is >= value
             row[-1] += value
+
+    def observe_many(self, labels: tuple[str, ...], observed: Sequence[float]) -> None:
+        """``observe`` of each value in ``observed`` (non-empty) under one label tuple, with the
+        steps per value in C: the bucket of each value (``bisect_left``, as ``observe_all``)
+        counted, and the sum added up in the same order (``reduce``: the same float result as
+        adding them one by one)."""
+        values = self._values
+        row = values.get(labels)
+        if row is None:
+            row = values[labels] = [0.0] * (len(self.bounds) + 2)
+        for bucket, count in Tally(map(partial(bisect_left, self.bounds), observed)).items():
+            row[bucket] += count
+        row[-1] = reduce(add, observed, row[-1])
 
     def _family(self) -> Any:
         return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -271,13 +289,17 @@ class RouterMetrics:
 
     def _fold(self) -> None:
         """Count the finished requests not yet counted (the same figures ``on_finished`` wrote one
-        by one before: requests by status, latency and router time)."""
+        by one before: requests by status, latency and router time). The requests are grouped
+        by their labels with C-level steps (a batch is mostly a few label tuples), each group's
+        values observed at once; the groups go in the order their labels first occur."""
         finished, self._finished = self._finished, []
         if not finished:
             return
-        self.requests.inc_all([(e, p, a, str(status)) for e, p, a, status, _, _ in finished])
-        self.latency_s.observe_all([((e, p, a), s) for e, p, a, _, s, _ in finished if s is not None])
-        self.router_s.observe_all([((a,), s) for _, _, a, _, _, s in finished if s is not None])
+        self.requests.inc_counts(
+            {(e, p, a, str(status)): n for (e, p, a, status), n in Tally(map(_STATUS_KEY, finished)).items()}
+        )
+        _observe_grouped(self.latency_s, finished, _ROUTE_KEY, _LATENCY, lambda key: key)
+        _observe_grouped(self.router_s, finished, _ARM_KEY, _ROUTER_TIME, lambda arm: (arm,))
 
     def set_in_flight(self, engine_id: str, count: int) -> None:
         self.in_flight.set((engine_id,), count)
@@ -291,6 +313,33 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+#: Fields of a finished-request tuple (``RouterMetrics._finished``).
+_STATUS_KEY = itemgetter(0, 1, 2, 3)
+_ROUTE_KEY = itemgetter(0, 1, 2)
+_ARM_KEY = itemgetter(2)
+_LATENCY = itemgetter(4)
+_ROUTER_TIME = itemgetter(5)
+_not_none = partial(is_not, None)
+
+
+def _observe_grouped(
+    histogram: LoopHistogram,
+    finished: list[tuple[str, str, str, int, float | None, float | None]],
+    key: Callable[[Any], Any],
+    value: Callable[[Any], float | None],
+    labels: Callable[[Any], tuple[str, ...]],
+) -> None:
+    """``histogram.observe`` of each finished request's ``value`` (None: not observed) under
+    ``labels(key(request))``, label tuples in the order they first occur."""
+    groups: dict[Any, list[float]] = {
+        k: list(filter(_not_none, map(value, g)))  # type: ignore[arg-type]  # (None filtered out)
+        for k, g in groupby(sorted(finished, key=key), key)
+    }
+    observed_keys = compress(map(key, finished), map(_not_none, map(value, finished)))
+    for k in dict.fromkeys(observed_keys):  # in the order of their first observed value
+        histogram.observe_many(labels(k), groups[k])
 
 
 class _CallbackCollector:

@@ -66,6 +66,7 @@ COMPLETIONS = "completions"
 ENDPOINT_PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
 STATUS_CLIENT_GONE = 499  # nginx's convention: the client closed the connection first
 _USAGE_TAIL_BYTES = 16384  # the final usage chunk of a stream is well under this
+_FORWARDED = frozenset(FORWARDED_REQUEST_HEADERS)
 
 Receive = Callable[[], Awaitable[Mapping[str, Any]]]
 Send = Callable[[Any], Awaitable[None]]
@@ -217,6 +218,8 @@ _TYPED_FIELDS: tuple[tuple[str, tuple[type, ...], str], ...] = (
     ("user", (str,), "a string"),
     ("stream_options", (dict,), "an object"),
 )
+#: Each typed field's rank in ``_TYPED_FIELDS`` (the first bad one in that order is named).
+_TYPED_RANK = {key: rank for rank, (key, _, _) in enumerate(_TYPED_FIELDS)}
 
 
 def _text_chars(content: Any) -> int:
@@ -333,9 +336,10 @@ def parse_request(
         if "prompt" not in body:
             raise bad_request("'prompt' is required", "missing_prompt")
         _validate_prompt(body["prompt"])
-    for key, types, what in _TYPED_FIELDS:
-        if key in body:
-            _check_type(body, key, types, what)
+    present = _TYPED_RANK.keys() & body.keys()  # (in C: most bodies have one or two of them)
+    for key in sorted(present, key=_TYPED_RANK.__getitem__) if len(present) > 1 else present:
+        _, types, what = _TYPED_FIELDS[_TYPED_RANK[key]]
+        _check_type(body, key, types, what)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     route_request = RouteRequest(
         request_id=request_id,
@@ -458,10 +462,10 @@ class Router:
         arm = self._select_arm(ctx)
         ctx.arm, ctx.policy_name = arm.name, arm.policy.name
         uses_index = arm.policy.uses_index
-        # The fleet's views, built once per request and without their load: ``filter`` reads the
-        # candidates' load figures and index trust in place, so the second filter (after the
-        # annotator's await) sees the load of that moment.
-        views = self.tracker.all_views(with_load=False)
+        # The fleet's views, built once per change of the fleet and without their load:
+        # ``filter``/``refresh`` write the candidates' load figures and index trust in place
+        # (after the annotator's await: the load of that moment), right before the choice.
+        views = self.tracker.fleet_views()
         annotator = self.annotator
         if annotator is None:
             candidates = self.core.filter(request, views, uses_index=uses_index)
@@ -478,9 +482,9 @@ class Router:
             ctx.fleet = fleet
             await annotator.annotate(ctx)
             # No await from here to reserve: other requests' load is what it is at the choice.
-            # (The views' health, drain and models are those of before the await: filtering the
-            # candidates again is filtering every view again.)
-            fleet.engines = candidates = self.core.filter(request, candidates, uses_index=uses_index)
+            # (The views' health, drain and models are those of before the await: the candidates
+            # are what filtering the views again would give, so only their load and trust are read.)
+            fleet.engines = candidates = self.core.refresh(request, candidates, uses_index=uses_index)
         ctx.fleet = fleet
         fleet.now = now = time.monotonic()
         fleet.costs = self.core.costs
@@ -650,8 +654,8 @@ class Router:
         upstream_headers = b"content-type: application/json\r\nx-request-id: %s\r\n" % ctx.request_id.encode(
             "latin-1"
         )
-        forwarded = {name: headers[name] for name in FORWARDED_REQUEST_HEADERS if name in headers}
-        if forwarded:
+        if not _FORWARDED.isdisjoint(headers):  # (in C: most requests have none of them)
+            forwarded = {name: headers[name] for name in FORWARDED_REQUEST_HEADERS if name in headers}
             upstream_headers += encode_headers(forwarded)
         return upstream_headers, self._upstream_body(ctx)
 
@@ -1204,7 +1208,9 @@ class _HookDisconnectWatcher(DisconnectWatcher):
     __slots__ = ("_hook",)
 
     def __init__(self, hook: Callable[[Callable[[], None] | None], bool]) -> None:
-        super().__init__()
+        # ``DisconnectWatcher.__init__``'s fields set here (one call less per request).
+        self.answered = self.fired = False
+        self._task = asyncio.current_task()
         self._hook = hook
         if hook(self._fire):
             self._fire()

@@ -150,3 +150,70 @@ def test_load_tracker_ledger_and_core_filter() -> None:
     tracker.update_scraped("c", {"num_requests_waiting": 4.0})
     assert tracker.view(tracker.engines["c"]).num_requests_waiting == 4
     assert 'kvroute_engine_healthy{engine="a"} 1.0' in metrics.render().decode()
+
+
+def _fields(views: list) -> list[tuple]:
+    """What a view says of its engine's state (its load and trust are the core's to write)."""
+    return [
+        (
+            v.engine_id,
+            v.url,
+            v.healthy,
+            v.drained,
+            v.models,
+            v.num_requests_running,
+            v.num_requests_waiting,
+            v.kv_cache_usage,
+            v.block_size,
+            v.extra,
+        )
+        for v in views
+    ]
+
+
+def test_fleet_views_are_rebuilt_after_every_change_of_what_a_view_reads() -> None:
+    # Catches: fleet_views handing out views of a fleet that has changed since (a write from
+    # outside load.py, a scrape, a breaker's open time running out without any write).
+    import time
+
+    from router.load import LoadTracker
+
+    tracker = LoadTracker(
+        [EngineConfig(id="a", url="http://a:1", model="m"), EngineConfig(id="b", url="http://b:1")]
+    )
+    tracker.configure_breaker(1, 0.05)
+    views = tracker.fleet_views()
+    assert tracker.fleet_views() is views  # nothing changed: the same views
+    tracker.set_health("a", True)  # the value it has: not a change
+    assert tracker.fleet_views() is views
+
+    def same_as_fresh() -> list:
+        got = tracker.fleet_views()
+        assert _fields(got) == _fields(tracker.all_views(with_load=False))
+        return got
+
+    changes = [
+        lambda: setattr(tracker.engines["b"], "drained", True),  # as POST /admin/.../drain does
+        lambda: setattr(tracker.engines["b"], "drained", False),  # as .../undrain (service.py) does
+        lambda: tracker.set_health("a", False, "refused"),
+        lambda: tracker.set_health("a", True),
+        lambda: tracker.update_scraped("b", {"num_requests_waiting": 3.0, "kv_cache_usage_perc": 0.5}),
+        lambda: setattr(tracker.engines["b"], "extra", {"cpu_tokens": 1.0}),  # as the scraper does
+        lambda: setattr(tracker.engines["b"], "reported_block_size", 32),
+        lambda: tracker.set_models("a", [{"id": "m2"}]),
+    ]
+    for change in changes:
+        before = same_as_fresh()
+        change()
+        after = same_as_fresh()
+        assert after is not before and _fields(after) != _fields(before)
+    tracker.record_failure("a", "refused")  # one failure opens it (threshold 1) for 0.05 s
+    opened = same_as_fresh()
+    assert [v.healthy for v in opened] == [False, True]
+    deadline = tracker.engines["a"].breaker_open_until_s
+    while time.monotonic() <= deadline:  # the open time runs out: no write says so
+        pass
+    half_open = same_as_fresh()
+    assert [v.healthy for v in half_open] == [True, True]
+    tracker.claim_trial("a")  # the one trial is out: the others keep away
+    assert [v.healthy for v in same_as_fresh()] == [False, True]

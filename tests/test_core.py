@@ -155,3 +155,45 @@ def test_experiments_get_engine_reported_hits_and_client_ttft_only_for_streams()
     assert arm["hit_rate"] == pytest.approx(0.4)  # reported cached, not the index's 80 predicted
     assert arm["predicted"]["hit_rate"] == pytest.approx(0.8)
     assert arm["conversations"] == 1
+
+
+def test_finish_without_a_first_token_releases_prefill_priority_and_in_flight_in_one_change() -> None:
+    # Catches: the one-change finish leaving a prioritised prefill in queued_ahead, or counting
+    # the in-flight gauge twice (on_change runs for in-flight changes only).
+    changes: list[tuple[str, int]] = []
+    ledger = InMemoryLoadLedger(["e0"], on_change=lambda e, n: changes.append((e, n)), ordered=True)
+    first, second = ledger.reserve("e0", 300), ledger.reserve("e0", 200)
+    ledger.set_priority(first, 5)
+    ledger.set_priority(second, 9)
+    assert ledger.queued_ahead("e0", 10) == 500
+    ledger.finish(first)  # no first token: its prefill goes with it
+    ledger.finish(first)  # once only
+    assert ledger.load("e0") == (1, 200) and ledger.queued_ahead("e0", 10) == 200
+    assert ledger.queued_ahead("e0", 6) == 0  # the priority-5 entry is gone, 9 is behind 6
+    assert list(ledger.least_loaded()) == ["e0"]
+    ledger.first_token(second)
+    ledger.finish(second)
+    assert ledger.load("e0") == (0, 0) and ledger.queued_ahead("e0", 10) == 0
+    assert changes == [("e0", 1), ("e0", 2), ("e0", 1), ("e0", 0)]
+
+
+def test_refresh_after_an_unrefreshed_filter_is_the_whole_filter() -> None:
+    # Catches: decide's refresh of the annotated candidates differing from filtering again
+    # (the pre-filter of a large fleet, the load figures, the trust).
+    fleet = views(80)
+    fleet[3].healthy = False
+    core = core_for([v.engine_id for v in fleet], index_trusted=lambda e: e != "e7")
+    core.ledger.reserve("e5", 100)
+    request = RouteRequest("r", prefix_matches={"e9": PrefixMatch(4, (4, 0, 0))})
+    whole = [
+        (v.engine_id, v.in_flight, v.queued_prefill_tokens, v.index_trusted)
+        for v in core.filter(request, fleet, uses_index=True)
+    ]
+    candidates = core.filter(request, fleet, refresh=False)
+    for v in fleet:
+        v.in_flight, v.queued_prefill_tokens, v.index_trusted = -1, -1, True
+    split = [
+        (v.engine_id, v.in_flight, v.queued_prefill_tokens, v.index_trusted)
+        for v in core.refresh(request, candidates, uses_index=True)
+    ]
+    assert split == whole and len(whole) < 79 and ("e9", 0, 0, True) in whole
