@@ -15,8 +15,13 @@ callback (``disconnect_watcher``), not from a task reading ``receive``.
 
 The exchange is a stand-in for uvicorn's cycle wherever the protocol touches one (``body``,
 ``more_body``, ``message_event``, ``disconnected``, ``keep_alive``, ``response_complete``,
-``run_asgi``), so uvicorn's own body feeding, pipelining, keep-alive and shutdown logic run
-unchanged for both kinds of request.
+``run_asgi``), so uvicorn's pipelining and shutdown logic run unchanged for both kinds of request.
+
+Per request, the protocol does only what a request needs (round dp11): the ASGI scope is built
+once its headers are in (the proxied kind or uvicorn's own), a proxied request's body bytes are
+handed to the exchange without uvicorn's per-chunk checks and copies, and the keep-alive timeout is
+one timer per connection that is re-armed only when it fires (uvicorn arms and cancels a timer per
+request): ``_idle_since_s`` says since when the connection waits for its next request.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 
 import httptools
 from mypy_extensions import mypyc_attr
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 log = logging.getLogger("kvroute.fastpath")
@@ -89,8 +95,9 @@ class ProxyExchange:
         self.scope = scope
         self.keep_alive = keep_alive
         self.expect_100_continue = expect_100_continue
-        # Filled by uvicorn's on_body / on_message_complete / connection_lost.
-        self.body = bytearray()
+        # Filled by the protocol's on_body / on_message_complete / connection_lost: the first chunk
+        # kept as it came (bytes), later ones appended to a bytearray.
+        self.body: bytes | bytearray = b""
         self.more_body = True
         self.disconnected = False
         self.response_started = False
@@ -114,6 +121,17 @@ class ProxyExchange:
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
+
+    def add_body(self, chunk: bytes) -> int:
+        """Body bytes from the parser (the protocol's ``on_body``); the size held so far."""
+        body = self.body
+        if not body:
+            self.body = chunk  # the usual case, the whole body in one chunk: no copy
+            return len(chunk)
+        if type(body) is bytes:
+            body = self.body = bytearray(body)
+        body += chunk
+        return len(body)
 
     def clear(self) -> None:
         return None
@@ -161,8 +179,8 @@ class ProxyExchange:
         the client still there), taken as ``receive`` would; else None: use ``receive``."""
         if self.more_body or self.expect_100_continue or self.disconnected or self.response_complete:
             return None
-        body, self.body = bytes(self.body), bytearray()
-        return body
+        body, self.body = self.body, b""
+        return body if type(body) is bytes else bytes(body)
 
     # -- the ASGI side
     async def receive(self) -> dict[str, Any]:
@@ -176,8 +194,12 @@ class ProxyExchange:
             await waiter
         if self.disconnected or self.response_complete:
             return {"type": "http.disconnect"}
-        body, self.body = bytes(self.body), bytearray()
-        return {"type": "http.request", "body": body, "more_body": self.more_body}
+        body, self.body = self.body, b""
+        return {
+            "type": "http.request",
+            "body": body if type(body) is bytes else bytes(body),
+            "more_body": self.more_body,
+        }
 
     async def send(self, message: dict[str, Any]) -> None:
         protocol = self._protocol
@@ -238,21 +260,27 @@ class ProxyExchange:
 
     def _start(self, status: int, headers: Any) -> None:
         """The status line and headers, kept to go out with the first body bytes (one write)."""
-        parts = [STATUS_LINE[status], _default_head(self._protocol.server_state.default_headers)]
-        chunked = True
-        for name, value in headers:
-            if name == b"content-length":
-                chunked = False
-            elif name == b"connection" and b"close" in value.lower():
-                self.keep_alive = False
-            parts += [name, b": ", value, b"\r\n"]
-        if chunked:
-            parts.append(b"transfer-encoding: chunked\r\n")
-        if not self.keep_alive:
-            parts.append(b"connection: close\r\n")
-        parts.append(b"\r\n")
+        if type(headers) is not list:
+            headers = list(headers)
+        names = dict(headers)  # which headers there are (lines joined in C below, no loop here)
+        chunked = b"content-length" not in names
+        if b"connection" in names and any(
+            name == b"connection" and b"close" in value.lower() for name, value in headers
+        ):
+            self.keep_alive = False
+        lines = b"\r\n".join(map(b": ".join, headers))
         self._chunked = chunked
-        self._head = b"".join(parts)
+        self._head = b"".join(
+            (
+                STATUS_LINE[status],
+                _default_head(self._protocol.server_state.default_headers),
+                lines,
+                b"\r\n" if lines else b"",
+                b"transfer-encoding: chunked\r\n" if chunked else b"",
+                b"" if self.keep_alive else b"connection: close\r\n",
+                b"\r\n",
+            )
+        )
 
 
 # router/guard.py subclasses it; when mypyc compiles this module (tools/mypyc_build.py) a compiled
@@ -267,9 +295,27 @@ class ProxyHttpProtocol(HttpToolsProtocol):
     #: end of a chunk, and run as a task otherwise (``_start_deferred``).
     _deferred: tuple[ProxyExchange, ProxyApp] | None = None
     _upload_timer: asyncio.TimerHandle | None = None
+    #: The request being received when it is a proxied one (its body goes to the exchange).
+    _exchange: ProxyExchange | None = None
+    #: The loop time since which the connection has waited for its next request after an answer
+    #: (0: it has not, or bytes came since): the keep-alive timeout counts from there.
+    _idle_since_s = 0.0
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
+        # uvicorn's, with the keep-alive timer left armed: bytes mark the connection busy instead
+        # (``_keep_alive_due``).
+        self._idle_since_s = 0.0
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
         deferred = self._deferred
         if deferred is None:
             return
@@ -315,6 +361,12 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         # A request cut off during its upload: its task sees the disconnect and counts it.
         self._start_deferred()
 
+    def on_message_begin(self) -> None:
+        # uvicorn's, but the scope: built once the headers say which kind of request this is.
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+
     def on_headers_complete(self) -> None:
         app = self.app
         proxy_app = getattr(app, "proxy_app", None)
@@ -325,24 +377,39 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             or self.limit_concurrency is not None
             or parser.should_upgrade()
         ):
-            super().on_headers_complete()
+            self.asgi_headers_complete()
             return
-        # Any: httptools types ``query`` as bytes but gives None without a query (compiled, the
-        # declared type would be checked on read).
-        parsed: Any = httptools.parse_url(self.url)
-        path = app.proxy_paths.get(parsed.path)
-        if path is None:
-            super().on_headers_complete()
-            return
-        scope: dict[str, Any] = self.scope  # type: ignore[assignment]
-        scope["method"] = "POST"
+        url = self.url
+        path = app.proxy_paths.get(url)  # the usual request line: the path alone, no query
+        if path is not None:
+            raw_path, query = url, b""
+        else:
+            # Any: httptools types ``query`` as bytes but gives None without a query (compiled,
+            # the declared type would be checked on read).
+            parsed: Any = httptools.parse_url(url)
+            raw_path, query = parsed.path, parsed.query or b""
+            path = app.proxy_paths.get(raw_path)
+            if path is None:
+                self.asgi_headers_complete()
+                return
         http_version = parser.get_http_version()
-        if http_version != "1.1":
-            scope["http_version"] = http_version
-        scope["path"] = path
-        scope["raw_path"] = parsed.path
-        scope["query_string"] = parsed.query or b""
-        exchange = ProxyExchange(
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": http_version,
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+            "method": "POST",
+            "path": path,
+            "raw_path": raw_path,
+            "query_string": query,
+        }
+        self.scope = scope  # type: ignore[assignment]
+        exchange = self._exchange = ProxyExchange(
             self,
             scope,
             keep_alive=http_version != "1.0" and parser.should_keep_alive(),
@@ -360,3 +427,75 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             # Pipelined behind an answer still going out: uvicorn starts it when that one is done.
             self.flow.pause_reading()
             self.pipeline.appendleft((exchange, proxy_app))  # type: ignore[arg-type]
+
+    def asgi_headers_complete(self) -> None:
+        """The request whose headers are in goes to the ASGI app (``self.app``) as uvicorn runs it:
+        its scope as uvicorn's ``on_message_begin`` builds it, then uvicorn's request cycle."""
+        self._exchange = None
+        self.scope = {  # type: ignore[typeddict-item]
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,  # type: ignore[typeddict-item]
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+        }
+        HttpToolsProtocol.on_headers_complete(self)
+
+    def on_body(self, body: bytes) -> None:
+        exchange = self._exchange
+        if exchange is None:
+            HttpToolsProtocol.on_body(self, body)
+            return
+        # A proxied request never upgrades (on_headers_complete): uvicorn's on_body without that check.
+        if exchange.response_complete:
+            return
+        if exchange.add_body(body) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        if exchange._waiter is not None:
+            exchange.set()
+
+    def on_message_complete(self) -> None:
+        exchange = self._exchange
+        if exchange is None:
+            HttpToolsProtocol.on_message_complete(self)
+            return
+        if not exchange.response_complete:
+            exchange.more_body = False
+            if exchange._waiter is not None:
+                exchange.set()
+
+    def on_response_complete(self) -> None:
+        # uvicorn's, with the keep-alive timer armed only when none is (``_keep_alive_due``).
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        flow = self.flow
+        if flow.read_paused:
+            flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_since_s = now = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_at(
+                now + self.timeout_keep_alive, self._keep_alive_due
+            )
+
+    def _keep_alive_due(self) -> None:
+        """The keep-alive timer: the connection is closed when it has waited for its next request
+        for ``timeout_keep_alive`` (uvicorn's timeout), else the timer is armed for the rest of
+        that wait; a connection that is busy gets it again after its answer."""
+        self.timeout_keep_alive_task = None
+        idle_since_s = self._idle_since_s
+        if not idle_since_s or self.transport.is_closing():
+            return
+        due_s = idle_since_s + self.timeout_keep_alive
+        if self.loop.time() >= due_s:
+            self.timeout_keep_alive_handler()
+        else:
+            self.timeout_keep_alive_task = self.loop.call_at(due_s, self._keep_alive_due)

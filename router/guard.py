@@ -18,6 +18,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
+from itertools import chain
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -178,12 +179,15 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
 
         def on_headers_complete(self) -> None:
             self._in_headers = False
-            self._stop_header_timer()
+            if self._header_timer is not None:
+                self._stop_header_timer()
             self.waiting.pop(self, None)
             self.uploading[self] = None
             self._waiting_since_s = self.loop.time()
-            too_many = len(self.headers) > self.max_headers  # uvicorn keeps every header line
-            too_big = sum(len(n) + len(v) + 4 for n, v in self.headers) + len(self.url)
+            headers = self.headers
+            too_many = len(headers) > self.max_headers  # uvicorn keeps every header line
+            # Each line's name, value and ": " + CRLF, summed in C (no Python call per header).
+            too_big = sum(map(len, chain.from_iterable(headers))) + 4 * len(headers) + len(self.url)
             self._header_bytes = 0
             if not too_many and too_big <= self.max_header_bytes:
                 super().on_headers_complete()
@@ -208,7 +212,8 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
             if not self.transport.is_closing():
                 self._in_headers = True  # waiting for the next request on this connection
                 self.waiting[self] = None
-                self._waiting_since_s = self.loop.time()
+                # The keep-alive wait's start (router/fastpath.py), or now for a pipelined request.
+                self._waiting_since_s = self._idle_since_s or self.loop.time()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_header_timer()

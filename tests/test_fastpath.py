@@ -165,6 +165,38 @@ def test_keep_alive_many_requests_one_connection_and_errors_keep_it(router) -> N
             assert answer.headers.get("connection") != "close"
 
 
+def test_keep_alive_timeout_closes_an_idle_connection_and_never_a_busy_one(upstreams: Any) -> None:
+    """The keep-alive timer is one per connection, re-armed only when it fires (router/fastpath.py):
+    a connection whose requests keep coming stays open across several timeouts' worth of time,
+    and one left idle is closed about the timeout after its last answer."""
+    engines = upstreams(1)
+    config = load_config(
+        environ={},
+        overrides={
+            "engines": [{"id": u.name, "url": url, "model": MODEL} for u, url in engines],
+            "health": {"interval_s": 0},
+        },
+    )
+    server = ThreadedServer(create_app(config))
+    server.server.config.timeout_keep_alive = 0.5  # read by each new connection's protocol
+    server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            started = time.monotonic()
+            while time.monotonic() - started < 2.0:  # four timeouts' worth, a request every 0.2 s
+                sock.sendall(post("/v1/chat/completions", chat()))
+                (answer,) = read_answers(sock, 1)
+                assert answer.status_code == 200
+                time.sleep(0.2)
+            answered = time.monotonic()
+            sock.settimeout(10)
+            assert sock.recv(1) == b""  # closed by the router, not by the 10 s socket timeout
+            idle_s = time.monotonic() - answered
+    finally:
+        server.stop()
+    assert 0.3 <= idle_s < 3.0, idle_s
+
+
 def test_the_engine_gets_the_routers_header_lines_and_only_the_forwarded_client_ones(router) -> None:
     """The upstream request's header block (encoded once per request, router/proxy.py): the JSON
     content type, the request id, the body's length, the forwarded tracing/session/auth headers

@@ -117,6 +117,39 @@ async def test_keep_alive_connection_is_reused(client: UpstreamClient) -> None:
         assert not client._running
 
 
+async def test_a_whole_answer_in_one_chunk_wakes_its_reader_once_with_all_of_it(
+    client: UpstreamClient,
+) -> None:
+    """The answer's callback (``on_event``, the callback path's relay) runs once per chunk read,
+    after the whole chunk is parsed: an answer that comes in one chunk is seen complete - status,
+    headers, body and its end - by the first and only call, with its connection already back in the
+    pool for the next request."""
+    async with Engine() as engine:
+        await (await client.send(engine.url + "/ok", b"{}", {})).read()  # a pooled connection
+        response = client.send_on_idle(engine.url + "/ok", b"{}", b"")
+        assert response is not None
+        seen: list[tuple[int, str, bool, bytes, int]] = []
+        pool, _ = client._pool_of(engine.url + "/ok")
+        done = asyncio.Event()
+
+        def on_event() -> None:
+            seen.append(
+                (
+                    response.status,
+                    response.headers["content-type"],
+                    response.done,
+                    response.take_body(),
+                    len(pool.idle),
+                )
+            )
+            done.set()
+
+        response.on_event = on_event
+        await asyncio.wait_for(done.wait(), 5)
+        await asyncio.sleep(0.05)  # nothing more comes for this answer
+        assert seen == [(200, "application/json", True, b'{"ok": true}', 1)]
+
+
 async def test_stream_relays_events_and_its_connection_goes_back_to_the_pool(client: UpstreamClient) -> None:
     async with Engine() as engine:
         for _ in range(2):
