@@ -84,6 +84,8 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._header_bytes = 0
+            # Requests begun, and those whose headers were complete (pipelining, in data_received).
+            self._heads_begun = self._heads_done = 0
             self._in_headers = True
             self._answered_one = False
             self._header_timer: asyncio.TimerHandle | None = None
@@ -156,8 +158,19 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
                 # also holds the end of the headers and a body goes on in a second feed.
                 budget = self.max_header_bytes + HEADER_SLACK_BYTES - self._header_bytes
                 head, data = data[:budget], data[budget:]
+                heads_before = self._heads_done
                 super().data_received(head)
                 if self._in_headers and not self.transport.is_closing():
+                    if self._heads_done != heads_before:
+                        # A request's headers ended in ``head`` and a pipelined one's began: the
+                        # bytes before it were not its headers. The rest of the chunk goes on
+                        # with a budget of its own (the new request's first bytes in ``head`` go
+                        # uncounted: one read at most; on_headers_complete checks the exact size).
+                        if data:
+                            self.data_received(data)
+                        elif self._heads_begun != self._heads_done:
+                            self._start_header_timer()  # (not when it waits for the next request)
+                        return
                     self._header_bytes += len(head)
                     if data or self._header_bytes >= self.max_header_bytes + HEADER_SLACK_BYTES:
                         self._reject(431, b"request headers exceed limits.max_header_bytes")
@@ -170,15 +183,17 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
                 if not data or self.transport.is_closing():
                     return
             super().data_received(data)
-            if self._in_headers and not self.transport.is_closing():
+            if self._heads_begun != self._heads_done and not self.transport.is_closing():
                 self._start_header_timer()  # a pipelined request's headers began in this chunk
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._in_headers = True
+            self._heads_begun += 1
 
         def on_headers_complete(self) -> None:
             self._in_headers = False
+            self._heads_done += 1
             if self._header_timer is not None:
                 self._stop_header_timer()
             self.waiting.pop(self, None)
