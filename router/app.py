@@ -236,11 +236,8 @@ class LivenessObserver:
     def on_routed(self, ctx: RouteContext) -> None:
         # A half-open breaker lets one request through. The decision names the engine: on_routed
         # runs before the request is sent, so ``ctx.engine_id`` is not set yet.
-        decision = ctx.decision
-        if decision is not None:
-            state = self._engines.get(decision.engine_id)
-            if state is not None and state.breaker_open_until_s:  # else claim_trial does nothing
-                self._tracker.claim_trial(decision.engine_id)
+        if ctx.decision is not None:
+            self._tracker.claim_trial(ctx.decision.engine_id)
 
     def on_first_byte(self, ctx: RouteContext) -> None:
         self._answered(ctx.engine_id)

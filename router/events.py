@@ -1155,9 +1155,12 @@ class EventManager:
 
     # ----------------------------------------------------------------------------- health
 
-    def _distrust(self, h: SourceHealth, now: float) -> tuple[str, str | None]:
-        """(status, why untrusted or None). One rule for ``health()`` and ``untrusted_engines()``."""
-        absent_s = None if h.peer_connected or h.peer_lost_at is None else now - h.peer_lost_at
+    def _distrust(self, h: SourceHealth, now: float | None = None) -> tuple[str, str | None]:
+        """(status, why untrusted or None). One rule for ``health()``, ``trusts()`` and
+        ``untrusted_engines()``; ``now`` (the clock) is read only for a publisher gone missing."""
+        absent_s = None
+        if not h.peer_connected and h.peer_lost_at is not None:
+            absent_s = (self._clock() if now is None else now) - h.peer_lost_at
         if absent_s is not None and absent_s > self._opts.peer_grace_s:
             where = "bound at" if h.source.bind else "at"
             return "disconnected", (
@@ -1248,15 +1251,7 @@ class EventManager:
     def trusts(self, engine_id: str) -> bool:
         """``engine_id not in untrusted_engines()``, asking only that engine's sources (the
         routing core asks it per candidate and request)."""
-        now = None
-        for h in self._by_engine.get(engine_id, ()):
-            if h.connected and not h.stale and (h.peer_connected or h.peer_lost_at is None):
-                continue  # ``_distrust`` says "ok" without reading the clock (the usual case)
-            if now is None:
-                now = self._clock()
-            if self._distrust(h, now)[0] != "ok":
-                return False
-        return True
+        return all(self._distrust(h)[0] == "ok" for h in self._sources_of(engine_id))
 
     def untrusted_engines(self) -> set[str]:
         """Engines whose picture is not trusted (EngineView.index_trusted=False): any rank stale,

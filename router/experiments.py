@@ -288,10 +288,8 @@ class Experiments:
             if row is not None:
                 row[2] += cached_tokens
                 row[3] += prompt_tokens
-        hits = stats.predicted_hit_tokens_by_tier  # per tier (GPU, CPU, storage), unrolled
-        hits[0] += predicted_hit_tokens_by_tier[0]
-        hits[1] += predicted_hit_tokens_by_tier[1]
-        hits[2] += predicted_hit_tokens_by_tier[2]
+        for tier in TIERS:
+            stats.predicted_hit_tokens_by_tier[tier] += predicted_hit_tokens_by_tier[tier]
         stats.prompt_tokens += prompt_tokens
 
     def reload(self, new_config: Any) -> None:

@@ -393,21 +393,11 @@ class ProxyHttpProtocol(HttpToolsProtocol):
                 self.asgi_headers_complete()
                 return
         http_version = parser.get_http_version()
-        scope: dict[str, Any] = {
-            "type": "http",
-            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
-            "http_version": http_version,
-            "server": self.server,
-            "client": self.client,
-            "scheme": self.scheme,
-            "root_path": self.root_path,
-            "headers": self.headers,
-            "state": self.app_state.copy(),
-            "method": "POST",
-            "path": path,
-            "raw_path": raw_path,
-            "query_string": query,
-        }
+        scope = self._scope(http_version)
+        scope["method"] = "POST"
+        scope["path"] = path
+        scope["raw_path"] = raw_path
+        scope["query_string"] = query
         self.scope = scope  # type: ignore[assignment]
         exchange = self._exchange = ProxyExchange(
             self,
@@ -432,18 +422,22 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         """The request whose headers are in goes to the ASGI app (``self.app``) as uvicorn runs it:
         its scope as uvicorn's ``on_message_begin`` builds it, then uvicorn's request cycle."""
         self._exchange = None
-        self.scope = {  # type: ignore[typeddict-item]
+        self.scope = self._scope("1.1")  # type: ignore[assignment]  # (uvicorn sets the version)
+        HttpToolsProtocol.on_headers_complete(self)
+
+    def _scope(self, http_version: str) -> dict[str, Any]:
+        """The keys of a request's scope that ``on_message_begin`` of uvicorn fills in."""
+        return {
             "type": "http",
             "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
-            "http_version": "1.1",
+            "http_version": http_version,
             "server": self.server,
             "client": self.client,
-            "scheme": self.scheme,  # type: ignore[typeddict-item]
+            "scheme": self.scheme,
             "root_path": self.root_path,
             "headers": self.headers,
             "state": self.app_state.copy(),
         }
-        HttpToolsProtocol.on_headers_complete(self)
 
     def on_body(self, body: bytes) -> None:
         exchange = self._exchange

@@ -17,8 +17,7 @@ from bisect import bisect_left
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial, reduce
-from itertools import compress, groupby
-from operator import add, is_not, itemgetter
+from operator import add, itemgetter
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -290,8 +289,8 @@ class RouterMetrics:
     def _fold(self) -> None:
         """Count the finished requests not yet counted (the same figures ``on_finished`` wrote one
         by one before: requests by status, latency and router time). The requests are grouped
-        by their labels with C-level steps (a batch is mostly a few label tuples), each group's
-        values observed at once; the groups go in the order their labels first occur."""
+        by their labels (a batch is mostly a few label tuples) and each group's values observed
+        at once; the groups go in the order their labels first occur."""
         finished, self._finished = self._finished, []
         if not finished:
             return
@@ -321,7 +320,6 @@ _ROUTE_KEY = itemgetter(0, 1, 2)
 _ARM_KEY = itemgetter(2)
 _LATENCY = itemgetter(4)
 _ROUTER_TIME = itemgetter(5)
-_not_none = partial(is_not, None)
 
 
 def _observe_grouped(
@@ -332,14 +330,15 @@ def _observe_grouped(
     labels: Callable[[Any], tuple[str, ...]],
 ) -> None:
     """``histogram.observe`` of each finished request's ``value`` (None: not observed) under
-    ``labels(key(request))``, label tuples in the order they first occur."""
-    groups: dict[Any, list[float]] = {
-        k: list(filter(_not_none, map(value, g)))  # type: ignore[arg-type]  # (None filtered out)
-        for k, g in groupby(sorted(finished, key=key), key)
-    }
-    observed_keys = compress(map(key, finished), map(_not_none, map(value, finished)))
-    for k in dict.fromkeys(observed_keys):  # in the order of their first observed value
-        histogram.observe_many(labels(k), groups[k])
+    ``labels(key(request))``: grouped in one pass (label tuples in the order they first occur,
+    each group's values in request order), each group observed at once."""
+    groups: dict[Any, list[float]] = {}
+    for request in finished:
+        observed = value(request)
+        if observed is not None:
+            groups.setdefault(key(request), []).append(observed)
+    for k, values in groups.items():
+        histogram.observe_many(labels(k), values)
 
 
 class _CallbackCollector:

@@ -62,14 +62,12 @@ class PromptParity:
         state = self._engines.get(engine_id)
         if state is None:
             state = self._engines[engine_id] = _EngineParity(deque(maxlen=self.window))
-        samples, tail_tokens = state.samples, self.tail_tokens
-        if len(samples) == samples.maxlen:
-            oldest_router, oldest_engine = samples[0]
-            if abs(oldest_engine - oldest_router) > tail_tokens:  # ``_mismatch``, inline
-                state.bad_in_window -= 1  # the oldest sample leaves the window with this append
+        samples = state.samples
+        if len(samples) == samples.maxlen and self._mismatch(*samples[0]):
+            state.bad_in_window -= 1  # the oldest sample leaves the window with this append
         samples.append((router_tokens, engine_tokens))
-        difference = state.last_difference = engine_tokens - router_tokens
-        if abs(difference) > tail_tokens:  # ``_mismatch``
+        state.last_difference = engine_tokens - router_tokens
+        if self._mismatch(router_tokens, engine_tokens):
             state.mismatched_total += 1
             state.bad_in_window += 1
         else:

@@ -147,13 +147,7 @@ class UpstreamResponse:
         while not self.status:
             if self._error is not None:
                 raise self._error
-            # ``_wait`` inlined (one coroutine less per request on the task path).
-            waiter = self._waiter = self._loop.create_future()
-            try:
-                await waiter
-            except BaseException:
-                self.close()  # cancelled (client gone, first-byte budget): the engine must stop
-                raise
+            await self._wait()
 
     async def iter_any(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive (chunked framing removed); UpstreamError when it breaks off.
@@ -330,8 +324,7 @@ class _Pool:
         self._done(conn)
         conn.idle_since_s = conn.last_io_s  # its answer's last bytes came just now
         self.idle.append(conn)
-        if self.client._sweeper is None:
-            self.client._note_idle()
+        self.client._note_idle()
 
     def forget(self, conn: _Connection) -> None:
         self._done(conn)

@@ -218,8 +218,6 @@ _TYPED_FIELDS: tuple[tuple[str, tuple[type, ...], str], ...] = (
     ("user", (str,), "a string"),
     ("stream_options", (dict,), "an object"),
 )
-#: Each typed field's rank in ``_TYPED_FIELDS`` (the first bad one in that order is named).
-_TYPED_RANK = {key: rank for rank, (key, _, _) in enumerate(_TYPED_FIELDS)}
 
 
 def _text_chars(content: Any) -> int:
@@ -336,10 +334,9 @@ def parse_request(
         if "prompt" not in body:
             raise bad_request("'prompt' is required", "missing_prompt")
         _validate_prompt(body["prompt"])
-    present = _TYPED_RANK.keys() & body.keys()  # (in C: most bodies have one or two of them)
-    for key in sorted(present, key=_TYPED_RANK.__getitem__) if len(present) > 1 else present:
-        _, types, what = _TYPED_FIELDS[_TYPED_RANK[key]]
-        _check_type(body, key, types, what)
+    for key, types, what in _TYPED_FIELDS:
+        if key in body:
+            _check_type(body, key, types, what)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     route_request = RouteRequest(
         request_id=request_id,
@@ -1208,9 +1205,7 @@ class _HookDisconnectWatcher(DisconnectWatcher):
     __slots__ = ("_hook",)
 
     def __init__(self, hook: Callable[[Callable[[], None] | None], bool]) -> None:
-        # ``DisconnectWatcher.__init__``'s fields set here (one call less per request).
-        self.answered = self.fired = False
-        self._task = asyncio.current_task()
+        super().__init__()
         self._hook = hook
         if hook(self._fire):
             self._fire()
