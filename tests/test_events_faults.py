@@ -456,7 +456,9 @@ async def test_fault4_idle_engine_is_visible_after_router_start(sim_publishers, 
     manager = make_manager(index, [source])
     await manager.start()
     await wait_for(lambda: held_blocks(index, tokens_of(3, 0)) == 3, "the idle engine's blocks")
-    assert not health_of(manager)["stale"]
+    # Trusted once the replay's answer is in (its blocks can reach the index a moment before the
+    # source is marked fresh: wait on that too, not assert it at once).
+    await wait_for(lambda: not health_of(manager)["stale"], "the idle engine trusted after the replay")
 
 
 # ----------------------------------------------------------------------------- fault 5
