@@ -123,18 +123,23 @@ class Target:
     #: kvroute from this checkout instead of this one (``--checkout LABEL=DIR``).
     checkout: str = ""
     callback_path: bool = False
+    #: ``raw_proxy+workN``: the raw proxy spending N µs of pure-Python busy work per request before it
+    #: forwards (a probe: what N µs of a router's own work costs it per request over sockets).
+    work_us: float = 0.0
 
     @staticmethod
     def parse(spec: str, checkouts: dict[str, str] | None = None) -> Target:
         if spec in ("direct", "raw_proxy"):
             return Target(spec, spec)
+        if m := re.fullmatch(r"raw_proxy\+work(\d+(?:\.\d+)?)", spec):
+            return Target(spec, "raw_proxy", work_us=float(m.group(1)))
         kind, _, rest = spec.partition(":")
         checkout = (checkouts or {}).get(kind, "")
         if checkout:
             kind = "kvroute"
         if kind not in ("kvroute", *PEER_PACKAGES) or not rest:
             raise ValueError(
-                f"target {spec!r}: expected direct, kvroute:POLICY[+tok][+cb][xN] or PEER:POLICY "
+                f"target {spec!r}: expected direct, raw_proxy[+workUS], kvroute:POLICY[+tok][+cb][xN] or PEER:POLICY "
                 f"with PEER in {', '.join(PEER_PACKAGES)}"
             )
         workers = 1
@@ -252,6 +257,7 @@ def start_target(
             "_raw_proxy",
             str(port),
             *[e.url for e in engines],
+            *(["--work-us", str(target.work_us)] if target.work_us else []),
         ]
     else:
         args = peer_command(install_peer(peers_dir, target.kind), target.kind, target.policy, port, engines)

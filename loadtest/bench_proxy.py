@@ -226,12 +226,14 @@ def run_minimal_proxy(variant: str, port: int, upstream: str) -> None:
 # -- the raw-Python reference proxy (B3's labelled baseline) -------------------------------------------
 
 
-def run_raw_proxy(port: int, upstreams: Sequence[str]) -> None:
+def run_raw_proxy(port: int, upstreams: Sequence[str], work_us: float = 0.0) -> None:
     """round_robin's job and nothing more, in the cheapest Python there is: an asyncio server with
     httptools on both sides, a keep-alive pool per upstream, the engine's answer relayed byte for byte
     (its framing parsed only to know where it ends). It parses the body (as every router must, to
     route) but keeps no metrics, limits, errors or fail-over: what a Python data path can reach on
-    this machine, not a router. GET /health answers 200; anything that breaks closes the client."""
+    this machine, not a router. GET /health answers 200; anything that breaks closes the client.
+    ``work_us``: spin that many µs of Python per request before forwarding (bench_peers'
+    ``raw_proxy+workN`` probe: what a router's own work costs it per request over sockets)."""
     import itertools
     from urllib.parse import urlsplit
 
@@ -246,6 +248,7 @@ def run_raw_proxy(port: int, upstreams: Sequence[str]) -> None:
     except ImportError:
         pass
     decode = msgspec.json.decode
+    perf_counter = time.perf_counter
 
     class Pool:
         def __init__(self, url: str) -> None:
@@ -349,6 +352,10 @@ def run_raw_proxy(port: int, upstreams: Sequence[str]) -> None:
             if not isinstance(doc, dict) or "model" not in doc:
                 self.transport.close()
                 return
+            if work_us:
+                until = perf_counter() + work_us / 1e6
+                while perf_counter() < until:
+                    pass
             choose().send(self, self.url, body)
 
     async def serve() -> None:
@@ -602,7 +609,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_minimal_proxy(argv[1], int(argv[2]), argv[3])
         return 0
     if argv and argv[0] == "_raw_proxy":
-        run_raw_proxy(int(argv[1]), argv[2:])
+        rest, work_us = argv[2:], 0.0
+        if "--work-us" in rest:
+            at = rest.index("--work-us")
+            work_us = float(rest[at + 1])
+            rest = rest[:at] + rest[at + 2 :]
+        run_raw_proxy(int(argv[1]), rest, work_us)
         return 0
     if argv and argv[0] == "_load":
         run_load(argv[1:])

@@ -119,6 +119,18 @@ def test_bench_peers_targets_name_the_callback_path() -> None:
     assert Target.parse("kvroute:round_robin+cb").callback_path
 
 
+def test_bench_peers_raw_proxy_work_probe_parses() -> None:
+    """``raw_proxy+workN`` is the raw proxy with N µs of busy work per request (and plain
+    ``raw_proxy`` none); catches the amount lost or a misspelt probe taken for the plain proxy."""
+    from loadtest.bench_peers import Target
+
+    probe = Target.parse("raw_proxy+work45.5")
+    assert (probe.kind, probe.work_us) == ("raw_proxy", 45.5)
+    assert Target.parse("raw_proxy").work_us == 0.0
+    with pytest.raises(ValueError):
+        Target.parse("raw_proxy+wrk45")
+
+
 def test_bench_faults_router_config_puts_the_router_on_the_callback_path(tmp_path: Path) -> None:
     """``bench_faults --callback-path`` writes a router config the router reads with
     proxy.callback_path on (and off without it); catches a section or key the config does not know,
