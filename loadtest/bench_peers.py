@@ -139,8 +139,8 @@ class Target:
             kind = "kvroute"
         if kind not in ("kvroute", *PEER_PACKAGES) or not rest:
             raise ValueError(
-                f"target {spec!r}: expected direct, raw_proxy[+workUS], kvroute:POLICY[+tok][+cb][xN] or PEER:POLICY "
-                f"with PEER in {', '.join(PEER_PACKAGES)}"
+                f"target {spec!r}: expected direct, raw_proxy[+workUS], kvroute:POLICY[+tok][+cb][xN] or "
+                f"PEER:POLICY with PEER in {', '.join(PEER_PACKAGES)}"
             )
         workers = 1
         m = re.fullmatch(r"(.*)x(\d+)", rest)
