@@ -152,9 +152,10 @@ def admission_of(spec: str) -> tuple[str, str | None, float | None]:
     """(the scheduling spec without its ADMISSION_SUFFIX part and HOLD_SUFFIX's, the admission form
     it names: None without the suffix, "reserved" for a plain ``+admission``; the ``:recompute``
     gate's fraction, None without it)."""
-    head, sep, tail = hold_of(spec)[0].partition(ADMISSION_SUFFIX)
+    spec_without_hold = hold_of(spec)[0]
+    head, sep, tail = spec_without_hold.partition(ADMISSION_SUFFIX)
     if not sep:
-        return spec, None, None
+        return spec_without_hold, None, None
     if not tail:
         return head, ADMISSION_FORMS[0], None
     form, _, gate = tail[1:].partition(":") if tail.startswith(":") else ("", "", "")
