@@ -654,7 +654,9 @@ class FleetSimulator:
             busy[i] = True
             push(t + out.duration_s, _STEP_DONE, (i, out))
 
-        def place(slot: int, k: int, t: float, sent_s: float, engines: list[EngineView] | None = None) -> None:
+        def place(
+            slot: int, k: int, t: float, sent_s: float, engines: list[EngineView] | None = None
+        ) -> None:
             """Route turn ``k`` of the conversation in ``slot`` at ``t`` (sent at ``sent_s``) among
             ``engines`` (default every one), and hand it on; a refused turn counts as rejected."""
             nonlocal rejected, arrived, ideal_tokens, slowed
@@ -702,7 +704,9 @@ class FleetSimulator:
                 if not any(rooms):
                     return
                 _, _, slot, k, sent_s = heapq.heappop(held)
-                engines = [v for v, room in zip(self.views, rooms, strict=True) if room] if pick_room else None
+                engines = (
+                    [v for v, room in zip(self.views, rooms, strict=True) if room] if pick_room else None
+                )
                 place(slot, k, t, sent_s, engines)
 
         while heap:
