@@ -325,6 +325,38 @@ def check_recompute_below(fraction: float, what: str) -> None:
         raise ValueError(f"{what} must be in (0, 1] (a fraction of the prompt), got {fraction}")
 
 
+#: Late binding (``hold_wait_s`` in the simulator): the order in which the router's hold queue
+#: releases turns. "fcfs" = arrival; "priority" = the shortest-first deadline the router would send
+#: (``hold_parts`` at arrival through ``shortest_first_priority``), ties in arrival order.
+HOLD_ORDERS = ("fcfs", "priority")
+#: Which engines the policy chooses among when a held turn is released: "all" (every engine, as
+#: without the hold) or "room" (only those with room, ``policies.costs.has_room``).
+HOLD_PICKS = ("all", "room")
+
+
+def check_hold_wait(wait_s: float, what: str) -> None:
+    """ValueError naming ``what`` unless ``wait_s`` is > 0 seconds (inf allowed: never holds): an
+    engine with nothing queued (predicted wait 0) must have room, or a busy fleet could never drain
+    its hold queue."""
+    if not wait_s > 0:
+        raise ValueError(f"{what} must be > 0 seconds (an engine has room below it), got {wait_s}")
+
+
+def hold_parts(request: RouteRequest, costs: CostEstimates, engine_ids: Iterable[str]) -> PredictedParts:
+    """A turn's parts with nothing queued ahead, on the engine where its own service (loads plus
+    prefill of what the index says it does not hold there) is shortest: what a held turn's
+    deadline is priced with before it is bound to an engine (its first-come TTFT is then its own
+    service, so a relative bound K applies to that)."""
+    prompt_tokens = prompt_tokens_of(request)
+    best: PredictedParts | None = None
+    for engine_id in engine_ids:
+        hits = predicted_hit_tokens_by_tier(request, engine_id)
+        parts = predict_parts(costs.estimates(engine_id), hits, prompt_tokens - sum(hits, 0.0), 0.0)
+        if best is None or parts.service_s < best.service_s:
+            best = parts
+    return best if best is not None else PredictedParts()
+
+
 def priority_fcfs_factor_for(
     request: RouteRequest,
     fcfs_factor: float = PRIORITY_FCFS_FACTOR,

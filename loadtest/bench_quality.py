@@ -25,6 +25,8 @@ import numpy as np
 
 from kvcore.core import (
     ADMISSION_FORMS,
+    HOLD_ORDERS,
+    HOLD_PICKS,
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_RECOMPUTE_BELOW,
@@ -32,6 +34,7 @@ from kvcore.core import (
     PRIORITY_STRETCH,
     PRIORITY_WAITS,
     SCHEDULING_POLICIES,
+    check_hold_wait,
     check_priority_fcfs_factor,
     check_priority_max_overtake,
     check_priority_stretch,
@@ -93,6 +96,7 @@ class Cell:
     #: the admission wait (``SimConfig.admission_wait``, counted as ``SimConfig.admission_form``,
     #: gated by ``SimConfig.admission_recompute_below``; ``admission_of``). A priority spec may
     #: carry RECOMPUTE_BOUND_SUFFIX before that: ``+recompute-k:KR[:X]`` (``recompute_bound_of``).
+    #: Any spec may end in HOLD_SUFFIX: ``+hold:W[:ORDER[:PICK]]``, late binding (``hold_of``).
     scheduling: str = "fcfs"
     #: The router's ``costs.priors.calibration.pool_observations`` (0 = off).
     pool_observations: float = 0.0
@@ -111,13 +115,47 @@ ADMISSION_SUFFIX = "+admission"
 ADMISSION_RECOMPUTE = "recompute"
 
 
-def admission_of(spec: str) -> tuple[str, str | None, float | None]:
-    """(the scheduling spec without its ADMISSION_SUFFIX part, the admission form it names: None
-    without the suffix, "reserved" for a plain ``+admission``; the ``:recompute`` gate's fraction,
-    None without it)."""
-    head, sep, tail = spec.partition(ADMISSION_SUFFIX)
+#: Any scheduling spec may end in ``+hold:W``, ``+hold:W:ORDER`` or ``+hold:W:ORDER:PICK``: late
+#: binding, the router holds turns while no engine's predicted queue wait is below W seconds
+#: (``SimConfig.hold_wait_s``), releases them in ORDER (``SimConfig.hold_order``, one of
+#: ``kvcore.core.HOLD_ORDERS``, default fcfs) and routes each among PICK (``SimConfig.hold_pick``,
+#: one of ``kvcore.core.HOLD_PICKS``, default all). It comes after every other suffix.
+HOLD_SUFFIX = "+hold"
+
+
+def hold_of(spec: str) -> tuple[str, float | None, str, str]:
+    """(the scheduling spec without its HOLD_SUFFIX part, the hold's W: None without the suffix,
+    its ORDER, its PICK)."""
+    head, sep, tail = spec.partition(HOLD_SUFFIX)
     if not sep:
-        return spec, None, None
+        return spec, None, HOLD_ORDERS[0], HOLD_PICKS[0]
+    usage = (
+        f"--scheduling {spec!r}: end it in {HOLD_SUFFIX}:W[:ORDER[:PICK]] (W > 0 seconds, ORDER one of"
+        f" {', '.join(HOLD_ORDERS)}, PICK one of {', '.join(HOLD_PICKS)})"
+    )
+    fields = tail[1:].split(":") if tail.startswith(":") else []
+    if not 1 <= len(fields) <= 3:
+        raise ValueError(usage)
+    try:
+        wait_s = float(fields[0])
+    except ValueError:
+        raise ValueError(f"{usage}: W must be a number") from None
+    check_hold_wait(wait_s, f"--scheduling {spec!r}: the hold's W")
+    order = fields[1] if len(fields) > 1 else HOLD_ORDERS[0]
+    pick = fields[2] if len(fields) > 2 else HOLD_PICKS[0]
+    if order not in HOLD_ORDERS or pick not in HOLD_PICKS:
+        raise ValueError(usage)
+    return head, wait_s, order, pick
+
+
+def admission_of(spec: str) -> tuple[str, str | None, float | None]:
+    """(the scheduling spec without its ADMISSION_SUFFIX part and HOLD_SUFFIX's, the admission form
+    it names: None without the suffix, "reserved" for a plain ``+admission``; the ``:recompute``
+    gate's fraction, None without it)."""
+    spec_without_hold = hold_of(spec)[0]
+    head, sep, tail = spec_without_hold.partition(ADMISSION_SUFFIX)
+    if not sep:
+        return spec_without_hold, None, None
     if not tail:
         return head, ADMISSION_FORMS[0], None
     form, _, gate = tail[1:].partition(":") if tail.startswith(":") else ("", "", "")
@@ -275,6 +313,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     _, stretch, max_overtake_s, fcfs_factor, wait = parse_scheduling(cell.scheduling)
     _, admission_form, recompute_below = admission_of(cell.scheduling)
     _, recompute_fcfs_factor, priority_recompute_below = recompute_bound_of(cell.scheduling)
+    _, hold_wait_s, hold_order, hold_pick = hold_of(cell.scheduling)
     config = SimConfig(
         seed=cell.seed,
         priority_stretch=stretch,
@@ -286,6 +325,9 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         admission_wait=admission_form is not None,
         admission_form=admission_form or ADMISSION_FORMS[0],
         admission_recompute_below=recompute_below,
+        hold_wait_s=hold_wait_s,
+        hold_order=hold_order,
+        hold_pick=hold_pick,
         calibration_pool_observations=cell.pool_observations,
         split_ttft=cell.split_ttft,
     )
@@ -678,7 +720,10 @@ def build_parser() -> argparse.ArgumentParser:
         " says; +admission:FORM:recompute[:X] prices it only for turns every engine holds less than the"
         f" fraction X (default {RECOMPUTE_BELOW}) of (recomputes anyway); a priority spec may"
         " carry +recompute-k:KR[:X] before that: a turn every engine holds less than X of (default"
-        f" {PRIORITY_RECOMPUTE_BELOW}) gets a deadline of at most min(K, KR) x its first-come TTFT",
+        f" {PRIORITY_RECOMPUTE_BELOW}) gets a deadline of at most min(K, KR) x its first-come TTFT;"
+        " any spec may end in +hold:W[:ORDER[:PICK]] (late binding: the router holds turns while no"
+        " engine's predicted queue wait is below W seconds, releases them in ORDER fcfs or priority and"
+        " routes each among all engines or only those with room)",
     )
     p.add_argument(
         "--tail-reference",

@@ -22,6 +22,7 @@ from policies.base import (
     Tier,
     max_hit_tokens,
     prompt_tokens_of,
+    wait_tokens_of,
 )
 
 #: Reference numbers (Llama-3-8B bf16 on one H100, see docs/routing.md): 128 KiB of KV per token,
@@ -277,6 +278,23 @@ def predict_parts(
         in_flight,
         in_flight * costs.slot_s_per_request,  # slot_s
     )
+
+
+def queue_wait_s(costs: EngineCosts, engine: EngineView) -> float:
+    """The wait part of a new turn's predicted TTFT on ``engine`` (``predict_parts``' ``wait_s`` +
+    ``slot_s``): the prefill the router has queued there (``wait_tokens_of``) at the engine's
+    prefill rate, plus its requests in flight x its slot seconds. First come and the same for
+    every turn: no priority re-pricing (``priority_wait_parts``) and no admission wait, which
+    depend on the turn."""
+    parts = predict_parts(costs, (0.0, 0.0, 0.0), 0.0, wait_tokens_of(engine, 0), float(engine.in_flight))
+    return parts.wait_s + parts.slot_s
+
+
+def has_room(costs: EngineCosts, engine: EngineView, wait_limit_s: float) -> bool:
+    """The late-binding room rule: ``engine`` takes a new turn now when its predicted queue wait
+    (``queue_wait_s``) is below ``wait_limit_s`` seconds; a fleet is busy when no engine has room.
+    An engine with nothing in flight always has room (its wait is 0; ``wait_limit_s`` > 0)."""
+    return queue_wait_s(costs, engine) < wait_limit_s
 
 
 def priority_wait_parts(costs: EngineCosts, parts: PredictedParts, engine: EngineView) -> PredictedParts:

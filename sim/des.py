@@ -22,6 +22,8 @@ from typing import Any
 from kvcore.calibration import CalibrationConfig, CostModel
 from kvcore.core import (
     ADMISSION_FORMS,
+    HOLD_ORDERS,
+    HOLD_PICKS,
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_RECOMPUTE_BELOW,
@@ -35,8 +37,10 @@ from kvcore.core import (
     Reservation,
     RoutingCore,
     SequenceLedger,
+    check_hold_wait,
     check_priority_fcfs_factor,
     check_recompute_below,
+    hold_parts,
     priority_fcfs_factor_for,
     priority_queued_ahead,
     shortest_first_priority,
@@ -60,6 +64,7 @@ from policies.costs import (
     EngineCosts,
     PredictedParts,
     best_cached_fraction,
+    has_room,
 )
 from sim.cache import StoragePool
 from sim.engine import (
@@ -193,6 +198,20 @@ class SimConfig:
     #: other turn keeps the learned slot term (``policies.costs.ADMISSION_RECOMPUTE_BELOW_KEY``).
     #: None = every turn.
     admission_recompute_below: float | None = None
+    #: Late binding (round q10): None = off (each turn is routed when it arrives). Else W seconds: an
+    #: engine has room when the router's predicted queue wait there is below W
+    #: (``policies.costs.has_room``); a turn arriving while no engine has room, or while turns are
+    #: held, waits in the router's one hold queue, and held turns are routed (index, load, priority
+    #: at that moment; TTFT still from arrival) whenever an engine's router-known load falls (a
+    #: first token, a finish, a refusal, a scrape) while some engine has room. > 0; fleets without
+    #: server stages only.
+    hold_wait_s: float | None = None
+    #: The hold queue's order (``kvcore.core.HOLD_ORDERS``): "fcfs" (arrival) or "priority" (the
+    #: shortest-first deadline the router would send, priced at arrival by ``kvcore.core
+    #: .hold_parts`` with the priority_* settings above; ties by arrival).
+    hold_order: str = "fcfs"
+    #: The engines a released turn is routed among (``kvcore.core.HOLD_PICKS``): "all" or "room".
+    hold_pick: str = "all"
     #: Split each turn's measured TTFT into where it went on the engine and keep it beside the
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
     #: server stages only.
@@ -487,6 +506,21 @@ class FleetSimulator:
         #: The relative bound of the request being routed (``priority_fcfs_factor_for``).
         self._route_fcfs_factor = cfg.priority_fcfs_factor
         self._priority_ahead = cfg.priority_wait != "all"
+        if cfg.hold_wait_s is None:
+            if (cfg.hold_order, cfg.hold_pick) != (HOLD_ORDERS[0], HOLD_PICKS[0]):
+                raise ValueError("hold_order and hold_pick order and route held turns: set hold_wait_s too")
+        else:
+            check_hold_wait(cfg.hold_wait_s, "hold_wait_s")
+            if cfg.hold_order not in HOLD_ORDERS:
+                raise ValueError(
+                    f"hold_order {cfg.hold_order!r} is unknown; accepted: {', '.join(HOLD_ORDERS)}"
+                )
+            if cfg.hold_pick not in HOLD_PICKS:
+                raise ValueError(f"hold_pick {cfg.hold_pick!r} is unknown; accepted: {', '.join(HOLD_PICKS)}")
+            if fleet.api_server is not None or fleet.router_stage is not None:
+                raise ValueError("hold_wait_s needs a fleet without server stages (api_server, router_stage)")
+        #: A request for ``RoutingCore.refresh`` when the hold reads the engines' load between routes.
+        self._no_request = RouteRequest(request_id="")
         if self._priority_ahead:
             for spec, view in zip(fleet.engines, self.views, strict=True):
                 if spec.profile.scheduling_policy == "priority":
@@ -620,6 +654,61 @@ class FleetSimulator:
             busy[i] = True
             push(t + out.duration_s, _STEP_DONE, (i, out))
 
+        def place(
+            slot: int, k: int, t: float, sent_s: float, engines: list[EngineView] | None = None
+        ) -> None:
+            """Route turn ``k`` of the conversation in ``slot`` at ``t`` (sent at ``sent_s``) among
+            ``engines`` (default every one), and hand it on; a refused turn counts as rejected."""
+            nonlocal rejected, arrived, ideal_tokens, slowed
+            cs = states[slot]
+            turn = cs.conv.turns[k]
+            routed = self._route(cs, slot, k, t, uses_index, sent_s, admit=not staged, engines=engines)
+            if routed is None:  # the engine refused it (too long for its pool / model length)
+                rejected += 1
+                after_turn(slot, k, t)
+                return
+            r, sim_req = routed
+            reqs[r.request_id] = r
+            arrived += 1
+            routed_tokens[r.engine] += r.prompt_tokens
+            if cfg.track_ideal:
+                n = 0
+                for b in turn.block_ids:
+                    if b not in seen_ids:
+                        break
+                    n += 1
+                seen_ids.update(turn.block_ids)
+                ideal_tokens += min(n * wl.block_size, max_hit_tokens(turn.prompt_tokens))
+            if staged:
+                # The engine's API server reads and tokenizes it before the engine core sees it.
+                a = self.fleet.api_server
+                done_s = api[r.engine].serve(t, a.request_cost_s(r.prompt_tokens)) if a else t
+                push(done_s + (a.stall_draw_s(stage_rng) if a else 0.0), _AT_CORE, (r, sim_req))
+            elif not busy[r.engine]:
+                start_step(r.engine, t)
+            if not slowed and self.fleet.slowdown_engine is not None and arrived >= slowdown_at:
+                slowed = True
+                self._slow_down(self.fleet.slowdown_engine, self.fleet.slowdown_factor)
+
+        # Late binding (SimConfig.hold_wait_s): the router's hold queue of (key, arrival seq, slot,
+        # turn, arrival time); the key is the arrival seq (fcfs) or the turn's priority level.
+        hold = cfg.hold_wait_s is not None
+        held: list[tuple[int, int, int, int, float]] = []
+        held_seq = 0
+        pick_room = cfg.hold_pick == "room"
+
+        def release(t: float) -> None:
+            """Route held turns from the head while some engine has room."""
+            while held:
+                rooms = self._rooms()
+                if not any(rooms):
+                    return
+                _, _, slot, k, sent_s = heapq.heappop(held)
+                engines = (
+                    [v for v, room in zip(self.views, rooms, strict=True) if room] if pick_room else None
+                )
+                place(slot, k, t, sent_s, engines)
+
         while heap:
             now, _, kind, payload = heapq.heappop(heap)
             if kind == _STEP_DONE:
@@ -639,6 +728,8 @@ class FleetSimulator:
                         r = reqs.pop(fin.request_id)
                         last_finish = now
                         after_turn(r.conv_slot, r.turn, now)
+                if held:  # its first tokens and finishes lowered the router's load there
+                    release(now)
                 if self.cores[i].has_unfinished():
                     start_step(i, now)
                 else:
@@ -651,35 +742,12 @@ class FleetSimulator:
                 push(done_s + rs.stall_draw_s(stage_rng), _ROUTE, (slot, k, now))
             elif kind in (_ARRIVE, _ROUTE):
                 slot, k, *sent = payload
-                cs = states[slot]
-                turn = cs.conv.turns[k]
-                routed = self._route(cs, slot, k, now, uses_index, sent[0] if sent else now, admit=not staged)
-                if routed is None:  # the engine refused it (too long for its pool / model length)
-                    rejected += 1
-                    after_turn(slot, k, now)
+                if hold and (held or not any(self._rooms())):  # no overtaking the hold queue
+                    key = self._hold_level(states[slot], k, now) if cfg.hold_order == "priority" else held_seq
+                    heapq.heappush(held, (key, held_seq, slot, k, now))
+                    held_seq += 1
                     continue
-                r, sim_req = routed
-                reqs[r.request_id] = r
-                arrived += 1
-                routed_tokens[r.engine] += r.prompt_tokens
-                if cfg.track_ideal:
-                    n = 0
-                    for b in turn.block_ids:
-                        if b not in seen_ids:
-                            break
-                        n += 1
-                    seen_ids.update(turn.block_ids)
-                    ideal_tokens += min(n * wl.block_size, max_hit_tokens(turn.prompt_tokens))
-                if staged:
-                    # The engine's API server reads and tokenizes it before the engine core sees it.
-                    a = self.fleet.api_server
-                    done_s = api[r.engine].serve(now, a.request_cost_s(r.prompt_tokens)) if a else now
-                    push(done_s + (a.stall_draw_s(stage_rng) if a else 0.0), _AT_CORE, (r, sim_req))
-                elif not busy[r.engine]:
-                    start_step(r.engine, now)
-                if not slowed and self.fleet.slowdown_engine is not None and arrived >= slowdown_at:
-                    slowed = True
-                    self._slow_down(self.fleet.slowdown_engine, self.fleet.slowdown_factor)
+                place(slot, k, now, sent[0] if sent else now)
             elif kind == _AT_CORE:
                 r, sim_req = payload
                 if not self._admit(r, sim_req, now):
@@ -732,9 +800,13 @@ class FleetSimulator:
                     push(max(now, convs[nci].start_s), _START_CONV, nci)
             elif kind == _SCRAPE:
                 self._scrape(now)
+                if held:  # the scraped waiting counts are part of the predicted wait
+                    release(now)
                 if reqs or active or (wl.concurrency is None and open_order_pos < len(order)):
                     push(now + cfg.scrape_interval_s, _SCRAPE, None)
         progress.close()
+        if held:
+            raise RuntimeError(f"{len(held)} turns were still held when the fleet drained")
 
         ttfts.sort()
         ttft_p50_s, ttft_p90_s, ttft_p99_s = percentiles(ttfts, (50, 90, 99), empty=0.0)
@@ -791,24 +863,41 @@ class FleetSimulator:
         cs.ids, cs.keys = list(ids), keys
         return keys, None
 
-    def _route(
-        self, cs: _Conv, slot: int, k: int, now: float, uses_index: bool, sent_s: float, *, admit: bool = True
-    ) -> tuple[_Req, SimRequest] | None:
-        """Route turn ``k`` (sent by the client at ``sent_s``) at ``now``; ``admit``: hand it to the
-        engine core now (None if the core refuses it), else the caller does (``_admit``)."""
+    def _route_request(self, cs: _Conv, k: int) -> tuple[RouteRequest, list[int] | None]:
+        """Turn ``k``'s RouteRequest (no prefix matches yet) and its token ids in token mode."""
         conv = cs.conv
         turn = conv.turns[k]
         keys, tokens = self._keys_for(cs, k)
-        prompt_tokens = len(tokens) if tokens is not None else turn.prompt_tokens
-        request_id = f"{conv.conversation_id}#{k}"
         route = RouteRequest(
-            request_id=request_id,
+            request_id=f"{conv.conversation_id}#{k}",
             session_key=conv.conversation_id,
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=len(tokens) if tokens is not None else turn.prompt_tokens,
             block_keys=keys,
             block_size=self.fleet.block_size,
             expected_output_tokens=turn.output_tokens,
         )
+        return route, tokens
+
+    def _route(
+        self,
+        cs: _Conv,
+        slot: int,
+        k: int,
+        now: float,
+        uses_index: bool,
+        sent_s: float,
+        *,
+        admit: bool = True,
+        engines: list[EngineView] | None = None,
+    ) -> tuple[_Req, SimRequest] | None:
+        """Route turn ``k`` (sent by the client at ``sent_s``) at ``now`` among ``engines`` (default
+        every one); ``admit``: hand it to the engine core now (None if the core refuses it), else the
+        caller does (``_admit``)."""
+        turn = cs.conv.turns[k]
+        route, tokens = self._route_request(cs, k)
+        keys = route.block_keys
+        prompt_tokens = route.prompt_tokens
+        request_id = route.request_id
         if uses_index:
             route.prefix_matches = self.index.match(keys)
         if self.clairvoyant is not None:
@@ -836,7 +925,7 @@ class FleetSimulator:
         self._route_fcfs_factor = priority_fcfs_factor_for(
             route, cfg.priority_fcfs_factor, cfg.priority_recompute_fcfs_factor, cfg.priority_recompute_below
         )
-        reservation = self.core.route(self.policy, route, self.views, now)
+        reservation = self.core.route(self.policy, route, self.views if engines is None else engines, now)
         engine = self._pos[reservation.engine_id]
         if tokens is not None:
             sim_req = SimRequest(request_id, tokens, max_tokens=turn.output_tokens)
@@ -863,6 +952,24 @@ class FleetSimulator:
         if admit and not self._admit(r, sim_req, now):
             return None
         return r, sim_req
+
+    def _rooms(self) -> list[bool]:
+        """Per engine: whether it has room now (``policies.costs.has_room`` on the router's load)."""
+        limit = self.config.hold_wait_s
+        assert limit is not None
+        views = self.core.refresh(self._no_request, self.views)
+        return [has_room(self.costs.estimates(v.engine_id), v, limit) for v in views]
+
+    def _hold_level(self, cs: _Conv, k: int, now: float) -> int:
+        """The hold queue's "priority" key of turn ``k`` arriving at ``now``: the shortest-first
+        priority (``_priority``) of its parts before it is bound to an engine (``hold_parts``)."""
+        route, _ = self._route_request(cs, k)
+        route.prefix_matches = self.index.match(route.block_keys)
+        cfg = self.config
+        self._route_fcfs_factor = priority_fcfs_factor_for(
+            route, cfg.priority_fcfs_factor, cfg.priority_recompute_fcfs_factor, cfg.priority_recompute_below
+        )
+        return self._priority(hold_parts(route, self.costs, self.engine_ids), now)
 
     def _admit(self, r: _Req, sim_req: SimRequest, now: float) -> bool:
         """Hand the request to its engine core; False if the core refuses it."""

@@ -18,6 +18,8 @@ from typing import Any
 
 from kvcore.core import (
     ADMISSION_FORMS,
+    HOLD_ORDERS,
+    HOLD_PICKS,
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_RECOMPUTE_BELOW,
@@ -25,6 +27,7 @@ from kvcore.core import (
     PRIORITY_STRETCH,
     PRIORITY_WAITS,
     SCHEDULING_POLICIES,
+    check_hold_wait,
     check_priority_fcfs_factor,
     check_priority_max_overtake,
     check_priority_stretch,
@@ -308,6 +311,29 @@ def build_parser() -> argparse.ArgumentParser:
         " learned slot term (default: every turn)",
     )
     fl.add_argument(
+        "--hold-wait-s",
+        type=float,
+        default=None,
+        metavar="W",
+        help="late binding: the router holds turns in one queue while no engine's predicted queue wait"
+        " (queued prefill / prefill rate + in flight x slot seconds) is below W seconds, and routes them"
+        " when an engine has room (> 0; default off: each turn is routed when it arrives)",
+    )
+    fl.add_argument(
+        "--hold-order",
+        choices=HOLD_ORDERS,
+        default=HOLD_ORDERS[0],
+        help="with --hold-wait-s: release held turns in arrival order (fcfs, the default) or by the"
+        " shortest-first priority the router would send (priority; ties by arrival)",
+    )
+    fl.add_argument(
+        "--hold-pick",
+        choices=HOLD_PICKS,
+        default=HOLD_PICKS[0],
+        help="with --hold-wait-s: route a released turn among every engine (all, the default) or only"
+        " those with room (room)",
+    )
+    fl.add_argument(
         "--gpu-tokens",
         type=int,
         default=27_852 * 16,
@@ -427,6 +453,9 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         admission_wait=args.admission_wait,
         admission_form=args.admission_form,
         admission_recompute_below=args.admission_recompute_below,
+        hold_wait_s=args.hold_wait_s,
+        hold_order=args.hold_order,
+        hold_pick=args.hold_pick,
     )
     check_priority_stretch(args.priority_stretch, "--priority-stretch")
     check_priority_max_overtake(args.priority_max_overtake_s, "--priority-max-overtake-s")
@@ -437,6 +466,11 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         if not args.admission_wait:
             raise ValueError("--admission-recompute-below gates the admission wait: add --admission-wait")
         check_recompute_below(args.admission_recompute_below, "--admission-recompute-below")
+    if args.hold_wait_s is None:
+        if (args.hold_order, args.hold_pick) != (HOLD_ORDERS[0], HOLD_PICKS[0]):
+            raise ValueError("--hold-order and --hold-pick order and route held turns: add --hold-wait-s")
+    else:
+        check_hold_wait(args.hold_wait_s, "--hold-wait-s")
     fleet_options = _fleet_options(args)
     storage_values: list[str] = args.storage
 
