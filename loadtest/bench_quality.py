@@ -96,7 +96,8 @@ class Cell:
     #: the admission wait (``SimConfig.admission_wait``, counted as ``SimConfig.admission_form``,
     #: gated by ``SimConfig.admission_recompute_below``; ``admission_of``). A priority spec may
     #: carry RECOMPUTE_BOUND_SUFFIX before that: ``+recompute-k:KR[:X]`` (``recompute_bound_of``).
-    #: Any spec may end in HOLD_SUFFIX: ``+hold:W[:ORDER[:PICK]]``, late binding (``hold_of``).
+    #: Any spec may end in HOLD_SUFFIX: ``+hold:W[:ORDER[:PICK[:recompute[:X]]]]``, late binding
+    #: (``hold_of``).
     scheduling: str = "fcfs"
     #: The router's ``costs.priors.calibration.pool_observations`` (0 = off).
     pool_observations: float = 0.0
@@ -115,37 +116,42 @@ ADMISSION_SUFFIX = "+admission"
 ADMISSION_RECOMPUTE = "recompute"
 
 
-#: Any scheduling spec may end in ``+hold:W``, ``+hold:W:ORDER`` or ``+hold:W:ORDER:PICK``: late
-#: binding, the router holds turns while no engine's predicted queue wait is below W seconds
+#: Any scheduling spec may end in ``+hold:W[:ORDER[:PICK[:recompute[:X]]]]``: late binding, the
+#: router holds turns while no engine's predicted queue wait is below W seconds
 #: (``SimConfig.hold_wait_s``), releases them in ORDER (``SimConfig.hold_order``, one of
 #: ``kvcore.core.HOLD_ORDERS``, default fcfs) and routes each among PICK (``SimConfig.hold_pick``,
-#: one of ``kvcore.core.HOLD_PICKS``, default all). It comes after every other suffix.
+#: one of ``kvcore.core.HOLD_PICKS``, default all); ``:recompute[:X]`` holds only the turns every
+#: engine holds less than X of (``SimConfig.hold_recompute_below``, default
+#: ``PRIORITY_RECOMPUTE_BELOW``). It comes after every other suffix.
 HOLD_SUFFIX = "+hold"
 
 
-def hold_of(spec: str) -> tuple[str, float | None, str, str]:
+def hold_of(spec: str) -> tuple[str, float | None, str, str, float | None]:
     """(the scheduling spec without its HOLD_SUFFIX part, the hold's W: None without the suffix,
-    its ORDER, its PICK)."""
+    its ORDER, its PICK, its recompute fraction: None without ``:recompute``)."""
     head, sep, tail = spec.partition(HOLD_SUFFIX)
     if not sep:
-        return spec, None, HOLD_ORDERS[0], HOLD_PICKS[0]
+        return spec, None, HOLD_ORDERS[0], HOLD_PICKS[0], None
     usage = (
-        f"--scheduling {spec!r}: end it in {HOLD_SUFFIX}:W[:ORDER[:PICK]] (W > 0 seconds, ORDER one of"
-        f" {', '.join(HOLD_ORDERS)}, PICK one of {', '.join(HOLD_PICKS)})"
+        f"--scheduling {spec!r}: end it in {HOLD_SUFFIX}:W[:ORDER[:PICK[:{ADMISSION_RECOMPUTE}[:X]]]] (W > 0"
+        f" seconds, ORDER one of {', '.join(HOLD_ORDERS)}, PICK one of {', '.join(HOLD_PICKS)})"
     )
     fields = tail[1:].split(":") if tail.startswith(":") else []
-    if not 1 <= len(fields) <= 3:
+    if not 1 <= len(fields) <= 5 or (len(fields) > 3 and fields[3] != ADMISSION_RECOMPUTE):
         raise ValueError(usage)
     try:
         wait_s = float(fields[0])
+        below = float(fields[4]) if len(fields) > 4 else PRIORITY_RECOMPUTE_BELOW if len(fields) > 3 else None
     except ValueError:
-        raise ValueError(f"{usage}: W must be a number") from None
+        raise ValueError(f"{usage}: W and X must be numbers") from None
     check_hold_wait(wait_s, f"--scheduling {spec!r}: the hold's W")
+    if below is not None:
+        check_recompute_below(below, f"--scheduling {spec!r}: the hold's recompute fraction X")
     order = fields[1] if len(fields) > 1 else HOLD_ORDERS[0]
     pick = fields[2] if len(fields) > 2 else HOLD_PICKS[0]
     if order not in HOLD_ORDERS or pick not in HOLD_PICKS:
         raise ValueError(usage)
-    return head, wait_s, order, pick
+    return head, wait_s, order, pick, below
 
 
 def admission_of(spec: str) -> tuple[str, str | None, float | None]:
@@ -313,7 +319,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     _, stretch, max_overtake_s, fcfs_factor, wait = parse_scheduling(cell.scheduling)
     _, admission_form, recompute_below = admission_of(cell.scheduling)
     _, recompute_fcfs_factor, priority_recompute_below = recompute_bound_of(cell.scheduling)
-    _, hold_wait_s, hold_order, hold_pick = hold_of(cell.scheduling)
+    _, hold_wait_s, hold_order, hold_pick, hold_recompute_below = hold_of(cell.scheduling)
     config = SimConfig(
         seed=cell.seed,
         priority_stretch=stretch,
@@ -328,6 +334,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         hold_wait_s=hold_wait_s,
         hold_order=hold_order,
         hold_pick=hold_pick,
+        hold_recompute_below=hold_recompute_below,
         calibration_pool_observations=cell.pool_observations,
         split_ttft=cell.split_ttft,
     )
@@ -721,9 +728,10 @@ def build_parser() -> argparse.ArgumentParser:
         f" fraction X (default {RECOMPUTE_BELOW}) of (recomputes anyway); a priority spec may"
         " carry +recompute-k:KR[:X] before that: a turn every engine holds less than X of (default"
         f" {PRIORITY_RECOMPUTE_BELOW}) gets a deadline of at most min(K, KR) x its first-come TTFT;"
-        " any spec may end in +hold:W[:ORDER[:PICK]] (late binding: the router holds turns while no"
-        " engine's predicted queue wait is below W seconds, releases them in ORDER fcfs or priority and"
-        " routes each among all engines or only those with room)",
+        " any spec may end in +hold:W[:ORDER[:PICK[:recompute[:X]]]] (late binding: the router holds"
+        " turns while no engine's predicted queue wait is below W seconds, releases them in ORDER fcfs"
+        " or priority and routes each among all engines or only those with room; :recompute holds"
+        f" only turns every engine holds less than X of, default {PRIORITY_RECOMPUTE_BELOW})",
     )
     p.add_argument(
         "--tail-reference",

@@ -212,6 +212,11 @@ class SimConfig:
     hold_order: str = "fcfs"
     #: The engines a released turn is routed among (``kvcore.core.HOLD_PICKS``): "all" or "room".
     hold_pick: str = "all"
+    #: With ``hold_wait_s``: hold only a turn that is a recompute on every engine, its best cached
+    #: fraction when it arrives (``policies.costs.best_cached_fraction``) below this fraction of the
+    #: prompt, in (0, 1]; every other turn is routed on arrival, past the held ones (it has a
+    #: history to keep, a recompute has none to lose while held). None = every turn may be held.
+    hold_recompute_below: float | None = None
     #: Split each turn's measured TTFT into where it went on the engine and keep it beside the
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
     #: server stages only.
@@ -507,10 +512,19 @@ class FleetSimulator:
         self._route_fcfs_factor = cfg.priority_fcfs_factor
         self._priority_ahead = cfg.priority_wait != "all"
         if cfg.hold_wait_s is None:
-            if (cfg.hold_order, cfg.hold_pick) != (HOLD_ORDERS[0], HOLD_PICKS[0]):
-                raise ValueError("hold_order and hold_pick order and route held turns: set hold_wait_s too")
+            if (cfg.hold_order, cfg.hold_pick, cfg.hold_recompute_below) != (
+                HOLD_ORDERS[0],
+                HOLD_PICKS[0],
+                None,
+            ):
+                raise ValueError(
+                    "hold_order, hold_pick and hold_recompute_below order, route and pick held turns:"
+                    " set hold_wait_s too"
+                )
         else:
             check_hold_wait(cfg.hold_wait_s, "hold_wait_s")
+            if cfg.hold_recompute_below is not None:
+                check_recompute_below(cfg.hold_recompute_below, "hold_recompute_below")
             if cfg.hold_order not in HOLD_ORDERS:
                 raise ValueError(
                     f"hold_order {cfg.hold_order!r} is unknown; accepted: {', '.join(HOLD_ORDERS)}"
@@ -743,10 +757,11 @@ class FleetSimulator:
             elif kind in (_ARRIVE, _ROUTE):
                 slot, k, *sent = payload
                 if hold and (held or not any(self._rooms())):  # no overtaking the hold queue
-                    key = self._hold_level(states[slot], k, now) if cfg.hold_order == "priority" else held_seq
-                    heapq.heappush(held, (key, held_seq, slot, k, now))
-                    held_seq += 1
-                    continue
+                    key = self._hold_key(states[slot], k, now, held_seq)
+                    if key is not None:
+                        heapq.heappush(held, (key, held_seq, slot, k, now))
+                        held_seq += 1
+                        continue
                 place(slot, k, now, sent[0] if sent else now)
             elif kind == _AT_CORE:
                 r, sim_req = payload
@@ -960,12 +975,20 @@ class FleetSimulator:
         views = self.core.refresh(self._no_request, self.views)
         return [has_room(self.costs.estimates(v.engine_id), v, limit) for v in views]
 
-    def _hold_level(self, cs: _Conv, k: int, now: float) -> int:
-        """The hold queue's "priority" key of turn ``k`` arriving at ``now``: the shortest-first
-        priority (``_priority``) of its parts before it is bound to an engine (``hold_parts``)."""
+    def _hold_key(self, cs: _Conv, k: int, now: float, seq: int) -> int | None:
+        """The hold queue's key of turn ``k`` arriving at ``now`` as the ``seq``-th held turn: ``seq``
+        (fcfs) or the shortest-first priority (``_priority``) of its parts before it is bound to an
+        engine (``hold_parts``); None when it is not held (``hold_recompute_below``: a cached turn)."""
+        cfg = self.config
+        below = cfg.hold_recompute_below
+        if below is None and cfg.hold_order == "fcfs":
+            return seq
         route, _ = self._route_request(cs, k)
         route.prefix_matches = self.index.match(route.block_keys)
-        cfg = self.config
+        if below is not None and best_cached_fraction(route, route.prompt_tokens) >= below:
+            return None
+        if cfg.hold_order == "fcfs":
+            return seq
         self._route_fcfs_factor = priority_fcfs_factor_for(
             route, cfg.priority_fcfs_factor, cfg.priority_recompute_fcfs_factor, cfg.priority_recompute_below
         )

@@ -334,6 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
         " those with room (room)",
     )
     fl.add_argument(
+        "--hold-recompute-below",
+        type=float,
+        default=None,
+        metavar="X",
+        help="with --hold-wait-s: hold only turns that no engine holds this fraction of the prompt of in"
+        " any tier (recomputes; in (0, 1]); the others are routed on arrival (default: every turn)",
+    )
+    fl.add_argument(
         "--gpu-tokens",
         type=int,
         default=27_852 * 16,
@@ -456,6 +464,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         hold_wait_s=args.hold_wait_s,
         hold_order=args.hold_order,
         hold_pick=args.hold_pick,
+        hold_recompute_below=args.hold_recompute_below,
     )
     check_priority_stretch(args.priority_stretch, "--priority-stretch")
     check_priority_max_overtake(args.priority_max_overtake_s, "--priority-max-overtake-s")
@@ -467,10 +476,19 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
             raise ValueError("--admission-recompute-below gates the admission wait: add --admission-wait")
         check_recompute_below(args.admission_recompute_below, "--admission-recompute-below")
     if args.hold_wait_s is None:
-        if (args.hold_order, args.hold_pick) != (HOLD_ORDERS[0], HOLD_PICKS[0]):
-            raise ValueError("--hold-order and --hold-pick order and route held turns: add --hold-wait-s")
+        if (args.hold_order, args.hold_pick, args.hold_recompute_below) != (
+            HOLD_ORDERS[0],
+            HOLD_PICKS[0],
+            None,
+        ):
+            raise ValueError(
+                "--hold-order, --hold-pick and --hold-recompute-below order, route and pick held turns:"
+                " add --hold-wait-s"
+            )
     else:
         check_hold_wait(args.hold_wait_s, "--hold-wait-s")
+        if args.hold_recompute_below is not None:
+            check_recompute_below(args.hold_recompute_below, "--hold-recompute-below")
     fleet_options = _fleet_options(args)
     storage_values: list[str] = args.storage
 

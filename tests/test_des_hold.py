@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from kvcore.core import HOLD_ORDERS, HOLD_PICKS, hold_parts
+from kvcore.core import HOLD_ORDERS, HOLD_PICKS, PRIORITY_RECOMPUTE_BELOW, hold_parts
 from loadtest.bench_quality import Cell, hold_of, parse_scheduling, run_cell
 from policies.base import Decision, EngineView, FleetView, PrefixMatch, RouteRequest, build_policy
 from policies.costs import EngineCosts, PriorCosts, has_room, predict_parts, queue_wait_s
@@ -148,6 +148,40 @@ def test_every_turn_is_routed_and_finishes_once(scheduling: str, order: str, pic
     assert result.ttft_by_request_s != plain.ttft_by_request_s  # the hold did hold
 
 
+def test_a_recompute_only_hold_lets_a_cached_turn_past_the_held_recompute() -> None:
+    """c0 warms the engine with prompt X; c1 (a long recompute) fills it; c2 (a recompute) arrives to
+    a busy fleet and is held; c3 resends X (cached): with ``hold_recompute_below`` it is routed the
+    moment it arrives, past c2; without it, it waits in the queue behind c2."""
+    warm = _single_turns(100)
+    t0 = _run(warm, _one_engine())[1].ttft_by_request_s["c0#0"]  # type: ignore[attr-defined]
+    x = warm.conversations[0].turns[0].block_ids
+
+    def turn(name: str, ids: list[int], at_s: float) -> Conversation:
+        return Conversation(name, [Turn(len(ids) * 16, 4, ids, at_s=0.0)], start_s=at_s)
+
+    arrive = t0 + 0.05
+    wl = Workload(
+        "cached past recompute",
+        16,
+        [
+            turn("c0", x, 0.0),
+            turn("c1", list(range(50_000, 51_200)), arrive),
+            turn("c2", list(range(60_000, 60_300)), arrive + 0.001),
+            turn("c3", x, arrive + 0.002),
+        ],
+    )
+    gated, _ = _run(wl, _one_engine(), hold_wait_s=0.01, hold_recompute_below=PRIORITY_RECOMPUTE_BELOW)
+    routed = {rid: t for rid, t, _ in gated.routes}
+    assert routed["c1#0"] == arrive and routed["c3#0"] == arrive + 0.002
+    assert routed["c2#0"] > routed["c3#0"]  # the recompute was held
+    every, _ = _run(wl, _one_engine(), hold_wait_s=0.01)
+    order = [rid for rid, _, _ in every.routes]
+    assert (
+        order.index("c2#0") < order.index("c3#0")
+        and dict((rid, t) for rid, t, _ in every.routes)["c3#0"] > arrive + 0.002
+    )
+
+
 def test_a_hold_that_never_binds_is_the_run_without_it() -> None:
     """W = inf: every engine always has room, so no turn is held: the run is the one without the
     hold to the digit (the arrival path is unchanged), in each order and pick."""
@@ -173,6 +207,8 @@ def test_a_hold_that_never_binds_is_the_run_without_it() -> None:
         ({"hold_wait_s": 1.0, "hold_pick": "best"}, "hold_pick 'best' is unknown; accepted: all, room"),
         ({"hold_order": "priority"}, "set hold_wait_s too"),
         ({"hold_pick": "room"}, "set hold_wait_s too"),
+        ({"hold_recompute_below": 0.25}, "set hold_wait_s too"),
+        ({"hold_wait_s": 1.0, "hold_recompute_below": 1.5}, "hold_recompute_below must be in \\(0, 1\\]"),
     ],
 )
 def test_the_simulator_refuses_a_bad_hold(config: dict[str, object], message: str) -> None:
@@ -190,14 +226,23 @@ def test_the_hold_is_refused_on_a_server_staged_fleet() -> None:
 
 
 def test_bench_quality_reads_the_hold() -> None:
-    assert hold_of("priority:20:inf:inf:overtake") == ("priority:20:inf:inf:overtake", None, "fcfs", "all")
-    assert hold_of("fcfs+hold:2") == ("fcfs", 2.0, "fcfs", "all")
+    assert hold_of("priority:20:inf:inf:overtake") == (
+        "priority:20:inf:inf:overtake",
+        None,
+        "fcfs",
+        "all",
+        None,
+    )
+    assert hold_of("fcfs+hold:2") == ("fcfs", 2.0, "fcfs", "all", None)
     assert hold_of("priority:10:inf:inf:ahead+admission+hold:0.5:priority:room") == (
         "priority:10:inf:inf:ahead+admission",
         0.5,
         "priority",
         "room",
+        None,
     )
+    assert hold_of("fcfs+hold:2:fcfs:all:recompute") == ("fcfs", 2.0, "fcfs", "all", PRIORITY_RECOMPUTE_BELOW)
+    assert hold_of("fcfs+hold:2:priority:all:recompute:0.5")[4] == 0.5
     assert parse_scheduling("priority:20:40:inf:overtake+hold:2:priority") == (
         "priority",
         20.0,
@@ -207,13 +252,16 @@ def test_bench_quality_reads_the_hold() -> None:
     )
     for bad, message in (
         ("fcfs+hold", "end it in \\+hold:W"),
-        ("fcfs+hold:", "W must be a number"),
-        ("fcfs+hold:x", "W must be a number"),
+        ("fcfs+hold:", "W and X must be numbers"),
+        ("fcfs+hold:x", "W and X must be numbers"),
         ("fcfs+hold:0", "the hold's W must be > 0 seconds"),
         ("fcfs+hold:nan", "the hold's W must be > 0 seconds"),
         ("fcfs+hold:1:lifo", "ORDER one of fcfs, priority"),
         ("fcfs+hold:1:fcfs:best", "PICK one of all, room"),
         ("fcfs+hold:1:fcfs:all:x", "end it in \\+hold:W"),
+        ("fcfs+hold:1:fcfs:all:recompute:x", "W and X must be numbers"),
+        ("fcfs+hold:1:fcfs:all:recompute:0", "the hold's recompute fraction X must be in \\(0, 1\\]"),
+        ("fcfs+hold:1:fcfs:all:recompute:0.5:1", "end it in \\+hold:W"),
     ):
         with pytest.raises(ValueError, match=message):
             parse_scheduling(bad)
@@ -238,7 +286,8 @@ def test_kvroute_sim_refuses_a_bad_hold() -> None:
         (["--hold-wait-s", "0"], "--hold-wait-s must be > 0 seconds"),
         (
             ["--hold-order", "priority"],
-            "--hold-order and --hold-pick order and route held turns: add --hold-wait-s",
+            "--hold-order, --hold-pick and --hold-recompute-below order, route and pick held turns: add",
         ),
+        (["--hold-wait-s", "1", "--hold-recompute-below", "0"], "--hold-recompute-below must be in"),
     ):
         assert_sim_refuses(args, message)
