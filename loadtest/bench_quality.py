@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -116,49 +116,69 @@ ADMISSION_SUFFIX = "+admission"
 ADMISSION_RECOMPUTE = "recompute"
 
 
-#: Any scheduling spec may end in ``+hold:W[:ORDER[:PICK[:recompute[:X]]]]``: late binding, the
-#: router holds turns while no engine's predicted queue wait is below W seconds
+#: Any scheduling spec may end in ``+hold:W[:ORDER[:PICK[:recompute[:X]][:max:M]]]``: late binding,
+#: the router holds turns while no engine's predicted queue wait is below W seconds
 #: (``SimConfig.hold_wait_s``), releases them in ORDER (``SimConfig.hold_order``, one of
 #: ``kvcore.core.HOLD_ORDERS``, default fcfs) and routes each among PICK (``SimConfig.hold_pick``,
 #: one of ``kvcore.core.HOLD_PICKS``, default all); ``:recompute[:X]`` holds only the turns every
 #: engine holds less than X of (``SimConfig.hold_recompute_below``, default
-#: ``PRIORITY_RECOMPUTE_BELOW``). It comes after every other suffix.
+#: ``PRIORITY_RECOMPUTE_BELOW``); ``:max:M`` routes a turn held M seconds then, room or not
+#: (``SimConfig.hold_max_s``). It comes after every other suffix.
 HOLD_SUFFIX = "+hold"
+HOLD_MAX = "max"
 
 
-def hold_of(spec: str) -> tuple[str, float | None, str, str, float | None]:
-    """(the scheduling spec without its HOLD_SUFFIX part, the hold's W: None without the suffix,
-    its ORDER, its PICK, its recompute fraction: None without ``:recompute``)."""
+class Hold(NamedTuple):
+    """A scheduling spec's late binding (``hold_of``): W None = none."""
+
+    spec: str
+    wait_s: float | None = None
+    order: str = HOLD_ORDERS[0]
+    pick: str = HOLD_PICKS[0]
+    recompute_below: float | None = None
+    max_s: float | None = None
+
+
+def hold_of(spec: str) -> Hold:
+    """The scheduling spec without its HOLD_SUFFIX part, and the hold that part names."""
     head, sep, tail = spec.partition(HOLD_SUFFIX)
     if not sep:
-        return spec, None, HOLD_ORDERS[0], HOLD_PICKS[0], None
+        return Hold(spec)
     usage = (
-        f"--scheduling {spec!r}: end it in {HOLD_SUFFIX}:W[:ORDER[:PICK[:{ADMISSION_RECOMPUTE}[:X]]]] (W > 0"
-        f" seconds, ORDER one of {', '.join(HOLD_ORDERS)}, PICK one of {', '.join(HOLD_PICKS)})"
+        f"--scheduling {spec!r}: end it in {HOLD_SUFFIX}:W[:ORDER[:PICK[:{ADMISSION_RECOMPUTE}[:X]]"
+        f"[:{HOLD_MAX}:M]]] (W, M > 0 seconds, ORDER one of {', '.join(HOLD_ORDERS)}, PICK one of"
+        f" {', '.join(HOLD_PICKS)})"
     )
     fields = tail[1:].split(":") if tail.startswith(":") else []
-    if not 1 <= len(fields) <= 5 or (len(fields) > 3 and fields[3] != ADMISSION_RECOMPUTE):
+    rest = fields[3:]
+    max_field: str | None = None
+    if len(rest) >= 2 and rest[-2] == HOLD_MAX:
+        max_field, rest = rest[-1], rest[:-2]
+    if not 1 <= len(fields) or len(rest) > 2 or (rest and rest[0] != ADMISSION_RECOMPUTE):
         raise ValueError(usage)
     try:
         wait_s = float(fields[0])
-        below = float(fields[4]) if len(fields) > 4 else PRIORITY_RECOMPUTE_BELOW if len(fields) > 3 else None
+        below = (float(rest[1]) if len(rest) > 1 else PRIORITY_RECOMPUTE_BELOW) if rest else None
+        max_s = float(max_field) if max_field is not None else None
     except ValueError:
-        raise ValueError(f"{usage}: W and X must be numbers") from None
+        raise ValueError(f"{usage}: W, X and M must be numbers") from None
     check_hold_wait(wait_s, f"--scheduling {spec!r}: the hold's W")
     if below is not None:
         check_recompute_below(below, f"--scheduling {spec!r}: the hold's recompute fraction X")
+    if max_s is not None:
+        check_hold_wait(max_s, f"--scheduling {spec!r}: the hold's bound M")
     order = fields[1] if len(fields) > 1 else HOLD_ORDERS[0]
     pick = fields[2] if len(fields) > 2 else HOLD_PICKS[0]
     if order not in HOLD_ORDERS or pick not in HOLD_PICKS:
         raise ValueError(usage)
-    return head, wait_s, order, pick, below
+    return Hold(head, wait_s, order, pick, below, max_s)
 
 
 def admission_of(spec: str) -> tuple[str, str | None, float | None]:
     """(the scheduling spec without its ADMISSION_SUFFIX part and HOLD_SUFFIX's, the admission form
     it names: None without the suffix, "reserved" for a plain ``+admission``; the ``:recompute``
     gate's fraction, None without it)."""
-    spec_without_hold = hold_of(spec)[0]
+    spec_without_hold = hold_of(spec).spec
     head, sep, tail = spec_without_hold.partition(ADMISSION_SUFFIX)
     if not sep:
         return spec_without_hold, None, None
@@ -319,7 +339,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     _, stretch, max_overtake_s, fcfs_factor, wait = parse_scheduling(cell.scheduling)
     _, admission_form, recompute_below = admission_of(cell.scheduling)
     _, recompute_fcfs_factor, priority_recompute_below = recompute_bound_of(cell.scheduling)
-    _, hold_wait_s, hold_order, hold_pick, hold_recompute_below = hold_of(cell.scheduling)
+    hold = hold_of(cell.scheduling)
     config = SimConfig(
         seed=cell.seed,
         priority_stretch=stretch,
@@ -331,10 +351,11 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         admission_wait=admission_form is not None,
         admission_form=admission_form or ADMISSION_FORMS[0],
         admission_recompute_below=recompute_below,
-        hold_wait_s=hold_wait_s,
-        hold_order=hold_order,
-        hold_pick=hold_pick,
-        hold_recompute_below=hold_recompute_below,
+        hold_wait_s=hold.wait_s,
+        hold_order=hold.order,
+        hold_pick=hold.pick,
+        hold_recompute_below=hold.recompute_below,
+        hold_max_s=hold.max_s,
         calibration_pool_observations=cell.pool_observations,
         split_ttft=cell.split_ttft,
     )
@@ -728,10 +749,11 @@ def build_parser() -> argparse.ArgumentParser:
         f" fraction X (default {RECOMPUTE_BELOW}) of (recomputes anyway); a priority spec may"
         " carry +recompute-k:KR[:X] before that: a turn every engine holds less than X of (default"
         f" {PRIORITY_RECOMPUTE_BELOW}) gets a deadline of at most min(K, KR) x its first-come TTFT;"
-        " any spec may end in +hold:W[:ORDER[:PICK[:recompute[:X]]]] (late binding: the router holds"
+        " any spec may end in +hold:W[:ORDER[:PICK[:recompute[:X]][:max:M]]] (late binding: the router holds"
         " turns while no engine's predicted queue wait is below W seconds, releases them in ORDER fcfs"
         " or priority and routes each among all engines or only those with room; :recompute holds"
-        f" only turns every engine holds less than X of, default {PRIORITY_RECOMPUTE_BELOW})",
+        f" only turns every engine holds less than X of, default {PRIORITY_RECOMPUTE_BELOW}; :max:M"
+        " routes a turn held M seconds then)",
     )
     p.add_argument(
         "--tail-reference",

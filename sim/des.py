@@ -113,6 +113,7 @@ _ROUTE = 5  # the router process has read the request: route it
 _AT_CORE = 6  # the engine's API server hands the request to its engine core
 _OUT_API = 7  # the engine's API server has sent one step's tokens of a request (to the router)
 _OUT = 8  # the client has them
+_HOLD_DUE = 9  # a held turn's hold bound (SimConfig.hold_max_s) is reached
 
 
 def prior_costs(profile: EngineProfile) -> EngineCosts:
@@ -217,6 +218,10 @@ class SimConfig:
     #: prompt, in (0, 1]; every other turn is routed on arrival, past the held ones (it has a
     #: history to keep, a recompute has none to lose while held). None = every turn may be held.
     hold_recompute_below: float | None = None
+    #: With ``hold_wait_s``: the hold's bound, seconds; a turn held this long after it arrived is
+    #: routed then (among every engine), room or not, so that no held turn waits in the router for
+    #: ever while the turns routed past it keep the fleet busy. None = no bound.
+    hold_max_s: float | None = None
     #: Split each turn's measured TTFT into where it went on the engine and keep it beside the
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
     #: server stages only.
@@ -512,19 +517,22 @@ class FleetSimulator:
         self._route_fcfs_factor = cfg.priority_fcfs_factor
         self._priority_ahead = cfg.priority_wait != "all"
         if cfg.hold_wait_s is None:
-            if (cfg.hold_order, cfg.hold_pick, cfg.hold_recompute_below) != (
+            if (cfg.hold_order, cfg.hold_pick, cfg.hold_recompute_below, cfg.hold_max_s) != (
                 HOLD_ORDERS[0],
                 HOLD_PICKS[0],
                 None,
+                None,
             ):
                 raise ValueError(
-                    "hold_order, hold_pick and hold_recompute_below order, route and pick held turns:"
-                    " set hold_wait_s too"
+                    "hold_order, hold_pick, hold_recompute_below and hold_max_s order, route, pick and"
+                    " bound held turns: set hold_wait_s too"
                 )
         else:
             check_hold_wait(cfg.hold_wait_s, "hold_wait_s")
             if cfg.hold_recompute_below is not None:
                 check_recompute_below(cfg.hold_recompute_below, "hold_recompute_below")
+            if cfg.hold_max_s is not None:
+                check_hold_wait(cfg.hold_max_s, "hold_max_s")
             if cfg.hold_order not in HOLD_ORDERS:
                 raise ValueError(
                     f"hold_order {cfg.hold_order!r} is unknown; accepted: {', '.join(HOLD_ORDERS)}"
@@ -709,15 +717,19 @@ class FleetSimulator:
         hold = cfg.hold_wait_s is not None
         held: list[tuple[int, int, int, int, float]] = []
         held_seq = 0
+        #: The turns held now, by their seq (a heap entry whose seq is gone was routed at its bound).
+        holding: dict[int, tuple[int, int, float]] = {}
         pick_room = cfg.hold_pick == "room"
 
         def release(t: float) -> None:
             """Route held turns from the head while some engine has room."""
-            while held:
+            while holding:
                 rooms = self._rooms()
                 if not any(rooms):
                     return
-                _, _, slot, k, sent_s = heapq.heappop(held)
+                _, seq, slot, k, sent_s = heapq.heappop(held)
+                if holding.pop(seq, None) is None:
+                    continue  # routed at its bound already
                 engines = (
                     [v for v, room in zip(self.views, rooms, strict=True) if room] if pick_room else None
                 )
@@ -742,7 +754,7 @@ class FleetSimulator:
                         r = reqs.pop(fin.request_id)
                         last_finish = now
                         after_turn(r.conv_slot, r.turn, now)
-                if held:  # its first tokens and finishes lowered the router's load there
+                if holding:  # its first tokens and finishes lowered the router's load there
                     release(now)
                 if self.cores[i].has_unfinished():
                     start_step(i, now)
@@ -756,10 +768,13 @@ class FleetSimulator:
                 push(done_s + rs.stall_draw_s(stage_rng), _ROUTE, (slot, k, now))
             elif kind in (_ARRIVE, _ROUTE):
                 slot, k, *sent = payload
-                if hold and (held or not any(self._rooms())):  # no overtaking the hold queue
+                if hold and (holding or not any(self._rooms())):  # no overtaking the hold queue
                     key = self._hold_key(states[slot], k, now, held_seq)
                     if key is not None:
                         heapq.heappush(held, (key, held_seq, slot, k, now))
+                        holding[held_seq] = (slot, k, now)
+                        if cfg.hold_max_s is not None:
+                            push(now + cfg.hold_max_s, _HOLD_DUE, held_seq)
                         held_seq += 1
                         continue
                 place(slot, k, now, sent[0] if sent else now)
@@ -813,15 +828,20 @@ class FleetSimulator:
                     nci = order[open_order_pos]
                     open_order_pos += 1
                     push(max(now, convs[nci].start_s), _START_CONV, nci)
+            elif kind == _HOLD_DUE:
+                bound = holding.pop(payload, None)
+                if bound is not None:  # still held: routed now, room or not
+                    slot, k, sent_s = bound
+                    place(slot, k, now, sent_s)
             elif kind == _SCRAPE:
                 self._scrape(now)
-                if held:  # the scraped waiting counts are part of the predicted wait
+                if holding:  # the scraped waiting counts are part of the predicted wait
                     release(now)
                 if reqs or active or (wl.concurrency is None and open_order_pos < len(order)):
                     push(now + cfg.scrape_interval_s, _SCRAPE, None)
         progress.close()
-        if held:
-            raise RuntimeError(f"{len(held)} turns were still held when the fleet drained")
+        if holding:
+            raise RuntimeError(f"{len(holding)} turns were still held when the fleet drained")
 
         ttfts.sort()
         ttft_p50_s, ttft_p90_s, ttft_p99_s = percentiles(ttfts, (50, 90, 99), empty=0.0)

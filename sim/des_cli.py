@@ -342,6 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
         " any tier (recomputes; in (0, 1]); the others are routed on arrival (default: every turn)",
     )
     fl.add_argument(
+        "--hold-max-s",
+        type=float,
+        default=None,
+        metavar="M",
+        help="with --hold-wait-s: route a turn held M seconds then, room or not (> 0; default: no bound)",
+    )
+    fl.add_argument(
         "--gpu-tokens",
         type=int,
         default=27_852 * 16,
@@ -465,6 +472,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         hold_order=args.hold_order,
         hold_pick=args.hold_pick,
         hold_recompute_below=args.hold_recompute_below,
+        hold_max_s=args.hold_max_s,
     )
     check_priority_stretch(args.priority_stretch, "--priority-stretch")
     check_priority_max_overtake(args.priority_max_overtake_s, "--priority-max-overtake-s")
@@ -476,19 +484,22 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
             raise ValueError("--admission-recompute-below gates the admission wait: add --admission-wait")
         check_recompute_below(args.admission_recompute_below, "--admission-recompute-below")
     if args.hold_wait_s is None:
-        if (args.hold_order, args.hold_pick, args.hold_recompute_below) != (
+        if (args.hold_order, args.hold_pick, args.hold_recompute_below, args.hold_max_s) != (
             HOLD_ORDERS[0],
             HOLD_PICKS[0],
             None,
+            None,
         ):
             raise ValueError(
-                "--hold-order, --hold-pick and --hold-recompute-below order, route and pick held turns:"
-                " add --hold-wait-s"
+                "--hold-order, --hold-pick, --hold-recompute-below and --hold-max-s order, route, pick"
+                " and bound held turns: add --hold-wait-s"
             )
     else:
         check_hold_wait(args.hold_wait_s, "--hold-wait-s")
         if args.hold_recompute_below is not None:
             check_recompute_below(args.hold_recompute_below, "--hold-recompute-below")
+        if args.hold_max_s is not None:
+            check_hold_wait(args.hold_max_s, "--hold-max-s")
     fleet_options = _fleet_options(args)
     storage_values: list[str] = args.storage
 

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from kvcore.core import HOLD_ORDERS, HOLD_PICKS, PRIORITY_RECOMPUTE_BELOW, hold_parts
-from loadtest.bench_quality import Cell, hold_of, parse_scheduling, run_cell
+from loadtest.bench_quality import Cell, Hold, hold_of, parse_scheduling, run_cell
 from policies.base import Decision, EngineView, FleetView, PrefixMatch, RouteRequest, build_policy
 from policies.costs import EngineCosts, PriorCosts, has_room, predict_parts, queue_wait_s
 from sim.des import FleetSimulator, SimConfig
@@ -182,6 +182,22 @@ def test_a_recompute_only_hold_lets_a_cached_turn_past_the_held_recompute() -> N
     )
 
 
+def test_the_hold_bound_routes_a_turn_held_that_long_room_or_not() -> None:
+    """c1 and c2 wait behind c0 on one engine; with a bound shorter than c0's TTFT each is routed
+    exactly the bound after it arrived (no room yet), without it at c0's first token; every turn
+    finishes once either way."""
+    wl = _single_turns(400, 100, 100)
+    plain, first = _run(wl, _one_engine(), hold_wait_s=0.01)
+    t0 = first.ttft_by_request_s["c0#0"]  # type: ignore[attr-defined]
+    assert [t for _, t, _ in plain.routes][1] == t0
+    bound = t0 / 4
+    bounded, result = _run(wl, _one_engine(), hold_wait_s=0.01, hold_max_s=bound)
+    routed = {rid: t for rid, t, _ in bounded.routes}
+    assert routed["c1#0"] == pytest.approx(0.001 + bound) and routed["c2#0"] == pytest.approx(0.002 + bound)
+    assert len(bounded.routes) == 3
+    assert sorted(result.ttft_by_request_s) == ["c0#0", "c1#0", "c2#0"]  # type: ignore[attr-defined]
+
+
 def test_a_hold_that_never_binds_is_the_run_without_it() -> None:
     """W = inf: every engine always has room, so no turn is held: the run is the one without the
     hold to the digit (the arrival path is unchanged), in each order and pick."""
@@ -208,6 +224,8 @@ def test_a_hold_that_never_binds_is_the_run_without_it() -> None:
         ({"hold_order": "priority"}, "set hold_wait_s too"),
         ({"hold_pick": "room"}, "set hold_wait_s too"),
         ({"hold_recompute_below": 0.25}, "set hold_wait_s too"),
+        ({"hold_max_s": 10.0}, "set hold_wait_s too"),
+        ({"hold_wait_s": 1.0, "hold_max_s": 0.0}, "hold_max_s must be > 0 seconds"),
         ({"hold_wait_s": 1.0, "hold_recompute_below": 1.5}, "hold_recompute_below must be in \\(0, 1\\]"),
     ],
 )
@@ -226,23 +244,19 @@ def test_the_hold_is_refused_on_a_server_staged_fleet() -> None:
 
 
 def test_bench_quality_reads_the_hold() -> None:
-    assert hold_of("priority:20:inf:inf:overtake") == (
-        "priority:20:inf:inf:overtake",
-        None,
-        "fcfs",
-        "all",
-        None,
+    assert hold_of("priority:20:inf:inf:overtake") == Hold("priority:20:inf:inf:overtake")
+    assert hold_of("fcfs+hold:2") == Hold("fcfs", 2.0, "fcfs", "all")
+    assert hold_of("priority:10:inf:inf:ahead+admission+hold:0.5:priority:room") == Hold(
+        "priority:10:inf:inf:ahead+admission", 0.5, "priority", "room"
     )
-    assert hold_of("fcfs+hold:2") == ("fcfs", 2.0, "fcfs", "all", None)
-    assert hold_of("priority:10:inf:inf:ahead+admission+hold:0.5:priority:room") == (
-        "priority:10:inf:inf:ahead+admission",
-        0.5,
-        "priority",
-        "room",
-        None,
+    assert hold_of("fcfs+hold:2:fcfs:all:recompute") == Hold(
+        "fcfs", 2.0, "fcfs", "all", PRIORITY_RECOMPUTE_BELOW
     )
-    assert hold_of("fcfs+hold:2:fcfs:all:recompute") == ("fcfs", 2.0, "fcfs", "all", PRIORITY_RECOMPUTE_BELOW)
-    assert hold_of("fcfs+hold:2:priority:all:recompute:0.5")[4] == 0.5
+    assert hold_of("fcfs+hold:2:priority:all:recompute:0.5").recompute_below == 0.5
+    assert hold_of("fcfs+hold:2:fcfs:all:recompute:max:15") == Hold(
+        "fcfs", 2.0, "fcfs", "all", PRIORITY_RECOMPUTE_BELOW, 15.0
+    )
+    assert hold_of("fcfs+hold:2:fcfs:all:max:15") == Hold("fcfs", 2.0, "fcfs", "all", None, 15.0)
     assert parse_scheduling("priority:20:40:inf:overtake+hold:2:priority") == (
         "priority",
         20.0,
@@ -252,14 +266,17 @@ def test_bench_quality_reads_the_hold() -> None:
     )
     for bad, message in (
         ("fcfs+hold", "end it in \\+hold:W"),
-        ("fcfs+hold:", "W and X must be numbers"),
-        ("fcfs+hold:x", "W and X must be numbers"),
+        ("fcfs+hold:", "W, X and M must be numbers"),
+        ("fcfs+hold:x", "W, X and M must be numbers"),
         ("fcfs+hold:0", "the hold's W must be > 0 seconds"),
         ("fcfs+hold:nan", "the hold's W must be > 0 seconds"),
         ("fcfs+hold:1:lifo", "ORDER one of fcfs, priority"),
         ("fcfs+hold:1:fcfs:best", "PICK one of all, room"),
         ("fcfs+hold:1:fcfs:all:x", "end it in \\+hold:W"),
-        ("fcfs+hold:1:fcfs:all:recompute:x", "W and X must be numbers"),
+        ("fcfs+hold:1:fcfs:all:recompute:x", "W, X and M must be numbers"),
+        ("fcfs+hold:1:fcfs:all:max:x", "W, X and M must be numbers"),
+        ("fcfs+hold:1:fcfs:all:max:0", "the hold's bound M must be > 0 seconds"),
+        ("fcfs+hold:1:fcfs:all:max", "end it in \\+hold:W"),
         ("fcfs+hold:1:fcfs:all:recompute:0", "the hold's recompute fraction X must be in \\(0, 1\\]"),
         ("fcfs+hold:1:fcfs:all:recompute:0.5:1", "end it in \\+hold:W"),
     ):
@@ -286,7 +303,7 @@ def test_kvroute_sim_refuses_a_bad_hold() -> None:
         (["--hold-wait-s", "0"], "--hold-wait-s must be > 0 seconds"),
         (
             ["--hold-order", "priority"],
-            "--hold-order, --hold-pick and --hold-recompute-below order, route and pick held turns: add",
+            "--hold-order, --hold-pick, --hold-recompute-below and --hold-max-s order, route, pick",
         ),
         (["--hold-wait-s", "1", "--hold-recompute-below", "0"], "--hold-recompute-below must be in"),
     ):
