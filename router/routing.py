@@ -585,13 +585,14 @@ class Router:
 
     def serve_now(self, ctx: RouteContext, headers: Mapping[str, str], client: CallbackClient) -> None:
         """The callback path (``proxy.callback_path``): route ``ctx`` and send it upstream without
-        an await, then relay the answer from the upstream connection's callbacks (``_Relay``).
-        Where that cannot go on without waiting - a stream, a ``decide`` that suspends (a
-        tokenizer or key-cache miss), no idle connection to the chosen engine, an engine failing
-        before its answer (stale connection, fail-over) - the request goes on as a task through
+        an await, then relay the answer from the upstream connection's callbacks (``_Relay``; a
+        stream's from its first event on: ``_CallbackStream``). Where that cannot go on without
+        waiting - a ``decide`` that suspends (a tokenizer or key-cache miss), no idle connection
+        to the chosen engine, an engine failing before its answer or a stream's first event
+        (stale connection, first-byte budget, fail-over) - the request goes on as a task through
         ``serve`` from the point reached (``client.hand_over``). RouterErrors raised here are the
         caller's to answer."""
-        if ctx.stream or not self._decides_outside_task:
+        if not self._decides_outside_task:
             client.hand_over(None, None)
             return
         deciding = self.decide(ctx)
@@ -612,7 +613,15 @@ class Router:
         upstream_headers, body = self._upstream_request(ctx, headers)
         body = self._engine_body(ctx, engine, reservation, body)
         ctx.sent_s = reservation.sent_s = time.monotonic()
-        response = self.client.send_on_idle(engine.url + ENDPOINT_PATHS[ctx.endpoint], body, upstream_headers)
+        stream = ctx.stream
+        response = self.client.send_on_idle(
+            engine.url + ENDPOINT_PATHS[ctx.endpoint],
+            body,
+            upstream_headers,
+            # A stream's first-byte budget covers its first event, as ``_forward``'s.
+            first_byte_timeout_s=self.first_byte.budget_s() if stream else None,
+            until_event=stream,
+        )
         if response is None:
             client.hand_over(None, None)
             return
@@ -780,11 +789,10 @@ class Router:
                 self.core.abandon(reservation)
                 raise
         assert response is not None
+        if ctx.stream and response.status == 200:
+            return self._stream_answer(ctx, response)
         out_headers = _answer_headers(ctx)
         content_type = response.headers.get("content-type", "application/json")
-        if ctx.stream and response.status == 200:
-            out_headers.append((b"content-type", content_type.encode("latin-1")))
-            return _StreamAnswer(StreamRelay(self, ctx, response), out_headers)
         self._answer_started(ctx)
         try:  # a whole (non-stream or error) answer, read here (not in one more coroutine)
             data = await response.read()
@@ -793,6 +801,13 @@ class Router:
         finally:
             response.close()
         return self._completed(ctx, response, data, out_headers, content_type)
+
+    def _stream_answer(self, ctx: RouteContext, response: UpstreamResponse) -> _StreamAnswer:
+        """A stream whose first event is in (or that ended before one), to relay to the client."""
+        headers = _answer_headers(ctx)
+        content_type = response.headers.get("content-type", "application/json")
+        headers.append((b"content-type", content_type.encode("latin-1")))
+        return _StreamAnswer(StreamRelay(self, ctx, response), headers)
 
     def _answer_started(self, ctx: RouteContext) -> None:
         """A complete (non-stream or error) answer's headers are in."""
@@ -952,10 +967,11 @@ class _Resumed:
 
 
 class _Relay:
-    """A complete (non-stream) answer relayed from the upstream connection's callbacks
+    """A complete (non-stream or error) answer relayed from the upstream connection's callbacks
     (``UpstreamResponse.on_event``): the accounting and the client's answer as ``_forward`` does
-    them; a failure before the answer's headers goes on in ``serve`` (stale
-    connection retry, fail-over), one after them is a 502/504 as there."""
+    them; a failure before the answer's headers (or a stream's first event) goes on in ``serve``
+    (stale connection retry, first-byte budget, fail-over), one after them is a 502/504 as there.
+    A stream (status 200) goes on in ``_CallbackStream`` once its first event is in."""
 
     __slots__ = ("client", "ctx", "response", "router", "started")
 
@@ -990,6 +1006,15 @@ class _Relay:
                 self.client.hand_over(None, response)
             return
         router, ctx = self.router, self.ctx
+        if ctx.stream and response.status == 200:
+            if response.event_seen or response.done:
+                self._stop_watching()
+                stream = router._stream_answer(ctx, response)
+                _CallbackStream(stream.relay, self.client).start(stream.headers)
+            elif response.error is not None:  # no event yet, so nothing sent: as from ``send``
+                self._stop_watching()
+                self.client.hand_over(None, response)
+            return
         if not self.started:
             self.started = True
             router._answer_started(ctx)

@@ -21,6 +21,7 @@ import pytest
 
 from router.app import create_app
 from router.config import load_config
+from router.fastpath import ProxyHttpProtocol
 from router.routing import StreamRelay
 from tests.conftest import ThreadedServer, free_port
 from tests.test_callback_path import Recorder, _count, _wait_for
@@ -57,6 +58,8 @@ class ScriptedEngine:
         self.piece_bytes = 0
         self.gap_s = 0.0
         self.die_after: int | None = None
+        self.stall_s = 0.0  # after the head, before the first event
+        self.stalled = 0
         self.bodies: list[bytes] = []
         self.sent_bytes = 0
         self.finished = 0
@@ -112,6 +115,10 @@ class ScriptedEngine:
         if die_after is None:
             frames.append(b"0\r\n\r\n")
         try:
+            if self.stall_s:
+                conn.sendall(frames.pop(0))
+                self.stalled += 1
+                self._stop.wait(self.stall_s)
             if not self.piece_bytes:
                 wire = b"".join(frames)
                 conn.sendall(wire)
@@ -165,16 +172,36 @@ def relay_generators(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return started
 
 
+@pytest.fixture
+def tasks(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Every request the router's protocol ran as an asyncio task."""
+    started: list[object] = []
+    original = ProxyHttpProtocol._start_asgi_task
+
+    def counting(self: Any, cycle: Any, app: Any) -> None:
+        started.append(cycle)
+        original(self, cycle, app)
+
+    monkeypatch.setattr(ProxyHttpProtocol, "_start_asgi_task", counting)
+    return started
+
+
 def _router(
-    serve_asgi: Callable[..., ThreadedServer], engine: ScriptedEngine, recorder: Recorder, callback_path: bool
+    serve_asgi: Callable[..., ThreadedServer],
+    engine: ScriptedEngine | list[ScriptedEngine],
+    recorder: Recorder,
+    callback_path: bool,
+    **sections: Any,
 ) -> ThreadedServer:
+    engines = engine if isinstance(engine, list) else [engine]
     config = load_config(
         environ={},
         overrides={
-            "engines": [{"id": "e0", "url": engine.url, "model": MODEL}],
+            "engines": [{"id": f"e{i}", "url": e.url, "model": MODEL} for i, e in enumerate(engines)],
             "health": {"interval_s": 0},
             "policy": {"name": "round_robin"},
             "proxy": {"callback_path": callback_path},
+            **sections,
         },
     )
     return serve_asgi(create_app(config, observers=[recorder]))
@@ -322,6 +349,51 @@ def test_a_client_hanging_up_mid_stream_closes_the_engines_connection(
     assert _count(metrics, "499") == 1
     assert server.server.config.app.state.tracker.load("e0")[0] == 0
     assert engine.finished == 0
+
+
+@PATHS
+def test_a_stream_without_its_first_event_in_the_budget_fails_over(
+    serve_asgi: Callable[..., ThreadedServer], tasks: list[object], callback_path: bool
+) -> None:
+    """Warm streams on the callback path are sent and relayed without a task; one whose engine sends
+    its head but no event within the first-byte budget goes to a task, which fails it over to the
+    next engine as the task path does (nothing reached the client). Catches: a stream's head taken
+    for its first byte (the client stuck with a hung engine), the budget not armed for a stream
+    sent from callbacks, a fail-over answered twice or its first attempt's load kept."""
+    engines = [ScriptedEngine(), ScriptedEngine()]
+    try:
+        recorder = Recorder()
+        server = _router(serve_asgi, engines, recorder, callback_path, limits={"first_byte_timeout_s": 0.5})
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            for _ in range(2):  # warm: an idle pooled connection to each engine
+                sock.sendall(post("/v1/chat/completions", chat(stream=True)))
+                (answer,) = read_answers(sock, 1)
+                assert answer.status_code == 200
+            tasks.clear()
+            for _ in range(2):
+                sock.sendall(post("/v1/chat/completions", chat(stream=True)))
+                (answer,) = read_answers(sock, 1)
+                assert answer.status_code == 200 and b"data: [DONE]" in answer.content
+            assert tasks == [] or server.server.config.app.proxy_now is None
+            engines[0].stall_s = 30.0
+            answers = []
+            while engines[0].stalled == 0:  # until a stream is routed to the stalled engine
+                sock.sendall(post("/v1/chat/completions", chat(stream=True)))
+                answers += read_answers(sock, 1)
+        assert answers[-1].status_code == 200 and answers[-1].headers["x-kvroute-engine"] == "e1"
+        assert _events(answers[-1].content)[-1] == DONE.strip()
+        _wait_for(lambda: any(r["attempts"] == ["e0", "e1"] for r in recorder.finished), "the fail-over")
+        (record,) = [r for r in recorder.finished if r["attempts"] == ["e0", "e1"]]
+        assert record["status"] == 200 and record["usage"] == USAGE
+        if server.server.config.app.proxy_now is not None:
+            assert len(tasks) == 1  # the stalled stream only
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'kvroute_upstream_errors_total{engine="e0",kind="first_byte_timeout"} 1.0' in metrics
+        tracker = server.server.config.app.state.tracker
+        assert tracker.load("e0")[0] == 0 and tracker.load("e1")[0] == 0
+    finally:
+        for engine in engines:
+            engine.stop()
 
 
 def _router_buffered_bytes(server: ThreadedServer) -> int:
