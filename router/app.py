@@ -99,12 +99,16 @@ class KvrouteApp(FastAPI):
 
 
 class _HandedOver:
-    """A request the callback path handed over to a task, and how far it got (``Router.serve``)."""
+    """A request the callback path handed over to a task, how far it got, and its client (a
+    stream goes back to callbacks once its first event is in: ``Router.serve``)."""
 
-    __slots__ = ("ctx", "deciding", "headers", "sent")
+    __slots__ = ("client", "ctx", "deciding", "headers", "sent")
 
-    def __init__(self, ctx: RouteContext, headers: Mapping[str, str], deciding: Any, sent: Any) -> None:
+    def __init__(
+        self, ctx: RouteContext, headers: Mapping[str, str], deciding: Any, sent: Any, client: _CallbackClient
+    ) -> None:
         self.ctx, self.headers, self.deciding, self.sent = ctx, headers, deciding, sent
+        self.client = client
 
 
 class _CallbackClient:
@@ -129,10 +133,25 @@ class _CallbackClient:
 
     def hand_over(self, deciding: Any, sent: Any) -> None:
         assert self.ctx is not None and self.resume_app is not None
-        self.exchange.run_as_task(self.resume_app(_HandedOver(self.ctx, self.headers, deciding, sent)))
+        self.exchange.run_as_task(self.resume_app(_HandedOver(self.ctx, self.headers, deciding, sent, self)))
 
     def watch_disconnect(self, on_disconnect: Callable[[], None] | None) -> bool:
         return bool(self.exchange.disconnect_watcher(on_disconnect))
+
+    def watch_writable(self, on_writable: Callable[[bool], None] | None) -> bool:
+        return bool(self.exchange.writable_watcher(on_writable))
+
+    def stream_start(self, headers: list[tuple[bytes, bytes]]) -> None:
+        self.exchange.stream_start(headers)
+
+    def stream_write(self, data: bytes) -> None:
+        self.exchange.stream_write(data)
+
+    def stream_end(self, data: bytes) -> None:
+        self.exchange.stream_end(data)
+
+    def stream_abort(self, data: bytes) -> None:
+        self.exchange.stream_abort(data)
 
 
 class _AsgiResponse(Response):
@@ -533,7 +552,13 @@ def create_app(
         if resume is not None:
             try:
                 await router.serve(
-                    resume.ctx, resume.headers, receive, send, deciding=resume.deciding, sent=resume.sent
+                    resume.ctx,
+                    resume.headers,
+                    receive,
+                    send,
+                    deciding=resume.deciding,
+                    sent=resume.sent,
+                    client=resume.client,
                 )
             except RouterError as err:
                 refused(err, resume.ctx.request_id)

@@ -186,9 +186,10 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """How the proxied routes run inside the router process."""
 
     #: Answer the common request (body complete, no API key to check, a decision that needs no
-    #: await, an idle keep-alive connection to the chosen engine, no stream) entirely in the HTTP
-    #: protocols' callbacks, without an asyncio task; anything else goes on as a task from the
-    #: point reached (router/fastpath.py). Off = every request runs as a task.
+    #: await, an idle keep-alive connection to the chosen engine) entirely in the HTTP protocols'
+    #: callbacks, without an asyncio task, a stream's events relayed read by read; anything else
+    #: goes on as a task from the point reached, a stream back in callbacks from its first event
+    #: (router/fastpath.py, router/routing.py). Off = every request runs as a task.
     callback_path: bool = False
 
 

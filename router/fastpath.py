@@ -76,7 +76,9 @@ class ProxyExchange:
         "_chunked",
         "_head",
         "_on_disconnect",
+        "_on_writable",
         "_protocol",
+        "_relaying",
         "_waiter",
         "body",
         "disconnected",
@@ -106,6 +108,9 @@ class ProxyExchange:
         self._on_disconnect: Callable[[], None] | None = None
         self._head: bytes = b""
         self._chunked = False
+        #: A stream sent from callbacks (``stream_start``): the answer outlives the request's task.
+        self._relaying = False
+        self._on_writable: Callable[[bool], None] | None = None
 
     # -- uvicorn's side: the protocol calls ``message_event.set()`` on body bytes, the end of the
     # body and a lost connection.
@@ -160,7 +165,7 @@ class ProxyExchange:
             if isinstance(exc, asyncio.CancelledError):
                 raise
         else:
-            if not self.response_complete and not self.disconnected:
+            if not self.response_complete and not self.disconnected and not self._relaying:
                 # Stopped mid-answer (a stream that broke off): whatever was sent goes out, then the
                 # connection closes, so no client takes the answer for complete.
                 transport = self._protocol.transport
@@ -172,7 +177,8 @@ class ProxyExchange:
                     transport.write(_SERVER_ERROR)
                 transport.close()
         finally:
-            self._on_disconnect = None
+            if not self._relaying:  # (a stream relayed from callbacks watches on)
+                self._on_disconnect = None
 
     def complete_body(self) -> bytes | None:
         """The whole request body when it is all in (nothing to wait for, no 100 Continue owed,
@@ -218,8 +224,12 @@ class ProxyExchange:
             raise RuntimeError(f"{message['type']!r} sent after the response was complete")
         if message["type"] != "http.response.body":
             raise RuntimeError(f"expected 'http.response.body', got {message['type']!r}")
-        body = message.get("body", b"")
-        more_body = message.get("more_body", False)
+        self._write_body(message.get("body", b""), message.get("more_body", False))
+
+    def _write_body(self, body: bytes, more_body: bool) -> None:
+        """Body bytes in the answer's framing (content-length or chunked), after the head when it
+        has not gone out yet; the end of the answer unless ``more_body``."""
+        protocol = self._protocol
         if self._chunked:
             parts = [self._head, b"%x\r\n" % len(body), body, b"\r\n"] if body else [self._head]
             if not more_body:
@@ -235,6 +245,38 @@ class ProxyExchange:
             if not self.keep_alive:
                 protocol.transport.close()
             protocol.on_response_complete()
+
+    # -- a streamed answer sent from callbacks (the callback path's stream relay,
+    # router/routing.py's ``_CallbackStream``): no task, no await per piece.
+    def stream_start(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """Status 200 and ``headers`` (chunked framing), kept to go out with the first bytes; the
+        request's task may end before the answer does."""
+        self.response_started = True
+        self.expect_100_continue = False
+        self._relaying = True
+        self._start(200, headers)
+
+    def stream_write(self, data: bytes) -> None:
+        if not self.disconnected:
+            self._write_body(data, True)
+
+    def stream_end(self, data: bytes) -> None:
+        if not self.disconnected:
+            self._write_body(data, False)
+
+    def stream_abort(self, data: bytes) -> None:
+        """``data`` (and the head if it has not gone out), then the connection closed with the
+        answer unfinished: no client takes it for complete."""
+        if not self.disconnected:
+            self._write_body(data, True)
+        self._protocol.transport.close()
+
+    def writable_watcher(self, on_writable: Callable[[bool], None] | None) -> bool:
+        """Call ``on_writable(False)`` when the client's transport pauses writing (its buffer over
+        the high-water mark) and ``on_writable(True)`` when it resumes (None: stop); whether it
+        is writable now."""
+        self._on_writable = on_writable
+        return not self._protocol.flow.write_paused
 
     def answer_now(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """A complete answer written at once, without ``send``'s awaits (the callback path): what
@@ -479,6 +521,18 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             self.timeout_keep_alive_task = self.loop.call_at(
                 now + self.timeout_keep_alive, self._keep_alive_due
             )
+
+    def pause_writing(self) -> None:
+        self.flow.pause_writing()
+        on_writable = getattr(self.cycle, "_on_writable", None)  # (a relayed stream's)
+        if on_writable is not None:
+            on_writable(False)
+
+    def resume_writing(self) -> None:
+        self.flow.resume_writing()
+        on_writable = getattr(self.cycle, "_on_writable", None)
+        if on_writable is not None:
+            on_writable(True)
 
     def _keep_alive_due(self) -> None:
         """The keep-alive timer: the connection is closed when it has waited for its next request

@@ -200,6 +200,13 @@ class UpstreamResponse:
                 raise self._error
             await self._wait()
 
+    def pause_reading(self, paused: bool) -> None:
+        """Stop (True) or resume reading the answer off its connection: the engine is held back by
+        TCP flow control, and the read timeout does not count the pause (a slow client)."""
+        conn = self._conn
+        if conn is not None:
+            conn.pause_reading(paused)
+
     def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None and not self._done:
@@ -221,6 +228,8 @@ class _Connection(asyncio.Protocol):
         self.idle_since_s = 0.0
         self.lost = False
         self.busy = False
+        #: Reading paused by the answer's reader (``UpstreamResponse.pause_reading``).
+        self.paused = False
         #: The running exchange's first-byte deadline (monotonic; 0 = none) and whether it lasts
         #: until the first SSE event of a 200 answer.
         self.first_byte_due_s = 0.0
@@ -282,10 +291,20 @@ class _Connection(asyncio.Protocol):
             return
         response._done = True
         response._conn = None
-        if self.parser.should_keep_alive() and not self.lost:
+        if self.parser.should_keep_alive() and not self.lost and not self.paused:
             self.pool.release(self)
         else:
             self.abort()
+
+    def pause_reading(self, paused: bool) -> None:
+        if paused == self.paused or self.transport is None or self.lost:
+            return
+        self.paused = paused
+        if paused:
+            self.transport.pause_reading()
+        else:
+            self.last_io_s = time.monotonic()  # the read timeout counts from the end of the pause
+            self.transport.resume_reading()
 
     # -- the pool's side
     def abort(self) -> None:
@@ -464,7 +483,7 @@ class UpstreamClient:
                     )
                 else:
                     conn.first_byte_due_s = 0.0
-            if error is None and now_s - conn.last_io_s >= read_timeout_s:
+            if error is None and not conn.paused and now_s - conn.last_io_s >= read_timeout_s:
                 error = UpstreamTimeout(f"{response.url}: engine sent nothing within the read timeout")
             if error is not None:
                 response._fail(error)

@@ -541,12 +541,15 @@ class Router:
         *,
         deciding: Awaitable[tuple[Arm, Decision]] | None = None,
         sent: UpstreamResponse | None = None,
+        client: CallbackClient | None = None,
     ) -> None:
         """Route ``ctx``, proxy it and send the answer through ASGI ``send`` (streaming or
         complete). RouterErrors raised before any byte was sent are the caller's to answer.
         The callback path (``serve_now``) hands a request over from where it stopped: the rest of
         its ``decide`` (``deciding``), its reservation taken (``ctx.reservation``), or its request
-        sent on a pooled connection as well (``sent``)."""
+        sent on a pooled connection as well (``sent``); with its ``client``, a stream is relayed
+        from the upstream connection's callbacks once its first event is in (``_CallbackStream``):
+        this returns then, the answer still going out."""
         if ctx.reservation is None:
             arm, decision = await (deciding if deciding is not None else self.decide(ctx))
             # Reserve the engine's load now, with no await since the choice: requests that arrive
@@ -563,25 +566,33 @@ class Router:
         # body, every streamed chunk): a client that goes away cancels the upstream request,
         # which is what stops the engine's work.
         watcher = watch_disconnect(receive)
+        relayed: _StreamAnswer | None = None
         try:
             answer = await self._forward(ctx, decision, headers, sent)
-            await answer.send(send, watcher)
+            if client is not None and type(answer) is _StreamAnswer:
+                relayed = answer  # (no await from here: the relay watches the client from now on)
+            else:
+                await answer.send(send, watcher)
         except asyncio.CancelledError:
             if not watcher.uncancel_if_fired():
                 raise
             self._finish(ctx, STATUS_CLIENT_GONE, "client disconnected; upstream request cancelled")
         finally:
             watcher.stop()
+        if relayed is not None:
+            assert client is not None
+            _CallbackStream(relayed.relay, client).start(relayed.headers)
 
     def serve_now(self, ctx: RouteContext, headers: Mapping[str, str], client: CallbackClient) -> None:
         """The callback path (``proxy.callback_path``): route ``ctx`` and send it upstream without
-        an await, then relay the answer from the upstream connection's callbacks (``_Relay``).
-        Where that cannot go on without waiting - a stream, a ``decide`` that suspends (a
-        tokenizer or key-cache miss), no idle connection to the chosen engine, an engine failing
-        before its answer (stale connection, fail-over) - the request goes on as a task through
+        an await, then relay the answer from the upstream connection's callbacks (``_Relay``; a
+        stream's from its first event on: ``_CallbackStream``). Where that cannot go on without
+        waiting - a ``decide`` that suspends (a tokenizer or key-cache miss), no idle connection
+        to the chosen engine, an engine failing before its answer or a stream's first event
+        (stale connection, first-byte budget, fail-over) - the request goes on as a task through
         ``serve`` from the point reached (``client.hand_over``). RouterErrors raised here are the
         caller's to answer."""
-        if ctx.stream or not self._decides_outside_task:
+        if not self._decides_outside_task:
             client.hand_over(None, None)
             return
         deciding = self.decide(ctx)
@@ -602,7 +613,15 @@ class Router:
         upstream_headers, body = self._upstream_request(ctx, headers)
         body = self._engine_body(ctx, engine, reservation, body)
         ctx.sent_s = reservation.sent_s = time.monotonic()
-        response = self.client.send_on_idle(engine.url + ENDPOINT_PATHS[ctx.endpoint], body, upstream_headers)
+        stream = ctx.stream
+        response = self.client.send_on_idle(
+            engine.url + ENDPOINT_PATHS[ctx.endpoint],
+            body,
+            upstream_headers,
+            # A stream's first-byte budget covers its first event, as ``_forward``'s.
+            first_byte_timeout_s=self.first_byte.budget_s() if stream else None,
+            until_event=stream,
+        )
         if response is None:
             client.hand_over(None, None)
             return
@@ -770,16 +789,10 @@ class Router:
                 self.core.abandon(reservation)
                 raise
         assert response is not None
+        if ctx.stream and response.status == 200:
+            return self._stream_answer(ctx, response)
         out_headers = _answer_headers(ctx)
         content_type = response.headers.get("content-type", "application/json")
-        if ctx.stream and response.status == 200:
-
-            def on_close() -> None:  # runs even if the stream never started (client gone at once)
-                response.close()
-                self._finish(ctx, STATUS_CLIENT_GONE, "client disconnected before the stream began")
-
-            out_headers.append((b"content-type", content_type.encode("latin-1")))
-            return _StreamAnswer(self._stream(ctx, response), out_headers, on_close)
         self._answer_started(ctx)
         try:  # a whole (non-stream or error) answer, read here (not in one more coroutine)
             data = await response.read()
@@ -788,6 +801,13 @@ class Router:
         finally:
             response.close()
         return self._completed(ctx, response, data, out_headers, content_type)
+
+    def _stream_answer(self, ctx: RouteContext, response: UpstreamResponse) -> _StreamAnswer:
+        """A stream whose first event is in (or that ended before one), to relay to the client."""
+        headers = _answer_headers(ctx)
+        content_type = response.headers.get("content-type", "application/json")
+        headers.append((b"content-type", content_type.encode("latin-1")))
+        return _StreamAnswer(StreamRelay(self, ctx, response), headers)
 
     def _answer_started(self, ctx: RouteContext) -> None:
         """A complete (non-stream or error) answer's headers are in."""
@@ -845,60 +865,6 @@ class Router:
                 "" if ctx.priority is None else f" priority {ctx.priority}",
             )
 
-    async def _stream(
-        self,
-        ctx: RouteContext,
-        response: UpstreamResponse,
-    ) -> AsyncGenerator[bytes, None]:
-        """Forward SSE bytes as they arrive (from the first: the wait for the first event reads
-        none); keep the tail to
-        read the final usage chunk, or take the usage chunk out when the router asked for it on
-        the client's behalf. A stream that breaks off ends with an OpenAI-shaped error event and
-        an aborted connection: a client must never take it for a complete answer."""
-        tail: deque[bytes] = deque()  # the last chunks, about _USAGE_TAIL_BYTES of them
-        tail_bytes = 0
-        strip = _UsageChunkStripper() if ctx.strip_usage else None
-        status, error = 200, ""
-        try:
-            async for chunk in response.iter_any():  # from the first chunk: head was not consumed
-                if ctx.first_token_s is None and b"data:" in chunk:  # not a keep-alive comment
-                    self._first_token(ctx)
-                if strip is not None:
-                    chunk = strip.feed(chunk)
-                    if not chunk:
-                        continue
-                else:
-                    tail.append(chunk)
-                    tail_bytes += len(chunk)
-                    while tail_bytes - len(tail[0]) >= _USAGE_TAIL_BYTES:
-                        tail_bytes -= len(tail.popleft())
-                yield chunk
-            if strip is not None and strip.pending:
-                yield strip.flush()
-        except UpstreamError as exc:
-            # Headers are sent, so no retry and no status: tell the client in the stream (the way
-            # vLLM reports a failure midway), then abort the connection (StreamAborted) so that
-            # no client, whatever it does with the event, can see a cleanly ended answer.
-            self.metrics.upstream_error(ctx.engine_id, exc.kind)
-            self.tracker.record_failure(ctx.engine_id, f"stream broke off: {exc}")
-            status, error = 502, f"stream broke off: {exc}"
-            yield sse_error_event(
-                f"engine {ctx.engine_id} failed during the answer: {exc}; the answer is incomplete",
-                type="upstream_error",
-                code="upstream_stream_error",
-            )
-            raise StreamAborted(error) from None
-        except (asyncio.CancelledError, GeneratorExit):
-            # A client that hangs up right after the final [DONE] got the whole answer.
-            done = strip.done if strip is not None else bool(tail and b"data: [DONE]" in tail[-1])
-            if not done:
-                status, error = STATUS_CLIENT_GONE, "client disconnected; upstream request cancelled"
-            raise
-        finally:
-            response.close()  # closing the socket is what cancels the request in the engine
-            ctx.usage = strip.usage if strip is not None else usage_from_stream_tail(b"".join(tail))
-            self._finish(ctx, status, error)
-
     def _completed(
         self,
         ctx: RouteContext,
@@ -951,6 +917,28 @@ class CallbackClient(Protocol):
         """Call ``on_disconnect`` when the client goes away (None: stop); True if it has gone."""
         ...
 
+    def watch_writable(self, on_writable: Callable[[bool], None] | None) -> bool:
+        """Call ``on_writable(False)`` when the client's write buffer goes over its high-water mark
+        and ``on_writable(True)`` when it has drained (None: stop); whether it is writable now."""
+        ...
+
+    def stream_start(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """Start a streamed answer (status 200, ``headers``; sent with the first bytes)."""
+        ...
+
+    def stream_write(self, data: bytes) -> None:
+        """Send ``data`` (not empty) of the streamed answer."""
+        ...
+
+    def stream_end(self, data: bytes) -> None:
+        """Send ``data`` (may be empty) and end the streamed answer."""
+        ...
+
+    def stream_abort(self, data: bytes) -> None:
+        """Send ``data`` (may be empty), then close the connection without ending the answer (a
+        client must not take it for complete)."""
+        ...
+
 
 class _Resumed:
     """The rest of a coroutine started outside a task that suspended on ``yielded`` (a future):
@@ -979,10 +967,11 @@ class _Resumed:
 
 
 class _Relay:
-    """A complete (non-stream) answer relayed from the upstream connection's callbacks
+    """A complete (non-stream or error) answer relayed from the upstream connection's callbacks
     (``UpstreamResponse.on_event``): the accounting and the client's answer as ``_forward`` does
-    them; a failure before the answer's headers goes on in ``serve`` (stale
-    connection retry, fail-over), one after them is a 502/504 as there."""
+    them; a failure before the answer's headers (or a stream's first event) goes on in ``serve``
+    (stale connection retry, first-byte budget, fail-over), one after them is a 502/504 as there.
+    A stream (status 200) goes on in ``_CallbackStream`` once its first event is in."""
 
     __slots__ = ("client", "ctx", "response", "router", "started")
 
@@ -1017,6 +1006,15 @@ class _Relay:
                 self.client.hand_over(None, response)
             return
         router, ctx = self.router, self.ctx
+        if ctx.stream and response.status == 200:
+            if response.event_seen or response.done:
+                self._stop_watching()
+                stream = router._stream_answer(ctx, response)
+                _CallbackStream(stream.relay, self.client).start(stream.headers)
+            elif response.error is not None:  # no event yet, so nothing sent: as from ``send``
+                self._stop_watching()
+                self.client.hand_over(None, response)
+            return
         if not self.started:
             self.started = True
             router._answer_started(ctx)
@@ -1044,6 +1042,167 @@ class _Relay:
     def _stop_watching(self) -> None:
         self.response.on_event = None
         self.client.watch_disconnect(None)
+
+
+class StreamRelay:
+    """The rules of a proxied stream's bytes, one definition for both ways a stream is relayed (a
+    task iterating ``chunks``, and the callback path's ``_CallbackStream``): per piece of the
+    engine's answer, the first-token hook and the tail kept for the final usage chunk, or the
+    router's own usage chunk taken out (``_UsageChunkStripper``) when the client did not ask for
+    usage; at the end, the usage read and the request finished once: 200 when the engine's answer
+    is complete, 502 with an OpenAI-shaped SSE error event when it broke off (the connection is
+    then aborted: a client must never take it for a complete answer), 499 when the client went
+    away before the final [DONE]. Every end closes the upstream response (closing the socket
+    before the end is what cancels the request in the engine)."""
+
+    __slots__ = ("_strip", "_tail", "_tail_bytes", "ctx", "ended", "response", "router")
+
+    def __init__(self, router: Router, ctx: RouteContext, response: UpstreamResponse) -> None:
+        self.router, self.ctx, self.response = router, ctx, response
+        self._strip = _UsageChunkStripper() if ctx.strip_usage else None
+        self._tail: deque[bytes] = deque()  # the last pieces, about _USAGE_TAIL_BYTES of them
+        self._tail_bytes = 0
+        self.ended = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        """A piece of the engine's answer -> the bytes for the client (b"": none yet)."""
+        ctx = self.ctx
+        if ctx.first_token_s is None and b"data:" in chunk:  # not a keep-alive comment
+            self.router._first_token(ctx)
+        strip = self._strip
+        if strip is not None:
+            return strip.feed(chunk)
+        tail = self._tail
+        tail.append(chunk)
+        self._tail_bytes += len(chunk)
+        while self._tail_bytes - len(tail[0]) >= _USAGE_TAIL_BYTES:
+            self._tail_bytes -= len(tail.popleft())
+        return chunk
+
+    def end(self, error: UpstreamError | None = None) -> bytes:
+        """The engine's answer ended: complete (``error`` None) -> the bytes held back; broken off
+        -> the SSE error event, the last bytes before the connection is aborted."""
+        if error is None:
+            strip = self._strip
+            rest = strip.flush() if strip is not None and strip.pending else b""
+            self._close(200, "")
+            return rest
+        # Headers are sent, so no retry and no status: tell the client in the stream (the way vLLM
+        # reports a failure midway); the caller then aborts the connection, so that no client,
+        # whatever it does with the event, can see a cleanly ended answer.
+        router, ctx = self.router, self.ctx
+        router.metrics.upstream_error(ctx.engine_id, error.kind)
+        router.tracker.record_failure(ctx.engine_id, f"stream broke off: {error}")
+        self._close(502, f"stream broke off: {error}")
+        return sse_error_event(
+            f"engine {ctx.engine_id} failed during the answer: {error}; the answer is incomplete",
+            type="upstream_error",
+            code="upstream_stream_error",
+        )
+
+    def gone(self, error: str = "client disconnected; upstream request cancelled") -> None:
+        """The client went away (a no-op once the stream ended): 499 with ``error``, unless it had
+        the whole answer (a client that hangs up right after the final [DONE])."""
+        if self.ended:
+            return
+        strip, tail = self._strip, self._tail
+        done = strip.done if strip is not None else bool(tail and b"data: [DONE]" in tail[-1])
+        self._close(200 if done else STATUS_CLIENT_GONE, "" if done else error)
+
+    def _close(self, status: int, error: str) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.response.close()
+        strip = self._strip
+        self.ctx.usage = strip.usage if strip is not None else usage_from_stream_tail(b"".join(self._tail))
+        self.router._finish(self.ctx, status, error)
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        """The task path's relay: the client's bytes as the engine's arrive (from the first: the
+        wait for the first event read none); StreamAborted after the error event of a stream that
+        broke off."""
+        try:
+            async for chunk in self.response.iter_any():
+                chunk = self.feed(chunk)
+                if chunk:
+                    yield chunk
+            rest = self.end()
+            if rest:
+                yield rest
+        except UpstreamError as exc:
+            yield self.end(exc)
+            raise StreamAborted(self.ctx.error) from None
+        except (asyncio.CancelledError, GeneratorExit):
+            self.gone()
+            raise
+        finally:
+            self._close(200, "")  # only a bug gets here with the stream not ended
+
+
+class _CallbackStream:
+    """A stream relayed from the upstream connection's callbacks (the callback path, once the
+    stream's first event is in): each read of the engine's answer goes through
+    ``StreamRelay.feed`` straight to the client's transport, with no task, future or generator
+    step per piece. The client's write buffer over its high-water mark pauses the upstream
+    connection's reading, and its drain resumes it (a slow client holds the engine back instead
+    of the router buffering the answer); the client going away closes the upstream connection,
+    which cancels the engine's request."""
+
+    __slots__ = ("client", "relay")
+
+    def __init__(self, relay: StreamRelay, client: CallbackClient) -> None:
+        self.relay, self.client = relay, client
+
+    def start(self, headers: list[tuple[bytes, bytes]]) -> None:
+        client, response = self.client, self.relay.response
+        if client.watch_disconnect(self.on_disconnect):
+            self.on_disconnect()
+            return
+        client.stream_start(headers)
+        response.on_event = self.on_event
+        if not client.watch_writable(self.on_writable):
+            response.pause_reading(True)
+        self.on_event()  # what is in already: the first event, or even the whole answer
+
+    def on_event(self) -> None:
+        try:
+            self._relay()
+        except Exception:  # a bug: the answer is cut off (the task path's guard does the same)
+            relay = self.relay
+            log.exception("request %s: the stream relay failed", relay.ctx.request_id)
+            self._stop_watching()
+            relay.response.close()
+            relay.router._finish(relay.ctx, 500, "internal router error", log_error=False)
+            self.client.stream_abort(b"")
+
+    def _relay(self) -> None:
+        relay = self.relay
+        response = relay.response
+        data = response.take_body()
+        if data:
+            data = relay.feed(data)
+        if response.done:
+            self._stop_watching()
+            self.client.stream_end(data + relay.end())
+        elif response.error is not None:
+            self._stop_watching()
+            self.client.stream_abort(data + relay.end(response.error))
+        elif data:
+            self.client.stream_write(data)
+
+    def on_writable(self, writable: bool) -> None:
+        self.relay.response.pause_reading(not writable)
+
+    def on_disconnect(self) -> None:
+        """The client went away: the engine's request is cancelled (``StreamRelay.gone``)."""
+        self._stop_watching()
+        self.relay.gone()
+
+    def _stop_watching(self) -> None:
+        self.relay.response.on_event = None
+        self.client.watch_disconnect(None)
+        self.client.watch_writable(None)
 
 
 class _DueCalls:
@@ -1102,23 +1261,19 @@ class _BodyAnswer:
 
 
 class _StreamAnswer:
-    """A stream: status 200 and the headers, then every chunk as it comes. ``on_close`` runs
-    whatever happened (even when the stream never started); a stream that raised StreamAborted
-    ends without the final empty chunk, so the server aborts the connection and HTTP clients
-    report an incomplete answer."""
+    """A stream: status 200 and the headers, then every chunk as it comes (``StreamRelay.chunks``,
+    or ``_CallbackStream`` on the callback path). A stream that raised StreamAborted ends without
+    the final empty chunk, so the server aborts the connection and HTTP clients report an
+    incomplete answer; one whose client went away before it began is finished as such."""
 
-    __slots__ = ("chunks", "headers", "on_close")
+    __slots__ = ("headers", "relay")
 
-    def __init__(
-        self,
-        chunks: AsyncGenerator[bytes, None],
-        headers: list[tuple[bytes, bytes]],
-        on_close: Callable[[], None],
-    ) -> None:
-        self.chunks, self.headers, self.on_close = chunks, headers, on_close
+    def __init__(self, relay: StreamRelay, headers: list[tuple[bytes, bytes]]) -> None:
+        self.relay, self.headers = relay, headers
 
     async def send(self, send: Send, watcher: DisconnectWatcher) -> None:
-        chunks = self.chunks
+        relay = self.relay
+        chunks = relay.chunks()
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
             async for chunk in chunks:
@@ -1129,7 +1284,7 @@ class _StreamAnswer:
             return
         finally:
             await chunks.aclose()  # a cancelled send: the stream's own cleanup runs now
-            self.on_close()
+            relay.gone("client disconnected before the stream began")  # (even if it never started)
 
 
 class DisconnectWatcher:
