@@ -60,12 +60,20 @@ class UpstreamFirstByteTimeout(UpstreamConnectError):
     kind = "first_byte_timeout"
 
 
+#: A stream read by a task (``UpstreamResponse.iter_any``) pauses its connection's reading while
+#: more than this many bytes wait for the reader (a slow client: the task waits on the client's
+#: drain), so that the engine is held back by TCP flow control instead of the router buffering the
+#: answer. (The callback path's relay pauses on the client's own write buffer.)
+STREAM_BUFFER_BYTES = 256 * 1024
+
+
 class UpstreamResponse:
     """An engine's answer on a pooled connection: ``status`` and ``headers`` (lower-case names),
     then the body as it arrives (``iter_any``/``read``). ``close`` before the end drops the
     connection, which is what cancels the request in the engine."""
 
     __slots__ = (
+        "_buffered",
         "_chunks",
         "_conn",
         "_done",
@@ -88,6 +96,9 @@ class UpstreamResponse:
         self.status = 0
         self.headers: dict[str, str] = {}
         self._chunks: deque[bytes] = deque()
+        #: Bytes in ``_chunks`` counted against STREAM_BUFFER_BYTES (-1: not counted, until
+        #: ``iter_any`` reads the answer).
+        self._buffered = -1
         self._done = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -154,13 +165,18 @@ class UpstreamResponse:
         What arrived while the reader was away comes as one piece (one write to the client, not
         one per network read)."""
         chunks = self._chunks
+        self._buffered = 0
         while True:
-            if len(chunks) > 1:
-                data = b"".join(chunks)
+            if chunks:
+                data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
                 chunks.clear()
+                if self._buffered:
+                    self._buffered = 0
+                    conn = self._conn
+                    if conn is not None and conn.full:
+                        conn.buffer_full(False)
                 yield data
-            while chunks:
-                yield chunks.popleft()
+                continue
             if self._done:
                 return
             if self._error is not None:
@@ -228,8 +244,11 @@ class _Connection(asyncio.Protocol):
         self.idle_since_s = 0.0
         self.lost = False
         self.busy = False
-        #: Reading paused by the answer's reader (``UpstreamResponse.pause_reading``).
+        #: Reading paused: by the answer's reader (``UpstreamResponse.pause_reading``: ``held``), or
+        #: while a task's reader is away with more than STREAM_BUFFER_BYTES waiting (``full``).
         self.paused = False
+        self.held = False
+        self.full = False
         #: The running exchange's first-byte deadline (monotonic; 0 = none) and whether it lasts
         #: until the first SSE event of a 200 answer.
         self.first_byte_due_s = 0.0
@@ -284,6 +303,10 @@ class _Connection(asyncio.Protocol):
             if not response.event_seen and b"data:" in body:
                 response.event_seen = True
             response._chunks.append(body)
+            if response._buffered >= 0:
+                response._buffered += len(body)
+                if response._buffered > STREAM_BUFFER_BYTES and not self.full:
+                    self.buffer_full(True)
 
     def on_message_complete(self) -> None:
         response, self.response = self.response, None
@@ -291,12 +314,22 @@ class _Connection(asyncio.Protocol):
             return
         response._done = True
         response._conn = None
+        if self.full:  # the whole answer is in: nothing left to hold back
+            self.buffer_full(False)
         if self.parser.should_keep_alive() and not self.lost and not self.paused:
             self.pool.release(self)
         else:
             self.abort()
 
     def pause_reading(self, paused: bool) -> None:
+        self.held = paused
+        self._pause(paused or self.full)
+
+    def buffer_full(self, full: bool) -> None:
+        self.full = full
+        self._pause(full or self.held)
+
+    def _pause(self, paused: bool) -> None:
         if paused == self.paused or self.transport is None or self.lost:
             return
         self.paused = paused

@@ -413,20 +413,24 @@ def _router_buffered_bytes(server: ThreadedServer) -> int:
     return asyncio.run_coroutine_threadsafe(count(), loop).result(10)
 
 
+@PATHS
 def test_a_slow_client_holds_the_engine_back_and_gets_the_whole_answer(
-    serve_asgi: Callable[..., ThreadedServer], engine: ScriptedEngine, relay_generators: list[str]
+    serve_asgi: Callable[..., ThreadedServer],
+    engine: ScriptedEngine,
+    relay_generators: list[str],
+    callback_path: bool,
 ) -> None:
     """A 64 MiB stream (4,096 events of 16 KiB) to a client that stops reading after the head: on the
-    callback path the client transport's pause pauses the engine's connection, so the router holds
-    at most about a write buffer and a read (never the answer: more than the kernel's socket buffers
-    on both hops can take, so the engine must stall), and once the client reads on, the answer
-    arrives whole. (The task path has no such bound: its generator waits on the client while the
-    upstream protocol keeps reading; not asserted here.)"""
+    callback path the client transport's pause pauses the engine's connection, on the task path
+    (whose generator waits on the client's drain) the bytes waiting for it over
+    ``proxy.STREAM_BUFFER_BYTES`` do; so the router holds at most about a write buffer and a read or
+    two (never the answer: more than the kernel's socket buffers on both hops can take, so the
+    engine must stall), and once the client reads on, the answer arrives whole."""
     piece = "x" * (16384 - 80)
     engine.events = token_events(4096, piece)
     engine.piece_bytes = 1 << 20
     recorder = Recorder()
-    server = _router(serve_asgi, engine, recorder, callback_path=True)
+    server = _router(serve_asgi, engine, recorder, callback_path=callback_path)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)  # (before connecting: the window)
     try:
