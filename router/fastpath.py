@@ -343,7 +343,7 @@ class ProxyHttpProtocol(HttpToolsProtocol):
     #: (0: it has not, or bytes came since): the keep-alive timeout counts from there.
     _idle_since_s = 0.0
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:  # type: ignore[override]
         # uvicorn's, with the keep-alive timer left armed: bytes mark the connection busy instead
         # (``_keep_alive_due``).
         self._idle_since_s = 0.0

@@ -149,7 +149,7 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
             )
             self.transport.close()
 
-        def data_received(self, data: bytes) -> None:
+        def data_received(self, data: bytes | memoryview) -> None:
             if self.transport.is_closing():
                 return
             if self._in_headers:
@@ -157,7 +157,17 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
                 # line in memory, so everything past the budget is refused unread. A chunk that
                 # also holds the end of the headers and a body goes on in a second feed.
                 budget = self.max_header_bytes + HEADER_SLACK_BYTES - self._header_bytes
-                head, data = data[:budget], data[budget:]
+                cut = budget
+                if len(data) > budget:
+                    # A read longer than the budget (a large body with its headers) is cut where
+                    # the headers end when that is within the budget, so that the body reaches
+                    # the parser in one piece (one on_body: the exchange holds it as it came,
+                    # with no join of two), and cut through a memoryview (no copy of either side).
+                    end = data.find(b"\r\n\r\n", 0, budget) if type(data) is bytes else -1
+                    if end >= 0:
+                        cut = end + 4
+                    data = memoryview(data)
+                head, data = data[:cut], data[cut:]
                 heads_before = self._heads_done
                 super().data_received(head)
                 if self._in_headers and not self.transport.is_closing():
@@ -172,6 +182,11 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
                             self._start_header_timer()  # (not when it waits for the next request)
                         return
                     self._header_bytes += len(head)
+                    if data and cut < budget:
+                        # Cut early at a blank line that did not end the headers (empty lines
+                        # before a request line): the rest of the read goes on, within the budget.
+                        self.data_received(data)
+                        return
                     if data or self._header_bytes >= self.max_header_bytes + HEADER_SLACK_BYTES:
                         self._reject(431, b"request headers exceed limits.max_header_bytes")
                     elif self._header_bytes:

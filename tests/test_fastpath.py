@@ -4,7 +4,9 @@ in pieces, and a client that hangs up mid-stream."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -350,3 +352,54 @@ async def test_due_calls_run_in_due_order_on_one_timer() -> None:
     await asyncio.wait_for(all_done.wait(), 5)
     assert done == ["first", "second", "third"]
     assert calls._timer is None and not calls._heap
+
+
+@pytest.mark.parametrize("splice", ["none", "priority", "tenant"])
+def test_a_16k_token_body_reaches_the_engine_byte_for_byte_with_each_splice(
+    serve_asgi: Callable[..., ThreadedServer], upstreams: Any, splice: str
+) -> None:
+    """A 16K-token chat body (longer than the guard's header budget) sent in one write and in
+    pieces (cut inside the blank line that ends the headers, and in the body), streamed and not:
+    the engine gets the client's bytes, with only the router's own splices (the usage request of a
+    stream, a priority engine's priority, the tenant's cache_salt) and nothing else changed."""
+    engines = upstreams(1)
+    overrides: dict[str, Any] = {
+        "engines": [{"id": u.name, "url": url, "model": MODEL} for u, url in engines],
+        "health": {"interval_s": 0},
+        "policy": {"name": "round_robin"},
+    }
+    if splice == "priority":
+        overrides["engines"][0]["scheduling_policy"] = "priority"
+    if splice == "tenant":
+        overrides["tenancy"] = {"source": "header", "header": "x-tenant-id"}
+    server = serve_asgi(create_app(load_config(environ={}, overrides=overrides)))
+    engine = engines[0][0]
+    text = "word " * 16_000 + '\u00e9"\\ end'  # escapes and a non-ASCII character in it too
+    for stream in (False, True):
+        body = chat(stream=stream, text=text)
+        assert len(body) > 64 * 1024
+        expected = body
+        if splice == "tenant":
+            salt = "t-" + hashlib.sha256(b"acme").hexdigest()[:32]
+            salted = {**json.loads(body), "cache_salt": salt}
+            expected = json.dumps(salted, separators=(",", ":"), ensure_ascii=False).encode()
+        if stream:
+            expected = b'{"stream_options":{"include_usage":true},' + expected[1:]
+        request = post("/v1/chat/completions", body, b"x-tenant-id: acme\r\n")
+        end = request.index(b"\r\n\r\n")
+        for cuts in ((), (end + 2, end + 1000)):
+            with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                start = 0
+                for cut in cuts:
+                    sock.sendall(request[start:cut])
+                    time.sleep(0.05)  # (so that the router reads the pieces apart)
+                    start = cut
+                sock.sendall(request[start:])
+                (answer,) = read_answers(sock, 1)
+            assert answer.status_code == 200, answer.text
+            got = engine.bodies[-1]
+            if splice == "priority":
+                match = re.match(rb'\{"priority":-?\d+,', got)
+                assert match is not None, got[:80]
+                got = b"{" + got[match.end() :]
+            assert got == expected, (stream, cuts, got[:120], expected[:120])

@@ -124,3 +124,78 @@ async def test_a_request_answered_in_its_own_read_leaves_the_next_one_its_whole_
     assert transport.written.count(b"HTTP/1.1 200 OK") == 2, transport.written[-300:]
     assert not transport.closed
     protocol.connection_lost(None)
+
+
+class RecordingPieces(AnswerAtOnce):
+    """Also records what the exchange held when the body was complete: bytes (the body as the
+    parser gave it, in one piece) or a bytearray (pieces joined)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[type] = []
+
+    def proxy_now(self, exchange: Any) -> bool:
+        self.held.append(type(exchange.body))
+        return super().proxy_now(exchange)
+
+
+def _recording_connection() -> tuple[Any, Transport, RecordingPieces]:
+    protocol, transport, _ = _connection()
+    app = RecordingPieces()
+    protocol.app = app
+    return protocol, transport, app
+
+
+def _body_of(request: bytes) -> bytes:
+    return request.split(b"\r\n\r\n", 1)[1]
+
+
+async def test_a_body_larger_than_the_header_budget_reaches_the_exchange_in_one_piece() -> None:
+    """A 16K-token request (a body longer than the header budget) in one read: the guard cuts the
+    read where the headers end, so the parser hands the whole body over at once (the exchange
+    holds it as it came, not joined from two pieces), byte for byte."""
+    protocol, transport, app = _recording_connection()
+    budget = protocol.max_header_bytes + HEADER_SLACK_BYTES
+    request = chat(2 * budget)
+    protocol.data_received(request)
+    assert transport.written.count(b"HTTP/1.1 200 OK") == 1 and not transport.closed
+    assert app.bodies == [_body_of(request)]
+    assert app.held == [bytes]
+    protocol.connection_lost(None)
+
+
+async def test_a_large_request_cut_anywhere_gets_the_same_body_and_answer() -> None:
+    """The same large request in two reads cut at every place where the guard's cut could matter
+    (in the request line, inside the blank line that ends the headers, right after it, in the
+    body, at the budget), after blank lines before its request line, and with the next request's
+    start in the same read: every body arrives whole and every request is answered."""
+    budget = _connection()[0].max_header_bytes + HEADER_SLACK_BYTES
+    request = chat(2 * budget)
+    end = request.index(b"\r\n\r\n")
+    for cut in (5, end, end + 1, end + 2, end + 3, end + 4, end + 100, budget - 1, budget, budget + 1):
+        protocol, transport, app = _recording_connection()
+        protocol.data_received(request[:cut])
+        protocol.data_received(request[cut:])
+        assert transport.written.count(b"HTTP/1.1 200 OK") == 1, (cut, transport.written[:200])
+        assert app.bodies == [_body_of(request)] and not transport.closed, cut
+        protocol.connection_lost(None)
+    protocol, transport, app = _recording_connection()
+    protocol.data_received(b"\r\n\r\n" + request)
+    protocol.data_received(request + chat(10)[:30])
+    protocol.data_received(chat(10)[30:])
+    assert transport.written.count(b"HTTP/1.1 200 OK") == 3, transport.written[-200:]
+    assert app.bodies == [_body_of(request), _body_of(request), _body_of(chat(10))]
+    assert not transport.closed
+    protocol.connection_lost(None)
+
+
+async def test_a_large_read_whose_headers_do_not_end_within_the_budget_is_refused() -> None:
+    """The cut at the headers' end is only taken within the budget: header lines longer than the
+    budget in one large read are still refused (431) without being fed to the parser."""
+    protocol, transport, app = _recording_connection()
+    budget = protocol.max_header_bytes + HEADER_SLACK_BYTES
+    pad = b"x-pad: %s\r\n" % (b"v" * budget)
+    protocol.data_received(chat(budget).replace(b"host: 127.0.0.1\r\n", b"host: 127.0.0.1\r\n" + pad))
+    assert transport.written.startswith(b"HTTP/1.1 431 ") and transport.closed
+    assert app.bodies == []
+    protocol.connection_lost(None)
