@@ -48,16 +48,14 @@ class Recorder:
         )
 
 
-class FlakyEngine:
-    """A raw HTTP/1.1 engine on loopback: answers the first request of each connection (keep-alive)
-    and closes the connection, unanswered, on any later one - a pooled connection gone stale.
-    ``stop_listening`` refuses new connections while open ones stay."""
+class RawEngine:
+    """A raw HTTP/1.1 engine on loopback: one thread per connection, served by the subclass's
+    ``_serve`` (``read_request`` reads one request off it); ``stop_listening`` refuses new
+    connections while open ones stay."""
 
     def __init__(self) -> None:
         self.port = free_port()
         self.listener = socket.create_server(("127.0.0.1", self.port))
-        self.requests = 0
-        self.answered = 0
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -74,23 +72,53 @@ class FlakyEngine:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def read_request(conn: socket.socket, data: bytes) -> tuple[bytes, bytes] | None:
+        """The next request's body off ``conn`` (``data``: bytes already read) and the bytes read
+        past it; None when the client closed the connection first."""
+        while b"\r\n\r\n" not in data:
+            more = conn.recv(65536)
+            if not more:
+                return None
+            data += more
+        head, data = data.split(b"\r\n\r\n", 1)
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        while len(data) < length:
+            data += conn.recv(65536)
+        return data[:length], data[length:]
+
+    def stop_listening(self) -> None:
+        self._stop.set()
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() and stops listening (Linux)
+        except OSError:
+            pass
+        self.listener.close()
+
+
+class FlakyEngine(RawEngine):
+    """Answers the first request of each connection (keep-alive) and closes the connection,
+    unanswered, on any later one - a pooled connection gone stale."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.answered = 0
+        super().__init__()
+
+    def _serve(self, conn: socket.socket) -> None:
         with conn:
             data = b""
             for number in range(2):
-                while b"\r\n\r\n" not in data:
-                    more = conn.recv(65536)
-                    if not more:
-                        return
-                    data += more
-                head, data = data.split(b"\r\n\r\n", 1)
-                length = next(
-                    int(line.split(b":", 1)[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
-                )
-                while len(data) < length:
-                    data += conn.recv(65536)
-                data = data[length:]
+                read = self.read_request(conn, data)
+                if read is None:
+                    return
+                data = read[1]
                 self.requests += 1
                 if number == 1:
                     return  # the second request on a connection: closed unanswered
@@ -108,14 +136,6 @@ class FlakyEngine:
                     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                     % (len(body), body)
                 )
-
-    def stop_listening(self) -> None:
-        self._stop.set()
-        try:
-            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() and stops listening (Linux)
-        except OSError:
-            pass
-        self.listener.close()
 
 
 @pytest.fixture

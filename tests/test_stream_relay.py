@@ -23,8 +23,8 @@ from router.app import create_app
 from router.config import load_config
 from router.fastpath import ProxyHttpProtocol
 from router.routing import StreamRelay
-from tests.conftest import ThreadedServer, free_port
-from tests.test_callback_path import Recorder, _count, _wait_for
+from tests.conftest import ThreadedServer
+from tests.test_callback_path import RawEngine, Recorder, _count, _wait_for
 from tests.test_fastpath import MODEL, chat, post, read_answers
 
 USAGE = {"prompt_tokens": 20, "completion_tokens": 3, "total_tokens": 23}
@@ -43,7 +43,7 @@ USAGE_EVENT = event({"id": "s", "object": "chat.completion.chunk", "choices": []
 DONE = b"data: [DONE]\n\n"
 
 
-class ScriptedEngine:
+class ScriptedEngine(RawEngine):
     """A raw HTTP/1.1 engine on loopback answering each request with a chunked SSE stream of
     ``events`` (the usage event before [DONE] when the request asks for usage), written
     ``piece_bytes`` at a time (0: the whole answer, head to terminator, in one write) with
@@ -52,8 +52,6 @@ class ScriptedEngine:
     router closed its connection mid-answer."""
 
     def __init__(self) -> None:
-        self.port = free_port()
-        self.listener = socket.create_server(("127.0.0.1", self.port))
         self.events: list[bytes] = token_events(3)
         self.piece_bytes = 0
         self.gap_s = 0.0
@@ -64,40 +62,17 @@ class ScriptedEngine:
         self.sent_bytes = 0
         self.finished = 0
         self.cut_off = threading.Event()  # the router closed the connection mid-answer
-        self._stop = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        super().__init__()
 
     def _serve(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with conn:
             data = b""
             while True:
-                while b"\r\n\r\n" not in data:
-                    more = conn.recv(65536)
-                    if not more:
-                        return
-                    data += more
-                head, data = data.split(b"\r\n\r\n", 1)
-                length = next(
-                    int(line.split(b":", 1)[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
-                )
-                while len(data) < length:
-                    data += conn.recv(65536)
-                body, data = data[:length], data[length:]
+                read = self.read_request(conn, data)
+                if read is None:
+                    return
+                body, data = read
                 self.bodies.append(body)
                 if not self._answer(conn, json.loads(body)):
                     return
@@ -140,14 +115,6 @@ class ScriptedEngine:
         self.finished += 1
         return True
 
-    def stop(self) -> None:
-        self._stop.set()
-        try:
-            self.listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.listener.close()
-
 
 @pytest.fixture
 def engine() -> Iterator[ScriptedEngine]:
@@ -155,7 +122,7 @@ def engine() -> Iterator[ScriptedEngine]:
     try:
         yield scripted
     finally:
-        scripted.stop()
+        scripted.stop_listening()
 
 
 @pytest.fixture
@@ -393,7 +360,7 @@ def test_a_stream_without_its_first_event_in_the_budget_fails_over(
         assert tracker.load("e0")[0] == 0 and tracker.load("e1")[0] == 0
     finally:
         for engine in engines:
-            engine.stop()
+            engine.stop_listening()
 
 
 def _router_buffered_bytes(server: ThreadedServer) -> int:
