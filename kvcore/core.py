@@ -342,6 +342,42 @@ def check_hold_wait(wait_s: float, what: str) -> None:
         raise ValueError(f"{what} must be > 0 seconds (an engine has room below it), got {wait_s}")
 
 
+def check_hold(
+    wait_s: float | None,
+    order: str,
+    pick: str,
+    recompute_below: float | None,
+    max_s: float | None,
+    names: tuple[str, str, str, str, str] = (
+        "hold_wait_s",
+        "hold_order",
+        "hold_pick",
+        "hold_recompute_below",
+        "hold_max_s",
+    ),
+) -> None:
+    """ValueError naming the setting (``names``: W, ORDER, PICK, the recompute fraction, the bound)
+    unless the late binding's settings make sense together: without W nothing else is set; W and the
+    bound > 0 seconds, ORDER in HOLD_ORDERS, PICK in HOLD_PICKS, the recompute fraction in (0, 1]."""
+    n_wait, n_order, n_pick, n_below, n_max = names
+    if wait_s is None:
+        if (order, pick, recompute_below, max_s) != (HOLD_ORDERS[0], HOLD_PICKS[0], None, None):
+            raise ValueError(
+                f"{n_order}, {n_pick}, {n_below} and {n_max} order, route, pick and bound held turns:"
+                f" set {n_wait} too"
+            )
+        return
+    check_hold_wait(wait_s, n_wait)
+    if recompute_below is not None:
+        check_recompute_below(recompute_below, n_below)
+    if max_s is not None:
+        check_hold_wait(max_s, n_max)
+    if order not in HOLD_ORDERS:
+        raise ValueError(f"{n_order} {order!r} is unknown; accepted: {', '.join(HOLD_ORDERS)}")
+    if pick not in HOLD_PICKS:
+        raise ValueError(f"{n_pick} {pick!r} is unknown; accepted: {', '.join(HOLD_PICKS)}")
+
+
 def hold_parts(request: RouteRequest, costs: CostEstimates, engine_ids: Iterable[str]) -> PredictedParts:
     """A turn's parts with nothing queued ahead, on the engine where its own service (loads plus
     prefill of what the index says it does not hold there) is shortest: what a held turn's

@@ -22,8 +22,6 @@ from typing import Any
 from kvcore.calibration import CalibrationConfig, CostModel
 from kvcore.core import (
     ADMISSION_FORMS,
-    HOLD_ORDERS,
-    HOLD_PICKS,
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_RECOMPUTE_BELOW,
@@ -37,7 +35,7 @@ from kvcore.core import (
     Reservation,
     RoutingCore,
     SequenceLedger,
-    check_hold_wait,
+    check_hold,
     check_priority_fcfs_factor,
     check_recompute_below,
     hold_parts,
@@ -516,31 +514,9 @@ class FleetSimulator:
         #: The relative bound of the request being routed (``priority_fcfs_factor_for``).
         self._route_fcfs_factor = cfg.priority_fcfs_factor
         self._priority_ahead = cfg.priority_wait != "all"
-        if cfg.hold_wait_s is None:
-            if (cfg.hold_order, cfg.hold_pick, cfg.hold_recompute_below, cfg.hold_max_s) != (
-                HOLD_ORDERS[0],
-                HOLD_PICKS[0],
-                None,
-                None,
-            ):
-                raise ValueError(
-                    "hold_order, hold_pick, hold_recompute_below and hold_max_s order, route, pick and"
-                    " bound held turns: set hold_wait_s too"
-                )
-        else:
-            check_hold_wait(cfg.hold_wait_s, "hold_wait_s")
-            if cfg.hold_recompute_below is not None:
-                check_recompute_below(cfg.hold_recompute_below, "hold_recompute_below")
-            if cfg.hold_max_s is not None:
-                check_hold_wait(cfg.hold_max_s, "hold_max_s")
-            if cfg.hold_order not in HOLD_ORDERS:
-                raise ValueError(
-                    f"hold_order {cfg.hold_order!r} is unknown; accepted: {', '.join(HOLD_ORDERS)}"
-                )
-            if cfg.hold_pick not in HOLD_PICKS:
-                raise ValueError(f"hold_pick {cfg.hold_pick!r} is unknown; accepted: {', '.join(HOLD_PICKS)}")
-            if fleet.api_server is not None or fleet.router_stage is not None:
-                raise ValueError("hold_wait_s needs a fleet without server stages (api_server, router_stage)")
+        check_hold(cfg.hold_wait_s, cfg.hold_order, cfg.hold_pick, cfg.hold_recompute_below, cfg.hold_max_s)
+        if cfg.hold_wait_s is not None and (fleet.api_server is not None or fleet.router_stage is not None):
+            raise ValueError("hold_wait_s needs a fleet without server stages (api_server, router_stage)")
         #: A request for ``RoutingCore.refresh`` when the hold reads the engines' load between routes.
         self._no_request = RouteRequest(request_id="")
         if self._priority_ahead:

@@ -27,7 +27,7 @@ from kvcore.core import (
     PRIORITY_STRETCH,
     PRIORITY_WAITS,
     SCHEDULING_POLICIES,
-    check_hold_wait,
+    check_hold,
     check_priority_fcfs_factor,
     check_priority_max_overtake,
     check_priority_stretch,
@@ -483,23 +483,14 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         if not args.admission_wait:
             raise ValueError("--admission-recompute-below gates the admission wait: add --admission-wait")
         check_recompute_below(args.admission_recompute_below, "--admission-recompute-below")
-    if args.hold_wait_s is None:
-        if (args.hold_order, args.hold_pick, args.hold_recompute_below, args.hold_max_s) != (
-            HOLD_ORDERS[0],
-            HOLD_PICKS[0],
-            None,
-            None,
-        ):
-            raise ValueError(
-                "--hold-order, --hold-pick, --hold-recompute-below and --hold-max-s order, route, pick"
-                " and bound held turns: add --hold-wait-s"
-            )
-    else:
-        check_hold_wait(args.hold_wait_s, "--hold-wait-s")
-        if args.hold_recompute_below is not None:
-            check_recompute_below(args.hold_recompute_below, "--hold-recompute-below")
-        if args.hold_max_s is not None:
-            check_hold_wait(args.hold_max_s, "--hold-max-s")
+    check_hold(
+        args.hold_wait_s,
+        args.hold_order,
+        args.hold_pick,
+        args.hold_recompute_below,
+        args.hold_max_s,
+        ("--hold-wait-s", "--hold-order", "--hold-pick", "--hold-recompute-below", "--hold-max-s"),
+    )
     fleet_options = _fleet_options(args)
     storage_values: list[str] = args.storage
 
