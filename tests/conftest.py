@@ -259,3 +259,19 @@ def upstreams(serve_asgi: Callable[..., ThreadedServer]) -> Callable[[int], list
         return out
 
     return start
+
+
+@pytest.fixture
+def task_starts(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Every proxied or ASGI request the protocol started as an asyncio task."""
+    started: list[object] = []
+    from router.fastpath import ProxyHttpProtocol
+
+    original = ProxyHttpProtocol._start_asgi_task
+
+    def counting(self: Any, cycle: Any, app: Any) -> None:
+        started.append(cycle)
+        original(self, cycle, app)
+
+    monkeypatch.setattr(ProxyHttpProtocol, "_start_asgi_task", counting)
+    return started

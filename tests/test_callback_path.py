@@ -18,7 +18,6 @@ import pytest
 
 from router.app import create_app
 from router.config import load_config
-from router.fastpath import ProxyHttpProtocol
 from router.routing import RouteContext
 from tests.conftest import OpenAIUpstream, ThreadedServer, free_port
 from tests.test_fastpath import MODEL, chat, post, read_answers
@@ -136,20 +135,6 @@ class FlakyEngine(RawEngine):
                     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                     % (len(body), body)
                 )
-
-
-@pytest.fixture
-def task_starts(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """Every proxied or ASGI request the protocol started as an asyncio task."""
-    started: list[object] = []
-    original = ProxyHttpProtocol._start_asgi_task
-
-    def counting(self: Any, cycle: Any, app: Any) -> None:
-        started.append(cycle)
-        original(self, cycle, app)
-
-    monkeypatch.setattr(ProxyHttpProtocol, "_start_asgi_task", counting)
-    return started
 
 
 def _router(

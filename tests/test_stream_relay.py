@@ -21,7 +21,6 @@ import pytest
 
 from router.app import create_app
 from router.config import load_config
-from router.fastpath import ProxyHttpProtocol
 from router.routing import StreamRelay
 from tests.conftest import ThreadedServer
 from tests.test_callback_path import RawEngine, Recorder, _count, _wait_for
@@ -136,20 +135,6 @@ def relay_generators(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return original(self)
 
     monkeypatch.setattr(StreamRelay, "chunks", counting)
-    return started
-
-
-@pytest.fixture
-def tasks(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """Every request the router's protocol ran as an asyncio task."""
-    started: list[object] = []
-    original = ProxyHttpProtocol._start_asgi_task
-
-    def counting(self: Any, cycle: Any, app: Any) -> None:
-        started.append(cycle)
-        original(self, cycle, app)
-
-    monkeypatch.setattr(ProxyHttpProtocol, "_start_asgi_task", counting)
     return started
 
 
@@ -320,7 +305,7 @@ def test_a_client_hanging_up_mid_stream_closes_the_engines_connection(
 
 @PATHS
 def test_a_stream_without_its_first_event_in_the_budget_fails_over(
-    serve_asgi: Callable[..., ThreadedServer], tasks: list[object], callback_path: bool
+    serve_asgi: Callable[..., ThreadedServer], task_starts: list[object], callback_path: bool
 ) -> None:
     """Warm streams on the callback path are sent and relayed without a task; one whose engine sends
     its head but no event within the first-byte budget goes to a task, which fails it over to the
@@ -336,12 +321,12 @@ def test_a_stream_without_its_first_event_in_the_budget_fails_over(
                 sock.sendall(post("/v1/chat/completions", chat(stream=True)))
                 (answer,) = read_answers(sock, 1)
                 assert answer.status_code == 200
-            tasks.clear()
+            task_starts.clear()
             for _ in range(2):
                 sock.sendall(post("/v1/chat/completions", chat(stream=True)))
                 (answer,) = read_answers(sock, 1)
                 assert answer.status_code == 200 and b"data: [DONE]" in answer.content
-            assert tasks == [] or server.server.config.app.proxy_now is None
+            assert task_starts == [] or server.server.config.app.proxy_now is None
             engines[0].stall_s = 30.0
             answers = []
             while engines[0].stalled == 0:  # until a stream is routed to the stalled engine
@@ -353,7 +338,7 @@ def test_a_stream_without_its_first_event_in_the_budget_fails_over(
         (record,) = [r for r in recorder.finished if r["attempts"] == ["e0", "e1"]]
         assert record["status"] == 200 and record["usage"] == USAGE
         if server.server.config.app.proxy_now is not None:
-            assert len(tasks) == 1  # the stalled stream only
+            assert len(task_starts) == 1  # the stalled stream only
         metrics = httpx.get(server.url + "/metrics").text
         assert 'kvroute_upstream_errors_total{engine="e0",kind="first_byte_timeout"} 1.0' in metrics
         tracker = server.server.config.app.state.tracker
