@@ -524,15 +524,16 @@ class ProxyHttpProtocol(HttpToolsProtocol):
 
     def pause_writing(self) -> None:
         self.flow.pause_writing()
-        on_writable = getattr(self.cycle, "_on_writable", None)  # (a relayed stream's)
-        if on_writable is not None:
-            on_writable(False)
+        self._tell_writable(False)
 
     def resume_writing(self) -> None:
         self.flow.resume_writing()
-        on_writable = getattr(self.cycle, "_on_writable", None)
+        self._tell_writable(True)
+
+    def _tell_writable(self, writable: bool) -> None:
+        on_writable = getattr(self.cycle, "_on_writable", None)  # (a relayed stream's)
         if on_writable is not None:
-            on_writable(True)
+            on_writable(writable)
 
     def _keep_alive_due(self) -> None:
         """The keep-alive timer: the connection is closed when it has waited for its next request

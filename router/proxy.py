@@ -244,9 +244,8 @@ class _Connection(asyncio.Protocol):
         self.idle_since_s = 0.0
         self.lost = False
         self.busy = False
-        #: Reading paused: by the answer's reader (``UpstreamResponse.pause_reading``: ``held``), or
-        #: while a task's reader is away with more than STREAM_BUFFER_BYTES waiting (``full``).
-        self.paused = False
+        #: Reading paused (``paused``) by the answer's reader (``UpstreamResponse.pause_reading``), or
+        #: while a task's reader is away with more than STREAM_BUFFER_BYTES waiting.
         self.held = False
         self.full = False
         #: The running exchange's first-byte deadline (monotonic; 0 = none) and whether it lasts
@@ -321,23 +320,27 @@ class _Connection(asyncio.Protocol):
         else:
             self.abort()
 
+    @property
+    def paused(self) -> bool:
+        return self.held or self.full
+
     def pause_reading(self, paused: bool) -> None:
         self.held = paused
-        self._pause(paused or self.full)
+        self._apply_pause()
 
     def buffer_full(self, full: bool) -> None:
         self.full = full
-        self._pause(full or self.held)
+        self._apply_pause()
 
-    def _pause(self, paused: bool) -> None:
-        if paused == self.paused or self.transport is None or self.lost:
+    def _apply_pause(self) -> None:
+        transport = self.transport
+        if transport is None or self.lost or self.paused != transport.is_reading():
             return
-        self.paused = paused
-        if paused:
-            self.transport.pause_reading()
+        if self.paused:
+            transport.pause_reading()
         else:
             self.last_io_s = time.monotonic()  # the read timeout counts from the end of the pause
-            self.transport.resume_reading()
+            transport.resume_reading()
 
     # -- the pool's side
     def abort(self) -> None:
