@@ -80,7 +80,7 @@ from sim.fleets import (
 )
 from sim.frontend import FifoServer
 from sim.hashing import BlockHashCache, HashChain
-from sim.oracle import ClairvoyantPolicy
+from sim.oracle import ClairvoyantPolicy, ideal_hit
 from sim.workloads import (
     Conversation,
     Workload,
@@ -670,12 +670,7 @@ class FleetSimulator:
             arrived += 1
             routed_tokens[r.engine] += r.prompt_tokens
             if cfg.track_ideal:
-                n = 0
-                for b in turn.block_ids:
-                    if b not in seen_ids:
-                        break
-                    n += 1
-                seen_ids.update(turn.block_ids)
+                n = ideal_hit(seen_ids, turn.block_ids)
                 ideal_tokens += min(n * wl.block_size, max_hit_tokens(turn.prompt_tokens))
             if staged:
                 # The engine's API server reads and tokenizes it before the engine core sees it.

@@ -126,19 +126,23 @@ def belady_hit_blocks(arrivals: Sequence[Arrival], capacity_blocks: int) -> list
     return hits
 
 
+def ideal_hit(seen: set[int], keys: Sequence[int]) -> int:
+    """The contiguous prefix of ``keys`` (in blocks) that an infinite shared cache holding ``seen``
+    holds; then caches ``keys`` in it. The one definition of the ideal hit, for the bound here
+    and the simulator's running figure (sim/des.py)."""
+    n = 0
+    for key in keys:
+        if key not in seen:
+            break
+        n += 1
+    seen.update(keys)
+    return n
+
+
 def ideal_hit_blocks(arrivals: Sequence[Arrival]) -> list[int]:
     """Per request, the contiguous prefix an infinite shared cache holds at its arrival."""
     seen: set[int] = set()
-    out: list[int] = []
-    for a in arrivals:
-        n = 0
-        for key in a.keys:
-            if key not in seen:
-                break
-            n += 1
-        seen.update(a.keys)
-        out.append(n)
-    return out
+    return [ideal_hit(seen, a.keys) for a in arrivals]
 
 
 def sticky_lru_hit(
