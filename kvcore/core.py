@@ -348,23 +348,27 @@ def check_hold(
     pick: str,
     recompute_below: float | None,
     max_s: float | None,
-    names: tuple[str, str, str, str, str] = (
+    aged: bool = False,
+    names: tuple[str, str, str, str, str, str] = (
         "hold_wait_s",
         "hold_order",
         "hold_pick",
         "hold_recompute_below",
         "hold_max_s",
+        "hold_aged",
     ),
 ) -> None:
-    """ValueError naming the setting (``names``: W, ORDER, PICK, the recompute fraction, the bound)
-    unless the late binding's settings make sense together: without W nothing else is set; W and the
-    bound > 0 seconds, ORDER in HOLD_ORDERS, PICK in HOLD_PICKS, the recompute fraction in (0, 1]."""
-    n_wait, n_order, n_pick, n_below, n_max = names
+    """ValueError naming the setting (``names``: W, ORDER, PICK, the recompute fraction, the bound,
+    the aged deadline) unless the late binding's settings make sense together: without W nothing
+    else is set; W and the bound > 0 seconds, ORDER in HOLD_ORDERS, PICK in HOLD_PICKS, the
+    recompute fraction in (0, 1]. ``aged``: a held turn's shortest-first deadline counts from its
+    arrival at the router, not from when it is routed (``shortest_first_priority``'s ``now_s``)."""
+    n_wait, n_order, n_pick, n_below, n_max, n_aged = names
     if wait_s is None:
-        if (order, pick, recompute_below, max_s) != (HOLD_ORDERS[0], HOLD_PICKS[0], None, None):
+        if (order, pick, recompute_below, max_s, aged) != (HOLD_ORDERS[0], HOLD_PICKS[0], None, None, False):
             raise ValueError(
-                f"{n_order}, {n_pick}, {n_below} and {n_max} order, route, pick and bound held turns:"
-                f" set {n_wait} too"
+                f"{n_order}, {n_pick}, {n_below}, {n_max} and {n_aged} order, route, pick, bound and age"
+                f" held turns: set {n_wait} too"
             )
         return
     check_hold_wait(wait_s, n_wait)
@@ -486,6 +490,7 @@ def priority_queued_ahead(
     fcfs_factor_now: Callable[[], float] | None = None,
     overtake: CostEstimates | None = None,
     running_first: bool = False,
+    deadline_from: Callable[[], float] | None = None,
 ) -> Callable[[PredictedParts], float]:
     """``EngineView.queued_ahead`` of a priority engine: a request's first-come parts -> the
     priority it would be sent with there (``shortest_first_priority`` at ``clock()``, the clock its
@@ -502,7 +507,10 @@ def priority_queued_ahead(
     where the overtaking tokens are those sent with a deadline offset below this request's.
     ``running_first``: the ledger counts the prefill the engine is serving as ahead
     (``InMemoryLoadLedger.queued_ahead``). ``fcfs_factor_now``: read at each call, the relative
-    bound of the request being priced (``priority_fcfs_factor_for``), in place of ``fcfs_factor``."""
+    bound of the request being priced (``priority_fcfs_factor_for``), in place of ``fcfs_factor``.
+    ``deadline_from``: read at each call, the time the request's deadline counts from (its arrival
+    at the router when it was held and the hold is aged, ``check_hold``), in place of ``clock()``;
+    the overtaking window and offset still count from ``clock()``."""
     window_levels = PRIORITY_OVERTAKE_WINDOW_S / step_s
 
     def ahead(parts: PredictedParts) -> float:
@@ -510,7 +518,7 @@ def priority_queued_ahead(
         level = shortest_first_priority(
             parts,
             step_s,
-            now_s=now_s,
+            now_s=now_s if deadline_from is None else deadline_from(),
             stretch=stretch,
             max_overtake_s=max_overtake_s,
             fcfs_factor=fcfs_factor if fcfs_factor_now is None else fcfs_factor_now(),

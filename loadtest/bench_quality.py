@@ -96,8 +96,8 @@ class Cell:
     #: the admission wait (``SimConfig.admission_wait``, counted as ``SimConfig.admission_form``,
     #: gated by ``SimConfig.admission_recompute_below``; ``admission_of``). A priority spec may
     #: carry RECOMPUTE_BOUND_SUFFIX before that: ``+recompute-k:KR[:X]`` (``recompute_bound_of``).
-    #: Any spec may end in HOLD_SUFFIX: ``+hold:W[:ORDER[:PICK[:recompute[:X]]]]``, late binding
-    #: (``hold_of``).
+    #: Any spec may end in HOLD_SUFFIX: ``+hold:W[:ORDER[:PICK[:recompute[:X]][:max:M][:aged]]]``,
+    #: late binding (``hold_of``).
     scheduling: str = "fcfs"
     #: The router's ``costs.priors.calibration.pool_observations`` (0 = off).
     pool_observations: float = 0.0
@@ -116,16 +116,18 @@ ADMISSION_SUFFIX = "+admission"
 ADMISSION_RECOMPUTE = "recompute"
 
 
-#: Any scheduling spec may end in ``+hold:W[:ORDER[:PICK[:recompute[:X]][:max:M]]]``: late binding,
+#: Any scheduling spec may end in ``+hold:W[:ORDER[:PICK[:recompute[:X]][:max:M][:aged]]]``: late binding,
 #: the router holds turns while no engine's predicted queue wait is below W seconds
 #: (``SimConfig.hold_wait_s``), releases them in ORDER (``SimConfig.hold_order``, one of
 #: ``kvcore.core.HOLD_ORDERS``, default fcfs) and routes each among PICK (``SimConfig.hold_pick``,
 #: one of ``kvcore.core.HOLD_PICKS``, default all); ``:recompute[:X]`` holds only the turns every
 #: engine holds less than X of (``SimConfig.hold_recompute_below``, default
 #: ``PRIORITY_RECOMPUTE_BELOW``); ``:max:M`` routes a turn held M seconds then, room or not
-#: (``SimConfig.hold_max_s``). It comes after every other suffix.
+#: (``SimConfig.hold_max_s``); ``:aged`` counts a held turn's shortest-first deadline from its
+#: arrival, not from its release (``SimConfig.hold_aged``). It comes after every other suffix.
 HOLD_SUFFIX = "+hold"
 HOLD_MAX = "max"
+HOLD_AGED = "aged"
 
 
 class Hold(NamedTuple):
@@ -137,6 +139,7 @@ class Hold(NamedTuple):
     pick: str = HOLD_PICKS[0]
     recompute_below: float | None = None
     max_s: float | None = None
+    aged: bool = False
 
 
 def hold_of(spec: str) -> Hold:
@@ -146,11 +149,14 @@ def hold_of(spec: str) -> Hold:
         return Hold(spec)
     usage = (
         f"--scheduling {spec!r}: end it in {HOLD_SUFFIX}:W[:ORDER[:PICK[:{ADMISSION_RECOMPUTE}[:X]]"
-        f"[:{HOLD_MAX}:M]]] (W, M > 0 seconds, ORDER one of {', '.join(HOLD_ORDERS)}, PICK one of"
-        f" {', '.join(HOLD_PICKS)})"
+        f"[:{HOLD_MAX}:M][:{HOLD_AGED}]]] (W, M > 0 seconds, ORDER one of {', '.join(HOLD_ORDERS)},"
+        f" PICK one of {', '.join(HOLD_PICKS)})"
     )
     fields = tail[1:].split(":") if tail.startswith(":") else []
     rest = fields[3:]
+    aged = bool(rest) and rest[-1] == HOLD_AGED
+    if aged:
+        rest = rest[:-1]
     max_field: str | None = None
     if len(rest) >= 2 and rest[-2] == HOLD_MAX:
         max_field, rest = rest[-1], rest[:-2]
@@ -171,7 +177,7 @@ def hold_of(spec: str) -> Hold:
     pick = fields[2] if len(fields) > 2 else HOLD_PICKS[0]
     if order not in HOLD_ORDERS or pick not in HOLD_PICKS:
         raise ValueError(usage)
-    return Hold(head, wait_s, order, pick, below, max_s)
+    return Hold(head, wait_s, order, pick, below, max_s, aged)
 
 
 def admission_of(spec: str) -> tuple[str, str | None, float | None]:
@@ -356,6 +362,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         hold_pick=hold.pick,
         hold_recompute_below=hold.recompute_below,
         hold_max_s=hold.max_s,
+        hold_aged=hold.aged,
         calibration_pool_observations=cell.pool_observations,
         split_ttft=cell.split_ttft,
     )
@@ -749,11 +756,12 @@ def build_parser() -> argparse.ArgumentParser:
         f" fraction X (default {RECOMPUTE_BELOW}) of (recomputes anyway); a priority spec may"
         " carry +recompute-k:KR[:X] before that: a turn every engine holds less than X of (default"
         f" {PRIORITY_RECOMPUTE_BELOW}) gets a deadline of at most min(K, KR) x its first-come TTFT;"
-        " any spec may end in +hold:W[:ORDER[:PICK[:recompute[:X]][:max:M]]] (late binding: the router holds"
-        " turns while no engine's predicted queue wait is below W seconds, releases them in ORDER fcfs"
-        " or priority and routes each among all engines or only those with room; :recompute holds"
+        " any spec may end in +hold:W[:ORDER[:PICK[:recompute[:X]][:max:M][:aged]]] (late binding: the"
+        " router holds turns while no engine's predicted queue wait is below W seconds, releases them in"
+        " ORDER fcfs or priority and routes each among all engines or only those with room; :recompute holds"
         f" only turns every engine holds less than X of, default {PRIORITY_RECOMPUTE_BELOW}; :max:M"
-        " routes a turn held M seconds then)",
+        " routes a turn held M seconds then; :aged counts a held turn's deadline on a priority engine from"
+        " its arrival, not its release)",
     )
     p.add_argument(
         "--tail-reference",

@@ -220,6 +220,13 @@ class SimConfig:
     #: routed then (among every engine), room or not, so that no held turn waits in the router for
     #: ever while the turns routed past it keep the fleet busy. None = no bound.
     hold_max_s: float | None = None
+    #: With ``hold_wait_s``: a held turn's shortest-first deadline counts from its arrival at the
+    #: router, not from when it is routed (``_route``: the priority sent to a priority engine and the
+    #: priced waits that read it), as a router computing the priority when it forwards the request
+    #: from the request's arrival time would send it: a turn held M seconds is M seconds more urgent
+    #: on its engine. A turn routed on arrival gets the same deadline either way. Off = round q10's
+    #: hold. Needs some engine with ``scheduling_policy="priority"``.
+    hold_aged: bool = False
     #: Split each turn's measured TTFT into where it went on the engine and keep it beside the
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
     #: server stages only.
@@ -514,9 +521,21 @@ class FleetSimulator:
         #: The relative bound of the request being routed (``priority_fcfs_factor_for``).
         self._route_fcfs_factor = cfg.priority_fcfs_factor
         self._priority_ahead = cfg.priority_wait != "all"
-        check_hold(cfg.hold_wait_s, cfg.hold_order, cfg.hold_pick, cfg.hold_recompute_below, cfg.hold_max_s)
+        check_hold(
+            cfg.hold_wait_s,
+            cfg.hold_order,
+            cfg.hold_pick,
+            cfg.hold_recompute_below,
+            cfg.hold_max_s,
+            cfg.hold_aged,
+        )
         if cfg.hold_wait_s is not None and (fleet.api_server is not None or fleet.router_stage is not None):
             raise ValueError("hold_wait_s needs a fleet without server stages (api_server, router_stage)")
+        if cfg.hold_aged and all(s.profile.scheduling_policy != "priority" for s in fleet.engines):
+            raise ValueError("hold_aged ages the priority sent to priority engines: the fleet has none")
+        #: The time the deadline of the request being routed counts from: ``_route_now``, or its
+        #: arrival at the router with ``hold_aged``.
+        self._route_from = 0.0
         #: A request for ``RoutingCore.refresh`` when the hold reads the engines' load between routes.
         self._no_request = RouteRequest(request_id="")
         if self._priority_ahead:
@@ -533,6 +552,7 @@ class FleetSimulator:
                         fcfs_factor_now=lambda: self._route_fcfs_factor,
                         overtake=self.costs if cfg.priority_wait in ("overtake", "running") else None,
                         running_first=cfg.priority_wait == "running",
+                        deadline_from=(lambda: self._route_from) if cfg.hold_aged else None,
                     )
 
     def _admission_wait(
@@ -550,21 +570,21 @@ class FleetSimulator:
             now = self._route_now
             deadline_s = None
             if by_priority and form in ("ahead", "overtake"):
-                deadline_s = self._priority(parts, now) * step_s
+                deadline_s = self._priority(parts, self._route_from) * step_s
             return sequences.admission_wait_s(
                 engine_id, prompt_tokens, capacity_tokens, now, form=form, deadline_s=deadline_s
             )
 
         return wait_s
 
-    def _priority(self, parts: PredictedParts, now: float) -> int:
+    def _priority(self, parts: PredictedParts, from_s: float) -> int:
         """The vLLM ``priority`` the router sends the request being routed (``_route_fcfs_factor``)
-        with ``parts`` placed at ``now``."""
+        with ``parts``, its deadline counted from ``from_s`` (when it is placed, or ``_route_from``)."""
         cfg = self.config
         return shortest_first_priority(
             parts,
             cfg.priority_step_s,
-            now_s=now,
+            now_s=from_s,
             stretch=cfg.priority_stretch,
             max_overtake_s=cfg.priority_max_overtake_s,
             fcfs_factor=self._route_fcfs_factor,
@@ -928,6 +948,7 @@ class FleetSimulator:
         # filter -> score -> reserve: the same calls the router makes.
         self._route_now = now
         cfg = self.config
+        self._route_from = sent_s if cfg.hold_aged else now
         self._route_fcfs_factor = priority_fcfs_factor_for(
             route, cfg.priority_fcfs_factor, cfg.priority_recompute_fcfs_factor, cfg.priority_recompute_below
         )
@@ -948,7 +969,7 @@ class FleetSimulator:
         if self.sequences is not None:
             self.sequences.place(request_id, reservation.engine_id, prompt_tokens, turn.output_tokens)
         if engine_core.profile.scheduling_policy == "priority":
-            sim_req.priority = self._priority(reservation.parts, now)
+            sim_req.priority = self._priority(reservation.parts, self._route_from)
             if self.sequences is not None:
                 self.sequences.set_deadline(request_id, sim_req.priority * self.config.priority_step_s, now)
             if self._priority_ahead:

@@ -349,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --hold-wait-s: route a turn held M seconds then, room or not (> 0; default: no bound)",
     )
     fl.add_argument(
+        "--hold-aged",
+        action="store_true",
+        help="with --hold-wait-s: a held turn's shortest-first deadline on a priority engine counts from"
+        " its arrival at the router, not from when it is routed (default: from when it is routed)",
+    )
+    fl.add_argument(
         "--gpu-tokens",
         type=int,
         default=27_852 * 16,
@@ -473,6 +479,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         hold_pick=args.hold_pick,
         hold_recompute_below=args.hold_recompute_below,
         hold_max_s=args.hold_max_s,
+        hold_aged=args.hold_aged,
     )
     check_priority_stretch(args.priority_stretch, "--priority-stretch")
     check_priority_max_overtake(args.priority_max_overtake_s, "--priority-max-overtake-s")
@@ -489,7 +496,15 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         args.hold_pick,
         args.hold_recompute_below,
         args.hold_max_s,
-        ("--hold-wait-s", "--hold-order", "--hold-pick", "--hold-recompute-below", "--hold-max-s"),
+        args.hold_aged,
+        (
+            "--hold-wait-s",
+            "--hold-order",
+            "--hold-pick",
+            "--hold-recompute-below",
+            "--hold-max-s",
+            "--hold-aged",
+        ),
     )
     fleet_options = _fleet_options(args)
     storage_values: list[str] = args.storage

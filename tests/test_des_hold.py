@@ -57,8 +57,10 @@ def _single_turns(*blocks: int) -> Workload:
     return Workload("singles", 16, convs)
 
 
-def _run(wl: Workload, fleet: FleetSpec, **config: object) -> tuple[_Recorder, object]:
-    recorder = _Recorder()
+def _run(
+    wl: Workload, fleet: FleetSpec, policy: str = "least_loaded", **config: object
+) -> tuple[_Recorder, object]:
+    recorder = _Recorder(policy)
     sim = FleetSimulator(wl, recorder, fleet, SimConfig(seed=1, calibrate=False, **config))  # type: ignore[arg-type]
     return recorder, sim.run()
 
@@ -198,16 +200,71 @@ def test_the_hold_bound_routes_a_turn_held_that_long_room_or_not() -> None:
     assert sorted(result.ttft_by_request_s) == ["c0#0", "c1#0", "c2#0"]  # type: ignore[attr-defined]
 
 
+def test_a_held_turn_released_at_its_bound_keeps_its_place_with_an_aged_deadline() -> None:
+    """One priority engine (deadline bound H 1 s): c1 (a long recompute) takes it; c2 (a recompute)
+    arrives to the busy fleet, is held and routed at its bound M 0.5 s onto the busy engine; c3
+    (cached: c0's prompt plus 480 new tokens) arrives after that and is routed on arrival past the
+    hold (``hold_recompute_below``). c3's deadline (its arrival + 20 x its 22 ms of prefill, ~1.47 s)
+    lies after c2's counted from c2's arrival (~1.28 s) and before c2's counted from its release
+    (~1.78 s). Without ``hold_aged`` c2's deadline counts from its release, and c3 overtakes it on
+    the engine (its first token comes first); with it, c2 is served first."""
+
+    def fleet() -> FleetSpec:
+        profile = EngineProfile(block_size=16, num_gpu_blocks=8192, scheduling_policy="priority")
+        return FleetSpec([EngineSpec("e0", profile)])
+
+    warm = _single_turns(100)
+    t0 = _run(warm, fleet())[1].ttft_by_request_s["c0#0"]  # type: ignore[attr-defined]
+    x = warm.conversations[0].turns[0].block_ids
+
+    def turn(name: str, ids: list[int], at_s: float) -> Conversation:
+        return Conversation(name, [Turn(len(ids) * 16, 4, ids, at_s=0.0)], start_s=at_s)
+
+    arrive = {"c0": 0.0, "c1": t0 + 0.2, "c2": t0 + 0.201, "c3": t0 + 0.951}
+    wl = Workload(
+        "aged",
+        16,
+        [
+            turn("c0", x, arrive["c0"]),
+            turn("c1", list(range(50_000, 52_750)), arrive["c1"]),  # 44,000 tokens, ~2 s of prefill
+            turn("c2", list(range(60_000, 60_300)), arrive["c2"]),
+            turn("c3", x + list(range(70_000, 70_030)), arrive["c3"]),
+        ],
+    )
+    config = {
+        "hold_wait_s": 0.01,
+        "hold_recompute_below": PRIORITY_RECOMPUTE_BELOW,
+        "hold_max_s": 0.5,
+        "priority_max_overtake_s": 1.0,
+    }
+    first_token: dict[bool, dict[str, float]] = {}
+    for aged in (False, True):
+        recorder, result = _run(wl, fleet(), "kv_fixed_credit", hold_aged=aged, **config)
+        routed = {rid: t for rid, t, _ in recorder.routes}
+        assert routed["c2#0"] == pytest.approx(arrive["c2"] + 0.5)  # at its bound, not at a room
+        assert routed["c3#0"] == arrive["c3"] > routed["c2#0"]  # on arrival, after c2 was routed
+        ttfts = result.ttft_by_request_s  # type: ignore[attr-defined]
+        first_token[aged] = {rid[:2]: arrive[rid[:2]] + ttft for rid, ttft in ttfts.items()}
+        assert first_token[aged]["c1"] > routed["c3#0"]  # c1's prefill still ran when both waited
+    assert first_token[False]["c3"] < first_token[False]["c2"]  # overtaken: deadline from release
+    assert first_token[True]["c2"] < first_token[True]["c3"]  # keeps its place: from arrival
+    assert first_token[True]["c2"] < first_token[False]["c2"]
+
+
 def test_a_hold_that_never_binds_is_the_run_without_it() -> None:
     """W = inf: every engine always has room, so no turn is held: the run is the one without the
-    hold to the digit (the arrival path is unchanged), in each order and pick."""
+    hold to the digit (the arrival path is unchanged), in each order and pick, aged or not (a turn
+    routed on arrival has the same deadline either way)."""
     fleet = _tight_fleet("priority")
     plain = FleetSimulator(_workload(), "tier_cost", fleet, SimConfig(seed=3)).run()
     for order in HOLD_ORDERS:
         for pick in HOLD_PICKS:
-            config = SimConfig(seed=3, hold_wait_s=math.inf, hold_order=order, hold_pick=pick)
-            run = FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), config).run()
-            assert run.ttft_by_request_s == plain.ttft_by_request_s and run.hit == plain.hit
+            for aged in (False, True):
+                config = SimConfig(
+                    seed=3, hold_wait_s=math.inf, hold_order=order, hold_pick=pick, hold_aged=aged
+                )
+                run = FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), config).run()
+                assert run.ttft_by_request_s == plain.ttft_by_request_s and run.hit == plain.hit
 
 
 @pytest.mark.parametrize(
@@ -225,6 +282,7 @@ def test_a_hold_that_never_binds_is_the_run_without_it() -> None:
         ({"hold_pick": "room"}, "set hold_wait_s too"),
         ({"hold_recompute_below": 0.25}, "set hold_wait_s too"),
         ({"hold_max_s": 10.0}, "set hold_wait_s too"),
+        ({"hold_aged": True}, "hold_aged order, route, pick, bound and age held turns: set hold_wait_s too"),
         ({"hold_wait_s": 1.0, "hold_max_s": 0.0}, "hold_max_s must be > 0 seconds"),
         ({"hold_wait_s": 1.0, "hold_recompute_below": 1.5}, "hold_recompute_below must be in \\(0, 1\\]"),
     ],
@@ -232,6 +290,15 @@ def test_a_hold_that_never_binds_is_the_run_without_it() -> None:
 def test_the_simulator_refuses_a_bad_hold(config: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         FleetSimulator(_workload(), "tier_cost", _tight_fleet(), SimConfig(**config))  # type: ignore[arg-type]
+
+
+def test_an_aged_hold_is_refused_without_priority_engines() -> None:
+    with pytest.raises(
+        ValueError, match="hold_aged ages the priority sent to priority engines: the fleet has none"
+    ):
+        FleetSimulator(
+            _workload(), "tier_cost", _tight_fleet("fcfs"), SimConfig(hold_wait_s=1.0, hold_aged=True)
+        )
 
 
 def test_the_hold_is_refused_on_a_server_staged_fleet() -> None:
@@ -257,6 +324,12 @@ def test_bench_quality_reads_the_hold() -> None:
         "fcfs", 2.0, "fcfs", "all", PRIORITY_RECOMPUTE_BELOW, 15.0
     )
     assert hold_of("fcfs+hold:2:fcfs:all:max:15") == Hold("fcfs", 2.0, "fcfs", "all", None, 15.0)
+    assert hold_of("priority+hold:0.5:fcfs:all:recompute:max:20:aged") == Hold(
+        "priority", 0.5, "fcfs", "all", PRIORITY_RECOMPUTE_BELOW, 20.0, True
+    )
+    assert hold_of("priority+hold:0.5:fcfs:all:aged") == Hold("priority", 0.5, "fcfs", "all", aged=True)
+    assert hold_of("priority+hold:0.5:fcfs:all:recompute:0.5:aged").recompute_below == 0.5
+    assert not hold_of("priority+hold:0.5:fcfs:all:recompute:max:20").aged
     assert parse_scheduling("priority:20:40:inf:overtake+hold:2:priority") == (
         "priority",
         20.0,
@@ -279,13 +352,16 @@ def test_bench_quality_reads_the_hold() -> None:
         ("fcfs+hold:1:fcfs:all:max", "end it in \\+hold:W"),
         ("fcfs+hold:1:fcfs:all:recompute:0", "the hold's recompute fraction X must be in \\(0, 1\\]"),
         ("fcfs+hold:1:fcfs:all:recompute:0.5:1", "end it in \\+hold:W"),
+        ("fcfs+hold:1:fcfs:all:aged:max:3", "end it in \\+hold:W.*\\[:aged\\]"),
+        ("fcfs+hold:1:fcfs:all:aged:aged", "end it in \\+hold:W"),
+        ("fcfs+hold:1:aged", "ORDER one of fcfs, priority"),
     ):
         with pytest.raises(ValueError, match=message):
             parse_scheduling(bad)
 
 
 def test_the_spec_reaches_the_bench_run() -> None:
-    """``+hold:inf`` is the run without it; a small W is not; the order reaches the run."""
+    """``+hold:inf`` is the run without it; a small W is not; the order and ``:aged`` reach the run."""
     base = Cell("t", "none", "tier_cost", seed=3, concurrency=32, conversations=1.0, block_size=256)
 
     def ttfts(spec: str) -> object:
@@ -296,6 +372,10 @@ def test_the_spec_reaches_the_bench_run() -> None:
     fcfs_held = ttfts("priority:1000:inf+hold:0.05")
     assert fcfs_held != plain
     assert ttfts("priority:1000:inf+hold:0.05:priority") not in (plain, fcfs_held)
+    # Aged: busier (96 conversations), so that a held turn meets earlier deadlines on its engine.
+    busy = dataclasses.replace(base, concurrency=96, scheduling="priority:20:inf+hold:0.05:fcfs:all")
+    aged = dataclasses.replace(busy, scheduling=busy.scheduling + ":aged")
+    assert run_cell(busy)["ttft_by_request_s"] != run_cell(aged)["ttft_by_request_s"]
 
 
 def test_kvroute_sim_refuses_a_bad_hold() -> None:
@@ -303,8 +383,9 @@ def test_kvroute_sim_refuses_a_bad_hold() -> None:
         (["--hold-wait-s", "0"], "--hold-wait-s must be > 0 seconds"),
         (
             ["--hold-order", "priority"],
-            "--hold-order, --hold-pick, --hold-recompute-below and --hold-max-s order, route, pick",
+            "--hold-order, --hold-pick, --hold-recompute-below, --hold-max-s and --hold-aged order, route,",
         ),
+        (["--hold-aged"], "set --hold-wait-s too"),
         (["--hold-wait-s", "1", "--hold-recompute-below", "0"], "--hold-recompute-below must be in"),
     ):
         assert_sim_refuses(args, message)
