@@ -44,7 +44,7 @@ DEBUG_PATHS = ("/v1/route/explain", "/v1/experiments", "/debug/")
 ADMIN_PREFIX = "/admin/"
 
 #: How often, per ``limits.client_write_timeout_s``, a connection whose writing is paused is looked
-#: at for progress: a client is cut between the timeout and a quarter more after its last read.
+#: at for progress: a client is cut 1 to 1.25 timeouts after the last byte its side took.
 WRITE_TIMEOUT_CHECKS = 4
 
 
@@ -289,7 +289,8 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
         def _write_due(self) -> None:
             """The client write timeout's timer: a client that took any of the bytes waiting for it
             since the last look has its clock started again; one that took none for
-            ``client_write_timeout_s`` is cut."""
+            ``client_write_timeout_s`` is cut. (Bytes written while paused - a stream's end - can
+            hide one look's progress; the next look sees the client's reading again.)"""
             self._write_timer = None
             since_s = self._write_stalled_since_s
             if not since_s:
@@ -330,7 +331,7 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
             cut = getattr(cycle, "cut", None)
             if cut is None or not cut(reason):
                 log.warning(
-                    "request %s on engine %s: %s; connection aborted (the whole answer was in its buffer)",
+                    "request %s on engine %s: %s; connection aborted (its answer had left the engine)",
                     headers.get(b"x-request-id", b"-").decode("latin-1"),
                     engine,
                     reason,
