@@ -83,6 +83,9 @@ class KvrouteApp(FastAPI):
     proxy_now: Callable[[Any], bool] | None = None
     #: The callback path's entry whether or not it is on (tests switch it on for a whole run).
     callback_proxy: Callable[[Any], bool] | None = None
+    #: Counts a client connection cut by limits.client_write_timeout_s (router/guard.py), by the
+    #: engine of its answer ("none": no engine's).
+    on_client_write_timeout: Callable[[str], None] | None = None
     #: Raw request path -> ASGI path, of the routes ``proxy_app`` answers.
     proxy_paths: dict[bytes, str] = {path.encode(): path for path in PROXY_PATHS}
 
@@ -140,6 +143,9 @@ class _CallbackClient:
 
     def watch_writable(self, on_writable: Callable[[bool], None] | None) -> bool:
         return bool(self.exchange.writable_watcher(on_writable))
+
+    def cut_reason(self) -> str:
+        return str(self.exchange.cut_reason)
 
     def stream_start(self, headers: list[tuple[bytes, bytes]]) -> None:
         self.exchange.stream_start(headers)
@@ -626,6 +632,7 @@ def create_app(
         return AccessGuard(resumed, auth=auth)
 
     app.callback_proxy = proxy_now
+    app.on_client_write_timeout = lambda engine: metrics.client_write_timeouts.inc((engine,))
     if config.proxy.callback_path:
         app.proxy_now = proxy_now
 

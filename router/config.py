@@ -147,6 +147,10 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     header_timeout_s: float = 10.0
     #: A client must send its complete request body within this time (408).
     body_timeout_s: float = 60.0
+    #: A client that takes none of the answer bytes waiting for it (the router's write buffer to
+    #: it full) for this long is cut: its connection and the engine's are aborted, so the engine
+    #: stops the request. Progress restarts the clock; 0 = no bound (router/guard.py).
+    client_write_timeout_s: float = 60.0
     #: Request line + headers larger than this are refused (431, connection closed).
     max_header_bytes: int = 32 * 1024
     #: Requests with more header lines than this are refused (431).
@@ -589,6 +593,10 @@ def _validate_limits_auth(config: RouterConfig) -> None:
         )
     if limits.drain_timeout_s < 0:
         raise ConfigError(f"limits.drain_timeout_s must be >= 0 (0 = no bound), got {limits.drain_timeout_s}")
+    if not limits.client_write_timeout_s >= 0:  # (NaN too)
+        raise ConfigError(
+            f"limits.client_write_timeout_s must be >= 0 (0 = no bound), got {limits.client_write_timeout_s}"
+        )
     for key in (
         "header_timeout_s",
         "body_timeout_s",

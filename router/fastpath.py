@@ -80,7 +80,9 @@ class ProxyExchange:
         "_protocol",
         "_relaying",
         "_waiter",
+        "answer_headers",
         "body",
+        "cut_reason",
         "disconnected",
         "expect_100_continue",
         "keep_alive",
@@ -111,6 +113,11 @@ class ProxyExchange:
         #: A stream sent from callbacks (``stream_start``): the answer outlives the request's task.
         self._relaying = False
         self._on_writable: Callable[[bool], None] | None = None
+        #: The answer's headers by name once it started (whose answer it is, for a log line).
+        self.answer_headers: dict[bytes, bytes] | None = None
+        #: Why the router cut the connection (router/guard.py, limits.client_write_timeout_s), set
+        #: before the disconnect is told; "": the client went away itself.
+        self.cut_reason = ""
 
     # -- uvicorn's side: the protocol calls ``message_event.set()`` on body bytes, the end of the
     # body and a lost connection.
@@ -271,6 +278,15 @@ class ProxyExchange:
             self._write_body(data, True)
         self._protocol.transport.close()
 
+    def cut(self, reason: str) -> bool:
+        """The router aborts the connection for ``reason`` (router/guard.py): True when the request
+        is still being answered (who watches its disconnect finishes it with ``cut_reason``), False
+        when its answer was complete or nobody watches."""
+        if self.response_complete or self.disconnected or self._on_disconnect is None:
+            return False
+        self.cut_reason = reason
+        return True
+
     def writable_watcher(self, on_writable: Callable[[bool], None] | None) -> bool:
         """Call ``on_writable(False)`` when the client's transport pauses writing (its buffer over
         the high-water mark) and ``on_writable(True)`` when it resumes (None: stop); whether it
@@ -304,7 +320,7 @@ class ProxyExchange:
         """The status line and headers, kept to go out with the first body bytes (one write)."""
         if type(headers) is not list:
             headers = list(headers)
-        names = dict(headers)  # which headers there are (lines joined in C below, no loop here)
+        names = self.answer_headers = dict(headers)  # which there are (lines joined in C below)
         chunked = b"content-length" not in names
         if b"connection" in names and any(
             name == b"connection" and b"close" in value.lower() for name, value in headers

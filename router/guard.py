@@ -11,10 +11,13 @@ answer of 500 for any error the app did not handle, without dropping the keep-al
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import hmac
 import ipaddress
 import logging
+import struct
+import termios
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
@@ -39,6 +42,22 @@ INSPECT_TENANT_HEADER = b"x-kvroute-tenant"
 CLIENT_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 DEBUG_PATHS = ("/v1/route/explain", "/v1/experiments", "/debug/")
 ADMIN_PREFIX = "/admin/"
+
+#: How often, per ``limits.client_write_timeout_s``, a connection whose writing is paused is looked
+#: at for progress: a client is cut 1 to 1.25 timeouts after the last byte its side took.
+WRITE_TIMEOUT_CHECKS = 4
+
+
+def unacknowledged_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes the transport's socket has sent or queued that its peer has not acknowledged yet
+    (Linux's SIOCOUTQ; 0 where it cannot be read): what a client has yet to take beyond the
+    transport's own write buffer."""
+    sock = transport.get_extra_info("socket")
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0])
+    except (AttributeError, OSError, ValueError):
+        return 0
+
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 
@@ -75,6 +94,12 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
         max_header_bytes = limits.max_header_bytes
         max_headers = limits.max_headers
         max_connections = limits.max_connections
+        client_write_timeout_s = limits.client_write_timeout_s
+        #: Since when the client has taken none of the bytes waiting for it (loop time; 0: writing
+        #: is not paused), how many were waiting at the last look, and the one timer that looks.
+        _write_stalled_since_s = 0.0
+        _write_pending_bytes = 0
+        _write_timer: asyncio.TimerHandle | None = None
         max_pending = max(1, limits.max_connections - connection_reserve(limits.max_connections))
         # Shared by the connections of one server, oldest first (dicts keep insertion order).
         waiting: dict[GuardedHttpToolsProtocol, None] = {}
@@ -245,8 +270,84 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
                 # The keep-alive wait's start (router/fastpath.py), or now for a pipelined request.
                 self._waiting_since_s = self._idle_since_s or self.loop.time()
 
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self.client_write_timeout_s:
+                # The client's buffer is over its high-water mark: the client write timeout counts
+                # from now, looked at by one timer per connection (armed only while paused).
+                self._write_stalled_since_s = now = self.loop.time()
+                self._write_pending_bytes = self._write_pending()
+                if self._write_timer is None:
+                    self._write_timer = self.loop.call_at(
+                        now + self.client_write_timeout_s / WRITE_TIMEOUT_CHECKS, self._write_due
+                    )
+
+        def resume_writing(self) -> None:
+            self._write_stalled_since_s = 0.0  # (its timer, when it fires, finds nothing to do)
+            super().resume_writing()
+
+        def _write_due(self) -> None:
+            """The client write timeout's timer: a client that took any of the bytes waiting for it
+            since the last look has its clock started again; one that took none for
+            ``client_write_timeout_s`` is cut. (Bytes written while paused - a stream's end - can
+            hide one look's progress; the next look sees the client's reading again.)"""
+            self._write_timer = None
+            since_s = self._write_stalled_since_s
+            if not since_s:
+                return
+            now = self.loop.time()
+            pending = self._write_pending()
+            if pending < self._write_pending_bytes:
+                self._write_stalled_since_s = since_s = now
+            self._write_pending_bytes = pending
+            timeout_s = self.client_write_timeout_s
+            if now - since_s >= timeout_s:
+                self._write_timed_out(pending, now - since_s)
+            else:
+                self._write_timer = self.loop.call_at(
+                    min(since_s + timeout_s, now + timeout_s / WRITE_TIMEOUT_CHECKS), self._write_due
+                )
+
+        def _write_pending(self) -> int:
+            """Bytes the client has yet to take: the transport's buffer and the socket's queue (the
+            kernel's buffers hold megabytes: a client reading slowly drains them long before the
+            transport's buffer moves)."""
+            transport = self.transport
+            return transport.get_write_buffer_size() + unacknowledged_bytes(transport)
+
+        def _write_timed_out(self, pending: int, stalled_s: float) -> None:
+            """Abort the connection of a client that took none of its answer for the timeout. A
+            request still being answered (a stream) is finished by its relay with the reason (its
+            log line; the engine's connection closed, which stops the request there); the log line
+            is this one when the answer was complete (the engine's part was done). Counted either
+            way (``kvroute_client_write_timeouts_total``); the engine's breaker is not charged."""
+            reason = (
+                f"client write timeout: the client took none of the {pending} bytes waiting for it "
+                f"for {stalled_s:.1f} s (limits.client_write_timeout_s)"
+            )
+            cycle = self.cycle
+            headers = getattr(cycle, "answer_headers", None) or {}
+            engine = headers.get(b"x-kvroute-engine", b"none").decode("latin-1")
+            cut = getattr(cycle, "cut", None)
+            if cut is None or not cut(reason):
+                log.warning(
+                    "request %s on engine %s: %s; connection aborted (its answer had left the engine)",
+                    headers.get(b"x-request-id", b"-").decode("latin-1"),
+                    engine,
+                    reason,
+                )
+            count = getattr(self.app, "on_client_write_timeout", None)
+            if count is not None:
+                count(engine)
+            self._write_stalled_since_s = 0.0
+            self.transport.abort()
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_header_timer()
+            self._write_stalled_since_s = 0.0
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
             self._forget()
             super().connection_lost(exc)
 

@@ -230,6 +230,13 @@ class RouterMetrics:
         self.in_flight = LoopGauge(
             "kvroute_in_flight", "Requests sent to an engine and not finished", ("engine",), self.registry
         )
+        self.client_write_timeouts = LoopCounter(
+            "kvroute_client_write_timeouts",
+            "Client connections aborted because the client took none of the answer bytes waiting "
+            "for it for limits.client_write_timeout_s, by the answer's engine",
+            ("engine",),
+            self.registry,
+        )
         self.engine_healthy = Gauge(
             "kvroute_engine_healthy",
             "1 when the engine passes health checks",

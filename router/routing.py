@@ -65,6 +65,15 @@ CHAT = "chat"
 COMPLETIONS = "completions"
 ENDPOINT_PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
 STATUS_CLIENT_GONE = 499  # nginx's convention: the client closed the connection first
+CLIENT_GONE = "client disconnected; upstream request cancelled"
+
+
+def client_gone_error(cut_reason: str) -> str:
+    """The error of a request whose client connection was lost: the client went away, or the
+    router cut it for ``cut_reason`` (limits.client_write_timeout_s, router/guard.py)."""
+    return f"{cut_reason}; upstream request cancelled" if cut_reason else CLIENT_GONE
+
+
 _USAGE_TAIL_BYTES = 16384  # the final usage chunk of a stream is well under this
 _FORWARDED = frozenset(FORWARDED_REQUEST_HEADERS)
 
@@ -576,7 +585,7 @@ class Router:
         except asyncio.CancelledError:
             if not watcher.uncancel_if_fired():
                 raise
-            self._finish(ctx, STATUS_CLIENT_GONE, "client disconnected; upstream request cancelled")
+            self._finish(ctx, STATUS_CLIENT_GONE, client_gone_error(watcher.cut_reason()))
         finally:
             watcher.stop()
         if relayed is not None:
@@ -922,6 +931,10 @@ class CallbackClient(Protocol):
         and ``on_writable(True)`` when it has drained (None: stop); whether it is writable now."""
         ...
 
+    def cut_reason(self) -> str:
+        """Why the router cut the client's connection, once it is lost ("": the client went away)."""
+        ...
+
     def stream_start(self, headers: list[tuple[bytes, bytes]]) -> None:
         """Start a streamed answer (status 200, ``headers``; sent with the first bytes)."""
         ...
@@ -1037,7 +1050,7 @@ class _Relay:
         """The client went away before its answer: the engine's request is cancelled."""
         self._stop_watching()
         self.response.close()
-        self.router._finish(self.ctx, STATUS_CLIENT_GONE, "client disconnected; upstream request cancelled")
+        self.router._finish(self.ctx, STATUS_CLIENT_GONE, client_gone_error(self.client.cut_reason()))
 
     def _stop_watching(self) -> None:
         self.response.on_event = None
@@ -1100,10 +1113,14 @@ class StreamRelay:
             code="upstream_stream_error",
         )
 
-    def gone(self, error: str = "client disconnected; upstream request cancelled") -> None:
+    def gone(self, error: str = CLIENT_GONE, cut_reason: str = "") -> None:
         """The client went away (a no-op once the stream ended): 499 with ``error``, unless it had
-        the whole answer (a client that hangs up right after the final [DONE])."""
+        the whole answer (a client that hangs up right after the final [DONE]); or the router cut
+        it for ``cut_reason`` (bytes were still waiting for it): 499 with that reason."""
         if self.ended:
+            return
+        if cut_reason:
+            self._close(STATUS_CLIENT_GONE, client_gone_error(cut_reason))
             return
         strip, tail = self._strip, self._tail
         done = strip.done if strip is not None else bool(tail and b"data: [DONE]" in tail[-1])
@@ -1195,9 +1212,10 @@ class _CallbackStream:
         self.relay.response.pause_reading(not writable)
 
     def on_disconnect(self) -> None:
-        """The client went away: the engine's request is cancelled (``StreamRelay.gone``)."""
+        """The client went away, or the router cut it (a client write timeout): the engine's
+        request is cancelled (``StreamRelay.gone``)."""
         self._stop_watching()
-        self.relay.gone()
+        self.relay.gone(cut_reason=self.client.cut_reason())
 
     def _stop_watching(self) -> None:
         self.relay.response.on_event = None
@@ -1283,6 +1301,8 @@ class _StreamAnswer:
         except StreamAborted:
             return
         finally:
+            if watcher.fired and (cut_reason := watcher.cut_reason()):
+                relay.gone(cut_reason=cut_reason)  # the router cut the client: its reason
             await chunks.aclose()  # a cancelled send: the stream's own cleanup runs now
             relay.gone("client disconnected before the stream began")  # (even if it never started)
 
@@ -1313,6 +1333,10 @@ class DisconnectWatcher:
     def stop(self) -> None:
         return None
 
+    def cut_reason(self) -> str:
+        """Why the router cut the client's connection ("": it did not, or cannot say)."""
+        return ""
+
 
 def watch_disconnect(receive: Receive) -> DisconnectWatcher:
     """A callback watcher when ``receive`` is kvroute's own exchange (router/fastpath.py) or
@@ -1321,7 +1345,7 @@ def watch_disconnect(receive: Receive) -> DisconnectWatcher:
     cycle = getattr(receive, "__self__", None)
     hook = getattr(cycle, "disconnect_watcher", None)
     if hook is not None:
-        return _HookDisconnectWatcher(hook)
+        return _HookDisconnectWatcher(hook, cycle)
     if isinstance(getattr(cycle, "message_event", None), asyncio.Event) and hasattr(cycle, "disconnected"):
         return _CycleDisconnectWatcher(cycle)
     return _TaskDisconnectWatcher(receive)
@@ -1357,16 +1381,19 @@ class _CycleDisconnectWatcher(DisconnectWatcher):
 class _HookDisconnectWatcher(DisconnectWatcher):
     """An exchange that calls back on a lost connection (``ProxyExchange.disconnect_watcher``)."""
 
-    __slots__ = ("_hook",)
+    __slots__ = ("_exchange", "_hook")
 
-    def __init__(self, hook: Callable[[Callable[[], None] | None], bool]) -> None:
+    def __init__(self, hook: Callable[[Callable[[], None] | None], bool], exchange: Any) -> None:
         super().__init__()
-        self._hook = hook
+        self._hook, self._exchange = hook, exchange
         if hook(self._fire):
             self._fire()
 
     def stop(self) -> None:
         self._hook(None)
+
+    def cut_reason(self) -> str:
+        return str(getattr(self._exchange, "cut_reason", ""))
 
 
 class _CallbackEvent(asyncio.Event):
