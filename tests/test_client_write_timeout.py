@@ -27,6 +27,9 @@ from tests.test_fastpath import chat, post
 from tests.test_stream_relay import DONE, USAGE, ScriptedEngine, _router, token_events
 
 TIMEOUT_S = 0.4
+#: The steady reader's timeout: long enough that a test thread starved on a busy machine is not
+#: taken for a stalled client, short enough that its ~5 s of reading spans several timeouts.
+STEADY_TIMEOUT_S = 1.0
 PATHS = pytest.mark.parametrize("callback_path", [False, True], ids=["task", "callback"])
 
 
@@ -221,7 +224,7 @@ def test_a_client_reading_slowly_but_steadily_gets_the_whole_stream(
     callback_path: bool,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A 6 MiB stream read 64 KiB every 50 ms (about 5 s, a dozen timeouts; the router's writing
+    """A 6 MiB stream read 64 KiB every 50 ms (about 5 s, five timeouts; the router's writing
     to it is seen paused): progress restarts the clock, so the client is never cut and gets every
     byte; nothing is counted. Catches: a cut measured from the pause rather than from the last
     progress, or progress looked for in the transport's buffer alone (the kernel's megabytes
@@ -231,7 +234,7 @@ def test_a_client_reading_slowly_but_steadily_gets_the_whole_stream(
     engine.piece_bytes = 1 << 20
     recorder = ErrorRecorder()
     server = _router(
-        serve_asgi, engine, recorder, callback_path, limits={"client_write_timeout_s": TIMEOUT_S}
+        serve_asgi, engine, recorder, callback_path, limits={"client_write_timeout_s": STEADY_TIMEOUT_S}
     )
     sock = _client(server, post("/v1/chat/completions", chat(stream=True)))
     data = bytearray()
