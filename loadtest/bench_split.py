@@ -16,18 +16,28 @@ both sides, the transports, the loop); the raw-Python reference proxy (B3's ``ra
 that path costs with nothing else. Non-stream answers only. Figures are the main thread's CPU
 (``time.thread_time``) over each repeat's requests, medians over interleaved repeats.
 
+``--evict mem:KIB`` / ``code:N`` runs, before every request, a copy of a KIB KiB buffer (the data
+caches emptied, as wrk's and the upstreams' time slices between two of the router's would) or N
+rounds of unrelated pure-Python work (other code and objects through the caches and branch
+predictors); that work is then timed alone, as many times, and taken off, so the figure stays the
+router's own work - measured with its caches cold.
+
     python -m loadtest.bench_split --targets round_robin,tier_cost+tok --prompt-tokens 1000,16000
+    python -m loadtest.bench_split --targets round_robin --prompt-tokens 1000 --evict mem:4096
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import fractions
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
-from collections.abc import Sequence
+import urllib.parse
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,17 +125,71 @@ def _scope(body: bytes) -> dict[str, Any]:
     }
 
 
-async def _measure(app: Any, body: bytes, requests: int) -> float:
-    """CPU µs per request over ``requests`` requests (each answered 200, or it raises)."""
+def evictor(spec: str) -> Callable[[], object]:
+    """``mem:KIB``: copy a KIB KiB buffer (reads and writes every cache line of two); ``code:N``: N
+    rounds of unrelated pure-Python work (text wrapping, URL parsing, fractions)."""
+    kind, _, size = spec.partition(":")
+    n = int(size)
+    if n < 1 or kind not in ("mem", "code"):
+        raise ValueError(f"--evict {spec!r}: expected mem:KIB or code:N with a positive number")
+    if kind == "mem":
+        src, dst = bytearray(b"\x5a" * (n * 1024)), bytearray(n * 1024)
+
+        def copy() -> object:
+            dst[:] = src
+            return dst
+
+        return copy
+    text = " ".join(f"word{i} {i * 7 % 13}" for i in range(8))
+    url = "http://user@example.org:8080/a/b;p?q=1&r=two#frag"
+
+    def work() -> object:
+        out: object = None
+        for i in range(n):
+            out = (
+                textwrap.wrap(text, 30 + i % 7),
+                urllib.parse.parse_qs(urllib.parse.urlsplit(url).query),
+                fractions.Fraction(i + 1, 7) + fractions.Fraction(3, i + 2),
+            )
+        return out
+
+    return work
+
+
+async def _measure(
+    app: Any,
+    body: bytes,
+    requests: int,
+    evict: Callable[[], object] | None = None,
+    counter: Any = None,
+) -> float:
+    """CPU µs per request over ``requests`` requests (each answered 200, or it raises). ``evict``
+    runs before each request and its own time, measured alone afterwards, is taken off; ``counter``
+    (loadtest/count_calls.py's ``CallCounter``) counts the Python run from the first request to the
+    last answer (this loop's own lines included: the caller leaves out this file's functions)."""
     proxy, scope = app.proxy_app, _scope(body)
+    if counter is not None:
+        counter.start()
     started = time.thread_time()
     for _ in range(requests):
+        if evict is not None:
+            evict()
         exchange = MemoryExchange(body)
         await proxy(scope, exchange.receive, exchange.send)
         status = exchange.messages[0].get("status") if exchange.messages else None
         if status != 200:
             raise RuntimeError(f"the router answered {status}: {exchange.messages[-1:]}")
-    return (time.thread_time() - started) / requests * 1e6
+    spent = time.thread_time() - started
+    if counter is not None:
+        counter.stop()
+    if evict is not None:
+        started = time.thread_time()
+        for _ in range(requests):
+            evict()
+        alone = time.thread_time() - started
+        print(f"    (the eviction alone: {alone / requests * 1e6:.1f} µs, taken off)", file=sys.stderr)
+        spent -= alone
+    return spent / requests * 1e6
 
 
 async def _run_target(
@@ -135,6 +199,8 @@ async def _run_target(
     answers: dict[int, MemoryAnswer],
     bodies: dict[int, bytes],
     requests: int,
+    evict: Callable[[], object] | None = None,
+    counter: Any = None,
 ) -> dict[int, float]:
     config = load_config(
         environ={},
@@ -155,7 +221,7 @@ async def _run_target(
             for prompt, body in bodies.items():
                 memory.answer = answers[prompt]
                 await _measure(app, body, max(50, requests // 10))  # warm-up: caches filled, as in B3
-                out[prompt] = await _measure(app, body, requests)
+                out[prompt] = await _measure(app, body, requests, evict, counter)
         finally:
             router.client = real
         if memory.sent < len(bodies) * requests:
@@ -184,11 +250,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", default="1000,16000", help="comma-separated prompt sizes")
     parser.add_argument("--requests", type=int, default=3000, help="requests per target, size and repeat")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--evict",
+        default=None,
+        metavar="mem:KIB|code:N",
+        help="before every request, cold caches (its own time measured alone and taken off)",
+    )
     args = parser.parse_args(argv)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     prompts = [int(p) for p in args.prompt_tokens.split(",") if p.strip()]
     if args.requests < 1 or args.repeats < 1 or not targets or not prompts:
         parser.error("--requests and --repeats must be >= 1, --targets and --prompt-tokens non-empty")
+    try:
+        evict = evictor(args.evict) if args.evict else None
+    except ValueError as exc:
+        parser.error(str(exc))
     bodies = {p: chat_body(p, False, model=FAST_MODEL) for p in prompts}
     figures: dict[tuple[str, int], list[float]] = {}
     with (
@@ -199,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for repeat in range(args.repeats):
             for target in targets:  # interleaved: every target once per repeat
                 policy, tok = target.removesuffix("+tok"), target.endswith("+tok")
-                got = asyncio.run(_run_target(policy, tok, ups, answers, bodies, args.requests))
+                got = asyncio.run(_run_target(policy, tok, ups, answers, bodies, args.requests, evict))
                 for prompt, us in got.items():
                     figures.setdefault((target, prompt), []).append(us)
                     print(f"  r{repeat} {target:<20} {prompt:>6} tok  {us:7.1f} µs/request", file=sys.stderr)
