@@ -1217,9 +1217,14 @@ class _DueCalls:
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = 0.0
+        # The loop the items were added on, kept: asyncio.get_running_loop() is a getpid() system
+        # call on Python 3.11 (asked again only when this one is not running).
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def add(self, delay_s: float, item: Any) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            loop = self._loop = asyncio.get_running_loop()
         due = loop.time() + delay_s
         heapq.heappush(self._heap, (due, next(self._seq), item))
         if self._timer is None or due < self._timer_due - self._slack_s:
@@ -1229,7 +1234,8 @@ class _DueCalls:
 
     def _run(self) -> None:
         self._timer = None
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        assert loop is not None  # (armed by add)
         heap, limit = self._heap, loop.time() + self._slack_s
         while heap and heap[0][0] <= limit:
             item = heapq.heappop(heap)[2]
@@ -1294,10 +1300,11 @@ class DisconnectWatcher:
 
     __slots__ = ("_task", "answered", "fired")
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.answered = False
         self.fired = False
-        self._task = asyncio.current_task()
+        # With the loop given, no getpid() system call (Python 3.11's running-loop check).
+        self._task = asyncio.current_task(loop)
 
     def _fire(self) -> None:
         if not self.answered and not self.fired and self._task is not None:
@@ -1321,7 +1328,7 @@ def watch_disconnect(receive: Receive) -> DisconnectWatcher:
     cycle = getattr(receive, "__self__", None)
     hook = getattr(cycle, "disconnect_watcher", None)
     if hook is not None:
-        return _HookDisconnectWatcher(hook)
+        return _HookDisconnectWatcher(hook, getattr(cycle, "loop", None))
     if isinstance(getattr(cycle, "message_event", None), asyncio.Event) and hasattr(cycle, "disconnected"):
         return _CycleDisconnectWatcher(cycle)
     return _TaskDisconnectWatcher(receive)
@@ -1359,8 +1366,10 @@ class _HookDisconnectWatcher(DisconnectWatcher):
 
     __slots__ = ("_hook",)
 
-    def __init__(self, hook: Callable[[Callable[[], None] | None], bool]) -> None:
-        super().__init__()
+    def __init__(
+        self, hook: Callable[[Callable[[], None] | None], bool], loop: asyncio.AbstractEventLoop | None
+    ) -> None:
+        super().__init__(loop)
         self._hook = hook
         if hook(self._fire):
             self._fire()
