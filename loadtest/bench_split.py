@@ -16,11 +16,11 @@ both sides, the transports, the loop); the raw-Python reference proxy (B3's ``ra
 that path costs with nothing else. Non-stream answers only. Figures are the main thread's CPU
 (``time.thread_time``) over each repeat's requests, medians over interleaved repeats.
 
-``--evict mem:KIB`` / ``code:N`` runs, before every request, a copy of a KIB KiB buffer (the data
+``--evict mem:KIB`` / ``code:N`` runs, before every request, a scan of a KIB KiB buffer (the data
 caches emptied, as wrk's and the upstreams' time slices between two of the router's would) or N
 rounds of unrelated pure-Python work (other code and objects through the caches and branch
-predictors); that work is then timed alone, as many times, and taken off, so the figure stays the
-router's own work - measured with its caches cold.
+predictors), and times each request on its own, so the figure is the router's own work with its
+caches cold; ``--evict none`` is the control (the same per-request timing, nothing run between).
 
     python -m loadtest.bench_split --targets round_robin,tier_cost+tok --prompt-tokens 1000,16000
     python -m loadtest.bench_split --targets round_robin --prompt-tokens 1000 --evict mem:4096
@@ -126,20 +126,22 @@ def _scope(body: bytes) -> dict[str, Any]:
 
 
 def evictor(spec: str) -> Callable[[], object]:
-    """``mem:KIB``: copy a KIB KiB buffer (reads and writes every cache line of two); ``code:N``: N
-    rounds of unrelated pure-Python work (text wrapping, URL parsing, fractions)."""
+    """``none``: nothing (the control: the same per-request timing); ``mem:KIB``: a scan of a KIB
+    KiB buffer (every cache line read once: clean lines, no write-back left for the router to pay);
+    ``code:N``: N rounds of unrelated pure-Python work (text wrapping, URL parsing, fractions)."""
+    if spec == "none":
+        return lambda: None
     kind, _, size = spec.partition(":")
-    n = int(size)
+    n = int(size) if size.isdigit() else 0
     if n < 1 or kind not in ("mem", "code"):
-        raise ValueError(f"--evict {spec!r}: expected mem:KIB or code:N with a positive number")
+        raise ValueError(f"--evict {spec!r}: expected none, mem:KIB or code:N with a positive number")
     if kind == "mem":
-        src, dst = bytearray(b"\x5a" * (n * 1024)), bytearray(n * 1024)
+        buf = bytearray(b"\x5a" * (n * 1024))
 
-        def copy() -> object:
-            dst[:] = src
-            return dst
+        def scan() -> object:
+            return buf.find(0)  # memchr over every cache line; read only, so none is left dirty
 
-        return copy
+        return scan
     text = " ".join(f"word{i} {i * 7 % 13}" for i in range(8))
     url = "http://user@example.org:8080/a/b;p?q=1&r=two#frag"
 
@@ -163,32 +165,34 @@ async def _measure(
     evict: Callable[[], object] | None = None,
     counter: Any = None,
 ) -> float:
-    """CPU µs per request over ``requests`` requests (each answered 200, or it raises). ``evict``
-    runs before each request and its own time, measured alone afterwards, is taken off; ``counter``
-    (loadtest/count_calls.py's ``CallCounter``) counts the Python run from the first request to the
-    last answer (this loop's own lines included: the caller leaves out this file's functions)."""
+    """CPU µs per request over ``requests`` requests (each answered 200, or it raises). With
+    ``evict``, it runs before each request and each request is timed on its own (two clock reads
+    per request, the same with ``evict`` = ``none``), so the eviction's own time is not in the
+    figure; ``counter`` (loadtest/count_calls.py's ``CallCounter``) counts the Python run from the
+    first request to the last answer (this loop's own lines included: the caller leaves out this
+    file's functions)."""
     proxy, scope = app.proxy_app, _scope(body)
     if counter is not None:
         counter.start()
-    started = time.thread_time()
+    clock = time.thread_time
+    started = clock()
+    spent = 0.0
     for _ in range(requests):
+        exchange = MemoryExchange(body)
         if evict is not None:
             evict()
-        exchange = MemoryExchange(body)
-        await proxy(scope, exchange.receive, exchange.send)
+            one = clock()
+            await proxy(scope, exchange.receive, exchange.send)
+            spent += clock() - one
+        else:
+            await proxy(scope, exchange.receive, exchange.send)
         status = exchange.messages[0].get("status") if exchange.messages else None
         if status != 200:
             raise RuntimeError(f"the router answered {status}: {exchange.messages[-1:]}")
-    spent = time.thread_time() - started
+    if evict is None:
+        spent = clock() - started
     if counter is not None:
         counter.stop()
-    if evict is not None:
-        started = time.thread_time()
-        for _ in range(requests):
-            evict()
-        alone = time.thread_time() - started
-        print(f"    (the eviction alone: {alone / requests * 1e6:.1f} µs, taken off)", file=sys.stderr)
-        spent -= alone
     return spent / requests * 1e6
 
 
@@ -253,8 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--evict",
         default=None,
-        metavar="mem:KIB|code:N",
-        help="before every request, cold caches (its own time measured alone and taken off)",
+        metavar="none|mem:KIB|code:N",
+        help="before every request, cold caches; each request timed on its own (none: the control)",
     )
     args = parser.parse_args(argv)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]

@@ -4,8 +4,9 @@ Round dp15 (issue 26): B3's router CPU per request is ~2x what ``kvroute bench s
 (loadtest/bench_split.py) measures as kvroute's own work plus what the raw proxy pays for the
 network. This tool counts instead of timing - deterministic, whatever the machine's load - with a
 ``sys.settrace`` tracer on the serving thread: every Python frame entered (a call, or a generator
-or coroutine resumed) and every bytecode executed, per function. C work (msgspec, httptools,
-uvloop, the kernel) is not counted.
+or coroutine resumed) and every bytecode executed, per function, and (``sys.setprofile``) every
+call of a C function from Python code. The C work itself (msgspec, httptools, uvloop, asyncio's
+task steps, the kernel) is not measured.
 
 Live: each target is started as B3 starts it (``loadtest.bench_peers.start_target``: ``kvroute
 serve`` or the raw proxy, behind two zero-delay ``fast`` upstreams), with a ``sitecustomize`` on
@@ -63,23 +64,36 @@ def code_name(code: CodeType) -> str:
     return f"{path}:{code.co_firstlineno}:{code.co_name}"
 
 
+def c_name(function: Any) -> str:
+    """``module.qualname`` of a C function or method (``asyncio.Future.add_done_callback``)."""
+    owner = getattr(function, "__self__", None)
+    module = getattr(function, "__module__", None) or type(owner).__module__
+    return f"{module}.{getattr(function, '__qualname__', repr(function))}"
+
+
 class CallCounter:
     """Counts, on the thread that calls :meth:`start`, every Python frame entered and every
-    bytecode executed, per code object, until :meth:`stop`."""
+    bytecode executed, per code object, and every call of a C function from Python code
+    (``sys.setprofile``'s ``c_call``: C called from C, such as httptools calling a callback or the
+    loop running a task step, is not seen), until :meth:`stop`."""
 
     def __init__(self) -> None:
         self.frames: dict[CodeType, int] = {}
         self.ops: dict[CodeType, int] = {}
+        self.c_calls: dict[str, int] = {}
 
     def start(self) -> None:
+        sys.setprofile(self._profile)
         sys.settrace(self._call)
 
     def stop(self) -> None:
         sys.settrace(None)
+        sys.setprofile(None)
 
     def reset(self) -> None:
         self.frames.clear()
         self.ops.clear()
+        self.c_calls.clear()
 
     def _call(self, frame: FrameType, event: str, arg: object) -> Any:
         code = frame.f_code
@@ -93,13 +107,21 @@ class CallCounter:
             self.ops[code] = self.ops.get(code, 0) + 1
         return self._local
 
+    def _profile(self, frame: FrameType, event: str, arg: object) -> None:
+        if event == "c_call":
+            name = c_name(arg)
+            self.c_calls[name] = self.c_calls.get(name, 0) + 1
+
     def table(self) -> dict[str, list[int]]:
-        """``code_name`` -> [frames, bytecodes] (code objects of one name summed)."""
+        """``code_name`` -> [frames, bytecodes] (code objects of one name summed); a C function's
+        calls as ``C:module.qualname`` -> [calls, 0]."""
         out: dict[str, list[int]] = {}
         for code in self.frames.keys() | self.ops.keys():
             row = out.setdefault(code_name(code), [0, 0])
             row[0] += self.frames.get(code, 0)
             row[1] += self.ops.get(code, 0)
+        for name, calls in self.c_calls.items():
+            out["C:" + name] = [calls, 0]
         return out
 
 
@@ -278,14 +300,17 @@ def part_of(name: str) -> str:
 def parts(table: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
     out: dict[str, tuple[float, float]] = {}
     for name, (f, o) in table.items():
-        pf, po = out.get(part_of(name), (0.0, 0.0))
-        out[part_of(name)] = (pf + f, po + o)
+        part = "C functions called from Python (calls)" if name.startswith("C:") else part_of(name)
+        pf, po = out.get(part, (0.0, 0.0))
+        out[part] = (pf + f, po + o)
     return out
 
 
-def totals(table: dict[str, list[int]], requests: int) -> tuple[float, float]:
-    """(frames, bytecodes) per request."""
-    return (sum(r[0] for r in table.values()) / requests, sum(r[1] for r in table.values()) / requests)
+def totals(table: dict[str, list[int]], requests: int) -> tuple[float, float, float]:
+    """(Python frames, bytecodes, C calls from Python) per request."""
+    py = [r for k, r in table.items() if not k.startswith("C:")]
+    c_calls = sum(r[0] for k, r in table.items() if k.startswith("C:"))
+    return (sum(r[0] for r in py) / requests, sum(r[1] for r in py) / requests, c_calls / requests)
 
 
 def per_request(table: dict[str, list[int]], requests: int) -> dict[str, tuple[float, float]]:
@@ -302,12 +327,14 @@ def compare(
         sf, so = split.get(name, (0.0, 0.0))
         rows.append((lo - so, name, lf, lo, sf, so))
     rows.sort(key=lambda r: -abs(r[0]))
+    c_rows = sorted((r for r in rows if r[1].startswith("C:")), key=lambda r: -abs(r[2] - r[4]))
+    rows = [r for r in rows if not r[1].startswith("C:")][:top] + c_rows[: top // 2]
     out = [
         "| function | live frames/req | live bytecodes/req | split frames/req | split bytecodes/req "
         "| live - split bytecodes |",
         "|---|---|---|---|---|---|",
     ]
-    for diff, name, lf, lo, sf, so in rows[:top]:
+    for diff, name, lf, lo, sf, so in rows:
         out.append(f"| `{name}` | {lf:.2f} | {lo:.1f} | {sf:.2f} | {so:.1f} | {diff:+.1f} |")
     return out
 
@@ -341,27 +368,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         tempfile.TemporaryDirectory(prefix="kvroute-count-") as tmp,
         zero_delay_engines("fast", 2, Path(tmp)) as engines,
     ):
-        summary = ["| target | where | requests | frames/req | bytecodes/req |", "|---|---|---|---|---|"]
+        summary = [
+            "| target | where | requests | Python frames/req | bytecodes/req | C calls from Python/req |",
+            "|---|---|---|---|---|---|",
+        ]
         details: list[str] = []
         for spec in [t for t in args.targets.split(",") if t]:
             table, n = count_live(spec, engines, body, args.concurrency, args.per_connection, Path(tmp))
             live = per_request(table, n)
-            frames, ops = totals(table, n)
-            summary.append(f"| {spec} | live c{args.concurrency} | {n} | {frames:.1f} | {ops:.0f} |")
+            frames, ops, c_calls = totals(table, n)
+            summary.append(
+                f"| {spec} | live c{args.concurrency} | {n} | {frames:.1f} | {ops:.0f} | {c_calls:.1f} |"
+            )
             dump[f"{spec} live"] = {"requests": n, "counts": table}
             details += ["", f"{spec}, live, c{args.concurrency}, {n} requests: by part", ""]
-            details += top_rows(parts(live), len(PARTS))
+            details += top_rows(parts(live), len(PARTS) + 1)
             details += ["", f"{spec}, live, c{args.concurrency}, {n} requests: top functions", ""]
             details += top_rows(live, args.top)
             if spec.startswith("kvroute:"):
                 target = spec.split(":", 1)[1]
                 stable = count_split(target, engines, args.prompt_tokens, args.split_requests)
                 split = per_request(stable, args.split_requests)
-                frames, ops = totals(stable, args.split_requests)
-                summary.append(f"| {spec} | split | {args.split_requests} | {frames:.1f} | {ops:.0f} |")
+                frames, ops, c_calls = totals(stable, args.split_requests)
+                summary.append(
+                    f"| {spec} | split | {args.split_requests} | {frames:.1f} | {ops:.0f} | {c_calls:.1f} |"
+                )
                 dump[f"{spec} split"] = {"requests": args.split_requests, "counts": stable}
                 details += ["", f"{spec}, split: by part", ""]
-                details += top_rows(parts(split), len(PARTS))
+                details += top_rows(parts(split), len(PARTS) + 1)
                 details += ["", f"{spec}: live against split, the largest differences", ""]
                 details += compare(live, split, args.top)
     print(f"{args.prompt_tokens}-token non-stream chat; Python frames entered and bytecodes per request\n")

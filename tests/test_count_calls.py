@@ -22,17 +22,20 @@ def _straight(a: int, b: int) -> int:
 
 def test_the_counter_counts_each_call_and_each_bytecode_executed() -> None:
     """Five calls of a straight-line function: five frames, and its instructions after RESUME
-    (which sys.settrace does not report) five times; nothing once stopped."""
+    (which sys.settrace does not report) five times; three calls of ``len``; nothing once stopped."""
     counter = CallCounter()
     counter.start()
     for i in range(5):
         _straight(i, 1)
+    [len("ab") for _ in range(3)]  # C calls from Python: 3 of len
     counter.stop()
     _straight(0, 0)
+    len("c")
     (name,) = [k for k in counter.table() if k.endswith(":_straight")]
     assert name.endswith(f"test_count_calls.py:{_straight.__code__.co_firstlineno}:_straight")
     steps = len(list(dis.get_instructions(_straight))) - 1
     assert counter.table()[name] == [5, 5 * steps]
+    assert counter.table()["C:builtins.len"] == [3, 0]
 
 
 def test_functions_are_put_in_their_part() -> None:
@@ -47,7 +50,8 @@ def test_functions_are_put_in_their_part() -> None:
 def test_evict_specs_are_checked() -> None:
     assert bench_split.evictor("mem:4")() is not None
     assert bench_split.evictor("code:1")() is not None
-    for bad in ("mem:0", "disk:4", "code:x", "mem"):
+    assert bench_split.evictor("none")() is None
+    for bad in ("mem:0", "disk:4", "code:x", "mem", "mem:-1", "none:1"):
         with pytest.raises(ValueError):
             bench_split.evictor(bad)
     with pytest.raises(SystemExit):
