@@ -793,7 +793,7 @@ class Router:
             return self._stream_answer(ctx, response)
         out_headers = _answer_headers(ctx)
         content_type = response.headers.get("content-type", "application/json")
-        self._answer_started(ctx)
+        self._answer_started(ctx, response.done)
         try:  # a whole (non-stream or error) answer, read here (not in one more coroutine)
             data = await response.read()
         except UpstreamError as exc:
@@ -809,13 +809,15 @@ class Router:
         headers.append((b"content-type", content_type.encode("latin-1")))
         return _StreamAnswer(StreamRelay(self, ctx, response), headers)
 
-    def _answer_started(self, ctx: RouteContext) -> None:
-        """A complete (non-stream or error) answer's headers are in."""
+    def _answer_started(self, ctx: RouteContext, whole: bool) -> None:
+        """A complete (non-stream or error) answer's headers are in; ``whole``: its body too."""
         reservation = ctx.reservation
-        if reservation is not None:
+        if reservation is not None and not whole:
             # A non-stream body arrives only when generation is over: no token to time. The
             # engine's prefill is assumed over at the predicted TTFT, so the queue does not
             # count it for the whole answer (the scraped waiting gauge corrects the guess).
+            # With the body in too, the finish releases it, with the load, before anything else
+            # runs (the due call would find the ticket done): nothing to schedule.
             delay_s = reservation.parts.total_s
             if 0 < delay_s < 3600:
                 self._prefill_releases.add(delay_s, reservation)
@@ -1017,7 +1019,7 @@ class _Relay:
             return
         if not self.started:
             self.started = True
-            router._answer_started(ctx)
+            router._answer_started(ctx, response.done)
         error = response.error
         if error is not None:
             self._stop_watching()
