@@ -78,6 +78,8 @@ class MemoryAnswer:
 
     __slots__ = ("_body", "headers", "status")
 
+    done = True  # the whole answer is in (``UpstreamResponse.done``)
+
     def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
         self.status, self.headers, self._body = status, headers, body
 
