@@ -19,8 +19,10 @@ that path costs with nothing else. Non-stream answers only. Figures are the main
 ``--evict mem:KIB`` / ``code:N`` runs, before every request, a scan of a KIB KiB buffer (the data
 caches emptied, as wrk's and the upstreams' time slices between two of the router's would) or N
 rounds of unrelated pure-Python work (other code and objects through the caches and branch
-predictors), and times each request on its own, so the figure is the router's own work with its
-caches cold; ``--evict none`` is the control (the same per-request timing, nothing run between).
+predictors), or ``switch:N`` a round trip to a child process on the same core that runs that work
+N times (0: none) before it answers, and times each request on its own, so the figure is the
+router's own work with its caches cold; ``--evict none`` is the control (the same per-request
+timing, nothing run between).
 
     python -m loadtest.bench_split --targets round_robin,tier_cost+tok --prompt-tokens 1000,16000
     python -m loadtest.bench_split --targets round_robin --prompt-tokens 1000 --evict mem:4096
@@ -30,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import fractions
+import os
 import statistics
 import sys
 import tempfile
@@ -130,13 +134,18 @@ def _scope(body: bytes) -> dict[str, Any]:
 def evictor(spec: str) -> Callable[[], object]:
     """``none``: nothing (the control: the same per-request timing); ``mem:KIB``: a scan of a KIB
     KiB buffer (every cache line read once: clean lines, no write-back left for the router to pay);
-    ``code:N``: N rounds of unrelated pure-Python work (text wrapping, URL parsing, fractions)."""
+    ``code:N``: N rounds of unrelated pure-Python work (text wrapping, URL parsing, fractions);
+    ``switch:N``: a round trip through a pipe to a child process pinned to this thread's core,
+    which runs ``code:N`` (N may be 0) before it answers: two context switches and another
+    process's work on the core, as the upstreams' and wrk's time slices between the router's."""
     if spec == "none":
         return lambda: None
     kind, _, size = spec.partition(":")
-    n = int(size) if size.isdigit() else 0
-    if n < 1 or kind not in ("mem", "code"):
-        raise ValueError(f"--evict {spec!r}: expected none, mem:KIB or code:N with a positive number")
+    n = int(size) if size.isdigit() else -1
+    if kind not in ("mem", "code", "switch") or n < (0 if kind == "switch" else 1):
+        raise ValueError(
+            f"--evict {spec!r}: expected none, mem:KIB, code:N or switch:N with a positive number"
+        )
     if kind == "mem":
         buf = bytearray(b"\x5a" * (n * 1024))
 
@@ -144,6 +153,13 @@ def evictor(spec: str) -> Callable[[], object]:
             return buf.find(0)  # memchr over every cache line; read only, so none is left dirty
 
         return scan
+    work = _python_work(n)
+    if kind == "code":
+        return work
+    return _switcher(work)
+
+
+def _python_work(n: int) -> Callable[[], object]:
     text = " ".join(f"word{i} {i * 7 % 13}" for i in range(8))
     url = "http://user@example.org:8080/a/b;p?q=1&r=two#frag"
 
@@ -158,6 +174,40 @@ def evictor(spec: str) -> Callable[[], object]:
         return out
 
     return work
+
+
+def _switcher(work: Callable[[], object]) -> Callable[[], object]:
+    """Pins this thread to one core and forks a child pinned to it that answers each byte after
+    ``work()``; the child exits when the pipe closes (at exit, or when this process dies)."""
+    cpu = min(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpu})
+    from_parent, to_child = os.pipe()
+    from_child, to_parent = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no cleanup of the parent's runs here (os._exit)
+        os.close(to_child)
+        os.close(from_child)
+        try:
+            while os.read(from_parent, 1):
+                work()
+                os.write(to_parent, b"x")
+        finally:
+            os._exit(0)
+    os.close(from_parent)
+    os.close(to_parent)
+
+    def stop() -> None:
+        os.close(to_child)
+        os.waitpid(pid, 0)
+        os.close(from_child)
+
+    atexit.register(stop)
+
+    def switch() -> object:
+        os.write(to_child, b"x")
+        return os.read(from_child, 1)
+
+    return switch
 
 
 async def _measure(
@@ -259,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--evict",
         default=None,
-        metavar="none|mem:KIB|code:N",
+        metavar="none|mem:KIB|code:N|switch:N",
         help="before every request, cold caches; each request timed on its own (none: the control)",
     )
     args = parser.parse_args(argv)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dis
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -51,11 +53,28 @@ def test_evict_specs_are_checked() -> None:
     assert bench_split.evictor("mem:4")() is not None
     assert bench_split.evictor("code:1")() is not None
     assert bench_split.evictor("none")() is None
-    for bad in ("mem:0", "disk:4", "code:x", "mem", "mem:-1", "none:1"):
+    for bad in ("mem:0", "disk:4", "code:x", "mem", "mem:-1", "none:1", "switch:x", "switch:-1", "code:0"):
         with pytest.raises(ValueError):
             bench_split.evictor(bad)
     with pytest.raises(SystemExit):
         bench_split.main(["--evict", "mem:-1"])
+
+
+@pytest.mark.slow
+def test_bench_split_runs_with_a_process_switch_before_every_request() -> None:
+    """``--evict switch:0`` (a child process pinned to the same core, in its own process here so
+    the test session keeps its affinity): the figures come out and the child is gone at exit."""
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "loadtest.bench_split", "--targets", "round_robin"),
+            *("--prompt-tokens", "300", "--requests", "40", "--repeats", "1", "--evict", "switch:0"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert "| round_robin | 300 |" in out, out
 
 
 @pytest.mark.slow
