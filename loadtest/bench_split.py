@@ -16,18 +16,32 @@ both sides, the transports, the loop); the raw-Python reference proxy (B3's ``ra
 that path costs with nothing else. Non-stream answers only. Figures are the main thread's CPU
 (``time.thread_time``) over each repeat's requests, medians over interleaved repeats.
 
+``--evict mem:KIB`` / ``code:N`` runs, before every request, a scan of a KIB KiB buffer (the data
+caches emptied, as wrk's and the upstreams' time slices between two of the router's would) or N
+rounds of unrelated pure-Python work (other code and objects through the caches and branch
+predictors), or ``switch:N`` a round trip to a child process on the same core that runs that work
+N times (0: none) before it answers, and times each request on its own, so the figure is the
+router's own work with its caches cold; ``--evict none`` is the control (the same per-request
+timing, nothing run between).
+
     python -m loadtest.bench_split --targets round_robin,tier_cost+tok --prompt-tokens 1000,16000
+    python -m loadtest.bench_split --targets round_robin --prompt-tokens 1000 --evict mem:4096
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
+import fractions
+import os
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
-from collections.abc import Sequence
+import urllib.parse
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +81,8 @@ class MemoryAnswer:
     """An engine's whole answer, from memory (the attributes the router reads of a response)."""
 
     __slots__ = ("_body", "headers", "status")
+
+    done = True  # the whole answer is in (``UpstreamResponse.done``)
 
     def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
         self.status, self.headers, self._body = status, headers, body
@@ -115,17 +131,121 @@ def _scope(body: bytes) -> dict[str, Any]:
     }
 
 
-async def _measure(app: Any, body: bytes, requests: int) -> float:
-    """CPU µs per request over ``requests`` requests (each answered 200, or it raises)."""
+def evictor(spec: str) -> Callable[[], object]:
+    """``none``: nothing (the control: the same per-request timing); ``mem:KIB``: a scan of a KIB
+    KiB buffer (every cache line read once: clean lines, no write-back left for the router to pay);
+    ``code:N``: N rounds of unrelated pure-Python work (text wrapping, URL parsing, fractions);
+    ``switch:N``: a round trip through a pipe to a child process pinned to this thread's core,
+    which runs ``code:N`` (N may be 0) before it answers: two context switches and another
+    process's work on the core, as the upstreams' and wrk's time slices between the router's."""
+    if spec == "none":
+        return lambda: None
+    kind, _, size = spec.partition(":")
+    n = int(size) if size.isdigit() else -1
+    if kind not in ("mem", "code", "switch") or n < (0 if kind == "switch" else 1):
+        raise ValueError(
+            f"--evict {spec!r}: expected none, mem:KIB, code:N or switch:N with a positive number"
+        )
+    if kind == "mem":
+        buf = bytearray(b"\x5a" * (n * 1024))
+
+        def scan() -> object:
+            return buf.find(0)  # memchr over every cache line; read only, so none is left dirty
+
+        return scan
+    work = _python_work(n)
+    if kind == "code":
+        return work
+    return _switcher(work)
+
+
+def _python_work(n: int) -> Callable[[], object]:
+    text = " ".join(f"word{i} {i * 7 % 13}" for i in range(8))
+    url = "http://user@example.org:8080/a/b;p?q=1&r=two#frag"
+
+    def work() -> object:
+        out: object = None
+        for i in range(n):
+            out = (
+                textwrap.wrap(text, 30 + i % 7),
+                urllib.parse.parse_qs(urllib.parse.urlsplit(url).query),
+                fractions.Fraction(i + 1, 7) + fractions.Fraction(3, i + 2),
+            )
+        return out
+
+    return work
+
+
+def _switcher(work: Callable[[], object]) -> Callable[[], object]:
+    """Pins this thread to one core and forks a child pinned to it that answers each byte after
+    ``work()``; the child exits when the pipe closes (at exit, or when this process dies)."""
+    cpu = min(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpu})
+    from_parent, to_child = os.pipe()
+    from_child, to_parent = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no cleanup of the parent's runs here (os._exit)
+        os.close(to_child)
+        os.close(from_child)
+        try:
+            while os.read(from_parent, 1):
+                work()
+                os.write(to_parent, b"x")
+        finally:
+            os._exit(0)
+    os.close(from_parent)
+    os.close(to_parent)
+
+    def stop() -> None:
+        os.close(to_child)
+        os.waitpid(pid, 0)
+        os.close(from_child)
+
+    atexit.register(stop)
+
+    def switch() -> object:
+        os.write(to_child, b"x")
+        return os.read(from_child, 1)
+
+    return switch
+
+
+async def _measure(
+    app: Any,
+    body: bytes,
+    requests: int,
+    evict: Callable[[], object] | None = None,
+    counter: Any = None,
+) -> float:
+    """CPU µs per request over ``requests`` requests (each answered 200, or it raises). With
+    ``evict``, it runs before each request and each request is timed on its own (two clock reads
+    per request, the same with ``evict`` = ``none``), so the eviction's own time is not in the
+    figure; ``counter`` (loadtest/count_calls.py's ``CallCounter``) counts the Python run from the
+    first request to the last answer (this loop's own lines included: the caller leaves out this
+    file's functions)."""
     proxy, scope = app.proxy_app, _scope(body)
-    started = time.thread_time()
+    if counter is not None:
+        counter.start()
+    clock = time.thread_time
+    started = clock()
+    spent = 0.0
     for _ in range(requests):
         exchange = MemoryExchange(body)
-        await proxy(scope, exchange.receive, exchange.send)
+        if evict is not None:
+            evict()
+            one = clock()
+            await proxy(scope, exchange.receive, exchange.send)
+            spent += clock() - one
+        else:
+            await proxy(scope, exchange.receive, exchange.send)
         status = exchange.messages[0].get("status") if exchange.messages else None
         if status != 200:
             raise RuntimeError(f"the router answered {status}: {exchange.messages[-1:]}")
-    return (time.thread_time() - started) / requests * 1e6
+    if evict is None:
+        spent = clock() - started
+    if counter is not None:
+        counter.stop()
+    return spent / requests * 1e6
 
 
 async def _run_target(
@@ -135,6 +255,8 @@ async def _run_target(
     answers: dict[int, MemoryAnswer],
     bodies: dict[int, bytes],
     requests: int,
+    evict: Callable[[], object] | None = None,
+    counter: Any = None,
 ) -> dict[int, float]:
     config = load_config(
         environ={},
@@ -155,7 +277,7 @@ async def _run_target(
             for prompt, body in bodies.items():
                 memory.answer = answers[prompt]
                 await _measure(app, body, max(50, requests // 10))  # warm-up: caches filled, as in B3
-                out[prompt] = await _measure(app, body, requests)
+                out[prompt] = await _measure(app, body, requests, evict, counter)
         finally:
             router.client = real
         if memory.sent < len(bodies) * requests:
@@ -184,11 +306,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", default="1000,16000", help="comma-separated prompt sizes")
     parser.add_argument("--requests", type=int, default=3000, help="requests per target, size and repeat")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--evict",
+        default=None,
+        metavar="none|mem:KIB|code:N|switch:N",
+        help="before every request, cold caches; each request timed on its own (none: the control)",
+    )
     args = parser.parse_args(argv)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     prompts = [int(p) for p in args.prompt_tokens.split(",") if p.strip()]
     if args.requests < 1 or args.repeats < 1 or not targets or not prompts:
         parser.error("--requests and --repeats must be >= 1, --targets and --prompt-tokens non-empty")
+    try:
+        evict = evictor(args.evict) if args.evict else None
+    except ValueError as exc:
+        parser.error(str(exc))
     bodies = {p: chat_body(p, False, model=FAST_MODEL) for p in prompts}
     figures: dict[tuple[str, int], list[float]] = {}
     with (
@@ -199,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for repeat in range(args.repeats):
             for target in targets:  # interleaved: every target once per repeat
                 policy, tok = target.removesuffix("+tok"), target.endswith("+tok")
-                got = asyncio.run(_run_target(policy, tok, ups, answers, bodies, args.requests))
+                got = asyncio.run(_run_target(policy, tok, ups, answers, bodies, args.requests, evict))
                 for prompt, us in got.items():
                     figures.setdefault((target, prompt), []).append(us)
                     print(f"  r{repeat} {target:<20} {prompt:>6} tok  {us:7.1f} µs/request", file=sys.stderr)

@@ -86,6 +86,7 @@ class ProxyExchange:
         "disconnected",
         "expect_100_continue",
         "keep_alive",
+        "loop",
         "more_body",
         "response_complete",
         "response_started",
@@ -96,6 +97,7 @@ class ProxyExchange:
         self, protocol: ProxyHttpProtocol, scope: dict[str, Any], keep_alive: bool, expect_100_continue: bool
     ) -> None:
         self._protocol = protocol
+        self.loop = protocol.loop  # the loop it runs on (for the proxy's current_task(loop))
         self.scope = scope
         self.keep_alive = keep_alive
         self.expect_100_continue = expect_100_continue

@@ -802,7 +802,7 @@ class Router:
             return self._stream_answer(ctx, response)
         out_headers = _answer_headers(ctx)
         content_type = response.headers.get("content-type", "application/json")
-        self._answer_started(ctx)
+        self._answer_started(ctx, response.done)
         try:  # a whole (non-stream or error) answer, read here (not in one more coroutine)
             data = await response.read()
         except UpstreamError as exc:
@@ -818,13 +818,15 @@ class Router:
         headers.append((b"content-type", content_type.encode("latin-1")))
         return _StreamAnswer(StreamRelay(self, ctx, response), headers)
 
-    def _answer_started(self, ctx: RouteContext) -> None:
-        """A complete (non-stream or error) answer's headers are in."""
+    def _answer_started(self, ctx: RouteContext, whole: bool) -> None:
+        """A complete (non-stream or error) answer's headers are in; ``whole``: its body too."""
         reservation = ctx.reservation
-        if reservation is not None:
+        if reservation is not None and not whole:
             # A non-stream body arrives only when generation is over: no token to time. The
             # engine's prefill is assumed over at the predicted TTFT, so the queue does not
             # count it for the whole answer (the scraped waiting gauge corrects the guess).
+            # With the body in too, the finish releases it, with the load, before anything else
+            # runs (the due call would find the ticket done): nothing to schedule.
             delay_s = reservation.parts.total_s
             if 0 < delay_s < 3600:
                 self._prefill_releases.add(delay_s, reservation)
@@ -1030,7 +1032,7 @@ class _Relay:
             return
         if not self.started:
             self.started = True
-            router._answer_started(ctx)
+            router._answer_started(ctx, response.done)
         error = response.error
         if error is not None:
             self._stop_watching()
@@ -1235,9 +1237,14 @@ class _DueCalls:
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = 0.0
+        # The loop the items were added on, kept: asyncio.get_running_loop() is a getpid() system
+        # call on Python 3.11 (asked again only when this one is not running).
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def add(self, delay_s: float, item: Any) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            loop = self._loop = asyncio.get_running_loop()
         due = loop.time() + delay_s
         heapq.heappush(self._heap, (due, next(self._seq), item))
         if self._timer is None or due < self._timer_due - self._slack_s:
@@ -1247,7 +1254,8 @@ class _DueCalls:
 
     def _run(self) -> None:
         self._timer = None
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        assert loop is not None  # (armed by add)
         heap, limit = self._heap, loop.time() + self._slack_s
         while heap and heap[0][0] <= limit:
             item = heapq.heappop(heap)[2]
@@ -1314,10 +1322,11 @@ class DisconnectWatcher:
 
     __slots__ = ("_task", "answered", "fired")
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.answered = False
         self.fired = False
-        self._task = asyncio.current_task()
+        # With the loop given, no getpid() system call (Python 3.11's running-loop check).
+        self._task = asyncio.current_task(loop)
 
     def _fire(self) -> None:
         if not self.answered and not self.fired and self._task is not None:
@@ -1384,7 +1393,8 @@ class _HookDisconnectWatcher(DisconnectWatcher):
     __slots__ = ("_exchange", "_hook")
 
     def __init__(self, hook: Callable[[Callable[[], None] | None], bool], exchange: Any) -> None:
-        super().__init__()
+        # The exchange's loop: no getpid() system call (Python 3.11's running-loop check).
+        super().__init__(getattr(exchange, "loop", None))
         self._hook, self._exchange = hook, exchange
         if hook(self._fire):
             self._fire()

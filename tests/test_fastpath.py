@@ -354,6 +354,32 @@ async def test_due_calls_run_in_due_order_on_one_timer() -> None:
     assert calls._timer is None and not calls._heap
 
 
+def test_due_calls_run_on_a_new_loop_after_the_old_one_stopped() -> None:
+    """``_DueCalls`` keeps its loop (no getpid per add) but takes the running one when the kept
+    loop stopped: items added in a second ``asyncio.run`` still run."""
+    import asyncio
+
+    from router.routing import _DueCalls
+
+    ran: list[int] = []
+    done: list[asyncio.Event] = []
+
+    def call(item: int) -> None:
+        ran.append(item)
+        done[-1].set()
+
+    due = _DueCalls(call, slack_s=0.0)
+
+    async def add_and_wait(item: int) -> None:
+        done.append(asyncio.Event())
+        due.add(0.0, item)
+        await done[-1].wait()
+
+    asyncio.run(asyncio.wait_for(add_and_wait(1), 5))
+    asyncio.run(asyncio.wait_for(add_and_wait(2), 5))
+    assert ran == [1, 2]
+
+
 @pytest.mark.parametrize("splice", ["none", "priority", "tenant"])
 def test_a_16k_token_body_reaches_the_engine_byte_for_byte_with_each_splice(
     serve_asgi: Callable[..., ThreadedServer], upstreams: Any, splice: str
