@@ -1352,9 +1352,8 @@ def watch_disconnect(receive: Receive) -> DisconnectWatcher:
     uvicorn's request cycle (their connection_lost calls back: no task per request), else one that
     awaits ASGI ``http.disconnect``."""
     cycle = getattr(receive, "__self__", None)
-    hook = getattr(cycle, "disconnect_watcher", None)
-    if hook is not None:
-        return _HookDisconnectWatcher(hook, cycle)
+    if hasattr(cycle, "disconnect_watcher"):
+        return _HookDisconnectWatcher(cycle)
     if isinstance(getattr(cycle, "message_event", None), asyncio.Event) and hasattr(cycle, "disconnected"):
         return _CycleDisconnectWatcher(cycle)
     return _TaskDisconnectWatcher(receive)
@@ -1390,20 +1389,20 @@ class _CycleDisconnectWatcher(DisconnectWatcher):
 class _HookDisconnectWatcher(DisconnectWatcher):
     """An exchange that calls back on a lost connection (``ProxyExchange.disconnect_watcher``)."""
 
-    __slots__ = ("_exchange", "_hook")
+    __slots__ = ("_exchange",)
 
-    def __init__(self, hook: Callable[[Callable[[], None] | None], bool], exchange: Any) -> None:
+    def __init__(self, exchange: Any) -> None:
         # The exchange's loop: no getpid() system call (Python 3.11's running-loop check).
-        super().__init__(getattr(exchange, "loop", None))
-        self._hook, self._exchange = hook, exchange
-        if hook(self._fire):
+        super().__init__(exchange.loop)
+        self._exchange = exchange
+        if exchange.disconnect_watcher(self._fire):
             self._fire()
 
     def stop(self) -> None:
-        self._hook(None)
+        self._exchange.disconnect_watcher(None)
 
     def cut_reason(self) -> str:
-        return str(getattr(self._exchange, "cut_reason", ""))
+        return str(self._exchange.cut_reason)
 
 
 class _CallbackEvent(asyncio.Event):

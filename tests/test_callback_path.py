@@ -47,6 +47,26 @@ class Recorder:
         )
 
 
+def completion_answer(
+    content: str = "ok", completion_id: str = "c-1", usage: dict[str, int] | None = None
+) -> bytes:
+    """A whole non-stream chat completion as an engine writes it: status line, content-length
+    head and the JSON body."""
+    body = json.dumps(
+        {
+            "id": completion_id,
+            "object": "chat.completion",
+            "model": MODEL,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}],
+            "usage": usage or {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+        }
+    ).encode()
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(body),
+        body,
+    )
+
+
 class RawEngine:
     """A raw HTTP/1.1 engine on loopback: one thread per connection, served by the subclass's
     ``_serve`` (``read_request`` reads one request off it); ``stop_listening`` refuses new
@@ -121,20 +141,8 @@ class FlakyEngine(RawEngine):
                 self.requests += 1
                 if number == 1:
                     return  # the second request on a connection: closed unanswered
-                body = json.dumps(
-                    {
-                        "id": "flaky-1",
-                        "object": "chat.completion",
-                        "model": MODEL,
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
-                        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
-                    }
-                ).encode()
                 self.answered += 1
-                conn.sendall(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                    % (len(body), body)
-                )
+                conn.sendall(completion_answer(completion_id="flaky-1"))
 
 
 def _router(

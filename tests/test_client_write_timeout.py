@@ -9,23 +9,24 @@ unbounded wait."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
 import pytest
 
 from router.config import ConfigError, load_config
 from router.routing import RouteContext
+from tests import test_stream_relay
 from tests.conftest import ThreadedServer
-from tests.test_callback_path import RawEngine, Recorder, _count, _wait_for
+from tests.test_callback_path import RawEngine, Recorder, _count, _wait_for, completion_answer
 from tests.test_fastpath import chat, post
 from tests.test_stream_relay import DONE, USAGE, ScriptedEngine, _router, token_events
 
+engine = test_stream_relay.engine  # the scripted engine fixture, shared
 TIMEOUT_S = 0.4
 #: The steady reader's timeout: long enough that a test thread starved on a busy machine is not
 #: taken for a stalled client, short enough that its ~5 s of reading spans several timeouts.
@@ -46,14 +47,7 @@ class WholeAnswerEngine(RawEngine):
     content-length framed, in one write; keeps its connections (keep-alive)."""
 
     def __init__(self, content_bytes: int) -> None:
-        self.answer = json.dumps(
-            {
-                "id": "c",
-                "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "y" * content_bytes}}],
-                "usage": USAGE,
-            }
-        ).encode()
+        self.answer = completion_answer("y" * content_bytes, usage=USAGE)
         self.closed = threading.Event()  # the router closed a connection
         super().__init__()
 
@@ -66,17 +60,23 @@ class WholeAnswerEngine(RawEngine):
                     self.closed.set()
                     return
                 data = read[1]
-                head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-                conn.sendall(head % len(self.answer) + self.answer)
+                conn.sendall(self.answer)
 
 
-@pytest.fixture
-def engine() -> Iterator[ScriptedEngine]:
-    scripted = ScriptedEngine()
-    try:
-        yield scripted
-    finally:
-        scripted.stop_listening()
+def _streaming_router(
+    serve_asgi: Callable[..., ThreadedServer],
+    engine: ScriptedEngine,
+    callback_path: bool,
+    events: int,
+    timeout_s: float,
+) -> tuple[ErrorRecorder, ThreadedServer]:
+    """A router under limits.client_write_timeout_s = ``timeout_s`` before ``engine``, which
+    streams ``events`` events of 16 KiB in 1 MiB writes; and the recorder of its finished requests."""
+    engine.events = token_events(events, "x" * (16384 - 80))
+    engine.piece_bytes = 1 << 20
+    recorder = ErrorRecorder()
+    limits = {"client_write_timeout_s": timeout_s}
+    return recorder, _router(serve_asgi, engine, recorder, callback_path, limits=limits)
 
 
 def _client(server: ThreadedServer, request: bytes) -> socket.socket:
@@ -147,12 +147,7 @@ def test_a_stream_to_a_client_that_stops_reading_is_cut_after_the_timeout(
     1, no breaker failure, the load back to 0. Catches: a client that never reads holding the
     engine's request forever; the cut counted as the engine's failure or as a plain hang-up."""
     caplog.set_level(logging.WARNING)
-    engine.events = token_events(4096, "x" * (16384 - 80))
-    engine.piece_bytes = 1 << 20
-    recorder = ErrorRecorder()
-    server = _router(
-        serve_asgi, engine, recorder, callback_path, limits={"client_write_timeout_s": TIMEOUT_S}
-    )
+    recorder, server = _streaming_router(serve_asgi, engine, callback_path, 4096, TIMEOUT_S)
     sock = _client(server, post("/v1/chat/completions", chat(stream=True)))
     try:
         _read_head(sock)
@@ -230,12 +225,7 @@ def test_a_client_reading_slowly_but_steadily_gets_the_whole_stream(
     progress, or progress looked for in the transport's buffer alone (the kernel's megabytes
     drain first: the transport's buffer stands still for seconds)."""
     caplog.set_level(logging.WARNING)
-    engine.events = token_events(384, "x" * (16384 - 80))
-    engine.piece_bytes = 1 << 20
-    recorder = ErrorRecorder()
-    server = _router(
-        serve_asgi, engine, recorder, callback_path, limits={"client_write_timeout_s": STEADY_TIMEOUT_S}
-    )
+    recorder, server = _streaming_router(serve_asgi, engine, callback_path, 384, STEADY_TIMEOUT_S)
     sock = _client(server, post("/v1/chat/completions", chat(stream=True)))
     data = bytearray()
     paused_seen = 0
@@ -273,10 +263,7 @@ def test_zero_keeps_a_non_reading_client_waiting(
 ) -> None:
     """limits.client_write_timeout_s = 0: no bound, as before - a client that stops reading for
     several times the test timeout is not cut, and gets the whole answer when it reads on."""
-    engine.events = token_events(4096, "x" * (16384 - 80))
-    engine.piece_bytes = 1 << 20
-    recorder = ErrorRecorder()
-    server = _router(serve_asgi, engine, recorder, callback_path, limits={"client_write_timeout_s": 0})
+    recorder, server = _streaming_router(serve_asgi, engine, callback_path, 4096, 0)
     sock = _client(server, post("/v1/chat/completions", chat(stream=True)))
     try:
         data = bytearray(_read_head(sock))

@@ -5,7 +5,6 @@ is in with its headers (the finish, which follows at once, releases it with the 
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 from collections.abc import Callable
@@ -17,19 +16,11 @@ from router.app import create_app
 from router.config import load_config
 from router.routing import _DueCalls
 from tests.conftest import ThreadedServer
-from tests.test_callback_path import RawEngine, _wait_for
+from tests.test_callback_path import RawEngine, _wait_for, completion_answer
 from tests.test_fastpath import MODEL, chat, post, read_answers
 
-BODY = json.dumps(
-    {
-        "id": "p-1",
-        "object": "chat.completion",
-        "model": MODEL,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
-        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
-    }
-).encode()
-HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(BODY)
+HEAD, _, BODY = completion_answer(completion_id="p-1").partition(b"\r\n\r\n")
+HEAD += b"\r\n\r\n"
 
 
 class HeadFirstEngine(RawEngine):
