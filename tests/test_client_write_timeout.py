@@ -24,7 +24,15 @@ from tests import test_stream_relay
 from tests.conftest import ThreadedServer
 from tests.test_callback_path import RawEngine, Recorder, _count, _wait_for, completion_answer
 from tests.test_fastpath import chat, post
-from tests.test_stream_relay import DONE, USAGE, ScriptedEngine, _router, token_events
+from tests.test_stream_relay import (
+    DONE,
+    USAGE,
+    ScriptedEngine,
+    _router,
+    chunked_body,
+    read_to_last_chunk,
+    token_events,
+)
 
 engine = test_stream_relay.engine  # the scripted engine fixture, shared
 TIMEOUT_S = 0.4
@@ -107,18 +115,6 @@ def _read_to_close(sock: socket.socket) -> bytes:
     except ConnectionResetError:
         pass
     return bytes(data)
-
-
-def _chunked_body(data: bytes) -> bytes:
-    body = bytearray()
-    at = data.index(b"\r\n\r\n") + 4
-    while True:
-        end = data.index(b"\r\n", at)
-        size = int(data[at:end], 16)
-        body += data[end + 2 : end + 2 + size]
-        at = end + 2 + size + 2
-        if size == 0:
-            return bytes(body)
 
 
 def _timeouts(metrics: str) -> dict[str, float]:
@@ -239,7 +235,7 @@ def test_a_client_reading_slowly_but_steadily_gets_the_whole_stream(
     finally:
         sock.close()
     assert paused_seen >= 10, "the router's writing was never paused: the test proves nothing"
-    assert _chunked_body(bytes(data)) == b"".join([*engine.events, DONE])
+    assert chunked_body(bytes(data)) == b"".join([*engine.events, DONE])
     _wait_for(lambda: len(recorder.finished) == 1, "the finished stream")
     assert recorder.finished[0]["status"] == 200
     assert _warnings(caplog) == []
@@ -274,13 +270,10 @@ def test_zero_keeps_a_non_reading_client_waiting(
                 last_sent, still_since = engine.sent_bytes, time.monotonic()
             time.sleep(0.02)
         assert engine.finished == 0 and not engine.cut_off.is_set()
-        while not data.endswith(b"0\r\n\r\n"):
-            more = sock.recv(1 << 20)
-            assert more, "cut"
-            data += more
+        read_to_last_chunk(sock, data)
     finally:
         sock.close()
-    assert _chunked_body(bytes(data)) == b"".join([*engine.events, DONE])
+    assert chunked_body(bytes(data)) == b"".join([*engine.events, DONE])
     _wait_for(lambda: len(recorder.finished) == 1, "the finished stream")
     assert recorder.finished[0]["status"] == 200
     assert _timeouts(httpx.get(server.url + "/metrics").text) == {}

@@ -115,6 +115,27 @@ class ScriptedEngine(RawEngine):
         return True
 
 
+def read_to_last_chunk(sock: socket.socket, data: bytearray) -> None:
+    """Read a chunked answer off ``sock`` into ``data`` up to its last (empty) chunk."""
+    while not data.endswith(b"0\r\n\r\n"):
+        more = sock.recv(1 << 20)
+        assert more, "the connection closed before the end of the answer"
+        data += more
+
+
+def chunked_body(data: bytes | bytearray) -> bytes:
+    """The body of a chunked HTTP answer (``data``: its head and every chunk up to the last)."""
+    body = bytearray()
+    view, at = memoryview(data), data.index(b"\r\n\r\n") + 4
+    while True:
+        end = data.index(b"\r\n", at)
+        size = int(data[at:end], 16)
+        body += view[end + 2 : end + 2 + size]
+        at = end + 2 + size + 2
+        if size == 0:
+            return bytes(body)
+
+
 @pytest.fixture
 def engine() -> Iterator[ScriptedEngine]:
     scripted = ScriptedEngine()
@@ -405,22 +426,10 @@ def test_a_slow_client_holds_the_engine_back_and_gets_the_whole_answer(
         assert engine.finished == 0, f"the whole answer left the engine ({engine.sent_bytes} bytes)"
         assert most_held <= 1 << 20, f"the router held {most_held} bytes"
         # Now the client reads on: every event arrives, then the chunked terminator.
-        while not data.endswith(b"0\r\n\r\n"):
-            more = sock.recv(1 << 20)
-            assert more, "the connection closed before the end of the answer"
-            data += more
+        read_to_last_chunk(sock, data)
     finally:
         sock.close()
-    body = bytearray()
-    view, at = memoryview(data), data.index(b"\r\n\r\n") + 4
-    while True:
-        end = data.index(b"\r\n", at)
-        size = int(data[at:end], 16)
-        body += view[end + 2 : end + 2 + size]
-        at = end + 2 + size + 2
-        if size == 0:
-            break
-    assert bytes(body) == b"".join([*engine.events, DONE])
+    assert chunked_body(data) == b"".join([*engine.events, DONE])
     assert engine.finished == 1
     _wait_for(lambda: len(recorder.finished) == 1, "the finished stream")
     assert recorder.finished[0]["status"] == 200 and recorder.finished[0]["usage"] == USAGE
