@@ -59,6 +59,11 @@ class MemoryExchange:
 
     __slots__ = ("_body", "messages", "more_body")
 
+    #: The exchange's loop (None: the disconnect watcher asks for the running one, as before the
+    #: live exchange kept its own) and why the router cut it (never).
+    loop = None
+    cut_reason = ""
+
     def __init__(self, body: bytes) -> None:
         self._body = body
         self.more_body = False
