@@ -5,7 +5,8 @@ by whatever else the shared machine did while each ran. Here the same router is 
 process - ``proxy.callback_path`` off and on, each served by uvicorn with kvroute's protocol on its
 own thread and uvloop loop, behind the same two zero-delay ``fast`` upstreams - and wrk loads them
 in turn, ``--repeats`` times; each figure is that server thread's CPU (utime + stime from
-/proc/self/task) over the requests wrk completed. Non-stream chat, one prompt size.
+/proc/self/task) over the requests wrk completed. Non-stream chat, one prompt size; ``--stream yes``
+(or ``yesN``) streams of 4 (N) events instead, as B3's ``--stream``.
 
     python -m loadtest.bench_paths --targets round_robin,tier_cost+tok --concurrency 64 --repeats 7
 """
@@ -26,7 +27,7 @@ from typing import Any
 import uvicorn
 import uvloop
 
-from loadtest.bench_peers import chat_body, run_wrk, zero_delay_engines
+from loadtest.bench_peers import chat_body, run_wrk, stream_label, stream_mode, zero_delay_engines
 from router.config import load_config
 from router.guard import guarded_http_protocol
 from router.service import build_router_app
@@ -101,13 +102,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--duration", type=float, default=3.0, help="seconds of wrk per router and repeat")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--stream", default="no", metavar="no|yes|yesN", help="as B3's --stream (one item)")
     args = parser.parse_args(argv)
+    try:
+        events = stream_mode(args.stream)
+    except ValueError as exc:
+        parser.error(str(exc))
     targets = [t for t in args.targets.split(",") if t]
     with (
         tempfile.TemporaryDirectory(prefix="kvroute-paths-") as tmp,
         zero_delay_engines("fast", 2, Path(tmp)) as engines,
     ):
-        body = chat_body(args.prompt_tokens, False, model=engines[0].model)
+        body = chat_body(args.prompt_tokens, events > 0, max_tokens=events or 4, model=engines[0].model)
         rows = []
         for target in targets:
             routers = {mode: ServedRouter(target, mode == "on", engines).start() for mode in ("off", "on")}
@@ -143,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     + (f"{lower} of {args.repeats}" if mode == "on" else "-")
                     + " |"
                 )
-    head = f"c{args.concurrency}, {args.prompt_tokens}-token non-stream chat, {args.duration:g} s per router"
+    what = f"stream ({stream_label(events)})" if events else "non-stream"
+    head = f"c{args.concurrency}, {args.prompt_tokens}-token {what} chat, {args.duration:g} s per router"
     print(f"\n{head} and repeat, {args.repeats} repeats alternating which path goes first; medians")
     print(f"[min-max]; load average {os.getloadavg()[0]:.1f} at the end.\n")
     print("| target | callback path | req/s | router thread CPU µs/req | repeats where on < off |")

@@ -19,10 +19,15 @@ writes the counts. The router's background work in that time (health polls, scra
 too.
 
 Split: bench_split's harness for the same policy and prompt, counted from its first request to its
-last answer (the harness's own functions left out).
+last answer (the harness's own functions left out); non-stream answers only.
+
+``--stream yes`` (or ``yesN``) counts streamed answers instead, as B3's ``--stream`` asks for them
+(4 or N events an answer from the ``fast`` upstream): each answer is read chunk by chunk to its
+last and must end with ``data: [DONE]``; live only (round dp20).
 
     python -m loadtest.count_calls --targets kvroute:round_robin,kvroute:tier_cost+tok,raw_proxy \
         --concurrency 64 --per-connection 20
+    python -m loadtest.count_calls --targets kvroute:round_robin,raw_proxy --stream yes
 """
 
 from __future__ import annotations
@@ -186,16 +191,28 @@ def traced_env(site_dir: Path, out_dir: Path) -> Iterator[None]:
 
 
 async def _one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> None:
+    """One request and its whole answer: a content-length body, or a chunked (streamed) one read
+    chunk by chunk to its last, which must end with the stream's ``data: [DONE]``."""
     writer.write(request)
     head = await reader.readuntil(b"\r\n\r\n")
     if not head.startswith(b"HTTP/1.1 200"):
         raise RuntimeError(f"answer {head[:200]!r}")
-    length = next(
-        int(line.split(b":", 1)[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length:")
-    )
-    await reader.readexactly(length)
+    lines = head.lower().split(b"\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in lines if line.startswith(b"content-length:")), -1)
+    if length >= 0:
+        await reader.readexactly(length)
+        return
+    if b"transfer-encoding: chunked" not in lines:
+        raise RuntimeError(f"an answer with neither a length nor chunks: {head[:200]!r}")
+    last = b""
+    while True:
+        size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+        chunk = await reader.readexactly(size + 2)
+        if not size:
+            break
+        last = chunk[:-2]
+    if not last.endswith(b"data: [DONE]\n\n"):
+        raise RuntimeError(f"a stream without its final [DONE]: ...{last[-200:]!r}")
 
 
 async def exact_load(
@@ -226,15 +243,22 @@ async def exact_load(
 
 
 def count_live(
-    spec: str, engines: Sequence[Any], body: bytes, concurrency: int, per_connection: int, workdir: Path
+    spec: str,
+    engines: Sequence[Any],
+    body: bytes,
+    concurrency: int,
+    per_connection: int,
+    workdir: Path,
+    checkouts: dict[str, str] | None = None,
 ) -> tuple[dict[str, list[int]], int]:
-    """(counts, requests) of target ``spec`` (a bench_peers target): warmed up by wrk, then counted
-    over ``per_connection`` requests on each of ``concurrency`` connections opened before."""
+    """(counts, requests) of target ``spec`` (a bench_peers target; ``checkouts`` as its
+    ``--checkout``): warmed up by wrk, then counted over ``per_connection`` requests on each of
+    ``concurrency`` connections opened before."""
     from loadtest.bench_peers import Target, default_peers_dir, run_wrk, start_target
 
     out = workdir / f"counts-{spec.replace(':', '_').replace('+', '_')}"
     out.mkdir(parents=True, exist_ok=True)
-    ctx = start_target(Target.parse(spec), engines, workdir, default_peers_dir())
+    ctx = start_target(Target.parse(spec, checkouts), engines, workdir, default_peers_dir())
     with traced_env(workdir / "site", out):
         url, pid = ctx.__enter__()
     try:
@@ -359,10 +383,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--split-requests", type=int, default=2000)
     parser.add_argument("--top", type=int, default=40, help="functions listed per target")
     parser.add_argument("--json", type=Path, default=None, help="also write every count here")
+    parser.add_argument(
+        "--stream",
+        default="no",
+        metavar="no|yes|yesN",
+        help="non-stream answers (no), or streams of 4 (yes) or N (yesN) events, as B3's --stream; "
+        "streams are counted live only (the split has no stream)",
+    )
+    parser.add_argument(
+        "--checkout",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="targets LABEL:POLICY[+tok][+cb] run kvroute from checkout DIR, as bench_peers' "
+        "(counted live only; this checkout's tracer)",
+    )
     args = parser.parse_args(argv)
-    from loadtest.bench_peers import FAST_MODEL, chat_body, zero_delay_engines
+    from loadtest.bench_peers import FAST_MODEL, chat_body, stream_mode, zero_delay_engines
 
-    body = chat_body(args.prompt_tokens, False, model=FAST_MODEL)
+    checkouts = dict(item.split("=", 1) for item in args.checkout)
+
+    try:
+        events = stream_mode(args.stream)
+    except ValueError as exc:
+        parser.error(str(exc))
+    body = chat_body(args.prompt_tokens, events > 0, max_tokens=events or 4, model=FAST_MODEL)
     dump: dict[str, Any] = {}
     with (
         tempfile.TemporaryDirectory(prefix="kvroute-count-") as tmp,
@@ -374,7 +419,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         details: list[str] = []
         for spec in [t for t in args.targets.split(",") if t]:
-            table, n = count_live(spec, engines, body, args.concurrency, args.per_connection, Path(tmp))
+            table, n = count_live(
+                spec, engines, body, args.concurrency, args.per_connection, Path(tmp), checkouts
+            )
             live = per_request(table, n)
             frames, ops, c_calls = totals(table, n)
             summary.append(
@@ -385,7 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             details += top_rows(parts(live), len(PARTS) + 1)
             details += ["", f"{spec}, live, c{args.concurrency}, {n} requests: top functions", ""]
             details += top_rows(live, args.top)
-            if spec.startswith("kvroute:"):
+            # The split: non-stream answers, the task path (bench_split has no stream, no callbacks).
+            if spec.startswith("kvroute:") and not events and not spec.endswith("+cb"):
                 target = spec.split(":", 1)[1]
                 stable = count_split(target, engines, args.prompt_tokens, args.split_requests)
                 split = per_request(stable, args.split_requests)
@@ -398,7 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 details += top_rows(parts(split), len(PARTS) + 1)
                 details += ["", f"{spec}: live against split, the largest differences", ""]
                 details += compare(live, split, args.top)
-    print(f"{args.prompt_tokens}-token non-stream chat; Python frames entered and bytecodes per request\n")
+    what = f"streamed chat ({events} events an answer)" if events else "non-stream chat"
+    print(f"{args.prompt_tokens}-token {what}; Python frames entered and bytecodes per request\n")
     print("\n".join(summary))
     print("\n".join(details))
     if args.json is not None:

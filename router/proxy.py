@@ -148,11 +148,27 @@ class UpstreamResponse:
         return self._done
 
     def take_body(self) -> bytes:
-        """The body bytes in so far (``read`` without the wait), taken."""
+        """The body bytes in so far (``read`` without the wait), taken; a connection paused for
+        the bytes a task's reader left waiting (``count_buffered``) reads on."""
         chunks = self._chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
+        if self._buffered > 0:
+            self._buffered = 0
+            conn = self._conn
+            if conn is not None and conn.full:
+                conn.buffer_full(False)
         return data
+
+    def count_buffered(self) -> None:
+        """From now on a task reads the body (``take_body`` between ``wait_body``): more than
+        STREAM_BUFFER_BYTES waiting for it pause the connection's reading."""
+        self._buffered = 0
+
+    async def wait_body(self) -> None:
+        """Wait for more of the body, its end or a failure (``take_body``, ``done``, ``error``)."""
+        if not self._chunks and not self._done and self._error is None:
+            await self._wait()
 
     async def headers_in(self) -> None:
         while not self.status:
@@ -165,17 +181,10 @@ class UpstreamResponse:
         What arrived while the reader was away comes as one piece (one write to the client, not
         one per network read)."""
         chunks = self._chunks
-        self._buffered = 0
+        self.count_buffered()
         while True:
             if chunks:
-                data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-                chunks.clear()
-                if self._buffered:
-                    self._buffered = 0
-                    conn = self._conn
-                    if conn is not None and conn.full:
-                        conn.buffer_full(False)
-                yield data
+                yield self.take_body()
                 continue
             if self._done:
                 return

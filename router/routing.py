@@ -25,7 +25,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -1025,7 +1025,11 @@ class _Relay:
             if response.event_seen or response.done:
                 self._stop_watching()
                 stream = router._stream_answer(ctx, response)
-                _CallbackStream(stream.relay, self.client).start(stream.headers)
+                relayed = _CallbackStream(stream.relay, self.client)
+                if response.done:  # (the client is there: this relay watched it until now)
+                    relayed.send_whole(stream.headers)
+                else:
+                    relayed.start(stream.headers)
             elif response.error is not None:  # no event yet, so nothing sent: as from ``send``
                 self._stop_watching()
                 self.client.hand_over(None, response)
@@ -1061,7 +1065,7 @@ class _Relay:
 
 class StreamRelay:
     """The rules of a proxied stream's bytes, one definition for both ways a stream is relayed (a
-    task iterating ``chunks``, and the callback path's ``_CallbackStream``): per piece of the
+    task's ``_StreamAnswer.send``, and the callback path's ``_CallbackStream``): per piece of the
     engine's answer, the first-token hook and the tail kept for the final usage chunk, or the
     router's own usage chunk taken out (``_UsageChunkStripper``) when the client did not ask for
     usage; at the end, the usage read and the request finished once: 200 when the engine's answer
@@ -1098,8 +1102,7 @@ class StreamRelay:
         """The engine's answer ended: complete (``error`` None) -> the bytes held back; broken off
         -> the SSE error event, the last bytes before the connection is aborted."""
         if error is None:
-            strip = self._strip
-            rest = strip.flush() if strip is not None and strip.pending else b""
+            rest = self.held_back()
             self._close(200, "")
             return rest
         # Headers are sent, so no retry and no status: tell the client in the stream (the way vLLM
@@ -1114,6 +1117,11 @@ class StreamRelay:
             type="upstream_error",
             code="upstream_stream_error",
         )
+
+    def held_back(self) -> bytes:
+        """The bytes held back for the end of an event (the usage chunk's stripper), taken."""
+        strip = self._strip
+        return strip.flush() if strip is not None and strip.pending else b""
 
     def gone(self, error: str = CLIENT_GONE, cut_reason: str = "") -> None:
         """The client went away (a no-op once the stream ended): 499 with ``error``, unless it had
@@ -1136,27 +1144,6 @@ class StreamRelay:
         strip = self._strip
         self.ctx.usage = strip.usage if strip is not None else usage_from_stream_tail(b"".join(self._tail))
         self.router._finish(self.ctx, status, error)
-
-    async def chunks(self) -> AsyncGenerator[bytes, None]:
-        """The task path's relay: the client's bytes as the engine's arrive (from the first: the
-        wait for the first event read none); StreamAborted after the error event of a stream that
-        broke off."""
-        try:
-            async for chunk in self.response.iter_any():
-                chunk = self.feed(chunk)
-                if chunk:
-                    yield chunk
-            rest = self.end()
-            if rest:
-                yield rest
-        except UpstreamError as exc:
-            yield self.end(exc)
-            raise StreamAborted(self.ctx.error) from None
-        except (asyncio.CancelledError, GeneratorExit):
-            self.gone()
-            raise
-        finally:
-            self._close(200, "")  # only a bug gets here with the stream not ended
 
 
 class _CallbackStream:
@@ -1184,16 +1171,31 @@ class _CallbackStream:
             response.pause_reading(True)
         self.on_event()  # what is in already: the first event, or even the whole answer
 
+    def send_whole(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """A stream whose whole answer is in already, to a client known to be there: sent in one
+        write, with nothing to watch (``start`` without the watchers)."""
+        try:
+            relay = self.relay
+            data = relay.response.take_body()
+            self.client.stream_start(headers)
+            self.client.stream_end((relay.feed(data) if data else data) + relay.end())
+        except Exception:
+            self._failed()
+
     def on_event(self) -> None:
         try:
             self._relay()
-        except Exception:  # a bug: the answer is cut off (the task path's guard does the same)
-            relay = self.relay
-            log.exception("request %s: the stream relay failed", relay.ctx.request_id)
-            self._stop_watching()
-            relay.response.close()
-            relay.router._finish(relay.ctx, 500, "internal router error", log_error=False)
-            self.client.stream_abort(b"")
+        except Exception:
+            self._failed()
+
+    def _failed(self) -> None:
+        """A bug: the answer is cut off (the task path's guard does the same)."""
+        relay = self.relay
+        log.exception("request %s: the stream relay failed", relay.ctx.request_id)
+        self._stop_watching()
+        relay.response.close()
+        relay.router._finish(relay.ctx, 500, "internal router error", log_error=False)
+        self.client.stream_abort(b"")
 
     def _relay(self) -> None:
         relay = self.relay
@@ -1287,10 +1289,11 @@ class _BodyAnswer:
 
 
 class _StreamAnswer:
-    """A stream: status 200 and the headers, then every chunk as it comes (``StreamRelay.chunks``,
-    or ``_CallbackStream`` on the callback path). A stream that raised StreamAborted ends without
-    the final empty chunk, so the server aborts the connection and HTTP clients report an
-    incomplete answer; one whose client went away before it began is finished as such."""
+    """A stream: status 200 and the headers, then the engine's bytes as they come, relayed by the
+    request's task (``send``) or from callbacks (``_CallbackStream``, the callback path). A stream
+    that broke off ends without the final empty chunk, so the server aborts the connection and
+    HTTP clients report an incomplete answer; one whose client went away before it began is
+    finished as such."""
 
     __slots__ = ("headers", "relay")
 
@@ -1298,21 +1301,46 @@ class _StreamAnswer:
         self.relay, self.headers = relay, headers
 
     async def send(self, send: Send, watcher: DisconnectWatcher) -> None:
+        """The task path's relay: each time the engine's bytes come (from the first: the wait for
+        the first event read none), what ``StreamRelay.feed`` makes of them in one ``send``, and
+        the last of them with the answer's end (one write); no generator per stream or piece."""
         relay = self.relay
-        chunks = relay.chunks()
+        response = relay.response
+        response.count_buffered()
+        started = False
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-            async for chunk in chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            watcher.answered = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except StreamAborted:
-            return
-        finally:
+            started = True
+            while True:
+                data = response.take_body()
+                if data:
+                    data = relay.feed(data)
+                if response.done:  # the end goes with the last bytes; accounted once they are out
+                    data += relay.held_back()
+                    await send({"type": "http.response.body", "body": data, "more_body": False})
+                    watcher.answered = True
+                    relay.end()
+                    return
+                error = response.error
+                if error is not None:  # the SSE error event, then no final chunk: the connection
+                    data += relay.end(error)  # is aborted (run_asgi closes it)
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                    return
+                if data:
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                try:
+                    await response.wait_body()
+                except BaseException:  # cancelled while waiting for the engine: the client is gone
+                    relay.gone()
+                    raise
+        except BaseException:
             if watcher.fired and (cut_reason := watcher.cut_reason()):
                 relay.gone(cut_reason=cut_reason)  # the router cut the client: its reason
-            await chunks.aclose()  # a cancelled send: the stream's own cleanup runs now
-            relay.gone("client disconnected before the stream began")  # (even if it never started)
+            elif started:
+                relay.gone()
+            else:
+                relay.gone("client disconnected before the stream began")
+            raise
 
 
 class DisconnectWatcher:
@@ -1490,7 +1518,3 @@ class _UsageChunkStripper:
         if isinstance(doc, dict) and doc.get("choices") == [] and isinstance(doc.get("usage"), dict):
             return doc["usage"]
         return None
-
-
-class StreamAborted(Exception):
-    """A proxied stream broke off after its headers were sent: the connection must be aborted."""

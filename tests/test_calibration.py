@@ -5,12 +5,13 @@ change to either."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import pytest
 
-from kvcore.calibration import CostModel
+from kvcore.calibration import CostModel, _updated
 from policies.base import Tier
 from policies.costs import EngineCosts, predict_parts
 
@@ -66,3 +67,20 @@ def test_outlying_ttfts_are_clipped_to_max_ratio_of_the_prediction() -> None:
             observed *= 100.0
         model.observe("e", parts, observed, cached_tokens=0, now=float(i))
     assert model.estimates("e").prefill_tokens_per_s == pytest.approx(12_000, rel=0.3)
+
+
+def test_the_updated_costs_keep_every_other_field() -> None:
+    """``_updated`` names every field of EngineCosts (a new field would be dropped silently) and
+    equals ``dataclasses.replace`` of the three learned figures."""
+    assert [f.name for f in dataclasses.fields(EngineCosts)] == [
+        "prefill_tokens_per_s",
+        "load_bandwidth_bytes_per_s",
+        "load_latency_s",
+        "kv_bytes_per_token",
+        "slot_s_per_request",
+    ]
+    costs = EngineCosts(1234.0, (1.0, 2.0, 3.0), (0.1, 0.2, 0.3), 77, 0.5)
+    got = _updated(costs, 99.0, (4.0, 5.0, 6.0), 0.25)
+    assert got == dataclasses.replace(
+        costs, prefill_tokens_per_s=99.0, load_bandwidth_bytes_per_s=(4.0, 5.0, 6.0), slot_s_per_request=0.25
+    )

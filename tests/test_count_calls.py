@@ -3,6 +3,7 @@ bench_split's ``--evict`` (round dp15)."""
 
 from __future__ import annotations
 
+import asyncio
 import dis
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 
 from loadtest import bench_split
 from loadtest.bench_peers import FAST_MODEL, chat_body, zero_delay_engines
-from loadtest.count_calls import CallCounter, count_live, count_split, part_of, per_request
+from loadtest.count_calls import CallCounter, count_live, count_split, exact_load, part_of, per_request
 
 
 def _straight(a: int, b: int) -> int:
@@ -112,3 +113,69 @@ def test_live_and_split_counts_are_per_request_exactly() -> None:
         assert n == 24
         handler = [v[0] / n for k, v in raw.items() if k.startswith("loadtest/bench_proxy.py:")]
         assert handler and max(handler) == 1.0
+
+
+def _chunked(*pieces: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (*pieces, b""))
+
+
+@pytest.mark.parametrize(
+    ("answer", "ok"),
+    [
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}", True),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+            + _chunked(b"data: 1\n\n", b"data: [DONE]\n\n"),
+            True,
+        ),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + _chunked(b"data: 1\n\n"), False),
+        (b"HTTP/1.1 200 OK\r\n\r\n", False),
+        (b"HTTP/1.1 502 Bad Gateway\r\ncontent-length: 0\r\n\r\n", False),
+    ],
+)
+def test_the_exact_load_reads_whole_answers_and_streams_to_their_done(answer: bytes, ok: bool) -> None:
+    """``exact_load`` reads a content-length answer, or a chunked stream to its last chunk, which
+    must end with ``data: [DONE]``; anything else fails the count (a cut answer is not counted)."""
+
+    async def run() -> int:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                writer.write(answer)
+                await writer.drain()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            return await asyncio.wait_for(exact_load(port, b"{}", 2, 3), 10)
+        finally:
+            server.close()
+
+    if ok:
+        assert asyncio.run(run()) == 6
+    else:
+        with pytest.raises(RuntimeError):
+            asyncio.run(run())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["kvroute:round_robin", "kvroute:round_robin+cb"])
+def test_a_streamed_answer_is_counted_once_per_request(target: str) -> None:
+    """``--stream yes`` on both paths: 4 connections x 6 streams of 4 events, each read to its
+    [DONE]; the functions a stream runs once (the parse, the stream's answer and relay set-up, its
+    end's accounting) are counted exactly 1.00 per request, so no stream is cut or counted twice."""
+    if shutil.which("wrk") is None:
+        pytest.skip("wrk (Debian package) is not installed: apt-get install wrk")
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        zero_delay_engines("fast", 2, Path(tmp)) as engines,
+    ):
+        body = chat_body(300, True, max_tokens=4, model=FAST_MODEL)
+        table, n = count_live(target, engines, body, 4, 6, Path(tmp))
+        assert n == 24
+        live = per_request(table, n)
+        for suffix in (":parse_request", ":_stream_answer", ":_first_token", ":end", ":_close"):
+            (name,) = [k for k in live if k.startswith("router/routing.py:") and k.endswith(suffix)]
+            assert live[name][0] == 1.0, (name, live[name])

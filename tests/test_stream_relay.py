@@ -1,5 +1,5 @@
 """Streams through the real router on loopback, on both paths: the task path (a task steps
-``StreamRelay.chunks`` per piece) and the callback path (proxy.callback_path: once the first event is
+``_StreamAnswer.send`` per piece) and the callback path (proxy.callback_path: once the first event is
 in, ``_CallbackStream`` relays every read of the engine's answer from the upstream connection's
 callbacks). One raw HTTP/1.1 engine, scripted per test, stands behind the router: how its SSE bytes
 are cut into writes, how the answer ends (complete, or the connection reset mid-stream), and what it
@@ -21,7 +21,7 @@ import pytest
 
 from router.app import create_app
 from router.config import load_config
-from router.routing import StreamRelay
+from router.routing import _StreamAnswer
 from tests.conftest import ThreadedServer
 from tests.test_callback_path import RawEngine, Recorder, _count, _wait_for
 from tests.test_fastpath import MODEL, chat, post, read_answers
@@ -147,15 +147,15 @@ def engine() -> Iterator[ScriptedEngine]:
 
 @pytest.fixture
 def relay_generators(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The request ids of every stream a task relayed (``StreamRelay.chunks``, the task path)."""
+    """The request ids of every stream a task relayed (``_StreamAnswer.send``, the task path)."""
     started: list[str] = []
-    original = StreamRelay.chunks
+    original = _StreamAnswer.send
 
-    def counting(self: StreamRelay) -> Any:
-        started.append(self.ctx.request_id)
-        return original(self)
+    def counting(self: _StreamAnswer, send: Any, watcher: Any) -> Any:
+        started.append(self.relay.ctx.request_id)
+        return original(self, send, watcher)
 
-    monkeypatch.setattr(StreamRelay, "chunks", counting)
+    monkeypatch.setattr(_StreamAnswer, "send", counting)
     return started
 
 

@@ -26,7 +26,8 @@ PACKAGES = ("kvcore", "router", "policies", "sim", "loadtest")
 
 #: The modules compiled by default: the per-request path that mypyc compiles as written. Left out,
 #: with the reason (docs/results/dp7.md): router/proxy.py, router/routing.py, router/app.py (async
-#: generators: the answer relay, ``iter_any``, the lifespan; mypyc does not implement them),
+#: generators: ``iter_any``, the lifespan, and until round dp20 the answer relay, which is a plain
+#: coroutine since; mypyc does not implement them; routing.py not tried again since),
 #: router/guard.py (a class defined inside a function, the guarded protocol), policies/base.py
 #: (interpreted policies subclass BasePolicy), policies/round_robin.py and tier_cost.py (a class
 #: decorator, ``@register``, makes a non-extension class, which may not subclass BasePolicy once
