@@ -351,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--targets",
         default="kvroute:round_robin,kvroute:tier_cost+tok,raw_proxy",
-        help="bench_peers targets counted live; each kvroute one is also counted in the split",
+        help="bench_peers targets counted live; each kvroute one (but +cb) is also counted in the split",
     )
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=1000)
@@ -385,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             details += top_rows(parts(live), len(PARTS) + 1)
             details += ["", f"{spec}, live, c{args.concurrency}, {n} requests: top functions", ""]
             details += top_rows(live, args.top)
-            if spec.startswith("kvroute:"):
+            if spec.startswith("kvroute:") and not spec.endswith("+cb"):  # (the split has no network path)
                 target = spec.split(":", 1)[1]
                 stable = count_split(target, engines, args.prompt_tokens, args.split_requests)
                 split = per_request(stable, args.split_requests)
