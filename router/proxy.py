@@ -240,7 +240,6 @@ class _Connection(asyncio.Protocol):
         #: connection is idle, the keep-alive timeout's.
         self.last_io_s = 0.0
         self.lost = False
-        self.busy = False
         #: Reading paused (``paused``) by the answer's reader (``UpstreamResponse.pause_reading``), or
         #: while a task's reader is away with more than STREAM_BUFFER_BYTES waiting.
         self.held = False
@@ -355,9 +354,9 @@ class _Pool:
         self.client = client
         self.host, self.port, self.tls = host, port, tls
         self.idle: list[_Connection] = []
-        #: Connections carrying an exchange, and requests waiting for one to be free (only with
+        #: Connections being opened, and requests waiting for a connection to be free (only with
         #: limits.max_connections_per_engine).
-        self.busy = 0
+        self.connecting = 0
         self.waiters: deque[asyncio.Future[None]] = deque()
         self.head = f"host: {host}:{port}\r\n".encode("latin-1")
 
@@ -365,10 +364,9 @@ class _Pool:
         """``conn``'s exchange (if any) is over: a waiter for a connection slot may go; ``reuse``:
         ``conn`` goes back to the idle list (closed after the keep-alive timeout by one sweep
         timer), else it is gone from the pool."""
-        if conn.busy:
-            conn.busy = False
-            self.busy -= 1
-            self.client._running.discard(conn)
+        running = self.client._running
+        if conn in running:
+            running.discard(conn)
             if self.waiters:
                 self._next_waiter()
         if reuse:
@@ -377,6 +375,11 @@ class _Pool:
                 self.client._note_idle()
         elif conn in self.idle:
             self.idle.remove(conn)
+
+    def busy(self) -> int:
+        """Connections carrying an exchange or being opened (counted when a limit applies only,
+        not per exchange)."""
+        return self.connecting + sum(1 for conn in self.client._running if conn.pool is self)
 
     def _next_waiter(self) -> None:
         waiters = self.waiters
@@ -624,7 +627,7 @@ class UpstreamClient:
         limits.max_connections_per_engine, once a connection is free (an idle one, if one came
         back meanwhile)."""
         if self._limit_per_host:
-            while pool.busy >= self._limit_per_host:
+            while pool.busy() >= self._limit_per_host:
                 waiter = asyncio.get_running_loop().create_future()
                 pool.waiters.append(waiter)
                 await waiter
@@ -638,11 +641,11 @@ class UpstreamClient:
         return response
 
     async def _new_connection(self, pool: _Pool, url: str) -> _Connection:
-        pool.busy += 1  # counted while connecting, so the limit holds
+        pool.connecting += 1  # counted while connecting, so the limit holds
         try:
             return await self._connect(pool, url)
         finally:
-            pool.busy -= 1
+            pool.connecting -= 1
 
     def _start(
         self,
@@ -666,8 +669,6 @@ class UpstreamClient:
                 if now_s - conn.last_io_s < self._keepalive_timeout_s and not conn.lost:
                     break
                 conn.abort()
-        pool.busy += 1
-        conn.busy = True
         response = conn.response = UpstreamResponse(conn, url)
         conn.last_io_s = now_s
         conn.transport.write(request)
