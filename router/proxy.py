@@ -411,6 +411,9 @@ class UpstreamClient:
         self._session: aiohttp.ClientSession | None = None
         #: URL -> its engine's pool and the request's head up to the headers (request line, host).
         self._pools: dict[str, tuple[_Pool, bytes]] = {}
+        #: The loop the client runs on (set by ``start`` or the first connection; each connection
+        #: keeps its own, for its answers' waits and the deadline timer).
+        self._loop: asyncio.AbstractEventLoop | None = None
         #: Connections carrying an exchange (their deadlines are checked by ``_tick``).
         self._running: set[_Connection] = set()
         self._ticker: asyncio.TimerHandle | None = None
@@ -427,6 +430,7 @@ class UpstreamClient:
         return self._session
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive_timeout_s)
             self._session = aiohttp.ClientSession(
@@ -446,6 +450,7 @@ class UpstreamClient:
                 conn.abort()
             pool.idle.clear()
         self._pools.clear()
+        self._loop = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -525,7 +530,7 @@ class UpstreamClient:
         return self._tls
 
     async def _connect(self, pool: _Pool, url: str) -> _Connection:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, conn = await loop.create_connection(

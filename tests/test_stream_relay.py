@@ -373,7 +373,8 @@ def _router_buffered_bytes(server: ThreadedServer) -> int:
     """Bytes the router holds for its clients: its client transports' write buffers and the
     upstream answers' unread pieces (read on the router's event loop)."""
     router = server.server.config.app.state.router
-    loop = next(conn.loop for conn in list(router.client._running))  # (a stream is running)
+    loop = router.client._loop
+    assert loop is not None
 
     async def count() -> int:
         held = sum(p.transport.get_write_buffer_size() for p in server.server.server_state.connections)
