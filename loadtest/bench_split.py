@@ -85,12 +85,12 @@ class MemoryExchange:
 class MemoryAnswer:
     """An engine's whole answer, from memory (the attributes the router reads of a response)."""
 
-    __slots__ = ("_body", "headers", "status")
+    __slots__ = ("_body", "content_type", "status")
 
     done = True  # the whole answer is in (``UpstreamResponse.done``)
 
-    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
-        self.status, self.headers, self._body = status, headers, body
+    def __init__(self, status: int, content_type: bytes, body: bytes) -> None:
+        self.status, self.content_type, self._body = status, content_type, body
 
     async def read(self) -> bytes:
         return self._body
@@ -298,9 +298,8 @@ def _capture(url: str, body: bytes) -> MemoryAnswer:
         f"{url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
     )
     resp.raise_for_status()
-    return MemoryAnswer(
-        200, {"content-type": resp.headers.get("content-type", "application/json")}, resp.content
-    )
+    content_type = resp.headers.get("content-type", "application/json").encode("latin-1")
+    return MemoryAnswer(200, content_type, resp.content)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -375,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--targets",
         default="kvroute:round_robin,kvroute:tier_cost+tok,raw_proxy",
-        help="bench_peers targets counted live; each kvroute one is also counted in the split",
+        help="bench_peers targets counted live; each kvroute one (but +cb) is also counted in the split",
     )
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=1000)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import ssl
 import time
 from collections import deque
@@ -66,50 +67,51 @@ class UpstreamFirstByteTimeout(UpstreamConnectError):
 #: answer. (The callback path's relay pauses on the client's own write buffer.)
 STREAM_BUFFER_BYTES = 256 * 1024
 
+#: An answer's header block, line by line up to the empty line that ends it, in one C pass: group
+#: 1 is the value of its last content-type line (the name in any case; the value as llhttp gives
+#: it, leading blanks dropped, the rest to the line's end), None without one. llhttp has accepted
+#: the block before this reads it (on_headers_complete): every line ends with CRLF, none is
+#: folded, no value holds a CR, so each repeat is one whole header line and the body is not read.
+_HEAD = re.compile(rb"[^\r]*(?:\r\n(?:content-type:[ \t]*([^\r]*)|[^\r]+))*", re.IGNORECASE)
+
 
 class UpstreamResponse:
-    """An engine's answer on a pooled connection: ``status`` and ``headers`` (lower-case names),
-    then the body as it arrives (``iter_any``/``read``). ``close`` before the end drops the
-    connection, which is what cancels the request in the engine."""
+    """An engine's answer on a pooled connection: ``status`` (0 until its headers are in) and
+    ``content_type`` (the engine's content-type, latin-1 bytes, or application/json when it sent
+    none: the one header of the answer the router relays), then the body as it arrives
+    (``iter_any``/``read``); ``done`` once the whole answer is in, ``error`` (an UpstreamError)
+    once it failed. ``close`` before the end drops the connection, which is what cancels the
+    request in the engine.
 
-    __slots__ = (
-        "_buffered",
-        "_chunks",
-        "_conn",
-        "_done",
-        "_error",
-        "_loop",
-        "_retry",
-        "_waiter",
-        "event_seen",
-        "got_bytes",
-        "headers",
-        "on_event",
-        "status",
-        "url",
-    )
+    Only what differs per answer is stored on the instance (no ``__slots__``): the rest reads the
+    class's defaults until the answer changes it, so an answer costs a few stores, not one per
+    attribute."""
 
-    def __init__(self, conn: _Connection, url: str, loop: asyncio.AbstractEventLoop) -> None:
+    status = 0
+    content_type = b"application/json"
+    #: The whole answer is in; why it failed (None: it did not).
+    done = False
+    error: UpstreamError | None = None
+    #: An SSE ``data:`` event arrived.
+    event_seen = False
+    #: Called instead of waking an awaiting reader, on every change (headers, body bytes, the
+    #: end, a failure): the callback path's relay (router/routing.py); None = await as usual.
+    on_event: Callable[[], None] | None = None
+    #: Bytes in ``_chunks`` counted against STREAM_BUFFER_BYTES (-1: not counted, until
+    #: ``iter_any`` reads the answer).
+    _buffered = -1
+    _waiter: asyncio.Future[None] | None = None
+    #: How to send the request again on a new connection (a reused connection's answer only, once
+    #: ``headers_of`` waits for it).
+    _retry: tuple[_Pool, bytes, float | None, bool] | None = None
+
+    def __init__(self, conn: _Connection, url: str) -> None:
         self._conn: _Connection | None = conn
-        self._loop = loop
         self.url = url
-        self.status = 0
-        self.headers: dict[str, str] = {}
-        self._chunks: deque[bytes] = deque()
-        #: Bytes in ``_chunks`` counted against STREAM_BUFFER_BYTES (-1: not counted, until
-        #: ``iter_any`` reads the answer).
-        self._buffered = -1
-        self._done = False
-        self._error: UpstreamError | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        #: Any byte of the answer arrived; an SSE ``data:`` event arrived.
-        self.got_bytes = False
-        self.event_seen = False
-        #: Called instead of waking an awaiting reader, on every change (headers, body bytes, the
-        #: end, a failure): the callback path's relay (router/routing.py); None = await as usual.
-        self.on_event: Callable[[], None] | None = None
-        #: How to send the request again on a new connection (a reused connection's answer only).
-        self._retry: tuple[_Pool, bytes, float | None, bool] | None = None
+        # The loop the client runs on, not asyncio.get_running_loop(): on Python 3.11 that is a
+        # getpid() system call per await.
+        self._loop = conn.loop
+        self._chunks: list[bytes] = []
 
     def _wake(self) -> None:
         on_event = self.on_event
@@ -123,29 +125,17 @@ class UpstreamResponse:
                 waiter.set_result(None)
 
     def _fail(self, error: UpstreamError) -> None:
-        if not self._done and self._error is None:
-            self._error = error
+        if not self.done and self.error is None:
+            self.error = error
         self._wake()
 
     async def _wait(self) -> None:
-        # The loop the client runs on, not asyncio.get_running_loop(): on Python 3.11 that is a
-        # getpid() system call per await.
         waiter = self._waiter = self._loop.create_future()
         try:
             await waiter
         except BaseException:
             self.close()  # cancelled (client gone, first-byte budget): the engine must stop
             raise
-
-    @property
-    def error(self) -> UpstreamError | None:
-        """Why the answer failed (None: it did not)."""
-        return self._error
-
-    @property
-    def done(self) -> bool:
-        """The whole answer is in."""
-        return self._done
 
     def take_body(self) -> bytes:
         """The body bytes in so far (``read`` without the wait), taken; a connection paused for
@@ -167,13 +157,13 @@ class UpstreamResponse:
 
     async def wait_body(self) -> None:
         """Wait for more of the body, its end or a failure (``take_body``, ``done``, ``error``)."""
-        if not self._chunks and not self._done and self._error is None:
+        if not self._chunks and not self.done and self.error is None:
             await self._wait()
 
     async def headers_in(self) -> None:
         while not self.status:
-            if self._error is not None:
-                raise self._error
+            if self.error is not None:
+                raise self.error
             await self._wait()
 
     async def iter_any(self) -> AsyncIterator[bytes]:
@@ -186,10 +176,10 @@ class UpstreamResponse:
             if chunks:
                 yield self.take_body()
                 continue
-            if self._done:
+            if self.done:
                 return
-            if self._error is not None:
-                raise self._error
+            if self.error is not None:
+                raise self.error
             await self._wait()
 
     async def first_event(self) -> list[bytes]:
@@ -198,11 +188,12 @@ class UpstreamResponse:
         deadline is ``send``'s (``until_event``), failing with UpstreamFirstByteTimeout; an error
         before the event is retryable too (UpstreamConnectError): no byte reached the client."""
         chunks = self._chunks
-        while not self.event_seen and not self._done:
-            if self._error is not None:
-                if isinstance(self._error, UpstreamConnectError):
-                    raise self._error
-                raise UpstreamConnectError(f"the stream broke before its first event: {self._error}")
+        while not self.event_seen and not self.done:
+            error = self.error
+            if error is not None:
+                if isinstance(error, UpstreamConnectError):
+                    raise error
+                raise UpstreamConnectError(f"the stream broke before its first event: {error}")
             await self._wait()
         head = []
         for chunk in chunks:
@@ -212,18 +203,14 @@ class UpstreamResponse:
         return head
 
     async def read(self) -> bytes:
-        """The whole body (what ``iter_any`` would yield, joined; no generator per answer); failures
-        are UpstreamErrors."""
-        parts: list[bytes] = []
-        chunks = self._chunks
-        while True:
-            parts += chunks
-            chunks.clear()
-            if self._done:
-                return parts[0] if len(parts) == 1 else b"".join(parts)
-            if self._error is not None:
-                raise self._error
+        """The whole body (what ``iter_any`` would yield, joined; no generator per answer), taken;
+        failures are UpstreamErrors."""
+        while not self.done:
+            if self.error is not None:
+                raise self.error
             await self._wait()
+        chunks = self._chunks
+        return chunks.pop() if len(chunks) == 1 else self.take_body()  # (one piece: no frame)
 
     def pause_reading(self, paused: bool) -> None:
         """Stop (True) or resume reading the answer off its connection: the engine is held back by
@@ -233,26 +220,35 @@ class UpstreamResponse:
             conn.pause_reading(paused)
 
     def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None and not self._done:
-            conn.abort()
+        conn = self._conn
+        if conn is not None:
+            self._conn = None
+            if not self.done:
+                conn.abort()
 
     def release(self) -> None:
         self.close()
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection to an engine, carrying one exchange at a time."""
+    """One keep-alive HTTP/1.1 connection to an engine, carrying one exchange at a time. httptools
+    frames the answer (status, body, end, keep-alive) and calls back once per event, never per
+    header: the one header the router needs is read off the header block in one pass."""
 
-    def __init__(self, pool: _Pool) -> None:
+    #: Set when connected (before the connection is used).
+    transport: asyncio.Transport
+
+    def __init__(self, pool: _Pool, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
-        self.transport: asyncio.Transport | None = None
+        self.loop = loop
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
+        #: The answer's bytes so far while its header block is not complete (b"" after it).
+        self.head = b""
+        #: When the last bytes came (or the request went): the read timeout's start, and once the
+        #: connection is idle, the keep-alive timeout's.
         self.last_io_s = 0.0
-        self.idle_since_s = 0.0
         self.lost = False
-        self.busy = False
         #: Reading paused (``paused``) by the answer's reader (``UpstreamResponse.pause_reading``), or
         #: while a task's reader is away with more than STREAM_BUFFER_BYTES waiting.
         self.held = False
@@ -273,7 +269,8 @@ class _Connection(asyncio.Protocol):
         if response is None:  # bytes nobody asked for: the connection cannot be trusted
             self.abort()
             return
-        response.got_bytes = True
+        if not response.status:  # the header block, read by on_headers_complete (b"" + data: no copy)
+            self.head += data
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -286,23 +283,23 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self.pool.forget(self)
+        self.pool.end(self, False)
         response, self.response = self.response, None
-        if response is not None and not response._done:
+        if response is not None and not response.done:
             response._conn = None
             if response.status:
                 response._fail(UpstreamError(f"engine response broke off: {exc or 'connection closed'}"))
             else:
                 response._fail(UpstreamConnectError(f"{response.url} closed the connection before answering"))
 
-    # -- httptools callbacks
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self.response is not None:
-            self.response.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-
+    # -- httptools callbacks (no on_header: llhttp then calls no Python per header)
     def on_headers_complete(self) -> None:
+        head, self.head = self.head, b""
         response = self.response
         if response is not None:
+            content_type = _HEAD.match(head)[1]  # type: ignore[index]  # (it always matches)
+            if content_type is not None:
+                response.content_type = content_type
             response.status = self.parser.get_status_code()
 
     def on_body(self, body: bytes) -> None:
@@ -320,12 +317,12 @@ class _Connection(asyncio.Protocol):
         response, self.response = self.response, None
         if response is None:
             return
-        response._done = True
+        response.done = True
         response._conn = None
         if self.full:  # the whole answer is in: nothing left to hold back
             self.buffer_full(False)
-        if self.parser.should_keep_alive() and not self.lost and not self.paused:
-            self.pool.release(self)
+        if not self.held and self.parser.should_keep_alive() and not self.lost:
+            self.pool.end(self, True)
         else:
             self.abort()
 
@@ -343,7 +340,7 @@ class _Connection(asyncio.Protocol):
 
     def _apply_pause(self) -> None:
         transport = self.transport
-        if transport is None or self.lost or self.paused != transport.is_reading():
+        if self.lost or self.paused != transport.is_reading():
             return
         if self.paused:
             transport.pause_reading()
@@ -353,10 +350,10 @@ class _Connection(asyncio.Protocol):
 
     # -- the pool's side
     def abort(self) -> None:
-        if self.transport is not None and not self.lost:
+        if not self.lost:
             self.transport.abort()
         self.lost = True
-        self.pool.forget(self)
+        self.pool.end(self, False)
 
 
 class _Pool:
@@ -366,44 +363,40 @@ class _Pool:
         self.client = client
         self.host, self.port, self.tls = host, port, tls
         self.idle: list[_Connection] = []
-        #: Connections carrying an exchange, and requests waiting for one to be free (only with
+        #: Connections being opened, and requests waiting for a connection to be free (only with
         #: limits.max_connections_per_engine).
-        self.busy = 0
+        self.connecting = 0
         self.waiters: deque[asyncio.Future[None]] = deque()
         self.head = f"host: {host}:{port}\r\n".encode("latin-1")
 
-    def _done(self, conn: _Connection) -> None:
-        """``conn``'s exchange is over: a waiter for a connection slot may go."""
-        if conn.busy:
-            conn.busy = False
-            self.busy -= 1
-            self.client._running.discard(conn)
-            while self.waiters:
-                waiter = self.waiters.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)
-                    break
-
-    def release(self, conn: _Connection) -> None:
-        self._done(conn)
-        conn.idle_since_s = conn.last_io_s  # its answer's last bytes came just now
-        self.idle.append(conn)
-        self.client._note_idle()
-
-    def forget(self, conn: _Connection) -> None:
-        self._done(conn)
-        if conn in self.idle:
+    def end(self, conn: _Connection, reuse: bool) -> None:
+        """``conn``'s exchange (if any) is over: a waiter for a connection slot may go; ``reuse``:
+        ``conn`` goes back to the idle list (closed after the keep-alive timeout by one sweep
+        timer), else it is gone from the pool."""
+        running = self.client._running
+        if conn in running:
+            running.discard(conn)
+            if self.waiters:
+                self._next_waiter()
+        if reuse:
+            self.idle.append(conn)
+            if self.client._sweeper is None:
+                self.client._note_idle()
+        elif conn in self.idle:
             self.idle.remove(conn)
 
-    def take(self, now_s: float) -> _Connection | None:
-        idle = self.idle
-        keepalive_s = self.client._keepalive_timeout_s
-        while idle:
-            conn = idle.pop()
-            if not conn.lost and now_s - conn.idle_since_s < keepalive_s:
-                return conn
-            conn.abort()
-        return None
+    def busy(self) -> int:
+        """Connections carrying an exchange or being opened (counted when a limit applies only,
+        not per exchange)."""
+        return self.connecting + sum(1 for conn in self.client._running if conn.pool is self)
+
+    def _next_waiter(self) -> None:
+        waiters = self.waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
 
 
 class UpstreamClient:
@@ -427,6 +420,8 @@ class UpstreamClient:
         self._session: aiohttp.ClientSession | None = None
         #: URL -> its engine's pool and the request's head up to the headers (request line, host).
         self._pools: dict[str, tuple[_Pool, bytes]] = {}
+        #: The loop the client runs on (set by ``start`` or the first connection; each connection
+        #: keeps its own, for its answers' waits and the deadline timer).
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Connections carrying an exchange (their deadlines are checked by ``_tick``).
         self._running: set[_Connection] = set()
@@ -444,6 +439,7 @@ class UpstreamClient:
         return self._session
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive_timeout_s)
             self._session = aiohttp.ClientSession(
@@ -470,7 +466,8 @@ class UpstreamClient:
 
     def _pool_of(self, url: str) -> tuple[_Pool, bytes]:
         """The pool of ``url``'s engine and the request's head up to its headers: the request line
-        and the host header (cached per URL)."""
+        and the host header (cached per URL: the senders look in ``_pools`` first, no call per
+        request)."""
         found = self._pools.get(url)
         if found is None:
             parts = urlsplit(url)
@@ -499,7 +496,7 @@ class UpstreamClient:
             for conn in pool.idle:
                 if conn.lost:
                     continue
-                if now_s - conn.idle_since_s >= self._keepalive_timeout_s:
+                if now_s - conn.last_io_s >= self._keepalive_timeout_s:
                     conn.abort()
                 else:
                     keep.append(conn)
@@ -542,11 +539,11 @@ class UpstreamClient:
         return self._tls
 
     async def _connect(self, pool: _Pool, url: str) -> _Connection:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, conn = await loop.create_connection(
-                    lambda: _Connection(pool),
+                    lambda: _Connection(pool, loop),
                     pool.host,
                     pool.port,
                     # https engines: the system's CA store and hostname check, as aiohttp did.
@@ -574,23 +571,27 @@ class UpstreamClient:
         with ``until_event``, for a 200 answer's first SSE ``data:`` event as well: then the
         answer fails with UpstreamFirstByteTimeout (wait for it with ``first_event``).
         ``headers``: a mapping, or its header lines already encoded (``encode_headers``)."""
-        pool, request_head = self._pool_of(url)
-        header_lines = headers if isinstance(headers, bytes) else encode_headers(headers)
-        request = b"%s%scontent-length: %d\r\n\r\n%s" % (request_head, header_lines, len(body), body)
-        conn = pool.take(time.monotonic())
-        if conn is None and self._limit_per_host:
-            while pool.busy >= self._limit_per_host:
-                waiter = asyncio.get_running_loop().create_future()
-                pool.waiters.append(waiter)
-                await waiter
-            conn = pool.take(time.monotonic())
-        if conn is None:
-            conn = await self._new_connection(pool, url)
-            response = self._start(pool, conn, url, request, first_byte_timeout_s, until_event)
-        else:
-            response = self._start(pool, conn, url, request, first_byte_timeout_s, until_event)
-            response._retry = (pool, request, first_byte_timeout_s, until_event)
-        return await self.headers_of(response)
+        pool, request_head = self._pools.get(url) or self._pool_of(url)
+        if not isinstance(headers, bytes):
+            headers = encode_headers(headers)
+        request = b"%s%scontent-length: %d\r\n\r\n%s" % (request_head, headers, len(body), body)
+        response = self._start(pool, None, url, request, first_byte_timeout_s, until_event)
+        reused = response is not None
+        if response is None:
+            response = await self._start_new(pool, url, request, first_byte_timeout_s, until_event)
+        # The first wake-up, awaited here (not in ``headers_of``'s coroutines): it is usually the
+        # whole answer, or at least its header block, in one read.
+        waiter = response._waiter = response._loop.create_future()
+        try:
+            await waiter
+        except BaseException:
+            response.close()  # cancelled (client gone): the engine must stop
+            raise
+        if not response.status:  # a header block split across reads, or a failure before it
+            if reused:
+                response._retry = (pool, request, first_byte_timeout_s, until_event)
+            return await self.headers_of(response)
+        return response
 
     def send_on_idle(
         self,
@@ -604,13 +605,11 @@ class UpstreamClient:
         """``send`` without an await: the request written on an idle keep-alive connection to
         ``url``'s engine and its answer returned at once (headers not in yet: ``headers_of``, or
         its ``on_event``); None when no idle connection is there (use ``send``)."""
-        pool, request_head = self._pool_of(url)
-        conn = pool.take(time.monotonic())
-        if conn is None:
-            return None
+        pool, request_head = self._pools.get(url) or self._pool_of(url)
         request = b"%s%scontent-length: %d\r\n\r\n%s" % (request_head, header_lines, len(body), body)
-        response = self._start(pool, conn, url, request, first_byte_timeout_s, until_event)
-        response._retry = (pool, request, first_byte_timeout_s, until_event)
+        response = self._start(pool, None, url, request, first_byte_timeout_s, until_event)
+        if response is not None:
+            response._retry = (pool, request, first_byte_timeout_s, until_event)
         return response
 
     async def headers_of(self, response: UpstreamResponse) -> UpstreamResponse:
@@ -629,46 +628,73 @@ class UpstreamClient:
             pool, request, first_byte_timeout_s, until_event = response._retry
             self.stale_retries += 1
             conn = await self._new_connection(pool, response.url)
-            response = self._start(pool, conn, response.url, request, first_byte_timeout_s, until_event)
+            started = self._start(pool, conn, response.url, request, first_byte_timeout_s, until_event)
+            assert started is not None
+            response = started
             await response.headers_in()
         return response
 
+    async def _start_new(
+        self, pool: _Pool, url: str, request: bytes, first_byte_timeout_s: float | None, until_event: bool
+    ) -> UpstreamResponse:
+        """``_start`` when ``pool`` had no idle connection: on a new one, or with
+        limits.max_connections_per_engine, once a connection is free (an idle one, if one came
+        back meanwhile)."""
+        if self._limit_per_host:
+            while pool.busy() >= self._limit_per_host:
+                waiter = asyncio.get_running_loop().create_future()
+                pool.waiters.append(waiter)
+                await waiter
+            response = self._start(pool, None, url, request, first_byte_timeout_s, until_event)
+            if response is not None:
+                response._retry = (pool, request, first_byte_timeout_s, until_event)
+                return response
+        conn = await self._new_connection(pool, url)
+        response = self._start(pool, conn, url, request, first_byte_timeout_s, until_event)
+        assert response is not None
+        return response
+
     async def _new_connection(self, pool: _Pool, url: str) -> _Connection:
-        pool.busy += 1  # counted while connecting, so the limit holds
+        pool.connecting += 1  # counted while connecting, so the limit holds
         try:
             return await self._connect(pool, url)
         finally:
-            pool.busy -= 1
+            pool.connecting -= 1
 
     def _start(
         self,
         pool: _Pool,
-        conn: _Connection,
+        conn: _Connection | None,
         url: str,
         request: bytes,
         first_byte_timeout_s: float | None,
         until_event: bool,
-    ) -> UpstreamResponse:
-        """Send ``request`` on ``conn`` and arm its deadlines (checked by ``_tick``)."""
-        pool.busy += 1
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        response = UpstreamResponse(conn, url, loop)
-        conn.busy = True
-        conn.response = response
-        conn.last_io_s = time.monotonic()
-        assert conn.transport is not None
+    ) -> UpstreamResponse | None:
+        """Send ``request`` on ``conn`` and arm its deadlines (checked by ``_tick``). ``conn`` None:
+        on the most recently used idle keep-alive connection of ``pool`` (closed ones and those
+        idle for the keep-alive timeout dropped on the way); None if there is none."""
+        now_s = time.monotonic()
+        if conn is None:
+            idle = pool.idle
+            while True:
+                if not idle:
+                    return None
+                conn = idle.pop()
+                if now_s - conn.last_io_s < self._keepalive_timeout_s and not conn.lost:
+                    break
+                conn.abort()
+        response = conn.response = UpstreamResponse(conn, url)
+        conn.last_io_s = now_s
         conn.transport.write(request)
-        if first_byte_timeout_s is not None:
-            conn.first_byte_due_s = conn.last_io_s + first_byte_timeout_s
-            conn.budget_s = first_byte_timeout_s
-        else:
+        if first_byte_timeout_s is None:
             conn.first_byte_due_s = 0.0
-        conn.until_event = until_event
+        else:
+            conn.first_byte_due_s = now_s + first_byte_timeout_s
+            conn.budget_s = first_byte_timeout_s
+            conn.until_event = until_event
         self._running.add(conn)
         if self._ticker is None:
-            self._ticker = loop.call_later(DEADLINE_TICK_S, self._tick)
+            self._ticker = conn.loop.call_later(DEADLINE_TICK_S, self._tick)
         return response
 
 

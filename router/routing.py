@@ -801,7 +801,7 @@ class Router:
         if ctx.stream and response.status == 200:
             return self._stream_answer(ctx, response)
         out_headers = _answer_headers(ctx)
-        content_type = response.headers.get("content-type", "application/json")
+        content_type = response.content_type
         self._answer_started(ctx, response.done)
         try:  # a whole (non-stream or error) answer, read here (not in one more coroutine)
             data = await response.read()
@@ -814,8 +814,7 @@ class Router:
     def _stream_answer(self, ctx: RouteContext, response: UpstreamResponse) -> _StreamAnswer:
         """A stream whose first event is in (or that ended before one), to relay to the client."""
         headers = _answer_headers(ctx)
-        content_type = response.headers.get("content-type", "application/json")
-        headers.append((b"content-type", content_type.encode("latin-1")))
+        headers.append((b"content-type", response.content_type))
         return _StreamAnswer(StreamRelay(self, ctx, response), headers)
 
     def _answer_started(self, ctx: RouteContext, whole: bool) -> None:
@@ -882,7 +881,7 @@ class Router:
         response: UpstreamResponse,
         data: bytes,
         out_headers: list[tuple[bytes, bytes]],
-        content_type: str,
+        content_type: bytes,
     ) -> _BodyAnswer:
         """Account a whole answer read off ``response`` and build the client's."""
         if response.status >= 500:
@@ -892,7 +891,7 @@ class Router:
         self._finish(
             ctx, response.status, "" if response.status < 400 else f"engine answered {response.status}"
         )
-        out_headers.append((b"content-type", content_type.encode("latin-1")))
+        out_headers.append((b"content-type", content_type))
         return _BodyAnswer(response.status, out_headers, data)
 
 
@@ -1048,7 +1047,7 @@ class _Relay:
         self._stop_watching()
         data = response.take_body()
         response.close()
-        content_type = response.headers.get("content-type", "application/json")
+        content_type = response.content_type
         answer = router._completed(ctx, response, data, _answer_headers(ctx), content_type)
         self.client.answer(answer.status, answer.headers, answer.body)
 
