@@ -289,6 +289,8 @@ def hit_tokens_by_tier(match: PrefixMatch, block_size: int, prompt_tokens: int) 
     gpu, cpu, storage = match.blocks_by_tier
     gpu_tokens = float(gpu * block_size)
     gpu_tokens = left if gpu_tokens > left else (gpu_tokens if gpu_tokens > 0.0 else 0.0)
+    if not cpu and not storage:  # GPU hits only (the usual match): the other tiers take nothing
+        return gpu_tokens, 0.0, 0.0
     left -= gpu_tokens
     cpu_tokens = float(cpu * block_size)
     cpu_tokens = left if cpu_tokens > left else (cpu_tokens if cpu_tokens > 0.0 else 0.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -288,8 +289,8 @@ class Experiments:
             if row is not None:
                 row[2] += cached_tokens
                 row[3] += prompt_tokens
-        for tier in TIERS:
-            stats.predicted_hit_tokens_by_tier[tier] += predicted_hit_tokens_by_tier[tier]
+        totals = stats.predicted_hit_tokens_by_tier  # per tier (``TIERS`` order), added in C
+        totals[:] = map(operator.add, totals, predicted_hit_tokens_by_tier)
         stats.prompt_tokens += prompt_tokens
 
     def reload(self, new_config: Any) -> None:

@@ -227,6 +227,9 @@ _TYPED_FIELDS: tuple[tuple[str, tuple[type, ...], str], ...] = (
     ("user", (str,), "a string"),
     ("stream_options", (dict,), "an object"),
 )
+_TYPED_KEYS = frozenset(key for key, _, _ in _TYPED_FIELDS)
+#: Per typed field, the exact types that pass ``_check_type`` (None, or one of its types).
+_TYPED_EXACT = {key: (*types, type(None)) for key, types, _ in _TYPED_FIELDS}
 
 
 def _text_chars(content: Any) -> int:
@@ -343,9 +346,14 @@ def parse_request(
         if "prompt" not in body:
             raise bad_request("'prompt' is required", "missing_prompt")
         _validate_prompt(body["prompt"])
-    for key, types, what in _TYPED_FIELDS:
-        if key in body:
-            _check_type(body, key, types, what)
+    # Only the typed fields the body has; when one of them is not of its type exactly (as JSON
+    # decodes it), every field is checked in order, so the error names the first bad one.
+    for key in _TYPED_KEYS.intersection(body):
+        if type(body[key]) not in _TYPED_EXACT[key]:
+            for name, types, what in _TYPED_FIELDS:
+                if name in body:
+                    _check_type(body, name, types, what)
+            break
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     route_request = RouteRequest(
         request_id=request_id,

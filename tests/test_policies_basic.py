@@ -112,3 +112,25 @@ def test_session_affinity_rejects_bad_params() -> None:
         build_policy("round_robin", {"nope": 1})
     with pytest.raises(ValueError, match=r"has no parameter nope; valid parameters: epsilon \(default"):
         build_policy("session_affinity", {"nope": 1})
+
+
+def test_hit_tokens_by_tier_takes_each_tier_up_to_what_is_left() -> None:
+    """Per tier, cheapest first: min(blocks x block size, what the cheaper tiers left of prompt - 1),
+    never below 0; the GPU-only match (the usual one) the same as any other."""
+    import random
+
+    from policies.base import PrefixMatch, hit_tokens_by_tier
+
+    rng = random.Random(19)
+    for _ in range(5000):
+        by_tier = tuple(rng.choice((0, 0, rng.randrange(1, 80))) for _ in range(3))
+        block_size, prompt_tokens = rng.choice((1, 16, 32)), rng.randrange(0, 2000)
+        left = float(max(0, prompt_tokens - 1))
+        expected = []
+        for blocks in by_tier:
+            took = min(float(blocks * block_size), left)
+            expected.append(took)
+            left -= took
+        got = hit_tokens_by_tier(PrefixMatch(sum(by_tier), by_tier), block_size, prompt_tokens)  # type: ignore[arg-type]
+        assert got == tuple(expected), (by_tier, block_size, prompt_tokens)
+        assert all(type(t) is float for t in got)
