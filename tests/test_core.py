@@ -197,3 +197,35 @@ def test_refresh_after_an_unrefreshed_filter_is_the_whole_filter() -> None:
         for v in core.refresh(request, candidates, uses_index=True)
     ]
     assert split == whole and len(whole) < 79 and ("e9", 0, 0, True) in whole
+
+
+def test_an_unpriced_policys_parts_are_those_of_the_reservation_when_read_later() -> None:
+    """round_robin prices nothing: the core's parts are computed only when read, and are then what
+    they were at the reservation (the engine's queue and the cost estimate of that moment), even
+    after the views' load and the calibrated estimate have moved on."""
+    from policies.base import hit_tokens_by_tier
+    from policies.costs import PredictedParts, predict_parts
+
+    fleet = views(2)
+    core = core_for([v.engine_id for v in fleet])
+    core.ledger.reserve("e0", 300)
+    core.ledger.reserve("e1", 500)
+    request = RouteRequest("r", model="m", prompt_tokens=800, block_size=16)
+    request.prefix_matches = {"e0": PrefixMatch(20, (12, 8, 0)), "e1": PrefixMatch(4, (0, 0, 4))}
+    candidates = core.filter(request, fleet)
+    policy = build_policy("round_robin")
+    decision = core.score(policy, request, candidates, 0.0)
+    chosen = next(v for v in candidates if v.engine_id == decision.engine_id)
+    est = core.costs.estimates(chosen.engine_id)
+    hits = hit_tokens_by_tier(request.prefix_matches[chosen.engine_id], 16, 800)
+    expected = predict_parts(
+        est, hits, 800 - sum(hits), float(chosen.queued_prefill_tokens), float(chosen.in_flight)
+    )
+    reservation = core.reserve(policy, request, decision, 0.0, candidates=candidates)
+    assert not isinstance(reservation.priced, PredictedParts)  # not priced yet
+    # The views and the estimate move on before anything reads the parts.
+    core.filter(RouteRequest("r2", model="m"), fleet)
+    core.costs.observe(chosen.engine_id, expected, 5.0, None, 1.0)
+    assert core.costs.estimates(chosen.engine_id) != est
+    assert reservation.parts == expected
+    assert reservation.priced is reservation.parts  # priced once
