@@ -895,12 +895,14 @@ class RoutingCore:
         *,
         uses_index: bool = False,
         refresh: bool = True,
+        trust: bool | None = None,
     ) -> list[EngineView]:
         """The candidates for ``request``: healthy, not drained, serving its model; their load
         figures and index trust refreshed in place (callers run filter -> score -> reserve with no
         await in between, so the views are consistent). Large fleets are pre-filtered for
         index-reading policies (``CoreConfig.prefilter_above_engines``). ``refresh=False``: the
-        candidates only (a caller that filters again before choosing)."""
+        candidates only (a caller that filters again before choosing). ``trust``: whether the
+        index trust is asked (``refresh``)."""
         model = request.model
         out = [
             v
@@ -909,22 +911,31 @@ class RoutingCore:
         ]
         if not refresh:
             return self._prefiltered(request, out) if uses_index else out
-        return self.refresh(request, out, uses_index=uses_index)
+        return self.refresh(request, out, uses_index=uses_index, trust=trust)
 
     def refresh(
-        self, request: RouteRequest, candidates: list[EngineView], *, uses_index: bool = False
+        self,
+        request: RouteRequest,
+        candidates: list[EngineView],
+        *,
+        uses_index: bool = False,
+        trust: bool | None = None,
     ) -> list[EngineView]:
         """``filter``'s second half, for candidates ``filter(refresh=False)`` returned from the
         same views (a caller that awaited between the two: the candidates are what filtering the
         views again would give): the large fleet's pre-filter, then the load figures and index
-        trust refreshed in place."""
+        trust refreshed in place. ``trust``: whether the index trust is asked (None: for a policy
+        that reads the index, the only one whose choice it can change; a view's trust is left as
+        it was otherwise)."""
         out = self._prefiltered(request, candidates) if uses_index else candidates
         ledger, costs, extra = self.ledger, self.costs, self._index_trusted
+        trust = uses_index if trust is None else trust
         for view in out:
             engine_id = view.engine_id
             view.in_flight, view.queued_prefill_tokens = ledger.load(engine_id)
-            trusted = costs.index_trusted(engine_id)
-            view.index_trusted = trusted and (extra is None or extra(engine_id))
+            if trust:
+                trusted = costs.index_trusted(engine_id)
+                view.index_trusted = trusted and (extra is None or extra(engine_id))
         return out
 
     def _prefiltered(self, request: RouteRequest, candidates: list[EngineView]) -> list[EngineView]:

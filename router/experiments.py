@@ -250,9 +250,9 @@ class Experiments:
     def session_count(self) -> int:
         return len(self._sessions)
 
-    def select(self, session_key: str) -> Arm:
-        """``assign`` without a forced arm: fits router.routing's ArmSelector protocol (name, policy)."""
-        return self.assign(session_key)
+    #: ``assign`` without a forced arm: router.routing's ArmSelector protocol (name, policy). The
+    #: same function, not a wrapper (one call less per request).
+    select = assign
 
     def record_turn(
         self,

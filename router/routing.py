@@ -470,19 +470,23 @@ class Router:
             except Exception:  # an observer bug must not fail the request
                 log.exception("observer %r failed in %s (request %s)", observer, hook, ctx.request_id)
 
-    async def decide(self, ctx: RouteContext) -> tuple[Arm, Decision]:
-        """Steps 2-4 up to the policy's choice (no load taken, no upstream traffic)."""
+    async def decide(self, ctx: RouteContext, *, explain: bool = False) -> tuple[Arm, Decision]:
+        """Steps 2-4 up to the policy's choice (no load taken, no upstream traffic). ``explain``:
+        the candidates' index trust is asked whatever the policy (the explain endpoint shows it;
+        otherwise only a policy that reads the index has it asked)."""
         request = ctx.route_request
-        arm = self._select_arm(ctx)
+        # The session's arm, or the one the x-kvroute-arm header forces.
+        arm = self._forced_arm(ctx) if ctx.forced_arm else self.arm_selector.select(request.session_key)
         ctx.arm, ctx.policy_name = arm.name, arm.policy.name
         uses_index = arm.policy.uses_index
+        trust = uses_index or explain
         # The fleet's views, built once per change of the fleet and without their load:
         # ``filter``/``refresh`` write the candidates' load figures and index trust in place
         # (after the annotator's await: the load of that moment), right before the choice.
         views = self.tracker.fleet_views()
         annotator = self.annotator
         if annotator is None:
-            candidates = self.core.filter(request, views, uses_index=uses_index)
+            candidates = self.core.filter(request, views, uses_index=uses_index, trust=trust)
         else:  # the annotator reads the candidates' ids and block sizes; load and trust come below
             candidates = self.core.filter(request, views, refresh=False)
         if not candidates:
@@ -498,7 +502,9 @@ class Router:
             # No await from here to reserve: other requests' load is what it is at the choice.
             # (The views' health, drain and models are those of before the await: the candidates
             # are what filtering the views again would give, so only their load and trust are read.)
-            fleet.engines = candidates = self.core.refresh(request, candidates, uses_index=uses_index)
+            fleet.engines = candidates = self.core.refresh(
+                request, candidates, uses_index=uses_index, trust=trust
+            )
         ctx.fleet = fleet
         fleet.now = now = time.monotonic()
         fleet.costs = self.core.costs
@@ -535,11 +541,9 @@ class Router:
                 code="model_not_found",
             )
 
-    def _select_arm(self, ctx: RouteContext) -> Arm:
-        """The session's arm, or the one the x-kvroute-arm header forces (400 when unknown)."""
+    def _forced_arm(self, ctx: RouteContext) -> Arm:
+        """The arm the x-kvroute-arm header forces (400 when unknown)."""
         key = ctx.route_request.session_key
-        if not ctx.forced_arm:
-            return self.arm_selector.select(key)
         assign = getattr(self.arm_selector, "assign", None)
         if assign is None:
             raise bad_request(f"{FORCED_ARM_HEADER} is not supported by this arm selector", "unknown_arm")
