@@ -1037,13 +1037,14 @@ class RoutingCore:
         first read (``Reservation.parts``; a non-stream answer of such a policy may never need
         them) from the inputs of now, unless the engine's view itself is read (a priority or
         admission wait): then now."""
-        if decision.parts is not None:
+        if decision.parts is not None:  # (an engine it did not price is in no score either)
             priced = decision.parts.get(engine_id)
             if priced is not None:
                 return priced  # type: ignore[no-any-return]
-        scores = decision.scores.get(engine_id)
-        if scores is not None and "prefill_tokens" in scores and "wait_tokens" in scores:
-            return PredictedParts.from_scores(scores)
+        else:
+            scores = decision.scores.get(engine_id)
+            if scores is not None and "prefill_tokens" in scores and "wait_tokens" in scores:
+                return PredictedParts.from_scores(scores)
         match = request.prefix_matches.get(engine_id, NO_MATCH)
         prompt_tokens = prompt_tokens_of(request)
         wait_tokens = in_flight = 0.0

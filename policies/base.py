@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 import xxhash
@@ -152,7 +153,9 @@ class Decision:
         #: Next-best engines in order, for a retry when the chosen engine refuses the connection.
         self.fallbacks = fallbacks
         #: Per engine id, the ``policies.costs.PredictedParts`` a pricing policy computed (the same
-        #: numbers as its ``scores``, kept as the object so the core need not rebuild it); None: none.
+        #: numbers as its ``scores``, kept as the object so the core need not rebuild it). An engine
+        #: missing here is not priced in ``scores`` either (``NOTHING_PRICED``: the policy prices
+        #: no engine); None: the policy says nothing, its ``scores`` may hold a prediction.
         self.parts = parts
 
     @property
@@ -194,6 +197,10 @@ class Decision:
             f"Decision(engine_id={self.engine_id!r}, policy={self.policy!r}, reason={self.reason!r}, "
             f"scores={self.scores!r}, fallbacks={self.fallbacks!r}, parts={self.parts!r})"
         )
+
+
+#: ``Decision.parts`` of a policy that prices no engine (its scores hold no prediction either).
+NOTHING_PRICED: Mapping[str, Any] = MappingProxyType({})
 
 
 class NoEngineAvailable(Exception):

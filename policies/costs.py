@@ -384,12 +384,15 @@ def predicted_prefill_tokens(request: RouteRequest, decision: Decision, engine_i
     """
     engine_id = decision.engine_id if engine_id is None else engine_id
     prompt_tokens = prompt_tokens_of(request)
-    priced = decision.parts.get(engine_id) if decision.parts is not None else None
-    if priced is not None:  # the parts its scores are made of (read without building the scores)
-        return max(0, min(prompt_tokens, round(priced.prefill_tokens)))
-    score = decision.scores.get(engine_id)
-    if score is not None and "prefill_tokens" in score:
-        return max(0, min(prompt_tokens, round(score["prefill_tokens"])))
+    parts = decision.parts
+    if parts is not None:  # the parts its scores are made of (read without building the scores)
+        priced = parts.get(engine_id)
+        if priced is not None:
+            return max(0, min(prompt_tokens, round(priced.prefill_tokens)))
+    else:
+        score = decision.scores.get(engine_id)
+        if score is not None and "prefill_tokens" in score:
+            return max(0, min(prompt_tokens, round(score["prefill_tokens"])))
     match = request.prefix_matches.get(engine_id, NO_MATCH)
     hit_tokens = min(match.blocks * request.block_size, max_hit_tokens(prompt_tokens))
     return prompt_tokens - hit_tokens

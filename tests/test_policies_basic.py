@@ -38,6 +38,11 @@ def test_round_robin_cycles() -> None:
     chosen = [policy.choose(req(i=i), fleet(5, 0, 0)).engine_id for i in range(6)]
     assert chosen == ["e0", "e1", "e2", "e0", "e1", "e2"]
     assert policy.choose(req(), fleet(0, 0, 0)).fallbacks == ("e1", "e2")  # 7th request: e0 first
+    # Its scores are each engine's position, written when read; it prices no engine.
+    decision = policy.choose(req(), fleet(0, 0, 0))
+    assert decision.engine_id == "e1" and decision.reason == "turn 1 of 3 engines"
+    assert decision.scores == {"e1": {"position": 0.0}, "e2": {"position": 1.0}, "e0": {"position": 2.0}}
+    assert decision.parts is not None and not decision.parts
 
 
 def test_least_loaded_picks_min_in_flight_then_prefill() -> None:
