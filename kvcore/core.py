@@ -1018,13 +1018,13 @@ class RoutingCore:
         ticket = self.ledger.reserve(target, queued)
         parts = self._parts(request, decision, target, candidates)
         if engine_id is None:
-            ttl_s = self.config.speculation_ttl_s
-            if self.index is not None and ttl_s > 0 and request.block_keys:
-                # Every arm speculates: the engine will hold these blocks whatever chose it.
-                self.index.speculate(target, request.block_keys, ttl_s, now)
-            if self.index is not None and request.block_keys:
+            index, keys = self.index, request.block_keys
+            if index is not None and keys:
+                ttl_s = self.config.speculation_ttl_s
+                if ttl_s > 0:  # every arm speculates: the engine will hold these blocks whatever chose it
+                    index.speculate(target, keys, ttl_s, now)
                 # The engine will read its pool-only prefix blocks: the pool's LRU refreshes them.
-                self.index.refresh_pool_reads(target, request.block_keys, now)
+                index.refresh_pool_reads(target, keys, now)
             policy.on_routed(request, decision)
         self.counters.routed += 1
         return Reservation(request, decision, policy, target, ticket, now, parts, arm)

@@ -292,7 +292,12 @@ class LivenessObserver:
 
     def on_finished(self, ctx: RouteContext) -> None:
         # 2xx and 4xx come from a working engine; 5xx, 499 and router-made errors say nothing good.
-        if ctx.engine_id and 200 <= ctx.http_status < 500 and not ctx.error.startswith("stream broke"):
+        error = ctx.error
+        if (
+            ctx.engine_id
+            and 200 <= ctx.http_status < 500
+            and not (error and error.startswith("stream broke"))
+        ):
             self._answered(ctx.engine_id)
 
 

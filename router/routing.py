@@ -22,6 +22,7 @@ import dis
 import heapq
 import itertools
 import logging
+import operator
 import os
 import time
 from collections import deque
@@ -232,6 +233,9 @@ _TYPED_KEYS = frozenset(key for key, _, _ in _TYPED_FIELDS)
 _TYPED_EXACT = {key: (*types, type(None)) for key, types, _ in _TYPED_FIELDS}
 
 
+_content_of = operator.methodcaller("get", "content")
+
+
 def _text_chars(content: Any) -> int:
     if isinstance(content, str):
         return len(content)
@@ -242,8 +246,9 @@ def _text_chars(content: Any) -> int:
 
 def _prompt_token_estimate(endpoint: str, body: Mapping[str, Any], chars_per_token: float) -> int:
     if endpoint == CHAT:
-        chars = sum(_text_chars(m.get("content")) for m in body["messages"])
-        return int(chars / chars_per_token) + 4 * len(body["messages"])
+        messages = body["messages"]
+        chars = sum(map(_text_chars, map(_content_of, messages)))
+        return int(chars / chars_per_token) + 4 * len(messages)
     prompt = body["prompt"]
     if isinstance(prompt, str):
         return int(len(prompt) / chars_per_token)
