@@ -7,6 +7,7 @@ of plain data and gets a Decision back, with the numbers it compared. No I/O hap
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -198,6 +199,9 @@ class Decision:
             f"scores={self.scores!r}, fallbacks={self.fallbacks!r}, parts={self.parts!r})"
         )
 
+
+#: A view's engine id (``map(engine_id_of, views)``: the ids in C).
+engine_id_of: Callable[[EngineView], str] = operator.attrgetter("engine_id")
 
 #: ``Decision.parts`` of a policy that prices no engine (its scores hold no prediction either).
 NOTHING_PRICED: Mapping[str, Any] = MappingProxyType({})

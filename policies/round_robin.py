@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from functools import partial
 
 from policies.base import (
@@ -11,12 +10,12 @@ from policies.base import (
     Decision,
     FleetView,
     RouteRequest,
+    engine_id_of,
     register,
     require_engines,
 )
 
 _REASON = "turn {} of {} engines"
-_engine_id_of = operator.attrgetter("engine_id")
 
 
 @register("round_robin")
@@ -35,7 +34,7 @@ class RoundRobinPolicy(BasePolicy):
         start = self._counter % n
         self._counter += 1
         # Engine (start + i) mod n at position i.
-        order = tuple(map(_engine_id_of, [*engines[start:], *engines[:start]]))
+        order = tuple(map(engine_id_of, [*engines[start:], *engines[:start]]))
         return Decision(
             engine_id=order[0],
             policy=self.name,

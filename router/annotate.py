@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily
 from kvcore import sim_tokenizer
 from kvcore.index import PrefixIndex
 from kvcore.keys import KeyChainCache, block_keys, request_extra_keys
+from policies.base import engine_id_of
 from router.config import ConfigError, RouterConfig
 from router.load import LoadTracker
 from router.routing import CHAT, RouteContext
@@ -26,7 +27,6 @@ from router.tokenize import EngineChatTokenizer, HfChatTokenizer, PromptNames, S
 log = logging.getLogger("kvroute.annotate")
 
 _block_size_of = operator.attrgetter("block_size")
-_engine_id_of = operator.attrgetter("engine_id")
 
 #: Prompts longer than this are hashed into block keys in a worker thread, off the event loop.
 _INLINE_KEY_TOKENS = 8192
@@ -211,7 +211,7 @@ class IndexAnnotator:
         # (A fleet of one block size, the usual one, is grouped in C.)
         sizes = set(map(_block_size_of, engines))
         if len(sizes) == 1:
-            by_size: dict[int, list[str]] = {sizes.pop(): list(map(_engine_id_of, engines))}
+            by_size: dict[int, list[str]] = {sizes.pop(): list(map(engine_id_of, engines))}
         else:
             by_size = {}
             for view in engines:
