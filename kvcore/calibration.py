@@ -237,7 +237,8 @@ class CostModel:
 
     def estimates(self, engine_id: str) -> EngineCosts:
         """The current estimate for ``engine_id`` (its prior when nothing was measured yet)."""
-        return self._state(engine_id).current
+        state = self._engines.get(engine_id)  # (per engine per request: ``_state`` only for a new one)
+        return (state if state is not None else self._state(engine_id)).current
 
     def set_prior(self, engine_id: str, prior: EngineCosts) -> None:
         """Replace an engine's prior (e.g. an engine added at runtime) and restart its estimate."""

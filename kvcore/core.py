@@ -35,6 +35,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 from sortedcontainers import SortedList
@@ -48,6 +49,7 @@ from policies.base import (
     FleetView,
     NoEngineAvailable,
     Policy,
+    PrefixMatch,
     RouteRequest,
     hit_tokens_by_tier,
     prompt_tokens_of,
@@ -55,6 +57,7 @@ from policies.base import (
 from policies.costs import (
     RECOMPUTE_BELOW,
     CostEstimates,
+    EngineCosts,
     PredictedParts,
     admission_wait_parts,
     best_cached_fraction,
@@ -259,11 +262,20 @@ class Reservation:
     ticket: LoadTicket
     #: Clock value when the request was handed to the engine (TTFT for calibration counts from here).
     sent_s: float
-    #: Predicted TTFT parts on ``engine_id`` (the policy's own when it priced them, else the core's).
-    parts: PredictedParts
+    #: Predicted TTFT parts on ``engine_id`` (the policy's own when it priced them, else the core's),
+    #: or a function that prices them from the values of the reservation when first read (``parts``).
+    priced: PredictedParts | Callable[[], PredictedParts]
     arm: str = ""
     first_token_s: float | None = None
     finished: bool = False
+
+    @property
+    def parts(self) -> PredictedParts:
+        """Predicted TTFT parts on ``engine_id``: what ``priced`` is or gives (once)."""
+        parts = self.priced
+        if not isinstance(parts, PredictedParts):
+            parts = self.priced = parts()
+        return parts
 
     @property
     def engine_ttft_s(self) -> float | None:
@@ -786,6 +798,20 @@ class ExperimentRecorder(Protocol):
     ) -> None: ...
 
 
+def _unpriced_parts(
+    est: EngineCosts,
+    match: PrefixMatch,
+    block_size: int,
+    prompt_tokens: int,
+    wait_tokens: float,
+    in_flight: float,
+) -> PredictedParts:
+    """The core's parts for a policy that did not price them (``RoutingCore._parts``): the formula
+    on the index's ``match`` and the engine's queue, before any priority or admission wait."""
+    hits = hit_tokens_by_tier(match, block_size, prompt_tokens)
+    return predict_parts(est, hits, prompt_tokens - sum(hits, 0.0), wait_tokens, in_flight)
+
+
 def predicted_hit_tokens_by_tier(request: RouteRequest, engine_id: str) -> tuple[float, float, float]:
     """The index's prediction of the chosen engine's hits, in tokens per tier (cheapest tier
     first), capped at prompt - 1 (vLLM always computes the last prompt token)."""
@@ -869,12 +895,14 @@ class RoutingCore:
         *,
         uses_index: bool = False,
         refresh: bool = True,
+        trust: bool | None = None,
     ) -> list[EngineView]:
         """The candidates for ``request``: healthy, not drained, serving its model; their load
         figures and index trust refreshed in place (callers run filter -> score -> reserve with no
         await in between, so the views are consistent). Large fleets are pre-filtered for
         index-reading policies (``CoreConfig.prefilter_above_engines``). ``refresh=False``: the
-        candidates only (a caller that filters again before choosing)."""
+        candidates only (a caller that filters again before choosing). ``trust``: whether the
+        index trust is asked (``refresh``)."""
         model = request.model
         out = [
             v
@@ -883,22 +911,31 @@ class RoutingCore:
         ]
         if not refresh:
             return self._prefiltered(request, out) if uses_index else out
-        return self.refresh(request, out, uses_index=uses_index)
+        return self.refresh(request, out, uses_index=uses_index, trust=trust)
 
     def refresh(
-        self, request: RouteRequest, candidates: list[EngineView], *, uses_index: bool = False
+        self,
+        request: RouteRequest,
+        candidates: list[EngineView],
+        *,
+        uses_index: bool = False,
+        trust: bool | None = None,
     ) -> list[EngineView]:
         """``filter``'s second half, for candidates ``filter(refresh=False)`` returned from the
         same views (a caller that awaited between the two: the candidates are what filtering the
         views again would give): the large fleet's pre-filter, then the load figures and index
-        trust refreshed in place."""
+        trust refreshed in place. ``trust``: whether the index trust is asked (None: for a policy
+        that reads the index, the only one whose choice it can change; a view's trust is left as
+        it was otherwise)."""
         out = self._prefiltered(request, candidates) if uses_index else candidates
         ledger, costs, extra = self.ledger, self.costs, self._index_trusted
+        trust = uses_index if trust is None else trust
         for view in out:
             engine_id = view.engine_id
             view.in_flight, view.queued_prefill_tokens = ledger.load(engine_id)
-            trusted = costs.index_trusted(engine_id)
-            view.index_trusted = trusted and (extra is None or extra(engine_id))
+            if trust:
+                trusted = costs.index_trusted(engine_id)
+                view.index_trusted = trusted and (extra is None or extra(engine_id))
         return out
 
     def _prefiltered(self, request: RouteRequest, candidates: list[EngineView]) -> list[EngineView]:
@@ -981,30 +1018,34 @@ class RoutingCore:
         ticket = self.ledger.reserve(target, queued)
         parts = self._parts(request, decision, target, candidates)
         if engine_id is None:
-            ttl_s = self.config.speculation_ttl_s
-            if self.index is not None and ttl_s > 0 and request.block_keys:
-                # Every arm speculates: the engine will hold these blocks whatever chose it.
-                self.index.speculate(target, request.block_keys, ttl_s, now)
-            if self.index is not None and request.block_keys:
+            index, keys = self.index, request.block_keys
+            if index is not None and keys:
+                ttl_s = self.config.speculation_ttl_s
+                if ttl_s > 0:  # every arm speculates: the engine will hold these blocks whatever chose it
+                    index.speculate(target, keys, ttl_s, now)
                 # The engine will read its pool-only prefix blocks: the pool's LRU refreshes them.
-                self.index.refresh_pool_reads(target, request.block_keys, now)
+                index.refresh_pool_reads(target, keys, now)
             policy.on_routed(request, decision)
         self.counters.routed += 1
         return Reservation(request, decision, policy, target, ticket, now, parts, arm)
 
     def _parts(
         self, request: RouteRequest, decision: Decision, engine_id: str, candidates: Sequence[EngineView]
-    ) -> PredictedParts:
+    ) -> PredictedParts | Callable[[], PredictedParts]:
         """The policy's priced parts (tier_cost), else the same formula on the index's match and
-        the engine's queue, so every policy's requests calibrate the same cost model."""
-        if decision.parts is not None:
+        the engine's queue, so every policy's requests calibrate the same cost model: priced when
+        first read (``Reservation.parts``; a non-stream answer of such a policy may never need
+        them) from the inputs of now, unless the engine's view itself is read (a priority or
+        admission wait): then now."""
+        if decision.parts is not None:  # (an engine it did not price is in no score either)
             priced = decision.parts.get(engine_id)
             if priced is not None:
                 return priced  # type: ignore[no-any-return]
-        scores = decision.scores.get(engine_id)
-        if scores is not None and "prefill_tokens" in scores and "wait_tokens" in scores:
-            return PredictedParts.from_scores(scores)
-        hits = predicted_hit_tokens_by_tier(request, engine_id)
+        else:
+            scores = decision.scores.get(engine_id)
+            if scores is not None and "prefill_tokens" in scores and "wait_tokens" in scores:
+                return PredictedParts.from_scores(scores)
+        match = request.prefix_matches.get(engine_id, NO_MATCH)
         prompt_tokens = prompt_tokens_of(request)
         wait_tokens = in_flight = 0.0
         chosen: EngineView | None = None
@@ -1014,11 +1055,13 @@ class RoutingCore:
                 in_flight = float(view.in_flight)
                 chosen = view
                 break
-        est = self.costs.estimates(engine_id)
-        parts = predict_parts(est, hits, prompt_tokens - sum(hits, 0.0), wait_tokens, in_flight)
-        if chosen is not None and chosen.queued_ahead is not None:
+        est, block_size = self.costs.estimates(engine_id), request.block_size
+        if chosen is None or (chosen.queued_ahead is None and not chosen.extra):
+            return partial(_unpriced_parts, est, match, block_size, prompt_tokens, wait_tokens, in_flight)
+        parts = _unpriced_parts(est, match, block_size, prompt_tokens, wait_tokens, in_flight)
+        if chosen.queued_ahead is not None:
             parts = priority_wait_parts(est, parts, chosen)
-        if chosen is not None and chosen.extra:  # (only an engine with extra numbers has one)
+        if chosen.extra:  # (only an engine with extra numbers has one)
             parts = admission_wait_parts(parts, chosen, request, prompt_tokens)
         return parts
 

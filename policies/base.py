@@ -7,8 +7,10 @@ of plain data and gets a Decision back, with the numbers it compared. No I/O hap
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 import xxhash
@@ -152,7 +154,9 @@ class Decision:
         #: Next-best engines in order, for a retry when the chosen engine refuses the connection.
         self.fallbacks = fallbacks
         #: Per engine id, the ``policies.costs.PredictedParts`` a pricing policy computed (the same
-        #: numbers as its ``scores``, kept as the object so the core need not rebuild it); None: none.
+        #: numbers as its ``scores``, kept as the object so the core need not rebuild it). An engine
+        #: missing here is not priced in ``scores`` either (``NOTHING_PRICED``: the policy prices
+        #: no engine); None: the policy says nothing, its ``scores`` may hold a prediction.
         self.parts = parts
 
     @property
@@ -194,6 +198,13 @@ class Decision:
             f"Decision(engine_id={self.engine_id!r}, policy={self.policy!r}, reason={self.reason!r}, "
             f"scores={self.scores!r}, fallbacks={self.fallbacks!r}, parts={self.parts!r})"
         )
+
+
+#: A view's engine id (``map(engine_id_of, views)``: the ids in C).
+engine_id_of: Callable[[EngineView], str] = operator.attrgetter("engine_id")
+
+#: ``Decision.parts`` of a policy that prices no engine (its scores hold no prediction either).
+NOTHING_PRICED: Mapping[str, Any] = MappingProxyType({})
 
 
 class NoEngineAvailable(Exception):
@@ -289,6 +300,8 @@ def hit_tokens_by_tier(match: PrefixMatch, block_size: int, prompt_tokens: int) 
     gpu, cpu, storage = match.blocks_by_tier
     gpu_tokens = float(gpu * block_size)
     gpu_tokens = left if gpu_tokens > left else (gpu_tokens if gpu_tokens > 0.0 else 0.0)
+    if not cpu and not storage:  # GPU hits only (the usual match): the other tiers take nothing
+        return gpu_tokens, 0.0, 0.0
     left -= gpu_tokens
     cpu_tokens = float(cpu * block_size)
     cpu_tokens = left if cpu_tokens > left else (cpu_tokens if cpu_tokens > 0.0 else 0.0)

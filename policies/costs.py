@@ -9,7 +9,7 @@ through ``CostEstimates``. Pure code.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -246,6 +246,10 @@ class PredictedParts(NamedTuple):
         )
 
 
+#: ``PredictedParts`` from a tuple of its fields in order, without the named tuple's Python ``__new__``.
+_new_parts: Callable[[type[PredictedParts], tuple[Any, ...]], PredictedParts] = tuple.__new__  # type: ignore[assignment]
+
+
 def predict_parts(
     costs: EngineCosts,
     hit_tokens: tuple[float, float, float],
@@ -261,22 +265,25 @@ def predict_parts(
     split into its parts; ``PredictedParts.total_s`` is the sum."""
     gpu, cpu, storage = hit_tokens
     load_time_s = costs.load_time_s
-    # Positional (in field order): a frozen dataclass's keywords cost more, and this runs per
-    # engine per request.
-    return PredictedParts(
-        costs.prefill_time_s(wait_tokens),  # wait_s
-        # Tiers without hits load nothing (load_time_s is 0 for no tokens): skip the call.
+    # In field order, built by ``tuple.__new__`` itself (the named tuple's own ``__new__`` is a
+    # Python function around it): this runs per engine per request.
+    return _new_parts(
+        PredictedParts,
         (
-            load_time_s(_GPU, gpu) if gpu > 0 else 0.0,
-            load_time_s(_CPU, cpu) if cpu > 0 else 0.0,
-            load_time_s(_STORAGE, storage) if storage > 0 else 0.0,
-        ),  # load_s
-        costs.prefill_time_s(prefill_tokens),  # prefill_s
-        wait_tokens,
-        hit_tokens,
-        prefill_tokens,
-        in_flight,
-        in_flight * costs.slot_s_per_request,  # slot_s
+            costs.prefill_time_s(wait_tokens),  # wait_s
+            # Tiers without hits load nothing (load_time_s is 0 for no tokens): skip the call.
+            (
+                load_time_s(_GPU, gpu) if gpu > 0 else 0.0,
+                load_time_s(_CPU, cpu) if cpu > 0 else 0.0,
+                load_time_s(_STORAGE, storage) if storage > 0 else 0.0,
+            ),  # load_s
+            costs.prefill_time_s(prefill_tokens),  # prefill_s
+            wait_tokens,
+            hit_tokens,
+            prefill_tokens,
+            in_flight,
+            in_flight * costs.slot_s_per_request,  # slot_s
+        ),
     )
 
 
@@ -377,12 +384,15 @@ def predicted_prefill_tokens(request: RouteRequest, decision: Decision, engine_i
     """
     engine_id = decision.engine_id if engine_id is None else engine_id
     prompt_tokens = prompt_tokens_of(request)
-    priced = decision.parts.get(engine_id) if decision.parts is not None else None
-    if priced is not None:  # the parts its scores are made of (read without building the scores)
-        return max(0, min(prompt_tokens, round(priced.prefill_tokens)))
-    score = decision.scores.get(engine_id)
-    if score is not None and "prefill_tokens" in score:
-        return max(0, min(prompt_tokens, round(score["prefill_tokens"])))
+    parts = decision.parts
+    if parts is not None:  # the parts its scores are made of (read without building the scores)
+        priced = parts.get(engine_id)
+        if priced is not None:
+            return max(0, min(prompt_tokens, round(priced.prefill_tokens)))
+    else:
+        score = decision.scores.get(engine_id)
+        if score is not None and "prefill_tokens" in score:
+            return max(0, min(prompt_tokens, round(score["prefill_tokens"])))
     match = request.prefix_matches.get(engine_id, NO_MATCH)
     hit_tokens = min(match.blocks * request.block_size, max_hit_tokens(prompt_tokens))
     return prompt_tokens - hit_tokens

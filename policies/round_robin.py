@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from functools import partial
 
-from policies.base import BasePolicy, Decision, FleetView, RouteRequest, register, require_engines
+from policies.base import (
+    NOTHING_PRICED,
+    BasePolicy,
+    Decision,
+    FleetView,
+    RouteRequest,
+    engine_id_of,
+    register,
+    require_engines,
+)
 
 _REASON = "turn {} of {} engines"
 
@@ -24,11 +33,19 @@ class RoundRobinPolicy(BasePolicy):
         n = len(engines)
         start = self._counter % n
         self._counter += 1
-        order = [*engines[start:], *engines[:start]]  # engine (start + i) mod n at position i
+        # Engine (start + i) mod n at position i.
+        order = tuple(map(engine_id_of, [*engines[start:], *engines[:start]]))
         return Decision(
-            engine_id=order[0].engine_id,
+            engine_id=order[0],
             policy=self.name,
-            reason=partial(_REASON.format, start, n),  # written when read (explain, a debug log)
-            scores={e.engine_id: {"position": float(i)} for i, e in enumerate(order)},
-            fallbacks=tuple([e.engine_id for e in order[1:]]),
+            # The explanation is written when read (explain, a debug log).
+            reason=partial(_REASON.format, start, n),
+            scores=partial(_positions, order),
+            fallbacks=order[1:],
+            parts=NOTHING_PRICED,
         )
+
+
+def _positions(order: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """round_robin's scores: each engine id's position in the turn."""
+    return {engine_id: {"position": float(i)} for i, engine_id in enumerate(order)}

@@ -59,6 +59,7 @@ from policies.base import (
     EngineView,
     FleetView,
     RouteRequest,
+    engine_id_of,
     hit_tokens_by_tier,
     max_hit_tokens,
     prompt_tokens_of,
@@ -85,8 +86,9 @@ _TIER_NAMES = tuple((int(t), t.name) for t in TIERS)
 _CLEAR_GAP_S = 2e-6
 
 
-#: The cost of a (cost, engine) pair.
+#: The cost and the engine of a (cost, engine) pair.
 _cost_of = operator.itemgetter(0)
+_engine_of = operator.itemgetter(1)
 
 
 def _reason(
@@ -292,14 +294,15 @@ class TierCostPolicy(BasePolicy):
                 break
             previous = cost_s
         else:
-            order = [engine for _, engine in priced]
+            order = list(map(_engine_of, priced))
         chosen = order[0]
         how = "lowest predicted cost"
         if self.temperature_s > 0 and len(order) > 1:
             chosen = self._softmax_pick(request, order, cost_by_engine)
             how = f"softmax pick (temperature {self.temperature_s:g} s)"
         chosen_id = chosen.engine_id
-        fallbacks = tuple([e.engine_id for e in order if e is not chosen])
+        rest = order[1:] if chosen is order[0] else [e for e in order if e is not chosen]
+        fallbacks = tuple(map(engine_id_of, rest))
         runner_up = fallbacks[0] if fallbacks else None
         # The explanation (reason line and scores) is built only if someone reads it (explain, a
         # debug log, horizon_cost), from the values priced here.

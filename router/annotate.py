@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,12 +18,15 @@ from prometheus_client.core import CounterMetricFamily
 from kvcore import sim_tokenizer
 from kvcore.index import PrefixIndex
 from kvcore.keys import KeyChainCache, block_keys, request_extra_keys
+from policies.base import engine_id_of
 from router.config import ConfigError, RouterConfig
 from router.load import LoadTracker
 from router.routing import CHAT, RouteContext
 from router.tokenize import EngineChatTokenizer, HfChatTokenizer, PromptNames, SimChatTokenizer
 
 log = logging.getLogger("kvroute.annotate")
+
+_block_size_of = operator.attrgetter("block_size")
 
 #: Prompts longer than this are hashed into block keys in a worker thread, off the event loop.
 _INLINE_KEY_TOKENS = 8192
@@ -204,11 +208,16 @@ class IndexAnnotator:
         ctx.prompt_token_ids = tokens
         engines = ctx.fleet.engines if ctx.fleet is not None else ()
         # Keys per block size: an engine's events are keyed in its own (reported) block size.
-        by_size: dict[int, list[str]] = {}
-        for view in engines:
-            by_size.setdefault(view.block_size, []).append(view.engine_id)
-        if not by_size:
-            by_size[self._default_block_size] = []
+        # (A fleet of one block size, the usual one, is grouped in C.)
+        sizes = set(map(_block_size_of, engines))
+        if len(sizes) == 1:
+            by_size: dict[int, list[str]] = {sizes.pop(): list(map(engine_id_of, engines))}
+        else:
+            by_size = {}
+            for view in engines:
+                by_size.setdefault(view.block_size, []).append(view.engine_id)
+            if not by_size:
+                by_size[self._default_block_size] = []
         salt = ctx.body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
         lora = self._lora_of(request.model) if self._lora_of is not None else None

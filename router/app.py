@@ -15,6 +15,7 @@ import asyncio
 import gc
 import hashlib
 import logging
+import operator
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -61,9 +62,20 @@ Send = Callable[[Any], Awaitable[None]]
 PROXY_PATHS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
 
 
+_latin1 = operator.methodcaller("decode", "latin-1")
+_name_of = operator.itemgetter(0)
+_value_of = operator.itemgetter(1)
+
+
 def header_map(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
     """ASGI's raw headers (lower-case names) as a dict; the first value of a repeated name wins."""
-    out: dict[str, str] = {}
+    # Built in C; only a request that repeats a name (fewer keys than lines) is built again by the
+    # loop below, where the first value wins (dict() keeps the last).
+    names, values = map(_latin1, map(_name_of, raw)), map(_latin1, map(_value_of, raw))
+    out: dict[str, str] = dict(zip(names, values, strict=True))
+    if len(out) == len(raw):
+        return out
+    out = {}
     for name, value in raw:
         key = name.decode("latin-1")
         if key not in out:
@@ -209,6 +221,10 @@ _NUMBER_FIELDS: tuple[tuple[str, float, float, str], ...] = (
     ("temperature", 0.0, 1e6, "a number >= 0"),
     ("top_p", 1e-9, 1.0, "a number in (0, 1]"),
 )
+_NUMBER_KEYS = frozenset(key for key, *_ in _NUMBER_FIELDS)
+_NUMBER_RANGES = {key: (low, high) for key, low, high, _ in _NUMBER_FIELDS}
+#: The types a JSON number decodes to (``_check_number`` checks any other value itself).
+_NUMBER_TYPES = (int, float)
 
 
 def validate_body(endpoint: str, body: Mapping[str, Any]) -> None:
@@ -235,9 +251,16 @@ def validate_body(endpoint: str, body: Mapping[str, Any]) -> None:
                     )
                 if "text" in part and not isinstance(part["text"], str):
                     raise bad_request(f"'messages[{i}].content[{j}].text' must be a string", "invalid_type")
-    for key, low, high, what in _NUMBER_FIELDS:
-        if key in body:  # most requests set one or two of them
-            _check_number(body, key, low, high, what)
+    # Only the fields a body has (most set one or two); when one of them is not a plain number in
+    # range, every field is checked in order, so the error names the first bad one.
+    for key in _NUMBER_KEYS.intersection(body):
+        value = body[key]
+        low, high = _NUMBER_RANGES[key]
+        if value is not None and (type(value) not in _NUMBER_TYPES or not low <= value <= high):
+            for name, lowest, highest, what in _NUMBER_FIELDS:
+                if name in body:
+                    _check_number(body, name, lowest, highest, what)
+            break
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad_request("'cache_salt' must be a non-empty string", "invalid_type")
@@ -269,7 +292,12 @@ class LivenessObserver:
 
     def on_finished(self, ctx: RouteContext) -> None:
         # 2xx and 4xx come from a working engine; 5xx, 499 and router-made errors say nothing good.
-        if ctx.engine_id and 200 <= ctx.http_status < 500 and not ctx.error.startswith("stream broke"):
+        error = ctx.error
+        if (
+            ctx.engine_id
+            and 200 <= ctx.http_status < 500
+            and not (error and error.startswith("stream broke"))
+        ):
             self._answered(ctx.engine_id)
 
 

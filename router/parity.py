@@ -134,7 +134,7 @@ class PromptParity:
         if not ctx.ok or ctx.prompt_token_ids is None or not ctx.engine_id:
             return  # no answer, or the router did not tokenise this request
         engine_tokens = (ctx.usage or {}).get("prompt_tokens")
-        if isinstance(engine_tokens, int) and not isinstance(engine_tokens, bool):
+        if type(engine_tokens) is int:  # (not a bool; the usage is JSON-decoded: no subclasses)
             self.observe(ctx.engine_id, len(ctx.prompt_token_ids), engine_tokens)
 
 

@@ -22,6 +22,7 @@ import dis
 import heapq
 import itertools
 import logging
+import operator
 import os
 import time
 from collections import deque
@@ -227,6 +228,12 @@ _TYPED_FIELDS: tuple[tuple[str, tuple[type, ...], str], ...] = (
     ("user", (str,), "a string"),
     ("stream_options", (dict,), "an object"),
 )
+_TYPED_KEYS = frozenset(key for key, _, _ in _TYPED_FIELDS)
+#: Per typed field, the exact types that pass ``_check_type`` (None, or one of its types).
+_TYPED_EXACT = {key: (*types, type(None)) for key, types, _ in _TYPED_FIELDS}
+
+
+_content_of = operator.methodcaller("get", "content")
 
 
 def _text_chars(content: Any) -> int:
@@ -239,8 +246,9 @@ def _text_chars(content: Any) -> int:
 
 def _prompt_token_estimate(endpoint: str, body: Mapping[str, Any], chars_per_token: float) -> int:
     if endpoint == CHAT:
-        chars = sum(_text_chars(m.get("content")) for m in body["messages"])
-        return int(chars / chars_per_token) + 4 * len(body["messages"])
+        messages = body["messages"]
+        chars = sum(map(_text_chars, map(_content_of, messages)))
+        return int(chars / chars_per_token) + 4 * len(messages)
     prompt = body["prompt"]
     if isinstance(prompt, str):
         return int(len(prompt) / chars_per_token)
@@ -343,9 +351,14 @@ def parse_request(
         if "prompt" not in body:
             raise bad_request("'prompt' is required", "missing_prompt")
         _validate_prompt(body["prompt"])
-    for key, types, what in _TYPED_FIELDS:
-        if key in body:
-            _check_type(body, key, types, what)
+    # Only the typed fields the body has; when one of them is not of its type exactly (as JSON
+    # decodes it), every field is checked in order, so the error names the first bad one.
+    for key in _TYPED_KEYS.intersection(body):
+        if type(body[key]) not in _TYPED_EXACT[key]:
+            for name, types, what in _TYPED_FIELDS:
+                if name in body:
+                    _check_type(body, name, types, what)
+            break
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     route_request = RouteRequest(
         request_id=request_id,
@@ -462,19 +475,23 @@ class Router:
             except Exception:  # an observer bug must not fail the request
                 log.exception("observer %r failed in %s (request %s)", observer, hook, ctx.request_id)
 
-    async def decide(self, ctx: RouteContext) -> tuple[Arm, Decision]:
-        """Steps 2-4 up to the policy's choice (no load taken, no upstream traffic)."""
+    async def decide(self, ctx: RouteContext, *, explain: bool = False) -> tuple[Arm, Decision]:
+        """Steps 2-4 up to the policy's choice (no load taken, no upstream traffic). ``explain``:
+        the candidates' index trust is asked whatever the policy (the explain endpoint shows it;
+        otherwise only a policy that reads the index has it asked)."""
         request = ctx.route_request
-        arm = self._select_arm(ctx)
+        # The session's arm, or the one the x-kvroute-arm header forces.
+        arm = self._forced_arm(ctx) if ctx.forced_arm else self.arm_selector.select(request.session_key)
         ctx.arm, ctx.policy_name = arm.name, arm.policy.name
         uses_index = arm.policy.uses_index
+        trust = uses_index or explain
         # The fleet's views, built once per change of the fleet and without their load:
         # ``filter``/``refresh`` write the candidates' load figures and index trust in place
         # (after the annotator's await: the load of that moment), right before the choice.
         views = self.tracker.fleet_views()
         annotator = self.annotator
         if annotator is None:
-            candidates = self.core.filter(request, views, uses_index=uses_index)
+            candidates = self.core.filter(request, views, uses_index=uses_index, trust=trust)
         else:  # the annotator reads the candidates' ids and block sizes; load and trust come below
             candidates = self.core.filter(request, views, refresh=False)
         if not candidates:
@@ -490,7 +507,9 @@ class Router:
             # No await from here to reserve: other requests' load is what it is at the choice.
             # (The views' health, drain and models are those of before the await: the candidates
             # are what filtering the views again would give, so only their load and trust are read.)
-            fleet.engines = candidates = self.core.refresh(request, candidates, uses_index=uses_index)
+            fleet.engines = candidates = self.core.refresh(
+                request, candidates, uses_index=uses_index, trust=trust
+            )
         ctx.fleet = fleet
         fleet.now = now = time.monotonic()
         fleet.costs = self.core.costs
@@ -527,11 +546,9 @@ class Router:
                 code="model_not_found",
             )
 
-    def _select_arm(self, ctx: RouteContext) -> Arm:
-        """The session's arm, or the one the x-kvroute-arm header forces (400 when unknown)."""
+    def _forced_arm(self, ctx: RouteContext) -> Arm:
+        """The arm the x-kvroute-arm header forces (400 when unknown)."""
         key = ctx.route_request.session_key
-        if not ctx.forced_arm:
-            return self.arm_selector.select(key)
         assign = getattr(self.arm_selector, "assign", None)
         if assign is None:
             raise bad_request(f"{FORCED_ARM_HEADER} is not supported by this arm selector", "unknown_arm")

@@ -200,7 +200,7 @@ def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices)
             raw = await reader.body(request.headers, request.receive)
             endpoint = CHAT if b'"messages"' in raw else COMPLETIONS
             ctx = reader.parse(endpoint, raw, request.headers, request.scope, request_id)
-            arm, decision = await router.decide(ctx)
+            arm, decision = await router.decide(ctx, explain=True)
         except RouterError as err:
             return error_response(err, request_id)
         body = explain_payload(ctx.route_request, ctx.fleet, decision, arm.policy.name)

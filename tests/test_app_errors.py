@@ -278,3 +278,56 @@ def test_client_disconnect_cancels_non_stream_request(serve_asgi, upstreams) -> 
 
 def router_url(one_engine: tuple[Any, ThreadedServer]) -> str:
     return one_engine[1].url
+
+
+def _parse_error(body: dict[str, Any]) -> str:
+    """The message of the 400 ``RequestReader.parse`` raises for a chat ``body`` (no router)."""
+    from router.app import RequestReader
+    from router.errors import RouterError
+    from router.routing import CHAT as CHAT_ENDPOINT
+
+    config = load_config(environ={}, overrides={"engines": [{"id": "e0", "url": "http://127.0.0.1:9"}]})
+    with pytest.raises(RouterError) as caught:
+        RequestReader(config).parse(CHAT_ENDPOINT, json_bytes(body), {}, {}, "r1")
+    assert caught.value.status == 400
+    return caught.value.message
+
+
+def json_bytes(body: dict[str, Any]) -> bytes:
+    import json
+
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        # Typed fields: the first bad one in the table's order, whatever the body's order.
+        ({"user": 5, "max_tokens": "x"}, "'max_tokens' must be an integer, got str"),
+        ({"stream_options": 1, "n": 1.5, "stream": "y"}, "'stream' must be a boolean, got str"),
+        ({"user": ["a"], "stream_options": None}, "'user' must be a string, got list"),
+        ({"max_tokens": True}, "'max_tokens' must be an integer, got bool"),
+        # Ranged numbers: likewise, after the typed fields passed.
+        ({"top_p": 5, "temperature": -1, "max_tokens": 0}, "'max_tokens' must be an integer >= 1, got 0"),
+        ({"top_p": 5, "temperature": -1}, "'temperature' must be a number >= 0, got -1"),
+        ({"temperature": 0.5, "top_p": True}, "'top_p' must be a number in (0, 1], got True"),
+        ({"temperature": "hot", "max_tokens": 4}, "'temperature' must be a number >= 0, got hot"),
+    ],
+)
+def test_the_first_bad_field_in_table_order_is_named(extra, named) -> None:
+    """Only the fields a body has are checked, and when one is bad every field is checked in the
+    tables' order (``_TYPED_FIELDS``, then ``_NUMBER_FIELDS``): the error names the same field
+    whatever order the body lists them in."""
+    body = {"model": MODEL, "messages": MESSAGES, **extra}
+    assert _parse_error(body) == named
+    assert _parse_error(dict(reversed(body.items()))) == named
+
+
+def test_header_map_keeps_the_first_value_of_a_repeated_name_in_order() -> None:
+    from router.app import header_map
+
+    raw = [(b"host", b"a"), (b"x-session-id", b"s1"), (b"accept", b"*/*")]
+    assert list(header_map(raw).items()) == [("host", "a"), ("x-session-id", "s1"), ("accept", "*/*")]
+    repeated = [(b"x-session-id", b"s1"), (b"host", b"a"), (b"x-session-id", b"s2"), (b"h", b"\xe9")]
+    assert list(header_map(repeated).items()) == [("x-session-id", "s1"), ("host", "a"), ("h", "\xe9")]
+    assert header_map([]) == {}

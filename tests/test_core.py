@@ -132,7 +132,10 @@ def test_self_check_runs_for_every_policy_and_untrusts_a_lying_index() -> None:
         core.on_first_token(reservation, float(i) + 0.05)
         core.on_finished(reservation, Outcome(ok=True, cached_tokens=0, prompt_tokens=1_000), float(i) + 1)
     assert not core.costs.index_trusted("e0")
-    assert core.filter(RouteRequest("x"), views(1))[0].index_trusted is False
+    # The trust is asked for a policy that reads the index (or when asked for), and only then.
+    assert core.filter(RouteRequest("x"), views(1), uses_index=True)[0].index_trusted is False
+    assert core.filter(RouteRequest("x"), views(1), trust=True)[0].index_trusted is False
+    assert core.filter(RouteRequest("x"), views(1))[0].index_trusted is True  # (not asked)
 
 
 def test_experiments_get_engine_reported_hits_and_client_ttft_only_for_streams() -> None:
@@ -197,3 +200,72 @@ def test_refresh_after_an_unrefreshed_filter_is_the_whole_filter() -> None:
         for v in core.refresh(request, candidates, uses_index=True)
     ]
     assert split == whole and len(whole) < 79 and ("e9", 0, 0, True) in whole
+
+
+def test_an_unpriced_policys_parts_are_those_of_the_reservation_when_read_later() -> None:
+    """round_robin prices nothing: the core's parts are computed only when read, and are then what
+    they were at the reservation (the engine's queue and the cost estimate of that moment), even
+    after the views' load and the calibrated estimate have moved on."""
+    from policies.base import hit_tokens_by_tier
+    from policies.costs import PredictedParts, predict_parts
+
+    fleet = views(2)
+    core = core_for([v.engine_id for v in fleet])
+    core.ledger.reserve("e0", 300)
+    core.ledger.reserve("e1", 500)
+    request = RouteRequest("r", model="m", prompt_tokens=800, block_size=16)
+    request.prefix_matches = {"e0": PrefixMatch(20, (12, 8, 0)), "e1": PrefixMatch(4, (0, 0, 4))}
+    candidates = core.filter(request, fleet)
+    policy = build_policy("round_robin")
+    decision = core.score(policy, request, candidates, 0.0)
+    chosen = next(v for v in candidates if v.engine_id == decision.engine_id)
+    est = core.costs.estimates(chosen.engine_id)
+    hits = hit_tokens_by_tier(request.prefix_matches[chosen.engine_id], 16, 800)
+    expected = predict_parts(
+        est, hits, 800 - sum(hits), float(chosen.queued_prefill_tokens), float(chosen.in_flight)
+    )
+    reservation = core.reserve(policy, request, decision, 0.0, candidates=candidates)
+    assert not isinstance(reservation.priced, PredictedParts)  # not priced yet
+    # The views and the estimate move on before anything reads the parts.
+    core.filter(RouteRequest("r2", model="m"), fleet)
+    core.costs.observe(chosen.engine_id, expected, 5.0, None, 1.0)
+    assert core.costs.estimates(chosen.engine_id) != est
+    assert reservation.parts == expected
+    assert reservation.priced is reservation.parts  # priced once
+
+
+def test_the_router_asks_the_index_trust_for_index_policies_and_explain_only() -> None:
+    """round_robin's choice cannot depend on the index trust: its requests do not ask it (a view
+    keeps the trust last written); tier_cost's do, and so does the explain endpoint for any
+    policy, which shows it."""
+    import asyncio
+
+    from router.app import create_app
+    from router.config import load_config
+    from router.routing import CHAT, parse_request
+
+    asked: list[str] = []
+
+    def distrust(engine_id: str) -> bool:
+        asked.append(engine_id)
+        return False
+
+    for policy, asks in (("round_robin", False), ("tier_cost", True)):
+        engines = [{"id": f"e{i}", "url": f"http://127.0.0.1:{9 + i}", "model": "m"} for i in range(2)]
+        config = load_config(
+            environ={},
+            overrides={"engines": engines, "policy": {"name": policy}, "tokenizer": {"backend": "sim"}},
+        )
+        router = create_app(config, index_trusted=distrust).state.router
+
+        def decide(explain: bool, router=router, config=config):  # type: ignore[no-untyped-def]
+            raw = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+            ctx = parse_request(CHAT, raw, {}, request_id="r", started_s=0.0, config=config)
+            asyncio.run(router.decide(ctx, explain=explain))
+            return [v.index_trusted for v in ctx.fleet.engines]
+
+        asked.clear()
+        assert decide(explain=False) == ([False, False] if asks else [True, True])
+        assert asked == (["e0", "e1"] if asks else [])
+        assert decide(explain=True) == [False, False]
+        assert asked[-2:] == ["e0", "e1"]

@@ -38,6 +38,11 @@ def test_round_robin_cycles() -> None:
     chosen = [policy.choose(req(i=i), fleet(5, 0, 0)).engine_id for i in range(6)]
     assert chosen == ["e0", "e1", "e2", "e0", "e1", "e2"]
     assert policy.choose(req(), fleet(0, 0, 0)).fallbacks == ("e1", "e2")  # 7th request: e0 first
+    # Its scores are each engine's position, written when read; it prices no engine.
+    decision = policy.choose(req(), fleet(0, 0, 0))
+    assert decision.engine_id == "e1" and decision.reason == "turn 1 of 3 engines"
+    assert decision.scores == {"e1": {"position": 0.0}, "e2": {"position": 1.0}, "e0": {"position": 2.0}}
+    assert decision.parts is not None and not decision.parts
 
 
 def test_least_loaded_picks_min_in_flight_then_prefill() -> None:
@@ -112,3 +117,25 @@ def test_session_affinity_rejects_bad_params() -> None:
         build_policy("round_robin", {"nope": 1})
     with pytest.raises(ValueError, match=r"has no parameter nope; valid parameters: epsilon \(default"):
         build_policy("session_affinity", {"nope": 1})
+
+
+def test_hit_tokens_by_tier_takes_each_tier_up_to_what_is_left() -> None:
+    """Per tier, cheapest first: min(blocks x block size, what the cheaper tiers left of prompt - 1),
+    never below 0; the GPU-only match (the usual one) the same as any other."""
+    import random
+
+    from policies.base import PrefixMatch, hit_tokens_by_tier
+
+    rng = random.Random(19)
+    for _ in range(5000):
+        by_tier = tuple(rng.choice((0, 0, rng.randrange(1, 80))) for _ in range(3))
+        block_size, prompt_tokens = rng.choice((1, 16, 32)), rng.randrange(0, 2000)
+        left = float(max(0, prompt_tokens - 1))
+        expected = []
+        for blocks in by_tier:
+            took = min(float(blocks * block_size), left)
+            expected.append(took)
+            left -= took
+        got = hit_tokens_by_tier(PrefixMatch(sum(by_tier), by_tier), block_size, prompt_tokens)  # type: ignore[arg-type]
+        assert got == tuple(expected), (by_tier, block_size, prompt_tokens)
+        assert all(type(t) is float for t in got)
