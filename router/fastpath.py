@@ -28,13 +28,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable, Callable
-from typing import Any
+from itertools import chain
+from operator import itemgetter
+from typing import Any, ClassVar
 
 import httptools
 from mypy_extensions import mypyc_attr
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from router.config import LimitsConfig
 
 log = logging.getLogger("kvroute.fastpath")
 
@@ -343,12 +348,65 @@ class ProxyExchange:
         )
 
 
+#: A request's header lines in its head (llhttp has validated them: a token, a colon, a value of
+#: visible bytes, spaces and tabs, CRLF; no line folding, no bare CR or LF): the name, and the value
+#: without the spaces and tabs around it, as llhttp and uvicorn's ``on_header`` give them.
+_HEADER_LINE = re.compile(rb"\r\n([^:\r\n]+):[ \t]*(.*?)[ \t]*(?=\r\n)")
+#: uvicorn's test for a 100-continue request: a header ``expect`` whose value is ``100-continue``.
+_EXPECT_100 = re.compile(rb"\r\nexpect:[ \t]*100-continue[ \t]*\r\n", re.IGNORECASE)
+_NAME = itemgetter(0)
+_VALUE = itemgetter(1)
+
+#: The guard's limits when ``limits`` sets none (router/guard.py's protocol sets them from the config).
+_LIMITS = LimitsConfig()
+
+#: Request-line and header bytes a connection may send beyond ``max_header_bytes`` before the exact
+#: count (taken when the headers are complete) can be made: the request line and the CRLFs.
+HEADER_SLACK_BYTES = 1024
+
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+
+
+def header_lines(head: bytes, start: int, end: int) -> list[tuple[bytes, bytes]]:
+    """The header lines of ``head[start:end]`` (from the CRLF before the first line to the CRLF
+    after the last) as ASGI wants them: lower-case names, values without surrounding spaces and
+    tabs; parsed in C, no Python call per line."""
+    pairs = _HEADER_LINE.findall(head, start, end)
+    return list(zip(map(bytes.lower, map(_NAME, pairs)), map(_VALUE, pairs), strict=True))
+
+
 # router/guard.py subclasses it; when mypyc compiles this module (tools/mypyc_build.py) a compiled
 # class refuses interpreted subclasses unless told otherwise.
 @mypyc_attr(allow_interpreted_subclasses=True)
 class ProxyHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol answering the app's proxied routes with a ``ProxyExchange``
-    (see the module's docstring); every other request goes through the ASGI app as before."""
+    (see the module's docstring); every other request goes through the ASGI app as before.
+
+    It also runs the guard's per-request limits (router/guard.py's protocol, a subclass, sets them
+    and adds the connection cap and the client write timeout): header bytes fed only up to
+    ``max_header_bytes`` plus a slack while a request's headers are incomplete, at most
+    ``max_headers`` lines, the header timeout armed while a request's headers are incomplete, and
+    the waiting/uploading tables of the connection cap kept per request (one hook per parser event,
+    not one per layer).
+
+    Header lines cost no Python call each: the parser has no ``on_header`` nor ``on_url``; a
+    request's head is cut from the bytes fed at its ``on_headers_complete`` (llhttp still frames and
+    validates it) and parsed in C (``header_lines``). To know where a head begins, the callbacks
+    account for every byte fed (``_fed``, ``_at``): a head ends at its blank line, a body's bytes
+    come through ``on_body``, a chunked body's framing through ``on_chunk_header`` and
+    ``on_chunk_complete``; bytes not accounted for when a read ends (a head or a chunk's framing
+    cut by the read's end) lead the next read (``_carry``)."""
+
+    on_header = None  # type: ignore[assignment]
+    on_url = None  # type: ignore[assignment]
+
+    header_timeout_s = _LIMITS.header_timeout_s
+    max_header_bytes = _LIMITS.max_header_bytes
+    max_headers = _LIMITS.max_headers
+    # Shared by the connections of one server, oldest first (dicts keep insertion order): those
+    # waiting for a request or its headers, and those uploading a request's body.
+    waiting: ClassVar[dict[Any, None]] = {}
+    uploading: ClassVar[dict[Any, None]] = {}
 
     #: A proxied request not started yet, and its app: with the app's ``proxy_now``
     #: (proxy.callback_path), a request is answered in callbacks once its body is complete at the
@@ -360,11 +418,54 @@ class ProxyHttpProtocol(HttpToolsProtocol):
     #: The loop time since which the connection has waited for its next request after an answer
     #: (0: it has not, or bytes came since): the keep-alive timeout counts from there.
     _idle_since_s = 0.0
+    #: The bytes being parsed (a read, led by the carry), how far the callbacks account for them,
+    #: and the bytes of earlier reads not accounted for yet.
+    _fed: bytes | bytearray | memoryview = b""
+    _at = 0
+    _carry: bytearray | None = None
+    #: Header bytes fed for the request whose headers are incomplete; requests begun and those whose
+    #: headers were complete (pipelining); whether the connection waits for or receives headers.
+    _header_bytes = 0
+    _heads_begun = 0
+    _heads_done = 0
+    _in_headers = True
+    _answered_one = False
+    _header_timer: asyncio.TimerHandle | None = None
+    #: Since when the connection waits (for its request or its body): the connection cap's order.
+    _waiting_since_s = 0.0
 
-    def data_received(self, data: bytes | memoryview) -> None:  # type: ignore[override]
-        # uvicorn's, with the keep-alive timer left armed: bytes mark the connection busy instead
-        # (``_keep_alive_due``).
+    def data_received(self, data: bytes | bytearray | memoryview) -> None:  # type: ignore[override]
+        transport = self.transport
+        if transport.is_closing():
+            return
+        in_headers = self._in_headers
+        rest: bytes | bytearray | memoryview = b""
+        if in_headers:
+            # Feed header bytes only up to the limit: the parser holds an unfinished header line
+            # in memory, so everything past the budget is refused unread. A read that also holds
+            # the end of the headers and a body goes on in a second feed.
+            budget = self.max_header_bytes + HEADER_SLACK_BYTES - self._header_bytes
+            cut = budget
+            if len(data) > budget:
+                # A read longer than the budget (a large body with its headers) is cut where the
+                # headers end when that is within the budget, so that the body reaches the parser
+                # in one piece (one on_body: the exchange holds it as it came, with no join of
+                # two), and cut through a memoryview (no copy of either side).
+                end = data.find(b"\r\n\r\n", 0, budget) if type(data) is bytes else -1
+                if end >= 0:
+                    cut = end + 4
+                data = memoryview(data)
+                data, rest = data[:cut], data[cut:]
+            heads_before = self._heads_done
+        size = len(data)
+        # The parser; bytes mark the connection busy (the keep-alive timer stays armed:
+        # ``_keep_alive_due``).
         self._idle_since_s = 0.0
+        carry = self._carry
+        if carry is not None:
+            carry += data  # (the parser has had the carry's bytes: it gets the read's)
+        self._fed = data if carry is None else carry
+        self._at = 0
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
@@ -376,6 +477,58 @@ class ProxyHttpProtocol(HttpToolsProtocol):
                 self.handle_websocket_upgrade()
             else:
                 self._unsupported_upgrade_warning()
+        fed, at = self._fed, self._at
+        self._fed = b""
+        if at < len(fed):
+            # A head or a chunk's framing cut by the read's end: it leads the next read.
+            if carry is not None and fed is carry:
+                del carry[:at]
+            else:
+                self._carry = bytearray(fed[at:])
+            if len(self._carry) > self.max_header_bytes + HEADER_SLACK_BYTES:  # type: ignore[arg-type]
+                # Nothing the parser holds is that long unaccounted for (a head is refused at the
+                # budget): bytes it ignores (after a request that closes the connection) or a
+                # chunk's framing past any sane size. Not kept; a head after them is refused.
+                self._carry = None
+                self._at = -1
+        elif carry is not None:
+            self._carry = None
+        if self._deferred is not None:
+            self._go_on_deferred()
+        if transport.is_closing():
+            return
+        if in_headers and self._in_headers:
+            if self._heads_done != heads_before:
+                # A request's headers ended in this read and a pipelined one's began: the bytes
+                # before it were not its headers. The rest of the read goes on with a budget of
+                # its own (the new request's first bytes go uncounted: one read at most;
+                # on_headers_complete checks the exact size).
+                if rest:
+                    self.data_received(rest)
+                elif self._heads_begun != self._heads_done:
+                    self._start_header_timer()  # (not when it waits for the next request)
+                return
+            self._header_bytes += size
+            if rest and cut < budget:
+                # Cut early at a blank line that did not end the headers (empty lines before a
+                # request line): the rest of the read goes on, within the budget.
+                self.data_received(rest)
+            elif rest or self._header_bytes >= self.max_header_bytes + HEADER_SLACK_BYTES:
+                self._reject(431, b"request headers exceed limits.max_header_bytes")
+            elif self._header_bytes:
+                # A request's headers began and are not complete: they have the header timeout
+                # from now on (armed here, not per request in on_message_begin: a request whose
+                # headers come whole needs no timer).
+                self._start_header_timer()
+            return
+        if rest:
+            self.data_received(rest)  # (its headers complete: the body, fed as it is)
+        elif not in_headers and self._heads_begun != self._heads_done:
+            self._start_header_timer()  # a pipelined request's headers began in this read
+
+    def _go_on_deferred(self) -> None:
+        """The callback path, once a read is parsed: the deferred request answered in callbacks
+        when its body is complete, else given ``UPLOAD_GRACE_S`` or a task."""
         deferred = self._deferred
         if deferred is None:
             return
@@ -417,17 +570,50 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             self._start_asgi_task(deferred[0], deferred[1])  # type: ignore[arg-type]
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_header_timer()
+        self.waiting.pop(self, None)
+        self.uploading.pop(self, None)
         super().connection_lost(exc)
         # A request cut off during its upload: its task sees the disconnect and counts it.
         self._start_deferred()
 
     def on_message_begin(self) -> None:
-        # uvicorn's, but the scope: built once the headers say which kind of request this is.
-        self.url = b""
-        self.expect_100_continue = False
-        self.headers = []
+        # uvicorn's sets the url, headers and scope: here they are made from the head once it is
+        # complete (``on_headers_complete``).
+        self._in_headers = True
+        self._heads_begun += 1
 
     def on_headers_complete(self) -> None:
+        self._in_headers = False
+        self._heads_done += 1
+        if self._header_timer is not None:
+            self._stop_header_timer()
+        self.waiting.pop(self, None)
+        self.uploading[self] = None
+        self._waiting_since_s = self.loop.time()
+        self._header_bytes = 0
+        # The head, from the bytes fed (after any empty lines before the request line, which the
+        # parser skips) to its blank line.
+        fed, at = self._fed, self._at
+        if type(fed) is not bytes or at < 0:
+            fed, at = self._fed_from_at()
+            if at < 0:
+                raise ValueError("a request's head after bytes not accounted for")  # (a 400)
+        if fed.startswith((b"\r", b"\n"), at):
+            at = len(fed) - len(fed[at:].lstrip(b"\r\n"))
+        line_end = fed.index(b"\r\n", at)
+        end = self._at = fed.index(b"\r\n\r\n", line_end) + 4
+        url = self.url = fed[at:line_end].split()[1]  # (method, target[, version])
+        headers = self.headers = header_lines(fed, line_end, end)
+        self.expect_100_continue = _EXPECT_100.search(fed, line_end, end) is not None
+        # The guard's limits: uvicorn keeps every header line; each line's name, value and ": " +
+        # CRLF, summed in C (no Python call per header).
+        too_many = len(headers) > self.max_headers
+        if too_many or (
+            sum(map(len, chain.from_iterable(headers))) + 4 * len(headers) + len(url) > self.max_header_bytes
+        ):
+            self._refuse_headers(b"header lines" if too_many else b"header bytes")
+            return
         app = self.app
         proxy_app = getattr(app, "proxy_app", None)
         parser = self.parser
@@ -439,7 +625,6 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         ):
             self.asgi_headers_complete()
             return
-        url = self.url
         path = app.proxy_paths.get(url)  # the usual request line: the path alone, no query
         if path is not None:
             raw_path, query = url, b""
@@ -460,10 +645,7 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         scope["query_string"] = query
         self.scope = scope  # type: ignore[assignment]
         exchange = self._exchange = ProxyExchange(
-            self,
-            scope,
-            keep_alive=http_version != "1.0" and parser.should_keep_alive(),
-            expect_100_continue=self.expect_100_continue,
+            self, scope, http_version != "1.0" and parser.should_keep_alive(), self.expect_100_continue
         )
         existing = self.cycle
         self.cycle = exchange  # type: ignore[assignment]
@@ -477,6 +659,16 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             # Pipelined behind an answer still going out: uvicorn starts it when that one is done.
             self.flow.pause_reading()
             self.pipeline.appendleft((exchange, proxy_app))  # type: ignore[arg-type]
+
+    def _refuse_headers(self, what: bytes) -> None:
+        """A request over the guard's header limits, answered 431 through uvicorn's own request
+        cycle (it keeps parsing any body that follows) with an app that refuses: the same way it
+        answers over limit_concurrency."""
+        app, self.app = self.app, _headers_too_large(what)
+        try:
+            self.asgi_headers_complete()
+        finally:
+            self.app = app
 
     def asgi_headers_complete(self) -> None:
         """The request whose headers are in goes to the ASGI app (``self.app``) as uvicorn runs it:
@@ -500,6 +692,7 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         }
 
     def on_body(self, body: bytes) -> None:
+        self._at += len(body)
         exchange = self._exchange
         if exchange is None:
             HttpToolsProtocol.on_body(self, body)
@@ -512,7 +705,37 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         if exchange._waiter is not None:
             exchange.set()
 
+    # A chunked body's framing, accounted for (a head after it is found from there): the size line
+    # (with any extensions) before a chunk's bytes, the CRLF after them; the last chunk's size line,
+    # then its trailer lines (uvicorn adds them to the request's headers) and a blank line.
+    def on_chunk_header(self) -> None:
+        fed, at = self._fed_from_at()
+        if at >= 0:
+            self._at = fed.index(b"\n", at) + 1
+
+    def on_chunk_complete(self) -> None:
+        fed, at = self._fed_from_at()
+        if at < 0:
+            return
+        if fed.startswith(b"\r\n", at):
+            self._at = at + 2
+            return
+        end = self._at = fed.index(b"\r\n\r\n", at) + 4
+        if self.headers is not None:
+            self.headers += header_lines(b"\r\n" + fed[at:end], 0, end - at + 2)
+
+    def _fed_from_at(self) -> tuple[bytes, int]:
+        """The bytes fed as bytes (from the accounted-for position when they were not), and that
+        position (-1: lost)."""
+        fed, at = self._fed, self._at
+        if type(fed) is bytes or at < 0:
+            return fed, at  # type: ignore[return-value]
+        self._fed = fed = bytes(fed[at:])
+        self._at = 0
+        return fed, 0
+
     def on_message_complete(self) -> None:
+        self.uploading.pop(self, None)  # the request is complete: active until answered
         exchange = self._exchange
         if exchange is None:
             HttpToolsProtocol.on_message_complete(self)
@@ -523,18 +746,25 @@ class ProxyHttpProtocol(HttpToolsProtocol):
                 exchange.set()
 
     def on_response_complete(self) -> None:
-        # uvicorn's, with the keep-alive timer armed only when none is (``_keep_alive_due``).
+        # uvicorn's, with the keep-alive timer armed only when none is (``_keep_alive_due``), and
+        # the connection waiting for its next request (the guard's tables).
         self.server_state.total_requests += 1
+        self._header_bytes = 0
+        self.uploading.pop(self, None)
+        self._answered_one = True
         if self.transport.is_closing():
             return
+        self._in_headers = True  # waiting for the next request on this connection
+        self.waiting[self] = None
         flow = self.flow
         if flow.read_paused:
             flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
+            self._waiting_since_s = self.loop.time()  # (for a pipelined request)
             return
-        self._idle_since_s = now = self.loop.time()
+        self._waiting_since_s = self._idle_since_s = now = self.loop.time()
         if self.timeout_keep_alive_task is None:
             self.timeout_keep_alive_task = self.loop.call_at(
                 now + self.timeout_keep_alive, self._keep_alive_due
@@ -566,3 +796,44 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             self.timeout_keep_alive_handler()
         else:
             self.timeout_keep_alive_task = self.loop.call_at(due_s, self._keep_alive_due)
+
+    # -- the header timeout (limits.header_timeout_s): one timer, armed only while a request's
+    # headers are incomplete.
+    def _start_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _stop_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self._in_headers and not self.transport.is_closing():
+            self._reject(408, b"request headers not received within limits.header_timeout_s")
+
+    def _reject(self, status: int, message: bytes) -> None:
+        """Answer ``status`` with ``message`` and close, before any request is read."""
+        self._stop_header_timer()
+        self.waiting.pop(self, None)
+        self.uploading.pop(self, None)
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (status, _REASONS[status], len(message), message)
+        )
+        self.transport.close()
+
+
+def _headers_too_large(what: bytes) -> Any:
+    """An ASGI app answering 431 and closing the connection."""
+    body = b"too many request " + what
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))]
+        await send(
+            {"type": "http.response.start", "status": 431, "headers": [*headers, (b"connection", b"close")]}
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    return app
