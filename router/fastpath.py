@@ -61,14 +61,17 @@ UPLOAD_GRACE_S = 0.05
 _default_head_of: tuple[object, bytes] = (None, b"")
 
 
+#: A header line of an answer from its (name, value).
+_HEADER_FORMAT = b"%s: %s\r\n".__mod__
+
+
 def _default_head(default_headers: list[tuple[bytes, bytes]]) -> bytes:
-    """uvicorn's default response headers (server, date) as bytes, joined once per list: uvicorn
-    replaces the list when the date changes (once a second)."""
+    """uvicorn's default response headers (server, date) as bytes, joined once per list (the
+    answer's head reads ``_default_head_of`` first): uvicorn replaces the list when the date
+    changes (once a second)."""
     global _default_head_of
-    source, head = _default_head_of
-    if source is not default_headers:
-        head = b"".join(b"%s: %s\r\n" % (name, value) for name, value in default_headers)
-        _default_head_of = (default_headers, head)
+    head = b"".join(map(_HEADER_FORMAT, default_headers))
+    _default_head_of = (default_headers, head)
     return head
 
 
@@ -77,26 +80,26 @@ class ProxyExchange:
     ``receive``/``send`` in ASGI form for ``proxy_app``, the response written straight to the
     transport (content-length or chunked framing, keep-alive, flow control)."""
 
-    __slots__ = (
-        "_chunked",
-        "_head",
-        "_on_disconnect",
-        "_on_writable",
-        "_protocol",
-        "_relaying",
-        "_waiter",
-        "answer_headers",
-        "body",
-        "cut_reason",
-        "disconnected",
-        "expect_100_continue",
-        "keep_alive",
-        "loop",
-        "more_body",
-        "response_complete",
-        "response_started",
-        "scope",
-    )
+    # The state every exchange starts in (class attributes: an exchange stores only what differs).
+    #: The request body, filled by the protocol's on_body / on_message_complete / connection_lost:
+    #: the first chunk kept as it came (bytes), later ones appended to a bytearray.
+    body: bytes | bytearray = b""
+    more_body = True
+    disconnected = False
+    response_started = False
+    response_complete = False
+    _waiter: asyncio.Future[None] | None = None
+    _on_disconnect: Callable[[], None] | None = None
+    _head = b""
+    _chunked = False
+    #: A stream sent from callbacks (``stream_start``): the answer outlives the request's task.
+    _relaying = False
+    _on_writable: Callable[[bool], None] | None = None
+    #: The answer's headers by name once it started (whose answer it is, for a log line).
+    answer_headers: dict[bytes, bytes] | None = None
+    #: Why the router cut the connection (router/guard.py, limits.client_write_timeout_s), set
+    #: before the disconnect is told; "": the client went away itself.
+    cut_reason = ""
 
     def __init__(
         self, protocol: ProxyHttpProtocol, scope: dict[str, Any], keep_alive: bool, expect_100_continue: bool
@@ -106,25 +109,6 @@ class ProxyExchange:
         self.scope = scope
         self.keep_alive = keep_alive
         self.expect_100_continue = expect_100_continue
-        # Filled by the protocol's on_body / on_message_complete / connection_lost: the first chunk
-        # kept as it came (bytes), later ones appended to a bytearray.
-        self.body: bytes | bytearray = b""
-        self.more_body = True
-        self.disconnected = False
-        self.response_started = False
-        self.response_complete = False
-        self._waiter: asyncio.Future[None] | None = None
-        self._on_disconnect: Callable[[], None] | None = None
-        self._head: bytes = b""
-        self._chunked = False
-        #: A stream sent from callbacks (``stream_start``): the answer outlives the request's task.
-        self._relaying = False
-        self._on_writable: Callable[[bool], None] | None = None
-        #: The answer's headers by name once it started (whose answer it is, for a log line).
-        self.answer_headers: dict[bytes, bytes] | None = None
-        #: Why the router cut the connection (router/guard.py, limits.client_write_timeout_s), set
-        #: before the disconnect is told; "": the client went away itself.
-        self.cut_reason = ""
 
     # -- uvicorn's side: the protocol calls ``message_event.set()`` on body bytes, the end of the
     # body and a lost connection.
@@ -140,17 +124,6 @@ class ProxyExchange:
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
-
-    def add_body(self, chunk: bytes) -> int:
-        """Body bytes from the parser (the protocol's ``on_body``); the size held so far."""
-        body = self.body
-        if not body:
-            self.body = chunk  # the usual case, the whole body in one chunk: no copy
-            return len(chunk)
-        if type(body) is bytes:
-            body = self.body = bytearray(body)
-        body += chunk
-        return len(body)
 
     def clear(self) -> None:
         return None
@@ -333,14 +306,16 @@ class ProxyExchange:
             name == b"connection" and b"close" in value.lower() for name, value in headers
         ):
             self.keep_alive = False
-        lines = b"\r\n".join(map(b": ".join, headers))
         self._chunked = chunked
+        default_headers = self._protocol.server_state.default_headers
+        source, default_head = _default_head_of
+        if source is not default_headers:
+            default_head = _default_head(default_headers)
         self._head = b"".join(
             (
                 STATUS_LINE[status],
-                _default_head(self._protocol.server_state.default_headers),
-                lines,
-                b"\r\n" if lines else b"",
+                default_head,
+                b"".join(map(_HEADER_FORMAT, headers)),
                 b"transfer-encoding: chunked\r\n" if chunked else b"",
                 b"" if self.keep_alive else b"connection: close\r\n",
                 b"\r\n",
@@ -354,6 +329,10 @@ class ProxyExchange:
 _HEADER_LINE = re.compile(rb"\r\n([^:\r\n]+):[ \t]*(.*?)[ \t]*(?=\r\n)")
 #: uvicorn's test for a 100-continue request: a header ``expect`` whose value is ``100-continue``.
 _EXPECT_100 = re.compile(rb"\r\nexpect:[ \t]*100-continue[ \t]*\r\n", re.IGNORECASE)
+#: A request's head as llhttp has framed it: any empty lines before the request line (which it
+#: skips), the request line (its target: group 1), the header lines from the CRLF before the first
+#: to the CRLF after the last (group 2), the blank line.
+_HEAD = re.compile(rb"[\r\n]*[^ ]+ +([^ \r\n]+)[^\r\n]*(\r\n(?:[^\r\n]+\r\n)*)\r\n")
 _NAME = itemgetter(0)
 _VALUE = itemgetter(1)
 
@@ -457,14 +436,15 @@ class ProxyHttpProtocol(HttpToolsProtocol):
                 data = memoryview(data)
                 data, rest = data[:cut], data[cut:]
             heads_before = self._heads_done
-        size = len(data)
         # The parser; bytes mark the connection busy (the keep-alive timer stays armed:
         # ``_keep_alive_due``).
         self._idle_since_s = 0.0
         carry = self._carry
-        if carry is not None:
+        if carry is None:
+            self._fed = data
+        else:
             carry += data  # (the parser has had the carry's bytes: it gets the read's)
-        self._fed = data if carry is None else carry
+            self._fed = carry
         self._at = 0
         try:
             self.parser.feed_data(data)
@@ -477,20 +457,22 @@ class ProxyHttpProtocol(HttpToolsProtocol):
                 self.handle_websocket_upgrade()
             else:
                 self._unsupported_upgrade_warning()
-        fed, at = self._fed, self._at
+        fed = self._fed
         self._fed = b""
-        if at < len(fed):
+        if self._at < len(fed):
+            at = self._at
             # A head or a chunk's framing cut by the read's end: it leads the next read.
             if carry is not None and fed is carry:
                 del carry[:at]
             else:
                 self._carry = bytearray(fed[at:])
             if len(self._carry) > self.max_header_bytes + HEADER_SLACK_BYTES:  # type: ignore[arg-type]
-                # Nothing the parser holds is that long unaccounted for (a head is refused at the
-                # budget): bytes it ignores (after a request that closes the connection) or a
-                # chunk's framing past any sane size. Not kept; a head after them is refused.
+                # Nothing that long is left unaccounted for in a request (a head is refused at the
+                # budget): bytes after a request that closes the connection, which the parser
+                # ignores, or a chunk's framing past any sane size. Refused, not held.
                 self._carry = None
-                self._at = -1
+                if not transport.is_closing():
+                    self.send_400_response("Invalid HTTP request received.")
         elif carry is not None:
             self._carry = None
         if self._deferred is not None:
@@ -508,7 +490,7 @@ class ProxyHttpProtocol(HttpToolsProtocol):
                 elif self._heads_begun != self._heads_done:
                     self._start_header_timer()  # (not when it waits for the next request)
                 return
-            self._header_bytes += size
+            self._header_bytes += len(data)
             if rest and cut < budget:
                 # Cut early at a blank line that did not end the headers (empty lines before a
                 # request line): the rest of the read goes on, within the budget.
@@ -594,26 +576,24 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         # The head, from the bytes fed (after any empty lines before the request line, which the
         # parser skips) to its blank line.
-        fed, at = self._fed, self._at
-        if type(fed) is not bytes or at < 0:
-            fed, at = self._fed_from_at()
-            if at < 0:
-                raise ValueError("a request's head after bytes not accounted for")  # (a 400)
-        if fed.startswith((b"\r", b"\n"), at):
-            at = len(fed) - len(fed[at:].lstrip(b"\r\n"))
-        line_end = fed.index(b"\r\n", at)
-        end = self._at = fed.index(b"\r\n\r\n", line_end) + 4
-        url = self.url = fed[at:line_end].split()[1]  # (method, target[, version])
-        headers = self.headers = header_lines(fed, line_end, end)
-        self.expect_100_continue = _EXPECT_100.search(fed, line_end, end) is not None
+        head = _HEAD.match(self._fed, self._at)
+        if head is None:
+            raise ValueError("no request head where the bytes fed say one begins")  # (a 400)
+        start, end = head.span(2)
+        self._at = end + 2
+        url = self.url = head[1]
+        headers = self.headers = header_lines(head.string, start, end)
+        self.expect_100_continue = _EXPECT_100.search(head.string, start, end) is not None
         # The guard's limits: uvicorn keeps every header line; each line's name, value and ": " +
-        # CRLF, summed in C (no Python call per header).
-        too_many = len(headers) > self.max_headers
-        if too_many or (
-            sum(map(len, chain.from_iterable(headers))) + 4 * len(headers) + len(url) > self.max_header_bytes
-        ):
-            self._refuse_headers(b"header lines" if too_many else b"header bytes")
-            return
+        # CRLF count (at most the head's length plus one a line: the exact sum only near it).
+        lines = len(headers)
+        if lines > self.max_headers or end - head.start() + lines > self.max_header_bytes:
+            too_many = lines > self.max_headers
+            if too_many or sum(map(len, chain.from_iterable(headers))) + 4 * len(headers) + len(url) > (
+                self.max_header_bytes
+            ):
+                self._refuse_headers(b"header lines" if too_many else b"header bytes")
+                return
         app = self.app
         proxy_app = getattr(app, "proxy_app", None)
         parser = self.parser
@@ -638,12 +618,7 @@ class ProxyHttpProtocol(HttpToolsProtocol):
                 self.asgi_headers_complete()
                 return
         http_version = parser.get_http_version()
-        scope = self._scope(http_version)
-        scope["method"] = "POST"
-        scope["path"] = path
-        scope["raw_path"] = raw_path
-        scope["query_string"] = query
-        self.scope = scope  # type: ignore[assignment]
+        scope = self.scope = self._scope(http_version, "POST", path, raw_path, query)  # type: ignore[assignment]
         exchange = self._exchange = ProxyExchange(
             self, scope, http_version != "1.0" and parser.should_keep_alive(), self.expect_100_continue
         )
@@ -674,15 +649,23 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         """The request whose headers are in goes to the ASGI app (``self.app``) as uvicorn runs it:
         its scope as uvicorn's ``on_message_begin`` builds it, then uvicorn's request cycle."""
         self._exchange = None
-        self.scope = self._scope("1.1")  # type: ignore[assignment]  # (uvicorn sets the version)
+        # (uvicorn sets the version, method, path and query)
+        self.scope = self._scope("1.1", "", "", b"", b"")  # type: ignore[assignment]
         HttpToolsProtocol.on_headers_complete(self)
 
-    def _scope(self, http_version: str) -> dict[str, Any]:
-        """The keys of a request's scope that ``on_message_begin`` of uvicorn fills in."""
+    def _scope(
+        self, http_version: str, method: str, path: str, raw_path: bytes, query: bytes
+    ) -> dict[str, Any]:
+        """A request's ASGI scope: the keys uvicorn's ``on_message_begin`` fills in, and those of
+        its ``on_headers_complete``."""
         return {
             "type": "http",
             "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
             "http_version": http_version,
+            "method": method,
+            "path": path,
+            "raw_path": raw_path,
+            "query_string": query,
             "server": self.server,
             "client": self.client,
             "scheme": self.scheme,
@@ -700,7 +683,14 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         # A proxied request never upgrades (on_headers_complete): uvicorn's on_body without that check.
         if exchange.response_complete:
             return
-        if exchange.add_body(body) > HIGH_WATER_LIMIT:
+        held = exchange.body
+        if not held:
+            exchange.body = held = body  # the usual case, the whole body in one chunk: no copy
+        else:
+            if type(held) is bytes:
+                held = exchange.body = bytearray(held)
+            held += body
+        if len(held) > HIGH_WATER_LIMIT:
             self.flow.pause_reading()
         if exchange._waiter is not None:
             exchange.set()
@@ -710,13 +700,10 @@ class ProxyHttpProtocol(HttpToolsProtocol):
     # then its trailer lines (uvicorn adds them to the request's headers) and a blank line.
     def on_chunk_header(self) -> None:
         fed, at = self._fed_from_at()
-        if at >= 0:
-            self._at = fed.index(b"\n", at) + 1
+        self._at = fed.index(b"\n", at) + 1
 
     def on_chunk_complete(self) -> None:
         fed, at = self._fed_from_at()
-        if at < 0:
-            return
         if fed.startswith(b"\r\n", at):
             self._at = at + 2
             return
@@ -726,10 +713,10 @@ class ProxyHttpProtocol(HttpToolsProtocol):
 
     def _fed_from_at(self) -> tuple[bytes, int]:
         """The bytes fed as bytes (from the accounted-for position when they were not), and that
-        position (-1: lost)."""
+        position."""
         fed, at = self._fed, self._at
-        if type(fed) is bytes or at < 0:
-            return fed, at  # type: ignore[return-value]
+        if type(fed) is bytes:
+            return fed, at
         self._fed = fed = bytes(fed[at:])
         self._at = 0
         return fed, 0
