@@ -465,13 +465,14 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             if carry is not None and fed is carry:
                 del carry[:at]
             else:
-                self._carry = bytearray(fed[at:])
-            if len(self._carry) > self.max_header_bytes + HEADER_SLACK_BYTES:  # type: ignore[arg-type]
+                self._carry = carry = bytearray(fed[at:])
+            if not self._in_headers and len(carry) > self.max_header_bytes + HEADER_SLACK_BYTES:
                 # Nothing that long is left unaccounted for in a request (a head is refused at the
-                # budget): bytes after a request that closes the connection, which the parser
-                # ignores, or a chunk's framing past any sane size. Refused, not held.
+                # budget, 431, below): bytes after a request that closes the connection, which the
+                # parser ignores (dropped: its answer goes out, then the connection closes), or a
+                # chunk's framing past any sane size (refused, 400). Not held either way.
                 self._carry = None
-                if not transport.is_closing():
+                if getattr(self.cycle, "keep_alive", True) and not transport.is_closing():
                     self.send_400_response("Invalid HTTP request received.")
         elif carry is not None:
             self._carry = None

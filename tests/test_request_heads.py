@@ -25,6 +25,7 @@ import httptools
 import pytest
 
 from router.config import load_config
+from router.fastpath import HEADER_SLACK_BYTES
 from tests.conftest import ThreadedServer
 from tests.test_fastpath import read_answers
 from tests.test_guard_pipelining import _connection
@@ -362,3 +363,26 @@ def test_a_100_continue_in_any_case_is_answered_before_its_body(
         sock.sendall(body)
         (answer,) = read_answers(sock, 1)
     assert json.loads(answer.content) == _expected(data)[0]
+
+
+def test_unaccounted_bytes_past_the_header_budget_are_not_held(echo_server: ThreadedServer) -> None:
+    """A chunk's size line longer than the header budget (its extensions) is refused 400; bytes
+    sent after a request that closes the connection (which llhttp ignores) are dropped and its
+    answer still goes out whole."""
+    budget = EchoApp().state.config.limits.max_header_bytes + HEADER_SLACK_BYTES
+    long_line = b"POST %s HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2;x=%s" % (
+        PROXIED.encode(),
+        b"y" * budget,
+    )
+    with _send(echo_server, long_line) as sock:
+        sock.settimeout(10)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n"), answer[:100]
+    closing = request(head=b"connection: close\r\n", body=b'{"z": 1}')
+    with _send(echo_server, closing + b"x" * (2 * budget)) as sock:
+        (answer,) = read_answers(sock, 1)
+        assert answer.status_code == 200 and answer.headers["connection"] == "close"
+        assert json.loads(answer.content) == _expected(closing)[0]
+        assert sock.recv(65536) == b""
