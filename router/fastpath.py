@@ -21,7 +21,10 @@ Per request, the protocol does only what a request needs (round dp11): the ASGI 
 once its headers are in (the proxied kind or uvicorn's own), a proxied request's body bytes are
 handed to the exchange without uvicorn's per-chunk checks and copies, and the keep-alive timeout is
 one timer per connection that is re-armed only when it fires (uvicorn arms and cancels a timer per
-request): ``_idle_since_s`` says since when the connection waits for its next request.
+request): ``_idle_since_s`` says since when the connection waits for its next request. Since round
+dp17 the parser calls no Python per header line (a request's head is cut from the bytes fed and
+parsed in C, ``ProxyHttpProtocol``), the guard's per-request limits run in the same hooks, and a
+whole non-stream answer goes out through ``answer_now`` without ``send``'s two awaits.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 ``guarded_http_protocol(limits)`` is kvroute's HTTP protocol (uvicorn's httptools protocol that
 answers the proxied routes itself, router/fastpath.py) with header read timeouts, header size/count
-limits and a connection cap (slow or idle clients must not hold sockets forever).
+limits and a connection cap (slow or idle clients must not hold sockets forever). The per-request
+part of these limits runs in that protocol's own hooks (one hook per parser event); this module sets
+the limits and keeps what is per connection: the cap and its evictions, the client write timeout.
 ``AccessGuard`` is the ASGI middleware around the app: client API keys, admin token and access to
 the introspection endpoints (constant-time comparisons, failures rate-limited per address), and an
 answer of 500 for any error the app did not handle, without dropping the keep-alive connection.
