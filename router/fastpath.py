@@ -349,7 +349,7 @@ HEADER_SLACK_BYTES = 1024
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 
 
-def header_lines(head: bytes, start: int, end: int) -> list[tuple[bytes, bytes]]:
+def header_lines(head: bytes | bytearray | memoryview, start: int, end: int) -> list[tuple[bytes, bytes]]:
     """The header lines of ``head[start:end]`` (from the CRLF before the first line to the CRLF
     after the last) as ASGI wants them: lower-case names, values without surrounding spaces and
     tabs; parsed in C, no Python call per line."""
@@ -580,14 +580,15 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         # The head, from the bytes fed (after any empty lines before the request line, which the
         # parser skips) to its blank line.
-        head = _HEAD.match(self._fed, self._at)
+        fed = self._fed
+        head = _HEAD.match(fed, self._at)
         if head is None:
             raise ValueError("no request head where the bytes fed say one begins")  # (a 400)
         start, end = head.span(2)
         self._at = end + 2
         url = self.url = head[1]
-        headers = self.headers = header_lines(head.string, start, end)
-        self.expect_100_continue = _EXPECT_100.search(head.string, start, end) is not None
+        headers = self.headers = header_lines(fed, start, end)
+        self.expect_100_continue = _EXPECT_100.search(fed, start, end) is not None
         # The guard's limits: uvicorn keeps every header line; each line's name, value and ": " +
         # CRLF count (at most the head's length plus one a line: the exact sum only near it).
         lines = len(headers)
@@ -712,8 +713,9 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             self._at = at + 2
             return
         end = self._at = fed.index(b"\r\n\r\n", at) + 4
-        if self.headers is not None:
-            self.headers += header_lines(b"\r\n" + fed[at:end], 0, end - at + 2)
+        headers = self.headers
+        if headers is not None:
+            headers.extend(header_lines(b"\r\n" + fed[at:end], 0, end - at + 2))
 
     def _fed_from_at(self) -> tuple[bytes, int]:
         """The bytes fed as bytes (from the accounted-for position when they were not), and that
