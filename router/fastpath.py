@@ -21,20 +21,28 @@ Per request, the protocol does only what a request needs (round dp11): the ASGI 
 once its headers are in (the proxied kind or uvicorn's own), a proxied request's body bytes are
 handed to the exchange without uvicorn's per-chunk checks and copies, and the keep-alive timeout is
 one timer per connection that is re-armed only when it fires (uvicorn arms and cancels a timer per
-request): ``_idle_since_s`` says since when the connection waits for its next request.
+request): ``_idle_since_s`` says since when the connection waits for its next request. Since round
+dp17 the parser calls no Python per header line (a request's head is cut from the bytes fed and
+parsed in C, ``ProxyHttpProtocol``), the guard's per-request limits run in the same hooks, and a
+whole non-stream answer goes out through ``answer_now`` without ``send``'s two awaits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable, Callable
-from typing import Any
+from itertools import chain
+from operator import itemgetter
+from typing import Any, ClassVar
 
 import httptools
 from mypy_extensions import mypyc_attr
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from router.config import LimitsConfig
 
 log = logging.getLogger("kvroute.fastpath")
 
@@ -56,14 +64,17 @@ UPLOAD_GRACE_S = 0.05
 _default_head_of: tuple[object, bytes] = (None, b"")
 
 
+#: A header line of an answer from its (name, value).
+_HEADER_FORMAT = b"%s: %s\r\n".__mod__
+
+
 def _default_head(default_headers: list[tuple[bytes, bytes]]) -> bytes:
-    """uvicorn's default response headers (server, date) as bytes, joined once per list: uvicorn
-    replaces the list when the date changes (once a second)."""
+    """uvicorn's default response headers (server, date) as bytes, joined once per list (the
+    answer's head reads ``_default_head_of`` first): uvicorn replaces the list when the date
+    changes (once a second)."""
     global _default_head_of
-    source, head = _default_head_of
-    if source is not default_headers:
-        head = b"".join(b"%s: %s\r\n" % (name, value) for name, value in default_headers)
-        _default_head_of = (default_headers, head)
+    head = b"".join(map(_HEADER_FORMAT, default_headers))
+    _default_head_of = (default_headers, head)
     return head
 
 
@@ -72,26 +83,26 @@ class ProxyExchange:
     ``receive``/``send`` in ASGI form for ``proxy_app``, the response written straight to the
     transport (content-length or chunked framing, keep-alive, flow control)."""
 
-    __slots__ = (
-        "_chunked",
-        "_head",
-        "_on_disconnect",
-        "_on_writable",
-        "_protocol",
-        "_relaying",
-        "_waiter",
-        "answer_headers",
-        "body",
-        "cut_reason",
-        "disconnected",
-        "expect_100_continue",
-        "keep_alive",
-        "loop",
-        "more_body",
-        "response_complete",
-        "response_started",
-        "scope",
-    )
+    # The state every exchange starts in (class attributes: an exchange stores only what differs).
+    #: The request body, filled by the protocol's on_body / on_message_complete / connection_lost:
+    #: the first chunk kept as it came (bytes), later ones appended to a bytearray.
+    body: bytes | bytearray = b""
+    more_body = True
+    disconnected = False
+    response_started = False
+    response_complete = False
+    _waiter: asyncio.Future[None] | None = None
+    _on_disconnect: Callable[[], None] | None = None
+    _head = b""
+    _chunked = False
+    #: A stream sent from callbacks (``stream_start``): the answer outlives the request's task.
+    _relaying = False
+    _on_writable: Callable[[bool], None] | None = None
+    #: The answer's headers by name once it started (whose answer it is, for a log line).
+    answer_headers: dict[bytes, bytes] | None = None
+    #: Why the router cut the connection (router/guard.py, limits.client_write_timeout_s), set
+    #: before the disconnect is told; "": the client went away itself.
+    cut_reason = ""
 
     def __init__(
         self, protocol: ProxyHttpProtocol, scope: dict[str, Any], keep_alive: bool, expect_100_continue: bool
@@ -101,25 +112,6 @@ class ProxyExchange:
         self.scope = scope
         self.keep_alive = keep_alive
         self.expect_100_continue = expect_100_continue
-        # Filled by the protocol's on_body / on_message_complete / connection_lost: the first chunk
-        # kept as it came (bytes), later ones appended to a bytearray.
-        self.body: bytes | bytearray = b""
-        self.more_body = True
-        self.disconnected = False
-        self.response_started = False
-        self.response_complete = False
-        self._waiter: asyncio.Future[None] | None = None
-        self._on_disconnect: Callable[[], None] | None = None
-        self._head: bytes = b""
-        self._chunked = False
-        #: A stream sent from callbacks (``stream_start``): the answer outlives the request's task.
-        self._relaying = False
-        self._on_writable: Callable[[bool], None] | None = None
-        #: The answer's headers by name once it started (whose answer it is, for a log line).
-        self.answer_headers: dict[bytes, bytes] | None = None
-        #: Why the router cut the connection (router/guard.py, limits.client_write_timeout_s), set
-        #: before the disconnect is told; "": the client went away itself.
-        self.cut_reason = ""
 
     # -- uvicorn's side: the protocol calls ``message_event.set()`` on body bytes, the end of the
     # body and a lost connection.
@@ -135,17 +127,6 @@ class ProxyExchange:
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
-
-    def add_body(self, chunk: bytes) -> int:
-        """Body bytes from the parser (the protocol's ``on_body``); the size held so far."""
-        body = self.body
-        if not body:
-            self.body = chunk  # the usual case, the whole body in one chunk: no copy
-            return len(chunk)
-        if type(body) is bytes:
-            body = self.body = bytearray(body)
-        body += chunk
-        return len(body)
 
     def clear(self) -> None:
         return None
@@ -328,14 +309,16 @@ class ProxyExchange:
             name == b"connection" and b"close" in value.lower() for name, value in headers
         ):
             self.keep_alive = False
-        lines = b"\r\n".join(map(b": ".join, headers))
         self._chunked = chunked
+        default_headers = self._protocol.server_state.default_headers
+        source, default_head = _default_head_of
+        if source is not default_headers:
+            default_head = _default_head(default_headers)
         self._head = b"".join(
             (
                 STATUS_LINE[status],
-                _default_head(self._protocol.server_state.default_headers),
-                lines,
-                b"\r\n" if lines else b"",
+                default_head,
+                b"".join(map(_HEADER_FORMAT, headers)),
                 b"transfer-encoding: chunked\r\n" if chunked else b"",
                 b"" if self.keep_alive else b"connection: close\r\n",
                 b"\r\n",
@@ -343,12 +326,69 @@ class ProxyExchange:
         )
 
 
+#: A request's header lines in its head (llhttp has validated them: a token, a colon, a value of
+#: visible bytes, spaces and tabs, CRLF; no line folding, no bare CR or LF): the name, and the value
+#: without the spaces and tabs around it, as llhttp and uvicorn's ``on_header`` give them.
+_HEADER_LINE = re.compile(rb"\r\n([^:\r\n]+):[ \t]*(.*?)[ \t]*(?=\r\n)")
+#: uvicorn's test for a 100-continue request: a header ``expect`` whose value is ``100-continue``.
+_EXPECT_100 = re.compile(rb"\r\nexpect:[ \t]*100-continue[ \t]*\r\n", re.IGNORECASE)
+#: A request's head as llhttp has framed it: any empty lines before the request line (which it
+#: skips), the request line (its target: group 1), the header lines from the CRLF before the first
+#: to the CRLF after the last (group 2), the blank line.
+_HEAD = re.compile(rb"[\r\n]*[^ ]+ +([^ \r\n]+)[^\r\n]*(\r\n(?:[^\r\n]+\r\n)*)\r\n")
+_NAME = itemgetter(0)
+_VALUE = itemgetter(1)
+
+#: The guard's limits when ``limits`` sets none (router/guard.py's protocol sets them from the config).
+_LIMITS = LimitsConfig()
+
+#: Request-line and header bytes a connection may send beyond ``max_header_bytes`` before the exact
+#: count (taken when the headers are complete) can be made: the request line and the CRLFs.
+HEADER_SLACK_BYTES = 1024
+
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+
+
+def header_lines(head: bytes | bytearray | memoryview, start: int, end: int) -> list[tuple[bytes, bytes]]:
+    """The header lines of ``head[start:end]`` (from the CRLF before the first line to the CRLF
+    after the last) as ASGI wants them: lower-case names, values without surrounding spaces and
+    tabs; parsed in C, no Python call per line."""
+    pairs = _HEADER_LINE.findall(head, start, end)
+    return list(zip(map(bytes.lower, map(_NAME, pairs)), map(_VALUE, pairs), strict=True))
+
+
 # router/guard.py subclasses it; when mypyc compiles this module (tools/mypyc_build.py) a compiled
 # class refuses interpreted subclasses unless told otherwise.
 @mypyc_attr(allow_interpreted_subclasses=True)
 class ProxyHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol answering the app's proxied routes with a ``ProxyExchange``
-    (see the module's docstring); every other request goes through the ASGI app as before."""
+    (see the module's docstring); every other request goes through the ASGI app as before.
+
+    It also runs the guard's per-request limits (router/guard.py's protocol, a subclass, sets them
+    and adds the connection cap and the client write timeout): header bytes fed only up to
+    ``max_header_bytes`` plus a slack while a request's headers are incomplete, at most
+    ``max_headers`` lines, the header timeout armed while a request's headers are incomplete, and
+    the waiting/uploading tables of the connection cap kept per request (one hook per parser event,
+    not one per layer).
+
+    Header lines cost no Python call each: the parser has no ``on_header`` nor ``on_url``; a
+    request's head is cut from the bytes fed at its ``on_headers_complete`` (llhttp still frames and
+    validates it) and parsed in C (``header_lines``). To know where a head begins, the callbacks
+    account for every byte fed (``_fed``, ``_at``): a head ends at its blank line, a body's bytes
+    come through ``on_body``, a chunked body's framing through ``on_chunk_header`` and
+    ``on_chunk_complete``; bytes not accounted for when a read ends (a head or a chunk's framing
+    cut by the read's end) lead the next read (``_carry``)."""
+
+    on_header = None  # type: ignore[assignment]
+    on_url = None  # type: ignore[assignment]
+
+    header_timeout_s = _LIMITS.header_timeout_s
+    max_header_bytes = _LIMITS.max_header_bytes
+    max_headers = _LIMITS.max_headers
+    # Shared by the connections of one server, oldest first (dicts keep insertion order): those
+    # waiting for a request or its headers, and those uploading a request's body.
+    waiting: ClassVar[dict[Any, None]] = {}
+    uploading: ClassVar[dict[Any, None]] = {}
 
     #: A proxied request not started yet, and its app: with the app's ``proxy_now``
     #: (proxy.callback_path), a request is answered in callbacks once its body is complete at the
@@ -360,11 +400,55 @@ class ProxyHttpProtocol(HttpToolsProtocol):
     #: The loop time since which the connection has waited for its next request after an answer
     #: (0: it has not, or bytes came since): the keep-alive timeout counts from there.
     _idle_since_s = 0.0
+    #: The bytes being parsed (a read, led by the carry), how far the callbacks account for them,
+    #: and the bytes of earlier reads not accounted for yet.
+    _fed: bytes | bytearray | memoryview = b""
+    _at = 0
+    _carry: bytearray | None = None
+    #: Header bytes fed for the request whose headers are incomplete; requests begun and those whose
+    #: headers were complete (pipelining); whether the connection waits for or receives headers.
+    _header_bytes = 0
+    _heads_begun = 0
+    _heads_done = 0
+    _in_headers = True
+    _answered_one = False
+    _header_timer: asyncio.TimerHandle | None = None
+    #: Since when the connection waits (for its request or its body): the connection cap's order.
+    _waiting_since_s = 0.0
 
-    def data_received(self, data: bytes | memoryview) -> None:  # type: ignore[override]
-        # uvicorn's, with the keep-alive timer left armed: bytes mark the connection busy instead
-        # (``_keep_alive_due``).
+    def data_received(self, data: bytes | bytearray | memoryview) -> None:  # type: ignore[override]
+        transport = self.transport
+        if transport.is_closing():
+            return
+        in_headers = self._in_headers
+        rest: bytes | bytearray | memoryview = b""
+        if in_headers:
+            # Feed header bytes only up to the limit: the parser holds an unfinished header line
+            # in memory, so everything past the budget is refused unread. A read that also holds
+            # the end of the headers and a body goes on in a second feed.
+            budget = self.max_header_bytes + HEADER_SLACK_BYTES - self._header_bytes
+            cut = budget
+            if len(data) > budget:
+                # A read longer than the budget (a large body with its headers) is cut where the
+                # headers end when that is within the budget, so that the body reaches the parser
+                # in one piece (one on_body: the exchange holds it as it came, with no join of
+                # two), and cut through a memoryview (no copy of either side).
+                end = data.find(b"\r\n\r\n", 0, budget) if type(data) is bytes else -1
+                if end >= 0:
+                    cut = end + 4
+                data = memoryview(data)
+                data, rest = data[:cut], data[cut:]
+            heads_before = self._heads_done
+        # The parser; bytes mark the connection busy (the keep-alive timer stays armed:
+        # ``_keep_alive_due``).
         self._idle_since_s = 0.0
+        carry = self._carry
+        if carry is None:
+            self._fed = data
+        else:
+            carry += data  # (the parser has had the carry's bytes: it gets the read's)
+            self._fed = carry
+        self._at = 0
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
@@ -376,6 +460,61 @@ class ProxyHttpProtocol(HttpToolsProtocol):
                 self.handle_websocket_upgrade()
             else:
                 self._unsupported_upgrade_warning()
+        fed = self._fed
+        self._fed = b""
+        if self._at < len(fed):
+            at = self._at
+            # A head or a chunk's framing cut by the read's end: it leads the next read.
+            if carry is not None and fed is carry:
+                del carry[:at]
+            else:
+                self._carry = carry = bytearray(fed[at:])
+            if not self._in_headers and len(carry) > self.max_header_bytes + HEADER_SLACK_BYTES:
+                # Nothing that long is left unaccounted for in a request (a head is refused at the
+                # budget, 431, below): bytes after a request that closes the connection, which the
+                # parser ignores (dropped: its answer goes out, then the connection closes), or a
+                # chunk's framing past any sane size (refused, 400). Not held either way.
+                self._carry = None
+                if getattr(self.cycle, "keep_alive", True) and not transport.is_closing():
+                    self.send_400_response("Invalid HTTP request received.")
+        elif carry is not None:
+            self._carry = None
+        if self._deferred is not None:
+            self._go_on_deferred()
+        if transport.is_closing():
+            return
+        if in_headers and self._in_headers:
+            if self._heads_done != heads_before:
+                # A request's headers ended in this read and a pipelined one's began: the bytes
+                # before it were not its headers. The rest of the read goes on with a budget of
+                # its own (the new request's first bytes go uncounted: one read at most;
+                # on_headers_complete checks the exact size).
+                if rest:
+                    self.data_received(rest)
+                elif self._heads_begun != self._heads_done:
+                    self._start_header_timer()  # (not when it waits for the next request)
+                return
+            self._header_bytes += len(data)
+            if rest and cut < budget:
+                # Cut early at a blank line that did not end the headers (empty lines before a
+                # request line): the rest of the read goes on, within the budget.
+                self.data_received(rest)
+            elif rest or self._header_bytes >= self.max_header_bytes + HEADER_SLACK_BYTES:
+                self._reject(431, b"request headers exceed limits.max_header_bytes")
+            elif self._header_bytes:
+                # A request's headers began and are not complete: they have the header timeout
+                # from now on (armed here, not per request in on_message_begin: a request whose
+                # headers come whole needs no timer).
+                self._start_header_timer()
+            return
+        if rest:
+            self.data_received(rest)  # (its headers complete: the body, fed as it is)
+        elif not in_headers and self._heads_begun != self._heads_done:
+            self._start_header_timer()  # a pipelined request's headers began in this read
+
+    def _go_on_deferred(self) -> None:
+        """The callback path, once a read is parsed: the deferred request answered in callbacks
+        when its body is complete, else given ``UPLOAD_GRACE_S`` or a task."""
         deferred = self._deferred
         if deferred is None:
             return
@@ -417,17 +556,49 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             self._start_asgi_task(deferred[0], deferred[1])  # type: ignore[arg-type]
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_header_timer()
+        self.waiting.pop(self, None)
+        self.uploading.pop(self, None)
         super().connection_lost(exc)
         # A request cut off during its upload: its task sees the disconnect and counts it.
         self._start_deferred()
 
     def on_message_begin(self) -> None:
-        # uvicorn's, but the scope: built once the headers say which kind of request this is.
-        self.url = b""
-        self.expect_100_continue = False
-        self.headers = []
+        # uvicorn's sets the url, headers and scope: here they are made from the head once it is
+        # complete (``on_headers_complete``).
+        self._in_headers = True
+        self._heads_begun += 1
 
     def on_headers_complete(self) -> None:
+        self._in_headers = False
+        self._heads_done += 1
+        if self._header_timer is not None:
+            self._stop_header_timer()
+        self.waiting.pop(self, None)
+        self.uploading[self] = None
+        self._waiting_since_s = self.loop.time()
+        self._header_bytes = 0
+        # The head, from the bytes fed (after any empty lines before the request line, which the
+        # parser skips) to its blank line.
+        fed = self._fed
+        head = _HEAD.match(fed, self._at)
+        if head is None:
+            raise ValueError("no request head where the bytes fed say one begins")  # (a 400)
+        start, end = head.span(2)
+        self._at = end + 2
+        url = self.url = head[1]
+        headers = self.headers = header_lines(fed, start, end)
+        self.expect_100_continue = _EXPECT_100.search(fed, start, end) is not None
+        # The guard's limits: uvicorn keeps every header line; each line's name, value and ": " +
+        # CRLF count (at most the head's length plus one a line: the exact sum only near it).
+        lines = len(headers)
+        if lines > self.max_headers or end - head.start() + lines > self.max_header_bytes:
+            too_many = lines > self.max_headers
+            if too_many or sum(map(len, chain.from_iterable(headers))) + 4 * len(headers) + len(url) > (
+                self.max_header_bytes
+            ):
+                self._refuse_headers(b"header lines" if too_many else b"header bytes")
+                return
         app = self.app
         proxy_app = getattr(app, "proxy_app", None)
         parser = self.parser
@@ -439,7 +610,6 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         ):
             self.asgi_headers_complete()
             return
-        url = self.url
         path = app.proxy_paths.get(url)  # the usual request line: the path alone, no query
         if path is not None:
             raw_path, query = url, b""
@@ -453,17 +623,9 @@ class ProxyHttpProtocol(HttpToolsProtocol):
                 self.asgi_headers_complete()
                 return
         http_version = parser.get_http_version()
-        scope = self._scope(http_version)
-        scope["method"] = "POST"
-        scope["path"] = path
-        scope["raw_path"] = raw_path
-        scope["query_string"] = query
-        self.scope = scope  # type: ignore[assignment]
+        scope = self.scope = self._scope(http_version, "POST", path, raw_path, query)  # type: ignore[assignment]
         exchange = self._exchange = ProxyExchange(
-            self,
-            scope,
-            keep_alive=http_version != "1.0" and parser.should_keep_alive(),
-            expect_100_continue=self.expect_100_continue,
+            self, scope, http_version != "1.0" and parser.should_keep_alive(), self.expect_100_continue
         )
         existing = self.cycle
         self.cycle = exchange  # type: ignore[assignment]
@@ -478,19 +640,37 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
             self.pipeline.appendleft((exchange, proxy_app))  # type: ignore[arg-type]
 
+    def _refuse_headers(self, what: bytes) -> None:
+        """A request over the guard's header limits, answered 431 through uvicorn's own request
+        cycle (it keeps parsing any body that follows) with an app that refuses: the same way it
+        answers over limit_concurrency."""
+        app, self.app = self.app, _headers_too_large(what)
+        try:
+            self.asgi_headers_complete()
+        finally:
+            self.app = app
+
     def asgi_headers_complete(self) -> None:
         """The request whose headers are in goes to the ASGI app (``self.app``) as uvicorn runs it:
         its scope as uvicorn's ``on_message_begin`` builds it, then uvicorn's request cycle."""
         self._exchange = None
-        self.scope = self._scope("1.1")  # type: ignore[assignment]  # (uvicorn sets the version)
+        # (uvicorn sets the version, method, path and query)
+        self.scope = self._scope("1.1", "", "", b"", b"")  # type: ignore[assignment]
         HttpToolsProtocol.on_headers_complete(self)
 
-    def _scope(self, http_version: str) -> dict[str, Any]:
-        """The keys of a request's scope that ``on_message_begin`` of uvicorn fills in."""
+    def _scope(
+        self, http_version: str, method: str, path: str, raw_path: bytes, query: bytes
+    ) -> dict[str, Any]:
+        """A request's ASGI scope: the keys uvicorn's ``on_message_begin`` fills in, and those of
+        its ``on_headers_complete``."""
         return {
             "type": "http",
             "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
             "http_version": http_version,
+            "method": method,
+            "path": path,
+            "raw_path": raw_path,
+            "query_string": query,
             "server": self.server,
             "client": self.client,
             "scheme": self.scheme,
@@ -500,6 +680,7 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         }
 
     def on_body(self, body: bytes) -> None:
+        self._at += len(body)
         exchange = self._exchange
         if exchange is None:
             HttpToolsProtocol.on_body(self, body)
@@ -507,12 +688,47 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         # A proxied request never upgrades (on_headers_complete): uvicorn's on_body without that check.
         if exchange.response_complete:
             return
-        if exchange.add_body(body) > HIGH_WATER_LIMIT:
+        held = exchange.body
+        if not held:
+            exchange.body = held = body  # the usual case, the whole body in one chunk: no copy
+        else:
+            if type(held) is bytes:
+                held = exchange.body = bytearray(held)
+            held += body
+        if len(held) > HIGH_WATER_LIMIT:
             self.flow.pause_reading()
         if exchange._waiter is not None:
             exchange.set()
 
+    # A chunked body's framing, accounted for (a head after it is found from there): the size line
+    # (with any extensions) before a chunk's bytes, the CRLF after them; the last chunk's size line,
+    # then its trailer lines (uvicorn adds them to the request's headers) and a blank line.
+    def on_chunk_header(self) -> None:
+        fed, at = self._fed_from_at()
+        self._at = fed.index(b"\n", at) + 1
+
+    def on_chunk_complete(self) -> None:
+        fed, at = self._fed_from_at()
+        if fed.startswith(b"\r\n", at):
+            self._at = at + 2
+            return
+        end = self._at = fed.index(b"\r\n\r\n", at) + 4
+        headers = self.headers
+        if headers is not None:
+            headers.extend(header_lines(b"\r\n" + fed[at:end], 0, end - at + 2))
+
+    def _fed_from_at(self) -> tuple[bytes, int]:
+        """The bytes fed as bytes (from the accounted-for position when they were not), and that
+        position."""
+        fed, at = self._fed, self._at
+        if type(fed) is bytes:
+            return fed, at
+        self._fed = fed = bytes(fed[at:])
+        self._at = 0
+        return fed, 0
+
     def on_message_complete(self) -> None:
+        self.uploading.pop(self, None)  # the request is complete: active until answered
         exchange = self._exchange
         if exchange is None:
             HttpToolsProtocol.on_message_complete(self)
@@ -523,18 +739,25 @@ class ProxyHttpProtocol(HttpToolsProtocol):
                 exchange.set()
 
     def on_response_complete(self) -> None:
-        # uvicorn's, with the keep-alive timer armed only when none is (``_keep_alive_due``).
+        # uvicorn's, with the keep-alive timer armed only when none is (``_keep_alive_due``), and
+        # the connection waiting for its next request (the guard's tables).
         self.server_state.total_requests += 1
+        self._header_bytes = 0
+        self.uploading.pop(self, None)
+        self._answered_one = True
         if self.transport.is_closing():
             return
+        self._in_headers = True  # waiting for the next request on this connection
+        self.waiting[self] = None
         flow = self.flow
         if flow.read_paused:
             flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
+            self._waiting_since_s = self.loop.time()  # (for a pipelined request)
             return
-        self._idle_since_s = now = self.loop.time()
+        self._waiting_since_s = self._idle_since_s = now = self.loop.time()
         if self.timeout_keep_alive_task is None:
             self.timeout_keep_alive_task = self.loop.call_at(
                 now + self.timeout_keep_alive, self._keep_alive_due
@@ -566,3 +789,44 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             self.timeout_keep_alive_handler()
         else:
             self.timeout_keep_alive_task = self.loop.call_at(due_s, self._keep_alive_due)
+
+    # -- the header timeout (limits.header_timeout_s): one timer, armed only while a request's
+    # headers are incomplete.
+    def _start_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _stop_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self._in_headers and not self.transport.is_closing():
+            self._reject(408, b"request headers not received within limits.header_timeout_s")
+
+    def _reject(self, status: int, message: bytes) -> None:
+        """Answer ``status`` with ``message`` and close, before any request is read."""
+        self._stop_header_timer()
+        self.waiting.pop(self, None)
+        self.uploading.pop(self, None)
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (status, _REASONS[status], len(message), message)
+        )
+        self.transport.close()
+
+
+def _headers_too_large(what: bytes) -> Any:
+    """An ASGI app answering 431 and closing the connection."""
+    body = b"too many request " + what
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))]
+        await send(
+            {"type": "http.response.start", "status": 431, "headers": [*headers, (b"connection", b"close")]}
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    return app

@@ -2,7 +2,9 @@
 
 ``guarded_http_protocol(limits)`` is kvroute's HTTP protocol (uvicorn's httptools protocol that
 answers the proxied routes itself, router/fastpath.py) with header read timeouts, header size/count
-limits and a connection cap (slow or idle clients must not hold sockets forever).
+limits and a connection cap (slow or idle clients must not hold sockets forever). The per-request
+part of these limits runs in that protocol's own hooks (one hook per parser event); this module sets
+the limits and keeps what is per connection: the cap and its evictions, the client write timeout.
 ``AccessGuard`` is the ASGI middleware around the app: client API keys, admin token and access to
 the introspection endpoints (constant-time comparisons, failures rate-limited per address), and an
 answer of 500 for any error the app did not handle, without dropping the keep-alive connection.
@@ -21,8 +23,7 @@ import termios
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
-from itertools import chain
-from typing import Any
+from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -57,14 +58,6 @@ def unacknowledged_bytes(transport: asyncio.BaseTransport) -> int:
         return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0])
     except (AttributeError, OSError, ValueError):
         return 0
-
-
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
-
-
-#: Request-line and header bytes a connection may send beyond ``limits.max_header_bytes`` before the
-#: exact count (taken when the headers are complete) can be made: the request line and the CRLFs.
-HEADER_SLACK_BYTES = 1024
 
 
 def connection_reserve(max_connections: int) -> int:
@@ -102,18 +95,12 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
         _write_timer: asyncio.TimerHandle | None = None
         max_pending = max(1, limits.max_connections - connection_reserve(limits.max_connections))
         # Shared by the connections of one server, oldest first (dicts keep insertion order).
-        waiting: dict[GuardedHttpToolsProtocol, None] = {}
-        uploading: dict[GuardedHttpToolsProtocol, None] = {}
+        waiting: ClassVar[dict[Any, None]] = {}
+        uploading: ClassVar[dict[Any, None]] = {}
         evictions = 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._header_bytes = 0
-            # Requests begun, and those whose headers were complete (pipelining, in data_received).
-            self._heads_begun = self._heads_done = 0
-            self._in_headers = True
-            self._answered_one = False
-            self._header_timer: asyncio.TimerHandle | None = None
             self._waiting_since_s = self.loop.time()  # since this phase (waiting / uploading) began
             if self.max_connections:
                 pending = len(self.waiting) + len(self.uploading)
@@ -136,7 +123,8 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
             return True
 
         def _evict(self) -> None:
-            self._forget()
+            self.waiting.pop(self, None)
+            self.uploading.pop(self, None)
             if self._in_headers and self._header_bytes == 0 and self._answered_one:
                 # Idle between requests: close quietly, as a keep-alive timeout would (clients
                 # retry a request on a reused connection that closes).
@@ -146,129 +134,6 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
                 self._reject(503, b"connection evicted: the router is at limits.max_connections")
             else:
                 self.transport.close()  # mid-upload: the handler sees a disconnect (499)
-
-        def _forget(self) -> None:
-            self.waiting.pop(self, None)
-            self.uploading.pop(self, None)
-
-        def _start_header_timer(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
-
-        def _stop_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _header_timeout(self) -> None:
-            self._header_timer = None
-            if self._in_headers and not self.transport.is_closing():
-                self._reject(408, b"request headers not received within limits.header_timeout_s")
-
-        def _reject(self, status: int, message: bytes) -> None:
-            self._stop_header_timer()
-            self._forget()
-            self.transport.write(
-                b"HTTP/1.1 %d %s\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n"
-                b"connection: close\r\n\r\n%s" % (status, _REASONS[status], len(message), message)
-            )
-            self.transport.close()
-
-        def data_received(self, data: bytes | memoryview) -> None:
-            if self.transport.is_closing():
-                return
-            if self._in_headers:
-                # Feed header bytes only up to the limit: the parser holds an unfinished header
-                # line in memory, so everything past the budget is refused unread. A chunk that
-                # also holds the end of the headers and a body goes on in a second feed.
-                budget = self.max_header_bytes + HEADER_SLACK_BYTES - self._header_bytes
-                cut = budget
-                if len(data) > budget:
-                    # A read longer than the budget (a large body with its headers) is cut where
-                    # the headers end when that is within the budget, so that the body reaches
-                    # the parser in one piece (one on_body: the exchange holds it as it came,
-                    # with no join of two), and cut through a memoryview (no copy of either side).
-                    end = data.find(b"\r\n\r\n", 0, budget) if type(data) is bytes else -1
-                    if end >= 0:
-                        cut = end + 4
-                    data = memoryview(data)
-                head, data = data[:cut], data[cut:]
-                heads_before = self._heads_done
-                super().data_received(head)
-                if self._in_headers and not self.transport.is_closing():
-                    if self._heads_done != heads_before:
-                        # A request's headers ended in ``head`` and a pipelined one's began: the
-                        # bytes before it were not its headers. The rest of the chunk goes on
-                        # with a budget of its own (the new request's first bytes in ``head`` go
-                        # uncounted: one read at most; on_headers_complete checks the exact size).
-                        if data:
-                            self.data_received(data)
-                        elif self._heads_begun != self._heads_done:
-                            self._start_header_timer()  # (not when it waits for the next request)
-                        return
-                    self._header_bytes += len(head)
-                    if data and cut < budget:
-                        # Cut early at a blank line that did not end the headers (empty lines
-                        # before a request line): the rest of the read goes on, within the budget.
-                        self.data_received(data)
-                        return
-                    if data or self._header_bytes >= self.max_header_bytes + HEADER_SLACK_BYTES:
-                        self._reject(431, b"request headers exceed limits.max_header_bytes")
-                    elif self._header_bytes:
-                        # A request's headers began and are not complete: they have the header
-                        # timeout from now on (armed here, not per request in on_message_begin: a
-                        # request whose headers come whole needs no timer).
-                        self._start_header_timer()
-                    return
-                if not data or self.transport.is_closing():
-                    return
-            super().data_received(data)
-            if self._heads_begun != self._heads_done and not self.transport.is_closing():
-                self._start_header_timer()  # a pipelined request's headers began in this chunk
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._in_headers = True
-            self._heads_begun += 1
-
-        def on_headers_complete(self) -> None:
-            self._in_headers = False
-            self._heads_done += 1
-            if self._header_timer is not None:
-                self._stop_header_timer()
-            self.waiting.pop(self, None)
-            self.uploading[self] = None
-            self._waiting_since_s = self.loop.time()
-            headers = self.headers
-            too_many = len(headers) > self.max_headers  # uvicorn keeps every header line
-            # Each line's name, value and ": " + CRLF, summed in C (no Python call per header).
-            too_big = sum(map(len, chain.from_iterable(headers))) + 4 * len(headers) + len(self.url)
-            self._header_bytes = 0
-            if not too_many and too_big <= self.max_header_bytes:
-                super().on_headers_complete()
-                return
-            # Answer through uvicorn's own request cycle (it keeps parsing any body that follows)
-            # with an app that refuses: the same way it answers over limit_concurrency.
-            app, self.app = self.app, _headers_too_large(b"header lines" if too_many else b"header bytes")
-            try:
-                super().on_headers_complete()
-            finally:
-                self.app = app
-
-        def on_message_complete(self) -> None:
-            self.uploading.pop(self, None)  # the request is complete: active until answered
-            super().on_message_complete()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._header_bytes = 0
-            self.uploading.pop(self, None)
-            self._answered_one = True
-            if not self.transport.is_closing():
-                self._in_headers = True  # waiting for the next request on this connection
-                self.waiting[self] = None
-                # The keep-alive wait's start (router/fastpath.py), or now for a pipelined request.
-                self._waiting_since_s = self._idle_since_s or self.loop.time()
 
         def pause_writing(self) -> None:
             super().pause_writing()
@@ -343,29 +208,13 @@ def guarded_http_protocol(limits: LimitsConfig) -> type[HttpToolsProtocol]:
             self.transport.abort()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._stop_header_timer()
             self._write_stalled_since_s = 0.0
             if self._write_timer is not None:
                 self._write_timer.cancel()
                 self._write_timer = None
-            self._forget()
             super().connection_lost(exc)
 
     return GuardedHttpToolsProtocol
-
-
-def _headers_too_large(what: bytes) -> Any:
-    """An ASGI app answering 431 and closing the connection."""
-    body = b"too many request " + what
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))]
-        await send(
-            {"type": "http.response.start", "status": 431, "headers": [*headers, (b"connection", b"close")]}
-        )
-        await send({"type": "http.response.body", "body": body})
-
-    return app
 
 
 def _digest(secret: str) -> bytes:

@@ -15,7 +15,8 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from router.config import load_config
-from router.guard import HEADER_SLACK_BYTES, guarded_http_protocol
+from router.fastpath import HEADER_SLACK_BYTES
+from router.guard import guarded_http_protocol
 
 ANSWER = b'{"ok": true}'
 
