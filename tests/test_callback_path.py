@@ -112,6 +112,18 @@ class RawEngine:
             data += conn.recv(65536)
         return data[:length], data[length:]
 
+    def each_request(self, conn: socket.socket) -> Iterator[bytes]:
+        """The bodies of the requests ``conn`` sends, one at a time, until the client closes it
+        (no Nagle delay on the answers written between them)."""
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        data = b""
+        while True:
+            read = self.read_request(conn, data)
+            if read is None:
+                return
+            body, data = read
+            yield body
+
     def stop_listening(self) -> None:
         self._stop.set()
         try:

@@ -64,14 +64,8 @@ class ScriptedEngine(RawEngine):
         super().__init__()
 
     def _serve(self, conn: socket.socket) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with conn:
-            data = b""
-            while True:
-                read = self.read_request(conn, data)
-                if read is None:
-                    return
-                body, data = read
+            for body in self.each_request(conn):
                 self.bodies.append(body)
                 if not self._answer(conn, json.loads(body)):
                     return

@@ -53,16 +53,10 @@ class AnswerEngine(RawEngine):
         super().__init__()
 
     def _serve(self, conn: socket.socket) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self.lock:
             self.connections += 1
         with conn:
-            data = b""
-            while True:
-                read = self.read_request(conn, data)
-                if read is None:
-                    return
-                _, data = read
+            for _ in self.each_request(conn):
                 with self.lock:
                     pieces = self.answers[min(self.requests, len(self.answers) - 1)]
                     self.requests += 1
