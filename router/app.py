@@ -30,7 +30,7 @@ from kvcore.calibration import CostModel
 from kvcore.core import CoreConfig, RoutingCore
 from router import __version__, openapi
 from router.config import RouterConfig
-from router.errors import RouterError, bad_request
+from router.errors import FieldRules, RouterError, bad_request
 from router.guard import TENANT_STATE_KEY, AccessGuard, Authenticator, error_headers, send_error
 from router.load import EnginePoller, LoadTracker
 from router.metrics import CONTENT_TYPE, RouterMetrics, create_metrics
@@ -221,10 +221,17 @@ _NUMBER_FIELDS: tuple[tuple[str, float, float, str], ...] = (
     ("temperature", 0.0, 1e6, "a number >= 0"),
     ("top_p", 1e-9, 1.0, "a number in (0, 1]"),
 )
-_NUMBER_KEYS = frozenset(key for key, *_ in _NUMBER_FIELDS)
 _NUMBER_RANGES = {key: (low, high) for key, low, high, _ in _NUMBER_FIELDS}
 #: The types a JSON number decodes to (``_check_number`` checks any other value itself).
 _NUMBER_TYPES = (int, float)
+
+
+def _plain_number(key: str, value: Any) -> bool:
+    low, high = _NUMBER_RANGES[key]
+    return value is None or (type(value) in _NUMBER_TYPES and low <= value <= high)
+
+
+_NUMBERS = FieldRules(_NUMBER_FIELDS, _plain_number, _check_number)
 
 
 def validate_body(endpoint: str, body: Mapping[str, Any]) -> None:
@@ -251,16 +258,7 @@ def validate_body(endpoint: str, body: Mapping[str, Any]) -> None:
                     )
                 if "text" in part and not isinstance(part["text"], str):
                     raise bad_request(f"'messages[{i}].content[{j}].text' must be a string", "invalid_type")
-    # Only the fields a body has (most set one or two); when one of them is not a plain number in
-    # range, every field is checked in order, so the error names the first bad one.
-    for key in _NUMBER_KEYS.intersection(body):
-        value = body[key]
-        low, high = _NUMBER_RANGES[key]
-        if value is not None and (type(value) not in _NUMBER_TYPES or not low <= value <= high):
-            for name, lowest, highest, what in _NUMBER_FIELDS:
-                if name in body:
-                    _check_number(body, name, lowest, highest, what)
-            break
+    _NUMBERS.check(body)
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad_request("'cache_salt' must be a non-empty string", "invalid_type")

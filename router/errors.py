@@ -8,6 +8,9 @@ name) must not be echoed whole into answers and logs.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
 import msgspec
 
 _encode = msgspec.json.Encoder().encode
@@ -60,3 +63,34 @@ def sse_error_event(message: str, *, type: str, code: str) -> bytes:
 
 def bad_request(message: str, code: str = "invalid_request") -> RouterError:
     return RouterError(400, message, code=code)
+
+
+class FieldRules:
+    """Checks of optional body fields, run only for the fields a body has (most set one or two).
+
+    ``rules`` are tuples starting with the field's name, in the order errors are reported;
+    ``passes(name, value)`` is the quick test of one value; ``check(body, *rule)`` raises the
+    field's ``bad_request``. When a present field fails the quick test, every rule is checked in
+    order, so the error names the first bad field whatever order the body's keys came in."""
+
+    __slots__ = ("_check", "_names", "_passes", "_rules")
+
+    def __init__(
+        self,
+        rules: Sequence[tuple[Any, ...]],
+        passes: Callable[[str, Any], bool],
+        check: Callable[..., None],
+    ) -> None:
+        self._rules = tuple(rules)
+        self._names = frozenset(rule[0] for rule in self._rules)
+        self._passes = passes
+        self._check = check
+
+    def check(self, body: Mapping[str, Any]) -> None:
+        passes = self._passes
+        for name in self._names.intersection(body):
+            if not passes(name, body[name]):
+                for rule in self._rules:
+                    if rule[0] in body:
+                        self._check(body, *rule)
+                return

@@ -571,22 +571,15 @@ class UpstreamClient:
         with ``until_event``, for a 200 answer's first SSE ``data:`` event as well: then the
         answer fails with UpstreamFirstByteTimeout (wait for it with ``first_event``).
         ``headers``: a mapping, or its header lines already encoded (``encode_headers``)."""
-        pool, request_head = self._pools.get(url) or self._pool_of(url)
         if not isinstance(headers, bytes):
             headers = encode_headers(headers)
-        request = b"%s%scontent-length: %d\r\n\r\n%s" % (request_head, headers, len(body), body)
-        response = self._start(pool, None, url, request, first_byte_timeout_s, until_event)
+        pool, request, response = self._begin(url, headers, body, first_byte_timeout_s, until_event)
         reused = response is not None
         if response is None:
             response = await self._start_new(pool, url, request, first_byte_timeout_s, until_event)
         # The first wake-up, awaited here (not in ``headers_of``'s coroutines): it is usually the
         # whole answer, or at least its header block, in one read.
-        waiter = response._waiter = response._loop.create_future()
-        try:
-            await waiter
-        except BaseException:
-            response.close()  # cancelled (client gone): the engine must stop
-            raise
+        await response._wait()
         if not response.status:  # a header block split across reads, or a failure before it
             if reused:
                 response._retry = (pool, request, first_byte_timeout_s, until_event)
@@ -605,12 +598,24 @@ class UpstreamClient:
         """``send`` without an await: the request written on an idle keep-alive connection to
         ``url``'s engine and its answer returned at once (headers not in yet: ``headers_of``, or
         its ``on_event``); None when no idle connection is there (use ``send``)."""
-        pool, request_head = self._pools.get(url) or self._pool_of(url)
-        request = b"%s%scontent-length: %d\r\n\r\n%s" % (request_head, header_lines, len(body), body)
-        response = self._start(pool, None, url, request, first_byte_timeout_s, until_event)
+        pool, request, response = self._begin(url, header_lines, body, first_byte_timeout_s, until_event)
         if response is not None:
             response._retry = (pool, request, first_byte_timeout_s, until_event)
         return response
+
+    def _begin(
+        self,
+        url: str,
+        header_lines: bytes,
+        body: bytes,
+        first_byte_timeout_s: float | None,
+        until_event: bool,
+    ) -> tuple[_Pool, bytes, UpstreamResponse | None]:
+        """The request to ``url``'s engine, its pool, and its answer if it went out on an idle
+        keep-alive connection (None: no idle connection; the caller opens one)."""
+        pool, request_head = self._pools.get(url) or self._pool_of(url)
+        request = b"%s%scontent-length: %d\r\n\r\n%s" % (request_head, header_lines, len(body), body)
+        return pool, request, self._start(pool, None, url, request, first_byte_timeout_s, until_event)
 
     async def headers_of(self, response: UpstreamResponse) -> UpstreamResponse:
         """``response`` once its headers are in (see ``send``): on a reused connection that turns

@@ -43,7 +43,7 @@ from kvcore.core import (
 )
 from policies.base import Decision, FleetView, NoEngineAvailable, RouteRequest
 from router.config import RouterConfig
-from router.errors import RouterError, bad_request, sse_error_event
+from router.errors import FieldRules, RouterError, bad_request, sse_error_event
 from router.experiments import FORCED_ARM_HEADER, Arm, Experiments
 from router.first_byte import FirstByteBudget
 from router.load import LoadTracker
@@ -228,9 +228,10 @@ _TYPED_FIELDS: tuple[tuple[str, tuple[type, ...], str], ...] = (
     ("user", (str,), "a string"),
     ("stream_options", (dict,), "an object"),
 )
-_TYPED_KEYS = frozenset(key for key, _, _ in _TYPED_FIELDS)
-#: Per typed field, the exact types that pass ``_check_type`` (None, or one of its types).
+#: Per typed field, the exact types that pass ``_check_type`` (None, or one of its types, as JSON
+#: decodes it).
 _TYPED_EXACT = {key: (*types, type(None)) for key, types, _ in _TYPED_FIELDS}
+_TYPED = FieldRules(_TYPED_FIELDS, lambda key, value: type(value) in _TYPED_EXACT[key], _check_type)
 
 
 _content_of = operator.methodcaller("get", "content")
@@ -351,14 +352,7 @@ def parse_request(
         if "prompt" not in body:
             raise bad_request("'prompt' is required", "missing_prompt")
         _validate_prompt(body["prompt"])
-    # Only the typed fields the body has; when one of them is not of its type exactly (as JSON
-    # decodes it), every field is checked in order, so the error names the first bad one.
-    for key in _TYPED_KEYS.intersection(body):
-        if type(body[key]) not in _TYPED_EXACT[key]:
-            for name, types, what in _TYPED_FIELDS:
-                if name in body:
-                    _check_type(body, name, types, what)
-            break
+    _TYPED.check(body)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     route_request = RouteRequest(
         request_id=request_id,
