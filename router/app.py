@@ -221,17 +221,13 @@ _NUMBER_FIELDS: tuple[tuple[str, float, float, str], ...] = (
     ("temperature", 0.0, 1e6, "a number >= 0"),
     ("top_p", 1e-9, 1.0, "a number in (0, 1]"),
 )
-_NUMBER_RANGES = {key: (low, high) for key, low, high, _ in _NUMBER_FIELDS}
-#: The types a JSON number decodes to (``_check_number`` checks any other value itself).
-_NUMBER_TYPES = (int, float)
-
-
-def _plain_number(key: str, value: Any) -> bool:
-    low, high = _NUMBER_RANGES[key]
-    return value is None or (type(value) in _NUMBER_TYPES and low <= value <= high)
-
-
-_NUMBERS = FieldRules(_NUMBER_FIELDS, _plain_number, _check_number)
+#: A JSON number decodes to int or float (``_check_number`` checks any other value itself).
+_NUMBERS = FieldRules(
+    _NUMBER_FIELDS,
+    _check_number,
+    exact={key: (int, float, type(None)) for key, *_ in _NUMBER_FIELDS},
+    ranges={key: (low, high) for key, low, high, _ in _NUMBER_FIELDS},
+)
 
 
 def validate_body(endpoint: str, body: Mapping[str, Any]) -> None:

@@ -231,7 +231,7 @@ _TYPED_FIELDS: tuple[tuple[str, tuple[type, ...], str], ...] = (
 #: Per typed field, the exact types that pass ``_check_type`` (None, or one of its types, as JSON
 #: decodes it).
 _TYPED_EXACT = {key: (*types, type(None)) for key, types, _ in _TYPED_FIELDS}
-_TYPED = FieldRules(_TYPED_FIELDS, lambda key, value: type(value) in _TYPED_EXACT[key], _check_type)
+_TYPED = FieldRules(_TYPED_FIELDS, _check_type, _TYPED_EXACT)
 
 
 _content_of = operator.methodcaller("get", "content")
