@@ -12,6 +12,11 @@
   6. core.on_first_token at the first streamed event (the only TTFT there is: a non-stream body
      comes when generation is over, so non-stream requests record latency, no TTFT), and
      core.on_finished with the engine's usage: load, calibration, self-check, experiments.
+     The client's bytes go first: that accounting runs right after the write it is about (the
+     first event's, the answer's last), in the same step of the event loop (a client's next
+     request and a /metrics scrape see it done); the times stay those of the arrival
+     (``first_token_s``) and the end of the answer (``finished_s``). An error in it is logged, and
+     the answer, already out, stays as it went (``_AFTER_ANSWER``).
 ``RouteObserver``s (metrics, trace, event watchdog) see ``on_routed``/``on_first_byte``/``on_finished``.
 """
 
@@ -66,6 +71,8 @@ CHAT = "chat"
 COMPLETIONS = "completions"
 ENDPOINT_PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
 STATUS_CLIENT_GONE = 499  # nginx's convention: the client closed the connection first
+#: The log line of an accounting that failed after the client's bytes went out (the answer stands).
+_AFTER_ANSWER = "request %s: the accounting after the answer failed (the answer went out as it was)"
 CLIENT_GONE = "client disconnected; upstream request cancelled"
 
 
@@ -777,7 +784,8 @@ class Router:
                         response.close()
                         raise
                     if head and b"data:" in head[-1]:
-                        self._first_token(ctx)  # its arrival time, not when the stream is sent on
+                        # Its arrival time; accounted once it is sent on (``StreamRelay.sent``).
+                        ctx.first_token_s = time.monotonic()
                 break
             except UpstreamConnectError as exc:
                 self.core.abandon(reservation)  # this attempt's share; the retry reserves anew
@@ -811,8 +819,6 @@ class Router:
         assert response is not None
         if ctx.stream and response.status == 200:
             return self._stream_answer(ctx, response)
-        out_headers = _answer_headers(ctx)
-        content_type = response.content_type
         self._answer_started(ctx, response.done)
         try:  # a whole (non-stream or error) answer, read here (not in one more coroutine)
             data = await response.read()
@@ -820,13 +826,12 @@ class Router:
             raise self._upstream_failure(ctx, ctx.engine_id, exc) from None
         finally:
             response.close()
-        return self._completed(ctx, response, data, out_headers, content_type)
+        # Accounted once it is out (``_answered``).
+        return _BodyAnswer(response.status, _answer_headers(ctx, response.content_type), data, self, ctx)
 
     def _stream_answer(self, ctx: RouteContext, response: UpstreamResponse) -> _StreamAnswer:
         """A stream whose first event is in (or that ended before one), to relay to the client."""
-        headers = _answer_headers(ctx)
-        headers.append((b"content-type", response.content_type))
-        return _StreamAnswer(StreamRelay(self, ctx, response), headers)
+        return _StreamAnswer(StreamRelay(self, ctx, response), _answer_headers(ctx, response.content_type))
 
     def _answer_started(self, ctx: RouteContext, whole: bool) -> None:
         """A complete (non-stream or error) answer's headers are in; ``whole``: its body too."""
@@ -844,10 +849,15 @@ class Router:
                 self.core.release_prefill(reservation)
 
     def _first_token(self, ctx: RouteContext) -> None:
-        ctx.first_token_s = now = time.monotonic()
-        if ctx.reservation is not None:
-            self.core.on_first_token(ctx.reservation, now)
-        self._notify("on_first_byte", ctx)
+        """Account a stream's first event (stamped ``first_token_s`` on its arrival) once its
+        bytes are out (``StreamRelay.sent``); an error is logged (the bytes went out)."""
+        try:
+            reservation, arrived_s = ctx.reservation, ctx.first_token_s
+            if reservation is not None and arrived_s is not None:
+                self.core.on_first_token(reservation, arrived_s)
+            self._notify("on_first_byte", ctx)
+        except Exception:
+            log.exception(_AFTER_ANSWER, ctx.request_id)
 
     def _finish(self, ctx: RouteContext, status: int, error: str = "", *, log_error: bool = True) -> None:
         """Account the end of a request once (later calls are no-ops). ``log_error=False`` when the
@@ -886,33 +896,27 @@ class Router:
                 "" if ctx.priority is None else f" priority {ctx.priority}",
             )
 
-    def _completed(
-        self,
-        ctx: RouteContext,
-        response: UpstreamResponse,
-        data: bytes,
-        out_headers: list[tuple[bytes, bytes]],
-        content_type: bytes,
-    ) -> _BodyAnswer:
-        """Account a whole answer read off ``response`` and build the client's."""
-        if response.status >= 500:
-            self.metrics.upstream_error(ctx.engine_id, f"http_{response.status}")
-        if response.status == 200:
-            ctx.usage = _usage_from_json(data)
-        self._finish(
-            ctx, response.status, "" if response.status < 400 else f"engine answered {response.status}"
-        )
-        out_headers.append((b"content-type", content_type))
-        return _BodyAnswer(response.status, out_headers, data)
+    def _answered(self, ctx: RouteContext, status: int, data: bytes) -> None:
+        """Account a whole answer (the engine's ``status`` and body ``data``) once it is out, or
+        its write failed; an error is logged (the answer went out as it was)."""
+        try:
+            if status >= 500:
+                self.metrics.upstream_error(ctx.engine_id, f"http_{status}")
+            if status == 200:
+                ctx.usage = _usage_from_json(data)
+            self._finish(ctx, status, "" if status < 400 else f"engine answered {status}")
+        except Exception:
+            log.exception(_AFTER_ANSWER, ctx.request_id)
 
 
-def _answer_headers(ctx: RouteContext) -> list[tuple[bytes, bytes]]:
-    """The router's own headers on every proxied answer."""
+def _answer_headers(ctx: RouteContext, content_type: bytes) -> list[tuple[bytes, bytes]]:
+    """The headers of a proxied answer: the router's own, and the engine's ``content_type``."""
     return [
         (b"x-kvroute-engine", ctx.engine_id.encode()),
         (b"x-kvroute-policy", ctx.policy_name.encode()),
         (b"x-kvroute-arm", ctx.arm.encode()),
         (b"x-request-id", ctx.request_id.encode()),
+        (b"content-type", content_type),
     ]
 
 
@@ -1058,9 +1062,9 @@ class _Relay:
         self._stop_watching()
         data = response.take_body()
         response.close()
-        content_type = response.content_type
-        answer = router._completed(ctx, response, data, _answer_headers(ctx), content_type)
-        self.client.answer(answer.status, answer.headers, answer.body)
+        status = response.status
+        self.client.answer(status, _answer_headers(ctx, response.content_type), data)
+        router._answered(ctx, status, data)  # (the client's bytes first)
 
     def on_disconnect(self) -> None:
         """The client went away before its answer: the engine's request is cancelled."""
@@ -1076,15 +1080,17 @@ class _Relay:
 class StreamRelay:
     """The rules of a proxied stream's bytes, one definition for both ways a stream is relayed (a
     task's ``_StreamAnswer.send``, and the callback path's ``_CallbackStream``): per piece of the
-    engine's answer, the first-token hook and the tail kept for the final usage chunk, or the
-    router's own usage chunk taken out (``_UsageChunkStripper``) when the client did not ask for
-    usage; at the end, the usage read and the request finished once: 200 when the engine's answer
-    is complete, 502 with an OpenAI-shaped SSE error event when it broke off (the connection is
-    then aborted: a client must never take it for a complete answer), 499 when the client went
-    away before the final [DONE]. Every end closes the upstream response (closing the socket
-    before the end is what cancels the request in the engine)."""
+    engine's answer, the first event's arrival stamped and the tail kept for the final usage
+    chunk, or the router's own usage chunk taken out (``_UsageChunkStripper``) when the client did
+    not ask for usage; once bytes went out, the first event accounted (``sent``); at the end, the
+    usage read and the request finished once: 200 when the engine's answer is complete (once its
+    last bytes went out: ``end``), 502 with an OpenAI-shaped SSE error event when it broke off
+    (``broken``: the connection is then aborted, a client must never take it for a complete
+    answer), 499 when the client went away before the final [DONE]. Every end closes the
+    upstream response (closing the socket before the end is what cancels the request in the
+    engine)."""
 
-    __slots__ = ("_strip", "_tail", "_tail_bytes", "ctx", "ended", "response", "router")
+    __slots__ = ("_first_pending", "_strip", "_tail", "_tail_bytes", "ctx", "ended", "response", "router")
 
     def __init__(self, router: Router, ctx: RouteContext, response: UpstreamResponse) -> None:
         self.router, self.ctx, self.response = router, ctx, response
@@ -1092,12 +1098,16 @@ class StreamRelay:
         self._tail: deque[bytes] = deque()  # the last pieces, about _USAGE_TAIL_BYTES of them
         self._tail_bytes = 0
         self.ended = False
+        #: The first event arrived (``first_token_s``; stamped by ``_forward`` on the task path) and
+        #: is not accounted yet: that waits until bytes went out (``sent``, ``end``).
+        self._first_pending = ctx.first_token_s is not None
 
     def feed(self, chunk: bytes) -> bytes:
         """A piece of the engine's answer -> the bytes for the client (b"": none yet)."""
         ctx = self.ctx
         if ctx.first_token_s is None and b"data:" in chunk:  # not a keep-alive comment
-            self.router._first_token(ctx)
+            ctx.first_token_s = time.monotonic()  # its arrival; accounted once sent on (``sent``)
+            self._first_pending = True
         strip = self._strip
         if strip is not None:
             return strip.feed(chunk)
@@ -1108,13 +1118,24 @@ class StreamRelay:
             self._tail_bytes -= len(tail.popleft())
         return chunk
 
-    def end(self, error: UpstreamError | None = None) -> bytes:
-        """The engine's answer ended: complete (``error`` None) -> the bytes held back; broken off
-        -> the SSE error event, the last bytes before the connection is aborted."""
-        if error is None:
-            rest = self.held_back()
+    def sent(self) -> None:
+        """Bytes of the answer went out to the client: the first event accounted, once it was
+        among them (``Router._first_token``)."""
+        if self._first_pending:
+            self._first_pending = False
+            self.router._first_token(self.ctx)
+
+    def end(self) -> None:
+        """The engine's answer was complete and its last bytes (``held_back`` taken) went out:
+        accounted (200); an error is logged (the answer went out as it was)."""
+        try:
             self._close(200, "")
-            return rest
+        except Exception:
+            log.exception(_AFTER_ANSWER, self.ctx.request_id)
+
+    def broken(self, error: UpstreamError) -> bytes:
+        """The engine's answer broke off: accounted (502), and the SSE error event, the last bytes
+        before the connection is aborted."""
         # Headers are sent, so no retry and no status: tell the client in the stream (the way vLLM
         # reports a failure midway); the caller then aborts the connection, so that no client,
         # whatever it does with the event, can see a cleanly ended answer.
@@ -1151,6 +1172,7 @@ class StreamRelay:
             return
         self.ended = True
         self.response.close()
+        self.sent()  # (the first event before the finish, as the core expects them)
         strip = self._strip
         self.ctx.usage = strip.usage if strip is not None else usage_from_stream_tail(b"".join(self._tail))
         self.router._finish(self.ctx, status, error)
@@ -1184,13 +1206,15 @@ class _CallbackStream:
     def send_whole(self, headers: list[tuple[bytes, bytes]]) -> None:
         """A stream whose whole answer is in already, to a client known to be there: sent in one
         write, with nothing to watch (``start`` without the watchers)."""
+        relay = self.relay
         try:
-            relay = self.relay
             data = relay.response.take_body()
             self.client.stream_start(headers)
-            self.client.stream_end((relay.feed(data) if data else data) + relay.end())
+            self.client.stream_end((relay.feed(data) if data else data) + relay.held_back())
         except Exception:
             self._failed()
+            return
+        relay.end()  # (the client's bytes first)
 
     def on_event(self) -> None:
         try:
@@ -1204,6 +1228,7 @@ class _CallbackStream:
         log.exception("request %s: the stream relay failed", relay.ctx.request_id)
         self._stop_watching()
         relay.response.close()
+        relay.sent()
         relay.router._finish(relay.ctx, 500, "internal router error", log_error=False)
         self.client.stream_abort(b"")
 
@@ -1215,12 +1240,14 @@ class _CallbackStream:
             data = relay.feed(data)
         if response.done:
             self._stop_watching()
-            self.client.stream_end(data + relay.end())
+            self.client.stream_end(data + relay.held_back())
+            relay.end()  # (the client's bytes first)
         elif response.error is not None:
             self._stop_watching()
-            self.client.stream_abort(data + relay.end(response.error))
+            self.client.stream_abort(data + relay.broken(response.error))
         elif data:
             self.client.stream_write(data)
+            relay.sent()
 
     def on_writable(self, writable: bool) -> None:
         self.relay.response.pause_reading(not writable)
@@ -1285,22 +1312,31 @@ class _Answer(Protocol):
 
 class _BodyAnswer:
     """A complete answer: status, headers and the whole body in two ASGI messages (in one write,
-    ``answer_now``, on kvroute's own exchange)."""
+    ``answer_now``, on kvroute's own exchange), accounted once it is out (``Router._answered``)."""
 
-    __slots__ = ("body", "headers", "status")
+    __slots__ = ("body", "ctx", "headers", "router", "status")
 
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    def __init__(
+        self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, router: Router, ctx: RouteContext
+    ) -> None:
         self.status, self.headers, self.body = status, headers, body
+        self.router, self.ctx = router, ctx
 
     async def send(self, send: Send, watcher: DisconnectWatcher) -> None:
         watcher.answered = True  # from here on a "disconnect" is the end of the answer
         answer_now = getattr(getattr(send, "__self__", None), "answer_now", None)
         if answer_now is not None:  # kvroute's own exchange (router/fastpath.py): one write, no await
             answer_now(self.status, self.headers, self.body)
+            self.router._answered(self.ctx, self.status, self.body)
             return
-        self.headers.append((b"content-length", b"%d" % len(self.body)))
-        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
-        await send({"type": "http.response.body", "body": self.body, "more_body": False})
+        # An ASGI server's ``send`` (uvicorn's request cycle) awaits only before its write (a
+        # paused transport's drain): the accounting follows the last write in the same loop step.
+        try:
+            self.headers.append((b"content-length", b"%d" % len(self.body)))
+            await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+            await send({"type": "http.response.body", "body": self.body, "more_body": False})
+        finally:
+            self.router._answered(self.ctx, self.status, self.body)
 
 
 class _StreamAnswer:
@@ -1338,11 +1374,12 @@ class _StreamAnswer:
                     return
                 error = response.error
                 if error is not None:  # the SSE error event, then no final chunk: the connection
-                    data += relay.end(error)  # is aborted (run_asgi closes it)
+                    data += relay.broken(error)  # is aborted (run_asgi closes it)
                     await send({"type": "http.response.body", "body": data, "more_body": True})
                     return
                 if data:
                     await send({"type": "http.response.body", "body": data, "more_body": True})
+                    relay.sent()  # (no await since the write: ``send`` awaits only before it)
                 try:
                     await response.wait_body()
                 except BaseException:  # cancelled while waiting for the engine: the client is gone
