@@ -1326,8 +1326,10 @@ class _BodyAnswer:
         watcher.answered = True  # from here on a "disconnect" is the end of the answer
         answer_now = getattr(getattr(send, "__self__", None), "answer_now", None)
         if answer_now is not None:  # kvroute's own exchange (router/fastpath.py): one write, no await
-            answer_now(self.status, self.headers, self.body)
-            self.router._answered(self.ctx, self.status, self.body)
+            try:
+                answer_now(self.status, self.headers, self.body)
+            finally:  # (accounted also if the write failed: a bug must not leave the load held)
+                self.router._answered(self.ctx, self.status, self.body)
             return
         # An ASGI server's ``send`` (uvicorn's request cycle) awaits only before its write (a
         # paused transport's drain): the accounting follows the last write in the same loop step.
