@@ -338,15 +338,13 @@ def build(cell: Cell) -> tuple[Workload, FleetSpec]:
     return wl, fleet
 
 
-def run_cell(cell: Cell) -> dict[str, Any]:
-    """Run one cell; the result row (figures of the run and of its hindsight bound)."""
-    wl, fleet = build(cell)
-    name, params = parse_policy_spec(cell.policy)
+def sim_config(cell: Cell, **extra: Any) -> SimConfig:
+    """The DES configuration of a cell (its seed and scheduling spec), with ``extra`` fields set."""
     _, stretch, max_overtake_s, fcfs_factor, wait = parse_scheduling(cell.scheduling)
     _, admission_form, recompute_below = admission_of(cell.scheduling)
     _, recompute_fcfs_factor, priority_recompute_below = recompute_bound_of(cell.scheduling)
     hold = hold_of(cell.scheduling)
-    config = SimConfig(
+    return SimConfig(
         seed=cell.seed,
         priority_stretch=stretch,
         priority_max_overtake_s=max_overtake_s,
@@ -365,7 +363,15 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         hold_aged=hold.aged,
         calibration_pool_observations=cell.pool_observations,
         split_ttft=cell.split_ttft,
+        **extra,
     )
+
+
+def run_cell(cell: Cell) -> dict[str, Any]:
+    """Run one cell; the result row (figures of the run and of its hindsight bound)."""
+    wl, fleet = build(cell)
+    name, params = parse_policy_spec(cell.policy)
+    config = sim_config(cell)
     sim = FleetSimulator(wl, name, fleet, config, policy_params=params)
     # Tier capacities reach the policy through sim.views[i].extra (FleetSimulator fills them).
     recorder = ArrivalRecorder(sim.policy)
