@@ -142,8 +142,25 @@ class Hold(NamedTuple):
     aged: bool = False
 
 
+#: A scheduling spec containing this (anywhere after the order) prices placement on priority engines
+#: by the deadline sent (``SimConfig.deadline_floor``, round q12).
+FLOOR_SUFFIX = "+floor"
+
+
+def floor_of(spec: str) -> tuple[str, bool]:
+    """(the scheduling spec without FLOOR_SUFFIX, whether it had it)."""
+    if FLOOR_SUFFIX not in spec:
+        return spec, False
+    head, _, tail = spec.partition(FLOOR_SUFFIX)
+    if tail and not tail.startswith("+"):
+        raise ValueError(f"--scheduling {spec!r}: {FLOOR_SUFFIX} takes no value")
+    return head + tail, True
+
+
 def hold_of(spec: str) -> Hold:
-    """The scheduling spec without its HOLD_SUFFIX part, and the hold that part names."""
+    """The scheduling spec without its HOLD_SUFFIX part (and without FLOOR_SUFFIX), and the hold
+    that part names."""
+    spec = floor_of(spec)[0]
     head, sep, tail = spec.partition(HOLD_SUFFIX)
     if not sep:
         return Hold(spec)
@@ -363,6 +380,7 @@ def sim_config(cell: Cell, **extra: Any) -> SimConfig:
         hold_aged=hold.aged,
         calibration_pool_observations=cell.pool_observations,
         split_ttft=cell.split_ttft,
+        deadline_floor=floor_of(cell.scheduling)[1],
         **extra,
     )
 

@@ -59,6 +59,7 @@ from policies.base import (
 from policies.costs import (
     ADMISSION_RECOMPUTE_BELOW_KEY,
     ADMISSION_WAIT_KEY,
+    DEADLINE_OFFSET_KEY,
     EngineCosts,
     PredictedParts,
     best_cached_fraction,
@@ -232,6 +233,12 @@ class SimConfig:
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
     #: server stages only.
     split_ttft: bool = False
+    #: Price placement on priority engines by the deadline the router sends (round q12;
+    #: ``policies.costs.deadline_floor_s``): each priority engine's view carries
+    #: ``DEADLINE_OFFSET_KEY``, the offset of the shortest-first deadline a request priced there
+    #: would get, and tier_cost ranks an engine with a queue by at least that offset. Needs some
+    #: engine with ``scheduling_policy="priority"``.
+    deadline_floor: bool = False
     #: Record every routing decision (``sim.placement.PlacementTracer``: each engine's predicted
     #: TTFT parts beside its true cached prefix, queue and free KV, and the turn's outcome) in
     #: ``SimResult.placement``; reads only, the run routes as without it. Trace-mode block ids only.
@@ -577,6 +584,14 @@ class FleetSimulator:
         self._route_from = 0.0
         #: A request for ``RoutingCore.refresh`` when the hold reads the engines' load between routes.
         self._no_request = RouteRequest(request_id="")
+        if cfg.deadline_floor:
+            if all(s.profile.scheduling_policy != "priority" for s in fleet.engines):
+                raise ValueError(
+                    "deadline_floor prices the deadline sent to priority engines: the fleet has none"
+                )
+            for spec, view in zip(fleet.engines, self.views, strict=True):
+                if spec.profile.scheduling_policy == "priority":
+                    view.extra[DEADLINE_OFFSET_KEY] = self._deadline_offset_s
         if self._priority_ahead:
             for spec, view in zip(fleet.engines, self.views, strict=True):
                 if spec.profile.scheduling_policy == "priority":
@@ -615,6 +630,11 @@ class FleetSimulator:
             )
 
         return wait_s
+
+    def _deadline_offset_s(self, parts: PredictedParts) -> float:
+        """``DEADLINE_OFFSET_KEY`` of a priority engine: seconds from now to the deadline of the
+        priority the request being routed would be sent with, priced ``parts`` (``_priority``)."""
+        return self._priority(parts, 0.0) * self.config.priority_step_s
 
     def _priority(self, parts: PredictedParts, from_s: float) -> int:
         """The vLLM ``priority`` the router sends the request being routed (``_route_fcfs_factor``)
