@@ -438,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kind, base = kinds[(cf["policy"], cf["seed"], cf["rid"])]
             record = next(r for r in base["records"] if r["rid"] == cf["rid"])
             ttft_base = {r["rid"]: r["ttft_s"] for r in base["records"]}
-            later = list(cf["ttft"])[1:]
+            following = list(cf["ttft"])[1:]
             results.setdefault(base["policy"], []).append(
                 {
                     "kind": kind,
@@ -446,8 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "b_ttft": cf["ttft"][cf["rid"]],
                     "pred_a": record["pred_total_s"][_engine_index(record, record["choice"])],
                     "pred_b": record["pred_total_s"][_engine_index(record, record["shadow"])],
-                    "a_later": sum(ttft_base[k] for k in later),
-                    "b_later": sum(cf["ttft"][k] for k in later),
+                    "a_later": sum(ttft_base[k] for k in following),
+                    "b_later": sum(cf["ttft"][k] for k in following),
                 }
             )
     finally:
