@@ -79,6 +79,7 @@ def traced_run(
     return {
         "policy": cell.policy,
         "scheduling": cell.scheduling,
+        "label": f"{cell.policy}@{cell.scheduling}",
         "seed": cell.seed,
         "p50": result.ttft_p50_s,
         "p99": result.ttft_p99_s,
@@ -148,8 +149,8 @@ def class_table(runs: Sequence[dict[str, Any]]) -> str:
         " | predicted TTFT s (chosen engine) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for policy in dict.fromkeys(r["policy"] for r in runs):
-        mine = [run for run in runs if run["policy"] == policy]
+    for policy in dict.fromkeys(r["label"] for r in runs):
+        mine = [run for run in runs if run["label"] == policy]
         total = sum(len(run["records"]) for run in mine)
         for name in CLASSES:
             rows = []
@@ -181,11 +182,11 @@ def prediction_table(runs: Sequence[dict[str, Any]]) -> str:
         " | measured wait s | pred. service s | measured service s | TTFT / predicted (sums) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for policy in dict.fromkeys(r["policy"] for r in runs):
+    for policy in dict.fromkeys(r["label"] for r in runs):
         rows = [
             r
             for run in runs
-            if run["policy"] == policy
+            if run["label"] == policy
             for r in run["records"]
             if not math.isnan(r["ttft_s"])
         ]
@@ -243,9 +244,9 @@ def disagreement_table(runs: Sequence[dict[str, Any]]) -> str:
         " | true pending prefill on A's / B's | free KV blocks on A's / B's | pred. TTFT on A's / B's s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for policy in dict.fromkeys(r["policy"] for r in runs):
-        rows = [r for run in runs if run["policy"] == policy for r in run["records"]]
-        shadow = next(run["shadow"] for run in runs if run["policy"] == policy)
+    for policy in dict.fromkeys(r["label"] for r in runs):
+        rows = [r for run in runs if run["label"] == policy for r in run["records"]]
+        shadow = next(run["shadow"] for run in runs if run["label"] == policy)
         differ = [r for r in rows if r["choice"] != r["shadow"]]
         out.append(
             f"| {policy} | {shadow} | all | {len(differ)} | {len(differ) / max(1, len(rows)):.3f} | | | | |"
@@ -362,11 +363,11 @@ def conversation_table(runs: Sequence[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     seeds = sorted({run["seed"] for run in runs})
-    policies = list(dict.fromkeys(run["policy"] for run in runs))
+    policies = list(dict.fromkeys(run["label"] for run in runs))
     if len(policies) != 2:
         return ""
     for seed in seeds:
-        pair = [next(r for r in runs if r["seed"] == seed and r["policy"] == p) for p in policies]
+        pair = [next(r for r in runs if r["seed"] == seed and r["label"] == p) for p in policies]
         stats = []
         for run in pair:
             per: dict[str, list[float]] = {}
@@ -439,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             record = next(r for r in base["records"] if r["rid"] == cf["rid"])
             ttft_base = {r["rid"]: r["ttft_s"] for r in base["records"]}
             following = list(cf["ttft"])[1:]
-            results.setdefault(base["policy"], []).append(
+            results.setdefault(base["label"], []).append(
                 {
                     "kind": kind,
                     "a_ttft": ttft_base[cf["rid"]],
@@ -468,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n" + disagreement_table(runs))
     print("\n" + conversation_table(runs))
     for policy, rows in results.items():
-        shadow = next(run["shadow"] for run in runs if run["policy"] == policy)
+        shadow = next(run["shadow"] for run in runs if run["label"] == policy)
         print(f"\nCounterfactuals: A = {policy}'s run, one turn sent to B = {shadow}'s choice instead\n")
         print(counterfactual_table(rows))
     done = sum(len(rows) for rows in results.values())
