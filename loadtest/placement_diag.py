@@ -184,11 +184,7 @@ def prediction_table(runs: Sequence[dict[str, Any]]) -> str:
     ]
     for policy in dict.fromkeys(r["label"] for r in runs):
         rows = [
-            r
-            for run in runs
-            if run["label"] == policy
-            for r in run["records"]
-            if not math.isnan(r["ttft_s"])
+            r for run in runs if run["label"] == policy for r in run["records"] if not math.isnan(r["ttft_s"])
         ]
         for label, members in (
             ("cached", [r for r in rows if not r["recompute"]]),
