@@ -127,7 +127,7 @@ def _priority_fleet() -> FleetSpec:
 def test_in_virtual_time_the_floor_stops_moves_off_the_history() -> None:
     """The same seeded run on priority engines with and without the floor (true values from the
     placement trace): without it tier_cost moves turns off the engine holding their history, with
-    it none; the turns it would not move are the only ones priced differently."""
+    it none."""
     moved = {}
     for floor in (False, True):
         result = FleetSimulator(
