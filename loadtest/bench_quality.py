@@ -142,8 +142,25 @@ class Hold(NamedTuple):
     aged: bool = False
 
 
+#: A scheduling spec containing this (anywhere after the order) prices placement on priority engines
+#: by the deadline sent (``SimConfig.deadline_floor``, round q12).
+FLOOR_SUFFIX = "+floor"
+
+
+def floor_of(spec: str) -> tuple[str, bool]:
+    """(the scheduling spec without FLOOR_SUFFIX, whether it had it)."""
+    if FLOOR_SUFFIX not in spec:
+        return spec, False
+    head, _, tail = spec.partition(FLOOR_SUFFIX)
+    if tail and not tail.startswith("+"):
+        raise ValueError(f"--scheduling {spec!r}: {FLOOR_SUFFIX} takes no value")
+    return head + tail, True
+
+
 def hold_of(spec: str) -> Hold:
-    """The scheduling spec without its HOLD_SUFFIX part, and the hold that part names."""
+    """The scheduling spec without its HOLD_SUFFIX part (and without FLOOR_SUFFIX), and the hold
+    that part names."""
+    spec = floor_of(spec)[0]
     head, sep, tail = spec.partition(HOLD_SUFFIX)
     if not sep:
         return Hold(spec)
@@ -338,15 +355,13 @@ def build(cell: Cell) -> tuple[Workload, FleetSpec]:
     return wl, fleet
 
 
-def run_cell(cell: Cell) -> dict[str, Any]:
-    """Run one cell; the result row (figures of the run and of its hindsight bound)."""
-    wl, fleet = build(cell)
-    name, params = parse_policy_spec(cell.policy)
+def sim_config(cell: Cell, **extra: Any) -> SimConfig:
+    """The DES configuration of a cell (its seed and scheduling spec), with ``extra`` fields set."""
     _, stretch, max_overtake_s, fcfs_factor, wait = parse_scheduling(cell.scheduling)
     _, admission_form, recompute_below = admission_of(cell.scheduling)
     _, recompute_fcfs_factor, priority_recompute_below = recompute_bound_of(cell.scheduling)
     hold = hold_of(cell.scheduling)
-    config = SimConfig(
+    return SimConfig(
         seed=cell.seed,
         priority_stretch=stretch,
         priority_max_overtake_s=max_overtake_s,
@@ -365,7 +380,16 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         hold_aged=hold.aged,
         calibration_pool_observations=cell.pool_observations,
         split_ttft=cell.split_ttft,
+        deadline_floor=floor_of(cell.scheduling)[1],
+        **extra,
     )
+
+
+def run_cell(cell: Cell) -> dict[str, Any]:
+    """Run one cell; the result row (figures of the run and of its hindsight bound)."""
+    wl, fleet = build(cell)
+    name, params = parse_policy_spec(cell.policy)
+    config = sim_config(cell)
     sim = FleetSimulator(wl, name, fleet, config, policy_params=params)
     # Tier capacities reach the policy through sim.views[i].extra (FleetSimulator fills them).
     recorder = ArrivalRecorder(sim.policy)

@@ -371,6 +371,37 @@ def admission_wait_parts(
     return parts._replace(slot_s=max(0.0, float(wait_s(prompt_tokens, parts))))
 
 
+#: ``EngineView.extra`` key of a priority engine whose router prices placement by the deadline it
+#: sends (round q12): a callable (a request's parts priced there) -> the deadline offset, seconds
+#: after now, of the shortest-first priority the router would send it with
+#: (``kvcore.core.shortest_first_priority``). Absent = off.
+DEADLINE_OFFSET_KEY = "deadline_offset_s"
+
+
+def deadline_floor_s(
+    parts: PredictedParts, engine: EngineView, prompt_tokens: int, best_fraction: float
+) -> float:
+    """The predicted TTFT ``parts.total_s`` of a turn moved off its history, raised to its deadline
+    offset on a priority engine with a queue (``DEADLINE_OFFSET_KEY``; ``parts.wait_tokens`` > 0).
+
+    A move is a turn some engine holds at least ``RECOMPUTE_BELOW`` of (``best_fraction``, from
+    ``best_cached_fraction``) priced on an engine that holds less than that: it is recomputed there,
+    so it gets a late deadline (its long prefill, stretched), and an engine serving the earliest
+    deadline first serves it about when that deadline comes: every turn placed meanwhile with an
+    earlier deadline goes ahead. The first-come price (the queue ahead now) leaves that wait out
+    (docs/results/q12.md). Every other turn, and a move to an engine with no queue, keeps
+    ``parts.total_s``. For choosing only: the parts the router keeps (calibration, the priority
+    sent) are not changed."""
+    total_s = parts.total_s
+    offset = engine.extra.get(DEADLINE_OFFSET_KEY) if engine.extra else None
+    if offset is None or not parts.wait_tokens > 0 or best_fraction < RECOMPUTE_BELOW or prompt_tokens <= 0:
+        return total_s
+    if sum(parts.hit_tokens) / prompt_tokens >= RECOMPUTE_BELOW:
+        return total_s
+    floor_s = float(offset(parts))
+    return floor_s if floor_s > total_s else total_s
+
+
 def predicted_prefill_tokens(request: RouteRequest, decision: Decision, engine_id: str | None = None) -> int:
     """Prompt tokens the chosen engine is expected to compute: what the in-flight accounting should
     queue as pending prefill (``LoadTracker.begin``) until the first token.

@@ -12,6 +12,10 @@ For engine e (all times in seconds, token counts in tokens, bandwidths in bytes/
     total_s   = wait_s + slot_s + sum_t load_s[t] + prefill_s             (the predicted TTFT)
     work_s    = work_weight x (sum_t load_s[t] + prefill_s)
     cost_s    = total_s + work_s + decode_s + pressure_s                  (what is minimised)
+                (on a priority engine whose router gives each request's deadline offset, a turn
+                moved off the engine holding its history is priced at least at that offset while
+                the engine has a queue: policies.costs.deadline_floor_s, off unless the router
+                sets it)
 
     wait_tokens_e = max(queued_prefill_tokens_e, num_requests_waiting_e x tokens per queued request)
                     (on an engine with ``EngineView.queued_ahead``, a priority engine priced as it
@@ -73,6 +77,8 @@ from policies.costs import (
     PredictedParts,
     PriorCosts,
     admission_wait_parts,
+    best_cached_fraction,
+    deadline_floor_s,
     predict_parts,
     priority_wait_parts,
 )
@@ -226,7 +232,12 @@ class TierCostPolicy(BasePolicy):
             parts = priority_wait_parts(est, parts, engine)
         parts = admission_wait_parts(parts, engine, request, prompt_tokens)
         decode_s, pressure_s = self.secondary_s(engine)
-        return parts.total_s + self.work_weight * parts.service_s + decode_s + pressure_s
+        total_s = (
+            deadline_floor_s(parts, engine, prompt_tokens, best_cached_fraction(request, prompt_tokens))
+            if engine.extra
+            else parts.total_s
+        )
+        return total_s + self.work_weight * parts.service_s + decode_s + pressure_s
 
     def _priced_engines(
         self, request: RouteRequest, all_engines: Sequence[EngineView], costs: CostEstimates
@@ -272,6 +283,7 @@ class TierCostPolicy(BasePolicy):
         prompt_tokens = prompt_tokens_of(request)
         work_weight = self.work_weight
         priced: list[tuple[float, EngineView]] = []
+        best_fraction: float | None = None  # of the prompt held anywhere (priced when first needed)
         for engine in engines:
             engine_id = engine.engine_id
             parts = parts_by_engine[engine_id] = self._predict(request, engine, costs, prompt_tokens)
@@ -279,6 +291,10 @@ class TierCostPolicy(BasePolicy):
             service_s = parts.service_s  # once: total_s is the waits plus it (PredictedParts.total_s)
             work_s = work_weight * service_s
             total_s = parts.wait_s + parts.slot_s + service_s
+            if engine.extra:  # a priority engine's deadline floor (policies.costs.deadline_floor_s)
+                if best_fraction is None:
+                    best_fraction = best_cached_fraction(request, prompt_tokens)
+                total_s = deadline_floor_s(parts, engine, prompt_tokens, best_fraction)
             cost_s = cost_by_engine[engine_id] = total_s + work_s + decode_s + pressure_s
             terms[engine_id] = (work_s, decode_s, pressure_s, cost_s, 1.0 if engine.index_trusted else 0.0)
             priced.append((cost_s, engine))

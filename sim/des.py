@@ -59,6 +59,7 @@ from policies.base import (
 from policies.costs import (
     ADMISSION_RECOMPUTE_BELOW_KEY,
     ADMISSION_WAIT_KEY,
+    DEADLINE_OFFSET_KEY,
     EngineCosts,
     PredictedParts,
     best_cached_fraction,
@@ -81,6 +82,7 @@ from sim.fleets import (
 from sim.frontend import FifoServer
 from sim.hashing import BlockHashCache, HashChain
 from sim.oracle import ClairvoyantPolicy, ideal_hit
+from sim.placement import PlacementTracer
 from sim.workloads import (
     Conversation,
     Workload,
@@ -231,6 +233,27 @@ class SimConfig:
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
     #: server stages only.
     split_ttft: bool = False
+    #: Price placement on priority engines by the deadline the router sends (round q12;
+    #: ``policies.costs.deadline_floor_s``): each priority engine's view carries
+    #: ``DEADLINE_OFFSET_KEY``, the offset of the shortest-first deadline a request priced there
+    #: would get, and tier_cost ranks an engine with a queue by at least that offset. Needs some
+    #: engine with ``scheduling_policy="priority"``.
+    deadline_floor: bool = False
+    #: Record every routing decision (``sim.placement.PlacementTracer``: each engine's predicted
+    #: TTFT parts beside its true cached prefix, queue and free KV, and the turn's outcome) in
+    #: ``SimResult.placement``; reads only, the run routes as without it. Trace-mode block ids only.
+    trace_placement: bool = False
+    #: With ``trace_placement``: a policy (registered name, and its params) asked on the same state
+    #: at each decision; its choice is recorded as ``shadow``, never used.
+    trace_shadow: str | None = None
+    trace_shadow_params: dict[str, Any] | None = None
+    #: Request id -> engine id: that turn goes to that engine whatever the policy chooses (a single
+    #: decision's counterfactual: the same seeded run with one turn placed elsewhere). Needs
+    #: ``trace_placement``.
+    force_engines: dict[str, str] | None = None
+    #: End the run once each of these requests has its first token (a counterfactual needs only
+    #: the turns it compares); the figures then cover the turns finished so far.
+    stop_after: tuple[str, ...] = ()
 
 
 #: ``ttft_split`` keys: the measured TTFT's parts, then the predicted ones (seconds).
@@ -350,6 +373,10 @@ class SimResult:
     #: With ``SimConfig.split_ttft``: each request's ``ttft_split`` by request id (and its
     #: ``SPLIT_CACHED_FRACTION_KEY``).
     ttft_split_by_request: dict[str, dict[str, float]] = field(default_factory=dict, repr=False)
+    #: With ``SimConfig.trace_placement``: one record per routed turn (``sim.placement``), with its
+    #: outcome: ``ttft_s`` (nan if it had none), ``cached`` (tokens served from GPU, CPU, STORAGE at
+    #: admission), ``priority`` (sent to a priority engine), and the ``ttft_split`` parts when split.
+    placement: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     @property
     def hit(self) -> float:
@@ -360,6 +387,7 @@ class SimResult:
         d.pop("ttfts_s")
         d.pop("ttft_by_request_s")
         d.pop("ttft_split_by_request")
+        d.pop("placement")
         d["hit"] = self.hit
         return d
 
@@ -461,6 +489,24 @@ class FleetSimulator:
         else:
             self.policy = policy
         self.policy_name = getattr(self.policy, "name", str(policy))
+        #: The placement trace (``SimConfig.trace_placement``) and the block ids of the turn being
+        #: routed, which it reads.
+        self.tracer: PlacementTracer | None = None
+        self._trace_block_ids: list[int] | None = None
+        #: Per request finished while tracing: the tokens it was served from each tier.
+        self._cached_by_request: dict[str, tuple[int, int, int]] = {}
+        if cfg.force_engines and not cfg.trace_placement:
+            raise ValueError("force_engines needs trace_placement")
+        if cfg.trace_placement:
+            shadow = (
+                build_policy(
+                    cfg.trace_shadow, _with_seed(cfg.trace_shadow, cfg.trace_shadow_params, cfg.seed)
+                )
+                if cfg.trace_shadow
+                else None
+            )
+            self.tracer = PlacementTracer(self.policy, self, shadow=shadow, force=cfg.force_engines)
+            self.policy = self.tracer
         #: Engines that stepped since the last scrape (the others' metrics did not change).
         self._stepped: set[int] = set()
         # The router's own core: a sorted ledger only when the pre-filter will ask for least loaded.
@@ -538,6 +584,14 @@ class FleetSimulator:
         self._route_from = 0.0
         #: A request for ``RoutingCore.refresh`` when the hold reads the engines' load between routes.
         self._no_request = RouteRequest(request_id="")
+        if cfg.deadline_floor:
+            if all(s.profile.scheduling_policy != "priority" for s in fleet.engines):
+                raise ValueError(
+                    "deadline_floor prices the deadline sent to priority engines: the fleet has none"
+                )
+            for spec, view in zip(fleet.engines, self.views, strict=True):
+                if spec.profile.scheduling_policy == "priority":
+                    view.extra[DEADLINE_OFFSET_KEY] = self._deadline_offset_s
         if self._priority_ahead:
             for spec, view in zip(fleet.engines, self.views, strict=True):
                 if spec.profile.scheduling_policy == "priority":
@@ -576,6 +630,11 @@ class FleetSimulator:
             )
 
         return wait_s
+
+    def _deadline_offset_s(self, parts: PredictedParts) -> float:
+        """``DEADLINE_OFFSET_KEY`` of a priority engine: seconds from now to the deadline of the
+        priority the request being routed would be sent with, priced ``parts`` (``_priority``)."""
+        return self._priority(parts, 0.0) * self.config.priority_step_s
 
     def _priority(self, parts: PredictedParts, from_s: float) -> int:
         """The vLLM ``priority`` the router sends the request being routed (``_route_fcfs_factor``)
@@ -633,6 +692,7 @@ class FleetSimulator:
         ttfts: list[float] = []
         self._ttft_by_request: dict[str, float] = {}
         rejected = 0
+        stop_after = cfg.stop_after
         by_tier = [0, 0, 0]
         prompt_total = output_total = finished = arrived = 0
         now = 0.0
@@ -736,6 +796,8 @@ class FleetSimulator:
                     self._on_step(i, out, now, reqs, states, ttfts, push)
                 for fin in out.finished:
                     finished += 1
+                    if self.tracer is not None:
+                        self._cached_by_request[fin.request_id] = fin.cached_tokens_by_tier
                     for t in TIERS:
                         by_tier[t] += fin.cached_tokens_by_tier[t]
                     prompt_total += fin.prompt_tokens
@@ -751,6 +813,8 @@ class FleetSimulator:
                     start_step(i, now)
                 else:
                     busy[i] = False
+                if stop_after and all(rid in self._ttft_by_request for rid in stop_after):
+                    break
             elif kind == _ARRIVE and router is not None and self.fleet.router_stage is not None:
                 # Through the router process first: routed when it has read the request.
                 slot, k = payload
@@ -831,7 +895,7 @@ class FleetSimulator:
                 if reqs or active or (wl.concurrency is None and open_order_pos < len(order)):
                     push(now + cfg.scrape_interval_s, _SCRAPE, None)
         progress.close()
-        if holding:
+        if holding and not stop_after:
             raise RuntimeError(f"{len(holding)} turns were still held when the fleet drained")
 
         ttfts.sort()
@@ -869,7 +933,25 @@ class FleetSimulator:
             ttfts_s=ttfts,
             ttft_by_request_s=self._ttft_by_request,
             ttft_split_by_request=self._ttft_split,
+            placement=self._placement_outcomes(),
         )
+
+    def _placement_outcomes(self) -> list[dict[str, Any]]:
+        """The placement trace's records with each turn's outcome (``SimResult.placement``)."""
+        if self.tracer is None:
+            return []
+        out = []
+        for record in self.tracer.records:
+            rid = record["rid"]
+            row = dict(record)
+            row["ttft_s"] = self._ttft_by_request.get(rid, math.nan)
+            row["cached"] = list(self._cached_by_request.get(rid, (0, 0, 0)))
+            row.setdefault("priority", None)
+            split = self._ttft_split.get(rid)
+            if split is not None:
+                row.update({f"split_{k}": v for k, v in split.items()})
+            out.append(row)
+        return out
 
     # -- pieces of the loop ------------------------------------------------------------------
 
@@ -952,6 +1034,7 @@ class FleetSimulator:
         self._route_fcfs_factor = priority_fcfs_factor_for(
             route, cfg.priority_fcfs_factor, cfg.priority_recompute_fcfs_factor, cfg.priority_recompute_below
         )
+        self._trace_block_ids = turn.block_ids
         reservation = self.core.route(self.policy, route, self.views if engines is None else engines, now)
         engine = self._pos[reservation.engine_id]
         if tokens is not None:
@@ -970,6 +1053,8 @@ class FleetSimulator:
             self.sequences.place(request_id, reservation.engine_id, prompt_tokens, turn.output_tokens)
         if engine_core.profile.scheduling_policy == "priority":
             sim_req.priority = self._priority(reservation.parts, self._route_from)
+            if self.tracer is not None:
+                self.tracer.records[-1]["priority"] = sim_req.priority
             if self.sequences is not None:
                 self.sequences.set_deadline(request_id, sim_req.priority * self.config.priority_step_s, now)
             if self._priority_ahead:

@@ -542,6 +542,43 @@ class EngineCore:
     def num_running(self) -> int:
         return len(self._running)
 
+    def cached_prefix_tokens(self, hashes: Sequence[int], prompt_len: int) -> tuple[int, int, int]:
+        """Tokens of a prompt (``prompt_len`` tokens, its full blocks' ``hashes``) this engine would
+        serve from each tier (GPU, CPU, STORAGE) if it admitted it now: the longest prefix, each
+        block at the first tier holding it, stopping one block short of a full hit, as ``_try_admit``
+        counts them. Reads only (nothing pinned, touched or loaded): the DES's placement trace."""
+        bs = self._block_size
+        gpu, cpu, storage = self.gpu, self.cpu, self.storage
+        by_tier = [0, 0, 0]
+        for h in hashes[: min(len(hashes), (prompt_len - 1) // bs)]:
+            if gpu.is_pinned(h) or gpu.is_evictable(h):
+                by_tier[_GPU] += bs
+            elif cpu is not None and h in cpu:
+                by_tier[_CPU] += bs
+            elif storage is not None and h in storage:
+                by_tier[_STORAGE] += bs
+            else:
+                break
+        return by_tier[0], by_tier[1], by_tier[2]
+
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens this engine has still to compute over its waiting and running requests,
+        a waiting one's cached prefix (``cached_prefix_tokens`` now) left out: the true prefill
+        queue a new request finds, where ``queued_prefill_tokens`` is an upper bound. Reads only."""
+        total = 0
+        for r in self._running:
+            total += max(0, r.prompt_len - r.num_computed)
+        for r in self._waiting:
+            hashes = self._ensure_hashes(r, self._num_hashable_blocks(r))
+            total += max(
+                0, r.prompt_len - r.num_computed - sum(self.cached_prefix_tokens(hashes, r.prompt_len))
+            )
+        return total
+
+    def free_gpu_blocks(self) -> int:
+        """GPU blocks an admission may take now: empty ones plus unpinned cached ones (evictable)."""
+        return self.gpu.num_free()
+
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens not yet computed over waiting and running requests (an upper bound: hits
         are not known before admission)."""
