@@ -27,9 +27,6 @@ from loadtest.bench_quality_live import (
 from sim.fleet import Fleet, FleetEngine
 from tests.conftest import ThreadedServer
 
-#: The module's fleets start once per test process: under xdist all its tests run in one worker.
-pytestmark = pytest.mark.xdist_group("bench_quality_vllm")
-
 #: Fast simulated engines, no CPU/STORAGE tier (real vLLM on CPUs has none), a GPU pool that two
 #: ladder conversations overflow.
 STAND_IN = replace(QUALITY_PROFILE, gpu_blocks=400, cpu_blocks=0, storage_blocks=0, time_scale=10.0)
