@@ -32,10 +32,13 @@ from tests.conftest import ThreadedServer
 STAND_IN = replace(QUALITY_PROFILE, gpu_blocks=400, cpu_blocks=0, storage_blocks=0, time_scale=10.0)
 
 
-@pytest.fixture
-def fleets(tmp_path: Path) -> Iterator[dict[str, FleetFile]]:
+@pytest.fixture(scope="module")
+def fleets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, FleetFile]]:
     """An fcfs and a priority fleet of 2 simulated engines each, read back from their fleet files as
-    the bench reads running real fleets."""
+    the bench reads running real fleets. Started once for the module's tests: each run of the bench
+    empties the fleet's prefix caches first (``vllm_runs``), as it does on real fleets, and the reset
+    test reads one engine's cache only after its own reset."""
+    tmp_path = tmp_path_factory.mktemp("quality-fleets")
     with Fleet(tmp_path / "fcfs") as fcfs, Fleet(tmp_path / "prio") as prio:
         fcfs.start(2, STAND_IN)
         prio.start(2, replace(STAND_IN, scheduling_policy="priority"))
