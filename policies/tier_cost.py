@@ -73,6 +73,7 @@ from policies.base import (
     wait_tokens_of,
 )
 from policies.costs import (
+    DEADLINE_OFFSET_KEY,
     CostEstimates,
     PredictedParts,
     PriorCosts,
@@ -137,6 +138,16 @@ def _scores(
             score["index_trusted"],
         ) = terms[engine_id]
     return scores
+
+
+def _floored_total_s(
+    parts: PredictedParts, engine: EngineView, request: RouteRequest, prompt_tokens: int
+) -> float:
+    """``parts.total_s``, raised to the engine's deadline floor where the router gives one
+    (``DEADLINE_OFFSET_KEY``: policies.costs.deadline_floor_s; off unless it is set)."""
+    if DEADLINE_OFFSET_KEY not in engine.extra:
+        return parts.total_s
+    return deadline_floor_s(parts, engine, prompt_tokens, best_cached_fraction(request, prompt_tokens))
 
 
 @register("tier_cost")
@@ -232,11 +243,7 @@ class TierCostPolicy(BasePolicy):
             parts = priority_wait_parts(est, parts, engine)
         parts = admission_wait_parts(parts, engine, request, prompt_tokens)
         decode_s, pressure_s = self.secondary_s(engine)
-        total_s = (
-            deadline_floor_s(parts, engine, prompt_tokens, best_cached_fraction(request, prompt_tokens))
-            if engine.extra
-            else parts.total_s
-        )
+        total_s = _floored_total_s(parts, engine, request, prompt_tokens) if engine.extra else parts.total_s
         return total_s + self.work_weight * parts.service_s + decode_s + pressure_s
 
     def _priced_engines(
@@ -283,7 +290,6 @@ class TierCostPolicy(BasePolicy):
         prompt_tokens = prompt_tokens_of(request)
         work_weight = self.work_weight
         priced: list[tuple[float, EngineView]] = []
-        best_fraction: float | None = None  # of the prompt held anywhere (priced when first needed)
         for engine in engines:
             engine_id = engine.engine_id
             parts = parts_by_engine[engine_id] = self._predict(request, engine, costs, prompt_tokens)
@@ -291,10 +297,8 @@ class TierCostPolicy(BasePolicy):
             service_s = parts.service_s  # once: total_s is the waits plus it (PredictedParts.total_s)
             work_s = work_weight * service_s
             total_s = parts.wait_s + parts.slot_s + service_s
-            if engine.extra:  # a priority engine's deadline floor (policies.costs.deadline_floor_s)
-                if best_fraction is None:
-                    best_fraction = best_cached_fraction(request, prompt_tokens)
-                total_s = deadline_floor_s(parts, engine, prompt_tokens, best_fraction)
+            if engine.extra:
+                total_s = _floored_total_s(parts, engine, request, prompt_tokens)
             cost_s = cost_by_engine[engine_id] = total_s + work_s + decode_s + pressure_s
             terms[engine_id] = (work_s, decode_s, pressure_s, cost_s, 1.0 if engine.index_trusted else 0.0)
             priced.append((cost_s, engine))

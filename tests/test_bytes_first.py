@@ -21,11 +21,10 @@ import httpx
 import pytest
 
 from router.app import create_app
-from router.config import load_config
 from router.routing import RouteContext
 from tests.conftest import ThreadedServer
 from tests.test_callback_path import _count, _wait_for
-from tests.test_fastpath import MODEL, chat
+from tests.test_fastpath import chat, round_robin_config
 from tests.test_stream_relay import DONE, ScriptedEngine, chunked_body
 
 #: How long the probe holds the router's loop waiting for the client's bytes.
@@ -72,15 +71,7 @@ class Probe:
 def _router(
     serve_asgi: Callable[..., ThreadedServer], url: str, callback_path: bool
 ) -> tuple[ThreadedServer, Probe]:
-    config = load_config(
-        environ={},
-        overrides={
-            "engines": [{"id": "e0", "url": url, "model": MODEL}],
-            "health": {"interval_s": 0},
-            "policy": {"name": "round_robin"},
-            "proxy": {"callback_path": callback_path},
-        },
-    )
+    config = round_robin_config([url], callback_path=callback_path)
     app = create_app(config, observers=[probe := Probe(lambda: app.state.tracker)])
     return serve_asgi(app), probe
 
@@ -173,40 +164,21 @@ def test_a_whole_answer_reaches_the_client_before_it_is_accounted(
 
 
 @PATHS
+@pytest.mark.parametrize("apart", [True, False], ids=["events-apart", "one-read"])
 def test_a_streams_first_event_reaches_the_client_before_it_is_accounted(
     serve_asgi: Callable[..., ThreadedServer],
     engine: ScriptedEngine,
     task_starts: list[object],
     callback_path: bool,
+    apart: bool,
 ) -> None:
-    """The engine writes each event apart (the first in a read of its own). Catches: the first
-    event's accounting (core.on_first_token: the TTFT learning; the first-byte observers) run
-    before the event is written (``_forward`` / ``StreamRelay.feed`` on either path), and the
-    finish before the last bytes."""
-    engine.piece_bytes, engine.gap_s = 1 << 16, 0.02
-    server, probe = _router(serve_asgi, engine.url, callback_path)
-    with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        _warm(sock, chat(stream=True), probe)
-        task_starts.clear()
-        probe.request_id = "probe"
-        _ask(sock, chat(stream=True, text="probed"), "probe")
-        status, _, body = _read(sock, probe)
-    assert status == 200 and _stream_events(body) == [*engine.events, DONE]
-    _wait_for(lambda: "on_finished" in probe.had, "the probe's finish")
-    assert probe.had == {"on_first_byte": True, "on_finished": True}
-    _check_path(server, task_starts)
-
-
-@PATHS
-def test_a_whole_stream_in_one_read_reaches_the_client_before_it_is_accounted(
-    serve_asgi: Callable[..., ThreadedServer],
-    engine: ScriptedEngine,
-    task_starts: list[object],
-    callback_path: bool,
-) -> None:
-    """The engine's whole stream in one write (the callback path sends it in one write too:
-    ``_CallbackStream.send_whole``). Catches: the first event's accounting or the finish run
-    before that write."""
+    """``apart``: the engine writes each event apart (the first in a read of its own); else its
+    whole stream in one write (which the callback path sends in one write too:
+    ``_CallbackStream.send_whole``). Catches: the first event's accounting (core.on_first_token:
+    the TTFT learning; the first-byte observers) run before the write that carries the event
+    (``_forward`` / ``StreamRelay.feed`` on either path), and the finish before the last bytes."""
+    if apart:
+        engine.piece_bytes, engine.gap_s = 1 << 16, 0.02
     server, probe = _router(serve_asgi, engine.url, callback_path)
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         _warm(sock, chat(stream=True), probe)

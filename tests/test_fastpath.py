@@ -16,10 +16,25 @@ import httpx
 import pytest
 
 from router.app import create_app
-from router.config import load_config
+from router.config import RouterConfig, load_config
 from tests.conftest import OpenAIUpstream, ThreadedServer
 
 MODEL = "test-model"
+
+
+def round_robin_config(urls: list[str], *, callback_path: bool = False, **sections: Any) -> RouterConfig:
+    """A round_robin router over engines e0, e1, ... at ``urls`` (serving MODEL), no health polling,
+    on the chosen proxy path; ``sections`` are further config sections."""
+    return load_config(
+        environ={},
+        overrides={
+            "engines": [{"id": f"e{i}", "url": url, "model": MODEL} for i, url in enumerate(urls)],
+            "health": {"interval_s": 0},
+            "policy": {"name": "round_robin"},
+            "proxy": {"callback_path": callback_path},
+            **sections,
+        },
+    )
 
 
 def chat(stream: bool = False, text: str = "hi") -> bytes:

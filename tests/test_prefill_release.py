@@ -13,11 +13,10 @@ from typing import Any
 import pytest
 
 from router.app import create_app
-from router.config import load_config
 from router.routing import _DueCalls
 from tests.conftest import ThreadedServer
 from tests.test_callback_path import RawEngine, _wait_for, completion_answer
-from tests.test_fastpath import MODEL, chat, post, read_answers
+from tests.test_fastpath import chat, post, read_answers, round_robin_config
 
 HEAD, _, BODY = completion_answer(completion_id="p-1").partition(b"\r\n\r\n")
 HEAD += b"\r\n\r\n"
@@ -59,16 +58,7 @@ class CountingDueCalls(_DueCalls):
 
 
 def _serve(serve_asgi: Callable[..., ThreadedServer], url: str, callback_path: bool) -> ThreadedServer:
-    config = load_config(
-        environ={},
-        overrides={
-            "engines": [{"id": "e0", "url": url, "model": MODEL}],
-            "health": {"interval_s": 0},
-            "policy": {"name": "round_robin"},
-            "proxy": {"callback_path": callback_path},
-        },
-    )
-    return serve_asgi(create_app(config))
+    return serve_asgi(create_app(round_robin_config([url], callback_path=callback_path)))
 
 
 @pytest.mark.parametrize("callback_path", [False, True])

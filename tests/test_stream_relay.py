@@ -20,11 +20,10 @@ import httpx
 import pytest
 
 from router.app import create_app
-from router.config import load_config
 from router.routing import _StreamAnswer
 from tests.conftest import ThreadedServer
 from tests.test_callback_path import RawEngine, Recorder, _count, _wait_for
-from tests.test_fastpath import MODEL, chat, post, read_answers
+from tests.test_fastpath import chat, post, read_answers, round_robin_config
 
 USAGE = {"prompt_tokens": 20, "completion_tokens": 3, "total_tokens": 23}
 
@@ -161,16 +160,7 @@ def _router(
     **sections: Any,
 ) -> ThreadedServer:
     engines = engine if isinstance(engine, list) else [engine]
-    config = load_config(
-        environ={},
-        overrides={
-            "engines": [{"id": f"e{i}", "url": e.url, "model": MODEL} for i, e in enumerate(engines)],
-            "health": {"interval_s": 0},
-            "policy": {"name": "round_robin"},
-            "proxy": {"callback_path": callback_path},
-            **sections,
-        },
-    )
+    config = round_robin_config([e.url for e in engines], callback_path=callback_path, **sections)
     return serve_asgi(create_app(config, observers=[recorder]))
 
 
