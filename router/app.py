@@ -626,7 +626,7 @@ def create_app(
         if (
             needs_auth
             or not _is_json_type(headers.get("content-type", ""))
-            or len(exchange.body) > reader.max_body_bytes
+            or exchange.body_size > reader.max_body_bytes
         ):
             return False
         raw_body = exchange.complete_body()

@@ -84,9 +84,12 @@ class ProxyExchange:
     transport (content-length or chunked framing, keep-alive, flow control)."""
 
     # The state every exchange starts in (class attributes: an exchange stores only what differs).
-    #: The request body, filled by the protocol's on_body / on_message_complete / connection_lost:
-    #: the first chunk kept as it came (bytes), later ones appended to a bytearray.
-    body: bytes | bytearray = b""
+    #: The request body received and not taken yet, filled by the protocol's on_body: its first
+    #: chunk as it came (bytes), the chunks after it in ``_more`` (joined once, when the body is
+    #: taken: one copy of a body that came in many reads, not one per read), ``body_size`` in all.
+    body = b""
+    _more: list[bytes] | None = None
+    body_size = 0
     more_body = True
     disconnected = False
     response_started = False
@@ -175,8 +178,28 @@ class ProxyExchange:
         the client still there), taken as ``receive`` would; else None: use ``receive``."""
         if self.more_body or self.expect_100_continue or self.disconnected or self.response_complete:
             return None
-        body, self.body = self.body, b""
-        return body if type(body) is bytes else bytes(body)
+        return self._take_body()
+
+    def add_chunk(self, chunk: bytes) -> int:
+        """A chunk of the request body after its first (the protocol's ``on_body`` holds a first
+        one itself), kept as it came; the size held now."""
+        more = self._more
+        if more is None:
+            self._more = [chunk]
+        else:
+            more.append(chunk)
+        size = self.body_size = self.body_size + len(chunk)
+        return size
+
+    def _take_body(self) -> bytes:
+        """The body received so far, taken: the one chunk as it came, or the chunks joined."""
+        body, more = self.body, self._more
+        self.body, self.body_size = b"", 0
+        if more is None:
+            return body
+        self._more = None
+        more.insert(0, body)
+        return b"".join(more)
 
     # -- the ASGI side
     async def receive(self) -> dict[str, Any]:
@@ -190,12 +213,7 @@ class ProxyExchange:
             await waiter
         if self.disconnected or self.response_complete:
             return {"type": "http.disconnect"}
-        body, self.body = self.body, b""
-        return {
-            "type": "http.request",
-            "body": body if type(body) is bytes else bytes(body),
-            "more_body": self.more_body,
-        }
+        return {"type": "http.request", "body": self._take_body(), "more_body": self.more_body}
 
     async def send(self, message: dict[str, Any]) -> None:
         protocol = self._protocol
@@ -688,14 +706,12 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         # A proxied request never upgrades (on_headers_complete): uvicorn's on_body without that check.
         if exchange.response_complete:
             return
-        held = exchange.body
-        if not held:
-            exchange.body = held = body  # the usual case, the whole body in one chunk: no copy
+        if not exchange.body:  # the usual case, the whole body in one chunk: held as it came
+            exchange.body = body
+            size = exchange.body_size = len(body)
         else:
-            if type(held) is bytes:
-                held = exchange.body = bytearray(held)
-            held += body
-        if len(held) > HIGH_WATER_LIMIT:
+            size = exchange.add_chunk(body)
+        if size > HIGH_WATER_LIMIT:
             self.flow.pause_reading()
         if exchange._waiter is not None:
             exchange.set()

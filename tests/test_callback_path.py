@@ -140,6 +140,7 @@ class FlakyEngine(RawEngine):
     def __init__(self) -> None:
         self.requests = 0
         self.answered = 0
+        self.bodies: list[bytes] = []
         super().__init__()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -150,6 +151,7 @@ class FlakyEngine(RawEngine):
                 if read is None:
                     return
                 data = read[1]
+                self.bodies.append(read[0])
                 self.requests += 1
                 if number == 1:
                     return  # the second request on a connection: closed unanswered
@@ -158,7 +160,10 @@ class FlakyEngine(RawEngine):
 
 
 def _router(
-    serve_asgi: Callable[..., ThreadedServer], engines: list[tuple[str, str]], recorder: Recorder
+    serve_asgi: Callable[..., ThreadedServer],
+    engines: list[tuple[str, str]],
+    recorder: Recorder,
+    callback_path: bool = True,
 ) -> ThreadedServer:
     config = load_config(
         environ={},
@@ -166,7 +171,7 @@ def _router(
             "engines": [{"id": name, "url": url, "model": MODEL} for name, url in engines],
             "health": {"interval_s": 0},
             "policy": {"name": "round_robin"},
-            "proxy": {"callback_path": True},
+            "proxy": {"callback_path": callback_path},
         },
     )
     return serve_asgi(create_app(config, observers=[recorder]))
@@ -274,24 +279,54 @@ def test_streams_and_errors_on_the_callback_path(
     assert 'kvroute_upstream_errors_total{engine="e0",kind="http_503"} 1.0' in metrics
 
 
+@pytest.mark.parametrize("text", ["hi", "a long prompt " * 8000], ids=["short", "scattered"])
 def test_a_stale_pooled_connection_is_retried_on_a_new_one(
-    serve_asgi: Callable[..., ThreadedServer], flaky: FlakyEngine
+    serve_asgi: Callable[..., ThreadedServer], flaky: FlakyEngine, text: str
 ) -> None:
     """The request written in callbacks on an idle connection the engine then closes unanswered:
     handed over to a task that sends it once more on a new connection. Catches: a 502 for a
-    connection that was only stale, or the request finished twice."""
+    connection that was only stale, or the request finished twice; with a body past
+    router.proxy.SCATTER_BODY_BYTES (written as a head and a body), a resent request that lost
+    either."""
     recorder = Recorder()
     server = _router(serve_asgi, [("flaky", flaky.url)], recorder)
+    body = chat(text=text)
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         for _ in range(2):
-            sock.sendall(post("/v1/chat/completions", chat()))
+            sock.sendall(post("/v1/chat/completions", body))
             (answer,) = read_answers(sock, 1)
             assert answer.status_code == 200 and answer.json()["id"] == "flaky-1"
     assert flaky.requests == 3 and flaky.answered == 2  # the second went out twice
+    assert flaky.bodies == [body] * 3
     assert server.server.config.app.state.router.client.stale_retries == 1
     _wait_for(lambda: len(recorder.finished) == 2, "2 finished requests")
     assert [r["status"] for r in recorder.finished] == [200, 200]
     assert recorder.finished[1]["attempts"] == ["flaky"]
+
+
+@pytest.mark.parametrize("callback_path", [True, False], ids=["callbacks", "task"])
+def test_a_large_body_in_many_reads_reaches_the_engine_whole(
+    serve_asgi: Callable[..., ThreadedServer], upstreams: Any, callback_path: bool
+) -> None:
+    """A ~290 KB chat body (past uvicorn's 64 KiB read pause, longer than one read, and past
+    router.proxy.SCATTER_BODY_BYTES: it goes to the engine as a head and a body in one scatter
+    write) sent in 4 KB writes, twice on one connection (the second on the pooled upstream
+    connection), on both paths: the engine gets it byte for byte, the client its answers.
+    Catches: a body's chunks lost or out of order when the exchange holds them (``add_chunk``,
+    joined once when taken), its size misread against limits.max_body_bytes, a scatter write that
+    drops the head or the body."""
+    ((upstream, url),) = upstreams(1)
+    server = _router(serve_asgi, [("e0", url)], Recorder(), callback_path=callback_path)
+    body = chat(text="".join(f"{i:06d} " for i in range(40_000)))
+    request = post("/v1/chat/completions", body)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(2):
+            for at in range(0, len(request), 4096):
+                sock.sendall(request[at : at + 4096])
+            (answer,) = read_answers(sock, 1)
+            assert answer.status_code == 200, answer.text
+    assert upstream.bodies == [body, body]
 
 
 def test_an_engine_gone_before_answering_fails_over(

@@ -5,8 +5,8 @@ samples of the processes whose command line contains ``--process`` (e.g. ``--pol
 drops the start-up (any stack through the import system) and puts each remaining sample in one
 part by its innermost Python frame:
 
-- ``socket writes``: a line that calls ``.write(`` (a transport write: the send system call, and
-  whatever the kernel does in it, is charged to the Python line that made it);
+- ``socket writes``: a line that calls ``.write(`` or ``.writelines(`` (a transport write: the send
+  system call, and whatever the kernel does in it, is charged to the Python line that made it);
 - ``event loop``: asyncio's ``Runner.run`` itself (uvloop's C loop: epoll, reads, callbacks);
 - ``client protocol``: router/fastpath.py, router/guard.py, uvicorn, h11/httptools glue;
 - ``upstream protocol``: router/proxy.py;
@@ -61,7 +61,8 @@ def part_of(frame: str, root: Path, cache: dict[str, list[str]]) -> str:
     if match is None:
         return "other"
     file, function = match["file"], match["function"]
-    if ".write(" in _source_line(root, file, int(match["line"]), cache):
+    source = _source_line(root, file, int(match["line"]), cache)
+    if ".write(" in source or ".writelines(" in source:
         return "socket writes"
     if function == "Runner.run" and file.endswith("asyncio/runners.py"):
         return "event loop"
