@@ -221,7 +221,10 @@ class PrefixIndex:
         self._default_private_pool_blocks = default_private_pool_blocks
         #: (block count, last key, engine ids) -> (keys, result) of recent ``match`` calls: a prompt
         #: sent again finds its answer without a pass over its blocks' masks. Emptied by every
-        #: change a match could see (``_forget_matches``); the keys are compared in full on a hit.
+        #: change a match could see (``_forget_matches``); on a hit the keys are the very list
+        #: matched before (kept by reference: a caller's keys are not changed after the call, as
+        #: the router's key cache hands the same list to every repeat of a prompt) or compared in
+        #: full.
         self._matches: dict[_MatchName, tuple[list[int], dict[str, PrefixMatch]]] = {}
         self._masks: dict[int, int] = {}
         self._engines: dict[str, _EngineState] = {}
@@ -775,7 +778,9 @@ class PrefixIndex:
         Used right after routing, so a burst sharing a prefix sees the hit before the engine's
         BlockStored events arrive. A GPU BlockStored of the key confirms (replaces) the entry, and
         keys the engine's events already hold on its GPU get none (if the engine evicts one before
-        the request reads it, the request stores it again and the event says so)."""
+        the request reads it, the request stores it again and the event says so). A list of
+        ``keys`` is kept by reference (a re-sent chain is then known by identity, not compared
+        key by key): the caller does not change it after the call."""
         self._advance(now)
         state = self._engine(engine_id)
         expiry = now + ttl_s
@@ -829,7 +834,7 @@ class PrefixIndex:
             # New keys' first entry is their own; keys moved earlier are taken over from the
             # entry that covered them (it must not re-arm them as well).
             self._arm(slot, expiry, arm, taking_over=len(new) < len(arm))
-        self._spec_last[slot] = _LastSpeculation(list(keys), expiry)
+        self._spec_last[slot] = _LastSpeculation(keys if type(keys) is list else list(keys), expiry)
 
     def _settle(self, slot: int) -> None:
         """Write the slot's latest chain's expiry into its expiry table (before anything reads it)."""
@@ -905,7 +910,8 @@ class PrefixIndex:
 
         With ``engine_ids`` every listed engine is in the result (NO_MATCH when it holds
         nothing); without, only engines holding at least block 0 are. A prompt matched again
-        while nothing in the index changed gets the kept result (a new dict)."""
+        while nothing in the index changed gets the kept result (a new dict). A list of ``keys``
+        is kept by reference: the caller does not change it after the call."""
         if now is not None:
             self._advance(now)
         wanted = None if engine_ids is None else tuple(engine_ids)
@@ -929,7 +935,7 @@ class PrefixIndex:
         if name is not None:
             if len(self._matches) >= _MATCHES_KEPT:
                 self._matches.clear()
-            self._matches[name] = (list(keys), dict(result))
+            self._matches[name] = (keys if type(keys) is list else list(keys), dict(result))
         return result
 
     def _match_into(self, keys: Sequence[int], candidates: int, result: dict[str, PrefixMatch]) -> None:
