@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from router.app import create_app
+from router.fastpath import ProxyExchange
 from router.routing import _StreamAnswer
 from tests.conftest import ThreadedServer
 from tests.test_callback_path import RawEngine, Recorder, _count, _wait_for
@@ -204,6 +205,44 @@ def test_a_whole_stream_in_one_upstream_read(
     assert _count(httpx.get(server.url + "/metrics").text, "200") == 2
     tracker = server.server.config.app.state.tracker
     assert tracker.load("e0")[0] == 0
+
+
+@pytest.mark.parametrize("piece_bytes", [0, 40], ids=["whole", "in-pieces"])
+def test_a_whole_stream_goes_out_on_the_task_path_without_asgi_messages(
+    serve_asgi: Callable[..., ThreadedServer],
+    engine: ScriptedEngine,
+    monkeypatch: pytest.MonkeyPatch,
+    piece_bytes: int,
+) -> None:
+    """The task path (round dp23): a stream complete when its relay begins is written through the
+    exchange's ``stream_now`` (one write, no ``send`` message or await), one that comes in pieces
+    through ``send`` as before; either way the client gets every event, the usage event stripped,
+    and the stream is accounted. Catches the whole-stream shortcut not taken on kvroute's own
+    exchange (e.g. ``send`` wrapped so its exchange is not found), or taken for a stream still
+    coming (its rest lost)."""
+    sends: list[str] = []
+    original = ProxyExchange.send
+
+    async def counting(self: ProxyExchange, message: dict[str, Any]) -> None:
+        sends.append(message["type"])
+        await original(self, message)
+
+    monkeypatch.setattr(ProxyExchange, "send", counting)
+    engine.events = token_events(4)
+    engine.piece_bytes, engine.gap_s = piece_bytes, 0.002
+    recorder = Recorder()
+    server = _router(serve_asgi, engine, recorder, callback_path=False)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(post("/v1/chat/completions", chat(stream=True)))
+        (answer,) = read_answers(sock, 1)
+    assert answer.status_code == 200
+    assert answer.content == b"".join([*engine.events, DONE])
+    _wait_for(lambda: len(recorder.finished) == 1, "the finished stream")
+    assert recorder.finished[0]["status"] == 200 and recorder.finished[0]["usage"] == USAGE
+    if piece_bytes:
+        assert sends[0] == "http.response.start" and len(sends) >= 3
+    else:
+        assert sends == []
 
 
 @PATHS
