@@ -1572,14 +1572,17 @@ class _UsageChunkStripper:
             self.done = True
         if b'"usage"' not in complete:
             return complete
+        events = complete.split(b"\n\n")
+        del events[-1]  # (b"": ``complete`` ends with the separator)
         kept: list[bytes] = []
-        for event in complete.split(b"\n\n")[:-1]:
-            usage = self._usage_only(event)
-            if usage is not None:
-                self.usage = usage
-                continue
-            kept.append(event + b"\n\n")
-        return b"".join(kept)
+        for event in events:
+            if b'"usage"' in event:  # (only such an event is looked at: the usage event, last)
+                usage = self._usage_only(event)
+                if usage is not None:
+                    self.usage = usage
+                    continue
+            kept.append(event)
+        return b"\n\n".join(kept) + b"\n\n" if kept else b""
 
     def flush(self) -> bytes:
         out, self._buffer = self._buffer, b""

@@ -21,7 +21,7 @@ import pytest
 
 from router.app import create_app
 from router.fastpath import ProxyExchange
-from router.routing import _StreamAnswer
+from router.routing import _StreamAnswer, _UsageChunkStripper
 from tests.conftest import ThreadedServer
 from tests.test_callback_path import RawEngine, Recorder, _count, _wait_for
 from tests.test_fastpath import chat, post, read_answers, round_robin_config
@@ -457,3 +457,20 @@ def test_a_slow_client_holds_the_engine_back_and_gets_the_whole_answer(
     _wait_for(lambda: len(recorder.finished) == 1, "the finished stream")
     assert recorder.finished[0]["status"] == 200 and recorder.finished[0]["usage"] == USAGE
     _check_relay(server, relay_generators, 1)
+
+
+def test_the_usage_stripper_takes_out_only_the_usage_event_whatever_the_events_around_it() -> None:
+    """``_UsageChunkStripper.feed`` (round dp23: only events holding ``"usage"`` are decoded):
+    the usage-only event goes, every other byte stays - a token event whose text says "usage",
+    one with a usage object and choices, an empty event between separators, a keep-alive comment,
+    an event after a stray third newline - fed whole and byte by byte. Catches a kept event's
+    separator lost or doubled when the others are joined, and an event dropped for the word."""
+    wordy = event({"choices": [{"index": 0, "delta": {"content": '"usage"'}}]})
+    with_choices = event({"choices": [{"index": 0, "delta": {}}], "usage": USAGE})
+    kept = [b": keep-alive\n\n", *token_events(2), wordy, b"\n\n", with_choices, b"\n" + token_events(1)[0]]
+    stream = b"".join([*kept, USAGE_EVENT, DONE])
+    for pieces in ([stream], [stream[i : i + 1] for i in range(len(stream))]):
+        stripper = _UsageChunkStripper()
+        out = b"".join(stripper.feed(piece) for piece in pieces) + stripper.flush()
+        assert out == b"".join([*kept, DONE])
+        assert stripper.usage == USAGE and stripper.done
