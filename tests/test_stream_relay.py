@@ -239,9 +239,9 @@ def test_a_whole_stream_goes_out_on_the_task_path_without_asgi_messages(
     assert answer.content == b"".join([*engine.events, DONE])
     _wait_for(lambda: len(recorder.finished) == 1, "the finished stream")
     assert recorder.finished[0]["status"] == 200 and recorder.finished[0]["usage"] == USAGE
-    if piece_bytes:
+    if piece_bytes and server.server.config.app.proxy_now is None:
         assert sends[0] == "http.response.start" and len(sends) >= 3
-    else:
+    else:  # (TEST_KVROUTE_CALLBACK_PATH=1 puts the router on the callback path: no send at all)
         assert sends == []
 
 
