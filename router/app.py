@@ -168,6 +168,9 @@ class _CallbackClient:
     def stream_end(self, data: bytes) -> None:
         self.exchange.stream_end(data)
 
+    def stream_whole(self, headers: list[tuple[bytes, bytes]], data: bytes) -> None:
+        self.exchange.stream_now(headers, data)
+
     def stream_abort(self, data: bytes) -> None:
         self.exchange.stream_abort(data)
 

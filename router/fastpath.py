@@ -272,6 +272,18 @@ class ProxyExchange:
         if not self.disconnected:
             self._write_body(data, False)
 
+    def stream_now(self, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """A whole streamed answer at once (the engine's stream was complete when its relay
+        began): status 200, ``headers`` (chunked framing), ``body`` and the final chunk in one
+        write, without ``send``'s awaits and messages (``answer_now``'s stream); nothing when the
+        client is gone."""
+        if self.disconnected or self.response_started:
+            return
+        self.response_started = True
+        self.expect_100_continue = False
+        self._start(200, headers)
+        self._write_body(body, False)
+
     def stream_abort(self, data: bytes) -> None:
         """``data`` (and the head if it has not gone out), then the connection closed with the
         answer unfinished: no client takes it for complete."""

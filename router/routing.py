@@ -778,12 +778,13 @@ class Router:
             try:
                 response = await waiting
                 if ctx.stream and response.status == 200:
-                    try:  # the budget's deadline is the client's (until_event)
-                        head = await response.first_event()
-                    except BaseException:
-                        response.close()
-                        raise
-                    if head and b"data:" in head[-1]:
+                    if not response.event_seen and not response.done:  # (usually in: no coroutine)
+                        try:  # the budget's deadline is the client's (until_event)
+                            await response.first_event()
+                        except BaseException:
+                            response.close()
+                            raise
+                    if response.event_seen:  # (the body so far holds a ``data:`` event)
                         # Its arrival time; accounted once it is sent on (``StreamRelay.sent``).
                         ctx.first_token_s = time.monotonic()
                 break
@@ -961,6 +962,11 @@ class CallbackClient(Protocol):
 
     def stream_end(self, data: bytes) -> None:
         """Send ``data`` (may be empty) and end the streamed answer."""
+        ...
+
+    def stream_whole(self, headers: list[tuple[bytes, bytes]], data: bytes) -> None:
+        """A whole streamed answer at once: ``stream_start`` and ``stream_end(data)`` in one
+        write, with no relay to watch the client from (it ends with this call)."""
         ...
 
     def stream_abort(self, data: bytes) -> None:
@@ -1209,8 +1215,7 @@ class _CallbackStream:
         relay = self.relay
         try:
             data = relay.response.take_body()
-            self.client.stream_start(headers)
-            self.client.stream_end((relay.feed(data) if data else data) + relay.held_back())
+            self.client.stream_whole(headers, (relay.feed(data) if data else data) + relay.held_back())
         except Exception:
             self._failed()
             return
@@ -1359,6 +1364,11 @@ class _StreamAnswer:
         the last of them with the answer's end (one write); no generator per stream or piece."""
         relay = self.relay
         response = relay.response
+        if response.done:  # the whole stream is in (usual at once): on kvroute's own exchange
+            stream_now = getattr(getattr(send, "__self__", None), "stream_now", None)
+            if stream_now is not None:  # (router/fastpath.py) in one write, with no await
+                self._send_whole(stream_now, watcher)
+                return
         response.count_buffered()
         started = False
         try:
@@ -1395,6 +1405,21 @@ class _StreamAnswer:
             else:
                 relay.gone("client disconnected before the stream began")
             raise
+
+    def _send_whole(
+        self, stream_now: Callable[[list[tuple[bytes, bytes]], bytes], None], watcher: DisconnectWatcher
+    ) -> None:
+        """The whole stream as ``send`` would write it (the head and every byte in one write, then
+        the final chunk), without its two messages and awaits; accounted once it is out."""
+        relay = self.relay
+        data = relay.response.take_body()
+        try:
+            stream_now(self.headers, (relay.feed(data) if data else data) + relay.held_back())
+        except BaseException:
+            relay.gone("client disconnected before the stream began")
+            raise
+        watcher.answered = True
+        relay.end()
 
 
 class DisconnectWatcher:
@@ -1547,14 +1572,17 @@ class _UsageChunkStripper:
             self.done = True
         if b'"usage"' not in complete:
             return complete
+        events = complete.split(b"\n\n")
+        del events[-1]  # (b"": ``complete`` ends with the separator)
         kept: list[bytes] = []
-        for event in complete.split(b"\n\n")[:-1]:
-            usage = self._usage_only(event)
-            if usage is not None:
-                self.usage = usage
-                continue
-            kept.append(event + b"\n\n")
-        return b"".join(kept)
+        for event in events:
+            if b'"usage"' in event:  # (only such an event is looked at: the usage event, last)
+                usage = self._usage_only(event)
+                if usage is not None:
+                    self.usage = usage
+                    continue
+            kept.append(event)
+        return b"\n\n".join(kept) + b"\n\n" if kept else b""
 
     def flush(self) -> bytes:
         out, self._buffer = self._buffer, b""

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from kvcore.calibration import CostModel, _updated
+from kvcore.calibration import _P0, CostModel, _Rls, _rls_update, _updated
 from policies.base import Tier
 from policies.costs import EngineCosts, predict_parts
 
@@ -84,3 +84,51 @@ def test_the_updated_costs_keep_every_other_field() -> None:
     assert got == dataclasses.replace(
         costs, prefill_tokens_per_s=99.0, load_bandwidth_bytes_per_s=(4.0, 5.0, 6.0), slot_s_per_request=0.25
     )
+
+
+def _textbook_rls_update(rls: _Rls, x: list[float], y: float, forgetting: float) -> None:
+    """The recursive-least-squares step element by element (kvcore's before round dp23): the
+    reference ``_rls_update``'s written-out form must equal, float for float."""
+    n = len(x)
+    cov = rls.cov
+    px = [sum(cov[i][j] * x[j] for j in range(n)) for i in range(n)]
+    denom = forgetting + sum(x[i] * px[i] for i in range(n))
+    if denom <= 0:
+        return
+    gain = [v / denom for v in px]
+    error = y - sum(rls.theta[i] * x[i] for i in range(n))
+    for i in range(n):
+        rls.theta[i] += gain[i] * error
+    for i in range(n):
+        for j in range(n):
+            cov[i][j] = (cov[i][j] - gain[i] * px[j]) / forgetting
+    for i in range(n):
+        if cov[i][i] > _P0[i]:
+            scale = math.sqrt(_P0[i] / cov[i][i])
+            for j in range(n):
+                cov[i][j] *= scale
+                cov[j][i] *= scale
+
+
+def test_the_rls_step_equals_the_element_wise_form_bit_for_bit() -> None:
+    """Catches a written-out ``_rls_update`` that reorders a sum, drops the covariance cap's
+    double scaling of the diagonal, or loses a zero's sign: sequences of observations with
+    unexcited directions (x = 0, -0.0: the cap), large and tiny weights and every forgetting
+    factor in use give the same theta and covariance, compared exactly (also the sign of zeros)."""
+    rng = random.Random(23)
+    for _ in range(200):
+        got, want = _Rls(), _Rls()
+        for _ in range(40):
+            weight = 1.0 / max(1e-3, rng.uniform(0.0, 3.0))
+            x = [weight] + [
+                weight * rng.choice([0.0, -0.0, rng.uniform(0.0, 3.0), rng.expovariate(0.5)])
+                for _ in range(4)
+            ]
+            y = rng.uniform(-1.0, 5.0) * weight
+            forgetting = rng.choice([0.98, 0.995, 1.0])
+            _rls_update(got, x, y, forgetting)
+            _textbook_rls_update(want, x, y, forgetting)
+            assert got.theta == want.theta and got.cov == want.cov
+            flat = [*got.theta, *(v for row in got.cov for v in row)]
+            flat_want = [*want.theta, *(v for row in want.cov for v in row)]
+            assert [math.copysign(1.0, v) for v in flat] == [math.copysign(1.0, v) for v in flat_want]

@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from router.app import create_app
-from router.routing import _StreamAnswer
+from router.fastpath import ProxyExchange
+from router.routing import _StreamAnswer, _UsageChunkStripper
 from tests.conftest import ThreadedServer
 from tests.test_callback_path import RawEngine, Recorder, _count, _wait_for
 from tests.test_fastpath import chat, post, read_answers, round_robin_config
@@ -204,6 +205,44 @@ def test_a_whole_stream_in_one_upstream_read(
     assert _count(httpx.get(server.url + "/metrics").text, "200") == 2
     tracker = server.server.config.app.state.tracker
     assert tracker.load("e0")[0] == 0
+
+
+@pytest.mark.parametrize("piece_bytes", [0, 40], ids=["whole", "in-pieces"])
+def test_a_whole_stream_goes_out_on_the_task_path_without_asgi_messages(
+    serve_asgi: Callable[..., ThreadedServer],
+    engine: ScriptedEngine,
+    monkeypatch: pytest.MonkeyPatch,
+    piece_bytes: int,
+) -> None:
+    """The task path (round dp23): a stream complete when its relay begins is written through the
+    exchange's ``stream_now`` (one write, no ``send`` message or await), one that comes in pieces
+    through ``send`` as before; either way the client gets every event, the usage event stripped,
+    and the stream is accounted. Catches the whole-stream shortcut not taken on kvroute's own
+    exchange (e.g. ``send`` wrapped so its exchange is not found), or taken for a stream still
+    coming (its rest lost)."""
+    sends: list[str] = []
+    original = ProxyExchange.send
+
+    async def counting(self: ProxyExchange, message: dict[str, Any]) -> None:
+        sends.append(message["type"])
+        await original(self, message)
+
+    monkeypatch.setattr(ProxyExchange, "send", counting)
+    engine.events = token_events(4)
+    engine.piece_bytes, engine.gap_s = piece_bytes, 0.002
+    recorder = Recorder()
+    server = _router(serve_asgi, engine, recorder, callback_path=False)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(post("/v1/chat/completions", chat(stream=True)))
+        (answer,) = read_answers(sock, 1)
+    assert answer.status_code == 200
+    assert answer.content == b"".join([*engine.events, DONE])
+    _wait_for(lambda: len(recorder.finished) == 1, "the finished stream")
+    assert recorder.finished[0]["status"] == 200 and recorder.finished[0]["usage"] == USAGE
+    if piece_bytes and server.server.config.app.proxy_now is None:
+        assert sends[0] == "http.response.start" and len(sends) >= 3
+    else:  # (TEST_KVROUTE_CALLBACK_PATH=1 puts the router on the callback path: no send at all)
+        assert sends == []
 
 
 @PATHS
@@ -418,3 +457,20 @@ def test_a_slow_client_holds_the_engine_back_and_gets_the_whole_answer(
     _wait_for(lambda: len(recorder.finished) == 1, "the finished stream")
     assert recorder.finished[0]["status"] == 200 and recorder.finished[0]["usage"] == USAGE
     _check_relay(server, relay_generators, 1)
+
+
+def test_the_usage_stripper_takes_out_only_the_usage_event_whatever_the_events_around_it() -> None:
+    """``_UsageChunkStripper.feed`` (round dp23: only events holding ``"usage"`` are decoded):
+    the usage-only event goes, every other byte stays - a token event whose text says "usage",
+    one with a usage object and choices, an empty event between separators, a keep-alive comment,
+    an event after a stray third newline - fed whole and byte by byte. Catches a kept event's
+    separator lost or doubled when the others are joined, and an event dropped for the word."""
+    wordy = event({"choices": [{"index": 0, "delta": {"content": '"usage"'}}]})
+    with_choices = event({"choices": [{"index": 0, "delta": {}}], "usage": USAGE})
+    kept = [b": keep-alive\n\n", *token_events(2), wordy, b"\n\n", with_choices, b"\n" + token_events(1)[0]]
+    stream = b"".join([*kept, USAGE_EVENT, DONE])
+    for pieces in ([stream], [stream[i : i + 1] for i in range(len(stream))]):
+        stripper = _UsageChunkStripper()
+        out = b"".join(stripper.feed(piece) for piece in pieces) + stripper.flush()
+        assert out == b"".join([*kept, DONE])
+        assert stripper.usage == USAGE and stripper.done
