@@ -147,20 +147,35 @@ class Hold(NamedTuple):
 FLOOR_SUFFIX = "+floor"
 
 
-def floor_of(spec: str) -> tuple[str, bool]:
-    """(the scheduling spec without FLOOR_SUFFIX, whether it had it)."""
-    if FLOOR_SUFFIX not in spec:
+#: A scheduling spec containing this (anywhere after the order) prices what a placement does to the
+#: turns queued on each engine (``SimConfig.externality``, round q13).
+EXTERN_SUFFIX = "+extern"
+
+
+def _switch_of(spec: str, suffix: str) -> tuple[str, bool]:
+    """(the scheduling spec without ``suffix``, a switch with no value, whether it had it)."""
+    if suffix not in spec:
         return spec, False
-    head, _, tail = spec.partition(FLOOR_SUFFIX)
+    head, _, tail = spec.partition(suffix)
     if tail and not tail.startswith("+"):
-        raise ValueError(f"--scheduling {spec!r}: {FLOOR_SUFFIX} takes no value")
+        raise ValueError(f"--scheduling {spec!r}: {suffix} takes no value")
     return head + tail, True
 
 
+def floor_of(spec: str) -> tuple[str, bool]:
+    """(the scheduling spec without FLOOR_SUFFIX, whether it had it)."""
+    return _switch_of(spec, FLOOR_SUFFIX)
+
+
+def extern_of(spec: str) -> tuple[str, bool]:
+    """(the scheduling spec without EXTERN_SUFFIX, whether it had it)."""
+    return _switch_of(spec, EXTERN_SUFFIX)
+
+
 def hold_of(spec: str) -> Hold:
-    """The scheduling spec without its HOLD_SUFFIX part (and without FLOOR_SUFFIX), and the hold
-    that part names."""
-    spec = floor_of(spec)[0]
+    """The scheduling spec without its HOLD_SUFFIX part (and without FLOOR_SUFFIX and
+    EXTERN_SUFFIX), and the hold that part names."""
+    spec = extern_of(floor_of(spec)[0])[0]
     head, sep, tail = spec.partition(HOLD_SUFFIX)
     if not sep:
         return Hold(spec)
@@ -381,6 +396,7 @@ def sim_config(cell: Cell, **extra: Any) -> SimConfig:
         calibration_pool_observations=cell.pool_observations,
         split_ttft=cell.split_ttft,
         deadline_floor=floor_of(cell.scheduling)[1],
+        externality=extern_of(cell.scheduling)[1],
         **extra,
     )
 
