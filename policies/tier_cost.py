@@ -255,7 +255,9 @@ class TierCostPolicy(BasePolicy):
             parts = priority_wait_parts(est, parts, engine)
         parts = admission_wait_parts(parts, engine, request, prompt_tokens)
         decode_s, pressure_s = self.secondary_s(engine)
-        total_s = _priced_total_s(parts, engine, request, prompt_tokens, costs) if engine.extra else parts.total_s
+        total_s = parts.total_s
+        if engine.extra:
+            total_s = _priced_total_s(parts, engine, request, prompt_tokens, costs)
         return total_s + self.work_weight * parts.service_s + decode_s + pressure_s
 
     def _priced_engines(

@@ -5,8 +5,8 @@ predicted on each engine and what was true there, and a forced choice for counte
 default, and a run with it on routes exactly as without: the wrapper only reads). Per decision it
 records, for every engine, tier_cost's predicted TTFT parts (``TierCostPolicy.predict``: the
 cost model the DES's router calibrates; and, where the router gives its queued turns, the
-placement's externality, ``policies.costs.externality_s``) beside the truth the simulator knows: the prompt tokens
-each engine would serve from each tier if it admitted the turn now (``EngineCore
+placement's externality, ``policies.costs.externality_s``) beside the truth the simulator knows:
+the prompt tokens each engine would serve from each tier if it admitted the turn now (``EngineCore
 .cached_prefix_tokens``), its queued prefill, waiting and running requests and free GPU blocks; and
 the choice a second ("shadow") policy makes on the very same state. ``SimConfig.force_engines``
 sends chosen turns to a given engine instead (everything else as the policy decides), so that a

@@ -353,8 +353,12 @@ def _queued_fleet(e0_turns: list[tuple[float, float]]) -> tuple[RouteRequest, Fl
         return lambda parts: QueuedTurns(turns, 20.0 * parts.service_s, 100_000.0, 20.0)
 
     views = [
-        EngineView("e0", in_flight=3, queued_prefill_tokens=30_000, extra={QUEUED_TURNS_KEY: queued(e0_turns)}),
-        EngineView("e1", in_flight=1, queued_prefill_tokens=10_000, extra={QUEUED_TURNS_KEY: queued([(5.0, 0.0)])}),
+        EngineView(
+            "e0", in_flight=3, queued_prefill_tokens=30_000, extra={QUEUED_TURNS_KEY: queued(e0_turns)}
+        ),
+        EngineView(
+            "e1", in_flight=1, queued_prefill_tokens=10_000, extra={QUEUED_TURNS_KEY: queued([(5, 0)])}
+        ),
     ]
     return turn, FleetView(views, now=0.0, costs=PriorCosts(EngineCosts(prefill_tokens_per_s=10_000.0)))
 
