@@ -13,7 +13,6 @@ from policies.costs import (
     QUEUED_TURNS_KEY,
     EngineCosts,
     PredictedParts,
-    PriorCosts,
     QueuedTurns,
     externality_s,
     predict_parts,
@@ -21,6 +20,7 @@ from policies.costs import (
 from policies.tier_cost import TierCostPolicy
 from sim.des import FleetSimulator, SimConfig
 from tests.test_admission_wait import _tight_fleet, _workload
+from tests.test_deadline_floor import _fleet
 
 BLOCK = 16
 PROMPT_TOKENS = 8192
@@ -335,32 +335,21 @@ def test_large_fleet_prices_matched_engines_plus_a_few_and_picks_like_a_full_sca
 # -- round q13: what a placement costs the turns queued on the engine (policies.costs.externality_s)
 
 
+def _queued(turns: list[tuple[float, float]]):  # type: ignore[no-untyped-def]
+    """``QUEUED_TURNS_KEY``: ``turns`` queued on an engine of 100,000 tokens of KV, a lost history
+    token priced at 20 x its prefill (the stretch), the turn's own deadline 20 x its service."""
+    return lambda parts: QueuedTurns(turns, 20.0 * parts.service_s, 100_000.0, 20.0)
+
+
 def _queued_fleet(e0_turns: list[tuple[float, float]]) -> tuple[RouteRequest, FleetView]:
-    """A 20,000-token turn whose history (18,000 tokens) is on e0 behind 30,000 queued tokens (the
-    turns ``e0_turns``: (deadline offset s, cached tokens)); e1 holds nothing of it and has one
-    queued recompute (10,000 tokens, nothing cached). Both engines hold 100,000 tokens of KV and
-    price a lost history token at 20 x its prefill (the priority stretch); the deadline offset of
-    the turn there is 20 x its own service."""
-    turn = RouteRequest(
-        request_id="c#3",
-        prompt_tokens=20_000,
-        block_size=1_000,
-        block_keys=list(range(20)),
-        prefix_matches={"e0": PrefixMatch(18, (18, 0, 0))},
-    )
-
-    def queued(turns: list[tuple[float, float]]):  # type: ignore[no-untyped-def]
-        return lambda parts: QueuedTurns(turns, 20.0 * parts.service_s, 100_000.0, 20.0)
-
-    views = [
-        EngineView(
-            "e0", in_flight=3, queued_prefill_tokens=30_000, extra={QUEUED_TURNS_KEY: queued(e0_turns)}
-        ),
-        EngineView(
-            "e1", in_flight=1, queued_prefill_tokens=10_000, extra={QUEUED_TURNS_KEY: queued([(5, 0)])}
-        ),
-    ]
-    return turn, FleetView(views, now=0.0, costs=PriorCosts(EngineCosts(prefill_tokens_per_s=10_000.0)))
+    """test_deadline_floor's fleet (a 20,000-token turn whose history, 18,000 tokens, is on e0
+    behind 30,000 queued tokens; e1 holds nothing of it and has 10,000 queued) with the turns
+    queued on e0 given as ``e0_turns`` ((deadline offset s, cached tokens)) and one recompute
+    (nothing cached, deadline in 5 s) queued on e1."""
+    turn, fleet = _fleet(floor=False)
+    fleet.engines[0].extra[QUEUED_TURNS_KEY] = _queued(e0_turns)
+    fleet.engines[1].extra[QUEUED_TURNS_KEY] = _queued([(5.0, 0.0)])
+    return turn, fleet
 
 
 def test_externality_prices_the_histories_queued_on_the_holder_and_moves_the_turn() -> None:
