@@ -84,6 +84,7 @@ from policies.costs import (
     best_cached_fraction,
     deadline_floor_s,
     externality_s,
+    placement_footprint_tokens,
     predict_parts,
     priority_wait_parts,
 )
@@ -155,10 +156,11 @@ def _priced_total_s(
     total_s = parts.total_s
     if DEADLINE_OFFSET_KEY in extra:
         total_s = deadline_floor_s(parts, engine, prompt_tokens, best_cached_fraction(request, prompt_tokens))
-    queued = extra.get(QUEUED_TURNS_KEY)
-    if queued is not None:
-        footprint = float(prompt_tokens + request.expected_output_tokens)
-        total_s += externality_s(parts, footprint, queued(parts), costs.estimates(engine.engine_id))
+    queued_turns = extra.get(QUEUED_TURNS_KEY)
+    if queued_turns is not None:
+        queued = queued_turns(parts)
+        footprint = placement_footprint_tokens(parts, prompt_tokens, request.expected_output_tokens, queued)
+        total_s += externality_s(parts, footprint, queued, costs.estimates(engine.engine_id))
     return total_s
 
 

@@ -249,6 +249,9 @@ class SimConfig:
     #: predicted when placed), the engine's local KV capacity and the price of a lost history token
     #: (the priority stretch on a priority engine, 1 on a first-come one).
     externality: bool = False
+    #: With ``externality``: price a placement's footprint as only the blocks it writes on the
+    #: engine (``QueuedTurns.new_blocks_only``; post hoc, round q13) instead of its whole sequence.
+    externality_new_blocks: bool = False
     #: Record every routing decision (``sim.placement.PlacementTracer``: each engine's predicted
     #: TTFT parts beside its true cached prefix, queue and free KV, and the turn's outcome) in
     #: ``SimResult.placement``; reads only, the run routes as without it. Trace-mode block ids only.
@@ -606,6 +609,10 @@ class FleetSimulator:
         #: (deadline s in the routing clock, inf on a first-come engine; predicted local cached
         #: tokens; the load ticket, whose pending prefill says whether it is still queued).
         self._queued_turns: dict[str, dict[str, tuple[float, float, LoadTicket]]] = {}
+        if cfg.externality_new_blocks and not cfg.externality:
+            raise ValueError(
+                "externality_new_blocks chooses the externality's footprint: set externality too"
+            )
         if cfg.externality:
             for spec, view in zip(fleet.engines, self.views, strict=True):
                 self._queued_turns[spec.engine_id] = {}
@@ -658,6 +665,7 @@ class FleetSimulator:
         capacity = float(max(profile.num_gpu_blocks, profile.num_cpu_blocks) * profile.block_size)
         by_priority = profile.scheduling_policy == "priority"
         factor = self.config.priority_stretch if by_priority else 1.0
+        new_blocks = self.config.externality_new_blocks
 
         def turns(parts: PredictedParts) -> QueuedTurns:
             for request_id in [r for r, (_, _, t) in queued.items() if not t.prefill_pending or t.done]:
@@ -665,7 +673,11 @@ class FleetSimulator:
             now = self._route_now
             own = self._deadline_offset_s(parts) if by_priority else math.inf
             return QueuedTurns(
-                [(deadline - now, cached) for deadline, cached, _ in queued.values()], own, capacity, factor
+                [(deadline - now, cached) for deadline, cached, _ in queued.values()],
+                own,
+                capacity,
+                factor,
+                new_blocks,
             )
 
         return turns

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from policies.base import Decision, FleetView, Policy, RouteRequest
-from policies.costs import QUEUED_TURNS_KEY, externality_s
+from policies.costs import QUEUED_TURNS_KEY, externality_s, placement_footprint_tokens
 from policies.tier_cost import TierCostPolicy
 from sim.hashing import HashChain
 
@@ -100,17 +100,14 @@ class PlacementTracer:
                 parts = self._pricer.predict(request, view, costs)
                 decode_s, pressure_s = self._pricer.secondary_s(view)
                 cost_s = parts.total_s + self._pricer.work_weight * parts.service_s + decode_s + pressure_s
-                queued = view.extra.get(QUEUED_TURNS_KEY)
-                extern_s = (
-                    externality_s(
-                        parts,
-                        float(request.prompt_tokens + request.expected_output_tokens),
-                        queued(parts),
-                        costs.estimates(engine_id),
+                queued_turns = view.extra.get(QUEUED_TURNS_KEY)
+                extern_s = 0.0
+                if queued_turns is not None:
+                    queued = queued_turns(parts)
+                    footprint = placement_footprint_tokens(
+                        parts, request.prompt_tokens, request.expected_output_tokens, queued
                     )
-                    if queued is not None
-                    else 0.0
-                )
+                    extern_s = externality_s(parts, footprint, queued, costs.estimates(engine_id))
                 priced = (parts.total_s, parts.wait_s, parts.slot_s, parts.service_s, cost_s, extern_s)
                 router = (
                     float(sum(parts.hit_tokens)),

@@ -335,10 +335,10 @@ def test_large_fleet_prices_matched_engines_plus_a_few_and_picks_like_a_full_sca
 # -- round q13: what a placement costs the turns queued on the engine (policies.costs.externality_s)
 
 
-def _queued(turns: list[tuple[float, float]]):  # type: ignore[no-untyped-def]
+def _queued(turns: list[tuple[float, float]], new_blocks: bool = False):  # type: ignore[no-untyped-def]
     """``QUEUED_TURNS_KEY``: ``turns`` queued on an engine of 100,000 tokens of KV, a lost history
     token priced at 20 x its prefill (the stretch), the turn's own deadline 20 x its service."""
-    return lambda parts: QueuedTurns(turns, 20.0 * parts.service_s, 100_000.0, 20.0)
+    return lambda parts: QueuedTurns(turns, 20.0 * parts.service_s, 100_000.0, 20.0, new_blocks)
 
 
 def _queued_fleet(e0_turns: list[tuple[float, float]]) -> tuple[RouteRequest, FleetView]:
@@ -374,6 +374,21 @@ def test_externality_prices_the_histories_queued_on_the_holder_and_moves_the_tur
     assert policy.choose(turn, fleet).engine_id == "e0"
 
 
+def test_the_new_blocks_footprint_prices_only_what_the_placement_writes() -> None:
+    """Catches the post-hoc form pricing the whole sequence: on e0 the turn writes 2,000 tokens
+    (its 18,000 cached are not new): 0.54 x 2,000 = 1,080 displaced, 0.108 s x 20 = 2.16 s, plus
+    the 0.6 s delay: e0 costs 3.4 + 2.76 s; e1 (nothing cached there, no queued history) 5.0 s."""
+    turn, fleet = _queued_fleet([(10.0, 18_000.0)] * 3)
+    fleet.engines[0].extra[QUEUED_TURNS_KEY] = _queued([(10.0, 18_000.0)] * 3, new_blocks=True)
+    decision = TierCostPolicy().choose(turn, fleet)
+    assert decision.scores["e0"]["cost_s"] == pytest.approx(3.4 + 2.76, abs=0.01)
+    assert decision.engine_id == "e1"
+    with pytest.raises(ValueError, match="set externality too"):
+        FleetSimulator(
+            _workload(), "tier_cost", _tight_fleet("priority"), SimConfig(externality_new_blocks=True)
+        )
+
+
 def test_externality_terms() -> None:
     """Catches a wrong count or share: the delay counts only the queued turns served after the
     request (later deadline; none behind a first-come request, own offset inf); the displaced share
@@ -395,8 +410,11 @@ def test_externality_is_off_by_default() -> None:
     assert SimConfig().externality is False
     sim = FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), SimConfig())
     assert all(QUEUED_TURNS_KEY not in view.extra for view in sim.views)
-    assert extern_of("priority:20:inf") == ("priority:20:inf", False)
-    assert extern_of("priority:20:inf+floor+extern") == ("priority:20:inf+floor", True)
+    assert extern_of("priority:20:inf") == ("priority:20:inf", None)
+    assert extern_of("priority:20:inf+floor+extern") == ("priority:20:inf+floor", "sequence")
+    assert extern_of("priority:20:inf+extern:new+floor") == ("priority:20:inf+floor", "new")
+    with pytest.raises(ValueError, match="FORM"):
+        extern_of("priority:20:inf+extern:old")
     assert hold_of("priority:20:inf+extern+hold:0.5").wait_s == 0.5
     assert parse_scheduling("priority:20:40+extern")[:3] == ("priority", 20.0, 40.0)
     on = FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), SimConfig(externality=True))
