@@ -425,24 +425,28 @@ class QueuedTurns(NamedTuple):
     #: history is evicted while it waits is a recompute, sent (on a priority engine) with its
     #: prefill stretched into a later deadline (the router's stretch; 1 on a first-come engine).
     lost_token_factor: float
-    #: The footprint a placement is priced with (``placement_footprint_tokens``): False = the whole
+    #: The footprint a placement is priced with (``placement_externality_s``): False = the whole
     #: sequence (prompt and expected output) on every engine; True = only the blocks it writes
     #: there (prompt less its predicted GPU and CPU hits, and output), so that staying on the
     #: history is cheap and a move pays for the copy it makes (post hoc, round q13).
     new_blocks_only: bool = False
 
 
-def placement_footprint_tokens(
-    parts: PredictedParts, prompt_tokens: float, output_tokens: float, queued: QueuedTurns
+def placement_externality_s(
+    parts: PredictedParts, engine: EngineView, request: RouteRequest, prompt_tokens: int, costs: EngineCosts
 ) -> float:
-    """The KV a request's sequence takes on the engine ``parts`` priced, for ``externality_s``:
-    its prompt and expected output, less its predicted local (GPU and CPU) hits there when
-    ``queued.new_blocks_only``."""
-    footprint = prompt_tokens + output_tokens
+    """``externality_s`` of placing ``request`` (priced ``parts``) on ``engine``, 0 where the router
+    gives no queued turns there (``QUEUED_TURNS_KEY``). The footprint is its prompt and expected
+    output, less its predicted local (GPU and CPU) hits there when ``QueuedTurns.new_blocks_only``."""
+    queued_turns = engine.extra.get(QUEUED_TURNS_KEY)
+    if queued_turns is None:
+        return 0.0
+    queued: QueuedTurns = queued_turns(parts)
+    footprint = float(prompt_tokens + request.expected_output_tokens)
     if queued.new_blocks_only:
         hits = parts.hit_tokens
-        footprint -= hits[0] + hits[1]
-    return max(0.0, footprint)
+        footprint = max(0.0, footprint - hits[0] - hits[1])
+    return externality_s(parts, footprint, queued, costs)
 
 
 def externality_s(

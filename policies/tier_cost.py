@@ -83,8 +83,7 @@ from policies.costs import (
     admission_wait_parts,
     best_cached_fraction,
     deadline_floor_s,
-    externality_s,
-    placement_footprint_tokens,
+    placement_externality_s,
     predict_parts,
     priority_wait_parts,
 )
@@ -156,11 +155,10 @@ def _priced_total_s(
     total_s = parts.total_s
     if DEADLINE_OFFSET_KEY in extra:
         total_s = deadline_floor_s(parts, engine, prompt_tokens, best_cached_fraction(request, prompt_tokens))
-    queued_turns = extra.get(QUEUED_TURNS_KEY)
-    if queued_turns is not None:
-        queued = queued_turns(parts)
-        footprint = placement_footprint_tokens(parts, prompt_tokens, request.expected_output_tokens, queued)
-        total_s += externality_s(parts, footprint, queued, costs.estimates(engine.engine_id))
+    if QUEUED_TURNS_KEY in extra:
+        total_s += placement_externality_s(
+            parts, engine, request, prompt_tokens, costs.estimates(engine.engine_id)
+        )
     return total_s
 
 

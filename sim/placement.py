@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from policies.base import Decision, FleetView, Policy, RouteRequest
-from policies.costs import QUEUED_TURNS_KEY, externality_s, placement_footprint_tokens
+from policies.base import Decision, FleetView, Policy, RouteRequest, prompt_tokens_of
+from policies.costs import placement_externality_s
 from policies.tier_cost import TierCostPolicy
 from sim.hashing import HashChain
 
@@ -100,14 +100,9 @@ class PlacementTracer:
                 parts = self._pricer.predict(request, view, costs)
                 decode_s, pressure_s = self._pricer.secondary_s(view)
                 cost_s = parts.total_s + self._pricer.work_weight * parts.service_s + decode_s + pressure_s
-                queued_turns = view.extra.get(QUEUED_TURNS_KEY)
-                extern_s = 0.0
-                if queued_turns is not None:
-                    queued = queued_turns(parts)
-                    footprint = placement_footprint_tokens(
-                        parts, request.prompt_tokens, request.expected_output_tokens, queued
-                    )
-                    extern_s = externality_s(parts, footprint, queued, costs.estimates(engine_id))
+                extern_s = placement_externality_s(
+                    parts, view, request, prompt_tokens_of(request), costs.estimates(engine_id)
+                )
                 priced = (parts.total_s, parts.wait_s, parts.slot_s, parts.service_s, cost_s, extern_s)
                 router = (
                     float(sum(parts.hit_tokens)),
