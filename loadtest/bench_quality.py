@@ -147,20 +147,52 @@ class Hold(NamedTuple):
 FLOOR_SUFFIX = "+floor"
 
 
-def floor_of(spec: str) -> tuple[str, bool]:
-    """(the scheduling spec without FLOOR_SUFFIX, whether it had it)."""
-    if FLOOR_SUFFIX not in spec:
+#: A scheduling spec containing this (anywhere after the order) prices what a placement does to the
+#: turns queued on each engine (``SimConfig.externality``, round q13); ``+extern:new`` prices only
+#: the blocks the placement writes (``SimConfig.externality_new_blocks``, post hoc).
+EXTERN_SUFFIX = "+extern"
+#: The footprints ``EXTERN_SUFFIX`` takes after a ':' (none = "sequence").
+EXTERN_FORMS = ("sequence", "new")
+
+
+def _switch_of(spec: str, suffix: str) -> tuple[str, bool]:
+    """(the scheduling spec without ``suffix``, a switch with no value, whether it had it)."""
+    if suffix not in spec:
         return spec, False
-    head, _, tail = spec.partition(FLOOR_SUFFIX)
+    head, _, tail = spec.partition(suffix)
     if tail and not tail.startswith("+"):
-        raise ValueError(f"--scheduling {spec!r}: {FLOOR_SUFFIX} takes no value")
+        raise ValueError(f"--scheduling {spec!r}: {suffix} takes no value")
     return head + tail, True
 
 
+def floor_of(spec: str) -> tuple[str, bool]:
+    """(the scheduling spec without FLOOR_SUFFIX, whether it had it)."""
+    return _switch_of(spec, FLOOR_SUFFIX)
+
+
+def extern_of(spec: str) -> tuple[str, str | None]:
+    """(the scheduling spec without its EXTERN_SUFFIX part, the footprint it names: one of
+    EXTERN_FORMS, None without the suffix)."""
+    if EXTERN_SUFFIX not in spec:
+        return spec, None
+    head, _, tail = spec.partition(EXTERN_SUFFIX)
+    form = EXTERN_FORMS[0]
+    if tail.startswith(":"):
+        form, plus, rest = tail[1:].partition("+")
+        tail = plus + rest
+        if form not in EXTERN_FORMS:
+            raise ValueError(
+                f"--scheduling {spec!r}: {EXTERN_SUFFIX}:FORM, FORM one of {', '.join(EXTERN_FORMS)}"
+            )
+    elif tail and not tail.startswith("+"):
+        raise ValueError(f"--scheduling {spec!r}: write {EXTERN_SUFFIX} or {EXTERN_SUFFIX}:FORM")
+    return head + tail, form
+
+
 def hold_of(spec: str) -> Hold:
-    """The scheduling spec without its HOLD_SUFFIX part (and without FLOOR_SUFFIX), and the hold
-    that part names."""
-    spec = floor_of(spec)[0]
+    """The scheduling spec without its HOLD_SUFFIX part (and without FLOOR_SUFFIX and
+    EXTERN_SUFFIX), and the hold that part names."""
+    spec = extern_of(floor_of(spec)[0])[0]
     head, sep, tail = spec.partition(HOLD_SUFFIX)
     if not sep:
         return Hold(spec)
@@ -381,6 +413,8 @@ def sim_config(cell: Cell, **extra: Any) -> SimConfig:
         calibration_pool_observations=cell.pool_observations,
         split_ttft=cell.split_ttft,
         deadline_floor=floor_of(cell.scheduling)[1],
+        externality=extern_of(cell.scheduling)[1] is not None,
+        externality_new_blocks=extern_of(cell.scheduling)[1] == "new",
         **extra,
     )
 

@@ -9,7 +9,7 @@ through ``CostEstimates``. Pure code.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -400,6 +400,81 @@ def deadline_floor_s(
         return total_s
     floor_s = float(offset(parts))
     return floor_s if floor_s > total_s else total_s
+
+
+#: ``EngineView.extra`` key of an engine whose router prices what a placement does to the turns
+#: already queued there (round q13): a callable (a request's parts priced there) -> ``QueuedTurns``.
+#: Absent = off.
+QUEUED_TURNS_KEY = "queued_turns"
+
+
+class QueuedTurns(NamedTuple):
+    """What the router knows of the turns it has queued on one engine (placed there, first token not
+    seen yet), for ``externality_s``; built per priced request (the deadlines are relative to now)."""
+
+    #: Per queued turn: (its deadline offset from now, seconds, inf on a first-come engine; the
+    #: prompt tokens the router predicted cached on the engine's GPU and CPU when it placed it).
+    turns: Sequence[tuple[float, float]]
+    #: The priced request's own deadline offset there (seconds from now; inf on a first-come engine:
+    #: it waits behind every queued turn and overtakes none).
+    own_offset_s: float
+    #: The engine's local KV capacity in tokens (its largest local tier): the cache whose least
+    #: recently used blocks a new sequence's blocks displace.
+    capacity_tokens: float
+    #: What one lost history token costs its turn, in multiples of its prefill time: a turn whose
+    #: history is evicted while it waits is a recompute, sent (on a priority engine) with its
+    #: prefill stretched into a later deadline (the router's stretch; 1 on a first-come engine).
+    lost_token_factor: float
+    #: The footprint a placement is priced with (``placement_externality_s``): False = the whole
+    #: sequence (prompt and expected output) on every engine; True = only the blocks it writes
+    #: there (prompt less its predicted GPU and CPU hits, and output), so that staying on the
+    #: history is cheap and a move pays for the copy it makes (post hoc, round q13).
+    new_blocks_only: bool = False
+
+
+def placement_externality_s(
+    parts: PredictedParts, engine: EngineView, request: RouteRequest, prompt_tokens: int, costs: EngineCosts
+) -> float:
+    """``externality_s`` of placing ``request`` (priced ``parts``) on ``engine``, 0 where the router
+    gives no queued turns there (``QUEUED_TURNS_KEY``). The footprint is its prompt and expected
+    output, less its predicted local (GPU and CPU) hits there when ``QueuedTurns.new_blocks_only``."""
+    queued_turns = engine.extra.get(QUEUED_TURNS_KEY)
+    if queued_turns is None:
+        return 0.0
+    queued: QueuedTurns = queued_turns(parts)
+    footprint = float(prompt_tokens + request.expected_output_tokens)
+    if queued.new_blocks_only:
+        hits = parts.hit_tokens
+        footprint = max(0.0, footprint - hits[0] - hits[1])
+    return externality_s(parts, footprint, queued, costs)
+
+
+def externality_s(
+    parts: PredictedParts, footprint_tokens: float, queued: QueuedTurns, costs: EngineCosts
+) -> float:
+    """Seconds a placement costs the turns already queued on the engine (round q13; priced for
+    choosing only), the sum of:
+
+        delay_s = parts.service_s x #queued turns with a later deadline than the request's
+                  (a priority engine serves it before them; a first-come engine before none)
+        evict_s = lost_token_factor x prefill_time(footprint_tokens x min(1, cached_queued / capacity))
+
+    ``footprint_tokens``: the KV the request's sequence takes there (its prompt and expected output:
+    new blocks, or its history kept from eviction where it stays). In a full LRU cache each token
+    it takes displaces one; the router does not know the LRU order, so each displaced token is a
+    queued turn's history with the share of the cache those histories fill (``cached_queued``, the
+    cached tokens predicted for the queued turns, over ``capacity_tokens``). A lost history token
+    is recomputed with a later deadline (``lost_token_factor``). Staying on the engine holding the
+    turn's history prices its sequence there; moving prices it on the other engine and leaves the
+    history behind as an eviction candidate in the holder's queued turns' place (no term there):
+    both sides of a move."""
+    own = queued.own_offset_s
+    delay_s = parts.service_s * sum(1 for offset, _ in queued.turns if offset > own)
+    cached = sum(tokens for _, tokens in queued.turns)
+    if not cached > 0 or not queued.capacity_tokens > 0 or not footprint_tokens > 0:
+        return delay_s
+    lost_tokens = footprint_tokens * min(1.0, cached / queued.capacity_tokens)
+    return delay_s + queued.lost_token_factor * costs.prefill_time_s(lost_tokens)
 
 
 def predicted_prefill_tokens(request: RouteRequest, decision: Decision, engine_id: str | None = None) -> int:

@@ -15,7 +15,9 @@ For engine e (all times in seconds, token counts in tokens, bandwidths in bytes/
                 (on a priority engine whose router gives each request's deadline offset, a turn
                 moved off the engine holding its history is priced at least at that offset while
                 the engine has a queue: policies.costs.deadline_floor_s, off unless the router
-                sets it)
+                sets it; and, where the router gives the turns it queued on the engine, plus what
+                the placement costs them, its service delaying those with later deadlines and
+                its KV displacing their cached histories: policies.costs.externality_s, round q13)
 
     wait_tokens_e = max(queued_prefill_tokens_e, num_requests_waiting_e x tokens per queued request)
                     (on an engine with ``EngineView.queued_ahead``, a priority engine priced as it
@@ -74,12 +76,14 @@ from policies.base import (
 )
 from policies.costs import (
     DEADLINE_OFFSET_KEY,
+    QUEUED_TURNS_KEY,
     CostEstimates,
     PredictedParts,
     PriorCosts,
     admission_wait_parts,
     best_cached_fraction,
     deadline_floor_s,
+    placement_externality_s,
     predict_parts,
     priority_wait_parts,
 )
@@ -140,14 +144,22 @@ def _scores(
     return scores
 
 
-def _floored_total_s(
-    parts: PredictedParts, engine: EngineView, request: RouteRequest, prompt_tokens: int
+def _priced_total_s(
+    parts: PredictedParts, engine: EngineView, request: RouteRequest, prompt_tokens: int, costs: CostEstimates
 ) -> float:
     """``parts.total_s``, raised to the engine's deadline floor where the router gives one
-    (``DEADLINE_OFFSET_KEY``: policies.costs.deadline_floor_s; off unless it is set)."""
-    if DEADLINE_OFFSET_KEY not in engine.extra:
-        return parts.total_s
-    return deadline_floor_s(parts, engine, prompt_tokens, best_cached_fraction(request, prompt_tokens))
+    (``DEADLINE_OFFSET_KEY``: policies.costs.deadline_floor_s), plus what the placement costs the
+    turns queued there where the router gives them (``QUEUED_TURNS_KEY``: policies.costs
+    .externality_s); each off unless it is set."""
+    extra = engine.extra
+    total_s = parts.total_s
+    if DEADLINE_OFFSET_KEY in extra:
+        total_s = deadline_floor_s(parts, engine, prompt_tokens, best_cached_fraction(request, prompt_tokens))
+    if QUEUED_TURNS_KEY in extra:
+        total_s += placement_externality_s(
+            parts, engine, request, prompt_tokens, costs.estimates(engine.engine_id)
+        )
+    return total_s
 
 
 @register("tier_cost")
@@ -243,7 +255,9 @@ class TierCostPolicy(BasePolicy):
             parts = priority_wait_parts(est, parts, engine)
         parts = admission_wait_parts(parts, engine, request, prompt_tokens)
         decode_s, pressure_s = self.secondary_s(engine)
-        total_s = _floored_total_s(parts, engine, request, prompt_tokens) if engine.extra else parts.total_s
+        total_s = parts.total_s
+        if engine.extra:
+            total_s = _priced_total_s(parts, engine, request, prompt_tokens, costs)
         return total_s + self.work_weight * parts.service_s + decode_s + pressure_s
 
     def _priced_engines(
@@ -298,7 +312,7 @@ class TierCostPolicy(BasePolicy):
             work_s = work_weight * service_s
             total_s = parts.wait_s + parts.slot_s + service_s
             if engine.extra:
-                total_s = _floored_total_s(parts, engine, request, prompt_tokens)
+                total_s = _priced_total_s(parts, engine, request, prompt_tokens, costs)
             cost_s = cost_by_engine[engine_id] = total_s + work_s + decode_s + pressure_s
             terms[engine_id] = (work_s, decode_s, pressure_s, cost_s, 1.0 if engine.index_trusted else 0.0)
             priced.append((cost_s, engine))

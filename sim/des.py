@@ -31,6 +31,7 @@ from kvcore.core import (
     PRIORITY_WAITS,
     CoreConfig,
     InMemoryLoadLedger,
+    LoadTicket,
     Outcome,
     Reservation,
     RoutingCore,
@@ -60,8 +61,10 @@ from policies.costs import (
     ADMISSION_RECOMPUTE_BELOW_KEY,
     ADMISSION_WAIT_KEY,
     DEADLINE_OFFSET_KEY,
+    QUEUED_TURNS_KEY,
     EngineCosts,
     PredictedParts,
+    QueuedTurns,
     best_cached_fraction,
     has_room,
 )
@@ -77,6 +80,7 @@ from sim.engine import (
 )
 from sim.fleets import (
     ROUTER_PRIORS,
+    EngineSpec,
     FleetSpec,
 )
 from sim.frontend import FifoServer
@@ -239,6 +243,15 @@ class SimConfig:
     #: would get, and tier_cost ranks an engine with a queue by at least that offset. Needs some
     #: engine with ``scheduling_policy="priority"``.
     deadline_floor: bool = False
+    #: Price what a placement does to the turns the router has queued on each engine (round q13;
+    #: ``policies.costs.externality_s``): each view carries ``QUEUED_TURNS_KEY``, the turns placed
+    #: there whose first token the router has not seen (their deadlines and the cached tokens
+    #: predicted when placed), the engine's local KV capacity and the price of a lost history token
+    #: (the priority stretch on a priority engine, 1 on a first-come one).
+    externality: bool = False
+    #: With ``externality``: price a placement's footprint as only the blocks it writes on the
+    #: engine (``QueuedTurns.new_blocks_only``; post hoc, round q13) instead of its whole sequence.
+    externality_new_blocks: bool = False
     #: Record every routing decision (``sim.placement.PlacementTracer``: each engine's predicted
     #: TTFT parts beside its true cached prefix, queue and free KV, and the turn's outcome) in
     #: ``SimResult.placement``; reads only, the run routes as without it. Trace-mode block ids only.
@@ -592,6 +605,18 @@ class FleetSimulator:
             for spec, view in zip(fleet.engines, self.views, strict=True):
                 if spec.profile.scheduling_policy == "priority":
                     view.extra[DEADLINE_OFFSET_KEY] = self._deadline_offset_s
+        #: Per engine id (``SimConfig.externality``): the router's queued turns, request id ->
+        #: (deadline s in the routing clock, inf on a first-come engine; predicted local cached
+        #: tokens; the load ticket, whose pending prefill says whether it is still queued).
+        self._queued_turns: dict[str, dict[str, tuple[float, float, LoadTicket]]] = {}
+        if cfg.externality_new_blocks and not cfg.externality:
+            raise ValueError(
+                "externality_new_blocks chooses the externality's footprint: set externality too"
+            )
+        if cfg.externality:
+            for spec, view in zip(fleet.engines, self.views, strict=True):
+                self._queued_turns[spec.engine_id] = {}
+                view.extra[QUEUED_TURNS_KEY] = self._queued_turns_of(spec)
         if self._priority_ahead:
             for spec, view in zip(fleet.engines, self.views, strict=True):
                 if spec.profile.scheduling_policy == "priority":
@@ -630,6 +655,32 @@ class FleetSimulator:
             )
 
         return wait_s
+
+    def _queued_turns_of(self, spec: EngineSpec) -> Callable[[PredictedParts], QueuedTurns]:
+        """``QUEUED_TURNS_KEY`` of one engine: a request's parts there -> the turns the router has
+        queued on it (``_queued_turns``, pruned of those with a first token or a finish) as
+        ``QueuedTurns``, deadlines relative to the routing clock."""
+        queued = self._queued_turns[spec.engine_id]
+        profile = spec.profile
+        capacity = float(max(profile.num_gpu_blocks, profile.num_cpu_blocks) * profile.block_size)
+        by_priority = profile.scheduling_policy == "priority"
+        factor = self.config.priority_stretch if by_priority else 1.0
+        new_blocks = self.config.externality_new_blocks
+
+        def turns(parts: PredictedParts) -> QueuedTurns:
+            for request_id in [r for r, (_, _, t) in queued.items() if not t.prefill_pending or t.done]:
+                del queued[request_id]
+            now = self._route_now
+            own = self._deadline_offset_s(parts) if by_priority else math.inf
+            return QueuedTurns(
+                [(deadline - now, cached) for deadline, cached, _ in queued.values()],
+                own,
+                capacity,
+                factor,
+                new_blocks,
+            )
+
+        return turns
 
     def _deadline_offset_s(self, parts: PredictedParts) -> float:
         """``DEADLINE_OFFSET_KEY`` of a priority engine: seconds from now to the deadline of the
@@ -1061,6 +1112,12 @@ class FleetSimulator:
                 self.ledger.set_priority(
                     reservation.ticket, sim_req.priority, now / self.config.priority_step_s
                 )
+        queued_turns = self._queued_turns.get(reservation.engine_id)
+        if queued_turns is not None:
+            hits = reservation.parts.hit_tokens
+            by_priority = engine_core.profile.scheduling_policy == "priority"
+            deadline = sim_req.priority * cfg.priority_step_s if by_priority else math.inf
+            queued_turns[request_id] = (deadline, hits[0] + hits[1], reservation.ticket)
         if admit and not self._admit(r, sim_req, now):
             return None
         return r, sim_req

@@ -4,8 +4,9 @@ predicted on each engine and what was true there, and a forced choice for counte
 ``PlacementTracer`` wraps the simulated router's policy (``SimConfig.trace_placement``; off by
 default, and a run with it on routes exactly as without: the wrapper only reads). Per decision it
 records, for every engine, tier_cost's predicted TTFT parts (``TierCostPolicy.predict``: the
-cost model the DES's router calibrates) beside the truth the simulator knows: the prompt tokens
-each engine would serve from each tier if it admitted the turn now (``EngineCore
+cost model the DES's router calibrates; and, where the router gives its queued turns, the
+placement's externality, ``policies.costs.externality_s``) beside the truth the simulator knows:
+the prompt tokens each engine would serve from each tier if it admitted the turn now (``EngineCore
 .cached_prefix_tokens``), its queued prefill, waiting and running requests and free GPU blocks; and
 the choice a second ("shadow") policy makes on the very same state. ``SimConfig.force_engines``
 sends chosen turns to a given engine instead (everything else as the policy decides), so that a
@@ -17,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from policies.base import Decision, FleetView, Policy, RouteRequest
+from policies.base import Decision, FleetView, Policy, RouteRequest, prompt_tokens_of
+from policies.costs import placement_externality_s
 from policies.tier_cost import TierCostPolicy
 from sim.hashing import HashChain
 
@@ -31,6 +33,7 @@ ENGINE_FIELDS = (
     "pred_slot_s",
     "pred_service_s",
     "pred_cost_s",
+    "pred_extern_s",
     "pred_hit",
     "true_gpu",
     "true_cpu",
@@ -97,14 +100,17 @@ class PlacementTracer:
                 parts = self._pricer.predict(request, view, costs)
                 decode_s, pressure_s = self._pricer.secondary_s(view)
                 cost_s = parts.total_s + self._pricer.work_weight * parts.service_s + decode_s + pressure_s
-                priced = (parts.total_s, parts.wait_s, parts.slot_s, parts.service_s, cost_s)
+                extern_s = placement_externality_s(
+                    parts, view, request, prompt_tokens_of(request), costs.estimates(engine_id)
+                )
+                priced = (parts.total_s, parts.wait_s, parts.slot_s, parts.service_s, cost_s, extern_s)
                 router = (
                     float(sum(parts.hit_tokens)),
                     float(view.queued_prefill_tokens),
                     float(view.in_flight),
                 )
             else:  # not a candidate (pre-filtered out)
-                priced = (float("nan"),) * 5
+                priced = (float("nan"),) * 6
                 router = (float("nan"),) * 3
             true = core.cached_prefix_tokens(hashes, request.prompt_tokens)
             values = (

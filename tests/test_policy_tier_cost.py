@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvcore.calibration import CostModel
+from loadtest.bench_quality import extern_of, hold_of, parse_scheduling
 from policies.base import EngineView, FleetView, PrefixMatch, RouteRequest, build_policy, tiebreak
-from policies.costs import EngineCosts, PredictedParts
+from policies.costs import (
+    QUEUED_TURNS_KEY,
+    EngineCosts,
+    PredictedParts,
+    QueuedTurns,
+    externality_s,
+    predict_parts,
+)
+from policies.tier_cost import TierCostPolicy
+from sim.des import FleetSimulator, SimConfig
+from tests.test_admission_wait import _tight_fleet, _workload
+from tests.test_deadline_floor import _fleet
 
 BLOCK = 16
 PROMPT_TOKENS = 8192
@@ -316,3 +330,107 @@ def test_large_fleet_prices_matched_engines_plus_a_few_and_picks_like_a_full_sca
         assert quick.scores[quick.engine_id]["cost_s"] == pytest.approx(slow.scores[slow.engine_id]["cost_s"])
     with pytest.raises(ValueError, match="keep_unmatched"):
         build_policy("tier_cost", {"keep_unmatched": 0})
+
+
+# -- round q13: what a placement costs the turns queued on the engine (policies.costs.externality_s)
+
+
+def _queued(turns: list[tuple[float, float]], new_blocks: bool = False):  # type: ignore[no-untyped-def]
+    """``QUEUED_TURNS_KEY``: ``turns`` queued on an engine of 100,000 tokens of KV, a lost history
+    token priced at 20 x its prefill (the stretch), the turn's own deadline 20 x its service."""
+    return lambda parts: QueuedTurns(turns, 20.0 * parts.service_s, 100_000.0, 20.0, new_blocks)
+
+
+def _queued_fleet(e0_turns: list[tuple[float, float]]) -> tuple[RouteRequest, FleetView]:
+    """test_deadline_floor's fleet (a 20,000-token turn whose history, 18,000 tokens, is on e0
+    behind 30,000 queued tokens; e1 holds nothing of it and has 10,000 queued) with the turns
+    queued on e0 given as ``e0_turns`` ((deadline offset s, cached tokens)) and one recompute
+    (nothing cached, deadline in 5 s) queued on e1."""
+    turn, fleet = _fleet(floor=False)
+    fleet.engines[0].extra[QUEUED_TURNS_KEY] = _queued(e0_turns)
+    fleet.engines[1].extra[QUEUED_TURNS_KEY] = _queued([(5.0, 0.0)])
+    return turn, fleet
+
+
+def test_externality_prices_the_histories_queued_on_the_holder_and_moves_the_turn() -> None:
+    """Catches a term that does not price the harm of staying: on e0 the turn costs 3.0 s wait +
+    0.2 s service + 0.2 s work; e1 1.0 + 2.0 + 2.0, so first come keeps it on e0. But e0's three
+    queued turns hold 54,000 cached tokens of its 100,000: the turn's 20,000-token sequence there
+    displaces 0.54 x 20,000 = 10,800 of them (1.08 s of prefill, x 20 = 21.6 s of later deadlines),
+    and it overtakes all three (deadlines 10 s > its own 4 s: 3 x 0.2 s = 0.6 s): 22.2 s. On e1 the
+    queued recompute has no history to lose and an earlier deadline (5 s < 40 s): 0. It moves."""
+    policy = TierCostPolicy()
+    turn, fleet = _queued_fleet([(10.0, 18_000.0)] * 3)
+    decision = policy.choose(turn, fleet)
+    scores = decision.scores
+    assert decision.engine_id == "e1"
+    assert scores["e0"]["cost_s"] == pytest.approx(3.0 + 0.2 + 0.2 + 22.2, abs=0.01)
+    assert scores["e1"]["cost_s"] == pytest.approx(1.0 + 2.0 + 2.0, abs=0.01)
+    # The parts the router keeps (calibration, the priority sent) are not changed.
+    assert decision.parts is not None and decision.parts["e0"].total_s == pytest.approx(3.2)
+    # The same queue with no cached histories (recomputes, nothing to lose) and earlier deadlines
+    # (nothing overtaken): nothing to price, the turn stays on its history.
+    turn, fleet = _queued_fleet([(1.0, 0.0)] * 3)
+    assert policy.choose(turn, fleet).engine_id == "e0"
+
+
+def test_the_new_blocks_footprint_prices_only_what_the_placement_writes() -> None:
+    """Catches the post-hoc form pricing the whole sequence: on e0 the turn writes 2,000 tokens
+    (its 18,000 cached are not new): 0.54 x 2,000 = 1,080 displaced, 0.108 s x 20 = 2.16 s, plus
+    the 0.6 s delay: e0 costs 3.4 + 2.76 s; e1 (nothing cached there, no queued history) 5.0 s."""
+    turn, fleet = _queued_fleet([(10.0, 18_000.0)] * 3)
+    fleet.engines[0].extra[QUEUED_TURNS_KEY] = _queued([(10.0, 18_000.0)] * 3, new_blocks=True)
+    decision = TierCostPolicy().choose(turn, fleet)
+    assert decision.scores["e0"]["cost_s"] == pytest.approx(3.4 + 2.76, abs=0.01)
+    assert decision.engine_id == "e1"
+    with pytest.raises(ValueError, match="set externality too"):
+        FleetSimulator(
+            _workload(), "tier_cost", _tight_fleet("priority"), SimConfig(externality_new_blocks=True)
+        )
+
+
+def test_externality_terms() -> None:
+    """Catches a wrong count or share: the delay counts only the queued turns served after the
+    request (later deadline; none behind a first-come request, own offset inf); the displaced share
+    is capped at the whole footprint."""
+    costs = EngineCosts(prefill_tokens_per_s=10_000.0)
+    parts = predict_parts(costs, (0.0, 0.0, 0.0), 5_000.0, 0.0)  # 0.5 s of service
+    later, earlier = (30.0, 0.0), (1.0, 0.0)
+    assert externality_s(parts, 5_000.0, QueuedTurns([later, earlier, later], 10.0, 1e5, 20.0), costs) == (
+        pytest.approx(2 * 0.5)
+    )
+    assert externality_s(parts, 5_000.0, QueuedTurns([later], math.inf, 1e5, 1.0), costs) == 0.0
+    full = QueuedTurns([(1.0, 300_000.0)], 10.0, 100_000.0, 20.0)  # histories fill more than the cache
+    assert externality_s(parts, 5_000.0, full, costs) == pytest.approx(20.0 * 0.5)
+
+
+def test_externality_is_off_by_default() -> None:
+    """Catches the term leaking into default runs: no view carries the key unless asked, and the
+    spec suffix is the only switch in bench_quality."""
+    assert SimConfig().externality is False
+    sim = FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), SimConfig())
+    assert all(QUEUED_TURNS_KEY not in view.extra for view in sim.views)
+    assert extern_of("priority:20:inf") == ("priority:20:inf", None)
+    assert extern_of("priority:20:inf+floor+extern") == ("priority:20:inf+floor", "sequence")
+    assert extern_of("priority:20:inf+extern:new+floor") == ("priority:20:inf+floor", "new")
+    with pytest.raises(ValueError, match="FORM"):
+        extern_of("priority:20:inf+extern:old")
+    assert hold_of("priority:20:inf+extern+hold:0.5").wait_s == 0.5
+    assert parse_scheduling("priority:20:40+extern")[:3] == ("priority", 20.0, 40.0)
+    on = FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), SimConfig(externality=True))
+    assert all(QUEUED_TURNS_KEY in view.extra for view in on.views)
+
+
+def test_the_des_gives_the_router_s_queued_turns() -> None:
+    """Catches a queue view that never empties or never fills: in a traced run with the term on,
+    some decision prices a positive externality, and at the end no turn is left queued."""
+    sim = FleetSimulator(
+        _workload(),
+        "tier_cost",
+        _tight_fleet("priority"),
+        SimConfig(externality=True, trace_placement=True),
+    )
+    result = sim.run()
+    assert any(v > 0 for record in result.placement for v in record["pred_extern_s"])
+    view = sim.views[0]
+    assert view.extra[QUEUED_TURNS_KEY](PredictedParts()).turns == []
