@@ -7,7 +7,8 @@ cache (the larger of its GPU and CPU tiers, ``EngineView.extra``'s capacities); 
 goes to the homing engine with the fewest homed tokens; a conversation whose turn would take its
 engine beyond that leaves home for good (its stale blocks, least recently used, go first) and,
 like every conversation never homed, sends its turns to one overflow engine (the last of the fleet,
-which homes none). ``sim.oracle.homed_lru_replay`` (rule "dedicated") is the offline replay.
+which homes none; ``sim.oracle.homed_lru_replay``'s rule "dedicated" is the offline replay) or, with
+``dedicated`` False, wherever the policy itself would send them (every engine homes).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ LOCAL_CAPACITY_KEYS = ("gpu_capacity_tokens", "cpu_capacity_tokens")
 class ConversationHoming:
     """Where each conversation's turn goes; ``plan`` before routing, ``commit`` once it is routed."""
 
-    def __init__(self, fill: float) -> None:
+    def __init__(self, fill: float, *, dedicated: bool = True) -> None:
         if not fill > 0:
             raise ValueError(f"home_fill must be > 0, got {fill}")
         self.fill = fill
+        self.dedicated = dedicated
         self._home: dict[str, str] = {}  # homed session -> its engine
         self._tokens: dict[str, int] = {}  # homed session -> its latest prompt tokens
         self._sums: dict[str, int] = {}  # engine -> its homed sessions' tokens
@@ -40,8 +42,9 @@ class ConversationHoming:
         return self.fill * max(local) if local else None
 
     def plan(self, request: RouteRequest, engines: Sequence[EngineView]) -> tuple[str, str] | None:
-        """(engine id, reason) for this turn, or None (no session, one engine, a capacity unknown or
-        the planned engine not routable: the policy's own choice stands)."""
+        """(engine id, reason) for this turn, or None (no session, one engine, a capacity unknown,
+        the planned engine not routable, or an overflow turn without a dedicated engine: the
+        policy's own choice stands)."""
         session = request.session_key
         if not session or len(engines) < 2:
             return None
@@ -49,7 +52,7 @@ class ConversationHoming:
         if any(r is None for r in rooms):
             return None
         tokens = prompt_tokens_of(request)
-        overflow = engines[-1].engine_id
+        overflow = engines[-1].engine_id if self.dedicated else ""
         home = self._home.get(session)
         by_id = {e.engine_id: r for e, r in zip(engines, rooms, strict=True)}
         if home is not None:
@@ -64,13 +67,14 @@ class ConversationHoming:
         elif session in self._away:
             action, engine = "away", overflow
         else:
-            homing = [(self._sums.get(e.engine_id, 0), i, e.engine_id) for i, e in enumerate(engines[:-1])]
+            homers = engines[:-1] if self.dedicated else engines
+            homing = [(self._sums.get(e.engine_id, 0), i, e.engine_id) for i, e in enumerate(homers)]
             held, _, best = min(homing)
             room = by_id[best]
             assert room is not None
             action, engine = ("new", best) if held + tokens <= room else ("away", overflow)
         self._pending[request.request_id] = (action, session, engine, tokens)
-        return engine, f"homing: {action} ({engine})"
+        return (engine, f"homing: {action} ({engine})") if engine else None
 
     def commit(self, request_id: str) -> None:
         """Apply the plan of a routed request (nothing when it had none)."""

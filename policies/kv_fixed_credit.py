@@ -6,7 +6,8 @@ overloaded (the peers' balance guard, ``policies.base.overloaded_engines``); tie
 then a hash of (request_id, engine_id). The baseline ``tier_cost`` must beat when the guess is wrong.
 
 ``home_fill`` > 0 (off by default) routes each conversation by ``policies.homing`` instead: home while
-its engine's homed conversations fit home_fill x the local cache, else to the overflow engine.
+its engine's homed conversations fit home_fill x the local cache, else to the overflow engine (the
+last; ``home_dedicated`` = 0: by the credits, every engine homing).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class KvFixedCreditPolicy(BasePolicy):
         min_in_flight: int = 4,
         min_queued_tokens: int = 16_384,
         home_fill: float = 0.0,
+        home_dedicated: int = 1,
     ) -> None:
         """The guard (3x: tighter guards cost this policy its locality on B1b, see docs/benchmarks.md):
         an engine above ``overload_factor`` x the fleet mean of in-flight requests or
@@ -68,7 +70,7 @@ class KvFixedCreditPolicy(BasePolicy):
             raise ValueError("kv_fixed_credit.decode_blocks_per_request must be >= 0")
         self.credits = tuple(merged[t.name.lower()] for t in TIERS)
         self.decode_blocks_per_request = decode_blocks_per_request
-        self.homing = ConversationHoming(home_fill) if home_fill else None
+        self.homing = ConversationHoming(home_fill, dedicated=bool(home_dedicated)) if home_fill else None
 
     def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
         all_engines = require_engines(fleet, self.name)

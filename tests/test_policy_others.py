@@ -206,3 +206,19 @@ def test_homing_is_off_by_default_and_needs_capacities() -> None:
         assert decision.reason.startswith("lowest fixed-credit cost")
     with pytest.raises(ValueError, match="home_fill"):
         build_policy("kv_fixed_credit", {"home_fill": -1.0})
+
+
+def test_homing_without_a_dedicated_engine_leaves_the_overflow_to_the_credits() -> None:
+    """home_dedicated=0: every engine homes (the last one too) and a turn that does not fit is
+    placed by the credits. Catches the last engine kept out of homing, and an overflow turn still
+    pinned somewhere by homing."""
+    policy = build_policy("kv_fixed_credit", {"home_fill": 1.0, "home_dedicated": 0})
+    capacity = {"gpu_capacity_tokens": 50.0, "cpu_capacity_tokens": 100.0}
+    fleet = FleetView([EngineView(e, extra=dict(capacity)) for e in ("a", "b")])
+    reasons = []
+    for n, (session, tokens) in enumerate([("s1", 60), ("s2", 60), ("s3", 60), ("s1", 120)]):
+        r = RouteRequest(f"r{n}", prompt_tokens=tokens, block_size=BLOCK, session_key=session)
+        decision = policy.choose(r, fleet)
+        policy.on_routed(r, decision)
+        reasons.append(decision.reason.split(";")[0] if decision.reason.startswith("homing") else "credits")
+    assert reasons == ["homing: new (a)", "homing: new (b)", "credits", "credits"]
