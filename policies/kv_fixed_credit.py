@@ -4,6 +4,10 @@ cost_blocks_e = prompt_blocks - sum_t credit_t x hit_blocks_e,t + decode_blocks_
 (credits GPU 1.0, CPU 0.8, STORAGE 0.3 by default). Lowest cost wins among engines that are not
 overloaded (the peers' balance guard, ``policies.base.overloaded_engines``); ties: fewer in-flight,
 then a hash of (request_id, engine_id). The baseline ``tier_cost`` must beat when the guess is wrong.
+
+``home_fill`` > 0 (off by default) routes each conversation by ``policies.homing`` instead: home while
+its engine's homed conversations fit home_fill x the local cache, else to the overflow engine (the
+last; ``home_dedicated`` = 0: by the credits, every engine homing).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from policies.base import (
     tiebreak,
     validate_guard,
 )
+from policies.homing import ConversationHoming
 
 DEFAULT_CREDITS: dict[str, float] = {"gpu": 1.0, "cpu": 0.8, "storage": 0.3}
 
@@ -42,6 +47,8 @@ class KvFixedCreditPolicy(BasePolicy):
         overload_factor: float = 3.0,
         min_in_flight: int = 4,
         min_queued_tokens: int = 16_384,
+        home_fill: float = 0.0,
+        home_dedicated: int = 1,
     ) -> None:
         """The guard (3x: tighter guards cost this policy its locality on B1b, see docs/benchmarks.md):
         an engine above ``overload_factor`` x the fleet mean of in-flight requests or
@@ -63,6 +70,7 @@ class KvFixedCreditPolicy(BasePolicy):
             raise ValueError("kv_fixed_credit.decode_blocks_per_request must be >= 0")
         self.credits = tuple(merged[t.name.lower()] for t in TIERS)
         self.decode_blocks_per_request = decode_blocks_per_request
+        self.homing = ConversationHoming(home_fill, dedicated=bool(home_dedicated)) if home_fill else None
 
     def choose(self, request: RouteRequest, fleet: FleetView) -> Decision:
         all_engines = require_engines(fleet, self.name)
@@ -109,4 +117,12 @@ class KvFixedCreditPolicy(BasePolicy):
         if len(engines) < len(all_engines):
             reason += f"; skipped overloaded {sorted(overloaded)}"
         fallbacks = tuple(e.engine_id for e in [*order[1:], *skipped])
+        homed = self.homing.plan(request, all_engines) if self.homing is not None else None
+        if homed is not None:
+            fallbacks = tuple(e for e in (chosen, *fallbacks) if e != homed[0])
+            chosen, reason = homed[0], f"{homed[1]}; not {reason}"
         return Decision(chosen, self.name, reason=reason, scores=scores, fallbacks=fallbacks)
+
+    def on_routed(self, request: RouteRequest, decision: Decision) -> None:
+        if self.homing is not None:
+            self.homing.commit(request.request_id)

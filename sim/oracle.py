@@ -145,6 +145,39 @@ def ideal_hit_blocks(arrivals: Sequence[Arrival]) -> list[int]:
     return [ideal_hit(seen, a.keys) for a in arrivals]
 
 
+def _lru_serve(
+    cache: OrderedDict[int, None],
+    pool: OrderedDict[int, None],
+    keys: Sequence[int],
+    local_blocks: int,
+    pool_blocks: int,
+) -> int:
+    """One request on an LRU engine ``cache`` over the shared LRU ``pool`` (both written through with
+    every block computed): its prefix hit in blocks (up to the first block held by neither); then
+    both caches hold its blocks, trimmed to their capacities."""
+    hits = 0
+    for key in keys:
+        if key in cache:
+            cache.move_to_end(key)
+        elif key in pool:
+            pool.move_to_end(key)
+            cache[key] = None
+        else:
+            break
+        hits += 1
+    for key in keys[hits:]:
+        cache[key] = None
+        cache.move_to_end(key)
+        if pool_blocks > 0:
+            pool[key] = None
+            pool.move_to_end(key)
+    while len(cache) > local_blocks:
+        cache.popitem(last=False)
+    while len(pool) > pool_blocks:
+        pool.popitem(last=False)
+    return hits
+
+
 def sticky_lru_hit(
     arrivals: Sequence[Arrival], engines: int, local_blocks: int, pool_blocks: int = 0
 ) -> float:
@@ -161,30 +194,94 @@ def sticky_lru_hit(
     total = hit_tokens = 0
     for n, a in enumerate(arrivals):
         e = home.setdefault(a.session or f"#{n}", len(home) % engines)
-        cache = local[e]
-        hits = 0
-        for key in a.keys:
-            if key in cache:
-                cache.move_to_end(key)
-            elif key in pool:
-                pool.move_to_end(key)
-                cache[key] = None
-            else:
-                break
-            hits += 1
-        for key in a.keys[hits:]:
-            cache[key] = None
-            cache.move_to_end(key)
-            if pool_blocks > 0:
-                pool[key] = None
-                pool.move_to_end(key)
-        while len(cache) > local_blocks:
-            cache.popitem(last=False)
-        while len(pool) > pool_blocks:
-            pool.popitem(last=False)
+        hits = _lru_serve(local[e], pool, a.keys, local_blocks, pool_blocks)
         total += a.prompt_tokens
         hit_tokens += min(hits * a.block_size, max_hit_tokens(a.prompt_tokens))
     return hit_tokens / total if total else 0.0
+
+
+#: ``homed_lru_replay``'s rules for where a conversation that is not homed sends its turns:
+#: "fixed" all to the last engine; "dedicated" all to the last engine, which homes none; "slack"
+#: each turn to the engine whose homed conversations leave the most room then; "sticky" to the
+#: engine with the most room when it was turned away, for good.
+OVERFLOW_RULES = ("fixed", "dedicated", "slack", "sticky")
+
+
+@dataclass(slots=True)
+class HomedReplay:
+    """``homed_lru_replay``'s figures: the hit rate (fraction of prompt tokens), per engine the
+    prompt tokens it had to compute and the turns it served, and the turns sent as overflow."""
+
+    hit: float
+    computed_tokens: list[int]
+    turns: list[int]
+    overflow_turns: int
+    overflow_sessions: int
+
+
+def homed_lru_replay(
+    arrivals: Sequence[Arrival],
+    engines: int,
+    local_blocks: int,
+    pool_blocks: int = 0,
+    fill: float = 1.0,
+    overflow: str = "slack",
+) -> HomedReplay:
+    """What-if beside ``sticky_lru_hit`` (same LRU engines and pool, same arrivals): the router keeps
+    a conversation home only while its engine's homed conversations fit. A new session is homed on
+    the engine with the fewest homed blocks (the sum of its homed conversations' current lengths)
+    if that sum plus its length stays <= ``fill`` x ``local_blocks``; a homed conversation whose
+    turn would take its engine's sum beyond that leaves home for good (its stale blocks, least
+    recently used, go first) and, like every session never homed, sends its turns by the
+    ``overflow`` rule (OVERFLOW_RULES). fill = inf is ``sticky_lru_hit`` with length-balanced
+    homing."""
+    if engines < 1:
+        raise ValueError(f"engines must be >= 1, got {engines}")
+    if overflow not in OVERFLOW_RULES:
+        raise ValueError(f"overflow must be one of {OVERFLOW_RULES}, got {overflow!r}")
+    room = fill * local_blocks
+    local: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(engines)]
+    pool: OrderedDict[int, None] = OrderedDict()
+    homed: list[dict[str, int]] = [{} for _ in range(engines)]
+    home: dict[str, int] = {}
+    away: dict[str, int] = {}  # overflow session -> its engine (the "sticky" rule)
+    sums = [0] * engines
+    computed = [0] * engines
+    turns = [0] * engines
+    total = hit_tokens = overflow_turns = 0
+    for n, a in enumerate(arrivals):
+        s = a.session or f"#{n}"
+        size = len(a.keys)
+        e = home.get(s)
+        if e is not None and sums[e] - homed[e][s] + size > room:
+            sums[e] -= homed[e].pop(s)
+            del home[s]
+            e = None
+        elif e is None and s not in away:
+            homing = engines - 1 if overflow == "dedicated" and engines > 1 else engines
+            best = min(range(homing), key=lambda i: (sums[i], i))
+            if sums[best] + size <= room:
+                e = home[s] = best
+                homed[e][s] = 0
+        if e is not None:
+            sums[e] += size - homed[e][s]
+            homed[e][s] = size
+        else:
+            overflow_turns += 1
+            if overflow in ("fixed", "dedicated"):
+                e = engines - 1
+            elif overflow == "slack" or s not in away:
+                e = min(range(engines), key=lambda i: (sums[i], i))
+            else:
+                e = away[s]
+            away.setdefault(s, e)
+        hits = _lru_serve(local[e], pool, a.keys, local_blocks, pool_blocks)
+        hit = min(hits * a.block_size, max_hit_tokens(a.prompt_tokens))
+        total += a.prompt_tokens
+        hit_tokens += hit
+        computed[e] += a.prompt_tokens - hit
+        turns[e] += 1
+    return HomedReplay(hit_tokens / total if total else 0.0, computed, turns, overflow_turns, len(away))
 
 
 def capacity_bound(arrivals: Sequence[Arrival], capacity_blocks: int, prefill_tokens_per_s: float) -> Bound:

@@ -6,12 +6,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import random
 
 import pytest
 
 from loadtest.bench_quality import Cell, main, run_cell
-from sim.oracle import Arrival, belady_hit_blocks, capacity_bound, ideal_hit_blocks, sticky_lru_hit
+from sim.oracle import (
+    Arrival,
+    belady_hit_blocks,
+    capacity_bound,
+    homed_lru_replay,
+    ideal_hit_blocks,
+    sticky_lru_hit,
+)
 
 
 def brute_force_max_hits(keys: tuple[int, ...], capacity: int) -> int:
@@ -139,6 +147,43 @@ def test_sticky_lru_reference_by_hand() -> None:
     assert sticky_lru_hit(trace, engines=1, local_blocks=1, pool_blocks=10) == pytest.approx(64 / total)
     with pytest.raises(ValueError, match="engines"):
         sticky_lru_hit(trace, engines=0, local_blocks=3)
+
+
+def _turn(session: str, keys: list[int]) -> Arrival:
+    """A turn of ``session`` whose prompt is its blocks plus the one token always computed."""
+    return Arrival(keys, 16 * len(keys) + 1, 16, f"{session}{len(keys)}", session)
+
+
+def test_homing_only_what_fits_beats_sticky_lru_on_a_cyclic_working_set() -> None:
+    """Four 4-block conversations in turn, three rounds, two engines of 6 blocks: sticky routing puts
+    two on each engine (8 > 6 blocks) and LRU keeps nothing; homing only what fits keeps a and b
+    home (one each), c and d overflow to the last engine: a hits its history in rounds 2 and 3,
+    b is thrashed by the overflow. Catches a room check that lets every conversation home (then
+    the figure is sticky's 0) and the per-engine accounting of computed tokens."""
+    rounds = [_turn(s, [10 * i + k for k in range(4)]) for _ in range(3) for i, s in enumerate("abcd")]
+    total = 12 * 65
+    assert sticky_lru_hit(rounds, engines=2, local_blocks=6) == 0.0
+    r = homed_lru_replay(rounds, engines=2, local_blocks=6, fill=1.0, overflow="fixed")
+    assert r.hit == pytest.approx(2 * 64 / total)
+    assert r.computed_tokens == [65 + 1 + 1, 9 * 65]
+    assert r.turns == [3, 9]
+    assert (r.overflow_sessions, r.overflow_turns) == (2, 6)
+    # every conversation home (no room limit): the sticky figure
+    assert homed_lru_replay(rounds, engines=2, local_blocks=6, fill=math.inf).hit == 0.0
+
+
+def test_a_conversation_that_outgrows_its_home_leaves_it() -> None:
+    """One conversation grows 3 -> 5 -> 7 blocks on engines of 6: home while it fits (its second
+    turn hits 3 blocks), its third turn would overflow the engine so it goes to the dedicated
+    overflow engine and computes everything there. Catches a room check made only for new
+    sessions (then the third turn hits 5 blocks on engine 0)."""
+    trace = [_turn("a", [1, 2, 3]), _turn("a", [1, 2, 3, 4, 5]), _turn("a", list(range(1, 8)))]
+    r = homed_lru_replay(trace, engines=2, local_blocks=6, fill=1.0, overflow="dedicated")
+    assert r.hit == pytest.approx(48 / (49 + 81 + 113))
+    assert r.computed_tokens == [49 + 33, 113]
+    assert (r.overflow_sessions, r.overflow_turns) == (1, 1)
+    with pytest.raises(ValueError, match="overflow"):
+        homed_lru_replay(trace, engines=2, local_blocks=6, overflow="elsewhere")
 
 
 def test_sweep_runs_a_policy_at_its_own_scheduling_and_prints_the_tail_table(capsys) -> None:  # type: ignore[no-untyped-def]

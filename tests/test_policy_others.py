@@ -161,3 +161,64 @@ def test_forget_engine_drops_its_entries() -> None:
     policy.forget_engine(home)
     assert len(policy) == 0
     assert policy.choose(req(keys, "t2"), FleetView(engines, now=1.0)).scores[home]["matched_blocks"] == 0
+
+
+# -- kv_fixed_credit with capacity-aware homing (policies.homing) ------------------------------
+
+
+def test_homing_keeps_home_only_what_fits_and_sends_the_rest_to_the_last_engine() -> None:
+    """Three engines of 100 local tokens (the CPU tier, larger than the GPU's 50), home_fill 1:
+    a and b home conversations while their current lengths fit 100 tokens, the last engine o homes
+    none and takes every other turn. Catches: a new conversation not placed by fewest homed tokens,
+    a grown conversation kept home past the room (s3's third turn), a session that left home
+    coming back, the overflow engine homing, and state changed by a choice never routed."""
+    policy = build_policy("kv_fixed_credit", {"home_fill": 1.0})
+    capacity = {"gpu_capacity_tokens": 50.0, "cpu_capacity_tokens": 100.0}
+    fleet = FleetView([EngineView(e, extra=dict(capacity)) for e in ("a", "b", "o")])
+
+    def turn(n: int, session: str, tokens: int) -> str:
+        r = RouteRequest(f"r{n}", prompt_tokens=tokens, block_size=BLOCK, session_key=session)
+        decision = policy.choose(r, fleet)
+        assert decision.reason.startswith("homing:")
+        policy.on_routed(r, decision)
+        return decision.engine_id
+
+    plan = [("s1", 40), ("s2", 40), ("s3", 40), ("s4", 40), ("s5", 40), ("s1", 50), ("s3", 60), ("s3", 70)]
+    assert [turn(n, s, t) for n, (s, t) in enumerate(plan)] == ["a", "b", "a", "b", "o", "a", "o", "o"]
+    # a now holds s1 (50): a new 40-token conversation fits there (90), not on b (80 + 40)
+    probe = RouteRequest("probe", prompt_tokens=60, block_size=BLOCK, session_key="s6")
+    assert policy.choose(probe, fleet).engine_id == "o"  # 50 + 60 > 100: overflow; never routed
+    assert turn(9, "s6", 40) == "a"
+    assert turn(10, "s5", 10) == "o"  # once away, always away
+
+
+def test_homing_is_off_by_default_and_needs_capacities() -> None:
+    """Without home_fill the credits decide; with it but no tier capacities (the live router's
+    views) too: homing needs the local cache size."""
+    keys = list(range(10))
+    matches = {"a": PrefixMatch(10, (10, 0, 0))}
+    request = req(keys, matches=matches)
+    request.session_key = "s"
+    fleet = FleetView([EngineView("a"), EngineView("b")])
+    for params in ({}, {"home_fill": 1.0}):
+        decision = build_policy("kv_fixed_credit", params).choose(request, fleet)
+        assert decision.engine_id == "a"
+        assert decision.reason.startswith("lowest fixed-credit cost")
+    with pytest.raises(ValueError, match="home_fill"):
+        build_policy("kv_fixed_credit", {"home_fill": -1.0})
+
+
+def test_homing_without_a_dedicated_engine_leaves_the_overflow_to_the_credits() -> None:
+    """home_dedicated=0: every engine homes (the last one too) and a turn that does not fit is
+    placed by the credits. Catches the last engine kept out of homing, and an overflow turn still
+    pinned somewhere by homing."""
+    policy = build_policy("kv_fixed_credit", {"home_fill": 1.0, "home_dedicated": 0})
+    capacity = {"gpu_capacity_tokens": 50.0, "cpu_capacity_tokens": 100.0}
+    fleet = FleetView([EngineView(e, extra=dict(capacity)) for e in ("a", "b")])
+    reasons = []
+    for n, (session, tokens) in enumerate([("s1", 60), ("s2", 60), ("s3", 60), ("s1", 120)]):
+        r = RouteRequest(f"r{n}", prompt_tokens=tokens, block_size=BLOCK, session_key=session)
+        decision = policy.choose(r, fleet)
+        policy.on_routed(r, decision)
+        reasons.append(decision.reason.split(";")[0] if decision.reason.startswith("homing") else "credits")
+    assert reasons == ["homing: new (a)", "homing: new (b)", "credits", "credits"]
