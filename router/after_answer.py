@@ -6,8 +6,9 @@ step, the index's delivered-blocks check, experiments), the observers (metrics, 
 budget, liveness, traces) and the request's log line. ``AfterAnswer`` queues that work and runs it
 (in order, an error logged) at the next of:
 
-- ``drain()`` at a point where the router waits for an engine (a request just went upstream: the
-  engine's time, on its own core, covers the work);
+- ``drain()`` (the callback path) or ``drain_soon()`` (the task path, whose request goes out when
+  its task awaits the send) once the next request went upstream: the router then waits for the
+  engine, whose time, on its own core, covers the work;
 - a loop timer ``delay_s`` after the queue's first item (nothing else came);
 - the queue reaching ``cap`` items (memory stays bounded whatever the timing);
 - ``drain()`` before anything reads what the work writes (``GET /metrics``, the explain endpoint)
@@ -37,7 +38,7 @@ DEFAULT_DELAY_S = 0.002
 class AfterAnswer:
     """A bounded FIFO of calls ``call(*args)`` run by ``drain`` (see the module docstring)."""
 
-    __slots__ = ("_cap", "_delay_s", "_loop", "_queue", "_timer", "drained")
+    __slots__ = ("_cap", "_delay_s", "_loop", "_queue", "_soon", "_timer", "drained")
 
     def __init__(self, *, cap: int = DEFAULT_CAP, delay_s: float = DEFAULT_DELAY_S) -> None:
         if cap < 1 or delay_s <= 0:
@@ -45,6 +46,7 @@ class AfterAnswer:
         self._cap, self._delay_s = cap, delay_s
         self._queue: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
         self._timer: asyncio.TimerHandle | None = None
+        self._soon = False
         # The loop, kept: asyncio.get_running_loop() is a getpid() system call on Python 3.11.
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Calls run so far (tests and the benchmark's notes read it).
@@ -68,6 +70,17 @@ class AfterAnswer:
                     self.drain()
                     return
             self._timer = loop.call_later(self._delay_s, self._on_timer)
+
+    def drain_soon(self) -> None:
+        """``drain`` on the event loop's next turn (after the caller's task suspends: a request it
+        is about to send is written by then), if anything is queued."""
+        if self._queue and not self._soon and self._loop is not None:
+            self._soon = True
+            self._loop.call_soon(self._on_soon)
+
+    def _on_soon(self) -> None:
+        self._soon = False
+        self.drain()
 
     def _on_timer(self) -> None:
         self._timer = None

@@ -785,8 +785,8 @@ class Router:
                     first_byte_timeout_s=budget_s if ctx.stream else None,
                     until_event=ctx.stream,
                 )
-                if self.after_answer is not None:  # the engine's time: run what waits
-                    self.after_answer.drain()
+                if self.after_answer is not None:  # once the request is out (the await below
+                    self.after_answer.drain_soon()  # writes it): the engine's time runs what waits
             try:
                 response = await waiting
                 if ctx.stream and response.status == 200:

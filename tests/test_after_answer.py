@@ -61,6 +61,24 @@ def test_the_timer_drains_what_nothing_else_did() -> None:
     asyncio.run(scenario())
 
 
+def test_drain_soon_runs_the_queue_once_the_caller_has_suspended() -> None:
+    """Fails when ``drain_soon`` runs the work at once (on the task path: before the request it
+    precedes is written upstream, delaying it) or not at all."""
+    ran: list[int] = []
+
+    async def scenario() -> None:
+        after = AfterAnswer(delay_s=NEVER_S)
+        after.add(ran.append, 1)
+        after.drain_soon()
+        assert ran == []
+        await asyncio.sleep(0)  # one turn of the loop
+        assert (ran, len(after)) == ([1], 0)
+        after.drain_soon()  # nothing queued: nothing scheduled
+        after.close()
+
+    asyncio.run(scenario())
+
+
 def _deferring_router(
     serve_asgi: Callable[..., ThreadedServer], engine: ScriptedEngine, callback_path: bool
 ) -> tuple[ThreadedServer, AfterAnswer]:
