@@ -17,6 +17,9 @@ framework and the Gateway API inference extension):
     on_finished(reservation, outcome) -> load released; policy.on_finished; calibration (only
                                          with a measured TTFT); index self-check (every policy,
                                          from engine-reported cached tokens); experiment record
+    (both in two halves for a caller that learns later: release_prefill + tally_first_token,
+    release_finished + learn_finished - the load at once, the learning when it suits; the
+    router's proxy.defer_accounting)
 
 The async router (router/routing.py) and the discrete-event simulator (sim/des.py) both drive
 this object, so a result of the simulator is a result of the router's own decision code.
@@ -1069,6 +1072,12 @@ class RoutingCore:
 
     def on_first_token(self, reservation: Reservation, now: float) -> None:
         """A streamed token arrived: the TTFT is measured and the prefill is over."""
+        self.tally_first_token(reservation, now)
+        self.ledger.first_token(reservation.ticket)
+
+    def tally_first_token(self, reservation: Reservation, now: float) -> None:
+        """The measured and predicted TTFT of a first token (once per reservation): the learning
+        half of ``on_first_token`` (``release_prefill`` is its load half)."""
         if reservation.first_token_s is None:
             reservation.first_token_s = now
             tally = self.ttft_tally.get(reservation.engine_id)
@@ -1076,7 +1085,6 @@ class RoutingCore:
                 tally = self.ttft_tally[reservation.engine_id] = TtftTally()
             tally.measured_s += now - reservation.sent_s
             tally.predicted_s += reservation.parts.total_s
-        self.ledger.first_token(reservation.ticket)
 
     def release_prefill(self, reservation: Reservation) -> None:
         """The prefill is assumed over without a measured token (non-stream answers: vLLM sends
@@ -1091,15 +1099,24 @@ class RoutingCore:
 
     def on_finished(self, reservation: Reservation, outcome: Outcome, now: float) -> None:
         """Release the load and learn from the request (once; later calls are no-ops)."""
+        if self.release_finished(reservation, outcome):
+            self.learn_finished(reservation, outcome, now)
+
+    def release_finished(self, reservation: Reservation, outcome: Outcome) -> bool:
+        """The load half of ``on_finished``: the ledger's release, the policy's ``on_finished``,
+        the count (once). True when there is something to learn (``learn_finished``)."""
         if reservation.finished:
-            return
+            return False
         reservation.finished = True
         self.ledger.finish(reservation.ticket)
-        request, engine_id = reservation.request, reservation.engine_id
-        reservation.policy.on_finished(request, engine_id, outcome.ok)
+        reservation.policy.on_finished(reservation.request, reservation.engine_id, outcome.ok)
         self.counters.finished += 1
-        if outcome.client_gone:
-            return
+        return not outcome.client_gone
+
+    def learn_finished(self, reservation: Reservation, outcome: Outcome, now: float) -> None:
+        """The learning half of ``on_finished`` (after ``release_finished`` returned True): the
+        index's delivered blocks, the TTFT calibration, the self-check, the experiment's turn."""
+        request, engine_id = reservation.request, reservation.engine_id
         cached = outcome.cached_tokens
         if outcome.ok and cached is not None and self.index is not None and request.block_keys:
             # A shortfall against the index's promise: the pool evicted what it never announced.

@@ -112,8 +112,9 @@ def install_peer(peers_dir: Path, peer: str) -> Path:
 @dataclass(frozen=True, slots=True)
 class Target:
     """``direct``, ``raw_proxy`` (loadtest/bench_proxy.py's reference proxy: what Python can reach
-    here), ``kvroute:POLICY[+tok][+cb][xN]`` or ``PEER:POLICY``; ``+cb``: kvroute with the callback
-    path on (proxy.callback_path), off without it."""
+    here), ``kvroute:POLICY[+tok][+cb][+defer][xN]`` or ``PEER:POLICY``; ``+cb``: kvroute with the
+    callback path on (proxy.callback_path), off without it; ``+defer``: with
+    proxy.defer_accounting on."""
 
     spec: str
     kind: str
@@ -126,6 +127,7 @@ class Target:
     #: ``raw_proxy+workN``: the raw proxy spending N µs of pure-Python busy work per request before it
     #: forwards (a probe: what N µs of a router's own work costs it per request over sockets).
     work_us: float = 0.0
+    defer_accounting: bool = False
 
     @staticmethod
     def parse(spec: str, checkouts: dict[str, str] | None = None) -> Target:
@@ -139,13 +141,16 @@ class Target:
             kind = "kvroute"
         if kind not in ("kvroute", *PEER_PACKAGES) or not rest:
             raise ValueError(
-                f"target {spec!r}: expected direct, raw_proxy[+workUS], kvroute:POLICY[+tok][+cb][xN] or "
-                f"PEER:POLICY with PEER in {', '.join(PEER_PACKAGES)}"
+                f"target {spec!r}: expected direct, raw_proxy[+workUS], "
+                f"kvroute:POLICY[+tok][+cb][+defer][xN] or PEER:POLICY with PEER in "
+                f"{', '.join(PEER_PACKAGES)}"
             )
         workers = 1
         m = re.fullmatch(r"(.*)x(\d+)", rest)
         if m and kind == "kvroute":
             rest, workers = m.group(1), int(m.group(2))
+        defer = kind == "kvroute" and rest.endswith("+defer")
+        rest = rest.removesuffix("+defer") if defer else rest
         callback_path = kind == "kvroute" and rest.endswith("+cb")
         if callback_path:
             rest = rest.removesuffix("+cb")
@@ -153,7 +158,7 @@ class Target:
         policy = rest.removesuffix("+tok")
         if kind == "kvroute" and policy not in KVROUTE_POLICIES:
             raise ValueError(f"target {spec!r}: kvroute policy must be one of {', '.join(KVROUTE_POLICIES)}")
-        return Target(spec, kind, policy, tok, workers, checkout, callback_path)
+        return Target(spec, kind, policy, tok, workers, checkout, callback_path, defer_accounting=defer)
 
 
 def peer_command(
@@ -249,6 +254,10 @@ def start_target(
             env["KVROUTE_PROXY_CALLBACK_PATH"] = "true"
         else:  # a checkout from before the key would refuse the variable
             env.pop("KVROUTE_PROXY_CALLBACK_PATH", None)
+        if target.defer_accounting:
+            env["KVROUTE_PROXY_DEFER_ACCOUNTING"] = "true"
+        else:
+            env.pop("KVROUTE_PROXY_DEFER_ACCOUNTING", None)
     elif target.kind == "raw_proxy":
         args = [
             sys.executable,

@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from kvcore.calibration import CostModel
 from kvcore.core import CoreConfig, RoutingCore
 from router import __version__, openapi
+from router.after_answer import AfterAnswer
 from router.config import RouterConfig
 from router.errors import FieldRules, RouterError, bad_request
 from router.guard import TENANT_STATE_KEY, AccessGuard, Authenticator, error_headers, send_error
@@ -100,6 +101,9 @@ class KvrouteApp(FastAPI):
     on_client_write_timeout: Callable[[str], None] | None = None
     #: Raw request path -> ASGI path, of the routes ``proxy_app`` answers.
     proxy_paths: dict[bytes, str] = {path.encode(): path for path in PROXY_PATHS}
+    #: The router's deferred accounting (proxy.defer_accounting), drained before every other
+    #: endpoint answers (/metrics, /debug/*, the explain endpoint, /ready read what it writes).
+    after_answer: AfterAnswer | None = None
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:  # type: ignore[override]
         if (
@@ -110,6 +114,8 @@ class KvrouteApp(FastAPI):
         ):
             await self.proxy_app(scope, receive, send)
             return
+        if self.after_answer is not None:
+            self.after_answer.drain()
         await super().__call__(scope, receive, send)
 
 
@@ -539,6 +545,8 @@ def create_app(
             gc.set_threshold(10_000, *thresholds[1:])
             yield
         finally:
+            if router.after_answer is not None:  # what waits is accounted before the components stop
+                router.after_answer.close()
             gc.set_threshold(*thresholds)  # the process's own again (tests run many apps in one)
             for component in reversed(started):
                 try:
@@ -562,6 +570,7 @@ def create_app(
     app.state.config = config
     app.state.reader = reader
     app.state.router = router
+    app.after_answer = router.after_answer
     app.state.tracker = tracker
     app.state.metrics = metrics
     app.state.index = index

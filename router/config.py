@@ -195,6 +195,12 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: goes on as a task from the point reached, a stream back in callbacks from its first event
     #: (router/fastpath.py, router/routing.py). Off = every request runs as a task.
     callback_path: bool = False
+    #: Run the accounting that follows an answer out (the TTFT model's learning, the index's
+    #: delivered-blocks check, experiments, the observers: metrics, first-byte budget, liveness,
+    #: traces; the log line) later: when the next request has gone to its engine, a 2 ms timer
+    #: or 256 queued, whichever first; drained before GET /metrics, the explain endpoint and at
+    #: shutdown. The load is released at once either way (router/after_answer.py).
+    defer_accounting: bool = False
 
 
 class IndexConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

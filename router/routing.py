@@ -16,7 +16,11 @@
      first event's, the answer's last), in the same step of the event loop (a client's next
      request and a /metrics scrape see it done); the times stay those of the arrival
      (``first_token_s``) and the end of the answer (``finished_s``). An error in it is logged, and
-     the answer, already out, stays as it went (``_AFTER_ANSWER``).
+     the answer, already out, stays as it went (``_AFTER_ANSWER``). With
+     ``proxy.defer_accounting`` only the load is released there; the learning, the observers
+     and the log line wait in ``Router.after_answer`` (router/after_answer.py), drained when the
+     next request has gone upstream (the engine's time), by a timer, at a cap, before the
+     non-proxied endpoints answer and at shutdown.
 ``RouteObserver``s (metrics, trace, event watchdog) see ``on_routed``/``on_first_byte``/``on_finished``.
 """
 
@@ -47,6 +51,7 @@ from kvcore.core import (
     shortest_first_priority,
 )
 from policies.base import Decision, FleetView, NoEngineAvailable, RouteRequest
+from router.after_answer import AfterAnswer
 from router.config import RouterConfig
 from router.errors import FieldRules, RouterError, bad_request, sse_error_event
 from router.experiments import FORCED_ARM_HEADER, Arm, Experiments
@@ -453,6 +458,9 @@ class Router:
         self.annotator = annotator
         self.first_byte = FirstByteBudget(config.limits.first_byte_timeout_s)
         self._prefill_releases = _DueCalls(core.release_prefill)
+        #: ``proxy.defer_accounting``: the learning, observers and log line after an answer, run
+        #: later (router/after_answer.py); None = right after the write, as it goes out.
+        self.after_answer: AfterAnswer | None = AfterAnswer() if config.proxy.defer_accounting else None
         self.observers: list[RouteObserver] = [metrics, self.first_byte, *observers]
         # Each hook's bound methods, looked up once (not per request and observer); the hooks an
         # observer leaves empty (``return None``) are not called at all.
@@ -654,6 +662,8 @@ class Router:
             return
         ctx.engine_id = engine_id
         ctx.attempts.append(engine_id)
+        if self.after_answer is not None:  # the engine's time: run what waits
+            self.after_answer.drain()
         relay = _Relay(self, ctx, response, client)
         response.on_event = relay.on_event
         if client.watch_disconnect(relay.on_disconnect):
@@ -775,6 +785,8 @@ class Router:
                     first_byte_timeout_s=budget_s if ctx.stream else None,
                     until_event=ctx.stream,
                 )
+                if self.after_answer is not None:  # once the request is out (the await below
+                    self.after_answer.drain_soon()  # writes it): the engine's time runs what waits
             try:
                 response = await waiting
                 if ctx.stream and response.status == 200:
@@ -851,14 +863,28 @@ class Router:
 
     def _first_token(self, ctx: RouteContext) -> None:
         """Account a stream's first event (stamped ``first_token_s`` on its arrival) once its
-        bytes are out (``StreamRelay.sent``); an error is logged (the bytes went out)."""
+        bytes are out (``StreamRelay.sent``); an error is logged (the bytes went out). With
+        ``after_answer``, the queued prefill is released at once and the rest queued."""
         try:
-            reservation, arrived_s = ctx.reservation, ctx.first_token_s
-            if reservation is not None and arrived_s is not None:
-                self.core.on_first_token(reservation, arrived_s)
-            self._notify("on_first_byte", ctx)
+            after = self.after_answer
+            if after is None:
+                reservation, arrived_s = ctx.reservation, ctx.first_token_s
+                if reservation is not None and arrived_s is not None:
+                    self.core.on_first_token(reservation, arrived_s)
+                self._notify("on_first_byte", ctx)
+                return
+            if ctx.reservation is not None and ctx.first_token_s is not None:
+                self.core.release_prefill(ctx.reservation)
+            after.add(self._first_token_learned, ctx)
         except Exception:
             log.exception(_AFTER_ANSWER, ctx.request_id)
+
+    def _first_token_learned(self, ctx: RouteContext) -> None:
+        """The learning half of ``_first_token`` (queued on ``after_answer``)."""
+        reservation, arrived_s = ctx.reservation, ctx.first_token_s
+        if reservation is not None and arrived_s is not None:
+            self.core.tally_first_token(reservation, arrived_s)
+        self._notify("on_first_byte", ctx)
 
     def _finish(self, ctx: RouteContext, status: int, error: str = "", *, log_error: bool = True) -> None:
         """Account the end of a request once (later calls are no-ops). ``log_error=False`` when the
@@ -881,7 +907,20 @@ class Router:
                 client_gone=status == STATUS_CLIENT_GONE,
                 client_ttft_s=ctx.ttft_s,
             )
+            after = self.after_answer
+            if after is not None:  # the load now, the rest queued
+                learn = self.core.release_finished(ctx.reservation, outcome)
+                after.add(self._finish_learned, ctx, outcome if learn else None)
+                return
             self.core.on_finished(ctx.reservation, outcome, ctx.finished_s)
+        self._finish_learned(ctx, None)
+
+    def _finish_learned(self, ctx: RouteContext, outcome: Outcome | None) -> None:
+        """The rest of ``_finish`` after the load's release: the core's learning from ``outcome``
+        (None: nothing to learn, or learnt already), the observers and the log line."""
+        if outcome is not None:
+            assert ctx.reservation is not None and ctx.finished_s is not None
+            self.core.learn_finished(ctx.reservation, outcome, ctx.finished_s)
         self._notify("on_finished", ctx)
         if log.isEnabledFor(logging.INFO):
             ttft_s = ctx.ttft_s
@@ -890,7 +929,7 @@ class Router:
                 ctx.request_id,
                 ctx.engine_id,
                 ctx.arm,
-                status,
+                ctx.http_status,
                 "-" if ttft_s is None else f"{ttft_s * 1000:.1f}ms",
                 ctx.cached_tokens,
                 (ctx.usage or {}).get("prompt_tokens"),

@@ -53,6 +53,13 @@ class ThreadedServer:
             if os.environ.get("TEST_KVROUTE_CALLBACK_PATH") == "1":
                 # The whole run on the callback path (proxy.callback_path), whatever each test's config.
                 app.proxy_now = app.callback_proxy
+            router = getattr(app.state, "router", None)
+            if os.environ.get("TEST_KVROUTE_DEFER_ACCOUNTING") == "1" and router is not None:
+                # The whole run with proxy.defer_accounting on, whatever each test's config.
+                from router.after_answer import AfterAnswer
+
+                if router.after_answer is None:
+                    app.after_answer = router.after_answer = AfterAnswer()
         config = uvicorn.Config(
             app,
             host=host,

@@ -117,6 +117,15 @@ def test_bench_peers_targets_name_the_callback_path() -> None:
     off = Target.parse("kvroute:round_robin")
     assert (off.policy, off.tokenizer, off.callback_path) == ("round_robin", False, False)
     assert Target.parse("kvroute:round_robin+cb").callback_path
+    both = Target.parse("kvroute:tier_cost+tok+cb+deferx2")
+    assert (both.policy, both.tokenizer, both.callback_path, both.defer_accounting, both.workers) == (
+        "tier_cost",
+        True,
+        True,
+        True,
+        2,
+    )
+    assert not Target.parse("kvroute:round_robin+cb").defer_accounting
 
 
 def test_bench_peers_raw_proxy_work_probe_parses() -> None:
