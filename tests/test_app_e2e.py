@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -222,6 +223,7 @@ def test_stream_with_null_stream_options_sends_one_key_and_keeps_the_usage(serve
     and sends no usage: the router lost that request's cached tokens)."""
     engines = upstreams(1)
     seen: list[Any] = []
+    finished = threading.Event()  # the accounting runs after the write: wait for it
 
     class UsageObserver:
         def on_routed(self, ctx: Any) -> None: ...
@@ -230,6 +232,7 @@ def test_stream_with_null_stream_options_sends_one_key_and_keeps_the_usage(serve
 
         def on_finished(self, ctx: Any) -> None:
             seen.append(ctx.usage)
+            finished.set()
 
     config = load_config(
         environ={},
@@ -254,4 +257,5 @@ def test_stream_with_null_stream_options_sends_one_key_and_keeps_the_usage(serve
     sent = engines[0][0].bodies[-1]
     assert sent.count(b'"stream_options"') == 1, sent
     assert json.loads(sent)["stream_options"] == {"include_usage": True}
+    assert finished.wait(30)
     assert seen and seen[-1] is not None and seen[-1]["prompt_tokens_details"]["cached_tokens"] == 7
