@@ -468,6 +468,11 @@ def _held_trial(
         upstream.delay_s = 0.0
         trial.join(timeout=30)
     assert answers == [200]
+    # The answer's accounting (the liveness observer closing the breaker) runs after its write:
+    # the client can hold the answer first, so wait for the close.
+    deadline = time.monotonic() + 30
+    while state.breaker_open_until_s and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not state.breaker_open_until_s and not tracker.breaker_open(state, time.monotonic())
 
 
