@@ -11,7 +11,7 @@ import json
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, overload
 
 import msgspec
 import xxhash
@@ -51,26 +51,112 @@ def prefix_hashes(messages: Messages) -> list[int]:
 CUT_BYTES = 3 * 1024
 
 
-def content_cuts(parent: int, message: Mapping[str, Any]) -> tuple[list[int], bytes]:
-    """(chained hashes of ``message``'s role and its content cut every ``CUT_BYTES`` bytes: ``out[k]``
-    names the messages hashed into ``parent`` plus the role and the first ``(k + 1) * CUT_BYTES``
-    bytes of the content; full cuts only, the content's UTF-8 bytes, or b"" for a message too short
-    to cut, whose bytes nothing reads)."""
-    cuts: list[int] = []
+class CutNames(Sequence[int]):
+    """The names of a message's content cuts, each hashed when first asked for: ``self[k]`` is the
+    xxh3 of the content's first ``(k + 1) * CUT_BYTES`` UTF-8 bytes, seeded with the hash of the
+    messages before it and its role. A repeated prompt asks for its deepest cut only: one call,
+    where naming every cut took one per cut. A lookup walking down from the deepest cut (a message
+    that grew since its last prompt) hashes the few cuts it reaches one by one, and every cut in
+    one streaming pass once it has gone ``_WALK`` deep (XXH3's streaming digest of a prefix is its
+    one-shot hash), so no content is hashed more than ``_WALK + 1`` times. The names live only in
+    this process's caches (the tokenizer's and the key cache's)."""
+
+    __slots__ = ("_asked", "_names", "_seed", "_view")
+
+    #: Cuts hashed one by one before the rest are hashed in one pass.
+    _WALK = 4
+
+    def __init__(self, seed: int, data: bytes) -> None:
+        self._seed = seed
+        self._view = memoryview(data)  # cuts are hashed in place, not copied out
+        self._names: list[int | None] = [None] * (len(data) // CUT_BYTES)
+        self._asked = 0  # cuts hashed one by one
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    @overload
+    def __getitem__(self, k: int) -> int: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> list[int]: ...
+
+    def __getitem__(self, k: int | slice) -> int | list[int]:
+        names = self._names
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(names)))]
+        name = names[k]  # (IndexError past either end, as a list's)
+        if name is not None:
+            return name
+        if self._asked < self._WALK:
+            self._asked += 1
+            k %= len(names)
+            name = names[k] = _xxh3(self._view[: (k + 1) * CUT_BYTES], self._seed)
+            return name
+        self._hash_all()
+        name = names[k]
+        assert name is not None
+        return name
+
+    def _hash_all(self) -> None:
+        names, view = self._names, self._view
+        state = xxhash.xxh3_64(seed=self._seed)
+        for k in range(len(names)):
+            state.update(view[k * CUT_BYTES : (k + 1) * CUT_BYTES])
+            names[k] = state.intdigest()
+
+
+#: A message too short to cut has no cut names (a tuple: as cheap to test as the list was).
+_NO_CUTS: tuple[int, ...] = ()
+
+
+def content_cuts(parent: int, message: Mapping[str, Any]) -> tuple[Sequence[int], bytes]:
+    """(the names of ``message``'s content cuts (``CutNames``): ``out[k]`` names the messages hashed
+    into ``parent`` plus the role and the first ``(k + 1) * CUT_BYTES`` bytes of the content; full
+    cuts only, none for a message shorter than two cuts; the content's UTF-8 bytes, or b"" for a
+    message too short to cut, whose bytes nothing reads)."""
     if type(message) is not dict and not isinstance(message, Mapping):  # (the ABC check is slow)
-        return cuts, b""
+        return _NO_CUTS, b""
     text = sim_tokenizer.message_text(message.get("content"))
     if len(text) < 2 * CUT_BYTES and text.isascii():  # short: one byte per character, no encoding
-        return cuts, b""
+        return _NO_CUTS, b""
     data = text.encode("utf-8")
     if len(data) < 2 * CUT_BYTES:  # a short message: the message-prefix hash is enough
-        return cuts, b""
-    h = _xxh3(str(message.get("role")).encode(), parent)
-    view = memoryview(data)  # the cuts are hashed in place, not copied out
-    for start in range(0, len(data) - CUT_BYTES + 1, CUT_BYTES):
-        h = _xxh3(view[start : start + CUT_BYTES], h)
-        cuts.append(h)
-    return cuts, data
+        return _NO_CUTS, b""
+    return CutNames(_xxh3(str(message.get("role")).encode(), parent), data), data
+
+
+class _Anchors(Sequence[int]):
+    """``PromptNames.anchors``: the message prefixes but the last, the last message's cuts, the
+    whole prompt; a cut's name is hashed only when a lookup reaches it."""
+
+    __slots__ = ("_cuts", "_prefixes")
+
+    def __init__(self, prefixes: list[int], cuts: Sequence[int]) -> None:
+        self._prefixes, self._cuts = prefixes, cuts
+
+    def __len__(self) -> int:
+        return len(self._prefixes) + len(self._cuts)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        n = len(self)
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(n))]
+        if not -n <= i < n:
+            raise IndexError("anchor index out of range")
+        i %= n
+        before = len(self._prefixes) - 1
+        if i < before:
+            return self._prefixes[i]
+        if i == n - 1:
+            return self._prefixes[-1]
+        return self._cuts[i - before]
 
 
 class PromptNames(NamedTuple):
@@ -79,27 +165,27 @@ class PromptNames(NamedTuple):
     its UTF-8 content (when it has cuts). A named tuple: built once per request, cheaply."""
 
     prefixes: list[int]
-    cuts: list[int]
+    cuts: Sequence[int]
     last_content: bytes
 
     @classmethod
     def of(cls, messages: Messages) -> PromptNames:
         prefixes = prefix_hashes(messages)
         if not prefixes:
-            return cls(prefixes, [], b"")
+            return cls(prefixes, _NO_CUTS, b"")
         cuts, data = content_cuts(prefixes[-2] if len(prefixes) > 1 else 0, messages[-1])
         return cls(prefixes, cuts, data)
 
     @property
-    def anchors(self) -> list[int]:
+    def anchors(self) -> Sequence[int]:
         """Lookup names, shortest first: every message prefix, with the last message's cuts before
-        the whole prompt."""
-        return [*self.prefixes[:-1], *self.cuts, *self.prefixes[-1:]]
+        the whole prompt (a lookup walks them longest first and stops at the first one filed)."""
+        return _Anchors(self.prefixes, self.cuts) if self.prefixes else []
 
     @property
     def file_under(self) -> list[int]:
         """The names to file the prompt under: the whole prompt and its last message's deepest cut."""
-        return [*self.prefixes[-1:], *self.cuts[-1:]]
+        return [*self.prefixes[-1:], self.cuts[-1]] if self.cuts else self.prefixes[-1:]
 
 
 def entry_bytes(value: Any) -> int:
@@ -223,7 +309,7 @@ class SimChatTokenizer:
                 self._cuts.put(cuts[-1], (prompt, covered))
         return prompt
 
-    def _extend_cut(self, cuts: list[int], data: bytes) -> list[int] | None:
+    def _extend_cut(self, cuts: Sequence[int], data: bytes) -> list[int] | None:
         """Prompt tokens (generation prompt included) when the last message (content ``data``, cut
         hashes ``cuts``) extends a cached prompt's last message: its tokens up to the deepest shared
         cut, then only the rest encoded. None when no cut is cached."""

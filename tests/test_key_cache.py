@@ -236,3 +236,28 @@ def test_refiled_counts_a_repeat_as_reusable_then_put_would() -> None:
     partial = KeyChainCache(1 << 20)
     partial.put([1], "s", tokens_fast, keys[:5])
     assert partial.refiled([1], "s", tokens_fast, 16) is None
+
+
+async def test_a_message_grown_by_many_cuts_finds_its_earlier_version_in_every_content_form() -> None:
+    """A growing message whose earlier version is many cuts below its deepest cut: the lookup walks
+    down past the cuts it names one by one into the one-pass naming of every cut (router/tokenize.py
+    ``CutNames``), and must still find the earlier prompt's deepest cut, named one by one when it was
+    filed. Content with JSON escapes' characters, non-ASCII and a list of text parts. Catches the
+    one-pass names differing from the one-by-one names (a wrong slice or seed: the earlier cut
+    is never found, tokens are encoded whole and nothing is reused)."""
+    grown = sim_tokenizer.filler_text(7000, seed=3)  # ~21,000 bytes: about 7 cuts past the start
+    for shape in ("escapes", "non-ascii", "parts"):
+        annotator = _annotator()
+        text = 'a "quoted" line\n\ttab \\ backslash \u2028 ' + sim_tokenizer.filler_text(3000, seed=1)
+        if shape == "non-ascii":
+            text = text.replace("e", "é").replace("o", "😀")
+        for step in range(2):
+            content: Any = text if shape != "parts" else [{"type": "text", "text": text}]
+            messages = [{"role": "user", "content": content}]
+            keys, tokens = await _keys_of(annotator, {"model": "m", "messages": messages})
+            assert tokens == sim_tokenizer.encode_chat(messages), (shape, step)
+            assert keys == block_keys(tokens, 16, parent=7), (shape, step)
+            text += grown
+        assert annotator._tokenizer.cache_stats()["cut_hits"] == 1, shape
+        stats = annotator.key_cache_stats()
+        assert stats["hits"] == 1 and stats["reused_blocks"] > 0, shape

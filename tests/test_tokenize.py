@@ -9,13 +9,23 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import xxhash
 from aiohttp import web
 from tokenizers import AddedToken, Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from kvcore import sim_tokenizer
-from router.tokenize import EngineChatTokenizer, HfChatTokenizer, SimChatTokenizer, prefix_hashes
+from router.tokenize import (
+    CUT_BYTES,
+    CutNames,
+    EngineChatTokenizer,
+    HfChatTokenizer,
+    PromptNames,
+    SimChatTokenizer,
+    content_cuts,
+    prefix_hashes,
+)
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -182,3 +192,33 @@ async def test_sim_tokenizer_reuses_a_growing_message_by_its_cuts_and_stays_exac
     # Versions 1 and 3 extend version 0. Only each prompt's deepest cut is filed, so the edit
     # (before version 1's deepest cut) is a miss, encoded whole.
     assert stats["cut_hits"] == 2 and stats["cut_misses"] == 2  # versions 0 and 2
+
+
+def test_cut_names_are_the_prefix_hashes_in_any_order_they_are_asked() -> None:
+    """``CutNames`` names cut k by the xxh3 of the content's first (k + 1) cuts: asked alone (one
+    call), walked down from the deepest (one by one, then every cut in one streaming pass) or up
+    from the first, every name is that hash. Catches a streaming pass that skips or repeats a cut,
+    a one-by-one hash of the wrong length, a negative index taken from the wrong end."""
+    text = ('line one\n"quoted" \\ é 中 😀 ' * 900) + "tail"  # escapes' characters, 2-4 byte UTF-8
+    message = {"role": "user", "content": text}
+    data = text.encode()
+    seed = xxhash.xxh3_64_intdigest(b"user", 0)  # a first message: nothing before it
+    truth = [
+        xxhash.xxh3_64_intdigest(data[: (k + 1) * CUT_BYTES], seed) for k in range(len(data) // CUT_BYTES)
+    ]
+    assert len(truth) > 2 * CutNames._WALK
+    for k in range(-len(truth), len(truth)):  # asked alone
+        cuts, got = content_cuts(0, message)
+        assert got == data and cuts[k] == truth[k], k
+    down, _ = content_cuts(0, message)
+    assert [down[k] for k in reversed(range(len(truth)))] == truth[::-1]
+    up, _ = content_cuts(0, message)
+    assert list(up) == truth and up[2:5] == truth[2:5]
+    # A repeated prompt's names: the deepest cut is hashed, no other.
+    names = PromptNames.of([message])
+    assert names.file_under == [names.prefixes[-1], truth[-1]]
+    assert isinstance(names.cuts, CutNames) and names.cuts._names.count(None) == len(truth) - 1
+    assert list(reversed(names.anchors)) == [names.prefixes[-1], *truth[::-1]]
+    # Too short to cut: no names, and the whole prompt is its only anchor.
+    short = PromptNames.of([{"role": "user", "content": "hi"}])
+    assert not short.cuts and short.file_under == list(short.anchors) == short.prefixes
