@@ -34,6 +34,8 @@ NEAR = 0.1
 BASELINE = "kv_fixed_credit"
 #: REF ties: median p50s within this fraction are broken by the lower median p99.
 TIE = 0.01
+#: a verdict on fewer seeds than this is marked with its seed count.
+SEEDS = 3
 #: per-run figures written to the CSV (besides the keys).
 FIGURES = ("ttft_p50_s", "ttft_p99_s", "ttft_max_s", "turns_per_s", "hit", "preemptions")
 
@@ -200,13 +202,14 @@ def markdown(rows: Sequence[dict[str, Any]], refs: dict[Cell, Key], pts: Sequenc
                 continue
             m, w = p.on_medians, p.worst
             cand = p.policy != BASELINE
+            few = "" if len(p.seeds) >= SEEDS else f" ({len(p.seeds)} seed{'s' if len(p.seeds) > 1 else ''})"
             out.append(
                 f"| {p.policy} | {p.stretch:g} | {_fmt_h(p.bound_s)} | {len(p.seeds)}"
                 f" | {p.medians[0]:.3f} / {p.medians[1]:.2f} / {p.medians[2]:.1f}"
                 f" | {m.g_ref:.2f}x | {m.g_same:.2f}x | {m.r99:.2f} | {m.rmax:.2f}"
                 f" | {w.g_ref:.2f}x, {w.g_same:.2f}x, {w.r99:.2f}, {w.rmax:.2f}"
-                f" | {('**yes**' if m.meets() else 'no') if cand else '-'}"
-                f" | {('**yes**' if p.every_seed else 'no') if cand else '-'} |"
+                f" | {('**yes**' if m.meets() else 'no') + few if cand else '-'}"
+                f" | {('**yes**' if p.every_seed else 'no') + few if cand else '-'} |"
             )
     return "\n".join(out).lstrip("\n") + "\n"
 

@@ -106,5 +106,10 @@ def test_main_writes_table_csv_and_near_list(tmp_path: Path, capsys: pytest.Capt
     assert line.endswith("| **yes** | no |")
     with out_csv.open() as f:
         assert len(list(csv.DictReader(f))) == 15
+    one_seed = tmp_path / "seed100.jsonl"
+    one_seed.write_text("".join(json.dumps(r) + "\n" for r in fleet() if r["seed"] == 100))
+    assert frontier.main([str(one_seed), "--md", str(md)]) == 0
+    (line,) = [ln for ln in md.read_text().splitlines() if ln.startswith("| tier_cost | 20 | inf |")]
+    assert line.endswith("| **yes** (1 seed) | **yes** (1 seed) |")
     assert frontier.main([str(raw), "--near", "100"]) == 0
     assert capsys.readouterr().out.strip() == "b1 128\tnone\ttier_cost@priority:20:inf"
