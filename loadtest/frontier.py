@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import statistics
@@ -214,6 +215,47 @@ def markdown(rows: Sequence[dict[str, Any]], refs: dict[Cell, Key], pts: Sequenc
     return "\n".join(out).lstrip("\n") + "\n"
 
 
+def monotonic(values: Sequence[float]) -> str:
+    """ "up", "down", "flat" (all equal) or "no" for a sequence read in order."""
+    steps = [b - a for a, b in itertools.pairwise(values)]
+    if all(s == 0 for s in steps):
+        return "flat"
+    if all(s >= 0 for s in steps):
+        return "up"
+    if all(s <= 0 for s in steps):
+        return "down"
+    return "no"
+
+
+def shape(pts: Sequence[Point]) -> str:
+    """Per cell, policy and bound H: the medians of p50, p99 and max along the stretch S (ascending),
+    and whether each moves one way; then the same along H at each S."""
+    out = [
+        "| cell | policy | along | at | p50 s | p99 s | max s | p50 / p99 / max monotonic |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    groups: dict[tuple[Cell, str, str, float], list[Point]] = {}
+    for p in pts:
+        groups.setdefault((p.cell, p.policy, "S", p.bound_s), []).append(p)
+        groups.setdefault((p.cell, p.policy, "H", p.stretch), []).append(p)
+    for (cell, policy, along, at), ps in sorted(
+        groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3])
+    ):
+        ps.sort(key=lambda p: p.stretch if along == "S" else p.bound_s)
+        axis = ", ".join(f"{p.stretch:g}" if along == "S" else _fmt_h(p.bound_s) for p in ps)
+        cols = [[p.medians[i] for p in ps] for i in range(3)]
+        seeds = min(len(p.seeds) for p in ps)
+        out.append(
+            f"| {cell[0]} {cell[1]} | {policy} | {along} = {axis}"
+            f" | {'H' if along == 'S' else 'S'} = {_fmt_h(at)} ({seeds} seeds)"
+            + "".join(" | " + " / ".join(format(v, ".3g") for v in c) for c in cols)
+            + " | "
+            + ", ".join(monotonic(c) for c in cols)
+            + " |"
+        )
+    return "\n".join(out) + "\n"
+
+
 def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
     with path.open("w", newline="") as f:
         w = csv.writer(f)
@@ -267,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--md", type=Path)
     ap.add_argument("--csv", type=Path)
     ap.add_argument("--png", type=Path)
+    ap.add_argument("--shape", type=Path, help="markdown: the medians along S and along H")
     ap.add_argument(
         "--near", type=int, metavar="SEED", help="print the points within NEAR of the corner on SEED"
     )
@@ -284,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(text)
     if args.csv:
         write_csv(rows, args.csv)
+    if args.shape:
+        args.shape.write_text(shape(pts))
     if args.png:
         plot(pts, refs, args.png)
     return 0

@@ -113,3 +113,22 @@ def test_main_writes_table_csv_and_near_list(tmp_path: Path, capsys: pytest.Capt
     assert line.endswith("| **yes** (1 seed) | **yes** (1 seed) |")
     assert frontier.main([str(raw), "--near", "100"]) == 0
     assert capsys.readouterr().out.strip() == "b1 128\tnone\ttier_cost@priority:20:inf"
+
+
+def test_monotonic_names_a_turn_in_direction() -> None:
+    # catches a check that compares only the ends (3, 1, 4 goes up end to end but is not monotonic)
+    assert frontier.monotonic([3.0, 1.0, 4.0]) == "no"
+    assert frontier.monotonic([1.0, 1.0, 2.0]) == "up"
+    assert frontier.monotonic([2.0, 1.0]) == "down"
+    assert frontier.monotonic([2.0, 2.0]) == "flat"
+
+
+def test_shape_reads_medians_along_the_stretch_in_order() -> None:
+    rows = fleet()
+    for seed, p50 in ((100, 2.0), (101, 2.2), (102, 2.1)):
+        rows.append(row("tier_cost", "priority:5:inf", seed, p50, 50.0, 50.0))
+    rows += [row("kv_fixed_credit", "priority:5:inf", s, 3.0, 50.0, 50.0) for s in (100, 101, 102)]
+    _, pts = frontier.points(rows)
+    (line,) = [ln for ln in frontier.shape(pts).splitlines() if "| tier_cost | S = 5, 20 |" in ln]
+    # p50 medians 2.1 at S 5, then 2.8 at S 20: up; p99 50 then 55: up; the max 50 then 50: flat
+    assert "| 2.1 / 2.8 |" in line and line.endswith("| up, up, flat |")
