@@ -268,38 +268,41 @@ def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
 
 
 def plot(pts: Sequence[Point], refs: dict[Cell, Key], path: Path) -> None:
-    """Per cell: p50 gain vs REF (x) against p99 / REF (y, filled) and max / REF (hollow), on the
-    medians; the corner is the lower right beyond x = TARGET_REF, y = 1."""
+    """Per cell, on the medians: p50 gain over REF (x) against the worse of p99 / REF and max / REF
+    (y); filled when the p50 gain over kv_fixed_credit at the same order reaches TARGET_SAME. A
+    candidate meets the corner when it is filled, right of x = TARGET_REF and below y = 1."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     cells = list(refs)
-    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 4.0), squeeze=False)
+    cols = min(2, len(cells))
+    rows = -(-len(cells) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.0 * cols, 4.4 * rows), squeeze=False)
     colours = {"tier_cost": "tab:blue", "horizon_cost": "tab:green", BASELINE: "tab:grey"}
-    for ax, cell in zip(axes[0], cells, strict=True):
+    for ax, cell in zip(axes.flat, cells, strict=False):
         for p in pts:
             if p.cell != cell:
                 continue
             c = colours.get(p.policy, "tab:red")
-            ax.scatter(p.on_medians.g_ref, p.on_medians.r99, color=c, s=18)
-            ax.scatter(p.on_medians.g_ref, p.on_medians.rmax, facecolors="none", edgecolors=c, s=18)
-            ax.annotate(
-                f"{p.stretch:g}:{_fmt_h(p.bound_s)}",
-                (p.on_medians.g_ref, p.on_medians.r99),
-                fontsize=5,
-                color=c,
-            )
+            m = p.on_medians
+            y = max(m.r99, m.rmax)
+            filled = p.policy != BASELINE and m.g_same >= TARGET_SAME
+            ax.scatter(m.g_ref, y, s=22, edgecolors=c, facecolors=c if filled else "none")
+            ax.annotate(f"{p.stretch:g}:{_fmt_h(p.bound_s)}", (m.g_ref, y), fontsize=6, color=c)
         ax.axvline(TARGET_REF, color="k", lw=0.6, ls="--")
         ax.axhline(TAIL_CEILING, color="k", lw=0.6, ls="--")
-        ax.set_title(f"{cell[0]} {cell[1]}", fontsize=9)
-        ax.set_xlabel("p50 gain vs REF (median)")
-        ax.set_ylabel("p99 (filled) / max (hollow) vs REF")
+        ax.set_title(f"{cell[0]}, storage {cell[1]} (REF {refs[cell][0]}@{refs[cell][1]})", fontsize=9)
+        ax.set_xlabel("p50 gain over REF (medians)")
+        ax.set_ylabel("worse of p99 / REF, max / REF")
     handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=k) for k, c in colours.items()]
     fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(path, dpi=110)
+    fig.suptitle(
+        f"filled: p50 gain over kv_fixed_credit at the same S:H >= {TARGET_SAME:g}", y=0.005, fontsize=8
+    )
+    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
