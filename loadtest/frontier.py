@@ -53,6 +53,16 @@ class Ratios:
     r99: float
     rmax: float
 
+    @property
+    def miss(self) -> float:
+        """The largest factor by which one part misses the corner (<= 1: the corner is met)."""
+        return max(
+            TARGET_REF / self.g_ref,
+            TARGET_SAME / self.g_same,
+            self.r99 / TAIL_CEILING,
+            self.rmax / TAIL_CEILING,
+        )
+
     def meets(self, slack: float = 0.0) -> bool:
         return (
             self.g_ref >= TARGET_REF * (1 - slack)
@@ -195,8 +205,8 @@ def markdown(rows: Sequence[dict[str, Any]], refs: dict[Cell, Key], pts: Sequenc
             "",
             "| policy | S | H s | seeds | p50 / p99 / max s (medians) | p50 gain vs REF"
             " | vs KFC same S:H | p99 / REF | max / REF | worst seed: gain REF, gain same, p99, max"
-            " | corner: medians | every seed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            " | corner: medians | every seed | miss factor (medians) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for p in pts:
             if p.cell != cell:
@@ -210,7 +220,8 @@ def markdown(rows: Sequence[dict[str, Any]], refs: dict[Cell, Key], pts: Sequenc
                 f" | {m.g_ref:.2f}x | {m.g_same:.2f}x | {m.r99:.2f} | {m.rmax:.2f}"
                 f" | {w.g_ref:.2f}x, {w.g_same:.2f}x, {w.r99:.2f}, {w.rmax:.2f}"
                 f" | {('**yes**' if m.meets() else 'no') + few if cand else '-'}"
-                f" | {('**yes**' if p.every_seed else 'no') + few if cand else '-'} |"
+                f" | {('**yes**' if p.every_seed else 'no') + few if cand else '-'}"
+                f" | {f'{m.miss:.3f}' if cand else '-'} |"
             )
     return "\n".join(out).lstrip("\n") + "\n"
 

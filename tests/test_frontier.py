@@ -74,6 +74,14 @@ def test_a_point_meeting_the_corner_on_every_seed() -> None:
     assert p.on_medians.g_same == pytest.approx(3.3 / 2.8)
     assert p.on_medians.g_ref == pytest.approx(3.6 / 2.8)
     assert p.on_medians.meets() and p.every_seed
+    assert p.on_medians.miss <= 1.0
+
+
+def test_miss_is_the_part_furthest_from_the_corner() -> None:
+    # catches a miss factor that reads one part only: here the max (1.15x REF's) misses most
+    r = frontier.Ratios(g_ref=1.25, g_same=1.05, r99=0.9, rmax=1.15)
+    assert r.miss == pytest.approx(1.15)
+    assert frontier.Ratios(g_ref=1.0, g_same=1.2, r99=0.9, rmax=0.9).miss == pytest.approx(1.2)
 
 
 def test_one_seeds_max_breaks_every_seed_but_not_the_medians() -> None:
@@ -103,14 +111,14 @@ def test_main_writes_table_csv_and_near_list(tmp_path: Path, capsys: pytest.Capt
     text = md.read_text()
     assert "REF = kv_fixed_credit@fcfs" in text
     (line,) = [ln for ln in text.splitlines() if ln.startswith("| tier_cost | 20 | inf |")]
-    assert line.endswith("| **yes** | no |")
+    assert line.endswith("| **yes** | no | 0.933 |")
     with out_csv.open() as f:
         assert len(list(csv.DictReader(f))) == 15
     one_seed = tmp_path / "seed100.jsonl"
     one_seed.write_text("".join(json.dumps(r) + "\n" for r in fleet() if r["seed"] == 100))
     assert frontier.main([str(one_seed), "--md", str(md)]) == 0
     (line,) = [ln for ln in md.read_text().splitlines() if ln.startswith("| tier_cost | 20 | inf |")]
-    assert line.endswith("| **yes** (1 seed) | **yes** (1 seed) |")
+    assert "| **yes** (1 seed) | **yes** (1 seed) |" in line
     assert frontier.main([str(raw), "--near", "100"]) == 0
     assert capsys.readouterr().out.strip() == "b1 128\tnone\ttier_cost@priority:20:inf"
 
