@@ -112,9 +112,10 @@ def install_peer(peers_dir: Path, peer: str) -> Path:
 @dataclass(frozen=True, slots=True)
 class Target:
     """``direct``, ``raw_proxy`` (loadtest/bench_proxy.py's reference proxy: what Python can reach
-    here), ``kvroute:POLICY[+tok][+cb][+defer][xN]`` or ``PEER:POLICY``; ``+cb``: kvroute with the
+    here), ``kvroute:POLICY[+tok][+cb][+defer|+nodefer][xN]`` or ``PEER:POLICY``; ``+cb``: kvroute with the
     callback path on (proxy.callback_path), off without it; ``+defer``: with
-    proxy.defer_accounting on."""
+    proxy.defer_accounting on, ``+nodefer``: off (without either: the checkout's default, on since
+    round dp26)."""
 
     spec: str
     kind: str
@@ -127,7 +128,8 @@ class Target:
     #: ``raw_proxy+workN``: the raw proxy spending N µs of pure-Python busy work per request before it
     #: forwards (a probe: what N µs of a router's own work costs it per request over sockets).
     work_us: float = 0.0
-    defer_accounting: bool = False
+    #: proxy.defer_accounting: True ``+defer``, False ``+nodefer``, None the checkout's default.
+    defer_accounting: bool | None = None
 
     @staticmethod
     def parse(spec: str, checkouts: dict[str, str] | None = None) -> Target:
@@ -142,15 +144,17 @@ class Target:
         if kind not in ("kvroute", *PEER_PACKAGES) or not rest:
             raise ValueError(
                 f"target {spec!r}: expected direct, raw_proxy[+workUS], "
-                f"kvroute:POLICY[+tok][+cb][+defer][xN] or PEER:POLICY with PEER in "
+                f"kvroute:POLICY[+tok][+cb][+defer|+nodefer][xN] or PEER:POLICY with PEER in "
                 f"{', '.join(PEER_PACKAGES)}"
             )
         workers = 1
         m = re.fullmatch(r"(.*)x(\d+)", rest)
         if m and kind == "kvroute":
             rest, workers = m.group(1), int(m.group(2))
-        defer = kind == "kvroute" and rest.endswith("+defer")
-        rest = rest.removesuffix("+defer") if defer else rest
+        defer: bool | None = None
+        if kind == "kvroute" and rest.endswith(("+defer", "+nodefer")):
+            defer = rest.endswith("+defer")
+            rest = rest.removesuffix("+defer" if defer else "+nodefer")
         callback_path = kind == "kvroute" and rest.endswith("+cb")
         if callback_path:
             rest = rest.removesuffix("+cb")
@@ -254,10 +258,10 @@ def start_target(
             env["KVROUTE_PROXY_CALLBACK_PATH"] = "true"
         else:  # a checkout from before the key would refuse the variable
             env.pop("KVROUTE_PROXY_CALLBACK_PATH", None)
-        if target.defer_accounting:
-            env["KVROUTE_PROXY_DEFER_ACCOUNTING"] = "true"
+        if target.defer_accounting is None:  # the checkout's default (one from before the key
+            env.pop("KVROUTE_PROXY_DEFER_ACCOUNTING", None)  # would refuse the variable)
         else:
-            env.pop("KVROUTE_PROXY_DEFER_ACCOUNTING", None)
+            env["KVROUTE_PROXY_DEFER_ACCOUNTING"] = "true" if target.defer_accounting else "false"
     elif target.kind == "raw_proxy":
         args = [
             sys.executable,

@@ -199,8 +199,9 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: delivered-blocks check, experiments, the observers: metrics, first-byte budget, liveness,
     #: traces; the log line) later: when the next request has gone to its engine, a 2 ms timer
     #: or 256 queued, whichever first; drained before GET /metrics, the explain endpoint and at
-    #: shutdown. The load is released at once either way (router/after_answer.py).
-    defer_accounting: bool = False
+    #: shutdown. The load is released at once either way (router/after_answer.py). On by default
+    #: since round dp26 (docs/results/dp26.md); off = all of it right after the answer's write.
+    defer_accounting: bool = True
 
 
 class IndexConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

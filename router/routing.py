@@ -17,7 +17,7 @@
      request and a /metrics scrape see it done); the times stay those of the arrival
      (``first_token_s``) and the end of the answer (``finished_s``). An error in it is logged, and
      the answer, already out, stays as it went (``_AFTER_ANSWER``). With
-     ``proxy.defer_accounting`` only the load is released there; the learning, the observers
+     ``proxy.defer_accounting`` (on by default) only the load is released there; the learning, the observers
      and the log line wait in ``Router.after_answer`` (router/after_answer.py), drained when the
      next request has gone upstream (the engine's time), by a timer, at a cap, before the
      non-proxied endpoints answer and at shutdown.
@@ -880,11 +880,15 @@ class Router:
             log.exception(_AFTER_ANSWER, ctx.request_id)
 
     def _first_token_learned(self, ctx: RouteContext) -> None:
-        """The learning half of ``_first_token`` (queued on ``after_answer``)."""
-        reservation, arrived_s = ctx.reservation, ctx.first_token_s
-        if reservation is not None and arrived_s is not None:
-            self.core.tally_first_token(reservation, arrived_s)
-        self._notify("on_first_byte", ctx)
+        """The learning half of ``_first_token`` (queued on ``after_answer``); an error is logged
+        with the request's id, as ``_first_token``'s."""
+        try:
+            reservation, arrived_s = ctx.reservation, ctx.first_token_s
+            if reservation is not None and arrived_s is not None:
+                self.core.tally_first_token(reservation, arrived_s)
+            self._notify("on_first_byte", ctx)
+        except Exception:
+            log.exception(_AFTER_ANSWER, ctx.request_id)
 
     def _finish(self, ctx: RouteContext, status: int, error: str = "", *, log_error: bool = True) -> None:
         """Account the end of a request once (later calls are no-ops). ``log_error=False`` when the
@@ -910,10 +914,18 @@ class Router:
             after = self.after_answer
             if after is not None:  # the load now, the rest queued
                 learn = self.core.release_finished(ctx.reservation, outcome)
-                after.add(self._finish_learned, ctx, outcome if learn else None)
+                after.add(self._finish_later, ctx, outcome if learn else None)
                 return
             self.core.on_finished(ctx.reservation, outcome, ctx.finished_s)
         self._finish_learned(ctx, None)
+
+    def _finish_later(self, ctx: RouteContext, outcome: Outcome | None) -> None:
+        """``_finish_learned`` queued on ``after_answer``: an error is logged with the request's
+        id, as the callers of ``_finish`` log it."""
+        try:
+            self._finish_learned(ctx, outcome)
+        except Exception:
+            log.exception(_AFTER_ANSWER, ctx.request_id)
 
     def _finish_learned(self, ctx: RouteContext, outcome: Outcome | None) -> None:
         """The rest of ``_finish`` after the load's release: the core's learning from ``outcome``

@@ -28,6 +28,13 @@ settings.register_profile("ci", derandomize=True, database=None)
 settings.register_profile("dev", database=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
+# TEST_KVROUTE_DEFER_ACCOUNTING=1 / 0: the whole run with proxy.defer_accounting on / off (on by
+# default): the routers the tests serve in-process (``ThreadedServer``) and, through the variable
+# of the key, the ``kvroute serve`` processes they start.
+_DEFER = os.environ.get("TEST_KVROUTE_DEFER_ACCOUNTING")
+if _DEFER in ("0", "1"):
+    os.environ.setdefault("KVROUTE_PROXY_DEFER_ACCOUNTING", "true" if _DEFER == "1" else "false")
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` right now (bind to port 0, read it back, close)."""
@@ -54,11 +61,15 @@ class ThreadedServer:
                 # The whole run on the callback path (proxy.callback_path), whatever each test's config.
                 app.proxy_now = app.callback_proxy
             router = getattr(app.state, "router", None)
-            if os.environ.get("TEST_KVROUTE_DEFER_ACCOUNTING") == "1" and router is not None:
-                # The whole run with proxy.defer_accounting on, whatever each test's config.
+            defer = _DEFER
+            if defer in ("0", "1") and router is not None:
+                # The whole run with proxy.defer_accounting on (1) or off (0), whatever each test's
+                # config (on by default).
                 from router.after_answer import AfterAnswer
 
-                if router.after_answer is None:
+                if defer == "0":
+                    app.after_answer = router.after_answer = None
+                elif router.after_answer is None:
                     app.after_answer = router.after_answer = AfterAnswer()
         config = uvicorn.Config(
             app,

@@ -90,9 +90,12 @@ def _deferring_router(
     app = create_app(config)
     router = app.state.router
     assert router.after_answer is not None  # the config key turns it on
-    # The same queue with a timer that never fires: only the drains under test run it.
+    server = serve_asgi(app)
+    # The same queue with a timer that never fires: only the drains under test run it. Set once
+    # the server is up, before any request: these tests are about the deferral itself, so the
+    # suite's TEST_KVROUTE_DEFER_ACCOUNTING=0 (tests/conftest.py) does not turn it off here.
     app.after_answer = router.after_answer = AfterAnswer(delay_s=NEVER_S)
-    return serve_asgi(app), router.after_answer
+    return server, router.after_answer
 
 
 def _stream(sock: socket.socket, text: str) -> None:

@@ -108,8 +108,9 @@ def test_the_zero_delay_upstream_counts_prompt_tokens_as_the_sim_tokenizer(tmp_p
 
 
 def test_bench_peers_targets_name_the_callback_path() -> None:
-    """``+cb`` runs kvroute with proxy.callback_path on (B3 measures both paths of one commit);
-    catches a suffix read as part of the policy name or left on for the plain target."""
+    """``+cb`` runs kvroute with proxy.callback_path on (B3 measures both paths of one commit),
+    ``+defer`` / ``+nodefer`` with proxy.defer_accounting on / off; catches a suffix read as part
+    of the policy name or left on for the plain target, ``+nodefer`` read as ``+defer``."""
     from loadtest.bench_peers import Target
 
     on = Target.parse("kvroute:tier_cost+tok+cbx2")
@@ -125,7 +126,10 @@ def test_bench_peers_targets_name_the_callback_path() -> None:
         True,
         2,
     )
-    assert not Target.parse("kvroute:round_robin+cb").defer_accounting
+    # Without a suffix the checkout's default (no variable set); ``+nodefer`` turns it off.
+    assert Target.parse("kvroute:round_robin+cb").defer_accounting is None
+    off = Target.parse("kvroute:round_robin+tok+nodeferx2")
+    assert (off.policy, off.tokenizer, off.defer_accounting, off.workers) == ("round_robin", True, False, 2)
 
 
 def test_bench_peers_raw_proxy_work_probe_parses() -> None:

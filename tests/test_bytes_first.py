@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from router.app import create_app
@@ -69,9 +70,13 @@ class Probe:
 
 
 def _router(
-    serve_asgi: Callable[..., ThreadedServer], url: str, callback_path: bool
+    serve_asgi: Callable[..., ThreadedServer], url: str, callback_path: bool, defer: bool | None = None
 ) -> tuple[ThreadedServer, Probe]:
+    """``defer``: proxy.defer_accounting on or off (None: the default)."""
     config = round_robin_config([url], callback_path=callback_path)
+    if defer is not None:
+        proxy = msgspec.structs.replace(config.proxy, defer_accounting=defer)
+        config = msgspec.structs.replace(config, proxy=proxy)
     app = create_app(config, observers=[probe := Probe(lambda: app.state.tracker)])
     return serve_asgi(app), probe
 
@@ -192,9 +197,19 @@ def test_a_streams_first_event_reaches_the_client_before_it_is_accounted(
     _check_path(server, task_starts)
 
 
+#: The core's accounting made to raise: its learning halves, or its load halves. The wholes the
+#: router calls without proxy.defer_accounting (``on_first_token``, ``on_finished``) run them, the
+#: deferred path calls them one by one, so either fails on both paths.
+CORE_FAULTS = {
+    "learning": ("tally_first_token", "learn_finished"),
+    "load": ("release_prefill", "release_finished"),
+}
+
+
 @PATHS
+@pytest.mark.parametrize("defer", [False, True], ids=["now", "deferred"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-@pytest.mark.parametrize("failing", ["core", "observer"])
+@pytest.mark.parametrize("failing", ["core-learning", "core-load", "observer"])
 def test_an_accounting_error_after_the_answer_leaves_it_as_it_went(
     serve_asgi: Callable[..., ThreadedServer],
     upstreams: Any,
@@ -203,30 +218,34 @@ def test_an_accounting_error_after_the_answer_leaves_it_as_it_went(
     monkeypatch: pytest.MonkeyPatch,
     callback_path: bool,
     stream: bool,
+    defer: bool,
     failing: str,
 ) -> None:
-    """The core's first-token and finish accounting, or a route observer's hooks, raise for the
-    probed request once its bytes are out. Catches: the answer turned into a 500 or cut off (the
-    connection closed), a next request on the connection refused, the error not logged with the
-    request's id."""
+    """The core's first-token and finish accounting (its learning or its load halves), or a route
+    observer's hooks, raise for the probed request once its bytes are out; with the accounting run
+    at once or deferred (proxy.defer_accounting). Catches: the answer turned into a 500 or cut off
+    (the connection closed), a next request on the connection refused, the error not logged with
+    the request's id (the deferred path's queue logging it without), the load held when only the
+    learning failed."""
     url = engine.url if stream else upstreams(1)[0][1]
-    server, probe = _router(serve_asgi, url, callback_path)
-    core = server.server.config.app.state.router.core
+    server, probe = _router(serve_asgi, url, callback_path, defer)
+    router = server.server.config.app.state.router
+    core = router.core
     caplog.set_level(logging.WARNING)
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         _warm(sock, chat(stream=stream), probe)
-        if failing == "core":
+        if failing.startswith("core-"):
 
             def failed(*args: Any) -> None:
                 raise RuntimeError("the core fails")
 
-            monkeypatch.setattr(core, "on_first_token", failed)
-            monkeypatch.setattr(core, "on_finished", failed)
+            for name in CORE_FAULTS[failing.removeprefix("core-")]:
+                monkeypatch.setattr(core, name, failed)
             expected = "request probe: the accounting after the answer failed"
         else:
             probe.fail = "on_first_byte" if stream else "on_finished"
             expected = f"failed in {probe.fail} (request probe)"
-        probe.request_id = "probe"
+            probe.request_id = "probe"  # (not for the core's faults: its hooks that run would wait)
         _ask(sock, chat(stream=stream, text="probed"), "probe")
         status, headers, body = _read(sock)
         assert status == 200 and headers["x-request-id"] == "probe"
@@ -236,6 +255,8 @@ def test_an_accounting_error_after_the_answer_leaves_it_as_it_went(
             assert body.startswith(b"{") and b"chat.completion" in body
         # (the accounting runs after the write: the client may have the answer before it failed)
         _wait_for(lambda: any(expected in r.getMessage() for r in caplog.records), expected)
+        if failing != "core-load":
+            _wait_for(lambda: router.tracker.load("e0")[0] == 0, "the probed request's load released")
         monkeypatch.undo()
         probe.fail = ""
         _ask(sock, chat(stream=stream, text="after"), "after")  # the connection was kept
