@@ -504,6 +504,14 @@ wide_op_st = st.one_of(
     ],
     subset=["p1", "p2", "q0", "r0"],
 )
+@example(  # a key held on the engine's GPU gets no speculative entry: its eviction leaves nothing
+    ops=[
+        ("store", "p0", Tier.GPU, (0, 0, 1)),
+        ("speculate", "p0", Tier.GPU, (0, 0, 1)),
+        ("remove", "p0", Tier.GPU, (0, 0, 1)),
+    ],
+    subset=["p0"],
+)
 @example(  # an orphan store (parent only in another engine's map) leaves the speculation it would confirm
     ops=[
         ("store", "p0", Tier.GPU, (0, 0, 2)),
@@ -539,8 +547,10 @@ def test_match_with_many_engines_sharing_a_pool(ops, subset) -> None:
         elif op == "remove":
             index.apply_batch(engine, [removed(hashes, medium=tier.name)])
         elif op == "speculate":
+            # Keys the engine's own events hold on its GPU get no provisional entry.
+            fresh = {(engine, key) for key in keys if Tier.GPU not in index.holders(key).get(engine, set())}
             index.speculate(engine, keys, ttl_s=1e9, now=0.0)
-            spec |= {(engine, key) for key in keys}
+            spec |= fresh
         else:
             index.apply_batch(engine, [AllBlocksCleared()])
             spec = {(e, key) for e, key in spec if e != engine}
