@@ -132,8 +132,9 @@ class CallCounter:
 
 def install_from_env() -> None:
     """In a process started with ``COUNT_CALLS_DIR``: SIGUSR1 starts counting on the main thread,
-    the next writes the counts to ``DIR/counts-PID-N.json`` (written whole, then renamed), and so
-    on. Also writes ``DIR/started-PID-N`` when a count starts."""
+    the next writes the counts to ``DIR/counts-PID-N.json`` (written whole, then renamed; on the
+    event loop's next turn when one runs, so no callback is cut), and so on. Also writes
+    ``DIR/started-PID-N`` when a count starts."""
     folder = os.environ.get(ENV)
     if not folder:
         return
@@ -148,8 +149,20 @@ def install_from_env() -> None:
             counter.start()
             Path(folder, f"started-{pid}-{state['n']}").touch()
             return
-        counter.stop()
         state["on"] = False
+        # A Python signal handler runs between two bytecodes, so it may stop the count in the
+        # middle of an event-loop callback: the last answer's bytes are out (the client saw its
+        # end and sent the signal) while the callback that wrote them has not yet run its
+        # accounting. Stopping on the loop's next turn counts that callback whole.
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop on this thread: nothing can be cut
+            finish(pid)
+        else:
+            loop.call_soon_threadsafe(finish, pid)
+
+    def finish(pid: int) -> None:
+        counter.stop()
         tmp = Path(folder, f".counts-{pid}-{state['n']}.json")
         tmp.write_text(json.dumps(counter.table()))
         tmp.rename(Path(folder, f"counts-{pid}-{state['n']}.json"))
