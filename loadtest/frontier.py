@@ -100,6 +100,12 @@ class Point:
         return all(r.meets() for r in self.per_seed.values())
 
 
+def _run_key(r: dict[str, Any]) -> tuple[str, str, str, str, int]:
+    """A raw row's (label, storage, policy, scheduling, seed); rows from before engine scheduling
+    was recorded ran on fcfs engines."""
+    return (r["label"], r["storage"], r["policy"], r.get("scheduling", "fcfs"), r["seed"])
+
+
 def load(paths: Iterable[Path]) -> list[dict[str, Any]]:
     """Raw rows, each (cell, policy, scheduling, seed) once (the last file's wins)."""
     rows: dict[tuple[str, str, str, str, int], dict[str, Any]] = {}
@@ -107,7 +113,7 @@ def load(paths: Iterable[Path]) -> list[dict[str, Any]]:
         for line in path.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
-                rows[(r["label"], r["storage"], r["policy"], r.get("scheduling", "fcfs"), r["seed"])] = r
+                rows[_run_key(r)] = r
     return list(rows.values())
 
 
@@ -129,9 +135,8 @@ def _ratios(
 def grouped(rows: Sequence[dict[str, Any]]) -> dict[Cell, dict[Key, dict[int, tuple[float, float, float]]]]:
     out: dict[Cell, dict[Key, dict[int, tuple[float, float, float]]]] = {}
     for r in rows:
-        cell = (r["label"], r["storage"])
-        key = (r["policy"], r.get("scheduling", "fcfs"))
-        out.setdefault(cell, {}).setdefault(key, {})[r["seed"]] = _figures(r)
+        label, storage, policy, scheduling, seed = _run_key(r)
+        out.setdefault((label, storage), {}).setdefault((policy, scheduling), {})[seed] = _figures(r)
     return out
 
 
@@ -271,11 +276,8 @@ def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(("label", "storage", "policy", "scheduling", "seed", *FIGURES))
-        for r in sorted(
-            rows, key=lambda r: (r["label"], r["storage"], r["policy"], r["scheduling"], r["seed"])
-        ):
-            keys = (r["label"], r["storage"], r["policy"], r.get("scheduling", "fcfs"), r["seed"])
-            w.writerow((*keys, *(r.get(k, "") for k in FIGURES)))
+        for r in sorted(rows, key=_run_key):
+            w.writerow((*_run_key(r), *(r.get(k, "") for k in FIGURES)))
 
 
 def plot(pts: Sequence[Point], refs: dict[Cell, Key], path: Path) -> None:
