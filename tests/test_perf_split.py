@@ -1,0 +1,68 @@
+"""tools/perf_split.py: a perf report's shared objects land in the part they belong to, and the
+table turns each share into microseconds per request from the run's router CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("perf_split", REPO / "tools" / "perf_split.py")
+assert _spec is not None and _spec.loader is not None
+perf_split = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(perf_split)
+
+# The shape of `perf report --sort dso -g none --stdio` (perf 6.x), trimmed.
+REPORT = """# To display the perf.data header info, please use --header/--header-only options.
+#
+# Samples: 11K of event 'cpu-clock:ppp'
+# Overhead  Shared Object
+# ........  ....................................
+#
+    60.00%  libpython3.11.so.1.0
+    15.00%  [kernel.kallsyms]
+     5.00%  libc.so.6
+     4.00%  loop.cpython-311-x86_64-linux-gnu.so
+     3.00%  parser.cpython-311-x86_64-linux-gnu.so
+     2.50%  _core.cpython-311-x86_64-linux-gnu.so
+     0.50%  _xxhash.cpython-311-x86_64-linux-gnu.so
+     8.00%  python3.11
+     1.00%  _asyncio.cpython-311-x86_64-linux-gnu.so
+     1.00%  [vdso]
+
+#
+# (Tip: Show individual samples with: perf script)
+"""
+
+
+def test_each_shared_object_lands_in_its_part() -> None:
+    parts = perf_split.split(REPORT)
+    assert parts == {
+        "Python interpreter": 68.0,  # libpython and the python binary itself
+        "kernel": 15.0,
+        "libc": 5.0,
+        "event loop (uvloop)": 4.0,
+        "HTTP parsing (httptools / llhttp)": 3.0,
+        "msgspec": 2.5,
+        "xxhash": 0.5,
+        "other": 2.0,  # _asyncio and the vdso
+    }
+    assert abs(sum(parts.values()) - 100.0) < 1e-9  # header and tip lines are not rows
+
+
+def test_the_table_prices_each_share_in_microseconds_per_request() -> None:
+    parts = perf_split.split(REPORT)
+    text = perf_split.table([("kvroute:round_robin", 1000, 4321.0, 200.0, parts)])
+    row = text.splitlines()[2]
+    assert row.startswith("| kvroute:round_robin | 1000 | 4321 | 200 | 68.0% (136 µs) | 15.0% (30 µs) |")
+
+
+def test_a_bench_row_is_found_by_prompt_and_target() -> None:
+    output = "\n".join(
+        [
+            "| prompt | stream | conc. | target | req/s | x direct | p50 ms | p99 ms | a | b | router CPU µs/req | errors |",
+            "| 1000 | no | 64 | direct | 9000 | - | 5 | 9 | - | - | - | 0 |",
+            "| 1000 | no | 64 | kvroute:round_robin | 4332 | 0.48 | 12 | 20 | 6 | 9 | 208 | 0 |",
+        ]
+    )
+    assert perf_split._bench_row(output, "kvroute:round_robin", 1000) == (4332.0, 208.0)
