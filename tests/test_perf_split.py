@@ -60,7 +60,7 @@ def test_the_table_prices_each_share_in_microseconds_per_request() -> None:
 def test_a_bench_row_is_found_by_prompt_and_target() -> None:
     output = "\n".join(
         [
-            "| prompt | stream | conc. | target | req/s | x direct | p50 ms | p99 ms | a | b | router CPU µs/req | errors |",
+            "| prompt | stream | conc. | target | req/s | x | p50 | p99 | a | b | CPU | errors |",
             "| 1000 | no | 64 | direct | 9000 | - | 5 | 9 | - | - | - | 0 |",
             "| 1000 | no | 64 | kvroute:round_robin | 4332 | 0.48 | 12 | 20 | 6 | 9 | 208 | 0 |",
         ]
