@@ -806,6 +806,11 @@ class PrefixIndex:
                 if expiry != last.expiry:
                     last.expiry = expiry
                     last.written = False
+                if type(keys) is list:
+                    # An equal chain in another list (requests tokenised at once, each hashing
+                    # its own keys): keep the caller's, which the key cache hands out again, so
+                    # the next call is known by identity, not by a compare of every key.
+                    last.keys = keys
                 return
             self._settle(slot)
         # Every key gets the new expiry; a heap entry is pushed only for keys no entry covers yet:
@@ -918,6 +923,8 @@ class PrefixIndex:
         name = (len(keys), keys[-1], wanted) if keys else None
         kept = self._matches.get(name) if name is not None else None
         if kept is not None and (kept[0] is keys or kept[0] == keys):
+            if kept[0] is not keys and type(keys) is list:
+                self._matches[name] = (keys, kept[1])  # known by identity next time (as speculate)
             return dict(kept[1])
         if wanted is None:
             candidates = self._engine_positions

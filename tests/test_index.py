@@ -789,3 +789,42 @@ def test_a_repeated_match_sees_every_change_between_two_identical_requests() -> 
     # A caller changing the returned dict does not change the kept result.
     index.match(list(keys), engines)["a"] = NO_MATCH
     assert index.match(list(keys), engines)["a"] == PrefixMatch(4, (4, 0, 0))
+
+
+class _CountedKey(int):
+    """A block key that counts the value compares it takes part in (a dict still finds it by its
+    int hash and value)."""
+
+    compares = 0
+
+    def __eq__(self, other: object) -> bool:
+        _CountedKey.compares += 1
+        return int(self) == other
+
+    __hash__ = int.__hash__
+
+
+def test_an_equal_chain_in_a_new_list_is_known_by_identity_from_its_second_call() -> None:
+    """Requests tokenised at once each hash their own key list; the key cache then hands out one
+    of them for every later request. ``speculate`` and ``match`` kept the first list they saw and
+    compared every later (equal, distinct) list with it key by key, on every request, forever (a
+    1,000-key compare per request at 16K tokens, found live in B3). They take the caller's list:
+    from its second call a chain costs no compare of its keys."""
+    keys = block_keys(toks(0, 40), 16)
+    first = [_CountedKey(k) for k in keys]
+    later = [_CountedKey(k) for k in keys]  # equal keys, other objects: another request's hashing
+    index = PrefixIndex()
+    index.speculate("a", first, 10.0, 0.0)
+    assert index.match(first, ["a"], now=0.0)["a"].blocks == 40
+    index.speculate("a", later, 10.0, 0.1)  # the same chain: compared once, by value
+    assert index.match(later, ["a"], now=0.1)["a"].blocks == 40
+    _CountedKey.compares = 0
+    for i in range(5):
+        index.speculate("a", later, 10.0, 0.2 + i * 0.01)
+        assert index.match(later, ["a"], now=0.2 + i * 0.01)["a"].blocks == 40
+    # No chain compared key by key (each lookup of the match memo, named by the chain's last key,
+    # may compare that one key).
+    assert _CountedKey.compares < len(keys)
+    # And the chain still expires from its latest refresh.
+    assert index.match(later, ["a"], now=0.24 + 9.999)["a"].blocks == 40
+    assert index.match(later, ["a"], now=0.24 + 10.0) == {"a": NO_MATCH}
