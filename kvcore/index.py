@@ -923,7 +923,7 @@ class PrefixIndex:
         name = (len(keys), keys[-1], wanted) if keys else None
         kept = self._matches.get(name) if name is not None else None
         if kept is not None and (kept[0] is keys or kept[0] == keys):
-            if kept[0] is not keys and type(keys) is list:
+            if kept[0] is not keys and type(keys) is list and name is not None:
                 self._matches[name] = (keys, kept[1])  # known by identity next time (as speculate)
             return dict(kept[1])
         if wanted is None:
