@@ -247,7 +247,8 @@ def test_an_accounting_error_after_the_answer_leaves_it_as_it_went(
             expected = f"failed in {probe.fail} (request probe)"
             probe.request_id = "probe"  # (not for the core's faults: its hooks that run would wait)
         _ask(sock, chat(stream=stream, text="probed"), "probe")
-        status, headers, body = _read(sock)
+        # (read with the probe told: its hook that does not fail waits for the client's bytes)
+        status, headers, body = _read(sock, probe)
         assert status == 200 and headers["x-request-id"] == "probe"
         if stream:
             assert _stream_events(body) == [*engine.events, DONE]

@@ -66,3 +66,18 @@ def test_a_bench_row_is_found_by_prompt_and_target() -> None:
         ]
     )
     assert perf_split._bench_row(output, "kvroute:round_robin", 1000) == (4332.0, 208.0)
+
+
+def test_the_symbols_column_sums_the_matching_symbols() -> None:
+    by_symbol = """# Overhead  Symbol
+    30.00%  [.] _PyEval_EvalFrameDefault
+     5.50%  [.] long_richcompare
+     2.00%  [.] list_richcompare
+     1.00%  [k] tcp_ack
+     0.50%  [.] PyObject_RichCompare
+"""
+    assert perf_split.symbol_share(by_symbol, "richcompare|RichCompare") == 8.0
+    parts = {**perf_split.split(REPORT), "symbols ~ richcompare": 8.0}
+    row = perf_split.table([("fix:tier_cost+tok", 16000, 2700.0, 350.0, parts)]).splitlines()
+    assert row[0].endswith("| other | symbols ~ richcompare |")
+    assert row[2].endswith("| 2.0% (7 µs) | 8.0% (28 µs) |")

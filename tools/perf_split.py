@@ -16,8 +16,10 @@ two zero-delay upstreams, wrk -t1 at ``--concurrency`` connections): it starts o
 per (target, prompt), waits ``--warmup-s``, records the router process (all its threads) for
 ``--seconds`` with ``perf record -F 999``, and prints the split with that run's req/s and router
 CPU per request (both with perf attached: perf's own sampling inflates the CPU a little). The
-shares times the CPU per request give microseconds per request for each part. ``report`` splits a
-``perf report --sort dso -g none --stdio`` text already made. Needs ``perf`` (Debian: linux-perf)
+shares times the CPU per request give microseconds per request for each part. ``--checkout NAME=DIR``
+measures another checkout's router (bench_peers' option; target ``NAME:POLICY``), and ``--symbols
+REGEX`` adds the share of the symbols matching it (e.g. ``richcompare`` for comparisons). ``report``
+splits a ``perf report --sort dso -g none --stdio`` text already made. Needs ``perf`` (Debian: linux-perf)
 and the right to record another process (root, or kernel.perf_event_paranoid <= 1)::
 
     python tools/perf_split.py run --targets raw_proxy,kvroute:round_robin,kvroute:tier_cost+tok \\
@@ -84,19 +86,36 @@ def split(report: str) -> dict[str, float]:
     return {part: parts.get(part, 0.0) for part in PARTS}
 
 
+def symbol_share(report: str, pattern: str) -> float:
+    """Percent of the samples in symbols matching ``pattern`` (a regular expression), from
+    ``perf report --sort sym -g none --stdio`` text (rows ``  1.23%  [.] name``)."""
+    wanted = re.compile(pattern)
+    total = 0.0
+    for line in report.splitlines():
+        match = re.match(r"^\s*(\d+(?:\.\d+)?)%\s+\[.\]\s+(.*\S)\s*$", line)
+        if match is not None and wanted.search(match[2]):
+            total += float(match[1])
+    return total
+
+
 def table(rows: list[tuple[str, int, float, float, dict[str, float]]]) -> str:
-    """Markdown: one row per (target, prompt), each part's share and µs per request."""
-    head = "| target | prompt | req/s (perf on) | router CPU µs/req | " + " | ".join(PARTS) + " |"
-    out = [head, "|" + "---|" * (4 + len(PARTS))]
+    """Markdown: one row per (target, prompt), each part's share and µs per request (and a
+    ``symbols ~ REGEX`` column when the rows have one)."""
+    columns = list(PARTS) + [k for k in (rows[0][4] if rows else {}) if k not in PARTS]
+    head = "| target | prompt | req/s (perf on) | router CPU µs/req | " + " | ".join(columns) + " |"
+    out = [head, "|" + "---|" * (4 + len(columns))]
     for target, prompt, rps, cpu_us, parts in rows:
-        cells = [f"{parts[p]:.1f}% ({parts[p] * cpu_us / 100:.0f} µs)" for p in PARTS]
+        cells = [f"{parts[p]:.1f}% ({parts[p] * cpu_us / 100:.0f} µs)" for p in columns]
         out.append(f"| {target} | {prompt} | {rps:.0f} | {cpu_us:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
-def _router_pid(spec: str, after: set[int], deadline: float) -> int:
-    """The pid of the process B3 started for ``spec`` (a process started after ``after`` was taken)."""
+def _router_pid(spec: str, after: set[int], deadline: float, checkouts: frozenset[str] = frozenset()) -> int:
+    """The pid of the process B3 started for ``spec`` (a process started after ``after`` was taken;
+    a ``NAME:`` of ``checkouts`` is a kvroute checkout)."""
     kind, _, rest = spec.partition(":")
+    if kind in checkouts:
+        kind = "kvroute"
     policy = re.sub(r"(\+tok|\+cb|\+defer|\+nodefer|x\d+)+$", "", rest)
     wanted = {
         "kvroute": ["router.cli", "serve", f"--policy {policy}"],
@@ -162,10 +181,13 @@ def run(args: argparse.Namespace) -> int:
             ]  # fmt: skip
             if args.peers_dir:
                 cmd += ["--peers-dir", str(args.peers_dir)]
+            for checkout in args.checkout:
+                cmd += ["--checkout", checkout]
             with tempfile.TemporaryDirectory(prefix="kvroute-perf-") as tmp:
                 bench = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                 try:
-                    pid = _router_pid(spec, before, time.monotonic() + 120)
+                    names = frozenset(c.split("=", 1)[0] for c in args.checkout)
+                    pid = _router_pid(spec, before, time.monotonic() + 120, names)
                     # bench_peers loads the router once it answers: wait for that wrk (not direct's).
                     deadline = time.monotonic() + 120
                     while not _wrk_after(_start_ticks(pid)):
@@ -183,13 +205,23 @@ def run(args: argparse.Namespace) -> int:
                         [perf, "report", "-i", str(data), "--sort", "dso", "-g", "none", "--stdio"],
                         check=True, capture_output=True, text=True,
                     ).stdout  # fmt: skip
+                    symbols = 0.0
+                    if args.symbols:
+                        by_symbol = subprocess.run(
+                            [perf, "report", "-i", str(data), "--sort", "sym", "-g", "none", "--stdio"],
+                            check=True, capture_output=True, text=True,
+                        ).stdout  # fmt: skip
+                        symbols = symbol_share(by_symbol, args.symbols)
                     output, _ = bench.communicate(timeout=300)
                 finally:
                     if bench.poll() is None:
                         bench.kill()
                         bench.wait()
             rps, cpu_us = _bench_row(output.decode(errors="replace"), spec, prompt)
-            rows.append((spec, prompt, rps, cpu_us, split(report)))
+            parts = split(report)
+            if args.symbols:
+                parts[f"symbols ~ {args.symbols}"] = symbols
+            rows.append((spec, prompt, rps, cpu_us, parts))
             note = f"  {spec} {prompt} tokens: {rps:.0f} req/s, {cpu_us:.0f} µs/req"
             print(note, file=sys.stderr, flush=True)
     print(table(rows))
@@ -206,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--warmup-s", type=float, default=2.0)
     r.add_argument("--seconds", type=float, default=6.0)
     r.add_argument("--peers-dir", type=Path, default=None)
+    r.add_argument("--checkout", action="append", default=[], help="NAME=DIR, passed to bench_peers")
+    r.add_argument("--symbols", default="", help="also the share of symbols matching this regex")
     p = sub.add_parser("report", help="split a perf report --sort dso -g none --stdio text")
     p.add_argument("report", type=Path)
     args = parser.parse_args(argv)
