@@ -102,7 +102,8 @@ def table(rows: list[tuple[str, int, float, float, dict[str, float]]]) -> str:
     """Markdown: one row per (target, prompt), each part's share and µs per request (and a
     ``symbols ~ REGEX`` column when the rows have one)."""
     columns = list(PARTS) + [k for k in (rows[0][4] if rows else {}) if k not in PARTS]
-    head = "| target | prompt | req/s (perf on) | router CPU µs/req | " + " | ".join(columns) + " |"
+    names = [c.replace("|", "\\|") for c in columns]  # (a regex's | would end the cell)
+    head = "| target | prompt | req/s (perf on) | router CPU µs/req | " + " | ".join(names) + " |"
     out = [head, "|" + "---|" * (4 + len(columns))]
     for target, prompt, rps, cpu_us, parts in rows:
         cells = [f"{parts[p]:.1f}% ({parts[p] * cpu_us / 100:.0f} µs)" for p in columns]
