@@ -376,6 +376,19 @@ def compare(
     return out
 
 
+def by_file(table: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    """Frames and bytecodes per request summed per source file (a ``code_name``'s path; C calls,
+    which have no bytecodes, left out)."""
+    out: dict[str, tuple[float, float]] = {}
+    for name, (f, o) in table.items():
+        if name.startswith("C:"):
+            continue
+        path = name.split(":", 1)[0]
+        frames, ops = out.get(path, (0.0, 0.0))
+        out[path] = (frames + f, ops + o)
+    return out
+
+
 def top_rows(table: dict[str, tuple[float, float]], top: int) -> list[str]:
     out = ["| function or part | frames/req | bytecodes/req |", "|---|---|---|"]
     for name, (f, o) in sorted(table.items(), key=lambda kv: -kv[1][1])[:top]:
@@ -395,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--per-connection", type=int, default=20, help="requests counted per connection")
     parser.add_argument("--split-requests", type=int, default=2000)
     parser.add_argument("--top", type=int, default=40, help="functions listed per target")
+    parser.add_argument("--files", type=int, default=0, help="also the N source files with most bytecodes")
     parser.add_argument("--json", type=Path, default=None, help="also write every count here")
     parser.add_argument(
         "--stream",
@@ -445,6 +459,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             details += top_rows(parts(live), len(PARTS) + 1)
             details += ["", f"{spec}, live, c{args.concurrency}, {n} requests: top functions", ""]
             details += top_rows(live, args.top)
+            if args.files:
+                details += ["", f"{spec}, live, c{args.concurrency}, {n} requests: by source file", ""]
+                details += top_rows(by_file(live), args.files)
             # The split: non-stream answers, the task path (bench_split has no stream, no callbacks).
             if spec.startswith("kvroute:") and not events and not spec.endswith("+cb"):
                 target = spec.split(":", 1)[1]

@@ -15,7 +15,15 @@ import pytest
 
 from loadtest import bench_split
 from loadtest.bench_peers import FAST_MODEL, chat_body, zero_delay_engines
-from loadtest.count_calls import CallCounter, count_live, count_split, exact_load, part_of, per_request
+from loadtest.count_calls import (
+    CallCounter,
+    by_file,
+    count_live,
+    count_split,
+    exact_load,
+    part_of,
+    per_request,
+)
 
 
 def _straight(a: int, b: int) -> int:
@@ -48,6 +56,16 @@ def test_functions_are_put_in_their_part() -> None:
     assert part_of("kvcore/core.py:145:_change").startswith("kvroute's own work")
     assert part_of("stdlib/asyncio/events.py:80:_run").startswith("asyncio")
     assert part_of("stdlib/_weakrefset.py:85:add").startswith("other")
+
+
+def test_functions_are_summed_per_source_file() -> None:
+    table = {
+        "router/routing.py:570:serve": (2.0, 98.0),
+        "router/routing.py:737:_forward": (2.0, 179.0),
+        "kvcore/core.py:151:_change": (2.0, 100.0),
+        "C:builtins.len": (32.0, 0.0),  # a C call: no bytecodes, no file
+    }
+    assert by_file(table) == {"router/routing.py": (4.0, 277.0), "kvcore/core.py": (2.0, 100.0)}
 
 
 def test_evict_specs_are_checked() -> None:
