@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadtest.bench_peers import Target
+
 REPO = Path(__file__).resolve().parents[1]
 PARTS = (
     "Python interpreter",
@@ -111,17 +113,14 @@ def table(rows: list[tuple[str, int, float, float, dict[str, float]]]) -> str:
     return "\n".join(out)
 
 
-def _router_pid(spec: str, after: set[int], deadline: float, checkouts: frozenset[str] = frozenset()) -> int:
+def _router_pid(spec: str, after: set[int], deadline: float, checkouts: dict[str, str]) -> int:
     """The pid of the process B3 started for ``spec`` (a process started after ``after`` was taken;
-    a ``NAME:`` of ``checkouts`` is a kvroute checkout)."""
-    kind, _, rest = spec.partition(":")
-    if kind in checkouts:
-        kind = "kvroute"
-    policy = re.sub(r"(\+tok|\+cb|\+defer|\+nodefer|x\d+)+$", "", rest)
+    ``checkouts``: bench_peers' ``--checkout`` NAME -> DIR)."""
+    target = Target.parse(spec, checkouts)  # bench_peers' own reading of the spec
     wanted = {
-        "kvroute": ["router.cli", "serve", f"--policy {policy}"],
+        "kvroute": ["router.cli", "serve", f"--policy {target.policy}"],
         "raw_proxy": ["loadtest.bench_proxy", "_raw_proxy"],
-    }.get(kind, [kind])
+    }.get(target.kind, [target.kind])
     while time.monotonic() < deadline:
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit() or int(entry.name) in after:
@@ -171,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
     if perf is None:
         print("perf_split: perf is not installed (Debian: linux-perf)", file=sys.stderr)
         return 2
+    checkouts = dict(c.split("=", 1) for c in args.checkout)
     rows = []
     for prompt in [int(p) for p in args.prompt_tokens.split(",") if p]:
         for spec in [t for t in args.targets.split(",") if t]:
@@ -187,8 +187,7 @@ def run(args: argparse.Namespace) -> int:
             with tempfile.TemporaryDirectory(prefix="kvroute-perf-") as tmp:
                 bench = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                 try:
-                    names = frozenset(c.split("=", 1)[0] for c in args.checkout)
-                    pid = _router_pid(spec, before, time.monotonic() + 120, names)
+                    pid = _router_pid(spec, before, time.monotonic() + 120, checkouts)
                     # bench_peers loads the router once it answers: wait for that wrk (not direct's).
                     deadline = time.monotonic() + 120
                     while not _wrk_after(_start_ticks(pid)):
