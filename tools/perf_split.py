@@ -18,7 +18,8 @@ per (target, prompt), waits ``--warmup-s``, records the router process (all its 
 CPU per request (both with perf attached: perf's own sampling inflates the CPU a little). The
 shares times the CPU per request give microseconds per request for each part. ``--checkout NAME=DIR``
 measures another checkout's router (bench_peers' option; target ``NAME:POLICY``), and ``--symbols
-REGEX`` adds the share of the symbols matching it (e.g. ``richcompare`` for comparisons). ``report``
+REGEX`` adds the share of the symbols matching it (e.g. ``richcompare`` for comparisons); ``--keep
+DIR`` keeps each recording for other reports (``perf report -i FILE --sort sym``). ``report``
 splits a ``perf report --sort dso -g none --stdio`` text already made. Needs ``perf`` (Debian: linux-perf)
 and the right to record another process (root, or kernel.perf_event_paranoid <= 1)::
 
@@ -212,6 +213,10 @@ def run(args: argparse.Namespace) -> int:
                             check=True, capture_output=True, text=True,
                         ).stdout  # fmt: skip
                         symbols = symbol_share(by_symbol, args.symbols)
+                    if args.keep:
+                        args.keep.mkdir(parents=True, exist_ok=True)
+                        name = re.sub(r"[^A-Za-z0-9_.+-]", "_", f"{spec}-{prompt}") + ".perf.data"
+                        shutil.copyfile(data, args.keep / name)
                     output, _ = bench.communicate(timeout=300)
                 finally:
                     if bench.poll() is None:
@@ -240,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--peers-dir", type=Path, default=None)
     r.add_argument("--checkout", action="append", default=[], help="NAME=DIR, passed to bench_peers")
     r.add_argument("--symbols", default="", help="also the share of symbols matching this regex")
+    r.add_argument(
+        "--keep", type=Path, default=None, help="also keep each perf.data here (TARGET-PROMPT.perf.data)"
+    )
     p = sub.add_parser("report", help="split a perf report --sort dso -g none --stdio text")
     p.add_argument("report", type=Path)
     args = parser.parse_args(argv)
