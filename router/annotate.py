@@ -193,7 +193,7 @@ class IndexAnnotator:
                 # work. The list is kept by reference (key cache) and never changed: a repeat may
                 # get it back.
                 messages = ctx.body["messages"]
-                names = PromptNames.of(messages)
+                names = PromptNames.of(messages, ctx.start_prefixes)
                 tokens = await self._tokenizer.chat_tokens(messages, model=request.model, names=names)
             else:
                 tokens = self._completion_ids(ctx.body)

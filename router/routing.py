@@ -66,6 +66,7 @@ from router.proxy import (
     UpstreamResponse,
     encode_headers,
 )
+from router.tokenize import prefix_hashes
 
 log = logging.getLogger("kvroute.router")
 
@@ -156,6 +157,9 @@ class RouteContext:
     prompt_token_ids: list[int] | None = None
     #: vLLM ``priority`` the router sent (a priority engine's shortest-work-first level); None = none.
     priority: int | None = None
+    #: The conversation start's message-prefix hashes when the session key was made from them
+    #: (``session_key_and_start``): the prompt names go on from them. Empty otherwise.
+    start_prefixes: Sequence[int] = ()
 
     @property
     def ttft_s(self) -> float | None:
@@ -303,31 +307,45 @@ def conversation_start(messages: Sequence[Any]) -> list[Any]:
 def session_key_of(endpoint: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> str:
     """x-session-id header, else the body's ``user``, else a hash of how the conversation starts:
     for chat the messages up to the first user message plus ``tools`` when present."""
+    return session_key_and_start(endpoint, body, headers)[0]
+
+
+def session_key_and_start(
+    endpoint: str, body: Mapping[str, Any], headers: Mapping[str, str]
+) -> tuple[str, Sequence[int]]:
+    """(``session_key_of``, the conversation start's message-prefix hashes when the key was made
+    from them: ``router.tokenize.prefix_hashes`` of the chat's messages up to the first user
+    message, which the annotator's prompt names go on from instead of encoding and hashing those
+    messages again - a 16K-token first message once, not twice; else ())."""
     header = headers.get("x-session-id")
     if header:
-        return header
+        return header, ()
     user = body.get("user")
     if isinstance(user, str) and user:
-        return user
+        return user, ()
     if endpoint == CHAT:
         start: Any = conversation_start(body["messages"])
         tools = body.get("tools")
-        if tools:
-            start = [start, tools]
-    else:
-        prompt = body["prompt"]
-        # The start of the prompt: later turns resend (and extend) the same text.
-        start = prompt[:256] if isinstance(prompt, str | list) else prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            start = prompt[0][:256]
-    # MessagePack, not JSON: a 16K-token first message is copied, not scanned for escapes (5 µs
-    # against 50); the key only has to be stable, and it names the same things. JSON takes what
-    # MessagePack cannot hold (an integer beyond 64 bits, which a valid JSON body may carry).
+        try:
+            # MessagePack, not JSON: a 16K-token first message is copied, not scanned for escapes
+            # (5 µs against 50); the key only has to be stable, and it names the same things.
+            prefixes = prefix_hashes(start)
+            key = prefixes[-1]
+            if tools:
+                key = xxhash.xxh3_64_intdigest(_encode_msgpack(tools), key)
+            return f"h{key:016x}", prefixes
+        except OverflowError:  # JSON takes what MessagePack cannot hold (an integer beyond 64 bits)
+            return "h" + xxhash.xxh3_64_hexdigest(_encode_json([start, tools] if tools else start)), ()
+    prompt = body["prompt"]
+    # The start of the prompt: later turns resend (and extend) the same text.
+    start = prompt[:256] if isinstance(prompt, str | list) else prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        start = prompt[0][:256]
     try:
         encoded = _encode_msgpack(start)
     except OverflowError:
         encoded = _encode_json(start)
-    return "h" + xxhash.xxh3_64_hexdigest(encoded)
+    return "h" + xxhash.xxh3_64_hexdigest(encoded), ()
 
 
 def parse_request(
@@ -366,10 +384,11 @@ def parse_request(
         _validate_prompt(body["prompt"])
     _TYPED.check(body)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    session_key, start_prefixes = session_key_and_start(endpoint, body, headers)
     route_request = RouteRequest(
         request_id=request_id,
         model=model,
-        session_key=session_key_of(endpoint, body, headers),
+        session_key=session_key,
         prompt_tokens=_prompt_token_estimate(endpoint, body, config.tokenizer.chars_per_token),
         expected_output_tokens=max_tokens or config.limits.default_output_tokens,
     )
@@ -382,6 +401,7 @@ def parse_request(
         route_request=route_request,
         started_s=started_s,
         forced_arm=headers.get(FORCED_ARM_HEADER) or "",
+        start_prefixes=start_prefixes,
     )
 
 

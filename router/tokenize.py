@@ -32,13 +32,16 @@ _TOKEN_BYTES = 36
 _ENTRY_OVERHEAD_BYTES = 200  # dict slot, key int, tuple/list headers
 
 
-def prefix_hashes(messages: Messages) -> list[int]:
+def prefix_hashes(messages: Messages, known: Sequence[int] = ()) -> list[int]:
     """Rolling hash of every message prefix: ``out[i]`` identifies ``messages[: i + 1]`` (each
     message's MessagePack hashed with the hash of the messages before it as the seed: no copy of
-    a long message is made to chain it)."""
-    out = []
-    h = 0
-    for msg in messages:
+    a long message is made to chain it). ``known``: this function's hashes of the first
+    ``len(known)`` messages, already computed (the conversation start's, for the session key):
+    only the messages after them are encoded and hashed. OverflowError for an integer MessagePack
+    cannot hold (beyond 64 bits)."""
+    out = list(known)
+    h = out[-1] if out else 0
+    for msg in messages[len(out) :] if out else messages:
         h = _xxh3(_encode_msg(msg if type(msg) is dict else dict(msg)), h)
         out.append(h)
     return out
@@ -169,8 +172,10 @@ class PromptNames(NamedTuple):
     last_content: bytes
 
     @classmethod
-    def of(cls, messages: Messages) -> PromptNames:
-        prefixes = prefix_hashes(messages)
+    def of(cls, messages: Messages, known: Sequence[int] = ()) -> PromptNames:
+        """The names of ``messages``; ``known``: ``prefix_hashes`` of its first messages, already
+        computed (``prefix_hashes``' ``known``)."""
+        prefixes = prefix_hashes(messages, known)
         if not prefixes:
             return cls(prefixes, _NO_CUTS, b"")
         cuts, data = content_cuts(prefixes[-2] if len(prefixes) > 1 else 0, messages[-1])

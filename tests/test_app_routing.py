@@ -217,3 +217,37 @@ def test_fleet_views_are_rebuilt_after_every_change_of_what_a_view_reads() -> No
     assert [v.healthy for v in half_open] == [True, True]
     tracker.claim_trial("a")  # the one trial is out: the others keep away
     assert [v.healthy for v in same_as_fresh()] == [False, True]
+
+
+def test_the_prompt_names_go_on_from_the_session_keys_hashes_without_encoding_the_start_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chat keyed by how it starts hands the start's message-prefix hashes to the prompt names:
+    each message is encoded once per request (a 16K-token first message was encoded twice), and the
+    names are those computed from scratch. A key from a header or ``user`` hands none over."""
+    import router.tokenize as tokenize
+
+    messages = [
+        {"role": "system", "content": "s" * 10_000},
+        {"role": "user", "content": "q" * 10_000},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "q2"},
+    ]
+    from_scratch = tokenize.PromptNames.of(messages)
+    encoded: list[object] = []
+    real = tokenize._encode_msg
+    monkeypatch.setattr(tokenize, "_encode_msg", lambda msg: encoded.append(msg) or real(msg))
+    ctx = parse(CHAT, {"model": "m", "messages": messages})
+    assert list(ctx.start_prefixes) == from_scratch.prefixes[:2]  # up to the first user message
+    assert ctx.route_request.session_key == f"h{from_scratch.prefixes[1]:016x}"
+    names = tokenize.PromptNames.of(ctx.body["messages"], ctx.start_prefixes)
+    assert names == from_scratch
+    assert len(encoded) == len(messages)  # each message once: two by the key, two by the names
+    # A later turn keeps the key; a header key hands no hashes over (the names compute them all).
+    later = parse(CHAT, {"model": "m", "messages": [*messages, {"role": "assistant", "content": "b"}]})
+    assert later.route_request.session_key == ctx.route_request.session_key
+    assert parse(CHAT, {"model": "m", "messages": messages}, {"x-session-id": "s1"}).start_prefixes == ()
+    # With tools the key also names them; the hashes handed over are still the messages' own.
+    tooled = parse(CHAT, {"model": "m", "messages": messages, "tools": [{"type": "function"}]})
+    assert tooled.route_request.session_key != ctx.route_request.session_key
+    assert list(tooled.start_prefixes) == from_scratch.prefixes[:2]
