@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("perf_split", REPO / "tools" / "perf_split.py")
 assert _spec is not None and _spec.loader is not None
@@ -58,14 +60,18 @@ def test_the_table_prices_each_share_in_microseconds_per_request() -> None:
 
 
 def test_a_bench_row_is_found_by_prompt_and_target() -> None:
-    output = "\n".join(
-        [
-            "| prompt | stream | conc. | target | req/s | x | p50 | p99 | a | b | CPU | errors |",
-            "| 1000 | no | 64 | direct | 9000 | - | 5 | 9 | - | - | - | 0 |",
-            "| 1000 | no | 64 | kvroute:round_robin | 4332 | 0.48 | 12 | 20 | 6 | 9 | 208 | 0 |",
+    """The row of bench_peers' b3.json with the target and the prompt, not another prompt's."""
+    b3 = {
+        "rows": [
+            {"target": "direct", "prompt": 1000, "rps": 9000.0, "cpu_us_per_req": float("nan")},
+            {"target": "kvroute:round_robin", "prompt": 16000, "rps": 2500.0, "cpu_us_per_req": 300.0},
+            {"target": "kvroute:round_robin", "prompt": 1000, "rps": 4332.0, "cpu_us_per_req": 208.0},
         ]
-    )
-    assert perf_split._bench_row(output, "kvroute:round_robin", 1000) == (4332.0, 208.0)
+    }
+    assert perf_split._bench_row(b3, "kvroute:round_robin", 1000) == (4332.0, 208.0)
+    assert perf_split._bench_row(b3, "kvroute:round_robin", 16000) == (2500.0, 300.0)
+    with pytest.raises(RuntimeError, match="no row"):
+        perf_split._bench_row(b3, "kvroute:tier_cost", 1000)
 
 
 def test_the_symbols_column_sums_the_matching_symbols() -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import shutil
@@ -40,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from loadtest.bench_peers import Target
 
@@ -157,13 +159,12 @@ def _wrk_after(ticks: int) -> bool:
     return False
 
 
-def _bench_row(output: str, spec: str, prompt: int) -> tuple[float, float]:
-    """(req/s, router CPU µs/req) of ``spec``'s row in bench_peers' printed table."""
-    for line in output.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 11 and cells[0] == str(prompt) and cells[3] == spec:
-            return float(cells[4].split()[0]), float(cells[10])
-    raise RuntimeError(f"{spec}: no row for {prompt} tokens in bench_peers' output:\n{output[-2000:]}")
+def _bench_row(b3: dict[str, Any], spec: str, prompt: int) -> tuple[float, float]:
+    """(req/s, router CPU µs/req) of ``spec``'s row at ``prompt`` tokens in bench_peers' ``b3.json``."""
+    for row in b3["rows"]:
+        if row["target"] == spec and row["prompt"] == prompt:
+            return float(row["rps"]), float(row["cpu_us_per_req"])
+    raise RuntimeError(f"{spec}: no row for {prompt} tokens in bench_peers' b3.json")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -186,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             for checkout in args.checkout:
                 cmd += ["--checkout", checkout]
             with tempfile.TemporaryDirectory(prefix="kvroute-perf-") as tmp:
+                cmd += ["--out", tmp]
                 bench = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                 try:
                     pid = _router_pid(spec, before, time.monotonic() + 120, checkouts)
@@ -218,11 +220,14 @@ def run(args: argparse.Namespace) -> int:
                         name = re.sub(r"[^A-Za-z0-9_.+-]", "_", f"{spec}-{prompt}") + ".perf.data"
                         shutil.copyfile(data, args.keep / name)
                     output, _ = bench.communicate(timeout=300)
+                    if bench.returncode != 0:
+                        tail = output.decode(errors="replace")[-2000:]
+                        raise RuntimeError(f"{spec}: bench_peers failed:\n{tail}")
+                    rps, cpu_us = _bench_row(json.loads(Path(tmp, "b3.json").read_text()), spec, prompt)
                 finally:
                     if bench.poll() is None:
                         bench.kill()
                         bench.wait()
-            rps, cpu_us = _bench_row(output.decode(errors="replace"), spec, prompt)
             parts = split(report)
             if args.symbols:
                 parts[f"symbols ~ {args.symbols}"] = symbols
