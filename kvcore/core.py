@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
+import msgspec
 from sortedcontainers import SortedList
 
 from kvcore.calibration import CostModel
@@ -75,8 +76,7 @@ log = logging.getLogger("kvroute.core")
 # ----------------------------------------------------------------------------- load ledger
 
 
-@dataclass(slots=True)
-class LoadTicket:
+class LoadTicket(msgspec.Struct):
     """One request's share of an engine's load; ledger methods on it are idempotent."""
 
     engine_id: str
@@ -254,8 +254,7 @@ class InMemoryLoadLedger:
 # ----------------------------------------------------------------------------- reservations
 
 
-@dataclass(slots=True)
-class Reservation:
+class Reservation(msgspec.Struct):
     """A routed request between ``reserve`` and ``on_finished`` (owned by the caller)."""
 
     request: RouteRequest
@@ -769,10 +768,8 @@ class SequenceLedger:
         return max(0.0, finishes[-1][0] - now) if finishes else 0.0
 
 
-@dataclass(slots=True)
-class Outcome:
-    """How a request ended, as the engine reported it (not frozen: one is built per request, and
-    a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``)."""
+class Outcome(msgspec.Struct):
+    """How a request ended, as the engine reported it."""
 
     ok: bool
     #: usage.prompt_tokens_details.cached_tokens (None when the engine did not report usage).

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
+import msgspec
 import xxhash
 
 
@@ -91,8 +92,10 @@ class EngineView:
     queued_ahead: Callable[[Any], float] | None = None
 
 
-@dataclass(slots=True)
-class RouteRequest:
+# RouteRequest and FleetView, and the router's other objects built once per request (RouteContext;
+# kvcore.core's LoadTicket, Reservation and Outcome), are msgspec Structs rather than dataclasses:
+# their __init__ runs in C (a slotted dataclass's runs ~30 bytecodes each; 2.4% of a request's).
+class RouteRequest(msgspec.Struct):
     """One request to place."""
 
     request_id: str
@@ -109,11 +112,10 @@ class RouteRequest:
     expected_output_tokens: int = 0
     #: Per engine id: what the index says that engine holds of ``block_keys``. Filled by the router
     #: before ``choose`` when the policy has ``uses_index``; missing engines hold nothing.
-    prefix_matches: Mapping[str, PrefixMatch] = field(default_factory=dict)
+    prefix_matches: Mapping[str, PrefixMatch] = msgspec.field(default_factory=dict)
 
 
-@dataclass(slots=True)
-class FleetView:
+class FleetView(msgspec.Struct):
     """The candidate engines for a request (already filtered to healthy ones serving the model)."""
 
     engines: Sequence[EngineView]

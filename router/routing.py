@@ -36,7 +36,6 @@ import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
@@ -117,8 +116,7 @@ def experiment_arms(config: RouterConfig) -> list[dict[str, Any]]:
     return [{"name": "default", "policy": config.policy.name, "params": dict(config.policy.params)}]
 
 
-@dataclass(slots=True)
-class RouteContext:
+class RouteContext(msgspec.Struct):
     """Everything known about one request on its way through the router (observers read it)."""
 
     request_id: str
@@ -135,7 +133,7 @@ class RouteContext:
     #: Engine that served (or last tried) the request; "" before routing.
     engine_id: str = ""
     #: Engine ids tried in order (2 when the first refused the connection).
-    attempts: list[str] = field(default_factory=list)
+    attempts: list[str] = msgspec.field(default_factory=list)
     #: When the request was handed to the engine (the last attempt's send).
     sent_s: float | None = None
     #: First streamed event from the engine; None for non-stream answers (no token is seen).
