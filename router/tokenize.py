@@ -175,7 +175,8 @@ class PromptNames(NamedTuple):
     def of(cls, messages: Messages, known: Sequence[int] = ()) -> PromptNames:
         """The names of ``messages``; ``known``: ``prefix_hashes`` of its first messages, already
         computed (``prefix_hashes``' ``known``)."""
-        prefixes = prefix_hashes(messages, known)
+        # (A first turn's names are all known: the session key's.)
+        prefixes = list(known) if len(known) == len(messages) else prefix_hashes(messages, known)
         if not prefixes:
             return cls(prefixes, _NO_CUTS, b"")
         cuts, data = content_cuts(prefixes[-2] if len(prefixes) > 1 else 0, messages[-1])
