@@ -185,7 +185,7 @@ def points(rows: Sequence[dict[str, Any]]) -> tuple[dict[Cell, Key], list[Point]
                     {s: _ratios(by_seed[s], ref[s], same[s]) for s in seeds},
                 )
             )
-    out.sort(key=lambda p: (p.cell, p.policy, p.stretch, p.bound_s))
+    out.sort(key=lambda p: (p.cell, p.policy, p.stretch, p.bound_s, p.scheduling))
     return refs, out
 
 
@@ -196,6 +196,13 @@ def near(pts: Sequence[Point], seed: int, slack: float = NEAR) -> list[Point]:
 
 def _fmt_h(h: float) -> str:
     return "inf" if math.isinf(h) else f"{h:g}"
+
+
+def _beyond_bound(scheduling: str) -> str:
+    """What a scheduling spec sets past its S:H (the relative bound K, the priced wait, ...), shown
+    after H so that points differing only there are told apart: "" when nothing."""
+    rest = scheduling.split(":")[3:]
+    return f" (+ :{':'.join(rest)})" if rest else ""
 
 
 def markdown(rows: Sequence[dict[str, Any]], refs: dict[Cell, Key], pts: Sequence[Point]) -> str:
@@ -220,7 +227,7 @@ def markdown(rows: Sequence[dict[str, Any]], refs: dict[Cell, Key], pts: Sequenc
             cand = p.policy != BASELINE
             few = "" if len(p.seeds) >= SEEDS else f" ({len(p.seeds)} seed{'s' if len(p.seeds) > 1 else ''})"
             out.append(
-                f"| {p.policy} | {p.stretch:g} | {_fmt_h(p.bound_s)} | {len(p.seeds)}"
+                f"| {p.policy} | {p.stretch:g} | {_fmt_h(p.bound_s)}{_beyond_bound(p.scheduling)} | {len(p.seeds)}"
                 f" | {p.medians[0]:.3f} / {p.medians[1]:.2f} / {p.medians[2]:.1f}"
                 f" | {m.g_ref:.2f}x | {m.g_same:.2f}x | {m.r99:.2f} | {m.rmax:.2f}"
                 f" | {w.g_ref:.2f}x, {w.g_same:.2f}x, {w.r99:.2f}, {w.rmax:.2f}"

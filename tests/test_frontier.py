@@ -140,3 +140,17 @@ def test_shape_reads_medians_along_the_stretch_in_order() -> None:
     (line,) = [ln for ln in frontier.shape(pts).splitlines() if "| tier_cost | S = 5, 20 |" in ln]
     # p50 medians 2.1 at S 5, then 2.8 at S 20: up; p99 50 then 55: up; the max 50 then 50: flat
     assert "| 2.1 / 2.8 |" in line and line.endswith("| up, up, flat |")
+
+
+def test_points_differing_past_the_bound_are_told_apart_in_the_table() -> None:
+    # catches a table that shows only S and H (round q19: three relative bounds K printed as three
+    # identical-looking rows) and a same-order baseline matched on S:H instead of the whole spec
+    rows = fleet()
+    for seed in (100, 101, 102):
+        rows.append(row("kv_fixed_credit", "priority:20:inf:2", seed, 3.0, 58.0, 70.0))
+        rows.append(row("tier_cost", "priority:20:inf:2", seed, 2.9, 55.0, 50.0))
+    refs, pts = frontier.points(rows)
+    bounded = the(pts, "tier_cost", "priority:20:inf:2")
+    assert bounded.on_medians.g_same == pytest.approx(3.0 / 2.9)  # not 3.3 / 2.9 (the S:H-only match)
+    lines = [line for line in frontier.markdown(rows, refs, pts).splitlines() if line.startswith("| tier_cost")]
+    assert [line.split(" | ")[2] for line in lines] == ["inf", "inf (+ :2)"]
