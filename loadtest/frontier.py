@@ -227,7 +227,8 @@ def markdown(rows: Sequence[dict[str, Any]], refs: dict[Cell, Key], pts: Sequenc
             cand = p.policy != BASELINE
             few = "" if len(p.seeds) >= SEEDS else f" ({len(p.seeds)} seed{'s' if len(p.seeds) > 1 else ''})"
             out.append(
-                f"| {p.policy} | {p.stretch:g} | {_fmt_h(p.bound_s)}{_beyond_bound(p.scheduling)} | {len(p.seeds)}"
+                f"| {p.policy} | {p.stretch:g} | {_fmt_h(p.bound_s)}{_beyond_bound(p.scheduling)}"
+                f" | {len(p.seeds)}"
                 f" | {p.medians[0]:.3f} / {p.medians[1]:.2f} / {p.medians[2]:.1f}"
                 f" | {m.g_ref:.2f}x | {m.g_same:.2f}x | {m.r99:.2f} | {m.rmax:.2f}"
                 f" | {w.g_ref:.2f}x, {w.g_same:.2f}x, {w.r99:.2f}, {w.rmax:.2f}"

@@ -152,5 +152,7 @@ def test_points_differing_past_the_bound_are_told_apart_in_the_table() -> None:
     refs, pts = frontier.points(rows)
     bounded = the(pts, "tier_cost", "priority:20:inf:2")
     assert bounded.on_medians.g_same == pytest.approx(3.0 / 2.9)  # not 3.3 / 2.9 (the S:H-only match)
-    lines = [line for line in frontier.markdown(rows, refs, pts).splitlines() if line.startswith("| tier_cost")]
+    lines = [
+        line for line in frontier.markdown(rows, refs, pts).splitlines() if line.startswith("| tier_cost")
+    ]
     assert [line.split(" | ")[2] for line in lines] == ["inf", "inf (+ :2)"]
