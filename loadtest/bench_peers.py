@@ -3,7 +3,7 @@
 
 The peers are installed by this script, each into its OWN virtual environment under ``--peers-dir``
 (never into the project's dependencies). Per repeat every target is measured at every concurrency,
-stream mode and prompt size; "added" latency and the req/s ratio are taken against `direct` in the
+stream mode and prompt size, the targets' order rotated by one place a repeat (``repeat_order``); "added" latency and the req/s ratio are taken against `direct` in the
 same repeat, then the median over repeats is reported. Writes ``b3.md``, ``b3.json`` and PNGs into
 ``--out``.
 
@@ -422,11 +422,20 @@ def zero_delay_engines(kind: str, n: int, workdir: Path) -> Iterator[list[Any]]:
             stop_process(proc)
 
 
+def repeat_order(targets: Sequence[Target], repeat: int) -> list[Target]:
+    """The targets in the order repeat ``repeat`` runs them: rotated by one place a repeat, so that
+    over as many repeats as targets each target runs once in every place. In a fixed order a drift
+    within a repeat (the upstreams' state, the host's clock or caches after a given neighbour) would
+    land on the same target every time and bias a pair of targets compared repeat by repeat."""
+    shift = repeat % len(targets) if targets else 0
+    return [*targets[shift:], *targets[:shift]]
+
+
 def run_matrix(m: Matrix, peers_dir: Path, workdir: Path) -> list[dict[str, Any]]:
     points: list[dict[str, Any]] = []
     with zero_delay_engines(m.engine_kind, m.engines, workdir) as engines:
         for repeat in range(m.repeats):
-            for target in m.targets:
+            for target in repeat_order(m.targets, repeat):
                 if target.spec in m.unavailable:
                     continue
                 try:

@@ -132,6 +132,22 @@ def test_bench_peers_targets_name_the_callback_path() -> None:
     assert (off.policy, off.tokenizer, off.defer_accounting, off.workers) == ("round_robin", True, False, 2)
 
 
+def test_bench_peers_rotates_the_targets_so_each_runs_once_in_every_place() -> None:
+    """Catches a fixed order within a repeat (a drift inside a repeat lands on one target every
+    time) and a rotation that skips or repeats a target."""
+    from loadtest.bench_peers import Target, repeat_order
+
+    targets = [
+        Target.parse(t) for t in ("direct", "raw_proxy", "kvroute:round_robin", "kvroute:tier_cost+tok")
+    ]
+    orders = [[t.spec for t in repeat_order(targets, r)] for r in range(len(targets))]
+    assert all(sorted(o) == sorted(t.spec for t in targets) for o in orders)  # every target, once
+    for place in range(len(targets)):
+        assert len({o[place] for o in orders}) == len(targets)  # each target in each place once
+    assert orders[0] == [t.spec for t in targets]  # a single repeat runs them as given
+    assert [t.spec for t in repeat_order(targets, len(targets))] == orders[0]
+
+
 def test_bench_peers_raw_proxy_work_probe_parses() -> None:
     """``raw_proxy+workN`` is the raw proxy with N µs of busy work per request (and plain
     ``raw_proxy`` none); catches the amount lost or a misspelt probe taken for the plain proxy."""
