@@ -3,8 +3,9 @@
 
 The peers are installed by this script, each into its OWN virtual environment under ``--peers-dir``
 (never into the project's dependencies). Per repeat every target is measured at every concurrency,
-stream mode and prompt size, the targets' order rotated by one place a repeat (``repeat_order``); "added" latency and the req/s ratio are taken against `direct` in the
-same repeat, then the median over repeats is reported. Writes ``b3.md``, ``b3.json`` and PNGs into
+stream mode and prompt size, the targets' order rotated by one place a repeat (``repeat_order``);
+"added" latency and the req/s ratio are taken against `direct` in the same repeat, then the median
+over repeats is reported. Writes ``b3.md``, ``b3.json`` and PNGs into
 ``--out``.
 
 ``--stream no,yes,yes64``: ``yes`` streams 4 events per answer, ``yesN`` N events (the engine sends
