@@ -17,6 +17,7 @@ import csv
 import itertools
 import json
 import math
+import random
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -327,6 +328,58 @@ def plot(pts: Sequence[Point], refs: dict[Cell, Key], path: Path) -> None:
     plt.close(fig)
 
 
+def _spread_text(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+
+def spread(
+    rows: Sequence[dict[str, Any]], refs: dict[Cell, Key], pts: Sequence[Point], k: int, draws: int = 4000
+) -> str:
+    """How much the corner's ratios move from seed to seed: per point (and per other first-come
+    setting, REF's null comparison), its per-seed ratios to REF (median [min-max]) and what a report
+    on ``k`` seeds would read for the max TTFT - the ratio of the two medians over ``k`` seeds drawn
+    without replacement (``draws`` draws, a fixed generator: the same rows print the same table) -
+    as its 10th/50th/90th percentiles and the share of draws at or under REF's."""
+    cfg = grouped(rows)
+    rng = random.Random(0)
+    out: list[str] = []
+    for cell, ref_key in refs.items():
+        ref = cfg[cell][ref_key]
+        out += [
+            "",
+            f"### {cell[0]}, storage {cell[1]}: REF = {ref_key[0]}@{ref_key[1]}; per-seed ratios"
+            f" and {k}-seed reports of the max TTFT ({draws} draws)",
+            "",
+            "| configuration | seeds | p50 gain vs REF, per seed | vs KFC same order, per seed | p99 / REF, per seed"
+            f" | max / REF, per seed | {k}-seed max / REF: p10 / p50 / p90 | {k}-seed draws with max <= REF's |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        same_of = {(p.policy, p.scheduling): p for p in pts if p.cell == cell}
+        for key, by_seed in cfg[cell].items():
+            first_come = key[1] == "fcfs"
+            if key == ref_key or not (first_come or key in same_of):
+                continue  # REF itself; a priority configuration without a same-order baseline
+            seeds = sorted(s for s in by_seed if s in ref)
+            if len(seeds) < k:
+                continue
+            g = [ref[s][0] / by_seed[s][0] for s in seeds]
+            r99 = [by_seed[s][1] / ref[s][1] for s in seeds]
+            rmax = [by_seed[s][2] / ref[s][2] for s in seeds]
+            point = same_of.get(key)
+            g_same = _spread_text([point.per_seed[s].g_same for s in point.seeds]) if point else "-"
+            reports = sorted(
+                statistics.median(by_seed[s][2] for s in pick) / statistics.median(ref[s][2] for s in pick)
+                for pick in (rng.sample(seeds, k) for _ in range(draws))
+            )
+            q = [reports[int(f * (draws - 1))] for f in (0.1, 0.5, 0.9)]
+            out.append(
+                f"| {key[0]}@{key[1]} | {len(seeds)} | {_spread_text(g)} | {g_same} | {_spread_text(r99)}"
+                f" | {_spread_text(rmax)} | {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f}"
+                f" | {sum(r <= TAIL_CEILING for r in reports) / draws:.0%} |"
+            )
+    return "\n".join(out).lstrip("\n") + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.frontier", description=__doc__.split("\n\n")[0])
     ap.add_argument("raw", nargs="+", type=Path, help="bench_quality .jsonl files")
@@ -337,6 +390,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--near", type=int, metavar="SEED", help="print the points within NEAR of the corner on SEED"
     )
+    ap.add_argument(
+        "--spread",
+        type=int,
+        metavar="K",
+        help="markdown instead: per-seed ratios and what a K-seed report would read (see ``spread``)",
+    )
     args = ap.parse_args(argv)
     rows = load(args.raw)
     refs, pts = points(rows)
@@ -344,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p in near(pts, args.near):
             print(f"{p.cell[0]}\t{p.cell[1]}\t{p.policy}@{p.scheduling}")
         return 0
-    text = markdown(rows, refs, pts)
+    text = markdown(rows, refs, pts) if args.spread is None else spread(rows, refs, pts, args.spread)
     if args.md:
         args.md.write_text(text)
     else:

@@ -156,3 +156,22 @@ def test_points_differing_past_the_bound_are_told_apart_in_the_table() -> None:
         line for line in frontier.markdown(rows, refs, pts).splitlines() if line.startswith("| tier_cost")
     ]
     assert [line.split(" | ")[2] for line in lines] == ["inf", "inf (+ :2)"]
+
+
+def test_spread_reads_what_k_seed_reports_of_the_max_would_say() -> None:
+    # seed 101's max at 100 s against REF's 60: of the three 2-seed reports, the two with seed 101
+    # read median(50, 100) / 60 = 1.25 and the third 50 / 60; catches a share or quantile taken
+    # over the per-seed ratios instead of the k-seed reports, and a report drawn with replacement
+    rows = fleet(point_max_seed_101=100.0)
+    refs, pts = frontier.points(rows)
+    table = frontier.spread(rows, refs, pts, k=2)
+    (line,) = [ln for ln in table.splitlines() if ln.startswith("| tier_cost@priority:20:inf |")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1] == "3"
+    assert cells[5] == "0.83 [0.83-1.67]"  # max / REF per seed: 50/60, 100/60, 50/60
+    assert cells[6] == "0.83 / 1.25 / 1.25"
+    assert 28 <= int(cells[7].rstrip("%")) <= 39  # one pair in three, of 4,000 draws
+    # the first-come setting that is not REF is its null comparison; a priority run without
+    # kv_fixed_credit at its order (none here) would be left out
+    assert any(ln.startswith("| kv_fixed_credit:cpu=0.5:storage=0.1@fcfs |") for ln in table.splitlines())
+    assert frontier.spread(rows, refs, pts, k=4).count("\n| ") == 1  # fewer seeds than k: header only
