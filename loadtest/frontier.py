@@ -350,8 +350,9 @@ def spread(
             f"### {cell[0]}, storage {cell[1]}: REF = {ref_key[0]}@{ref_key[1]}; per-seed ratios"
             f" and {k}-seed reports of the max TTFT ({draws} draws)",
             "",
-            "| configuration | seeds | p50 gain vs REF, per seed | vs KFC same order, per seed | p99 / REF, per seed"
-            f" | max / REF, per seed | {k}-seed max / REF: p10 / p50 / p90 | {k}-seed draws with max <= REF's |",
+            "| configuration | seeds | p50 gain vs REF, per seed | vs KFC same order, per seed"
+            " | p99 / REF, per seed | max / REF, per seed"
+            f" | {k}-seed max / REF: p10 / p50 / p90 | {k}-seed draws with max <= REF's |",
             "|---|---|---|---|---|---|---|---|",
         ]
         same_of = {(p.policy, p.scheduling): p for p in pts if p.cell == cell}
