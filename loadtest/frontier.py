@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcore.stats import median_span, percentiles
 from loadtest.bench_quality import parse_scheduling
 
 #: issue 27's targets: p50 gains (REF's p50 / the point's), and the tail ratios' ceiling.
@@ -328,10 +329,6 @@ def plot(pts: Sequence[Point], refs: dict[Cell, Key], path: Path) -> None:
     plt.close(fig)
 
 
-def _spread_text(values: Sequence[float]) -> str:
-    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
-
-
 def spread(
     rows: Sequence[dict[str, Any]], refs: dict[Cell, Key], pts: Sequence[Point], k: int, draws: int = 4000
 ) -> str:
@@ -367,15 +364,16 @@ def spread(
             r99 = [by_seed[s][1] / ref[s][1] for s in seeds]
             rmax = [by_seed[s][2] / ref[s][2] for s in seeds]
             point = same_of.get(key)
-            g_same = _spread_text([point.per_seed[s].g_same for s in point.seeds]) if point else "-"
-            reports = sorted(
+            g_same = median_span([point.per_seed[s].g_same for s in point.seeds], ".2f") if point else "-"
+            reports = [
                 statistics.median(by_seed[s][2] for s in pick) / statistics.median(ref[s][2] for s in pick)
                 for pick in (rng.sample(seeds, k) for _ in range(draws))
-            )
-            q = [reports[int(f * (draws - 1))] for f in (0.1, 0.5, 0.9)]
+            ]
+            q = percentiles(reports, (10, 50, 90))
             out.append(
-                f"| {key[0]}@{key[1]} | {len(seeds)} | {_spread_text(g)} | {g_same} | {_spread_text(r99)}"
-                f" | {_spread_text(rmax)} | {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f}"
+                f"| {key[0]}@{key[1]} | {len(seeds)} | {median_span(g, '.2f')} | {g_same}"
+                f" | {median_span(r99, '.2f')} | {median_span(rmax, '.2f')}"
+                f" | {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f}"
                 f" | {sum(r <= TAIL_CEILING for r in reports) / draws:.0%} |"
             )
     return "\n".join(out).lstrip("\n") + "\n"
