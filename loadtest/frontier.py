@@ -329,19 +329,19 @@ def plot(pts: Sequence[Point], refs: dict[Cell, Key], path: Path) -> None:
     plt.close(fig)
 
 
-def spread(
-    rows: Sequence[dict[str, Any]], refs: dict[Cell, Key], pts: Sequence[Point], k: int, draws: int = 4000
-) -> str:
-    """How much the corner's ratios move from seed to seed: per point (and per other first-come
-    setting, REF's null comparison), its per-seed ratios to REF (median [min-max]) and what a report
-    on ``k`` seeds would read for the max TTFT - the ratio of the two medians over ``k`` seeds drawn
-    without replacement (``draws`` draws, a fixed generator: the same rows print the same table) -
-    as its 10th/50th/90th percentiles and the share of draws at or under REF's."""
+def spread(rows: Sequence[dict[str, Any]], refs: dict[Cell, Key], k: int, draws: int = 4000) -> str:
+    """How much the corner's ratios move from seed to seed: per priority configuration with
+    kv_fixed_credit at its order (and per other first-come setting, REF's null comparison), its
+    per-seed ratios (``_ratios``: median [min-max]) and what a report on ``k`` seeds would read for
+    the max TTFT - the ratios of the medians over ``k`` seeds drawn without replacement (``draws``
+    draws, a fixed generator: the same rows print the same table) - as its 10th/50th/90th
+    percentiles and the share of draws at or under REF's."""
     cfg = grouped(rows)
     rng = random.Random(0)
     out: list[str] = []
     for cell, ref_key in refs.items():
-        ref = cfg[cell][ref_key]
+        configs = cfg[cell]
+        ref = configs[ref_key]
         out += [
             "",
             f"### {cell[0]}, storage {cell[1]}: REF = {ref_key[0]}@{ref_key[1]}; per-seed ratios"
@@ -352,27 +352,28 @@ def spread(
             f" | {k}-seed max / REF: p10 / p50 / p90 | {k}-seed draws with max <= REF's |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        same_of = {(p.policy, p.scheduling): p for p in pts if p.cell == cell}
-        for key, by_seed in cfg[cell].items():
+        for key, by_seed in configs.items():
             first_come = key[1] == "fcfs"
-            if key == ref_key or not (first_come or key in same_of):
-                continue  # REF itself; a priority configuration without a same-order baseline
-            seeds = sorted(s for s in by_seed if s in ref)
-            if len(seeds) < k:
-                continue
-            g = [ref[s][0] / by_seed[s][0] for s in seeds]
-            r99 = [by_seed[s][1] / ref[s][1] for s in seeds]
-            rmax = [by_seed[s][2] / ref[s][2] for s in seeds]
-            point = same_of.get(key)
-            g_same = median_span([point.per_seed[s].g_same for s in point.seeds], ".2f") if point else "-"
+            # a first-come setting has no same-order baseline: its own figures stand in (g_same 1)
+            same = by_seed if first_come else configs.get((BASELINE, key[1]), {})
+            seeds = sorted(s for s in by_seed if s in ref and s in same)
+            if key == ref_key or len(seeds) < k:
+                continue  # REF itself; too few seeds (none: a priority run without its baseline)
+            per_seed = [_ratios(by_seed[s], ref[s], same[s]) for s in seeds]
             reports = [
-                statistics.median(by_seed[s][2] for s in pick) / statistics.median(ref[s][2] for s in pick)
+                _ratios(
+                    _medians({s: by_seed[s] for s in pick}),
+                    _medians({s: ref[s] for s in pick}),
+                    _medians({s: same[s] for s in pick}),
+                ).rmax
                 for pick in (rng.sample(seeds, k) for _ in range(draws))
             ]
             q = percentiles(reports, (10, 50, 90))
+            g_same = "-" if first_come else median_span([r.g_same for r in per_seed], ".2f")
             out.append(
-                f"| {key[0]}@{key[1]} | {len(seeds)} | {median_span(g, '.2f')} | {g_same}"
-                f" | {median_span(r99, '.2f')} | {median_span(rmax, '.2f')}"
+                f"| {key[0]}@{key[1]} | {len(seeds)} | {median_span([r.g_ref for r in per_seed], '.2f')}"
+                f" | {g_same} | {median_span([r.r99 for r in per_seed], '.2f')}"
+                f" | {median_span([r.rmax for r in per_seed], '.2f')}"
                 f" | {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f}"
                 f" | {sum(r <= TAIL_CEILING for r in reports) / draws:.0%} |"
             )
@@ -402,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p in near(pts, args.near):
             print(f"{p.cell[0]}\t{p.cell[1]}\t{p.policy}@{p.scheduling}")
         return 0
-    text = markdown(rows, refs, pts) if args.spread is None else spread(rows, refs, pts, args.spread)
+    text = markdown(rows, refs, pts) if args.spread is None else spread(rows, refs, args.spread)
     if args.md:
         args.md.write_text(text)
     else:

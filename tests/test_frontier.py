@@ -163,8 +163,8 @@ def test_spread_reads_what_k_seed_reports_of_the_max_would_say() -> None:
     # read median(50, 100) / 60 = 1.25 and the third 50 / 60; catches a share or quantile taken
     # over the per-seed ratios instead of the k-seed reports, and a report drawn with replacement
     rows = fleet(point_max_seed_101=100.0)
-    refs, pts = frontier.points(rows)
-    table = frontier.spread(rows, refs, pts, k=2)
+    refs, _ = frontier.points(rows)
+    table = frontier.spread(rows, refs, k=2)
     (line,) = [ln for ln in table.splitlines() if ln.startswith("| tier_cost@priority:20:inf |")]
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[1] == "3"
@@ -174,4 +174,4 @@ def test_spread_reads_what_k_seed_reports_of_the_max_would_say() -> None:
     # the first-come setting that is not REF is its null comparison; a priority run without
     # kv_fixed_credit at its order (none here) would be left out
     assert any(ln.startswith("| kv_fixed_credit:cpu=0.5:storage=0.1@fcfs |") for ln in table.splitlines())
-    assert frontier.spread(rows, refs, pts, k=4).count("\n| ") == 1  # fewer seeds than k: header only
+    assert frontier.spread(rows, refs, k=4).count("\n| ") == 1  # fewer seeds than k: header only
