@@ -12,7 +12,9 @@ over repeats is reported. Writes ``b3.md``, ``b3.json`` and PNGs into
 max_tokens events); with two event counts the notes price the relay per streamed event (router CPU
 difference over the event difference). ``--checkout LABEL=DIR`` adds targets ``LABEL:POLICY[+tok]``:
 kvroute run from another checkout (e.g. ``git archive`` of the commit before a change), so before and
-after are measured interleaved in one run.
+after are measured interleaved in one run. ``--python LABEL=PATH`` adds targets ``LABEL:POLICY[+tok]``:
+this checkout's kvroute run by another Python interpreter (one with the project's dependencies
+installed), so two builds of CPython are measured interleaved on the same code.
 
     python -m loadtest.bench_peers --out runs/bench/b3                    # the default matrix
     python -m loadtest.bench_peers --quick                                 # smoke run (kvroute only)
@@ -125,6 +127,8 @@ class Target:
     workers: int = 1
     #: kvroute from this checkout instead of this one (``--checkout LABEL=DIR``).
     checkout: str = ""
+    #: kvroute run by this Python interpreter instead of the bench's own (``--python LABEL=PATH``).
+    python: str = ""
     callback_path: bool = False
     #: ``raw_proxy+workN``: the raw proxy spending N µs of pure-Python busy work per request before it
     #: forwards (a probe: what N µs of a router's own work costs it per request over sockets).
@@ -133,14 +137,17 @@ class Target:
     defer_accounting: bool | None = None
 
     @staticmethod
-    def parse(spec: str, checkouts: dict[str, str] | None = None) -> Target:
+    def parse(
+        spec: str, checkouts: dict[str, str] | None = None, pythons: dict[str, str] | None = None
+    ) -> Target:
         if spec in ("direct", "raw_proxy"):
             return Target(spec, spec)
         if m := re.fullmatch(r"raw_proxy\+work(\d+(?:\.\d+)?)", spec):
             return Target(spec, "raw_proxy", work_us=float(m.group(1)))
         kind, _, rest = spec.partition(":")
         checkout = (checkouts or {}).get(kind, "")
-        if checkout:
+        python = (pythons or {}).get(kind, "")
+        if checkout or python:
             kind = "kvroute"
         if kind not in ("kvroute", *PEER_PACKAGES) or not rest:
             raise ValueError(
@@ -163,7 +170,30 @@ class Target:
         policy = rest.removesuffix("+tok")
         if kind == "kvroute" and policy not in KVROUTE_POLICIES:
             raise ValueError(f"target {spec!r}: kvroute policy must be one of {', '.join(KVROUTE_POLICIES)}")
-        return Target(spec, kind, policy, tok, workers, checkout, callback_path, defer_accounting=defer)
+        return Target(
+            spec, kind, policy, tok, workers, checkout, python, callback_path, defer_accounting=defer
+        )
+
+
+def interpreters(items: Sequence[str]) -> dict[str, str]:
+    """``--python LABEL=PATH`` items -> LABEL: PATH, each checked to run and to import what the router
+    needs (ValueError naming the item otherwise)."""
+    out: dict[str, str] = {}
+    for item in items:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            raise ValueError(f"--python {item!r}: expected LABEL=PATH")
+        if not os.access(path, os.X_OK):
+            raise ValueError(f"--python {label}={path}: not an executable")
+        check = "import fastapi, uvicorn, uvloop, httptools, msgspec, xxhash, zmq, prometheus_client, numpy"
+        proc = subprocess.run([path, "-c", check], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            raise ValueError(
+                f"--python {label}={path}: cannot run the router ({last}); install the project there"
+            )
+        out[label] = path
+    return out
 
 
 def peer_command(
@@ -248,7 +278,8 @@ def start_target(
     # KVROUTE_* variables are router config; the bench's own (KVROUTE_PEERS_DIR) would be refused.
     env = {k: v for k, v in os.environ.items() if k != "KVROUTE_PEERS_DIR"}
     if target.kind == "kvroute":
-        args = [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+        python = target.python or sys.executable
+        args = [python, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
         args += ["--policy", target.policy, "--log-level", "warning"]
         for e in engines:
             args += ["--engine", f"{e.id}={e.url}"]
@@ -649,6 +680,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="LABEL=DIR",
         help="targets LABEL:POLICY[+tok] run kvroute from checkout DIR (repeatable)",
     )
+    parser.add_argument(
+        "--python",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="targets LABEL:POLICY[+tok] run this checkout's kvroute with interpreter PATH (repeatable)",
+    )
     parser.add_argument("--prompt-tokens", default="1000,16000")
     parser.add_argument("--duration", type=float, default=5.0, help="measured seconds per point")
     parser.add_argument("--warmup", type=float, default=1.0)
@@ -667,7 +705,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for label, folder in checkouts.items():
             if not (Path(folder) / "router" / "cli.py").is_file():
                 raise ValueError(f"--checkout {label}={folder}: no kvroute checkout there (router/cli.py)")
-        targets = [Target.parse(t, checkouts) for t in args.targets.split(",") if t]
+        pythons = interpreters(args.python)
+        targets = [Target.parse(t, checkouts, pythons) for t in args.targets.split(",") if t]
         streams = [stream_mode(s) for s in args.stream.split(",")]
     except ValueError as exc:
         parser.error(str(exc))

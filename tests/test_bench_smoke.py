@@ -172,3 +172,40 @@ def test_bench_faults_router_config_puts_the_router_on_the_callback_path(tmp_pat
         path = tmp_path / f"router-{flag}.toml"
         path.write_text(router_toml([engine], 8000, first_byte_timeout_s=3.0, callback_path=flag))
         assert load_config(path, environ={}).proxy.callback_path is flag
+
+
+@pytest.mark.slow
+def test_bench_peers_runs_a_python_target_with_that_interpreter(tmp_path: Path) -> None:
+    """``--python LABEL=PATH``: targets ``LABEL:POLICY`` run this checkout's kvroute with interpreter
+    PATH (B3 compares two CPython builds on one code). The interpreter here is a wrapper that
+    records its own use, then runs this one; catches the target started with the bench's own
+    interpreter (the comparison would measure one build twice), the label not read as kvroute,
+    and an interpreter that cannot run the router taken without a clear error."""
+    from loadtest.bench_peers import Target, interpreters, start_target, zero_delay_engines
+
+    used = tmp_path / "used"
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {used}\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    pythons = interpreters([f"alt={wrapper}"])
+    target = Target.parse("alt:round_robin+tok", pythons=pythons)
+    assert (target.kind, target.policy, target.tokenizer, target.python) == (
+        "kvroute",
+        "round_robin",
+        True,
+        str(wrapper),
+    )
+    used.unlink()  # (the import check ran it once)
+    with (
+        zero_delay_engines("fast", 1, tmp_path) as engines,
+        start_target(target, engines, tmp_path, tmp_path) as (url, pgid),
+    ):
+        assert url.startswith("http://127.0.0.1:") and pgid is not None
+        assert "router.cli serve" in used.read_text()
+    broken = tmp_path / "broken"
+    broken.write_text("#!/bin/sh\nexit 3\n")
+    broken.chmod(0o755)
+    with pytest.raises(ValueError, match="cannot run the router"):
+        interpreters([f"bad={broken}"])
+    with pytest.raises(ValueError, match="LABEL=PATH"):
+        interpreters(["nolabel"])

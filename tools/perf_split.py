@@ -17,7 +17,8 @@ per (target, prompt), waits ``--warmup-s``, records the router process (all its 
 ``--seconds`` with ``perf record -F 999``, and prints the split with that run's req/s and router
 CPU per request (both with perf attached: perf's own sampling inflates the CPU a little). The
 shares times the CPU per request give microseconds per request for each part. ``--checkout NAME=DIR``
-measures another checkout's router (bench_peers' option; target ``NAME:POLICY``), and ``--symbols
+measures another checkout's router (bench_peers' option; target ``NAME:POLICY``), ``--python
+NAME=PATH`` this checkout's router run by another interpreter (the same), and ``--symbols
 REGEX`` adds the share of the symbols matching it (e.g. ``richcompare`` for comparisons); ``--keep
 DIR`` keeps each recording for other reports (``perf report -i FILE --sort sym``). ``report``
 splits a ``perf report --sort dso -g none --stdio`` text already made. Needs ``perf`` (Debian: linux-perf)
@@ -116,10 +117,12 @@ def table(rows: list[tuple[str, int, float, float, dict[str, float]]]) -> str:
     return "\n".join(out)
 
 
-def _router_pid(spec: str, after: set[int], deadline: float, checkouts: dict[str, str]) -> int:
+def _router_pid(
+    spec: str, after: set[int], deadline: float, checkouts: dict[str, str], pythons: dict[str, str]
+) -> int:
     """The pid of the process B3 started for ``spec`` (a process started after ``after`` was taken;
-    ``checkouts``: bench_peers' ``--checkout`` NAME -> DIR)."""
-    target = Target.parse(spec, checkouts)  # bench_peers' own reading of the spec
+    ``checkouts``: bench_peers' ``--checkout`` NAME -> DIR, ``pythons`` its ``--python`` NAME -> PATH)."""
+    target = Target.parse(spec, checkouts, pythons)  # bench_peers' own reading of the spec
     wanted = {
         "kvroute": ["router.cli", "serve", f"--policy {target.policy}"],
         "raw_proxy": ["loadtest.bench_proxy", "_raw_proxy"],
@@ -173,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
         print("perf_split: perf is not installed (Debian: linux-perf)", file=sys.stderr)
         return 2
     checkouts = dict(c.split("=", 1) for c in args.checkout)
+    pythons = dict(c.split("=", 1) for c in args.python)
     rows = []
     for prompt in [int(p) for p in args.prompt_tokens.split(",") if p]:
         for spec in [t for t in args.targets.split(",") if t]:
@@ -186,11 +190,13 @@ def run(args: argparse.Namespace) -> int:
                 cmd += ["--peers-dir", str(args.peers_dir)]
             for checkout in args.checkout:
                 cmd += ["--checkout", checkout]
+            for python in args.python:
+                cmd += ["--python", python]
             with tempfile.TemporaryDirectory(prefix="kvroute-perf-") as tmp:
                 cmd += ["--out", tmp]
                 bench = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                 try:
-                    pid = _router_pid(spec, before, time.monotonic() + 120, checkouts)
+                    pid = _router_pid(spec, before, time.monotonic() + 120, checkouts, pythons)
                     # bench_peers loads the router once it answers: wait for that wrk (not direct's).
                     deadline = time.monotonic() + 120
                     while not _wrk_after(_start_ticks(pid)):
@@ -249,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--seconds", type=float, default=6.0)
     r.add_argument("--peers-dir", type=Path, default=None)
     r.add_argument("--checkout", action="append", default=[], help="NAME=DIR, passed to bench_peers")
+    r.add_argument("--python", action="append", default=[], help="NAME=PATH, passed to bench_peers")
     r.add_argument("--symbols", default="", help="also the share of symbols matching this regex")
     r.add_argument(
         "--keep", type=Path, default=None, help="also keep each perf.data here (TARGET-PROMPT.perf.data)"
