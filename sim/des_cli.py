@@ -695,6 +695,17 @@ class _ResultFiles:
         (self.out / "results.json").write_text(json.dumps([r.as_dict() for r in ordered], indent=1))
 
 
+def interrupted(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a Ctrl-C, or an error raised while one was being handled: tqdm's write,
+    interrupted while it takes its lock, releases the lock it never took on the way out and raises
+    RuntimeError over the KeyboardInterrupt (a stopped sweep must still keep what it finished)."""
+    while exc is not None:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        exc = exc.__context__
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``kvroute sim ...``: run every (workload, engines, policy) combination with one progress bar
     over the sweep, print each run's figures as it finishes and a markdown table at the end; with
@@ -777,7 +788,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     else:
                         finished(i, result)
                     bar.update(counter.value - bar.n)
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        if not interrupted(exc):
+            raise
         bar.close()
         files.sync()
         where = f"; they are in {out}/" if out is not None and files.done else ""
