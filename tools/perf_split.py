@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench_peers import Target
+from loadtest.bench_peers import Target, interpreters
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = (
@@ -176,7 +176,11 @@ def run(args: argparse.Namespace) -> int:
         print("perf_split: perf is not installed (Debian: linux-perf)", file=sys.stderr)
         return 2
     checkouts = dict(c.split("=", 1) for c in args.checkout)
-    pythons = dict(c.split("=", 1) for c in args.python)
+    try:
+        pythons = interpreters(args.python)  # bench_peers' own reading and check of --python
+    except ValueError as exc:
+        print(f"perf_split: {exc}", file=sys.stderr)
+        return 2
     rows = []
     for prompt in [int(p) for p in args.prompt_tokens.split(",") if p]:
         for spec in [t for t in args.targets.split(",") if t]:
