@@ -136,7 +136,9 @@ class IndexSelfCheck:
         self._min_predicted_tokens = min_predicted_tokens
         self._shortfall: dict[str, float] = {}
         self._samples: dict[str, int] = {}
-        self._untrusted: set[str] = set()
+        #: The engines whose index is not trusted now (read by ``CostModel.index_trusted`` per
+        #: engine and request: a set lookup, no call; written here only).
+        self.untrusted: set[str] = set()
 
     def observe(self, engine_id: str, predicted_hit_tokens: float, cached_tokens: float) -> bool:
         """Record one finished request; returns whether the engine's index is trusted now."""
@@ -147,19 +149,19 @@ class IndexSelfCheck:
             self._samples[engine_id] = self._samples.get(engine_id, 0) + 1
             ewma = self._shortfall[engine_id]
             if self._samples[engine_id] >= self._min_samples and ewma > self._untrust_above:
-                self._untrusted.add(engine_id)
+                self.untrusted.add(engine_id)
             elif ewma < self._trust_below:
-                self._untrusted.discard(engine_id)
+                self.untrusted.discard(engine_id)
         return self.trusted(engine_id)
 
     def trusted(self, engine_id: str) -> bool:
-        return engine_id not in self._untrusted
+        return engine_id not in self.untrusted
 
     def forget(self, engine_id: str) -> None:
         """Start over for an engine (after it re-announced its cache or was removed)."""
         self._shortfall.pop(engine_id, None)
         self._samples.pop(engine_id, None)
-        self._untrusted.discard(engine_id)
+        self.untrusted.discard(engine_id)
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {
@@ -442,7 +444,7 @@ class CostModel:
 
     def index_trusted(self, engine_id: str) -> bool:
         """The self-check's verdict: False -> set EngineView.index_trusted False (and re-announce)."""
-        return self.selfcheck.trusted(engine_id)
+        return engine_id not in self.selfcheck.untrusted  # (its ``trusted``, one call less per engine)
 
     # -- exposition -------------------------------------------------------------------------
 

@@ -115,15 +115,14 @@ class LoadLedger(Protocol):
 
 
 class InMemoryLoadLedger:
-    """The single-process ledger. ``on_change(engine_id, in_flight)`` runs after every change of an
-    engine's in-flight count (the router's gauge). ``ordered=True`` keeps a sorted structure so
+    """The single-process ledger (its in-flight counts are the router's gauge, read at scrape time:
+    ``in_flight_by_engine``). ``ordered=True`` keeps a sorted structure so
     ``least_loaded`` is O(n log engines) for 1,000-engine fleets (the DES's large-fleet runs)."""
 
     def __init__(
         self,
         engine_ids: Sequence[str] = (),
         *,
-        on_change: Callable[[str, int], None] | None = None,
         ordered: bool = False,
     ) -> None:
         self._in_flight: dict[str, int] = {}
@@ -135,7 +134,6 @@ class InMemoryLoadLedger:
         #: Per engine: (placed at, deadline offset, prefill tokens) of the prioritised requests in
         #: placement order, for ``overtaking`` (pruned to its window as it is read).
         self._placed: dict[str, deque[tuple[float, float, int]]] = {}
-        self._on_change = on_change
         self._order: SortedList | None = SortedList() if ordered else None
         for engine_id in engine_ids:
             self.add_engine(engine_id)
@@ -161,8 +159,6 @@ class InMemoryLoadLedger:
         self._queued[engine_id] = old_queued + queued
         if self._order is not None:
             self._order.add((old_queued + queued, new_in_flight, engine_id))
-        if in_flight and self._on_change is not None:
-            self._on_change(engine_id, new_in_flight)
 
     def reserve(self, engine_id: str, prefill_tokens: int) -> LoadTicket:
         self._change(engine_id, 1, prefill_tokens)
@@ -193,6 +189,10 @@ class InMemoryLoadLedger:
 
     def load(self, engine_id: str) -> tuple[int, int]:
         return self._in_flight.get(engine_id, 0), self._queued.get(engine_id, 0)
+
+    def in_flight_by_engine(self) -> dict[str, int]:
+        """Engine id -> requests in flight, every engine this ledger has seen (a copy)."""
+        return dict(self._in_flight)
 
     def set_priority(self, ticket: LoadTicket, priority: int, placed: float = 0.0) -> None:
         """The vLLM ``priority`` the request was sent with (once; a request whose prefill is over is

@@ -174,9 +174,10 @@ class RouterServices:
     def index_trusted(self, engine_id: str) -> bool:
         """The shell's distrust of an engine's index (the routing core's ``index_trusted``; the
         core applies the cost model's self-check verdict itself, before asking this)."""
-        if self.parity.distrusts(engine_id):  # its prompt tokens are not the router's
+        if engine_id in self.parity.distrusted_ids:  # its prompt tokens are not the router's
             return False
-        return self.manager is None or self.manager.trusts(engine_id)
+        manager = self.manager
+        return manager is None or manager.trusts(engine_id)
 
     # -- reload ---------------------------------------------------------------------------------
 

@@ -1251,7 +1251,10 @@ class EventManager:
     def trusts(self, engine_id: str) -> bool:
         """``engine_id not in untrusted_engines()``, asking only that engine's sources (the
         routing core asks it per candidate and request)."""
-        return all(self._distrust(h)[0] == "ok" for h in self._sources_of(engine_id))
+        for h in self._by_engine.get(engine_id, ()):  # (a loop: no generator per engine and request)
+            if self._distrust(h)[0] != "ok":
+                return False
+        return True
 
     def untrusted_engines(self) -> set[str]:
         """Engines whose picture is not trusted (EngineView.index_trusted=False): any rank stale,

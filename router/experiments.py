@@ -28,8 +28,10 @@ from policies.base import TIERS, Policy, build_policy
 SESSION_ENTRY_BYTES = 144
 #: Header whose value forces an arm for one request (for tests and manual comparisons).
 FORCED_ARM_HEADER = "x-kvroute-arm"
-#: Longest session key whose digest is kept for the request's finish (``Experiments._digest``).
-_KEPT_KEY_CHARS = 256
+#: The digest of a session key (xxh3_64 of its UTF-8): the key of its remembered arm and of its
+#: conversation's totals, and (scaled) its bucket. Hashed where needed: a one-entry cache of the
+#: last key missed at any concurrency (a request's finish rarely follows its own assignment).
+_hash = xxhash.xxh3_64_intdigest
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +98,12 @@ def parse_experiment_config(raw: Any) -> list[ArmConfig]:
 
 def session_bucket(session_key: str) -> float:
     """Uniform position in [0, 1) of a session key; stable across processes and replicas."""
-    return xxhash.xxh3_64_intdigest(session_key.encode()) / 2.0**64
+    return _bucket_of(_hash(session_key.encode()))
+
+
+def _bucket_of(digest: int) -> float:
+    """``session_bucket`` of the key whose digest this is."""
+    return digest / 2.0**64
 
 
 @dataclass(slots=True)
@@ -136,7 +143,7 @@ class ArmStats:
 
     def conversation(self, session_key: str, digest: int | None = None) -> list[float] | None:
         """The conversation's totals row (``digest``: the session key's, when known)."""
-        key = xxhash.xxh3_64_intdigest(session_key.encode()) if digest is None else digest
+        key = _hash(session_key.encode()) if digest is None else digest
         row = self.conversations.get(key)
         if row is None and len(self.conversations) < self.max_conversations:
             row = self.conversations[key] = [0.0, 0.0, 0.0, 0.0]
@@ -175,10 +182,6 @@ class Experiments:
         self.arms: list[Arm] = []
         self._by_name: dict[str, Arm] = {}
         self._bounds: list[float] = []
-        #: The last session key digested and its digest: a request's finish digests the key its
-        #: arm assignment did (the same string object), so it is hashed once per request.
-        self._last_key: str | None = None
-        self._last_digest = 0
         self._install(parse_experiment_config(config))
 
     def _install(self, configs: list[ArmConfig]) -> None:
@@ -216,14 +219,14 @@ class Experiments:
         """The arm of a conversation: the forced one (header value), the one it had, or its hash bucket."""
         if forced_arm:
             return self.arm(forced_arm)
-        digest = self._digest(session_key)
+        digest = _hash(session_key.encode())
         known = self._sessions.get(digest)
         if known is not None:
             self._sessions.move_to_end(digest)
             arm = self._by_name.get(known)
             if arm is not None:
                 return arm
-        bucket = session_bucket(session_key)
+        bucket = _bucket_of(digest)
         chosen = self.arms[-1]
         for a, bound in zip(self.arms, self._bounds, strict=True):
             if bucket < bound and a.weight > 0:
@@ -233,15 +236,6 @@ class Experiments:
         while len(self._sessions) > self._max_sessions:
             self._sessions.popitem(last=False)
         return chosen
-
-    def _digest(self, session_key: str) -> int:
-        """xxh3_64 of the session key (the last key's digest kept)."""
-        if session_key is self._last_key:
-            return self._last_digest
-        digest = xxhash.xxh3_64_intdigest(session_key.encode())
-        if len(session_key) <= _KEPT_KEY_CHARS:  # a client's 1 MB ``user`` is not kept alive
-            self._last_key, self._last_digest = session_key, digest
-        return digest
 
     def bound_sessions(self, max_bytes: int) -> None:
         """Keep about ``max_bytes`` of session -> arm entries (SESSION_ENTRY_BYTES each)."""
@@ -274,7 +268,7 @@ class Experiments:
         if not ok:
             stats.errors += 1
             return
-        row = stats.conversation(session_key, self._digest(session_key))
+        row = stats.conversation(session_key, _hash(session_key.encode()))
         if ttft_s is not None and math.isfinite(ttft_s):
             stats.add_ttft(ttft_s)
             if row is not None:

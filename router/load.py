@@ -105,9 +105,11 @@ class LoadTracker:
         """``ledger``: where load is accounted (default: in this process; replicas share one)."""
         self._metrics = metrics
         self.breaker_threshold, self.breaker_open_s = 3, 5.0  # configure_breaker sets the config's
-        self.ledger: LoadLedger = ledger or InMemoryLoadLedger(
-            [e.id for e in engines], on_change=metrics.set_in_flight if metrics else None
-        )
+        if ledger is None:  # its own accounting is the in-flight gauge's (else the caller's is)
+            ledger = InMemoryLoadLedger([e.id for e in engines])
+            if metrics:
+                metrics.watch_in_flight(ledger)
+        self.ledger: LoadLedger = ledger
         self.engines: dict[str, EngineState] = {}
         #: ``fleet_views``'s views, the ``_VIEW_CHANGES`` count they were built at and the
         #: monotonic time until which their breakers' verdicts hold.

@@ -307,8 +307,16 @@ class RouterMetrics:
         _observe_grouped(self.latency_s, finished, _ROUTE_KEY, _LATENCY, lambda key: key)
         _observe_grouped(self.router_s, finished, _ARM_KEY, _ROUTER_TIME, lambda arm: (arm,))
 
-    def set_in_flight(self, engine_id: str, count: int) -> None:
-        self.in_flight.set((engine_id,), count)
+    def watch_in_flight(self, ledger: Any) -> None:
+        """``kvroute_in_flight`` read from ``ledger`` (this process's own accounting, an
+        ``InMemoryLoadLedger``: its ``in_flight_by_engine``) when scraped, not written per change."""
+        gauge = self.in_flight
+
+        def read() -> None:
+            for engine_id, count in ledger.in_flight_by_engine().items():
+                gauge.set((engine_id,), count)
+
+        gauge.before_collect = read
 
     def upstream_error(self, engine_id: str, kind: str) -> None:
         self.upstream_errors.labels(engine_id, kind).inc()

@@ -53,6 +53,9 @@ class PromptParity:
         self.window = window
         self.min_mismatches = min_mismatches
         self._engines: dict[str, _EngineParity] = {}
+        #: The engines whose ``reason`` is set (read per engine and request by the index's trust
+        #: check: a set lookup, no call; written here only, with ``reason``).
+        self.distrusted_ids: set[str] = set()
 
     def _mismatch(self, router_tokens: int, engine_tokens: int) -> bool:
         return abs(engine_tokens - router_tokens) > self.tail_tokens
@@ -80,18 +83,19 @@ class PromptParity:
                 f"{engine_tokens}); {likely_cause(bad)}; its prefix index is not trusted until "
                 f"{self.window} requests in a row agree"
             )
+            self.distrusted_ids.add(engine_id)
             log.warning("engine %s: tokenizer parity lost: %s", engine_id, state.reason)
         elif state.reason and not state.bad_in_window and len(samples) == self.window:
             log.info("engine %s: tokenizer parity restored (%d requests agree)", engine_id, self.window)
             state.reason = ""
+            self.distrusted_ids.discard(engine_id)
 
     def distrusts(self, engine_id: str) -> bool:
-        state = self._engines.get(engine_id)
-        return state is not None and bool(state.reason)
+        return engine_id in self.distrusted_ids
 
     def distrusted(self) -> set[str]:
         """Engines whose prompt counts persistently disagree with the router's: their index is blind."""
-        return {engine_id for engine_id, s in self._engines.items() if s.reason}
+        return set(self.distrusted_ids)
 
     def ready_detail(self) -> dict[str, str]:
         """Engine id -> why its prompt tokens disagree (the ``/ready`` warning)."""

@@ -91,11 +91,13 @@ def build_router_app(
     ledger: LoadLedger | None = None
     if shared is not None:
         # This replica's own accounting (its in-flight gauge) plus the other replicas' load.
-        local = InMemoryLoadLedger([e.id for e in config.engines], on_change=metrics.set_in_flight)
+        local = InMemoryLoadLedger([e.id for e in config.engines])
+        metrics.watch_in_flight(local)
         ledger = SharedLoadLedger(local, shared)
     elif worker_board is not None:
         engine_ids = [e.id for e in config.engines]
-        local = InMemoryLoadLedger(engine_ids, on_change=metrics.set_in_flight)
+        local = InMemoryLoadLedger(engine_ids)
+        metrics.watch_in_flight(local)
         try:
             board = WorkerBoard(worker_board[0], worker_board[1], engine_ids)
         except (OSError, ValueError) as exc:

@@ -108,3 +108,22 @@ def test_a_dead_workers_row_stops_counting(ledgers: list[WorkerLoadLedger], boar
     fresh.reserve("e0", 10)
     assert fresh.load("e0") == (1, 10)
     assert fresh.board.live_workers() == [True, False]
+
+
+def test_the_in_flight_gauge_reads_this_workers_own_requests_when_scraped(
+    ledgers: list[WorkerLoadLedger],
+) -> None:
+    # Catches: the gauge (read from the ledger at scrape time, not written per change) showing the
+    # board's sum (every worker's requests) instead of this worker's, or a stale count.
+    from router.metrics import create_metrics
+
+    a, b = ledgers
+    metrics = create_metrics()
+    metrics.watch_in_flight(a.local)
+    ta = a.reserve("e1", 1000)
+    b.reserve("e1", 500)
+    assert a.load("e1") == (2, 1500)
+    text = metrics.render().decode()
+    assert 'kvroute_in_flight{engine="e1"} 1.0' in text and 'kvroute_in_flight{engine="e0"} 0.0' in text
+    a.finish(ta)
+    assert 'kvroute_in_flight{engine="e1"} 0.0' in metrics.render().decode()
