@@ -27,8 +27,9 @@ log = logging.getLogger("kvroute.parity")
 
 @dataclass(slots=True)
 class _EngineParity:
-    #: (router's count, engine's count) of the last ``window`` answered requests.
-    samples: deque[tuple[int, int]]
+    #: (router's count, engine's count, whether they mismatch) of the last ``window`` answered
+    #: requests (the verdict kept: a sample leaving the window is not judged again).
+    samples: deque[tuple[int, int, bool]]
     matched_total: int = 0
     mismatched_total: int = 0
     #: Why the engine's index is distrusted ("" = it is not).
@@ -66,17 +67,18 @@ class PromptParity:
         if state is None:
             state = self._engines[engine_id] = _EngineParity(deque(maxlen=self.window))
         samples = state.samples
-        if len(samples) == samples.maxlen and self._mismatch(*samples[0]):
+        if len(samples) == samples.maxlen and samples[0][2]:
             state.bad_in_window -= 1  # the oldest sample leaves the window with this append
-        samples.append((router_tokens, engine_tokens))
+        mismatch = self._mismatch(router_tokens, engine_tokens)
+        samples.append((router_tokens, engine_tokens, mismatch))
         state.last_difference = engine_tokens - router_tokens
-        if self._mismatch(router_tokens, engine_tokens):
+        if mismatch:
             state.mismatched_total += 1
             state.bad_in_window += 1
         else:
             state.matched_total += 1
         if not state.reason and state.bad_in_window >= self.min_mismatches:
-            bad = [s for s in samples if self._mismatch(*s)]
+            bad = [(r, e) for r, e, mismatched in samples if mismatched]
             state.reason = (
                 f"the engine's usage.prompt_tokens differs from the router's own count on {len(bad)} of "
                 f"the last {len(state.samples)} requests (latest: router {router_tokens}, engine "
