@@ -34,7 +34,6 @@ import logging
 import re
 from collections.abc import Awaitable, Callable
 from itertools import chain
-from operator import itemgetter
 from typing import Any, ClassVar
 
 import httptools
@@ -356,18 +355,15 @@ class ProxyExchange:
         )
 
 
-#: A request's header lines in its head (llhttp has validated them: a token, a colon, a value of
-#: visible bytes, spaces and tabs, CRLF; no line folding, no bare CR or LF): the name, and the value
-#: without the spaces and tabs around it, as llhttp and uvicorn's ``on_header`` give them.
-_HEADER_LINE = re.compile(rb"\r\n([^:\r\n]+):[ \t]*(.*?)[ \t]*(?=\r\n)")
 #: uvicorn's test for a 100-continue request: a header ``expect`` whose value is ``100-continue``.
 _EXPECT_100 = re.compile(rb"\r\nexpect:[ \t]*100-continue[ \t]*\r\n", re.IGNORECASE)
 #: A request's head as llhttp has framed it: any empty lines before the request line (which it
-#: skips), the request line (its target: group 1), the header lines from the CRLF before the first
-#: to the CRLF after the last (group 2), the blank line.
-_HEAD = re.compile(rb"[\r\n]*[^ ]+ +([^ \r\n]+)[^\r\n]*(\r\n(?:[^\r\n]+\r\n)*)\r\n")
-_NAME = itemgetter(0)
-_VALUE = itemgetter(1)
+#: skips), the request line (its target: group 1); its header lines follow, from the CRLF that ends
+#: the request line to the CRLF before the blank line (``_BLANK_LINE``). Two steps, not one pattern
+#: over the header lines too: SRE's repeated group costs more than the lines' split (measured: 0.8
+#: against 0.5 µs a three-line head, on a PGO+LTO CPython).
+_REQUEST_LINE = re.compile(rb"[\r\n]*[^ ]+ +([^ \r\n]+)[^\r\n]*")
+_BLANK_LINE = re.compile(rb"\r\n\r\n")
 
 #: The guard's limits when ``limits`` sets none (router/guard.py's protocol sets them from the config).
 _LIMITS = LimitsConfig()
@@ -381,10 +377,19 @@ _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 50
 
 def header_lines(head: bytes | bytearray | memoryview, start: int, end: int) -> list[tuple[bytes, bytes]]:
     """The header lines of ``head[start:end]`` (from the CRLF before the first line to the CRLF
-    after the last) as ASGI wants them: lower-case names, values without surrounding spaces and
-    tabs; parsed in C, no Python call per line."""
-    pairs = _HEADER_LINE.findall(head, start, end)
-    return list(zip(map(bytes.lower, map(_NAME, pairs)), map(_VALUE, pairs), strict=True))
+    after the last) as ASGI wants them: lower-case names, values without the spaces and tabs around
+    them, as llhttp and uvicorn's ``on_header`` give them. llhttp has validated the lines before
+    this runs (a token, a colon, a value of visible bytes, spaces and tabs, CRLF; it refuses line
+    folding and a bare CR or LF: tests/test_request_heads.py). The lines are split in C and walked
+    in Python: a regular expression over them cost 3x as much (1.9 against 0.6 µs a three-line
+    head, on a PGO+LTO CPython)."""
+    if end - start <= 2:  # no header line
+        return []
+    pairs = []
+    for line in bytes(head[start + 2 : end - 2]).split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        pairs.append((name.lower(), value.strip(b" \t")))
+    return pairs
 
 
 # router/guard.py subclasses it; when mypyc compiles this module (tools/mypyc_build.py) a compiled
@@ -611,18 +616,19 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         # The head, from the bytes fed (after any empty lines before the request line, which the
         # parser skips) to its blank line.
         fed = self._fed
-        head = _HEAD.match(fed, self._at)
-        if head is None:
+        request_line = _REQUEST_LINE.match(fed, self._at)
+        blank = _BLANK_LINE.search(fed, request_line.end()) if request_line is not None else None
+        if request_line is None or blank is None:
             raise ValueError("no request head where the bytes fed say one begins")  # (a 400)
-        start, end = head.span(2)
+        start, end = request_line.end(), blank.start() + 2
         self._at = end + 2
-        url = self.url = head[1]
+        url = self.url = request_line[1]
         headers = self.headers = header_lines(fed, start, end)
         self.expect_100_continue = _EXPECT_100.search(fed, start, end) is not None
         # The guard's limits: uvicorn keeps every header line; each line's name, value and ": " +
         # CRLF count (at most the head's length plus one a line: the exact sum only near it).
         lines = len(headers)
-        if lines > self.max_headers or end - head.start() + lines > self.max_header_bytes:
+        if lines > self.max_headers or end - request_line.start() + lines > self.max_header_bytes:
             too_many = lines > self.max_headers
             if too_many or sum(map(len, chain.from_iterable(headers))) + 4 * len(headers) + len(url) > (
                 self.max_header_bytes
@@ -743,7 +749,7 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         end = self._at = fed.index(b"\r\n\r\n", at) + 4
         headers = self.headers
         if headers is not None:
-            headers.extend(header_lines(b"\r\n" + fed[at:end], 0, end - at + 2))
+            headers.extend(header_lines(b"\r\n" + fed[at:end], 0, end - at))  # (up to the blank line)
 
     def _fed_from_at(self) -> tuple[bytes, int]:
         """The bytes fed as bytes (from the accounted-for position when they were not), and that

@@ -175,6 +175,7 @@ TAKEN = {
 REFUSED = {
     "line folding": request(head=b"a: b\r\n  c\r\n"),
     "a bare LF": request(head=b"a: b\nc: d\r\n"),
+    "a bare CR": request(head=b"a: b\rc: d\r\n"),
     "a space before the colon": request(head=b"a : b\r\n"),
     "no colon": request(head=b"abc\r\n"),
     "a control byte in a value": request(head=b"a: b\x01c\r\n"),
