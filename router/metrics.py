@@ -26,6 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
+    from kvcore.core import InMemoryLoadLedger
     from router.routing import RouteContext
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -307,9 +308,9 @@ class RouterMetrics:
         _observe_grouped(self.latency_s, finished, _ROUTE_KEY, _LATENCY, lambda key: key)
         _observe_grouped(self.router_s, finished, _ARM_KEY, _ROUTER_TIME, lambda arm: (arm,))
 
-    def watch_in_flight(self, ledger: Any) -> None:
-        """``kvroute_in_flight`` read from ``ledger`` (this process's own accounting, an
-        ``InMemoryLoadLedger``: its ``in_flight_by_engine``) when scraped, not written per change."""
+    def watch_in_flight(self, ledger: InMemoryLoadLedger) -> None:
+        """``kvroute_in_flight`` read from ``ledger`` (this process's own accounting, not another
+        replica's or worker's) when scraped, not written per change."""
         gauge = self.in_flight
 
         def read() -> None:
