@@ -141,12 +141,11 @@ class ArmStats:
             if slot < self.reservoir_size:
                 self.ttft_samples_s[slot] = ttft_s
 
-    def conversation(self, session_key: str, digest: int | None = None) -> list[float] | None:
-        """The conversation's totals row (``digest``: the session key's, when known)."""
-        key = _hash(session_key.encode()) if digest is None else digest
-        row = self.conversations.get(key)
+    def conversation(self, digest: int) -> list[float] | None:
+        """The totals row of the conversation whose session key has this digest (``_hash``)."""
+        row = self.conversations.get(digest)
         if row is None and len(self.conversations) < self.max_conversations:
-            row = self.conversations[key] = [0.0, 0.0, 0.0, 0.0]
+            row = self.conversations[digest] = [0.0, 0.0, 0.0, 0.0]
         return row
 
     def clusters(self) -> list[ConversationTotals]:
@@ -268,7 +267,7 @@ class Experiments:
         if not ok:
             stats.errors += 1
             return
-        row = stats.conversation(session_key, _hash(session_key.encode()))
+        row = stats.conversation(_hash(session_key.encode()))
         if ttft_s is not None and math.isfinite(ttft_s):
             stats.add_ttft(ttft_s)
             if row is not None:
