@@ -16,6 +16,13 @@ both sides, the transports, the loop); the raw-Python reference proxy (B3's ``ra
 that path costs with nothing else. Non-stream answers only. Figures are the main thread's CPU
 (``time.thread_time``) over each repeat's requests, medians over interleaved repeats.
 
+The harness keeps glibc's freed heap (``M_TRIM_THRESHOLD``, as ``--heap kept``): alone in its
+process the router's few ~50 KB buffers of a 16K-token request are the heap's top, which glibc
+hands back to the kernel after each request by default, so that every request faulted its pages in
+again (~15 minor faults and ~20-30 µs a request at 16K, 2026-12-05) where the served router does
+not (60 faults in ~19,000 requests, c64 16K under wrk). ``--heap trim`` measures with glibc's
+defaults (the figures before 2026-12-05). The table gives the minor page faults a request.
+
 ``--evict mem:KIB`` / ``code:N`` runs, before every request, a scan of a KIB KiB buffer (the data
 caches emptied, as wrk's and the upstreams' time slices between two of the router's would) or N
 rounds of unrelated pure-Python work (other code and objects through the caches and branch
@@ -33,8 +40,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import ctypes
 import fractions
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -215,14 +224,36 @@ def _switcher(work: Callable[[], object]) -> Callable[[], object]:
     return switch
 
 
+#: glibc's mallopt parameter: the free heap top above which it is given back to the kernel.
+M_TRIM_THRESHOLD = -1
+KEPT_HEAP_BYTES = 32 * 1024 * 1024
+
+
+def keep_heap() -> bool:
+    """glibc's malloc told to keep up to 32 MiB of freed heap in this process (the module's
+    docstring says why); False where there is no glibc (the figures then say how many faults)."""
+    try:
+        os.confstr("CS_GNU_LIBC_VERSION")
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(M_TRIM_THRESHOLD, KEPT_HEAP_BYTES))
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 async def _measure(
     app: Any,
     body: bytes,
     requests: int,
     evict: Callable[[], object] | None = None,
     counter: Any = None,
+    faults: list[float] | None = None,
 ) -> float:
-    """CPU µs per request over ``requests`` requests (each answered 200, or it raises). With
+    """CPU µs per request over ``requests`` requests (each answered 200, or it raises); the minor
+    page faults a request appended to ``faults`` (the process's, all threads). With
     ``evict``, it runs before each request and each request is timed on its own (two clock reads
     per request, the same with ``evict`` = ``none``), so the eviction's own time is not in the
     figure; ``counter`` (loadtest/count_calls.py's ``CallCounter``) counts the Python run from the
@@ -232,6 +263,7 @@ async def _measure(
     if counter is not None:
         counter.start()
     clock = time.thread_time
+    faulted = _minor_faults()
     started = clock()
     spent = 0.0
     for _ in range(requests):
@@ -248,6 +280,8 @@ async def _measure(
             raise RuntimeError(f"the router answered {status}: {exchange.messages[-1:]}")
     if evict is None:
         spent = clock() - started
+    if faults is not None:
+        faults.append((_minor_faults() - faulted) / requests)
     if counter is not None:
         counter.stop()
     return spent / requests * 1e6
@@ -262,6 +296,7 @@ async def _run_target(
     requests: int,
     evict: Callable[[], object] | None = None,
     counter: Any = None,
+    faults: dict[int, list[float]] | None = None,
 ) -> dict[int, float]:
     config = load_config(
         environ={},
@@ -281,8 +316,17 @@ async def _run_target(
         try:
             for prompt, body in bodies.items():
                 memory.answer = answers[prompt]
-                await _measure(app, body, max(50, requests // 10))  # warm-up: caches filled, as in B3
-                out[prompt] = await _measure(app, body, requests, evict, counter)
+                # Warm-up: caches filled, as in B3, and past the deferred accounting's queue of 256
+                # finished requests (drained when full here), so the heap has grown to its size.
+                await _measure(app, body, max(300, requests // 10))
+                out[prompt] = await _measure(
+                    app,
+                    body,
+                    requests,
+                    evict,
+                    counter,
+                    None if faults is None else faults.setdefault(prompt, []),
+                )
         finally:
             router.client = real
         if memory.sent < len(bodies) * requests:
@@ -316,6 +360,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="none|mem:KIB|code:N|switch:N",
         help="before every request, cold caches; each request timed on its own (none: the control)",
     )
+    parser.add_argument(
+        "--heap",
+        choices=("kept", "trim"),
+        default="kept",
+        help="kept: glibc keeps freed heap, as in the served router (default); trim: glibc's defaults",
+    )
     args = parser.parse_args(argv)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     prompts = [int(p) for p in args.prompt_tokens.split(",") if p.strip()]
@@ -325,8 +375,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         evict = evictor(args.evict) if args.evict else None
     except ValueError as exc:
         parser.error(str(exc))
+    if args.heap == "kept" and not keep_heap():
+        print(
+            "bench_split: no glibc mallopt here; the heap is glibc's default (see the faults)",
+            file=sys.stderr,
+        )
     bodies = {p: chat_body(p, False, model=FAST_MODEL) for p in prompts}
     figures: dict[tuple[str, int], list[float]] = {}
+    faults: dict[tuple[str, int], list[float]] = {}
     with (
         tempfile.TemporaryDirectory(prefix="kvroute-split-") as tmp,
         zero_delay_engines("fast", 2, Path(tmp)) as ups,
@@ -335,15 +391,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         for repeat in range(args.repeats):
             for target in targets:  # interleaved: every target once per repeat
                 policy, tok = target.removesuffix("+tok"), target.endswith("+tok")
-                got = asyncio.run(_run_target(policy, tok, ups, answers, bodies, args.requests, evict))
+                faulted: dict[int, list[float]] = {}
+                got = asyncio.run(
+                    _run_target(policy, tok, ups, answers, bodies, args.requests, evict, faults=faulted)
+                )
                 for prompt, us in got.items():
                     figures.setdefault((target, prompt), []).append(us)
+                    faults.setdefault((target, prompt), []).extend(faulted[prompt])
                     print(f"  r{repeat} {target:<20} {prompt:>6} tok  {us:7.1f} µs/request", file=sys.stderr)
-    print("| target | prompt tokens | router CPU µs/request, no network (median [range]) |")
-    print("|---|---|---|")
+    print(
+        "| target | prompt tokens | router CPU µs/request, no network (median [range]) "
+        "| minor page faults/request (median) |"
+    )
+    print("|---|---|---|---|")
     for (target, prompt), values in figures.items():
         print(
-            f"| {target} | {prompt} | {statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}] |"
+            f"| {target} | {prompt} | {statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}] "
+            f"| {statistics.median(faults[target, prompt]):.2f} |"
         )
     return 0
 
