@@ -19,7 +19,7 @@ that path costs with nothing else. Non-stream answers only. Figures are the main
 The harness keeps glibc's freed heap (``M_TRIM_THRESHOLD``, as ``--heap kept``): alone in its
 process the router's few ~50 KB buffers of a 16K-token request are the heap's top, which glibc
 hands back to the kernel after each request by default, so that every request faulted its pages in
-again (~15 minor faults and ~20-30 µs a request at 16K, 2026-12-05) where the served router does
+again (~11 minor faults and 21-32 µs a request at 16K, 2026-12-05) where the served router does
 not (60 faults in ~19,000 requests, c64 16K under wrk). ``--heap trim`` measures with glibc's
 defaults (the figures before 2026-12-05). The table gives the minor page faults a request.
 
