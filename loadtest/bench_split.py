@@ -233,7 +233,8 @@ def keep_heap() -> bool:
     """glibc's malloc told to keep up to 32 MiB of freed heap in this process (the module's
     docstring says why); False where there is no glibc (the figures then say how many faults)."""
     try:
-        os.confstr("CS_GNU_LIBC_VERSION")
+        if os.confstr("CS_GNU_LIBC_VERSION") is None:
+            return False
         libc = ctypes.CDLL(None)
         return bool(libc.mallopt(M_TRIM_THRESHOLD, KEPT_HEAP_BYTES))
     except (AttributeError, ValueError, OSError):
