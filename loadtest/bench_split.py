@@ -229,15 +229,22 @@ M_TRIM_THRESHOLD = -1
 KEPT_HEAP_BYTES = 32 * 1024 * 1024
 
 
+def glibc() -> bool:
+    """Whether this process runs on glibc (whose malloc ``keep_heap`` tunes)."""
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION") is not None
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
 def keep_heap() -> bool:
     """glibc's malloc told to keep up to 32 MiB of freed heap in this process (the module's
     docstring says why); False where there is no glibc (the figures then say how many faults)."""
+    if not glibc():
+        return False
     try:
-        if os.confstr("CS_GNU_LIBC_VERSION") is None:
-            return False
-        libc = ctypes.CDLL(None)
-        return bool(libc.mallopt(M_TRIM_THRESHOLD, KEPT_HEAP_BYTES))
-    except (AttributeError, ValueError, OSError):
+        return bool(ctypes.CDLL(None).mallopt(M_TRIM_THRESHOLD, KEPT_HEAP_BYTES))
+    except (AttributeError, OSError):
         return False
 
 

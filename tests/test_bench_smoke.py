@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -10,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from loadtest.bench_split import glibc
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,15 +90,8 @@ def test_bench_split_prints_each_target_and_size() -> None:
         assert row and int(row.group(1)) > 0, out
 
 
-def _glibc() -> bool:
-    try:
-        return os.confstr("CS_GNU_LIBC_VERSION") is not None
-    except (AttributeError, ValueError, OSError):
-        return False
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _glibc(), reason="glibc's malloc only")
+@pytest.mark.skipif(not glibc(), reason="glibc's malloc only")
 def test_bench_split_keeps_the_heap_so_a_16k_request_does_not_fault_its_buffers_in() -> None:
     """The in-process split must not time page faults the served router does not pay: with glibc's
     default trim, each 16K-token request faulted its ~50 KB buffers in again (~10 a request, ~20-30
