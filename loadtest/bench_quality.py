@@ -43,6 +43,7 @@ from kvcore.core import (
 from kvcore.stats import median_span, percentiles
 from policies.costs import RECOMPUTE_BELOW
 from sim.des import (
+    ESCALATE_PICKS,
     SPLIT_CACHED_FRACTION_KEY,
     TTFT_SPLIT_KEYS,
     FleetSimulator,
@@ -155,6 +156,37 @@ EXTERN_SUFFIX = "+extern"
 EXTERN_FORMS = ("sequence", "new")
 
 
+#: A scheduling spec containing ``+escalate:E`` (anywhere after the order) escalates turns on
+#: priority engines (round q24): a turn with no first token E seconds after it arrived is aborted
+#: and sent again at priority 0 (``SimConfig.escalate_after_s``); ``+escalate:E:PICK`` also names
+#: where it is sent (``SimConfig.escalate_pick``, one of ``sim.des.ESCALATE_PICKS``; default same).
+ESCALATE_SUFFIX = "+escalate"
+
+
+def escalate_of(spec: str) -> tuple[str, float | None, str]:
+    """(the scheduling spec without its ESCALATE_SUFFIX part, E seconds: None without the suffix,
+    the pick)."""
+    if ESCALATE_SUFFIX not in spec:
+        return spec, None, ESCALATE_PICKS[0]
+    head, _, tail = spec.partition(ESCALATE_SUFFIX)
+    usage = (
+        f"--scheduling {spec!r}: write {ESCALATE_SUFFIX}:E or {ESCALATE_SUFFIX}:E:PICK (E > 0 seconds,"
+        f" PICK one of {', '.join(ESCALATE_PICKS)}; priority engines only)"
+    )
+    body, plus, rest = tail.partition("+")
+    fields = body[1:].split(":") if body.startswith(":") else []
+    if not head.startswith("priority") or not 1 <= len(fields) <= 2:
+        raise ValueError(usage)
+    try:
+        after_s = float(fields[0])
+    except ValueError:
+        raise ValueError(f"{usage}: E must be a number") from None
+    pick = fields[1] if len(fields) > 1 else ESCALATE_PICKS[0]
+    if not after_s > 0 or math.isinf(after_s) or pick not in ESCALATE_PICKS:
+        raise ValueError(usage)
+    return head + plus + rest, after_s, pick
+
+
 def _switch_of(spec: str, suffix: str) -> tuple[str, bool]:
     """(the scheduling spec without ``suffix``, a switch with no value, whether it had it)."""
     if suffix not in spec:
@@ -190,9 +222,9 @@ def extern_of(spec: str) -> tuple[str, str | None]:
 
 
 def hold_of(spec: str) -> Hold:
-    """The scheduling spec without its HOLD_SUFFIX part (and without FLOOR_SUFFIX and
-    EXTERN_SUFFIX), and the hold that part names."""
-    spec = extern_of(floor_of(spec)[0])[0]
+    """The scheduling spec without its HOLD_SUFFIX part (and without FLOOR_SUFFIX, EXTERN_SUFFIX
+    and ESCALATE_SUFFIX), and the hold that part names."""
+    spec = escalate_of(extern_of(floor_of(spec)[0])[0])[0]
     head, sep, tail = spec.partition(HOLD_SUFFIX)
     if not sep:
         return Hold(spec)
@@ -415,6 +447,8 @@ def sim_config(cell: Cell, **extra: Any) -> SimConfig:
         deadline_floor=floor_of(cell.scheduling)[1],
         externality=extern_of(cell.scheduling)[1] is not None,
         externality_new_blocks=extern_of(cell.scheduling)[1] == "new",
+        escalate_after_s=escalate_of(cell.scheduling)[1],
+        escalate_pick=escalate_of(cell.scheduling)[2],
         **extra,
     )
 
@@ -819,7 +853,9 @@ def build_parser() -> argparse.ArgumentParser:
         " ORDER fcfs or priority and routes each among all engines or only those with room; :recompute holds"
         f" only turns every engine holds less than X of, default {PRIORITY_RECOMPUTE_BELOW}; :max:M"
         " routes a turn held M seconds then; :aged counts a held turn's deadline on a priority engine from"
-        " its arrival, not its release)",
+        " its arrival, not its release); a priority spec may carry +escalate:E[:PICK] (a turn with no first"
+        " token E seconds after it arrived is aborted and sent again at priority 0, to the same engine or,"
+        " with PICK route, wherever the policy routes it then)",
     )
     p.add_argument(
         "--tail-reference",

@@ -18,6 +18,7 @@ import itertools
 import json
 import math
 import random
+import re
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -203,8 +204,9 @@ def _fmt_h(h: float) -> str:
 def _beyond_bound(scheduling: str) -> str:
     """What a scheduling spec sets past its S:H (the relative bound K, the priced wait, ...), shown
     after H so that points differing only there are told apart: "" when nothing."""
-    rest = scheduling.split(":")[3:]
-    return f" (+ :{':'.join(rest)})" if rest else ""
+    head = re.match(r"[^:+]*(?::[^:+]*){0,2}", scheduling)
+    rest = scheduling[head.end() if head else 0 :]
+    return f" (+ {rest})" if rest else ""
 
 
 def markdown(rows: Sequence[dict[str, Any]], refs: dict[Cell, Key], pts: Sequence[Point]) -> str:

@@ -118,6 +118,11 @@ _AT_CORE = 6  # the engine's API server hands the request to its engine core
 _OUT_API = 7  # the engine's API server has sent one step's tokens of a request (to the router)
 _OUT = 8  # the client has them
 _HOLD_DUE = 9  # a held turn's hold bound (SimConfig.hold_max_s) is reached
+_ESCALATE = 10  # a turn's escalation time (SimConfig.escalate_after_s) is reached
+
+#: Where an escalated turn is sent again (``SimConfig.escalate_pick``): "same" = the engine it was
+#: on (its computed blocks are cached there), "route" = wherever the policy routes it now.
+ESCALATE_PICKS = ("same", "route")
 
 
 def prior_costs(profile: EngineProfile) -> EngineCosts:
@@ -233,6 +238,15 @@ class SimConfig:
     #: on its engine. A turn routed on arrival gets the same deadline either way. Off = round q10's
     #: hold. Needs some engine with ``scheduling_policy="priority"``.
     hold_aged: bool = False
+    #: Escalation (round q24): None = off. Else E seconds: a turn on a priority engine with no
+    #: first token E seconds after it arrived is aborted there and sent again with priority 0, the
+    #: most urgent (ahead of every deadline; escalated turns first come among themselves), as a
+    #: router would on a first-byte deadline: vLLM aborts a request whose client connection closes
+    #: and keeps its computed full blocks in the prefix cache, so the re-sent request finds them.
+    #: The turn's TTFT still counts from its arrival. > 0; fleets without server stages only.
+    escalate_after_s: float | None = None
+    #: Where an escalated turn is sent (``ESCALATE_PICKS``).
+    escalate_pick: str = "same"
     #: Split each turn's measured TTFT into where it went on the engine and keep it beside the
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
     #: server stages only.
@@ -371,6 +385,8 @@ class SimResult:
     load_imbalance: float
     preemptions: int
     wall_s: float
+    #: Turns aborted and sent again at the most urgent priority (``SimConfig.escalate_after_s``).
+    escalations: int = 0
     #: Requests the engine refused (prompt larger than its GPU pool or max_model_len).
     rejected: int = 0
     #: How true the router's TTFT predictions were: sum of the engines' TTFTs (sent -> first token)
@@ -592,6 +608,25 @@ class FleetSimulator:
             raise ValueError("hold_wait_s needs a fleet without server stages (api_server, router_stage)")
         if cfg.hold_aged and all(s.profile.scheduling_policy != "priority" for s in fleet.engines):
             raise ValueError("hold_aged ages the priority sent to priority engines: the fleet has none")
+        if cfg.escalate_pick not in ESCALATE_PICKS:
+            raise ValueError(
+                f"escalate_pick {cfg.escalate_pick!r} is unknown; accepted: {', '.join(ESCALATE_PICKS)}"
+            )
+        if cfg.escalate_after_s is not None:
+            if not cfg.escalate_after_s > 0:
+                raise ValueError(f"escalate_after_s must be > 0 seconds, got {cfg.escalate_after_s}")
+            if fleet.api_server is not None or fleet.router_stage is not None:
+                raise ValueError(
+                    "escalate_after_s needs a fleet without server stages (api_server, router_stage)"
+                )
+            if all(s.profile.scheduling_policy != "priority" for s in fleet.engines):
+                raise ValueError(
+                    "escalate_after_s re-sends turns at a higher priority: the fleet has no priority engine"
+                )
+        #: Turns escalated so far (``SimResult.escalations``), and each re-sent request's turn id
+        #: (the first request id: what ``SimResult.ttft_by_request_s`` is keyed by).
+        self._escalations = 0
+        self._turn_of: dict[str, str] = {}
         #: The time the deadline of the request being routed counts from: ``_route_now``, or its
         #: arrival at the router with ``hold_aged``.
         self._route_from = 0.0
@@ -798,6 +833,8 @@ class FleetSimulator:
                 return
             r, sim_req = routed
             reqs[r.request_id] = r
+            if escalate_s is not None and self.cores[r.engine].profile.scheduling_policy == "priority":
+                push(max(t, sent_s + escalate_s), _ESCALATE, r.request_id)
             arrived += 1
             routed_tokens[r.engine] += r.prompt_tokens
             if cfg.track_ideal:
@@ -813,6 +850,10 @@ class FleetSimulator:
             if not slowed and self.fleet.slowdown_engine is not None and arrived >= slowdown_at:
                 slowed = True
                 self._slow_down(self.fleet.slowdown_engine, self.fleet.slowdown_factor)
+
+        escalate_s = cfg.escalate_after_s
+        #: Request ids aborted by an escalation: their "abort" finishes are not their turn's end.
+        escalated: set[str] = set()
 
         # Late binding (SimConfig.hold_wait_s): the router's hold queue of (key, arrival seq, slot,
         # turn, arrival time); the key is the arrival seq (fcfs) or the turn's priority level.
@@ -846,6 +887,9 @@ class FleetSimulator:
                 else:
                     self._on_step(i, out, now, reqs, states, ttfts, push)
                 for fin in out.finished:
+                    if fin.request_id in escalated:  # the turn goes on under its re-sent id
+                        escalated.discard(fin.request_id)
+                        continue
                     finished += 1
                     if self.tracer is not None:
                         self._cached_by_request[fin.request_id] = fin.cached_tokens_by_tier
@@ -934,6 +978,21 @@ class FleetSimulator:
                     nci = order[open_order_pos]
                     open_order_pos += 1
                     push(max(now, convs[nci].start_s), _START_CONV, nci)
+            elif kind == _ESCALATE:
+                waiting = reqs.get(payload)
+                if waiting is not None and waiting.reservation.first_token_s is None:
+                    del reqs[waiting.request_id]
+                    escalated.add(waiting.request_id)
+                    again = self._escalate(waiting, states[waiting.conv_slot], uses_index, now)
+                    if not busy[waiting.engine]:  # it reports the abort in its next step
+                        start_step(waiting.engine, now)
+                    if again is None:
+                        rejected += 1
+                        after_turn(waiting.conv_slot, waiting.turn, now)
+                    else:
+                        reqs[again.request_id] = again
+                        if not busy[again.engine]:
+                            start_step(again.engine, now)
             elif kind == _HOLD_DUE:
                 bound = holding.pop(payload, None)
                 if bound is not None:  # still held: routed now, room or not
@@ -979,6 +1038,7 @@ class FleetSimulator:
             load_imbalance=max(routed_tokens) / mean_routed if mean_routed else 1.0,
             preemptions=preemptions,
             wall_s=time.perf_counter() - wall0,
+            escalations=self._escalations,
             rejected=rejected,
             ttft_over_predicted=self.core.ttft_over_predicted(),
             ttfts_s=ttfts,
@@ -1048,12 +1108,16 @@ class FleetSimulator:
         *,
         admit: bool = True,
         engines: list[EngineView] | None = None,
+        escalation: int = 0,
     ) -> tuple[_Req, SimRequest] | None:
         """Route turn ``k`` (sent by the client at ``sent_s``) at ``now`` among ``engines`` (default
         every one); ``admit``: hand it to the engine core now (None if the core refuses it), else the
-        caller does (``_admit``)."""
+        caller does (``_admit``). ``escalation`` > 0: the turn's n-th re-send (``_escalate``): its
+        own request id, priority 0 on a priority engine."""
         turn = cs.conv.turns[k]
         route, tokens = self._route_request(cs, k)
+        if escalation:
+            route.request_id = f"{route.request_id}!{escalation}"
         keys = route.block_keys
         prompt_tokens = route.prompt_tokens
         request_id = route.request_id
@@ -1103,7 +1167,7 @@ class FleetSimulator:
         if self.sequences is not None:
             self.sequences.place(request_id, reservation.engine_id, prompt_tokens, turn.output_tokens)
         if engine_core.profile.scheduling_policy == "priority":
-            sim_req.priority = self._priority(reservation.parts, self._route_from)
+            sim_req.priority = 0 if escalation else self._priority(reservation.parts, self._route_from)
             if self.tracer is not None:
                 self.tracer.records[-1]["priority"] = sim_req.priority
             if self.sequences is not None:
@@ -1121,6 +1185,32 @@ class FleetSimulator:
         if admit and not self._admit(r, sim_req, now):
             return None
         return r, sim_req
+
+    def _escalate(self, r: _Req, cs: _Conv, uses_index: bool, now: float) -> _Req | None:
+        """Escalation (``SimConfig.escalate_after_s``): abort ``r`` on its engine (its computed full
+        blocks stay cached there), release it in the router as a request whose client left, and send
+        the turn again at priority 0 to ``SimConfig.escalate_pick``; its TTFT still counts from
+        ``r.arrival_s``. None if the engine refuses the re-sent request."""
+        self.cores[r.engine].abort_request(r.request_id)
+        self.core.on_finished(r.reservation, Outcome(ok=False, client_gone=True), now)
+        if self.sequences is not None:
+            self.sequences.finish(r.request_id, now)
+        self._escalations += 1
+        engines = [self.views[r.engine]] if self.config.escalate_pick == "same" else None
+        routed = self._route(
+            cs,
+            r.conv_slot,
+            r.turn,
+            now,
+            uses_index,
+            r.arrival_s,
+            engines=engines,
+            escalation=self._escalations,
+        )
+        if routed is None:
+            return None
+        self._turn_of[routed[0].request_id] = self._turn_of.pop(r.request_id, r.request_id)
+        return routed[0]
 
     def _rooms(self) -> list[bool]:
         """Per engine: whether it has room now (``policies.costs.has_room`` on the router's load)."""
@@ -1215,14 +1305,17 @@ class FleetSimulator:
                 if self.sequences is not None:
                     self.sequences.first_token(rid, now)
                 ttfts.append(now - r.arrival_s)
-                self._ttft_by_request[rid] = now - r.arrival_s
+                turn_id = self._turn_of.pop(rid, rid)  # an escalated turn: its first id
+                self._ttft_by_request[turn_id] = now - r.arrival_s
                 records = self.cores[i].wait_records
                 if records is not None:
                     split = ttft_split(records.pop(rid), r.arrival_s, r.reservation.parts)
-                    split[SPLIT_CACHED_FRACTION_KEY] = self._cached_fraction.pop(rid, 0.0)
-                    self._ttft_split[rid] = split
+                    split[SPLIT_CACHED_FRACTION_KEY] = self._cached_fraction.pop(turn_id, 0.0)
+                    self._ttft_split[turn_id] = split
         for fin in out.finished:
-            self._on_finished(reqs[fin.request_id], fin, now)
+            r = reqs.get(fin.request_id)
+            if r is not None:  # None: aborted by an escalation (``_escalate`` released it)
+                self._on_finished(r, fin, now)
         if out.events:
             push(now + self.config.event_delay_s, _DELIVER, (i, out.events))
 

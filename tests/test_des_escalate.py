@@ -1,0 +1,183 @@
+"""Escalation in the simulator (issue 27, round q24): a turn on a priority engine with no first token
+``SimConfig.escalate_after_s`` after it arrived is aborted there and sent again at priority 0.
+Virtual time, the real DES, engines and policies; a wrapping policy only records each route."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from loadtest.bench_quality import Cell, escalate_of, hold_of, parse_scheduling, sim_config
+from loadtest.frontier import _beyond_bound
+from sim.des import ESCALATE_PICKS, FleetSimulator, SimConfig
+from sim.engine import EngineProfile
+from sim.fleets import EngineSpec, FleetSpec
+from sim.frontend import ServerStage
+from sim.workloads import Conversation, Turn, Workload
+from tests.test_admission_wait import _tight_fleet, _workload
+from tests.test_des_hold import _Recorder
+
+
+def _one_at_a_time(engines: int = 1) -> FleetSpec:
+    """Priority engines that run one request at a time (``max_num_seqs`` 1): a waiting turn is
+    admitted only when the running one finishes, the most urgent first."""
+    profile = EngineProfile(block_size=16, num_gpu_blocks=8192, max_num_seqs=1, scheduling_policy="priority")
+    return FleetSpec([EngineSpec(f"e{i}", profile) for i in range(engines)])
+
+
+def _starved() -> Workload:
+    """c0 (100 blocks) takes the engine; c1, a long recompute (1,000 blocks, 16,000 tokens: its
+    deadline the bound H, 10 s, away), arrives 1 ms later; from 0.04 s on, a short turn (50 blocks,
+    ~0.06 s of service, its deadline ~0.7 s away) arrives every 0.04 s for 3 s: a backlog that
+    grows, each short turn more urgent than c1."""
+
+    def single(name: str, first_id: int, blocks: int, at_s: float) -> Conversation:
+        ids = list(range(first_id, first_id + blocks))
+        return Conversation(name, [Turn(blocks * 16, 4, ids, at_s=0.0)], start_s=at_s)
+
+    convs = [single("c0", 10_000, 100, 0.0), single("c1", 20_000, 1_000, 0.001)]
+    convs += [single(f"s{i:02d}", 100_000 + 1_000 * i, 50, 0.04 * (i + 1)) for i in range(75)]
+    return Workload("starved", 16, convs)
+
+
+def _run(
+    wl: Workload, fleet: FleetSpec, policy: str = "kv_fixed_credit", **config: object
+) -> tuple[_Recorder, object]:
+    recorder = _Recorder(policy)
+    sim = FleetSimulator(wl, recorder, fleet, SimConfig(seed=1, calibrate=False, **config))  # type: ignore[arg-type]
+    return recorder, sim.run()
+
+
+def test_a_starved_turn_is_re_sent_at_the_top_and_served_next() -> None:
+    """Without escalation c1 waits until the short turns stop (each is more urgent when it comes);
+    escalated at 1 s it is aborted, routed again on its engine (the only one offered) at 1 s, and
+    admitted when the running short turn ends: its first token comes before every short turn that
+    arrived after its escalation. Its TTFT counts from its arrival and is recorded under its first
+    id; every turn finishes once; the engine counts the abort."""
+    wl = _starved()
+    _, plain = _run(wl, _one_at_a_time())
+    ttfts = plain.ttft_by_request_s  # type: ignore[attr-defined]
+    first_token = {rid: wl_start + ttfts[rid] for rid, wl_start in _arrivals(wl).items()}
+    assert first_token["c1#0"] > max(t for rid, t in first_token.items() if rid.startswith("s"))
+    assert plain.escalations == 0  # type: ignore[attr-defined]
+
+    recorder, run = _run(wl, _one_at_a_time(), escalate_after_s=1.0)
+    routes = [(rid, t, engines) for rid, t, engines in recorder.routes if rid.startswith("c1")]
+    assert [rid for rid, _, _ in routes] == ["c1#0", "c1#0!1"]
+    assert routes[1][1] == pytest.approx(0.001 + 1.0) and routes[1][2] == ("e0",)
+    ttfts = run.ttft_by_request_s  # type: ignore[attr-defined]
+    assert sorted(ttfts) == sorted(_arrivals(wl))  # every turn once, under its first id
+    first_token = {rid: at + ttfts[rid] for rid, at in _arrivals(wl).items()}
+    after = [rid for rid, at in _arrivals(wl).items() if rid.startswith("s") and at > 1.001]
+    assert after and all(first_token["c1#0"] < first_token[rid] for rid in after)
+    # Served next: after the short turn running at 1 s (~0.06 s) and its own ~0.8 s of prefill.
+    assert first_token["c1#0"] < 1.001 + 0.1 + 0.9
+    # Only turns with no first token 1 s after they arrived were escalated (the backlog's too), once.
+    resent = [rid.partition("!")[0] for rid, _, _ in recorder.routes if "!" in rid]
+    assert len(resent) == len(set(resent)) == run.escalations  # type: ignore[attr-defined]
+    assert all(ttfts[rid] > 1.0 for rid in resent)
+    assert run.requests == len(wl.conversations)  # type: ignore[attr-defined]
+    assert ttfts["c1#0"] < plain.ttft_by_request_s["c1#0"]  # type: ignore[attr-defined]
+
+
+def test_escalated_to_another_engine_the_policy_routes_it_among_all() -> None:
+    """PICK route: the re-sent turn is offered every engine (the policy chooses again)."""
+    recorder, run = _run(_starved(), _one_at_a_time(engines=2), escalate_after_s=0.05, escalate_pick="route")
+    resent = [engines for rid, _, engines in recorder.routes if "!" in rid]
+    assert resent and all(engines == ("e0", "e1") for engines in resent)
+    assert run.escalations == len(resent)  # type: ignore[attr-defined]
+    assert run.requests == len(_starved().conversations)  # type: ignore[attr-defined]
+
+
+def test_an_escalation_that_never_fires_is_the_run_without_it() -> None:
+    """E longer than any wait: nothing is escalated and the run is the one without it to the digit."""
+    fleet = _tight_fleet("priority")
+    plain = FleetSimulator(_workload(), "tier_cost", fleet, SimConfig(seed=3)).run()
+    for pick in ESCALATE_PICKS:
+        config = SimConfig(seed=3, escalate_after_s=1e6, escalate_pick=pick)
+        run = FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), config).run()
+        assert run.escalations == 0
+        assert run.ttft_by_request_s == plain.ttft_by_request_s and run.hit == plain.hit
+
+
+def test_escalation_on_a_busy_fleet_keeps_every_turn_and_its_id() -> None:
+    """A short E on the tight fleet escalates several turns: each turn still ends once and keeps its
+    first id, and each abort is counted by its engine."""
+    config = SimConfig(seed=3, escalate_after_s=0.05)
+    sim = FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), config)
+    run = sim.run()
+    plain = FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), SimConfig(seed=3)).run()
+    assert run.escalations > 3
+    assert sorted(run.ttft_by_request_s) == sorted(plain.ttft_by_request_s)
+    assert run.requests == plain.requests
+    assert sum(c.stats().num_aborted for c in sim.cores) == run.escalations
+
+
+def _arrivals(wl: Workload) -> dict[str, float]:
+    return {f"{c.conversation_id}#0": c.start_s for c in wl.conversations}
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"escalate_after_s": 0.0}, "escalate_after_s must be > 0 seconds"),
+        ({"escalate_after_s": math.nan}, "escalate_after_s must be > 0 seconds"),
+        (
+            {"escalate_after_s": 1.0, "escalate_pick": "far"},
+            "escalate_pick 'far' is unknown; accepted: same, route",
+        ),
+    ],
+)
+def test_the_simulator_refuses_a_bad_escalation(config: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), SimConfig(**config))  # type: ignore[arg-type]
+
+
+def test_escalation_is_refused_without_priority_engines_or_with_server_stages() -> None:
+    with pytest.raises(ValueError, match="the fleet has no priority engine"):
+        FleetSimulator(_workload(), "tier_cost", _tight_fleet("fcfs"), SimConfig(escalate_after_s=1.0))
+    fleet = dataclasses.replace(_tight_fleet("priority"), api_server=ServerStage())
+    with pytest.raises(ValueError, match="escalate_after_s needs a fleet without server stages"):
+        FleetSimulator(_workload(), "tier_cost", fleet, SimConfig(escalate_after_s=1.0))
+
+
+def test_bench_quality_reads_the_escalation() -> None:
+    assert escalate_of("priority:20:inf") == ("priority:20:inf", None, "same")
+    assert escalate_of("priority:20:inf+escalate:50") == ("priority:20:inf", 50.0, "same")
+    assert escalate_of("priority:20:40+escalate:30:route+hold:2") == ("priority:20:40+hold:2", 30.0, "route")
+    assert parse_scheduling("priority:20:40+escalate:30") == ("priority", 20.0, 40.0, math.inf, "all")
+    assert hold_of("priority:20:40+escalate:30+hold:2").wait_s == 2.0
+    cell = Cell("b1", "none", "tier_cost", 1, scheduling="priority:20:40+escalate:30:route")
+    config = sim_config(cell)
+    assert (config.escalate_after_s, config.escalate_pick) == (30.0, "route")
+    assert sim_config(dataclasses.replace(cell, scheduling="priority:20:40")).escalate_after_s is None
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "fcfs+escalate:30",
+        "priority+escalate",
+        "priority+escalate:",
+        "priority+escalate:0",
+        "priority+escalate:-1",
+        "priority+escalate:inf",
+        "priority+escalate:x",
+        "priority+escalate:30:far",
+        "priority+escalate:30:same:more",
+    ],
+)
+def test_bench_quality_refuses_a_bad_escalation(spec: str) -> None:
+    with pytest.raises(ValueError, match=r"\+escalate:E or \+escalate:E:PICK"):
+        escalate_of(spec)
+
+
+def test_the_frontier_tells_points_apart_by_their_suffixes() -> None:
+    """A point's row shows what its spec sets past S:H, suffixes included (``+floor`` and
+    ``+escalate`` were dropped before round q24: two points read as one)."""
+    assert _beyond_bound("priority:20:inf") == ""
+    assert _beyond_bound("priority:20:inf:2") == " (+ :2)"
+    assert _beyond_bound("priority:20:inf+escalate:50") == " (+ +escalate:50)"
+    assert _beyond_bound("priority:20:30+floor") == " (+ +floor)"
