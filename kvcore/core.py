@@ -347,6 +347,12 @@ HOLD_ORDERS = ("fcfs", "priority")
 #: without the hold) or "room" (only those with room, ``policies.costs.has_room``).
 HOLD_PICKS = ("all", "room")
 
+#: Escalation (issue 27, round q24; ``costs.priority_escalate_pick``, ``SimConfig.escalate_pick``):
+#: where a request with no first token E s after it arrived is sent again at priority 0: "same" =
+#: the engine it was on (its computed blocks are cached there), "route" = wherever the policy routes
+#: it then.
+ESCALATE_PICKS = ("same", "route")
+
 
 def check_hold_wait(wait_s: float, what: str) -> None:
     """ValueError naming ``what`` unless ``wait_s`` is > 0 seconds (inf allowed: never holds): an

@@ -25,6 +25,7 @@ import numpy as np
 
 from kvcore.core import (
     ADMISSION_FORMS,
+    ESCALATE_PICKS,
     HOLD_ORDERS,
     HOLD_PICKS,
     PRIORITY_FCFS_FACTOR,
@@ -43,7 +44,7 @@ from kvcore.core import (
 from kvcore.stats import median_span, percentiles
 from policies.costs import RECOMPUTE_BELOW
 from sim.des import (
-    ESCALATE_PICKS,
+    ESCALATE_ABORTS,
     SPLIT_CACHED_FRACTION_KEY,
     TTFT_SPLIT_KEYS,
     FleetSimulator,
@@ -157,34 +158,46 @@ EXTERN_FORMS = ("sequence", "new")
 
 
 #: A scheduling spec containing ``+escalate:E`` (anywhere after the order) escalates turns on
-#: priority engines (round q24): a turn with no first token E seconds after it arrived is aborted
+#: priority engines (round q24): a turn with no first token E seconds after it arrived is cancelled
 #: and sent again at priority 0 (``SimConfig.escalate_after_s``); ``+escalate:E:PICK`` also names
-#: where it is sent (``SimConfig.escalate_pick``, one of ``sim.des.ESCALATE_PICKS``; default same).
+#: where it is sent (``SimConfig.escalate_pick``, one of ``kvcore.core.ESCALATE_PICKS``; default
+#: same), ``+escalate:E:PICK:ABORT`` when the engine drops the first request
+#: (``SimConfig.escalate_abort``, one of ``sim.des.ESCALATE_ABORTS``; default now; first_token is
+#: what vLLM 0.32 does to a stream).
 ESCALATE_SUFFIX = "+escalate"
 
 
-def escalate_of(spec: str) -> tuple[str, float | None, str]:
-    """(the scheduling spec without its ESCALATE_SUFFIX part, E seconds: None without the suffix,
-    the pick)."""
+class Escalation(NamedTuple):
+    """A scheduling spec's escalation (``escalate_of``): after_s None = none."""
+
+    spec: str
+    after_s: float | None = None
+    pick: str = ESCALATE_PICKS[0]
+    abort: str = ESCALATE_ABORTS[0]
+
+
+def escalate_of(spec: str) -> Escalation:
+    """The scheduling spec without its ESCALATE_SUFFIX part, and the escalation it names."""
     if ESCALATE_SUFFIX not in spec:
-        return spec, None, ESCALATE_PICKS[0]
+        return Escalation(spec)
     head, _, tail = spec.partition(ESCALATE_SUFFIX)
     usage = (
-        f"--scheduling {spec!r}: write {ESCALATE_SUFFIX}:E or {ESCALATE_SUFFIX}:E:PICK (E > 0 seconds,"
-        f" PICK one of {', '.join(ESCALATE_PICKS)}; priority engines only)"
+        f"--scheduling {spec!r}: write {ESCALATE_SUFFIX}:E[:PICK[:ABORT]] (E > 0 seconds, PICK one of"
+        f" {', '.join(ESCALATE_PICKS)}, ABORT one of {', '.join(ESCALATE_ABORTS)}; priority engines only)"
     )
     body, plus, rest = tail.partition("+")
     fields = body[1:].split(":") if body.startswith(":") else []
-    if not head.startswith("priority") or not 1 <= len(fields) <= 2:
+    if not head.startswith("priority") or not 1 <= len(fields) <= 3:
         raise ValueError(usage)
     try:
         after_s = float(fields[0])
     except ValueError:
         raise ValueError(f"{usage}: E must be a number") from None
     pick = fields[1] if len(fields) > 1 else ESCALATE_PICKS[0]
-    if not after_s > 0 or math.isinf(after_s) or pick not in ESCALATE_PICKS:
+    abort = fields[2] if len(fields) > 2 else ESCALATE_ABORTS[0]
+    if not after_s > 0 or math.isinf(after_s) or pick not in ESCALATE_PICKS or abort not in ESCALATE_ABORTS:
         raise ValueError(usage)
-    return head + plus + rest, after_s, pick
+    return Escalation(head + plus + rest, after_s, pick, abort)
 
 
 def _switch_of(spec: str, suffix: str) -> tuple[str, bool]:
@@ -224,7 +237,7 @@ def extern_of(spec: str) -> tuple[str, str | None]:
 def hold_of(spec: str) -> Hold:
     """The scheduling spec without its HOLD_SUFFIX part (and without FLOOR_SUFFIX, EXTERN_SUFFIX
     and ESCALATE_SUFFIX), and the hold that part names."""
-    spec = escalate_of(extern_of(floor_of(spec)[0])[0])[0]
+    spec = escalate_of(extern_of(floor_of(spec)[0])[0]).spec
     head, sep, tail = spec.partition(HOLD_SUFFIX)
     if not sep:
         return Hold(spec)
@@ -425,6 +438,7 @@ def sim_config(cell: Cell, **extra: Any) -> SimConfig:
     _, admission_form, recompute_below = admission_of(cell.scheduling)
     _, recompute_fcfs_factor, priority_recompute_below = recompute_bound_of(cell.scheduling)
     hold = hold_of(cell.scheduling)
+    escalation = escalate_of(cell.scheduling)
     return SimConfig(
         seed=cell.seed,
         priority_stretch=stretch,
@@ -447,8 +461,9 @@ def sim_config(cell: Cell, **extra: Any) -> SimConfig:
         deadline_floor=floor_of(cell.scheduling)[1],
         externality=extern_of(cell.scheduling)[1] is not None,
         externality_new_blocks=extern_of(cell.scheduling)[1] == "new",
-        escalate_after_s=escalate_of(cell.scheduling)[1],
-        escalate_pick=escalate_of(cell.scheduling)[2],
+        escalate_after_s=escalation.after_s,
+        escalate_pick=escalation.pick,
+        escalate_abort=escalation.abort,
         **extra,
     )
 
@@ -853,9 +868,11 @@ def build_parser() -> argparse.ArgumentParser:
         " ORDER fcfs or priority and routes each among all engines or only those with room; :recompute holds"
         f" only turns every engine holds less than X of, default {PRIORITY_RECOMPUTE_BELOW}; :max:M"
         " routes a turn held M seconds then; :aged counts a held turn's deadline on a priority engine from"
-        " its arrival, not its release); a priority spec may carry +escalate:E[:PICK] (a turn with no first"
-        " token E seconds after it arrived is aborted and sent again at priority 0, to the same engine or,"
-        " with PICK route, wherever the policy routes it then)",
+        " its arrival, not its release); a priority spec may carry +escalate:E[:PICK[:ABORT]] (a turn with no"
+        " first token E seconds after it arrived is cancelled and sent again at priority 0, to the same"
+        " engine or, with PICK route, wherever the policy routes it then; ABORT now, the default: the"
+        " engine drops the first request at once; first_token: at its first token, as vLLM 0.32 does to a"
+        " stream)",
     )
     p.add_argument(
         "--tail-reference",

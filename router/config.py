@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from kvcore.core import (
+    ESCALATE_PICKS,
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_RECOMPUTE_BELOW,
@@ -253,6 +255,14 @@ class CostsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     priority_fcfs_factor: float = PRIORITY_FCFS_FACTOR
     priority_recompute_fcfs_factor: float = PRIORITY_RECOMPUTE_FCFS_FACTOR
     priority_recompute_below: float = PRIORITY_RECOMPUTE_BELOW
+    #: Escalation (docs/routing.md, "Escalation"): a stream sent to a priority engine with the
+    #: router's priority and no first event ``priority_escalate_after_s`` seconds after its body
+    #: arrived is cancelled there (its connection closed: vLLM aborts the request and keeps its
+    #: computed blocks cached) and sent again with priority 0, ahead of every deadline, to
+    #: ``priority_escalate_pick``: "same" (the engine it was on) or "route" (where the policy routes
+    #: it then). 0 = off. Streams only: a non-stream answer shows no first token before its end.
+    priority_escalate_after_s: float = 0.0
+    priority_escalate_pick: str = "same"
 
 
 class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -691,6 +701,19 @@ def _validate_index_events_costs(config: RouterConfig) -> None:
         check_recompute_below(config.costs.priority_recompute_below, "costs.priority_recompute_below")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    escalate_s = config.costs.priority_escalate_after_s
+    if not (escalate_s >= 0 and math.isfinite(escalate_s)):
+        raise ConfigError(f"costs.priority_escalate_after_s must be >= 0 seconds (0 = off), got {escalate_s}")
+    if config.costs.priority_escalate_pick not in ESCALATE_PICKS:
+        raise ConfigError(
+            f"costs.priority_escalate_pick must be one of {', '.join(ESCALATE_PICKS)},"
+            f" got {config.costs.priority_escalate_pick!r}"
+        )
+    if escalate_s > 0 and config.proxy.callback_path:
+        raise ConfigError(
+            "costs.priority_escalate_after_s is not implemented on proxy.callback_path: set one of them"
+            " off (the callback path's first attempt is sent with the first-byte budget only)"
+        )
     if config.costs.scrape_interval_s < 0:
         raise ConfigError(
             f"costs.scrape_interval_s must be >= 0 (0 disables), got {config.costs.scrape_interval_s}"

@@ -251,6 +251,13 @@ class RouterMetrics:
             ("engine", "source"),
             registry=self.registry,
         )
+        self.escalations = Counter(
+            "kvroute_escalations",
+            "Streams with no first event costs.priority_escalate_after_s after they arrived, cancelled"
+            " on this engine and sent again with priority 0",
+            ("engine",),
+            registry=self.registry,
+        )
         self.event_source_silent = Gauge(
             "kvroute_event_source_silent",
             "1 when the engine served traffic but its KV-event source published nothing since",
@@ -318,6 +325,9 @@ class RouterMetrics:
                 gauge.set((engine_id,), count)
 
         gauge.before_collect = read
+
+    def escalated(self, engine_id: str) -> None:
+        self.escalations.labels(engine_id).inc()
 
     def upstream_error(self, engine_id: str, kind: str) -> None:
         self.upstream_errors.labels(engine_id, kind).inc()

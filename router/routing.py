@@ -62,6 +62,7 @@ from router.proxy import (
     UpstreamClient,
     UpstreamConnectError,
     UpstreamError,
+    UpstreamFirstByteTimeout,
     UpstreamResponse,
     encode_headers,
 )
@@ -87,6 +88,9 @@ def client_gone_error(cut_reason: str) -> str:
     return f"{cut_reason}; upstream request cancelled" if cut_reason else CLIENT_GONE
 
 
+#: Escalation: the shortest wait for a first event given to an attempt whose escalation time is
+#: already past when it is sent (a fail-over's): it still gets this long before it is escalated.
+MIN_ESCALATE_WAIT_S = 0.05
 _USAGE_TAIL_BYTES = 16384  # the final usage chunk of a stream is well under this
 _FORWARDED = frozenset(FORWARDED_REQUEST_HEADERS)
 
@@ -155,6 +159,9 @@ class RouteContext(msgspec.Struct):
     prompt_token_ids: list[int] | None = None
     #: vLLM ``priority`` the router sent (a priority engine's shortest-work-first level); None = none.
     priority: int | None = None
+    #: Escalated (``costs.priority_escalate_after_s``): sent again with priority 0 after its first
+    #: attempt showed no first event in time.
+    escalated: bool = False
     #: The conversation start's message-prefix hashes when the session key was made from them
     #: (``session_key_and_start``): the prompt names go on from them. Empty otherwise.
     start_prefixes: Sequence[int] = ()
@@ -475,6 +482,8 @@ class Router:
         self.arm_selector = arm_selector
         self.annotator = annotator
         self.first_byte = FirstByteBudget(config.limits.first_byte_timeout_s)
+        #: ``costs.priority_escalate_after_s`` (0 = off): ``_forward``'s escalation of streams.
+        self._escalate_after_s = config.costs.priority_escalate_after_s
         self._prefill_releases = _DueCalls(core.release_prefill)
         #: ``proxy.defer_accounting``: the learning, observers and log line after an answer, run
         #: later (router/after_answer.py); None = right after the write, as it goes out.
@@ -735,20 +744,23 @@ class Router:
         priority unless the client set one."""
         if engine.scheduling_policy != "priority" or "priority" in ctx.body:
             return body
-        costs = self.config.costs
-        ctx.priority = shortest_first_priority(
-            reservation.parts,
-            costs.priority_step_s,
-            now_s=time.time() - PRIORITY_EPOCH_S,
-            stretch=costs.priority_stretch,
-            max_overtake_s=costs.priority_max_overtake_s,
-            fcfs_factor=priority_fcfs_factor_for(
-                ctx.route_request,
-                costs.priority_fcfs_factor,
-                costs.priority_recompute_fcfs_factor,
-                costs.priority_recompute_below,
-            ),
-        )
+        if ctx.escalated:  # sent again after no first event in time: ahead of every deadline
+            ctx.priority = 0
+        else:
+            costs = self.config.costs
+            ctx.priority = shortest_first_priority(
+                reservation.parts,
+                costs.priority_step_s,
+                now_s=time.time() - PRIORITY_EPOCH_S,
+                stretch=costs.priority_stretch,
+                max_overtake_s=costs.priority_max_overtake_s,
+                fcfs_factor=priority_fcfs_factor_for(
+                    ctx.route_request,
+                    costs.priority_fcfs_factor,
+                    costs.priority_recompute_fcfs_factor,
+                    costs.priority_recompute_below,
+                ),
+            )
         start = body.index(b"{") + 1  # splice, as for stream_options: the key is absent
         return b'%s"priority":%d,%s' % (body[:start], ctx.priority, body[start:])
 
@@ -766,7 +778,10 @@ class Router:
         order = [decision.engine_id, *decision.fallbacks][:2]  # the choice, then one retry
         response: UpstreamResponse | None = None
         budget_s = self.first_byte.budget_s()
+        escalate_s = self._escalate_after_s if ctx.stream else 0.0
         for attempt, engine_id in enumerate(order):
+            # This attempt's first-byte deadline is the escalation's (``_escalate``), not the budget.
+            escalating = False
             if attempt == 0 and sent is not None:
                 reservation = ctx.reservation
                 assert reservation is not None
@@ -793,6 +808,11 @@ class Router:
                 assert reservation is not None
                 body = self._engine_body(ctx, engine, reservation, base_body)
                 ctx.sent_s = reservation.sent_s = time.monotonic()
+                timeout_s = budget_s
+                if escalate_s and ctx.priority and not ctx.escalated:  # the router's priority
+                    left_s = escalate_s - (ctx.sent_s - ctx.started_s)
+                    if left_s < budget_s:
+                        timeout_s, escalating = max(left_s, MIN_ESCALATE_WAIT_S), True
                 # Streams: the time-to-first-byte budget covers the headers and the first event
                 # (the long read timeout only applies once tokens flow). Until that event nothing
                 # is sent to the client, so a hung engine is left for the next choice.
@@ -800,7 +820,7 @@ class Router:
                     engine.url + path,
                     body,
                     upstream_headers,
-                    first_byte_timeout_s=budget_s if ctx.stream else None,
+                    first_byte_timeout_s=timeout_s if ctx.stream else None,
                     until_event=ctx.stream,
                 )
                 if self.after_answer is not None:  # once the request is out (the await below
@@ -820,6 +840,9 @@ class Router:
                 break
             except UpstreamConnectError as exc:
                 self.core.abandon(reservation)  # this attempt's share; the retry reserves anew
+                if escalating and exc.kind == UpstreamFirstByteTimeout.kind:  # not the engine's fault
+                    order.insert(attempt + 1, await self._escalate(ctx, engine_id))
+                    continue
                 if exc.kind == "connect":  # nothing listens, or the connection broke: poll again
                     self.tracker.set_health(engine_id, False, str(exc))
                 self.tracker.record_failure(engine_id, str(exc))
@@ -859,6 +882,26 @@ class Router:
             response.close()
         # Accounted once it is out (``_answered``).
         return _BodyAnswer(response.status, _answer_headers(ctx, response.content_type), data, self, ctx)
+
+    async def _escalate(self, ctx: RouteContext, engine_id: str) -> str:
+        """Escalation (``costs.priority_escalate_after_s``): ``ctx``'s stream showed no first event
+        on ``engine_id`` in time; its connection is closed (the engine aborts the request and keeps
+        its computed blocks cached). The engine it goes to next, with priority 0
+        (``costs.priority_escalate_pick``): the same, or the policy's choice now."""
+        ctx.escalated = True
+        self.metrics.escalated(engine_id)
+        target = engine_id
+        if self.config.costs.priority_escalate_pick == "route":
+            target = (await self.decide(ctx))[1].engine_id
+        log.info(
+            "request %s: no first token from engine %s %.1f s after it arrived; cancelled there and"
+            " sent again with priority 0 to engine %s",
+            ctx.request_id,
+            engine_id,
+            time.monotonic() - ctx.started_s,
+            target,
+        )
+        return target
 
     def _stream_answer(self, ctx: RouteContext, response: UpstreamResponse) -> _StreamAnswer:
         """A stream whose first event is in (or that ended before one), to relay to the client."""

@@ -22,6 +22,7 @@ from typing import Any
 from kvcore.calibration import CalibrationConfig, CostModel
 from kvcore.core import (
     ADMISSION_FORMS,
+    ESCALATE_PICKS,
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
     PRIORITY_RECOMPUTE_BELOW,
@@ -119,10 +120,6 @@ _OUT_API = 7  # the engine's API server has sent one step's tokens of a request 
 _OUT = 8  # the client has them
 _HOLD_DUE = 9  # a held turn's hold bound (SimConfig.hold_max_s) is reached
 _ESCALATE = 10  # a turn's escalation time (SimConfig.escalate_after_s) is reached
-
-#: Where an escalated turn is sent again (``SimConfig.escalate_pick``): "same" = the engine it was
-#: on (its computed blocks are cached there), "route" = wherever the policy routes it now.
-ESCALATE_PICKS = ("same", "route")
 
 
 def prior_costs(profile: EngineProfile) -> EngineCosts:
@@ -247,6 +244,12 @@ class SimConfig:
     escalate_after_s: float | None = None
     #: Where an escalated turn is sent (``ESCALATE_PICKS``).
     escalate_pick: str = "same"
+    #: When the engine drops the escalated turn's first request (``ESCALATE_ABORTS``): "now" (at the
+    #: escalation: a server that watches the connection while the request waits; vLLM does so for
+    #: non-stream requests; rounds q24-q25 ran this) or "first_token" (vLLM 0.32's streams under
+    #: uvicorn's ASGI 2.4: the streaming response notices the closed connection only when it writes,
+    #: so the request stays queued, is admitted and prefilled, and is aborted at its first token).
+    escalate_abort: str = "now"
     #: Split each turn's measured TTFT into where it went on the engine and keep it beside the
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
     #: server stages only.
@@ -281,6 +284,10 @@ class SimConfig:
     #: End the run once each of these requests has its first token (a counterfactual needs only
     #: the turns it compares); the figures then cover the turns finished so far.
     stop_after: tuple[str, ...] = ()
+
+
+#: ``SimConfig.escalate_abort``'s values.
+ESCALATE_ABORTS = ("now", "first_token")
 
 
 #: ``ttft_split`` keys: the measured TTFT's parts, then the predicted ones (seconds).
@@ -627,6 +634,13 @@ class FleetSimulator:
         #: (the first request id: what ``SimResult.ttft_by_request_s`` is keyed by).
         self._escalations = 0
         self._turn_of: dict[str, str] = {}
+        #: Escalated turns' first requests still queued on their engine (``escalate_abort``
+        #: "first_token"): aborted when they produce a token.
+        self._ghosts: set[str] = set()
+        if cfg.escalate_abort not in ESCALATE_ABORTS:
+            raise ValueError(
+                f"escalate_abort {cfg.escalate_abort!r} is unknown; accepted: {', '.join(ESCALATE_ABORTS)}"
+            )
         #: The time the deadline of the request being routed counts from: ``_route_now``, or its
         #: arrival at the router with ``hold_aged``.
         self._route_from = 0.0
@@ -1187,11 +1201,15 @@ class FleetSimulator:
         return r, sim_req
 
     def _escalate(self, r: _Req, cs: _Conv, uses_index: bool, now: float) -> _Req | None:
-        """Escalation (``SimConfig.escalate_after_s``): abort ``r`` on its engine (its computed full
-        blocks stay cached there), release it in the router as a request whose client left, and send
+        """Escalation (``SimConfig.escalate_after_s``): abort ``r`` on its engine, now or at its first
+        token (``SimConfig.escalate_abort``; its computed full blocks stay cached there), release it
+        in the router as a request whose client left, and send
         the turn again at priority 0 to ``SimConfig.escalate_pick``; its TTFT still counts from
         ``r.arrival_s``. None if the engine refuses the re-sent request."""
-        self.cores[r.engine].abort_request(r.request_id)
+        if self.config.escalate_abort == "now":
+            self.cores[r.engine].abort_request(r.request_id)
+        else:  # the engine finds the connection closed when it writes the first token
+            self._ghosts.add(r.request_id)
         self.core.on_finished(r.reservation, Outcome(ok=False, client_gone=True), now)
         if self.sequences is not None:
             self.sequences.finish(r.request_id, now)
@@ -1298,6 +1316,10 @@ class FleetSimulator:
         core = self.core
         for rid, toks in out.new_token_ids.items():
             if not toks:
+                continue
+            if rid in self._ghosts:  # an escalated turn's first request: its write fails
+                self._ghosts.discard(rid)
+                self.cores[i].abort_request(rid)
                 continue
             r = reqs.get(rid)
             if r is not None and r.reservation.first_token_s is None:

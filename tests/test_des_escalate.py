@@ -9,9 +9,11 @@ import math
 
 import pytest
 
+from kvcore.core import ESCALATE_PICKS
 from loadtest.bench_quality import Cell, escalate_of, hold_of, parse_scheduling, sim_config
 from loadtest.frontier import _beyond_bound
-from sim.des import ESCALATE_PICKS, FleetSimulator, SimConfig
+from policies.base import build_policy
+from sim.des import ESCALATE_ABORTS, FleetSimulator, SimConfig
 from sim.engine import EngineProfile
 from sim.fleets import EngineSpec, FleetSpec
 from sim.frontend import ServerStage
@@ -50,7 +52,8 @@ def _run(
     return recorder, sim.run()
 
 
-def test_a_starved_turn_is_re_sent_at_the_top_and_served_next() -> None:
+@pytest.mark.parametrize("abort", ESCALATE_ABORTS)
+def test_a_starved_turn_is_re_sent_at_the_top_and_served_next(abort: str) -> None:
     """Without escalation c1 waits until the short turns stop (each is more urgent when it comes);
     escalated at 1 s it is aborted, routed again on its engine (the only one offered) at 1 s, and
     admitted when the running short turn ends: its first token comes before every short turn that
@@ -63,7 +66,7 @@ def test_a_starved_turn_is_re_sent_at_the_top_and_served_next() -> None:
     assert first_token["c1#0"] > max(t for rid, t in first_token.items() if rid.startswith("s"))
     assert plain.escalations == 0  # type: ignore[attr-defined]
 
-    recorder, run = _run(wl, _one_at_a_time(), escalate_after_s=1.0)
+    recorder, run = _run(wl, _one_at_a_time(), escalate_after_s=1.0, escalate_abort=abort)
     routes = [(rid, t, engines) for rid, t, engines in recorder.routes if rid.startswith("c1")]
     assert [rid for rid, _, _ in routes] == ["c1#0", "c1#0!1"]
     assert routes[1][1] == pytest.approx(0.001 + 1.0) and routes[1][2] == ("e0",)
@@ -102,10 +105,11 @@ def test_an_escalation_that_never_fires_is_the_run_without_it() -> None:
         assert run.ttft_by_request_s == plain.ttft_by_request_s and run.hit == plain.hit
 
 
-def test_escalation_on_a_busy_fleet_keeps_every_turn_and_its_id() -> None:
+@pytest.mark.parametrize("abort", ESCALATE_ABORTS)
+def test_escalation_on_a_busy_fleet_keeps_every_turn_and_its_id(abort: str) -> None:
     """A short E on the tight fleet escalates several turns: each turn still ends once and keeps its
-    first id, and each abort is counted by its engine."""
-    config = SimConfig(seed=3, escalate_after_s=0.05)
+    first id, and each first request is aborted by its engine (at once, or at its first token)."""
+    config = SimConfig(seed=3, escalate_after_s=0.05, escalate_abort=abort)
     sim = FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), config)
     run = sim.run()
     plain = FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), SimConfig(seed=3)).run()
@@ -144,14 +148,24 @@ def test_escalation_is_refused_without_priority_engines_or_with_server_stages() 
 
 
 def test_bench_quality_reads_the_escalation() -> None:
-    assert escalate_of("priority:20:inf") == ("priority:20:inf", None, "same")
-    assert escalate_of("priority:20:inf+escalate:50") == ("priority:20:inf", 50.0, "same")
-    assert escalate_of("priority:20:40+escalate:30:route+hold:2") == ("priority:20:40+hold:2", 30.0, "route")
+    assert escalate_of("priority:20:inf") == ("priority:20:inf", None, "same", "now")
+    assert escalate_of("priority:20:inf+escalate:50") == ("priority:20:inf", 50.0, "same", "now")
+    assert escalate_of("priority:20:40+escalate:30:route+hold:2") == (
+        "priority:20:40+hold:2",
+        30.0,
+        "route",
+        "now",
+    )
+    assert escalate_of("priority:20:40+escalate:30:same:first_token").abort == "first_token"
     assert parse_scheduling("priority:20:40+escalate:30") == ("priority", 20.0, 40.0, math.inf, "all")
     assert hold_of("priority:20:40+escalate:30+hold:2").wait_s == 2.0
     cell = Cell("b1", "none", "tier_cost", 1, scheduling="priority:20:40+escalate:30:route")
     config = sim_config(cell)
-    assert (config.escalate_after_s, config.escalate_pick) == (30.0, "route")
+    assert (config.escalate_after_s, config.escalate_pick, config.escalate_abort) == (
+        30.0,
+        "route",
+        "now",
+    )
     assert sim_config(dataclasses.replace(cell, scheduling="priority:20:40")).escalate_after_s is None
 
 
@@ -166,11 +180,12 @@ def test_bench_quality_reads_the_escalation() -> None:
         "priority+escalate:inf",
         "priority+escalate:x",
         "priority+escalate:30:far",
-        "priority+escalate:30:same:more",
+        "priority+escalate:30:same:later",
+        "priority+escalate:30:same:now:more",
     ],
 )
 def test_bench_quality_refuses_a_bad_escalation(spec: str) -> None:
-    with pytest.raises(ValueError, match=r"\+escalate:E or \+escalate:E:PICK"):
+    with pytest.raises(ValueError, match=r"\+escalate:E\[:PICK\[:ABORT\]\]"):
         escalate_of(spec)
 
 
@@ -181,3 +196,38 @@ def test_the_frontier_tells_points_apart_by_their_suffixes() -> None:
     assert _beyond_bound("priority:20:inf:2") == " (+ :2)"
     assert _beyond_bound("priority:20:inf+escalate:50") == " (+ +escalate:50)"
     assert _beyond_bound("priority:20:30+floor") == " (+ +floor)"
+
+
+def test_an_escalated_turns_first_request_stays_queued_until_its_first_token() -> None:
+    """ABORT first_token (vLLM's streams): c1's first request stays in the engine after its
+    escalation, is admitted after the short turns (its priority is the latest), produces a token and
+    is aborted then; with ABORT now it is gone at once. Either way one abort, and the turn's own
+    first token is the re-sent request's."""
+    aborted_at: dict[str, float] = {}
+    for abort in ESCALATE_ABORTS:
+        sim = FleetSimulator(
+            _starved(),
+            build_policy("kv_fixed_credit", {}),
+            _one_at_a_time(),
+            SimConfig(seed=1, calibrate=False, escalate_after_s=1.0, escalate_abort=abort),
+        )
+        core = sim.cores[0]
+        original = core.abort_request
+
+        def spy(request_id: str, core=core, original=original, abort=abort) -> None:
+            if request_id == "c1#0":
+                aborted_at[abort] = core.now_s
+            original(request_id)
+
+        core.abort_request = spy  # type: ignore[method-assign]
+        run = sim.run()
+        assert core.stats().num_aborted == run.escalations
+    assert aborted_at["now"] == pytest.approx(
+        1.001, abs=0.1
+    )  # at the escalation (engine clock: the step under way)
+    assert aborted_at["first_token"] > 3.0  # after the 3 s of short turns ahead of its priority
+
+
+def test_the_simulator_refuses_an_unknown_abort() -> None:
+    with pytest.raises(ValueError, match="escalate_abort 'later' is unknown; accepted: now, first_token"):
+        FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), SimConfig(escalate_abort="later"))

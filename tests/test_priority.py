@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore.core import (
+    ESCALATE_PICKS,
     PRIORITY_EPOCH_S,
     PRIORITY_FCFS_FACTOR,
     PRIORITY_MAX_OVERTAKE_S,
@@ -430,7 +431,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Flee
         yield out
 
 
-def _router(serve_asgi: Callable[..., ThreadedServer], engine: FleetEngine) -> str:
+def _router(serve_asgi: Callable[..., ThreadedServer], engine: FleetEngine, **costs: Any) -> str:
     config = load_config(
         environ={},
         overrides={
@@ -438,7 +439,7 @@ def _router(serve_asgi: Callable[..., ThreadedServer], engine: FleetEngine) -> s
             "policy": {"name": "tier_cost"},
             "tokenizer": {"backend": "sim"},
             "health": {"interval_s": 0.5},
-            "costs": {"scrape_interval_s": 0},
+            "costs": {"scrape_interval_s": 0, **costs},
         },
     )
     server = serve_asgi(build_router_app(config))
@@ -599,3 +600,73 @@ def test_the_x_vllm_priority_header_overrides_the_body(engines: dict[str, FleetE
         client.completions.create(
             model=NAME, prompt="hello", max_tokens=1, extra_headers={"X-Vllm-Priority": "high"}
         )
+
+
+def _escalations(url: str) -> float:
+    """kvroute_escalations_total over engines, from the router's /metrics."""
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        if family.name == "kvroute_escalations":
+            total += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return total
+
+
+async def _held(engine_url: str) -> float:
+    """Requests the engine holds (running + waiting), from its /metrics."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(engine_url + "/metrics")).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        for sample in family.samples
+    )
+
+
+#: Escalation after 1.5 s: the running request's first token comes after its ~0.6 s of prefill,
+#: the two queued behind its ~2 s of decode wait longer.
+ESCALATE_AFTER_S = 1.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pick", ESCALATE_PICKS)
+def test_a_stream_with_no_first_token_in_time_is_sent_again_at_priority_0(
+    engines: dict[str, FleetEngine], serve_asgi: Callable[..., ThreadedServer], pick: str
+) -> None:
+    """As above (running, then long, then short, on the one-slot priority engine) with
+    costs.priority_escalate_after_s: long and short have no first token 1.5 s after they arrived,
+    so each is cancelled on the engine (it then holds at most 3 requests, not 5) and sent again with
+    priority 0, where the two are served first come: long before short, the other way round from
+    without escalation. Both answers are whole; the router counts two escalations. PICK route asks
+    the policy again (one engine here: the same)."""
+    url = _router(
+        serve_asgi,
+        engines["priority"],
+        priority_escalate_after_s=ESCALATE_AFTER_S,
+        priority_escalate_pick=pick,
+    )
+    sends: list[tuple[str, str, dict[str, Any]]] = [
+        ("running", _prompt(BIG_TOKENS, 11), {}),
+        ("long", _prompt(BIG_TOKENS, 12), {}),
+        ("short", _prompt(SMALL_TOKENS, 13), {}),
+    ]
+    held_after: list[float] = []
+
+    async def run() -> dict[str, float]:
+        async def watch() -> None:
+            deadline = time.monotonic() + 30
+            while await asyncio.to_thread(_escalations, url) < 2:
+                assert time.monotonic() < deadline, "no escalation"
+                await asyncio.sleep(0.01)
+            held_after.append(await _held(engines["priority"].url))
+
+        watcher = asyncio.create_task(watch())
+        seen = await _first_tokens(url, engines["priority"].url, sends)
+        await watcher
+        return seen
+
+    seen = asyncio.run(run())
+    assert set(seen) == {"running", "long", "short"}
+    assert seen["running"] < seen["long"] < seen["short"], seen
+    assert _escalations(url) == 2
+    assert held_after and held_after[0] <= 3  # the first attempts were aborted, not left queued
