@@ -522,6 +522,7 @@ class UpstreamClient:
         self._ticker = None
         now_s = time.monotonic()
         read_timeout_s = self._read_timeout_s
+        failed: list[tuple[float, int, UpstreamResponse, UpstreamError]] = []
         for conn in list(self._running):
             response = conn.response
             if response is None:
@@ -539,8 +540,12 @@ class UpstreamClient:
             if error is None and not conn.paused and now_s - conn.last_io_s >= read_timeout_s:
                 error = UpstreamTimeout(f"{response.url}: engine sent nothing within the read timeout")
             if error is not None:
-                response._fail(error)
-                response.close()
+                failed.append((conn.first_byte_due_s, len(failed), response, error))
+        # Failed in the order their deadlines fell due (not the set's): requests the router sends
+        # again at once (escalation: ``Router._escalate``) keep their order within a tick.
+        for _, _, response, error in sorted(failed) if len(failed) > 1 else failed:
+            response._fail(error)
+            response.close()
         if self._running:
             self._ticker = asyncio.get_running_loop().call_later(DEADLINE_TICK_S, self._tick)
 
