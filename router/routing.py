@@ -809,7 +809,12 @@ class Router:
                 body = self._engine_body(ctx, engine, reservation, base_body)
                 ctx.sent_s = reservation.sent_s = time.monotonic()
                 timeout_s = budget_s
-                if escalate_s and ctx.priority and not ctx.escalated:  # the router's priority
+                if (
+                    escalate_s
+                    and ctx.priority
+                    and not ctx.escalated
+                    and engine.scheduling_policy == "priority"
+                ):
                     left_s = escalate_s - (ctx.sent_s - ctx.started_s)
                     if left_s < budget_s:
                         timeout_s, escalating = max(left_s, MIN_ESCALATE_WAIT_S), True

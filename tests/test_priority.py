@@ -690,3 +690,22 @@ def test_router_config_checks_the_escalation() -> None:
         )
     config = load_config(environ={}, overrides={**base, "costs": {"priority_escalate_after_s": 5.0}})
     assert (config.costs.priority_escalate_after_s, config.costs.priority_escalate_pick) == (5.0, "same")
+
+
+@pytest.mark.slow
+def test_an_fcfs_engine_gets_no_escalation(
+    engines: dict[str, FleetEngine], serve_asgi: Callable[..., ThreadedServer]
+) -> None:
+    """The same queue on the fcfs engine, with escalation configured: the router sends no priority
+    there, so nothing is escalated (a re-send would only go to the back of its queue) and the
+    engine serves in arrival order."""
+    url = _router(serve_asgi, engines["fcfs"], priority_escalate_after_s=ESCALATE_AFTER_S)
+    sends: list[tuple[str, str, dict[str, Any]]] = [
+        ("running", _prompt(BIG_TOKENS, 21), {}),
+        ("long", _prompt(BIG_TOKENS, 22), {}),
+        ("short", _prompt(SMALL_TOKENS, 23), {}),
+    ]
+    seen = asyncio.run(_first_tokens(url, engines["fcfs"].url, sends))
+    assert seen["running"] < seen["long"] < seen["short"], seen
+    assert seen["long"] - seen["running"] > ESCALATE_AFTER_S  # it did wait longer than E
+    assert _escalations(url) == 0
