@@ -257,8 +257,8 @@ class CostsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     priority_recompute_below: float = PRIORITY_RECOMPUTE_BELOW
     #: Escalation (docs/routing.md, "Escalation"): a stream sent to a priority engine with the
     #: router's priority and no first event ``priority_escalate_after_s`` seconds after its body
-    #: arrived is cancelled there (its connection closed: vLLM aborts the request and keeps its
-    #: computed blocks cached) and sent again with priority 0, ahead of every deadline, to
+    #: arrived is cancelled there (its connection closed: vLLM drops the request at once and keeps
+    #: its computed blocks cached) and sent again with priority 0, ahead of every deadline, to
     #: ``priority_escalate_pick``: "same" (the engine it was on) or "route" (where the policy routes
     #: it then). 0 = off. Streams only: a non-stream answer shows no first token before its end.
     priority_escalate_after_s: float = 0.0

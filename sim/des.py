@@ -245,10 +245,10 @@ class SimConfig:
     #: Where an escalated turn is sent (``ESCALATE_PICKS``).
     escalate_pick: str = "same"
     #: When the engine drops the escalated turn's first request (``ESCALATE_ABORTS``): "now" (at the
-    #: escalation: a server that watches the connection while the request waits; vLLM does so for
-    #: non-stream requests; rounds q24-q25 ran this) or "first_token" (vLLM 0.32's streams under
-    #: uvicorn's ASGI 2.4: the streaming response notices the closed connection only when it writes,
-    #: so the request stays queued, is admitted and prefilled, and is aborted at its first token).
+    #: escalation, as vLLM 0.32 drops a queued stream whose client leaves: docs/results/q25.md;
+    #: rounds q24-q25 ran this) or "first_token" (as kvroute's sim server does: its streaming
+    #: response finds the closed connection only when it writes, so the request stays queued, is
+    #: admitted and prefilled, and is aborted at its first token).
     escalate_abort: str = "now"
     #: Split each turn's measured TTFT into where it went on the engine and keep it beside the
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
