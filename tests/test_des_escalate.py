@@ -20,6 +20,7 @@ from sim.frontend import ServerStage
 from sim.workloads import Conversation, Turn, Workload
 from tests.test_admission_wait import _tight_fleet, _workload
 from tests.test_des_hold import _Recorder
+from tests.test_des_hold import _run as _run_with
 
 
 def _one_at_a_time(engines: int = 1) -> FleetSpec:
@@ -44,12 +45,9 @@ def _starved() -> Workload:
     return Workload("starved", 16, convs)
 
 
-def _run(
-    wl: Workload, fleet: FleetSpec, policy: str = "kv_fixed_credit", **config: object
-) -> tuple[_Recorder, object]:
-    recorder = _Recorder(policy)
-    sim = FleetSimulator(wl, recorder, fleet, SimConfig(seed=1, calibrate=False, **config))  # type: ignore[arg-type]
-    return recorder, sim.run()
+def _run(wl: Workload, fleet: FleetSpec, **config: object) -> tuple[_Recorder, object]:
+    """``tests.test_des_hold._run`` with kv_fixed_credit."""
+    return _run_with(wl, fleet, "kv_fixed_credit", **config)
 
 
 @pytest.mark.parametrize("abort", ESCALATE_ABORTS)
