@@ -201,11 +201,14 @@ def _fmt_h(h: float) -> str:
     return "inf" if math.isinf(h) else f"{h:g}"
 
 
+#: A scheduling spec's order with its S and H ("priority:20:inf"), up to a ':' or '+' after them.
+_ORDER_S_H = re.compile(r"[^:+]*(?::[^:+]*){0,2}")
+
+
 def _beyond_bound(scheduling: str) -> str:
     """What a scheduling spec sets past its S:H (the relative bound K, the priced wait, ...), shown
     after H so that points differing only there are told apart: "" when nothing."""
-    head = re.match(r"[^:+]*(?::[^:+]*){0,2}", scheduling)
-    rest = scheduling[head.end() if head else 0 :]
+    rest = scheduling[_ORDER_S_H.match(scheduling).end() :]  # type: ignore[union-attr]
     return f" (+ {rest})" if rest else ""
 
 

@@ -543,7 +543,7 @@ class UpstreamClient:
                 failed.append((conn.first_byte_due_s, len(failed), response, error))
         # Failed in the order their deadlines fell due (not the set's): requests the router sends
         # again at once (escalation: ``Router._escalate``) keep their order within a tick.
-        for _, _, response, error in sorted(failed) if len(failed) > 1 else failed:
+        for _, _, response, error in sorted(failed):
             response._fail(error)
             response.close()
         if self._running:

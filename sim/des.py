@@ -619,6 +619,10 @@ class FleetSimulator:
             raise ValueError(
                 f"escalate_pick {cfg.escalate_pick!r} is unknown; accepted: {', '.join(ESCALATE_PICKS)}"
             )
+        if cfg.escalate_abort not in ESCALATE_ABORTS:
+            raise ValueError(
+                f"escalate_abort {cfg.escalate_abort!r} is unknown; accepted: {', '.join(ESCALATE_ABORTS)}"
+            )
         if cfg.escalate_after_s is not None:
             if not cfg.escalate_after_s > 0:
                 raise ValueError(f"escalate_after_s must be > 0 seconds, got {cfg.escalate_after_s}")
@@ -637,10 +641,6 @@ class FleetSimulator:
         #: Escalated turns' first requests still queued on their engine (``escalate_abort``
         #: "first_token"): aborted when they produce a token.
         self._ghosts: set[str] = set()
-        if cfg.escalate_abort not in ESCALATE_ABORTS:
-            raise ValueError(
-                f"escalate_abort {cfg.escalate_abort!r} is unknown; accepted: {', '.join(ESCALATE_ABORTS)}"
-            )
         #: The time the deadline of the request being routed counts from: ``_route_now``, or its
         #: arrival at the router with ``hold_aged``.
         self._route_from = 0.0
@@ -1126,8 +1126,8 @@ class FleetSimulator:
     ) -> tuple[_Req, SimRequest] | None:
         """Route turn ``k`` (sent by the client at ``sent_s``) at ``now`` among ``engines`` (default
         every one); ``admit``: hand it to the engine core now (None if the core refuses it), else the
-        caller does (``_admit``). ``escalation`` > 0: the turn's n-th re-send (``_escalate``): its
-        own request id, priority 0 on a priority engine."""
+        caller does (``_admit``). ``escalation`` > 0: an escalated re-send (``_escalate``), numbered
+        among the run's escalations: its own request id, priority 0 on a priority engine."""
         turn = cs.conv.turns[k]
         route, tokens = self._route_request(cs, k)
         if escalation:

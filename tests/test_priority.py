@@ -460,19 +460,24 @@ def _prompt(tokens: int, seed: int) -> str:
 HOLD_TOKENS = 500
 
 
+async def _held(engine_url: str) -> float:
+    """Requests the engine holds (running + waiting), from its /metrics."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(engine_url + "/metrics")).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        for sample in family.samples
+    )
+
+
 async def _engine_holds(engine_url: str, n: int) -> None:
     """Wait until the engine holds ``n`` requests (running + waiting, from its /metrics)."""
     deadline = time.monotonic() + 30
-    async with httpx.AsyncClient() as http:
-        while True:
-            held = 0.0
-            for family in text_string_to_metric_families((await http.get(engine_url + "/metrics")).text):
-                if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-                    held += sum(sample.value for sample in family.samples)
-            if held == n:
-                return
-            assert time.monotonic() < deadline, f"the engine holds {held:g} requests, not {n}"
-            await asyncio.sleep(0.01)
+    while (held := await _held(engine_url)) != n:
+        assert time.monotonic() < deadline, f"the engine holds {held:g} requests, not {n}"
+        await asyncio.sleep(0.01)
 
 
 async def _first_tokens(
@@ -514,16 +519,26 @@ async def _first_tokens(
     return seen
 
 
-def _priority_counts(url: str) -> dict[str, float]:
-    """kvroute_priority_requests_total by source, from the router's /metrics."""
+def _counts(url: str, family_name: str, label: str) -> dict[str, float]:
+    """The router's counter ``family_name`` (its ``_total`` samples) by ``label``, from its /metrics."""
     counts: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        if family.name == "kvroute_priority_requests":
+        if family.name == family_name:
             for sample in family.samples:
                 if sample.name.endswith("_total"):
-                    source = sample.labels["source"]
-                    counts[source] = counts.get(source, 0.0) + sample.value
+                    key = sample.labels[label]
+                    counts[key] = counts.get(key, 0.0) + sample.value
     return counts
+
+
+def _priority_counts(url: str) -> dict[str, float]:
+    """kvroute_priority_requests_total by source."""
+    return _counts(url, "kvroute_priority_requests", "source")
+
+
+def _escalations(url: str) -> float:
+    """kvroute_escalations_total over engines."""
+    return sum(_counts(url, "kvroute_escalations", "engine").values())
 
 
 @pytest.mark.slow
@@ -600,27 +615,6 @@ def test_the_x_vllm_priority_header_overrides_the_body(engines: dict[str, FleetE
         client.completions.create(
             model=NAME, prompt="hello", max_tokens=1, extra_headers={"X-Vllm-Priority": "high"}
         )
-
-
-def _escalations(url: str) -> float:
-    """kvroute_escalations_total over engines, from the router's /metrics."""
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        if family.name == "kvroute_escalations":
-            total += sum(s.value for s in family.samples if s.name.endswith("_total"))
-    return total
-
-
-async def _held(engine_url: str) -> float:
-    """Requests the engine holds (running + waiting), from its /metrics."""
-    async with httpx.AsyncClient() as http:
-        text = (await http.get(engine_url + "/metrics")).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
-        for sample in family.samples
-    )
 
 
 #: Escalation after 1.5 s: the running request's first token comes after its ~0.6 s of prefill,
