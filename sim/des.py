@@ -246,9 +246,10 @@ class SimConfig:
     escalate_pick: str = "same"
     #: When the engine drops the escalated turn's first request (``ESCALATE_ABORTS``): "now" (at the
     #: escalation, as vLLM 0.32 drops a queued stream whose client leaves: docs/results/q25.md;
-    #: rounds q24-q25 ran this) or "first_token" (as kvroute's sim server does: its streaming
-    #: response finds the closed connection only when it writes, so the request stays queued, is
-    #: admitted and prefilled, and is aborted at its first token).
+    #: rounds q24-q25 ran this; so does kvroute's sim server) or "first_token" (a sensitivity
+    #: check: a server that finds the closed connection only when it writes, as the sim server did
+    #: until 2026-12-05, so the request stays queued, is admitted and prefilled, and is aborted at
+    #: its first token).
     escalate_abort: str = "now"
     #: Split each turn's measured TTFT into where it went on the engine and keep it beside the
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
