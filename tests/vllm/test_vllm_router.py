@@ -506,3 +506,139 @@ def test_vllm_router_kv_aware_follows_the_engines_kv_events(
         )
     finally:
         stop_process(proc)
+
+
+def _escalations(router_url: str) -> float:
+    """kvroute_escalations_total over engines, from the router's /metrics."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(f"{router_url}/metrics", timeout=10).text.splitlines()
+        if line.startswith("kvroute_escalations_total{")
+    )
+
+
+def _in_flight(router_url: str) -> float:
+    """kvroute_in_flight over engines, from the router's /metrics."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(f"{router_url}/metrics", timeout=10).text.splitlines()
+        if line.startswith("kvroute_in_flight{")
+    )
+
+
+def _until(what: str, check: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
+        time.sleep(0.05)
+
+
+#: Output tokens of A: ~1 s of decode here, while the engine core reads long and short in.
+A_TOKENS = 300
+#: Output tokens of long and short.
+DECODE = 4
+
+
+def test_escalation_reverses_a_one_slot_priority_engines_order(
+    model_dir: Path, serve_asgi: Callable[..., ThreadedServer], tmp_path: Path
+) -> None:
+    """The live router's escalation (costs.priority_escalate_after_s) against vLLM itself: one
+    engine of its own, --scheduling-policy priority, --max-num-seqs 1, its engine core stopped
+    (SIGSTOP). A (A_TOKENS tokens, a client priority ahead of the router's), long (~1,500 tokens of
+    prompt) and short (~80), each decoding DECODE tokens, are sent through the router, streamed.
+    Without escalation the engine, let run again, serves A, then short (the router's
+    shortest-work priorities), then long. With escalation after 2 s
+    both are cancelled and sent again at priority 0, first come: long first; the router counts two
+    escalations and both answers are whole. The order is read from the engine's own report: long's
+    text begins with short's, so the one served second finds the other's first blocks in vLLM's
+    prefix cache (its usage's cached_tokens), the first none. (When each answer reaches the client
+    says nothing here: vLLM's CPU API server can pass both on in one burst.) (That vLLM drops the cancelled
+    attempts from its queue at once was measured apart: docs/results/q25/abort_check.py.)"""
+    from router.config import load_config
+    from router.service import build_router_app
+
+    own = VllmCpuFleet(tmp_path, model_dir=model_dir)
+    core: list[int] = []
+    try:
+        profile = replace(
+            PROFILE, enforce_eager=True, scheduling_policy="priority", extra_args=("--max-num-seqs", "1")
+        )
+        (engine,) = own.start_each([profile], id_prefix="p")
+        core = _engine_core_pids(engine)
+        assert core, "the engine has no engine-core process to stop"
+
+        def run(escalate_after_s: float, seed: int) -> dict[str, float]:
+            data = {
+                "engines": own.fleet_entries(),
+                "tokenizer": {"backend": "hf", "path": str(model_dir)},
+                "policy": {"name": "tier_cost"},
+                "costs": {"scrape_interval_s": 0, "priority_escalate_after_s": escalate_after_s},
+                # A busy machine slows the one-slot engine a lot: no fail-over for a slow first byte.
+                "limits": {"first_byte_timeout_s": 600},
+                "log_level": "warning",
+            }
+            router = serve_asgi(build_router_app(load_config(environ={}, overrides=data)))
+            wait_sources_connected(router.url)
+            tokens: dict[str, int] = {}
+            cached: dict[str, int] = {}  # the engine's cached prompt tokens, by request
+            errors: list[BaseException] = []
+
+            def send(name: str, words: int, max_tokens: int, extra: dict[str, Any]) -> None:
+                try:
+                    stream = _client(router.url).chat.completions.create(
+                        model=MODEL_NAME,
+                        # long's text begins with short's: the one served second finds the other's
+                        # first blocks in the prefix cache (A's text is its own).
+                        messages=[{"role": "user", "content": _words(words, seed + (name == "a"))}],
+                        max_tokens=max_tokens,
+                        stream=True,
+                        stream_options={"include_usage": True},
+                        extra_body={"ignore_eos": True, "min_tokens": max_tokens, **extra},
+                    )
+                    for chunk in stream:
+                        if chunk.usage is not None:
+                            tokens[name] = chunk.usage.completion_tokens
+                            details = chunk.usage.prompt_tokens_details
+                            cached[name] = (details.cached_tokens or 0) if details is not None else -1
+                except Exception as exc:  # reported by the assertions below
+                    errors.append(exc)
+
+            # The engine core is stopped first: on two busy cores nothing else makes "A still
+            # runs while the others queue" hold (vLLM's CPU API server can hold A's first chunk,
+            # and its gauges, until A has ended). A carries a priority of its own, ahead of any
+            # the router sets, so the engine core, let run again, serves A first, whatever order
+            # it reads the three in; the others then queue behind A's decode.
+            _signal_all(core, signal.SIGSTOP)
+            threads: list[threading.Thread] = []
+            try:
+                for name, words, max_tokens, extra in (
+                    ("a", 30, A_TOKENS, {"priority": -1000}),
+                    ("long", 1200, DECODE, {}),
+                    ("short", 60, DECODE, {}),
+                ):
+                    threads.append(
+                        threading.Thread(target=send, args=(name, words, max_tokens, extra), daemon=True)
+                    )
+                    threads[-1].start()
+                    sent = len(threads)
+                    _until(f"{name} sent", lambda n=sent: _in_flight(router.url) >= n or bool(errors))
+                if escalate_after_s:
+                    _until("two escalations", lambda: _escalations(router.url) >= 2 or bool(errors))
+            finally:
+                _signal_all(core, signal.SIGCONT)
+            for thread in threads:
+                thread.join(timeout=120)
+            assert not errors, errors
+            assert tokens == {"a": A_TOKENS, "long": DECODE, "short": DECODE}, tokens
+            assert _escalations(router.url) == (2 if escalate_after_s else 0)
+            router.stop()
+            return cached
+
+        block = PROFILE.block_size
+        plain = run(0.0, 100)  # short served first: long finds short's blocks
+        assert plain["short"] == 0 and plain["long"] >= block, plain
+        escalated = run(2.0, 200)  # long served first: short finds long's
+        assert escalated["long"] == 0 and escalated["short"] >= block, escalated
+    finally:
+        _signal_all(core, signal.SIGCONT)  # a stopped process would hold its SIGTERM
+        own.stop()
