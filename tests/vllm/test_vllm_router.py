@@ -542,18 +542,22 @@ DECODE = 4
 def test_escalation_reverses_a_one_slot_priority_engines_order(
     model_dir: Path, serve_asgi: Callable[..., ThreadedServer], tmp_path: Path
 ) -> None:
-    """The live router's escalation (costs.priority_escalate_after_s) against vLLM itself: one
-    engine of its own, --scheduling-policy priority, --max-num-seqs 1, its engine core stopped
-    (SIGSTOP). A (A_TOKENS tokens, a client priority ahead of the router's), long (~1,500 tokens of
-    prompt) and short (~80), each decoding DECODE tokens, are sent through the router, streamed.
-    Without escalation the engine, let run again, serves A, then short (the router's
-    shortest-work priorities), then long. With escalation after 2 s
-    both are cancelled and sent again at priority 0, first come: long first; the router counts two
-    escalations and both answers are whole. The order is read from the engine's own report: long's
-    text begins with short's, so the one served second finds the other's first blocks in vLLM's
-    prefix cache (its usage's cached_tokens), the first none. (When each answer reaches the client
-    says nothing here: vLLM's CPU API server can pass both on in one burst.) (That vLLM drops the cancelled
-    attempts from its queue at once was measured apart: docs/results/q25/abort_check.py.)"""
+    """The live router's escalation (costs.priority_escalate_after_s) against vLLM itself.
+
+    One engine of its own, --scheduling-policy priority, --max-num-seqs 1, its engine core stopped
+    (SIGSTOP). A (A_TOKENS tokens, with a client priority ahead of any the router sets), long
+    (~1,500 tokens of prompt) and short (~80), each decoding DECODE tokens, are sent through the
+    router, streamed; then the core is let run. Without escalation it serves A, then short (the
+    router's shortest-work priorities), then long. With escalation after 2 s long and short are
+    cancelled and sent again at priority 0, served first come: long first. The router counts two
+    escalations; every answer is whole.
+
+    The order is read from the engine's own report: long's text begins with short's, so the one
+    served second finds the other's first block in vLLM's prefix cache (its usage's
+    cached_tokens), the first none. When each answer reaches the client says nothing here: vLLM's
+    CPU API server can pass both on in one burst. That vLLM drops the cancelled attempts from its
+    queue at once was measured apart (docs/results/q25/abort_check.py); with the core stopped the
+    aborts and the re-sends reach it together."""
     from router.config import load_config
     from router.service import build_router_app
 
@@ -567,7 +571,7 @@ def test_escalation_reverses_a_one_slot_priority_engines_order(
         core = _engine_core_pids(engine)
         assert core, "the engine has no engine-core process to stop"
 
-        def run(escalate_after_s: float, seed: int) -> dict[str, float]:
+        def run(escalate_after_s: float, seed: int) -> dict[str, int]:
             data = {
                 "engines": own.fleet_entries(),
                 "tokenizer": {"backend": "hf", "path": str(model_dir)},
