@@ -162,8 +162,8 @@ EXTERN_FORMS = ("sequence", "new")
 #: and sent again at priority 0 (``SimConfig.escalate_after_s``); ``+escalate:E:PICK`` also names
 #: where it is sent (``SimConfig.escalate_pick``, one of ``kvcore.core.ESCALATE_PICKS``; default
 #: same), ``+escalate:E:PICK:ABORT`` when the engine drops the first request
-#: (``SimConfig.escalate_abort``, one of ``sim.des.ESCALATE_ABORTS``; default now, as vLLM 0.32;
-#: first_token as kvroute's sim server).
+#: (``SimConfig.escalate_abort``, one of ``sim.des.ESCALATE_ABORTS``; default now, as vLLM 0.32 and
+#: kvroute's sim server; first_token a sensitivity check).
 ESCALATE_SUFFIX = "+escalate"
 
 
@@ -871,8 +871,8 @@ def build_parser() -> argparse.ArgumentParser:
         " its arrival, not its release); a priority spec may carry +escalate:E[:PICK[:ABORT]] (a turn with no"
         " first token E seconds after it arrived is cancelled and sent again at priority 0, to the same"
         " engine or, with PICK route, wherever the policy routes it then; ABORT now, the default: the"
-        " engine drops the first request at once, as vLLM 0.32 does; first_token: at its first token, as"
-        " kvroute's sim server does)",
+        " engine drops the first request at once, as vLLM 0.32 and kvroute's sim server do; first_token: at"
+        " its first token, a sensitivity check)",
     )
     p.add_argument(
         "--tail-reference",

@@ -1204,9 +1204,9 @@ class FleetSimulator:
     def _escalate(self, r: _Req, cs: _Conv, uses_index: bool, now: float) -> _Req | None:
         """Escalation (``SimConfig.escalate_after_s``): abort ``r`` on its engine, now or at its first
         token (``SimConfig.escalate_abort``; its computed full blocks stay cached there), release it
-        in the router as a request whose client left, and send
-        the turn again at priority 0 to ``SimConfig.escalate_pick``; its TTFT still counts from
-        ``r.arrival_s``. None if the engine refuses the re-sent request."""
+        in the router as a request whose client left, and send the turn again at priority 0 to
+        ``SimConfig.escalate_pick``; its TTFT still counts from ``r.arrival_s``. None if the engine
+        refuses the re-sent request."""
         if self.config.escalate_abort == "now":
             self.cores[r.engine].abort_request(r.request_id)
         else:  # the engine finds the connection closed when it writes the first token

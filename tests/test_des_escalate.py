@@ -197,7 +197,8 @@ def test_the_frontier_tells_points_apart_by_their_suffixes() -> None:
 
 
 def test_an_escalated_turns_first_request_stays_queued_until_its_first_token() -> None:
-    """ABORT first_token (vLLM's streams): c1's first request stays in the engine after its
+    """ABORT first_token (a server that finds the closed connection only when it writes): c1's
+    first request stays in the engine after its
     escalation, is admitted after the short turns (its priority is the latest), produces a token and
     is aborted then; with ABORT now it is gone at once. Either way one abort, and the turn's own
     first token is the re-sent request's."""
@@ -220,9 +221,8 @@ def test_an_escalated_turns_first_request_stays_queued_until_its_first_token() -
         core.abort_request = spy  # type: ignore[method-assign]
         run = sim.run()
         assert core.stats().num_aborted == run.escalations
-    assert aborted_at["now"] == pytest.approx(
-        1.001, abs=0.1
-    )  # at the escalation (engine clock: the step under way)
+    # At the escalation (the engine's clock: the step under way).
+    assert aborted_at["now"] == pytest.approx(1.001, abs=0.1)
     assert aborted_at["first_token"] > 3.0  # after the 3 s of short turns ahead of its priority
 
 

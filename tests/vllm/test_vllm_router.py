@@ -508,22 +508,21 @@ def test_vllm_router_kv_aware_follows_the_engines_kv_events(
         stop_process(proc)
 
 
-def _escalations(router_url: str) -> float:
-    """kvroute_escalations_total over engines, from the router's /metrics."""
+def _router_sum(router_url: str, sample: str) -> float:
+    """The router's /metrics ``sample`` (e.g. kvroute_in_flight), summed over its labels."""
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in httpx.get(f"{router_url}/metrics", timeout=10).text.splitlines()
-        if line.startswith("kvroute_escalations_total{")
+        if line.startswith(sample + "{")
     )
+
+
+def _escalations(router_url: str) -> float:
+    return _router_sum(router_url, "kvroute_escalations_total")
 
 
 def _in_flight(router_url: str) -> float:
-    """kvroute_in_flight over engines, from the router's /metrics."""
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in httpx.get(f"{router_url}/metrics", timeout=10).text.splitlines()
-        if line.startswith("kvroute_in_flight{")
-    )
+    return _router_sum(router_url, "kvroute_in_flight")
 
 
 def _until(what: str, check: Callable[[], bool], timeout_s: float = 60.0) -> None:
