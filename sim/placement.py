@@ -82,7 +82,8 @@ class PlacementTracer:
         record: dict[str, Any] = {
             "rid": request.request_id,
             "conv": request.session_key,
-            "turn": int(request.request_id.rpartition("#")[2]),
+            # "conversation#turn", "!N" after it on the turn's N-th escalated re-send
+            "turn": int(request.request_id.rpartition("#")[2].partition("!")[0]),
             "t_s": now,
             "prompt": request.prompt_tokens,
             "choice": decision.engine_id,
