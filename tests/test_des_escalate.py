@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import pytest
 
@@ -229,3 +230,20 @@ def test_an_escalated_turns_first_request_stays_queued_until_its_first_token() -
 def test_the_simulator_refuses_an_unknown_abort() -> None:
     with pytest.raises(ValueError, match="escalate_abort 'later' is unknown; accepted: now, first_token"):
         FleetSimulator(_workload(), "tier_cost", _tight_fleet("priority"), SimConfig(escalate_abort="later"))
+
+
+def test_the_placement_trace_records_an_escalated_re_send_under_its_turn() -> None:
+    """``SimConfig.trace_placement`` with escalation (round q28's diagnosis): each re-send is one
+    more record, its request id the turn's with "!N", its turn number the turn's (the tracer used to
+    fail on the suffix), and the run routes as without the trace."""
+    config: dict[str, Any] = {"escalate_after_s": 0.05, "escalate_pick": "route"}
+    plain = FleetSimulator(
+        _starved(), "kv_fixed_credit", _one_at_a_time(engines=2), SimConfig(**config)
+    ).run()
+    traced = FleetSimulator(
+        _starved(), "kv_fixed_credit", _one_at_a_time(engines=2), SimConfig(trace_placement=True, **config)
+    ).run()
+    resent = [r for r in traced.placement if "!" in r["rid"]]
+    assert resent and len(resent) == traced.escalations == plain.escalations
+    assert all(r["turn"] == 0 and r["rid"].partition("!")[0] == r["conv"] + "#0" for r in resent)
+    assert traced.ttft_by_request_s == plain.ttft_by_request_s
