@@ -350,8 +350,10 @@ HOLD_PICKS = ("all", "room")
 #: Escalation (issue 27, round q24; ``costs.priority_escalate_pick``, ``SimConfig.escalate_pick``):
 #: where a request with no first token E s after it arrived is sent again at priority 0: "same" =
 #: the engine it was on (its computed blocks are cached there), "route" = wherever the policy routes
-#: it then.
-ESCALATE_PICKS = ("same", "route")
+#: it then, "other" = wherever the policy routes it among the other engines (round q29: an engine
+#: that gave no first token in E s is short of something the router's wait does not see, KV memory
+#: in q28's diagnosis; with no other candidate, the same engine).
+ESCALATE_PICKS = ("same", "route", "other")
 
 
 def check_hold_wait(wait_s: float, what: str) -> None:

@@ -870,7 +870,8 @@ def build_parser() -> argparse.ArgumentParser:
         " routes a turn held M seconds then; :aged counts a held turn's deadline on a priority engine from"
         " its arrival, not its release); a priority spec may carry +escalate:E[:PICK[:ABORT]] (a turn with no"
         " first token E seconds after it arrived is cancelled and sent again at priority 0, to the same"
-        " engine or, with PICK route, wherever the policy routes it then; ABORT now, the default: the"
+        " engine or, with PICK route, wherever the policy routes it then, with PICK other, wherever it"
+        " routes it among the other engines; ABORT now, the default: the"
         " engine drops the first request at once, as vLLM 0.32 and kvroute's sim server do; first_token: at"
         " its first token, a sensitivity check)",
     )

@@ -259,8 +259,9 @@ class CostsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: router's priority and no first event ``priority_escalate_after_s`` seconds after its body
     #: arrived is cancelled there (its connection closed: vLLM drops the request at once and keeps
     #: its computed blocks cached) and sent again with priority 0, ahead of every deadline, to
-    #: ``priority_escalate_pick``: "same" (the engine it was on) or "route" (where the policy routes
-    #: it then). 0 = off. Streams only: a non-stream answer shows no first token before its end.
+    #: ``priority_escalate_pick``: "same" (the engine it was on), "route" (where the policy routes
+    #: it then) or "other" (where the policy routes it among the other engines). 0 = off. Streams
+    #: only: a non-stream answer shows no first token before its end.
     priority_escalate_after_s: float = 0.0
     priority_escalate_pick: str = "same"
 

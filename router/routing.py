@@ -511,10 +511,13 @@ class Router:
             except Exception:  # an observer bug must not fail the request
                 log.exception("observer %r failed in %s (request %s)", observer, hook, ctx.request_id)
 
-    async def decide(self, ctx: RouteContext, *, explain: bool = False) -> tuple[Arm, Decision]:
+    async def decide(
+        self, ctx: RouteContext, *, explain: bool = False, exclude: str | None = None
+    ) -> tuple[Arm, Decision]:
         """Steps 2-4 up to the policy's choice (no load taken, no upstream traffic). ``explain``:
         the candidates' index trust is asked whatever the policy (the explain endpoint shows it;
-        otherwise only a policy that reads the index has it asked)."""
+        otherwise only a policy that reads the index has it asked). ``exclude``: an engine not to
+        choose unless it is the fleet's only one (escalation's PICK other)."""
         request = ctx.route_request
         # The session's arm, or the one the x-kvroute-arm header forces.
         arm = self._forced_arm(ctx) if ctx.forced_arm else self.arm_selector.select(request.session_key)
@@ -525,6 +528,8 @@ class Router:
         # ``filter``/``refresh`` write the candidates' load figures and index trust in place
         # (after the annotator's await: the load of that moment), right before the choice.
         views = self.tracker.fleet_views()
+        if exclude is not None:
+            views = [view for view in views if view.engine_id != exclude] or views
         annotator = self.annotator
         if annotator is None:
             candidates = self.core.filter(request, views, uses_index=uses_index, trust=trust)
@@ -892,12 +897,19 @@ class Router:
         """Escalation (``costs.priority_escalate_after_s``): ``ctx``'s stream showed no first event
         on ``engine_id`` in time; its connection is closed (the engine aborts the request and keeps
         its computed blocks cached). The engine it goes to next, with priority 0
-        (``costs.priority_escalate_pick``): the same, or the policy's choice now."""
+        (``costs.priority_escalate_pick``): the same, the policy's choice now, or its choice among
+        the others (the same when none of them can take it)."""
         ctx.escalated = True
         self.metrics.escalated(engine_id)
         target = engine_id
-        if self.config.costs.priority_escalate_pick == "route":
+        pick = self.config.costs.priority_escalate_pick
+        if pick == "route":
             target = (await self.decide(ctx))[1].engine_id
+        elif pick == "other":
+            try:
+                target = (await self.decide(ctx, exclude=engine_id))[1].engine_id
+            except RouterError as exc:  # no other engine is healthy: the one it was on
+                log.warning("request %s: escalated, no other engine: %s", ctx.request_id, exc.message)
         log.info(
             "request %s: no first token from engine %s %.1f s after it arrived; cancelled there and"
             " sent again with priority 0 to engine %s",

@@ -1215,7 +1215,12 @@ class FleetSimulator:
         if self.sequences is not None:
             self.sequences.finish(r.request_id, now)
         self._escalations += 1
-        engines = [self.views[r.engine]] if self.config.escalate_pick == "same" else None
+        pick = self.config.escalate_pick
+        engines: list[EngineView] | None = None  # "route": every engine
+        if pick == "same":
+            engines = [self.views[r.engine]]
+        elif pick == "other" and len(self.views) > 1:
+            engines = [view for i, view in enumerate(self.views) if i != r.engine]
         routed = self._route(
             cs,
             r.conv_slot,

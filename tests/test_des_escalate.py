@@ -247,3 +247,26 @@ def test_the_placement_trace_records_an_escalated_re_send_under_its_turn() -> No
     assert resent and len(resent) == traced.escalations == plain.escalations
     assert all(r["turn"] == 0 and r["rid"].partition("!")[0] == r["conv"] + "#0" for r in resent)
     assert traced.ttft_by_request_s == plain.ttft_by_request_s
+
+
+def test_escalated_elsewhere_the_policy_routes_it_among_the_other_engines() -> None:
+    """PICK other: the re-sent turn is offered every engine but the one it was on (read from the
+    placement trace: an engine not offered has no prediction); with one engine it goes back to
+    that one (the only one there is)."""
+    config = SimConfig(escalate_after_s=0.05, escalate_pick="other", trace_placement=True)
+    run = FleetSimulator(_starved(), "kv_fixed_credit", _one_at_a_time(engines=3), config).run()
+    on = {r["rid"]: r["engine"] for r in run.placement}
+    resent = [r for r in run.placement if "!" in r["rid"]]
+    assert resent and run.escalations == len(resent)
+    for r in resent:
+        offered = [
+            e for e, pred in zip(("e0", "e1", "e2"), r["pred_total_s"], strict=True) if not math.isnan(pred)
+        ]
+        before = on[r["rid"].rpartition("!")[0]] if r["rid"].count("!") == 1 else None
+        if before is not None:
+            assert before not in offered and len(offered) == 2, (r["rid"], before, offered)
+        assert r["engine"] in offered
+    assert run.requests == len(_starved().conversations)
+    recorder, run = _run(_starved(), _one_at_a_time(engines=1), escalate_after_s=0.05, escalate_pick="other")
+    resent_to = [engines for rid, _, engines in recorder.routes if "!" in rid]
+    assert resent_to and all(engines == ("e0",) for engines in resent_to)

@@ -689,9 +689,9 @@ def test_a_stream_with_no_first_token_in_time_is_sent_again_at_priority_0(
     costs.priority_escalate_after_s: long and short have no first token 1.5 s after they arrived,
     so each is cancelled (its connection closed) and sent again with priority 0, where the two are
     served first come: long before short, the other way round from without escalation. Both answers
-    are whole; the router counts two escalations. PICK route asks the policy again (one engine here:
-    the same). The first attempts leave the engine's queue when their connections close (as on
-    vLLM 0.32; the test above)."""
+    are whole; the router counts two escalations. PICK route asks the policy again and PICK other
+    asks it among the other engines (one engine here: the same for both). The first attempts leave
+    the engine's queue when their connections close (as on vLLM 0.32; the test above)."""
     url = _router(
         serve_asgi,
         engines["priority"],
@@ -714,7 +714,7 @@ def test_router_config_checks_the_escalation() -> None:
     for costs, message in [
         ({"priority_escalate_after_s": -1.0}, "costs.priority_escalate_after_s must be >= 0 seconds"),
         ({"priority_escalate_after_s": math.inf}, "costs.priority_escalate_after_s must be >= 0 seconds"),
-        ({"priority_escalate_pick": "far"}, "costs.priority_escalate_pick must be one of same, route"),
+        ({"priority_escalate_pick": "far"}, "costs.priority_escalate_pick must be one of same, route, other"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(environ={}, overrides={**base, "costs": costs})
@@ -725,6 +725,42 @@ def test_router_config_checks_the_escalation() -> None:
         )
     config = load_config(environ={}, overrides={**base, "costs": {"priority_escalate_after_s": 5.0}})
     assert (config.costs.priority_escalate_after_s, config.costs.priority_escalate_pick) == (5.0, "same")
+
+
+@pytest.mark.parametrize("engines_n", [1, 3])
+def test_escalation_pick_other_routes_among_the_other_engines(engines_n: int) -> None:
+    """PICK other in the router: ``_escalate`` asks the policy among every engine but the one the
+    stream was on (``decide(exclude=...)``), and in a one-engine fleet it stays there. Engines are
+    never called (nothing is sent)."""
+    from router.app import create_app
+    from router.routing import CHAT, parse_request
+
+    ids = [f"e{i}" for i in range(engines_n)]
+    entries = [
+        {"id": e, "url": f"http://127.0.0.1:{9 + i}", "model": "m", "scheduling_policy": "priority"}
+        for i, e in enumerate(ids)
+    ]
+    config = load_config(
+        environ={},
+        overrides={
+            "engines": entries,
+            "policy": {"name": "round_robin"},  # would come back to any engine in turn
+            "tokenizer": {"backend": "sim"},
+            "costs": {"priority_escalate_after_s": 5.0, "priority_escalate_pick": "other"},
+        },
+    )
+    router = create_app(config).state.router
+    raw = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
+    for attempt in range(2 * engines_n):
+        was_on = ids[attempt % engines_n]
+        ctx = parse_request(CHAT, raw, {}, request_id=f"r{attempt}", started_s=0.0, config=config)
+        target = asyncio.run(router._escalate(ctx, was_on))
+        offered = [view.engine_id for view in ctx.fleet.engines]
+        assert ctx.escalated
+        if engines_n == 1:
+            assert target == was_on and offered == [was_on]
+        else:
+            assert target != was_on and offered == [e for e in ids if e != was_on]
 
 
 @pytest.mark.slow
