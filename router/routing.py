@@ -906,9 +906,11 @@ class Router:
         if pick == "route":
             target = (await self.decide(ctx))[1].engine_id
         elif pick == "other":
+            fleet = ctx.fleet
             try:
                 target = (await self.decide(ctx, exclude=engine_id))[1].engine_id
             except RouterError as exc:  # no other engine is healthy: the one it was on
+                ctx.fleet = fleet  # (decide left the empty one): the candidates it was priced among
                 log.warning("request %s: escalated, no other engine: %s", ctx.request_id, exc.message)
         log.info(
             "request %s: no first token from engine %s %.1f s after it arrived; cancelled there and"

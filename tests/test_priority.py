@@ -761,6 +761,15 @@ def test_escalation_pick_other_routes_among_the_other_engines(engines_n: int) ->
             assert target == was_on and offered == [was_on]
         else:
             assert target != was_on and offered == [e for e in ids if e != was_on]
+    if engines_n > 1:  # no other engine healthy: back to the one it was on, its candidates kept
+        for other in ids[1:]:
+            router.tracker.set_health(other, False, "down for the test")
+        ctx = parse_request(CHAT, raw, {}, request_id="down", started_s=0.0, config=config)
+        asyncio.run(router.decide(ctx))
+        assert ctx.fleet is not None and [view.engine_id for view in ctx.fleet.engines] == ["e0"]
+        fleet = ctx.fleet
+        assert asyncio.run(router._escalate(ctx, "e0")) == "e0"
+        assert ctx.fleet is fleet
 
 
 @pytest.mark.slow
