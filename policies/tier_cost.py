@@ -26,6 +26,10 @@ For engine e (all times in seconds, token counts in tokens, bandwidths in bytes/
     decode_s      = decode_s_per_running x running requests (decode steps share the GPU with prefill)
     pressure_s    = pressure_s_at_full x max(0, kv_cache_usage - pressure_threshold)
                     / (1 - pressure_threshold)           (a near-full pool evicts and preempts)
+                    + pressure_s_per_waiting x num_requests_waiting, past the threshold only
+                    (a request waiting on a full pool waits for running ones to free memory, which
+                    wait_s, the queued prefill at the engine's rate, does not see: round q30; 0 =
+                    off)
 
 ``work_s`` prices what greedy TTFT minimisation ignores: the GPU time this request takes delays every
 request queued behind it on that engine, and re-computing a history on an idle engine leaves a copy
@@ -178,6 +182,7 @@ class TierCostPolicy(BasePolicy):
         keep_unmatched: int = 3,
         pressure_threshold: float = 0.9,
         pressure_s_at_full: float = 0.05,
+        pressure_s_per_waiting: float = 0.0,
         temperature_s: float = 0.0,
         seed: int = 0,
         costs: Mapping[str, Any] | None = None,
@@ -187,9 +192,13 @@ class TierCostPolicy(BasePolicy):
             raise ValueError(f"tier_cost.stale_hit_factor must be in [0, 1], got {stale_hit_factor}")
         if not 0.0 <= pressure_threshold < 1.0:
             raise ValueError(f"tier_cost.pressure_threshold must be in [0, 1), got {pressure_threshold}")
-        if temperature_s < 0 or decode_s_per_running < 0 or pressure_s_at_full < 0 or work_weight < 0:
+        if (
+            min(temperature_s, decode_s_per_running, pressure_s_at_full, pressure_s_per_waiting, work_weight)
+            < 0
+        ):
             raise ValueError(
-                "tier_cost: temperature_s, decode_s_per_running, pressure_s_at_full, work_weight must be >= 0"
+                "tier_cost: temperature_s, decode_s_per_running, pressure_s_at_full, pressure_s_per_waiting,"
+                " work_weight must be >= 0"
             )
         if keep_unmatched < 1:
             raise ValueError(f"tier_cost.keep_unmatched must be >= 1, got {keep_unmatched}")
@@ -199,6 +208,7 @@ class TierCostPolicy(BasePolicy):
         self.decode_s_per_running = decode_s_per_running
         self.pressure_threshold = pressure_threshold
         self.pressure_s_at_full = pressure_s_at_full
+        self.pressure_s_per_waiting = pressure_s_per_waiting
         self.temperature_s = temperature_s
         self.seed = seed
         self._own_costs = PriorCosts.from_config(costs)
@@ -238,6 +248,8 @@ class TierCostPolicy(BasePolicy):
         if engine.kv_cache_usage is not None and engine.kv_cache_usage > self.pressure_threshold:
             excess = (engine.kv_cache_usage - self.pressure_threshold) / (1.0 - self.pressure_threshold)
             pressure_s = self.pressure_s_at_full * min(1.0, excess)
+            if self.pressure_s_per_waiting and engine.num_requests_waiting:
+                pressure_s += self.pressure_s_per_waiting * engine.num_requests_waiting
         return decode_s, pressure_s
 
     def _remote_cost_s(self, request: RouteRequest, engine: EngineView, costs: CostEstimates) -> float:

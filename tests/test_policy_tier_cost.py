@@ -141,6 +141,33 @@ def test_full_hit_still_prefills_one_token_and_memory_pressure_counts() -> None:
     assert decision.engine_id == "roomy"
 
 
+def test_requests_waiting_on_a_full_pool_price_a_memory_wait() -> None:
+    """pressure_s_per_waiting (round q30): each request waiting on an engine past the pressure
+    threshold adds that many seconds; on a roomy pool, or with the term off, waiting requests add
+    nothing to the pressure. "full" holds the whole prompt; "roomy" holds none of it (its prefill
+    costs ~0.3 s more), so the term is what moves the turn."""
+    hits = {"full": gpu(PROMPT_BLOCKS)}
+
+    def fleet(full_usage: float) -> FleetView:
+        return FleetView(
+            [
+                EngineView("full", kv_cache_usage=full_usage, num_requests_waiting=3),
+                EngineView("roomy", kv_cache_usage=0.5, num_requests_waiting=3),
+            ]
+        )
+
+    off = build_policy("tier_cost", {"pressure_s_at_full": 0.0})
+    on = build_policy("tier_cost", {"pressure_s_at_full": 0.0, "pressure_s_per_waiting": 2.0})
+    assert off.choose(request(hits), fleet(0.99)).engine_id == "full"
+    decision = on.choose(request(hits), fleet(0.99))
+    assert decision.scores["full"]["pressure_s"] == pytest.approx(6.0)
+    assert decision.scores["roomy"]["pressure_s"] == 0.0
+    assert decision.engine_id == "roomy"
+    assert on.choose(request(hits), fleet(0.5)).engine_id == "full"  # below the threshold: no term
+    with pytest.raises(ValueError, match="pressure_s_per_waiting"):
+        build_policy("tier_cost", {"pressure_s_per_waiting": -1.0})
+
+
 def test_ties_go_to_fewer_in_flight_then_stable_hash() -> None:
     policy = build_policy("tier_cost", {"decode_s_per_running": 0.0})
     fleet = FleetView(
