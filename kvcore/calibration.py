@@ -47,6 +47,14 @@ class CalibrationConfig:
     #: sending it the requests that would correct that, and the estimate never recovers
     #: (docs/benchmarks.md, the lock-in on real vLLM).
     pool_observations: float = 0.0
+    #: Engines that mount one shared STORAGE pool (``CostModel.set_storage_pool``; the router's
+    #: ``engines[].storage_pool``) share one STORAGE load bandwidth, measured from every member's
+    #: offload counters (round q31). A load from a shared pool waits for the pool as much as for
+    #: the engine's link, so a per-engine figure reads the pool's contention at the moments that
+    #: engine loaded: in B1b the engines that loaded under contention drifted 4-40x below the one
+    #: that had not, tier_cost herded the storage hits onto that one, and its queue piled up
+    #: (results/q28.md, q31.md). False = each engine's own counters (as before).
+    shared_storage: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.forgetting <= 1:
@@ -207,6 +215,10 @@ class CostModel:
         #: Engines that share each distinct prior, and their pool (``calibration.pool_observations``).
         self._pool_members: dict[EngineCosts, list[str]] = {}
         self._pools: dict[EngineCosts, _Pool] = {}
+        #: Each engine's shared STORAGE pool (``set_storage_pool``), and each pool's measured load
+        #: bandwidth in bytes/s (``calibration.shared_storage``).
+        self._storage_pool_of: dict[str, str] = {}
+        self._storage_bandwidth: dict[str, float] = {}
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any] | None) -> CostModel:
@@ -232,6 +244,9 @@ class CostModel:
             self._pool_members.setdefault(prior, []).append(engine_id)
             if self.calibration.pool_observations > 0 and prior in self._pools:
                 self._refresh(state, set())  # a newcomer starts from what its twins have shown
+            pool = self._storage_pool_of.get(engine_id)
+            if pool is not None and pool in self._storage_bandwidth:  # what the pool has shown
+                self._set_storage_bandwidth(state, self._storage_bandwidth[pool])
         return state
 
     def _pool_of(self, state: _EngineState) -> _Pool | None:
@@ -251,6 +266,29 @@ class CostModel:
             pool = self._pools.get(old.prior)
             if pool is not None:
                 pool.remove(old)
+
+    def set_storage_pool(self, engine_id: str, pool: str) -> None:
+        """``engine_id`` mounts the shared STORAGE pool ``pool`` ("" = none): with
+        ``calibration.shared_storage`` its STORAGE load bandwidth is the pool's."""
+        if not pool:
+            self._storage_pool_of.pop(engine_id, None)
+            return
+        self._storage_pool_of[engine_id] = pool
+        state = self._engines.get(engine_id)
+        if state is not None and pool in self._storage_bandwidth:
+            self._set_storage_bandwidth(state, self._storage_bandwidth[pool])
+
+    def _set_storage_bandwidth(self, state: _EngineState, bytes_per_s: float) -> None:
+        """A pool member's STORAGE bandwidth set to the pool's measurement (within its drift
+        bound): measured by counters, so the TTFT regression leaves it alone."""
+        bandwidth = list(state.current.load_bandwidth_bytes_per_s)
+        bandwidth[Tier.STORAGE] = self._bounded(
+            bytes_per_s, state.prior.load_bandwidth_bytes_per_s[Tier.STORAGE]
+        )
+        state.current = replace(
+            state.current, load_bandwidth_bytes_per_s=(bandwidth[0], bandwidth[1], bandwidth[2])
+        )
+        state.counter_tiers.add(Tier.STORAGE)
 
     # -- learning from engine metrics -------------------------------------------------------
 
@@ -283,11 +321,22 @@ class CostModel:
             if delta_bytes < cal.min_metrics_bytes or delta_s <= 0:
                 continue
             measured = delta_bytes / delta_s
+            pool = (
+                self._storage_pool_of.get(engine_id) if tier == Tier.STORAGE and cal.shared_storage else None
+            )
+            if pool is not None:  # one figure for the pool, from every member's loads
+                shared = self._storage_bandwidth.get(pool, math.inf)
+                shared = measured if math.isinf(shared) else _ewma_log(shared, measured, cal.metrics_weight)
+                self._storage_bandwidth[pool] = shared
+                for member, member_pool in self._storage_pool_of.items():
+                    if member_pool == pool and member != engine_id and member in self._engines:
+                        self._set_storage_bandwidth(self._engines[member], shared)
+                measured, bandwidth[tier] = shared, math.inf  # (the engine's own takes it whole below)
             old = bandwidth[tier]
             if math.isinf(old):
                 bandwidth[tier] = measured
             else:  # EWMA in log space: a 10x outlier moves it as much as a 10x drop the other way
-                bandwidth[tier] = math.exp(math.log(old) + cal.metrics_weight * math.log(measured / old))
+                bandwidth[tier] = _ewma_log(old, measured, cal.metrics_weight)
             bandwidth[tier] = self._bounded(bandwidth[tier], state.prior.load_bandwidth_bytes_per_s[tier])
             state.baselines[tier] = _CounterBaseline(bytes_total, time_total_s)
             state.counter_tiers.add(tier)
@@ -632,3 +681,8 @@ def _rls_update(rls: _Rls, x: list[float], y: float, forgetting: float) -> None:
             row[:] = [v * scale for v in row]
             for other in cov:
                 other[i] *= scale
+
+
+def _ewma_log(old: float, measured: float, weight: float) -> float:
+    """One EWMA step in log space (a 10x outlier moves it as much as a 10x drop the other way)."""
+    return math.exp(math.log(old) + weight * math.log(measured / old))

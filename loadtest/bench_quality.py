@@ -103,6 +103,9 @@ class Cell:
     scheduling: str = "fcfs"
     #: The router's ``costs.priors.calibration.pool_observations`` (0 = off).
     pool_observations: float = 0.0
+    #: The router's ``costs.priors.calibration.shared_storage`` (the shared pool's STORAGE bandwidth
+    #: measured as one figure; ``SimConfig.calibration_shared_storage``).
+    shared_storage_calibration: bool = False
     #: Split each turn's TTFT into where it went (``sim.des.ttft_split``) and summarise the split
     #: of the turns around the p50 and above the p99 (``split_summary``).
     split_ttft: bool = False
@@ -457,6 +460,7 @@ def sim_config(cell: Cell, **extra: Any) -> SimConfig:
         hold_max_s=hold.max_s,
         hold_aged=hold.aged,
         calibration_pool_observations=cell.pool_observations,
+        calibration_shared_storage=cell.shared_storage_calibration,
         split_ttft=cell.split_ttft,
         deadline_floor=floor_of(cell.scheduling)[1],
         externality=extern_of(cell.scheduling)[1] is not None,
@@ -797,6 +801,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
                             limit=args.limit,
                             stagger_s=args.stagger_s,
                             pool_observations=args.pool_observations,
+                            shared_storage_calibration=args.shared_storage_calibration,
                             split_ttft=args.split_ttft,
                         )
                     )
@@ -818,6 +823,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
                             block_size=args.block_size,
                             conversations=args.conversations,
                             pool_observations=args.pool_observations,
+                            shared_storage_calibration=args.shared_storage_calibration,
                             split_ttft=args.split_ttft,
                         )
                     )
@@ -886,6 +892,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="the router's costs.priors.calibration.pool_observations: twins share calibration"
         " evidence (0 = off, the default)",
+    )
+    p.add_argument(
+        "--shared-storage-calibration",
+        action="store_true",
+        help="the router's costs.priors.calibration.shared_storage: the engines' STORAGE load bandwidth is"
+        " the shared pool's, measured from all of them (off: each engine's own counters, the default)",
     )
     p.add_argument(
         "--split-ttft",

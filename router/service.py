@@ -109,6 +109,8 @@ def build_router_app(
         costs = CostModel.from_config(config.costs.priors)
     except ValueError as exc:
         raise ConfigError(f"costs.priors: {exc}") from None
+    for engine in config.engines:  # (used with costs.priors.calibration.shared_storage)
+        costs.set_storage_pool(engine.id, engine.storage_pool)
     experiments = build_arm_selector(config)
     experiments.bound_sessions(config.limits.session_map_bytes)
     tokenizer = build_tokenizer(config, tracker)

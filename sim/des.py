@@ -167,6 +167,9 @@ class SimConfig:
     router_priors: str = "defaults"
     #: The cost model's ``calibration.pool_observations`` (kvcore/calibration.py; 0 = off).
     calibration_pool_observations: float = 0.0
+    #: The cost model's ``calibration.shared_storage``: the engines' STORAGE bandwidth is the shared
+    #: pool's, measured from all of them (kvcore/calibration.py; round q31). False = per engine.
+    calibration_shared_storage: bool = False
     #: Engines whose profile has ``scheduling_policy="priority"`` get each request's
     #: ``shortest_first_priority`` (levels of ``priority_step_s`` seconds, deadlines stretched by
     #: ``priority_stretch`` and never more than ``priority_max_overtake_s`` nor
@@ -510,12 +513,17 @@ class FleetSimulator:
             raise ValueError(
                 f"router_priors {cfg.router_priors!r} is unknown; accepted: {', '.join(ROUTER_PRIORS)}"
             )
-        calibration = CalibrationConfig(pool_observations=cfg.calibration_pool_observations)
+        calibration = CalibrationConfig(
+            pool_observations=cfg.calibration_pool_observations, shared_storage=cfg.calibration_shared_storage
+        )
         self.costs = (
             CostModel(prior_costs(fleet.engines[0].profile), calibration=calibration)
             if cfg.router_priors == "nominal"
             else CostModel(calibration=calibration)
         )
+        if self.storage is not None:  # every engine mounts the fleet's one shared pool
+            for e in self.engine_ids:
+                self.costs.set_storage_pool(e, SHARED_POOL_ID)
         self.clairvoyant: ClairvoyantPolicy | None = None
         if isinstance(policy, str):
             if policy == "clairvoyant":

@@ -112,6 +112,41 @@ def test_offload_counters_give_measured_bandwidth_per_tier() -> None:
     assert model.estimates("e").load_bandwidth_bytes_per_s[Tier.CPU] == pytest.approx(10e9, rel=0.01)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_shared_storage_pool_has_one_measured_bandwidth(shared: bool) -> None:
+    """calibration.shared_storage (round q31): a and b mount pool "p", c mounts none. a's STORAGE
+    counters say 0.5 GB/s (it loaded while the pool was busy), b's 4 GB/s; with the pool shared
+    every member reads the pool's one figure, the EWMA of both engines' samples (between the
+    two, the same for a, b and a member that appears later), and c keeps its prior. Off: each
+    engine's own figure, as before. The CPU tier is per engine either way."""
+    model = CostModel.from_config({"calibration": {"shared_storage": shared}})
+    prior = model.estimates("c").load_bandwidth_bytes_per_s[Tier.STORAGE]
+    for engine in ("a", "b", "late"):
+        model.set_storage_pool(engine, "p")
+    model.set_storage_pool("c", "")
+    rates = {"a": 0.5e9, "b": 4e9}
+    for step in range(0, 30):
+        for engine, rate in rates.items():
+            model.update_offload_counters(
+                engine,
+                {Tier.CPU: step * 10e9, Tier.STORAGE: step * rate},
+                {Tier.CPU: step * (1.0 if engine == "a" else 2.0), Tier.STORAGE: float(step)},
+                float(step),
+            )
+    storage = {
+        e: model.estimates(e).load_bandwidth_bytes_per_s[Tier.STORAGE] for e in ("a", "b", "late", "c")
+    }
+    cpu = {e: model.estimates(e).load_bandwidth_bytes_per_s[Tier.CPU] for e in ("a", "b")}
+    assert cpu == pytest.approx({"a": 10e9, "b": 5e9}, rel=0.01)
+    assert storage["c"] == prior
+    if shared:
+        assert storage["a"] == storage["b"] == storage["late"]
+        assert 0.5e9 * 1.5 < storage["a"] < 4e9 / 1.5
+    else:
+        assert storage["a"] == pytest.approx(0.5e9, rel=0.01) and storage["b"] == pytest.approx(4e9, rel=0.01)
+        assert storage["late"] == prior
+
+
 def test_priors_from_config_per_fleet_and_engine() -> None:
     model = CostModel.from_config(
         {
