@@ -299,3 +299,30 @@ def test_prompts_of_one_size_teach_the_rate_and_a_fixed_overhead_is_still_learne
         model.observe("e", parts, observed, cached_tokens=0, now=float(i))
     assert model.estimates("e").prefill_tokens_per_s == pytest.approx(10_000, rel=0.05)
     assert model.overhead_s("e") == pytest.approx(0.04, rel=0.25)
+
+
+def test_the_router_tells_the_cost_model_which_engines_share_a_storage_pool() -> None:
+    """build_router_app registers each engine's ``storage_pool``: with
+    costs.priors.calibration.shared_storage, e0's STORAGE counters set e1's figure (same pool) and
+    not e2's (none)."""
+    from router.config import load_config
+    from router.service import build_router_app
+
+    engines = [
+        {"id": f"e{i}", "url": f"http://127.0.0.1:{9 + i}", "storage_pool": pool}
+        for i, pool in enumerate(("p", "p", ""))
+    ]
+    config = load_config(
+        environ={},
+        overrides={"engines": engines, "costs": {"priors": {"calibration": {"shared_storage": True}}}},
+    )
+    costs = build_router_app(config).state.costs
+    prior = costs.estimates("e2").load_bandwidth_bytes_per_s[Tier.STORAGE]
+    for e in ("e1", "e2"):
+        costs.estimates(e)  # known to the model before e0's counters arrive
+    for step in (0, 1):
+        costs.update_offload_counters(
+            "e0", {Tier.STORAGE: step * 1e9}, {Tier.STORAGE: float(step)}, float(step)
+        )
+    assert costs.estimates("e1").load_bandwidth_bytes_per_s[Tier.STORAGE] == pytest.approx(1e9)
+    assert costs.estimates("e2").load_bandwidth_bytes_per_s[Tier.STORAGE] == prior != pytest.approx(1e9)
