@@ -331,12 +331,11 @@ class CostModel:
                 for member, member_pool in self._storage_pool_of.items():
                     if member_pool == pool and member != engine_id and member in self._engines:
                         self._set_storage_bandwidth(self._engines[member], shared)
-                measured, bandwidth[tier] = shared, math.inf  # (the engine's own takes it whole below)
-            old = bandwidth[tier]
-            if math.isinf(old):
+                bandwidth[tier] = shared
+            elif math.isinf(bandwidth[tier]):
                 bandwidth[tier] = measured
-            else:  # EWMA in log space: a 10x outlier moves it as much as a 10x drop the other way
-                bandwidth[tier] = _ewma_log(old, measured, cal.metrics_weight)
+            else:
+                bandwidth[tier] = _ewma_log(bandwidth[tier], measured, cal.metrics_weight)
             bandwidth[tier] = self._bounded(bandwidth[tier], state.prior.load_bandwidth_bytes_per_s[tier])
             state.baselines[tier] = _CounterBaseline(bytes_total, time_total_s)
             state.counter_tiers.add(tier)

@@ -356,6 +356,12 @@ HOLD_PICKS = ("all", "room")
 ESCALATE_PICKS = ("same", "route", "other")
 
 
+def other_engines(views: Sequence[EngineView], engine_id: str) -> list[EngineView]:
+    """PICK other's candidates: ``views`` without ``engine_id``, or all of them when that leaves
+    none (a one-engine fleet)."""
+    return [view for view in views if view.engine_id != engine_id] or list(views)
+
+
 def check_hold_wait(wait_s: float, what: str) -> None:
     """ValueError naming ``what`` unless ``wait_s`` is > 0 seconds (inf allowed: never holds): an
     engine with nothing queued (predicted wait 0) must have room, or a busy fleet could never drain

@@ -46,6 +46,7 @@ from kvcore.core import (
     Outcome,
     Reservation,
     RoutingCore,
+    other_engines,
     priority_fcfs_factor_for,
     shortest_first_priority,
 )
@@ -529,7 +530,7 @@ class Router:
         # (after the annotator's await: the load of that moment), right before the choice.
         views = self.tracker.fleet_views()
         if exclude is not None:
-            views = [view for view in views if view.engine_id != exclude] or views
+            views = other_engines(views, exclude)
         annotator = self.annotator
         if annotator is None:
             candidates = self.core.filter(request, views, uses_index=uses_index, trust=trust)

@@ -41,6 +41,7 @@ from kvcore.core import (
     check_priority_fcfs_factor,
     check_recompute_below,
     hold_parts,
+    other_engines,
     priority_fcfs_factor_for,
     priority_queued_ahead,
     shortest_first_priority,
@@ -1227,8 +1228,8 @@ class FleetSimulator:
         engines: list[EngineView] | None = None  # "route": every engine
         if pick == "same":
             engines = [self.views[r.engine]]
-        elif pick == "other" and len(self.views) > 1:
-            engines = [view for i, view in enumerate(self.views) if i != r.engine]
+        elif pick == "other":
+            engines = other_engines(self.views, self.engine_ids[r.engine])
         routed = self._route(
             cs,
             r.conv_slot,

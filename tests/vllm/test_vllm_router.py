@@ -28,6 +28,7 @@ from router.tokenize import EngineChatTokenizer, HfChatTokenizer
 from sim.vllm_cpu import VllmCpuFleet
 from sim.vllm_model import MODEL_NAME, training_text, write_model_dir
 from tests.conftest import ThreadedServer
+from tests.test_priority import _escalations
 from tests.vllm.conftest import PROFILE
 
 # The first test also waits for the session fleet to start (minutes: the first start compiles).
@@ -551,21 +552,13 @@ def test_vllm_router_kv_aware_follows_the_engines_kv_events(
         stop_process(proc)
 
 
-def _router_sum(router_url: str, sample: str) -> float:
-    """The router's /metrics ``sample`` (e.g. kvroute_in_flight), summed over its labels."""
+def _in_flight(router_url: str) -> float:
+    """The router's kvroute_in_flight gauge, summed over engines."""
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in httpx.get(f"{router_url}/metrics", timeout=10).text.splitlines()
-        if line.startswith(sample + "{")
+        if line.startswith("kvroute_in_flight{")
     )
-
-
-def _escalations(router_url: str) -> float:
-    return _router_sum(router_url, "kvroute_escalations_total")
-
-
-def _in_flight(router_url: str) -> float:
-    return _router_sum(router_url, "kvroute_in_flight")
 
 
 def _until(what: str, check: Callable[[], bool], timeout_s: float = 60.0) -> None:
