@@ -53,8 +53,16 @@ class CalibrationConfig:
     #: the engine's link, so a per-engine figure reads the pool's contention at the moments that
     #: engine loaded: in B1b the engines that loaded under contention drifted 4-40x below the one
     #: that had not, tier_cost herded the storage hits onto that one, and its queue piled up
-    #: (results/q28.md, q31.md). False = each engine's own counters (as before).
+    #: (results/q28.md, q31.md). False = each engine's own counters (as before). True is
+    #: ``storage_spread`` 1.
     shared_storage: bool = False
+    #: Between the two (round q32): a pool member's STORAGE load bandwidth is its own counters'
+    #: figure, kept within [pool / spread, pool x spread] of the pool's one figure (the EWMA of
+    #: every member's samples). A member's own figure carries its link (engines with different
+    #: links to one pool), the bound stops the pool's contention from driving one member 4-40x
+    #: below the others. 1 = the pool's figure for every member (``shared_storage``); inf (the
+    #: default) = each engine on its own.
+    storage_spread: float = math.inf
 
     def __post_init__(self) -> None:
         if not 0 < self.forgetting <= 1:
@@ -63,6 +71,17 @@ class CalibrationConfig:
             raise ValueError(
                 f"calibration.pool_observations must be a finite number >= 0, got {self.pool_observations}"
             )
+        if not self.storage_spread >= 1:
+            raise ValueError(
+                "calibration.storage_spread must be >= 1 (inf = each engine on its own),"
+                f" got {self.storage_spread}"
+            )
+
+    @property
+    def pool_spread(self) -> float:
+        """How far a shared pool member's STORAGE figure may stray from the pool's (inf = no pool
+        figure): ``storage_spread``, or 1 with ``shared_storage``."""
+        return 1.0 if self.shared_storage else self.storage_spread
 
 
 @dataclass(slots=True)
@@ -101,6 +120,9 @@ class _EngineState:
     rls: _Rls = field(default_factory=_Rls)
     #: Tiers whose bandwidth the engine's offload counters have measured.
     counter_tiers: set[Tier] = field(default_factory=set)
+    #: The engine's own STORAGE counters' EWMA (bytes/s), kept apart from the figure it prices
+    #: with when that figure is bounded by its shared pool's (``calibration.storage_spread``).
+    own_storage_bps: float | None = None
     #: Forgetting-weighted counts of the clean observations that informed the prefill, CPU and
     #: STORAGE multipliers (index 1-3 as in the regression; 0 unused): each engine's weight in
     #: its pool and against it (``calibration.pool_observations``).
@@ -246,7 +268,7 @@ class CostModel:
                 self._refresh(state, set())  # a newcomer starts from what its twins have shown
             pool = self._storage_pool_of.get(engine_id)
             if pool is not None and pool in self._storage_bandwidth:  # what the pool has shown
-                self._set_storage_bandwidth(state, self._storage_bandwidth[pool])
+                self._set_storage_bandwidth(state, self._pooled(state, self._storage_bandwidth[pool]))
         return state
 
     def _pool_of(self, state: _EngineState) -> _Pool | None:
@@ -276,7 +298,16 @@ class CostModel:
         self._storage_pool_of[engine_id] = pool
         state = self._engines.get(engine_id)
         if state is not None and pool in self._storage_bandwidth:
-            self._set_storage_bandwidth(state, self._storage_bandwidth[pool])
+            self._set_storage_bandwidth(state, self._pooled(state, self._storage_bandwidth[pool]))
+
+    def _pooled(self, state: _EngineState, pool_bytes_per_s: float) -> float:
+        """A pool member's STORAGE figure: its own, within ``pool_spread`` of the pool's (the pool's
+        while it has measured nothing of its own)."""
+        own = state.own_storage_bps
+        spread = self.calibration.pool_spread
+        if own is None or spread == 1:
+            return pool_bytes_per_s
+        return min(max(own, pool_bytes_per_s / spread), pool_bytes_per_s * spread)
 
     def _set_storage_bandwidth(self, state: _EngineState, bytes_per_s: float) -> None:
         """A pool member's STORAGE bandwidth set to the pool's measurement (within its drift
@@ -322,16 +353,22 @@ class CostModel:
                 continue
             measured = delta_bytes / delta_s
             pool = (
-                self._storage_pool_of.get(engine_id) if tier == Tier.STORAGE and cal.shared_storage else None
+                self._storage_pool_of.get(engine_id)
+                if tier == Tier.STORAGE and math.isfinite(cal.pool_spread)
+                else None
             )
             if pool is not None:  # one figure for the pool, from every member's loads
+                own = state.own_storage_bps
+                own = measured if own is None else _ewma_log(own, measured, cal.metrics_weight)
+                state.own_storage_bps = own
                 shared = self._storage_bandwidth.get(pool, math.inf)
                 shared = measured if math.isinf(shared) else _ewma_log(shared, measured, cal.metrics_weight)
                 self._storage_bandwidth[pool] = shared
                 for member, member_pool in self._storage_pool_of.items():
                     if member_pool == pool and member != engine_id and member in self._engines:
-                        self._set_storage_bandwidth(self._engines[member], shared)
-                bandwidth[tier] = shared
+                        member_state = self._engines[member]
+                        self._set_storage_bandwidth(member_state, self._pooled(member_state, shared))
+                bandwidth[tier] = self._pooled(state, shared)
             elif math.isinf(bandwidth[tier]):
                 bandwidth[tier] = measured
             else:
@@ -530,7 +567,10 @@ class CostModel:
                 for e, s in sorted(self._engines.items())
             },
             "selfcheck": self.selfcheck.snapshot(),
-            "calibration": asdict(self.calibration),
+            "calibration": {  # (an infinite storage_spread, off, as null: JSON has no infinity)
+                k: None if isinstance(v, float) and math.isinf(v) else v
+                for k, v in asdict(self.calibration).items()
+            },
         }
 
     def gauge_values(self) -> list[tuple[str, dict[str, str], float]]:

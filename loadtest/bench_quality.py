@@ -106,6 +106,9 @@ class Cell:
     #: The router's ``costs.priors.calibration.shared_storage`` (the shared pool's STORAGE bandwidth
     #: measured as one figure; ``SimConfig.calibration_shared_storage``).
     shared_storage_calibration: bool = False
+    #: The router's ``costs.priors.calibration.storage_spread`` (``SimConfig
+    #: .calibration_storage_spread``; inf = off).
+    storage_spread: float = math.inf
     #: Split each turn's TTFT into where it went (``sim.des.ttft_split``) and summarise the split
     #: of the turns around the p50 and above the p99 (``split_summary``).
     split_ttft: bool = False
@@ -461,6 +464,7 @@ def sim_config(cell: Cell, **extra: Any) -> SimConfig:
         hold_aged=hold.aged,
         calibration_pool_observations=cell.pool_observations,
         calibration_shared_storage=cell.shared_storage_calibration,
+        calibration_storage_spread=cell.storage_spread,
         split_ttft=cell.split_ttft,
         deadline_floor=floor_of(cell.scheduling)[1],
         externality=extern_of(cell.scheduling)[1] is not None,
@@ -802,6 +806,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
                             stagger_s=args.stagger_s,
                             pool_observations=args.pool_observations,
                             shared_storage_calibration=args.shared_storage_calibration,
+                            storage_spread=args.storage_spread,
                             split_ttft=args.split_ttft,
                         )
                     )
@@ -824,6 +829,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
                             conversations=args.conversations,
                             pool_observations=args.pool_observations,
                             shared_storage_calibration=args.shared_storage_calibration,
+                            storage_spread=args.storage_spread,
                             split_ttft=args.split_ttft,
                         )
                     )
@@ -898,6 +904,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the router's costs.priors.calibration.shared_storage: the engines' STORAGE load bandwidth is"
         " the shared pool's, measured from all of them (off: each engine's own counters, the default)",
+    )
+    p.add_argument(
+        "--storage-spread",
+        type=float,
+        default=math.inf,
+        help="the router's costs.priors.calibration.storage_spread: each engine's STORAGE load bandwidth"
+        " is its own, kept within this factor of the shared pool's one figure (>= 1; 1 ="
+        " --shared-storage-calibration; default inf: off)",
     )
     p.add_argument(
         "--split-ttft",

@@ -171,6 +171,9 @@ class SimConfig:
     #: The cost model's ``calibration.shared_storage``: the engines' STORAGE bandwidth is the shared
     #: pool's, measured from all of them (kvcore/calibration.py; round q31). False = per engine.
     calibration_shared_storage: bool = False
+    #: The cost model's ``calibration.storage_spread``: each engine's STORAGE bandwidth its own,
+    #: within this factor of the shared pool's (kvcore/calibration.py; round q32). inf = off.
+    calibration_storage_spread: float = math.inf
     #: Engines whose profile has ``scheduling_policy="priority"`` get each request's
     #: ``shortest_first_priority`` (levels of ``priority_step_s`` seconds, deadlines stretched by
     #: ``priority_stretch`` and never more than ``priority_max_overtake_s`` nor
@@ -515,7 +518,9 @@ class FleetSimulator:
                 f"router_priors {cfg.router_priors!r} is unknown; accepted: {', '.join(ROUTER_PRIORS)}"
             )
         calibration = CalibrationConfig(
-            pool_observations=cfg.calibration_pool_observations, shared_storage=cfg.calibration_shared_storage
+            pool_observations=cfg.calibration_pool_observations,
+            shared_storage=cfg.calibration_shared_storage,
+            storage_spread=cfg.calibration_storage_spread,
         )
         self.costs = (
             CostModel(prior_costs(fleet.engines[0].profile), calibration=calibration)

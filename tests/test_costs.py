@@ -147,6 +147,39 @@ def test_a_shared_storage_pool_has_one_measured_bandwidth(shared: bool) -> None:
         assert storage["late"] == prior
 
 
+def test_a_storage_spread_bounds_each_member_around_the_pool() -> None:
+    """calibration.storage_spread (round q32): a's counters say 0.5 GB/s, b's 4 GB/s, one pool. The
+    pool's figure is the EWMA of both (between them). With spread 2 a member prices with its own
+    figure held within [pool / 2, pool x 2]: a is lifted to pool / 2, b cut to pool x 2, and a
+    member with no samples of its own reads the pool's. With spread 16 the bound does not bind:
+    each member's own figure, as with no pool. Spread 1 is shared_storage's one figure. A spread
+    below 1 is refused."""
+
+    def run(spread: float) -> dict[str, float]:
+        model = CostModel.from_config({"calibration": {"storage_spread": spread}})
+        for engine in ("a", "b", "late"):
+            model.set_storage_pool(engine, "p")
+        for step in range(0, 30):
+            for engine, rate in {"a": 0.5e9, "b": 4e9}.items():
+                model.update_offload_counters(
+                    engine, {Tier.STORAGE: step * rate}, {Tier.STORAGE: float(step)}, float(step)
+                )
+        return {e: model.estimates(e).load_bandwidth_bytes_per_s[Tier.STORAGE] for e in ("a", "b", "late")}
+
+    pool = run(1.0)["late"]
+    assert 0.5e9 * 1.5 < pool < 4e9 / 1.5
+    assert run(1.0) == {"a": pool, "b": pool, "late": pool}
+    shared = CostModel.from_config({"calibration": {"shared_storage": True}})
+    assert shared.calibration.pool_spread == 1.0
+    bounded = run(2.0)
+    assert bounded["a"] == pytest.approx(pool / 2) and bounded["b"] == pytest.approx(pool * 2)
+    assert bounded["late"] == pytest.approx(pool)
+    loose = run(16.0)
+    assert loose["a"] == pytest.approx(0.5e9, rel=0.01) and loose["b"] == pytest.approx(4e9, rel=0.01)
+    with pytest.raises(ValueError, match="storage_spread"):
+        CostModel.from_config({"calibration": {"storage_spread": 0.5}})
+
+
 def test_priors_from_config_per_fleet_and_engine() -> None:
     model = CostModel.from_config(
         {

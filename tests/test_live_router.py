@@ -228,6 +228,8 @@ def test_non_stream_traffic_leaves_costs_alone_and_metrics_expose_them(
     for turn_no in range(4):
         chat.turn(turn_no)
     costs = httpx.get(f"{url}/debug/costs").json()
+    # The default storage_spread (inf, off) goes out as null: JSON has no infinity (was a 500).
+    assert costs["calibration"]["storage_spread"] is None
     # A non-stream answer has no first token: nothing to calibrate with, estimates stay at the prior.
     assert costs["core"]["finished"] == 4 and costs["core"]["calibrations"] == 0
     for entry in costs["engines"].values():
