@@ -710,11 +710,6 @@ def _validate_index_events_costs(config: RouterConfig) -> None:
             f"costs.priority_escalate_pick must be one of {', '.join(ESCALATE_PICKS)},"
             f" got {config.costs.priority_escalate_pick!r}"
         )
-    if escalate_s > 0 and config.proxy.callback_path:
-        raise ConfigError(
-            "costs.priority_escalate_after_s is not implemented on proxy.callback_path: set one of them"
-            " off (the callback path's first attempt is sent with the first-byte budget only)"
-        )
     if config.costs.scrape_interval_s < 0:
         raise ConfigError(
             f"costs.scrape_interval_s must be >= 0 (0 disables), got {config.costs.scrape_interval_s}"

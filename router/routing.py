@@ -163,6 +163,9 @@ class RouteContext(msgspec.Struct):
     #: Escalated (``costs.priority_escalate_after_s``): sent again with priority 0 after its first
     #: attempt showed no first event in time.
     escalated: bool = False
+    #: The attempt in flight was sent with the escalation's first-event deadline, not the budget
+    #: (``Router._first_event_deadline``): its first-byte timeout escalates it.
+    escalating: bool = False
     #: The conversation start's message-prefix hashes when the session key was made from them
     #: (``session_key_and_start``): the prompt names go on from them. Empty otherwise.
     start_prefixes: Sequence[int] = ()
@@ -686,8 +689,11 @@ class Router:
             engine.url + ENDPOINT_PATHS[ctx.endpoint],
             body,
             upstream_headers,
-            # A stream's first-byte budget covers its first event, as ``_forward``'s.
-            first_byte_timeout_s=self.first_byte.budget_s() if stream else None,
+            # A stream's first-byte budget (or escalation deadline) covers its first event, as
+            # ``_forward``'s; a timeout goes on in ``serve`` (``_Relay`` hands it over).
+            first_byte_timeout_s=self._first_event_deadline(ctx, engine, self.first_byte.budget_s())
+            if stream
+            else None,
             until_event=stream,
         )
         if response is None:
@@ -784,11 +790,8 @@ class Router:
         order = [decision.engine_id, *decision.fallbacks][:2]  # the choice, then one retry
         response: UpstreamResponse | None = None
         budget_s = self.first_byte.budget_s()
-        escalate_s = self._escalate_after_s if ctx.stream else 0.0
         for attempt, engine_id in enumerate(order):
-            # This attempt's first-byte deadline is the escalation's (``_escalate``), not the budget.
-            escalating = False
-            if attempt == 0 and sent is not None:
+            if attempt == 0 and sent is not None:  # (``ctx.escalating`` set when it was sent)
                 reservation = ctx.reservation
                 assert reservation is not None
                 waiting = self.client.headers_of(sent)
@@ -814,16 +817,7 @@ class Router:
                 assert reservation is not None
                 body = self._engine_body(ctx, engine, reservation, base_body)
                 ctx.sent_s = reservation.sent_s = time.monotonic()
-                timeout_s = budget_s
-                if (
-                    escalate_s
-                    and ctx.priority
-                    and not ctx.escalated
-                    and engine.scheduling_policy == "priority"
-                ):
-                    left_s = escalate_s - (ctx.sent_s - ctx.started_s)
-                    if left_s < budget_s:
-                        timeout_s, escalating = max(left_s, MIN_ESCALATE_WAIT_S), True
+                timeout_s = self._first_event_deadline(ctx, engine, budget_s)
                 # Streams: the time-to-first-byte budget covers the headers and the first event
                 # (the long read timeout only applies once tokens flow). Until that event nothing
                 # is sent to the client, so a hung engine is left for the next choice.
@@ -851,7 +845,7 @@ class Router:
                 break
             except UpstreamConnectError as exc:
                 self.core.abandon(reservation)  # this attempt's share; the retry reserves anew
-                if escalating and exc.kind == UpstreamFirstByteTimeout.kind:  # not the engine's fault
+                if ctx.escalating and exc.kind == UpstreamFirstByteTimeout.kind:  # not the engine's fault
                     order.insert(attempt + 1, await self._escalate(ctx, engine_id))
                     continue
                 if exc.kind == "connect":  # nothing listens, or the connection broke: poll again
@@ -893,6 +887,27 @@ class Router:
             response.close()
         # Accounted once it is out (``_answered``).
         return _BodyAnswer(response.status, _answer_headers(ctx, response.content_type), data, self, ctx)
+
+    def _first_event_deadline(self, ctx: RouteContext, engine: Any, budget_s: float) -> float:
+        """The first-byte timeout of an attempt sent now (``ctx.sent_s``): the escalation's
+        (``costs.priority_escalate_after_s``, counted from the request's arrival) for a stream
+        with a priority on a priority engine not escalated yet, when it comes before the budget;
+        else the budget. Sets ``ctx.escalating`` to which one it is."""
+        ctx.escalating = False
+        escalate_s, sent_s = self._escalate_after_s, ctx.sent_s
+        if (
+            escalate_s
+            and ctx.stream
+            and ctx.priority
+            and not ctx.escalated
+            and engine.scheduling_policy == "priority"
+            and sent_s is not None
+        ):
+            left_s = escalate_s - (sent_s - ctx.started_s)
+            if left_s < budget_s:
+                ctx.escalating = True
+                return max(left_s, MIN_ESCALATE_WAIT_S)
+        return budget_s
 
     async def _escalate(self, ctx: RouteContext, engine_id: str) -> str:
         """Escalation (``costs.priority_escalate_after_s``): ``ctx``'s stream showed no first event

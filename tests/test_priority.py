@@ -33,6 +33,7 @@ from kvcore.core import (
 from kvcore.sim_tokenizer import NAME, filler_text
 from policies.costs import PredictedParts
 from router.config import ConfigError, load_config
+from router.fastpath import ProxyExchange
 from router.service import build_router_app
 from sim.engine import EngineCore, SimRequest
 from sim.fleet import Fleet, FleetEngine, FleetProfile
@@ -431,7 +432,9 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Flee
         yield out
 
 
-def _router(serve_asgi: Callable[..., ThreadedServer], engine: FleetEngine, **costs: Any) -> str:
+def _router(
+    serve_asgi: Callable[..., ThreadedServer], engine: FleetEngine, callback_path: bool = False, **costs: Any
+) -> str:
     config = load_config(
         environ={},
         overrides={
@@ -440,6 +443,7 @@ def _router(serve_asgi: Callable[..., ThreadedServer], engine: FleetEngine, **co
             "tokenizer": {"backend": "sim"},
             "health": {"interval_s": 0.5},
             "costs": {"scrape_interval_s": 0, **costs},
+            "proxy": {"callback_path": callback_path},
         },
     )
     server = serve_asgi(build_router_app(config))
@@ -709,6 +713,43 @@ def test_a_stream_with_no_first_token_in_time_is_sent_again_at_priority_0(
     assert _escalations(url) == 2
 
 
+@pytest.mark.slow
+def test_escalation_on_the_callback_path(
+    engines: dict[str, FleetEngine], serve_asgi: Callable[..., ThreadedServer], task_starts: list[object]
+) -> None:
+    """The test above with proxy.callback_path: the three streams are sent from the protocol's
+    callbacks (each one's prompt tokenised already and an idle connection waiting: no task), the
+    long and short ones with the escalation's deadline as their first-byte timeout. Each timeout
+    hands its request over to a task, which escalates it: long before short, two escalations, and
+    exactly two tasks. Sent with the first-byte budget instead (before this was built), neither
+    escalates (and with their prompts cached by the warm-up, the order alone would not tell)."""
+    url = _router(
+        serve_asgi, engines["priority"], callback_path=True, priority_escalate_after_s=ESCALATE_AFTER_S
+    )
+    sends: list[tuple[str, str, dict[str, Any]]] = [
+        ("running", _prompt(BIG_TOKENS, 31), {}),
+        ("long", _prompt(BIG_TOKENS, 32), {}),
+        ("short", _prompt(SMALL_TOKENS, 33), {}),
+    ]
+
+    async def warm() -> None:  # three pooled connections, and every prompt's tokens known
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        try:
+            await asyncio.gather(
+                *(client.completions.create(model=NAME, prompt=p, max_tokens=1) for _, p, _ in sends)
+            )
+        finally:
+            await client.close()
+
+    asyncio.run(warm())
+    task_starts.clear()
+    seen = asyncio.run(_first_tokens(url, engines["priority"].url, sends))
+    assert seen["running"] < seen["long"] < seen["short"], seen
+    assert _escalations(url) == 2
+    proxied = [cycle for cycle in task_starts if isinstance(cycle, ProxyExchange)]  # (not /metrics)
+    assert len(proxied) == 2, "not sent from the callbacks (or escalated twice)"
+
+
 def test_router_config_checks_the_escalation() -> None:
     base = {"engines": [{"id": "e0", "url": "http://127.0.0.1:9", "scheduling_policy": "priority"}]}
     for costs, message in [
@@ -718,11 +759,6 @@ def test_router_config_checks_the_escalation() -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(environ={}, overrides={**base, "costs": costs})
-    with pytest.raises(ConfigError, match=r"not implemented on proxy\.callback_path"):
-        load_config(
-            environ={},
-            overrides={**base, "costs": {"priority_escalate_after_s": 5.0}, "proxy": {"callback_path": True}},
-        )
     config = load_config(environ={}, overrides={**base, "costs": {"priority_escalate_after_s": 5.0}})
     assert (config.costs.priority_escalate_after_s, config.costs.priority_escalate_pick) == (5.0, "same")
 
