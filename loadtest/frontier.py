@@ -385,6 +385,70 @@ def spread(rows: Sequence[dict[str, Any]], refs: dict[Cell, Key], k: int, draws:
     return "\n".join(out).lstrip("\n") + "\n"
 
 
+def _judged(
+    pick: Sequence[int],
+    fcfs: dict[Key, dict[int, tuple[float, float, float]]],
+    point: dict[int, tuple[float, float, float]],
+    same: dict[int, tuple[float, float, float]],
+) -> Ratios:
+    """A report on the seeds ``pick``: REF chosen by ``reference`` among the first-come settings on
+    those seeds, then the ratios of the medians."""
+    ref_key = reference({key: {s: by_seed[s] for s in pick} for key, by_seed in fcfs.items()})
+    return _ratios(
+        _medians({s: point[s] for s in pick}),
+        _medians({s: fcfs[ref_key][s] for s in pick}),
+        _medians({s: same[s] for s in pick}),
+    )
+
+
+def resolution(rows: Sequence[dict[str, Any]], k: int, draws: int = 4000) -> str:
+    """What a report on ``k`` seeds can tell, read from runs on many more: per priority
+    configuration with kv_fixed_credit at its order, its verdict on every seed (REF chosen on all
+    of them), then over ``draws`` reports of ``k`` seeds drawn without replacement (a fixed
+    generator), each judged as a report is - REF chosen by ``reference`` on its own seeds, ratios
+    of its medians - the share meeting the whole corner, the share meeting the placement part
+    (>= TARGET_SAME over kv_fixed_credit at the same order) and that ratio's 10th/50th/90th
+    percentiles."""
+    rng = random.Random(0)
+    out: list[str] = []
+    for cell, configs in grouped(rows).items():
+        fcfs = {key: v for key, v in configs.items() if key[1] == "fcfs" and key[0].split(":")[0] == BASELINE}
+        if not fcfs:
+            continue
+        ref_all = reference(configs)
+        out += [
+            "",
+            f"### {cell[0]}, storage {cell[1]}: every seed (REF = {ref_all[0]}@{ref_all[1]}) and"
+            f" {k}-seed reports ({draws} draws, REF chosen in each)",
+            "",
+            "| configuration | seeds | every seed: p50 vs REF, vs same order, p99 / REF, max / REF | corner"
+            f" | {k}-seed reports meeting the corner | meeting placement (>= {TARGET_SAME:g}x)"
+            f" | {k}-seed placement: p10 / p50 / p90 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for key, by_seed in configs.items():
+            same = configs.get((BASELINE, key[1]))
+            if key[1] == "fcfs" or same is None:
+                continue
+            seeds = sorted(
+                s for s in by_seed if s in same and all(s in ref_seeds for ref_seeds in fcfs.values())
+            )
+            if len(seeds) < k:
+                continue
+
+            every = _judged(seeds, fcfs, by_seed, same)
+            reports = [_judged(rng.sample(seeds, k), fcfs, by_seed, same) for _ in range(draws)]
+            q = percentiles([r.g_same for r in reports], (10, 50, 90))
+            out.append(
+                f"| {key[0]}@{key[1]} | {len(seeds)} | {every.g_ref:.2f}x, {every.g_same:.2f}x,"
+                f" {every.r99:.2f}, {every.rmax:.2f} | {'**met**' if every.meets() else 'missed'}"
+                f" | {sum(r.meets() for r in reports) / draws:.0%}"
+                f" | {sum(r.g_same >= TARGET_SAME for r in reports) / draws:.0%}"
+                f" | {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} |"
+            )
+    return "\n".join(out).lstrip("\n") + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.frontier", description=__doc__.split("\n\n")[0])
     ap.add_argument("raw", nargs="+", type=Path, help="bench_quality .jsonl files")
@@ -401,8 +465,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="K",
         help="markdown instead: per-seed ratios and what a K-seed report would read (see ``spread``)",
     )
+    ap.add_argument(
+        "--resolution",
+        type=int,
+        metavar="K",
+        help="markdown instead: each configuration's verdict on every seed and what K-seed reports"
+        " drawn from them would read (see ``resolution``)",
+    )
     args = ap.parse_args(argv)
     rows = load(args.raw)
+    if args.resolution is not None:
+        text = resolution(rows, args.resolution)
+        if args.md:
+            args.md.write_text(text)
+        else:
+            print(text)
+        return 0
     refs, pts = points(rows)
     if args.near is not None:
         for p in near(pts, args.near):

@@ -103,6 +103,29 @@ def test_baseline_points_are_never_candidates() -> None:
     assert the(pts, "kv_fixed_credit", "priority:20:inf").on_medians.g_same == pytest.approx(1.0)
 
 
+def test_resolution_judges_each_k_seed_report_with_its_own_ref() -> None:
+    # Seed 101's max at 100 s; on seed 102 REF's other setting is fast (p50 2.0). On all three seeds
+    # REF is kv_fixed_credit (3.6 against a median 3.9) and the corner is met. Of the 2-seed reports,
+    # (100, 101) and (101, 102) miss on the max, and every report with seed 102 chooses the fast
+    # setting as its REF (median 2.95: a gain of 1.05x), so none meets the corner; with one REF
+    # for all draws (100, 102) would, one report in three. Placement (3.3 / 2.8) holds in all.
+    rows = [
+        row("kv_fixed_credit:cpu=0.5:storage=0.1", "fcfs", 102, 2.0, 50.0, 55.0)
+        if r["policy"] == "kv_fixed_credit:cpu=0.5:storage=0.1" and r["seed"] == 102
+        else r
+        for r in fleet(point_max_seed_101=100.0)
+    ]
+    table = frontier.resolution(rows, k=2)
+    (line,) = [ln for ln in table.splitlines() if ln.startswith("| tier_cost@priority:20:inf |")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1] == "3"
+    assert cells[2] == "1.29x, 1.18x, 0.92, 0.83" and cells[3] == "**met**"
+    assert cells[4] == "0%" and cells[5] == "100%"
+    assert cells[6] == "1.18 / 1.18 / 1.18"
+    assert "REF = kv_fixed_credit@fcfs" in table
+    assert frontier.resolution(rows, k=4).count("\n| ") == 1  # fewer seeds than k: header only
+
+
 def test_main_writes_table_csv_and_near_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     raw = tmp_path / "runs.jsonl"
     raw.write_text("".join(json.dumps(r) + "\n" for r in fleet(point_max_seed_101=66.0)))
