@@ -61,7 +61,8 @@ class CalibrationConfig:
     #: every member's samples). A member's own figure carries its link (engines with different
     #: links to one pool), the bound stops the pool's contention from driving one member 4-40x
     #: below the others. 1 = the pool's figure for every member (``shared_storage``); inf (the
-    #: default) = each engine on its own.
+    #: default) = each engine on its own. In q32's B1b (links of 1.5 and 6 GB/s to one pool) any
+    #: spread above 1 brought the pile-ups back and did not help placement (results/q32.md).
     storage_spread: float = math.inf
 
     def __post_init__(self) -> None:
