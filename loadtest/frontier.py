@@ -143,10 +143,17 @@ def grouped(rows: Sequence[dict[str, Any]]) -> dict[Cell, dict[Key, dict[int, tu
     return out
 
 
+def first_come(
+    configs: dict[Key, dict[int, tuple[float, float, float]]],
+) -> dict[Key, dict[int, tuple[float, float, float]]]:
+    """REF's candidates: the kv_fixed_credit settings run on fcfs engines."""
+    return {k: v for k, v in configs.items() if k[1] == "fcfs" and k[0].split(":")[0] == BASELINE}
+
+
 def reference(configs: dict[Key, dict[int, tuple[float, float, float]]]) -> Key:
     """tune27's T0: the kv_fixed_credit setting on fcfs engines with the lowest median p50 (ties
     within TIE: the lower median p99); only settings run on the most seeds compete."""
-    fcfs = {k: v for k, v in configs.items() if k[1] == "fcfs" and k[0].split(":")[0] == BASELINE}
+    fcfs = first_come(configs)
     if not fcfs:
         raise ValueError("no kv_fixed_credit run on fcfs engines: no REF")
     most = max(len(v) for v in fcfs.values())
@@ -412,7 +419,7 @@ def resolution(rows: Sequence[dict[str, Any]], k: int, draws: int = 4000) -> str
     rng = random.Random(0)
     out: list[str] = []
     for cell, configs in grouped(rows).items():
-        fcfs = {key: v for key, v in configs.items() if key[1] == "fcfs" and key[0].split(":")[0] == BASELINE}
+        fcfs = first_come(configs)
         if not fcfs:
             continue
         ref_all = reference(configs)
@@ -449,6 +456,14 @@ def resolution(rows: Sequence[dict[str, Any]], k: int, draws: int = 4000) -> str
     return "\n".join(out).lstrip("\n") + "\n"
 
 
+def _emit(text: str, md: Path | None) -> None:
+    """A table to ``md``, or to stdout without one."""
+    if md:
+        md.write_text(text)
+    else:
+        print(text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.frontier", description=__doc__.split("\n\n")[0])
     ap.add_argument("raw", nargs="+", type=Path, help="bench_quality .jsonl files")
@@ -475,22 +490,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows = load(args.raw)
     if args.resolution is not None:
-        text = resolution(rows, args.resolution)
-        if args.md:
-            args.md.write_text(text)
-        else:
-            print(text)
+        _emit(resolution(rows, args.resolution), args.md)
         return 0
     refs, pts = points(rows)
     if args.near is not None:
         for p in near(pts, args.near):
             print(f"{p.cell[0]}\t{p.cell[1]}\t{p.policy}@{p.scheduling}")
         return 0
-    text = markdown(rows, refs, pts) if args.spread is None else spread(rows, refs, args.spread)
-    if args.md:
-        args.md.write_text(text)
-    else:
-        print(text)
+    _emit(markdown(rows, refs, pts) if args.spread is None else spread(rows, refs, args.spread), args.md)
     if args.csv:
         write_csv(rows, args.csv)
     if args.shape:

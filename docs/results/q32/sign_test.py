@@ -7,22 +7,22 @@ costly in the cell at 7 or more of 8 (one-sided sign test, p = 0.035)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from math import comb
+from pathlib import Path
+from typing import Any
+
+from loadtest.frontier import load
 
 Q = "tier_cost:pressure_s_at_full=1@priority:20:inf+escalate:40:route"
 
 
-def runs(path: str, point: str) -> dict[int, dict[str, float]]:
+def runs(path: str, point: str) -> dict[int, dict[str, Any]]:
+    """``point``'s runs in ``path`` by seed (read as ``loadtest.frontier`` reads them)."""
     policy, scheduling = point.split("@", 1)
-    out = {}
-    with open(path) as f:
-        for line in f:
-            r = json.loads(line)
-            if r["policy"] == policy and r["scheduling"] == scheduling:
-                out[r["seed"]] = r
-    return out
+    return {
+        r["seed"]: r for r in load([Path(path)]) if r["policy"] == policy and r["scheduling"] == scheduling
+    }
 
 
 def main() -> None:

@@ -6,10 +6,12 @@ Q's p50) against the difference in hit rate, load imbalance, preemptions and esc
 
 from __future__ import annotations
 
-import json
 import sys
+from pathlib import Path
 
 import numpy as np
+
+from loadtest.frontier import load
 
 ORDER = "priority:20:inf+escalate:40:route"
 K, Q = "kv_fixed_credit", "tier_cost:pressure_s_at_full=1"
@@ -17,11 +19,7 @@ K, Q = "kv_fixed_credit", "tier_cost:pressure_s_at_full=1"
 
 def main() -> None:
     for path in sys.argv[1:]:
-        runs = {}
-        with open(path) as f:
-            for line in f:
-                r = json.loads(line)
-                runs[(r["policy"], r["scheduling"], r["seed"])] = r
+        runs = {(r["policy"], r["scheduling"], r["seed"]): r for r in load([Path(path)])}
         pairs = [
             (runs[(K, ORDER, s)], runs[(Q, ORDER, s)])
             for s in sorted({key[2] for key in runs})
