@@ -112,6 +112,20 @@ def test_offload_counters_give_measured_bandwidth_per_tier() -> None:
     assert model.estimates("e").load_bandwidth_bytes_per_s[Tier.CPU] == pytest.approx(10e9, rel=0.01)
 
 
+def _pool_of_a_and_b(model: CostModel, *, with_cpu: bool) -> None:
+    """a, b and "late" mount pool "p"; 30 counter samples each from a (STORAGE 0.5 GB/s) and b
+    (4 GB/s), and with ``with_cpu`` CPU loads at 10 GB/s (a) and 5 GB/s (b)."""
+    for engine in ("a", "b", "late"):
+        model.set_storage_pool(engine, "p")
+    for step in range(0, 30):
+        for engine, rate in {"a": 0.5e9, "b": 4e9}.items():
+            loads, times = {Tier.STORAGE: step * rate}, {Tier.STORAGE: float(step)}
+            if with_cpu:
+                loads[Tier.CPU] = step * 10e9
+                times[Tier.CPU] = step * (1.0 if engine == "a" else 2.0)
+            model.update_offload_counters(engine, loads, times, float(step))
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_a_shared_storage_pool_has_one_measured_bandwidth(shared: bool) -> None:
     """calibration.shared_storage (round q31): a and b mount pool "p", c mounts none. a's STORAGE
@@ -121,18 +135,8 @@ def test_a_shared_storage_pool_has_one_measured_bandwidth(shared: bool) -> None:
     engine's own figure, as before. The CPU tier is per engine either way."""
     model = CostModel.from_config({"calibration": {"shared_storage": shared}})
     prior = model.estimates("c").load_bandwidth_bytes_per_s[Tier.STORAGE]
-    for engine in ("a", "b", "late"):
-        model.set_storage_pool(engine, "p")
     model.set_storage_pool("c", "")
-    rates = {"a": 0.5e9, "b": 4e9}
-    for step in range(0, 30):
-        for engine, rate in rates.items():
-            model.update_offload_counters(
-                engine,
-                {Tier.CPU: step * 10e9, Tier.STORAGE: step * rate},
-                {Tier.CPU: step * (1.0 if engine == "a" else 2.0), Tier.STORAGE: float(step)},
-                float(step),
-            )
+    _pool_of_a_and_b(model, with_cpu=True)
     storage = {
         e: model.estimates(e).load_bandwidth_bytes_per_s[Tier.STORAGE] for e in ("a", "b", "late", "c")
     }
@@ -157,13 +161,7 @@ def test_a_storage_spread_bounds_each_member_around_the_pool() -> None:
 
     def run(spread: float) -> dict[str, float]:
         model = CostModel.from_config({"calibration": {"storage_spread": spread}})
-        for engine in ("a", "b", "late"):
-            model.set_storage_pool(engine, "p")
-        for step in range(0, 30):
-            for engine, rate in {"a": 0.5e9, "b": 4e9}.items():
-                model.update_offload_counters(
-                    engine, {Tier.STORAGE: step * rate}, {Tier.STORAGE: float(step)}, float(step)
-                )
+        _pool_of_a_and_b(model, with_cpu=False)
         return {e: model.estimates(e).load_bandwidth_bytes_per_s[Tier.STORAGE] for e in ("a", "b", "late")}
 
     pool = run(1.0)["late"]
