@@ -113,6 +113,8 @@ class Run:
     imbalance: float = float("nan")
     #: kvroute only: measured engine TTFTs over the TTFTs its cost model predicted (router metrics).
     ttft_over_predicted: float = float("nan")
+    #: kvroute only: streams the router escalated during the run (``kvroute_escalations_total``).
+    escalations: int = 0
     #: KV events the engines published during the run (BlockRemoved > 0: the run evicted).
     stored_blocks: int = 0
     removed_blocks: int = 0
@@ -271,15 +273,26 @@ def scrape_cached_by_tier(engines: Sequence[FleetEngine]) -> tuple[dict[str, flo
     return by_tier, per_engine
 
 
-def scrape_ttft_sums(router_url: str) -> tuple[float, float]:
-    """(measured, predicted) engine TTFT seconds of the router's streamed requests, all engines."""
-    sums = {"kvroute_ttft_engine_seconds_total": 0.0, "kvroute_ttft_predicted_seconds_total": 0.0}
+def scrape_router_counters(router_url: str, names: Sequence[str]) -> dict[str, float]:
+    """Per sample name in ``names``: its value summed over every label set on the router's /metrics."""
+    sums = dict.fromkeys(names, 0.0)
     text = httpx.get(router_url + "/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in sums:
                 sums[sample.name] += sample.value
-    return sums["kvroute_ttft_engine_seconds_total"], sums["kvroute_ttft_predicted_seconds_total"]
+    return sums
+
+
+_TTFT_SUMS = ("kvroute_ttft_engine_seconds_total", "kvroute_ttft_predicted_seconds_total")
+#: Streams escalated (cancelled and sent again at priority 0: docs/routing.md, "Escalation").
+_ESCALATIONS = "kvroute_escalations_total"
+
+
+def scrape_ttft_sums(router_url: str) -> tuple[float, float]:
+    """(measured, predicted) engine TTFT seconds of the router's streamed requests, all engines."""
+    sums = scrape_router_counters(router_url, _TTFT_SUMS)
+    return sums[_TTFT_SUMS[0]], sums[_TTFT_SUMS[1]]
 
 
 def locust_args(workload: str, think_mean_s: float) -> list[str]:
@@ -392,6 +405,11 @@ def measure(
                 proc, url = start_peer(target, engines, workdir, peers_dir, backend.block_size)
             before, queried_before = scrape_cached_by_tier(engines)
             ttft_before = scrape_ttft_sums(url) if target.kind == "kvroute" else (0.0, 0.0)
+            escalated_before = (
+                scrape_router_counters(url, (_ESCALATIONS,))[_ESCALATIONS]
+                if target.kind == "kvroute"
+                else 0.0
+            )
             prefix = str(out / "csv" / f"{workload}-u{users}-{spec.replace(':', '_').replace('@', '_')}")
             spawn = max(1.0, users / max(think_mean_s, 1.0))
             args = [*locust_args(workload, think_mean_s), "--model", engines[0].model]
@@ -405,6 +423,8 @@ def measure(
             if target.kind == "kvroute":
                 measured, predicted = (a - b for a, b in zip(scrape_ttft_sums(url), ttft_before, strict=True))
                 run.ttft_over_predicted = measured / predicted if predicted > 0 else float("nan")
+                escalated = scrape_router_counters(url, (_ESCALATIONS,))[_ESCALATIONS]
+                run.escalations = round(escalated - escalated_before)
             loads = [a - b for a, b in zip(queried_after, queried_before, strict=True)]
             run.imbalance = max(loads) / (sum(loads) / len(loads)) if sum(loads) else float("nan")
             rows = list(csv.DictReader(open(f"{prefix}_turns.csv")))
@@ -536,12 +556,12 @@ def des_ladder(
 def fmt_runs(runs: Sequence[Run]) -> str:
     lines = [
         "| workload | users | router | TTFT p50 s | p90 s | p99 s | turns/s | cached GPU | CPU | STORAGE "
-        "| cached / prompt | imbalance | TTFT / predicted | evicted blocks | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cached / prompt | imbalance | TTFT / predicted | escalated | evicted blocks | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         if r.error:
-            lines.append(f"| {r.workload} | {r.users} | {r.target} | failed: {r.error} ||||||||||||")
+            lines.append(f"| {r.workload} | {r.users} | {r.target} | failed: {r.error} |||||||||||||")
             continue
         c = r.cached or {}
         frac = sum(c.values()) / r.prompt_tokens if r.prompt_tokens else float("nan")
@@ -549,7 +569,7 @@ def fmt_runs(runs: Sequence[Run]) -> str:
             f"| {r.workload} | {r.users} | {r.target} | {r.ttft_p50_s:.3f} | {r.ttft_p90_s:.3f} "
             f"| {r.ttft_p99_s:.3f} | {r.turns_per_s:.2f} | {c.get('GPU', 0):.0f} | {c.get('CPU', 0):.0f} "
             f"| {c.get('STORAGE', 0):.0f} | {frac:.3f} | {r.imbalance:.2f} | {_ratio(r.ttft_over_predicted)}"
-            f" | {r.removed_blocks} | {r.failures} |"
+            f" | {r.escalations} | {r.removed_blocks} | {r.failures} |"
         )
     return "\n".join(lines)
 

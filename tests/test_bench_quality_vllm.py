@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from loadtest.bench_quality_live import (
     QUALITY_PROFILE,
@@ -20,10 +20,12 @@ from loadtest.bench_quality_live import (
     FleetFile,
     Run,
     reset_prefix_caches,
+    scrape_router_counters,
     split_spec,
     variant_of,
     vllm_runs,
 )
+from router.metrics import RouterMetrics
 from sim.fleet import Fleet, FleetEngine
 from tests.conftest import ThreadedServer
 
@@ -96,6 +98,27 @@ def test_a_variants_config_reaches_its_router(fleets: dict[str, FleetFile], tmp_
     )  # fmt: skip
     assert not plain.error and not variant.error, (plain.error, variant.error)
     assert variant.ttft_over_predicted < plain.ttft_over_predicted / 10, (plain, variant)
+    assert plain.escalations == 0 == variant.escalations, (plain, variant)
+
+
+def test_the_escalation_count_is_read_from_the_routers_own_metrics(
+    serve_asgi: Callable[..., ThreadedServer],
+) -> None:
+    """A run's escalations come from the counter the router increments (``RouterMetrics.escalated``),
+    summed over its engines: a name that drifted from the router's would read 0."""
+    metrics = RouterMetrics()
+    for engine_id in ("e0", "e0", "e1"):
+        metrics.escalated(engine_id)
+    app = FastAPI()
+
+    @app.get("/metrics")
+    async def exposition() -> Response:
+        return Response(metrics.render(), media_type="text/plain")
+
+    server = serve_asgi(app)
+    assert scrape_router_counters(server.url, ("kvroute_escalations_total",)) == {
+        "kvroute_escalations_total": 3.0
+    }
 
 
 def test_reset_empties_an_engines_prefix_cache(fleets: dict[str, FleetFile]) -> None:
