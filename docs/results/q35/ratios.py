@@ -1,0 +1,69 @@
+"""q35's verdict from a ``bench_quality_live`` run: per target the medians over repeats, and Q's
+p50 against REF's and K's, of the medians and repeat by repeat (the k-th run of a target is its
+k-th repeat: the bench interleaves the repeats).
+
+    python docs/results/q35/ratios.py OUT/quality.json [E-SUFFIX]
+
+E-SUFFIX is the variant names' suffix of a q35b run ("" for q35)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from typing import Any
+
+
+def by_target(path: str) -> dict[str, list[dict[str, Any]]]:
+    """Each target's successful runs, in repeat order."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for run in json.loads(open(path).read())["runs"]:
+        if not run["error"]:
+            out.setdefault(run["target"], []).append(run)
+    return out
+
+
+def main() -> None:
+    suffix = sys.argv[2] if len(sys.argv) > 2 else ""
+    names = {
+        "REF": "kvroute:kv_fixed_credit",
+        "K": f"kvroute:kv_fixed_credit#e{suffix}@priority",
+        "Q": f"kvroute:tier_cost#q{suffix}@priority",
+        "Q0": "kvroute:tier_cost#n@priority",
+    }
+    runs = by_target(sys.argv[1])
+    med: dict[str, dict[str, float]] = {}
+    print("| name | target | runs | p50 s | p90 s | p99 s | turns/s | escalated per run | failed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, target in names.items():
+        rs = runs.get(target, [])
+        if not rs:
+            print(f"| {name} | `{target}` | 0 | - | - | - | - | - | - |")
+            continue
+        m = med[name] = {
+            k: statistics.median(r[k] for r in rs)
+            for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "turns_per_s", "escalations", "failures")
+        }
+        print(
+            f"| {name} | `{target}` | {len(rs)} | {m['ttft_p50_s']:.3f} | {m['ttft_p90_s']:.3f} "
+            f"| {m['ttft_p99_s']:.3f} | {m['turns_per_s']:.2f} | {m['escalations']:g} | {m['failures']:g} |"
+        )
+    print()
+    for q in ("Q", "Q0"):
+        if q not in med or "REF" not in med or "K" not in med:
+            continue
+        gain_ref = med["REF"]["ttft_p50_s"] / med[q]["ttft_p50_s"]
+        gain_k = med["K"]["ttft_p50_s"] / med[q]["ttft_p50_s"]
+        p99 = med[q]["ttft_p99_s"] / med["REF"]["ttft_p99_s"]
+        met = gain_ref >= 1.2 and gain_k >= 1.1 and p99 <= 1.0
+        per_ref = [a["ttft_p50_s"] / b["ttft_p50_s"] for a, b in zip(runs[names["REF"]], runs[names[q]])]
+        per_k = [a["ttft_p50_s"] / b["ttft_p50_s"] for a, b in zip(runs[names["K"]], runs[names[q]])]
+        print(
+            f"{q}: p50 {gain_ref:.2f}x REF's (1.2x), {gain_k:.2f}x K's (1.1x), p99 {p99:.2f} of REF's:"
+            f" {'met' if met else 'missed'}; per repeat vs REF {', '.join(f'{x:.2f}' for x in per_ref)};"
+            f" vs K {', '.join(f'{x:.2f}' for x in per_k)}"
+        )
+
+
+if __name__ == "__main__":
+    main()
