@@ -63,6 +63,19 @@ def main() -> None:
             f" {'met' if met else 'missed'}; per repeat vs REF {', '.join(f'{x:.2f}' for x in per_ref)};"
             f" vs K {', '.join(f'{x:.2f}' for x in per_k)}"
         )
+    print()
+    print("Per run, repeat by repeat: TTFT p50 s / p90 s (imbalance: max / mean prompt tokens an engine; cached share)")
+    for name, target in names.items():
+        cells = [
+            f"{r['ttft_p50_s']:.3f} / {r['ttft_p90_s']:.3f} ({r['imbalance']:.2f}; {cached_share(r):.3f})"
+            for r in runs.get(target, [])
+        ]
+        print(f"- {name}: " + ", ".join(cells))
+
+
+def cached_share(run: dict[str, Any]) -> float:
+    """The engines' cached prompt tokens over the prompt tokens of the run's measured turns."""
+    return sum((run["cached"] or {}).values()) / run["prompt_tokens"] if run["prompt_tokens"] else float("nan")
 
 
 if __name__ == "__main__":
