@@ -4,7 +4,8 @@ k-th repeat: the bench interleaves the repeats).
 
     python docs/results/q35/ratios.py OUT/quality.json [E-SUFFIX]
 
-E-SUFFIX is the variant names' suffix of a q35b run ("" for q35)."""
+E-SUFFIX is the suffix of the K and Q variant names: "" for q35, 75 for q35b, 48 for q35c, 48m
+for q35d (docs/results/q35.md)."""
 
 from __future__ import annotations
 
@@ -56,15 +57,18 @@ def main() -> None:
         gain_k = med["K"]["ttft_p50_s"] / med[q]["ttft_p50_s"]
         p99 = med[q]["ttft_p99_s"] / med["REF"]["ttft_p99_s"]
         met = gain_ref >= 1.2 and gain_k >= 1.1 and p99 <= 1.0
-        per_ref = [a["ttft_p50_s"] / b["ttft_p50_s"] for a, b in zip(runs[names["REF"]], runs[names[q]])]
-        per_k = [a["ttft_p50_s"] / b["ttft_p50_s"] for a, b in zip(runs[names["K"]], runs[names[q]])]
+        per_ref = [a["ttft_p50_s"] / b["ttft_p50_s"] for a, b in zip(runs[names["REF"]], runs[names[q]], strict=True)]
+        per_k = [a["ttft_p50_s"] / b["ttft_p50_s"] for a, b in zip(runs[names["K"]], runs[names[q]], strict=True)]
         print(
             f"{q}: p50 {gain_ref:.2f}x REF's (1.2x), {gain_k:.2f}x K's (1.1x), p99 {p99:.2f} of REF's:"
             f" {'met' if met else 'missed'}; per repeat vs REF {', '.join(f'{x:.2f}' for x in per_ref)};"
             f" vs K {', '.join(f'{x:.2f}' for x in per_k)}"
         )
     print()
-    print("Per run, repeat by repeat: TTFT p50 s / p90 s (imbalance: max / mean prompt tokens an engine; cached share)")
+    print(
+        "Per run, repeat by repeat: TTFT p50 s / p90 s"
+        " (imbalance: max / mean prompt tokens an engine; cached share)"
+    )
     for name, target in names.items():
         cells = [
             f"{r['ttft_p50_s']:.3f} / {r['ttft_p90_s']:.3f} ({r['imbalance']:.2f}; {cached_share(r):.3f})"
@@ -75,7 +79,8 @@ def main() -> None:
 
 def cached_share(run: dict[str, Any]) -> float:
     """The engines' cached prompt tokens over the prompt tokens of the run's measured turns."""
-    return sum((run["cached"] or {}).values()) / run["prompt_tokens"] if run["prompt_tokens"] else float("nan")
+    prompt = run["prompt_tokens"]
+    return sum((run["cached"] or {}).values()) / prompt if prompt else float("nan")
 
 
 if __name__ == "__main__":
