@@ -57,8 +57,8 @@ def main() -> None:
         gain_k = med["K"]["ttft_p50_s"] / med[q]["ttft_p50_s"]
         p99 = med[q]["ttft_p99_s"] / med["REF"]["ttft_p99_s"]
         met = gain_ref >= 1.2 and gain_k >= 1.1 and p99 <= 1.0
-        per_ref = [a["ttft_p50_s"] / b["ttft_p50_s"] for a, b in zip(runs[names["REF"]], runs[names[q]], strict=True)]
-        per_k = [a["ttft_p50_s"] / b["ttft_p50_s"] for a, b in zip(runs[names["K"]], runs[names[q]], strict=True)]
+        per_ref = p50_ratios(runs[names["REF"]], runs[names[q]])
+        per_k = p50_ratios(runs[names["K"]], runs[names[q]])
         print(
             f"{q}: p50 {gain_ref:.2f}x REF's (1.2x), {gain_k:.2f}x K's (1.1x), p99 {p99:.2f} of REF's:"
             f" {'met' if met else 'missed'}; per repeat vs REF {', '.join(f'{x:.2f}' for x in per_ref)};"
@@ -75,6 +75,11 @@ def main() -> None:
             for r in runs.get(target, [])
         ]
         print(f"- {name}: " + ", ".join(cells))
+
+
+def p50_ratios(base: list[dict[str, Any]], other: list[dict[str, Any]]) -> list[float]:
+    """Repeat by repeat: ``base``'s TTFT p50 over ``other``'s (a gain of ``other``)."""
+    return [a["ttft_p50_s"] / b["ttft_p50_s"] for a, b in zip(base, other, strict=True)]
 
 
 def cached_share(run: dict[str, Any]) -> float:
