@@ -287,6 +287,7 @@ def scrape_router_counters(router_url: str, names: Sequence[str]) -> dict[str, f
 _TTFT_SUMS = ("kvroute_ttft_engine_seconds_total", "kvroute_ttft_predicted_seconds_total")
 #: Streams escalated (cancelled and sent again at priority 0: docs/routing.md, "Escalation").
 _ESCALATIONS = "kvroute_escalations_total"
+_ROUTER_COUNTERS = (*_TTFT_SUMS, _ESCALATIONS)
 
 
 def scrape_ttft_sums(router_url: str) -> tuple[float, float]:
@@ -404,11 +405,9 @@ def measure(
             else:
                 proc, url = start_peer(target, engines, workdir, peers_dir, backend.block_size)
             before, queried_before = scrape_cached_by_tier(engines)
-            ttft_before = scrape_ttft_sums(url) if target.kind == "kvroute" else (0.0, 0.0)
-            escalated_before = (
-                scrape_router_counters(url, (_ESCALATIONS,))[_ESCALATIONS]
-                if target.kind == "kvroute"
-                else 0.0
+            # The router's counters, before and after the run in one scrape each (kvroute only).
+            counters_before = (
+                scrape_router_counters(url, _ROUTER_COUNTERS) if target.kind == "kvroute" else {}
             )
             prefix = str(out / "csv" / f"{workload}-u{users}-{spec.replace(':', '_').replace('@', '_')}")
             spawn = max(1.0, users / max(think_mean_s, 1.0))
@@ -421,10 +420,11 @@ def measure(
                 raise RuntimeError(f"locust exited {res.returncode}: {res.stderr[-800:]}")
             after, queried_after = scrape_cached_by_tier(engines)
             if target.kind == "kvroute":
-                measured, predicted = (a - b for a, b in zip(scrape_ttft_sums(url), ttft_before, strict=True))
+                after_run = scrape_router_counters(url, _ROUTER_COUNTERS)
+                delta = {name: after_run[name] - counters_before[name] for name in _ROUTER_COUNTERS}
+                measured, predicted = delta[_TTFT_SUMS[0]], delta[_TTFT_SUMS[1]]
                 run.ttft_over_predicted = measured / predicted if predicted > 0 else float("nan")
-                escalated = scrape_router_counters(url, (_ESCALATIONS,))[_ESCALATIONS]
-                run.escalations = round(escalated - escalated_before)
+                run.escalations = round(delta[_ESCALATIONS])
             loads = [a - b for a, b in zip(queried_after, queried_before, strict=True)]
             run.imbalance = max(loads) / (sum(loads) / len(loads)) if sum(loads) else float("nan")
             rows = list(csv.DictReader(open(f"{prefix}_turns.csv")))
