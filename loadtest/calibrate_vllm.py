@@ -719,7 +719,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     fields = fit.profile_fields(kvb)
     print(format_fit(fit, fields, prefill, decode))
     doc: dict[str, Any] = {
-        "engine_profile": {"kv_bytes_per_token": kvb, "max_num_batched_tokens": args.step_tokens, **fields},
+        "engine_profile": {
+            "kv_bytes_per_token": kvb,
+            "max_num_batched_tokens": args.step_tokens,
+            "max_num_seqs": VLLM_CPU_MAX_NUM_SEQS,
+            **fields,
+        },
         "request_overhead_s": fit.coefficients["request_overhead_s"],
         "measured_on": measured_on,
         "residuals": {"prefill": fit.prefill_residuals, "decode": fit.decode_residuals},
@@ -729,7 +734,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             **doc["engine_profile"],
             block_size=int(measured_on.get("block_size") or 32),
             num_gpu_blocks=args.gpu_blocks - 1,  # vLLM's override counts its null block
-            max_num_seqs=VLLM_CPU_MAX_NUM_SEQS,
         )
         stages = fit_server_stages(loaded, engine_ids, profile)
         doc["api_server"] = dataclasses.asdict(stages.api_server)

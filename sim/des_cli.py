@@ -18,6 +18,7 @@ from typing import Any
 
 from kvcore.core import (
     ADMISSION_FORMS,
+    ESCALATE_PICKS,
     HOLD_ORDERS,
     HOLD_PICKS,
     PRIORITY_FCFS_FACTOR,
@@ -51,6 +52,7 @@ from sim.fleets import (
     FleetSpec,
     b1_fleet,
     load_engine_profile,
+    load_server_stages,
     parse_storage,
     storage_blocks_for,
     working_set_blocks,
@@ -159,6 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
         "policies about 2 CPU-minutes, 1-2 minutes on 2 cores; the B1 figures use 16,32,64,128,256)",
     )
     src.add_argument(
+        "--duration-s",
+        type=float,
+        default=None,
+        metavar="D",
+        help="ladder: conversations start for D seconds instead of --conversations; the ones started"
+        " run all their turns (Locust's --run-time with the --stop-timeout loadtest/load.py gives:"
+        " each user finishes its conversation)",
+    )
+    src.add_argument(
         "--conversations",
         type=float,
         default=2.0,
@@ -191,6 +202,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=64.0,
         help="ladder: size GPU pools so the fleet's HBM holds this many average conversations",
+    )
+    fl.add_argument(
+        "--gpu-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ladder: each engine's GPU pool is exactly N blocks (a real fleet's, e.g. vLLM's"
+        " --num-gpu-blocks-override), instead of the size from --hbm-conversations",
+    )
+    fl.add_argument(
+        "--cpu-ratio",
+        type=float,
+        default=2.0,
+        help="ladder: each engine's CPU offload tier in blocks, as a multiple of its GPU pool (default 2;"
+        " 0 = no CPU tier, as vLLM's CPU build here)",
     )
     fl.add_argument(
         "--storage",
@@ -229,6 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-profile",
         help="JSON file of EngineProfile time fields (step_overhead_s, prefill_tokens_per_s, ...), e.g. "
         "the fit python -m loadtest.calibrate_vllm writes; default: the H100 figures (docs/simulator.md)",
+    )
+    fl.add_argument(
+        "--server-stages",
+        metavar="FILE",
+        help="the engines' API-server stage and the router's (sim/frontend.py) from a calibration file"
+        " (python -m loadtest.calibrate_vllm --out writes them under api_server and router_stage):"
+        " each request is read and tokenized there before its engine core sees it, each output token"
+        " relayed (default: none)",
     )
     fl.add_argument(
         "--scheduling-policy",
@@ -353,6 +387,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --hold-wait-s: a held turn's shortest-first deadline on a priority engine counts from"
         " its arrival at the router, not from when it is routed (default: from when it is routed)",
+    )
+    fl.add_argument(
+        "--escalate-after-s",
+        type=float,
+        default=None,
+        metavar="E",
+        help="priority engines: a turn with no first token E seconds after it arrived is cancelled"
+        " there and sent again at priority 0, the most urgent, as the router's"
+        " costs.priority_escalate_after_s does (> 0; default off)",
+    )
+    fl.add_argument(
+        "--escalate-pick",
+        choices=ESCALATE_PICKS,
+        default=ESCALATE_PICKS[0],
+        help="with --escalate-after-s: where the escalated turn is sent: its engine (same, the"
+        " default), wherever the policy routes it then (route), or among the other engines (other)",
     )
     fl.add_argument(
         "--gpu-tokens",
@@ -480,7 +530,19 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         hold_recompute_below=args.hold_recompute_below,
         hold_max_s=args.hold_max_s,
         hold_aged=args.hold_aged,
+        escalate_after_s=args.escalate_after_s,
+        escalate_pick=args.escalate_pick,
     )
+    if args.duration_s is not None and not args.duration_s > 0:
+        raise ValueError(f"--duration-s must be > 0 seconds, got {args.duration_s}")
+    if args.escalate_after_s is not None and args.scheduling_policy != "priority":
+        raise ValueError(
+            "--escalate-after-s re-sends turns at a higher priority: add --scheduling-policy priority"
+        )
+    if args.gpu_blocks is not None and args.gpu_blocks < 1:
+        raise ValueError(f"--gpu-blocks must be >= 1, got {args.gpu_blocks}")
+    if not args.cpu_ratio >= 0:
+        raise ValueError(f"--cpu-ratio must be >= 0 (0 = no CPU tier), got {args.cpu_ratio}")
     check_priority_stretch(args.priority_stretch, "--priority-stretch")
     check_priority_max_overtake(args.priority_max_overtake_s, "--priority-max-overtake-s")
     check_priority_fcfs_factor(args.priority_fcfs_factor, "--priority-fcfs-factor")
@@ -507,6 +569,9 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         ),
     )
     fleet_options = _fleet_options(args)
+    api_stage, router_stage = load_server_stages(args.server_stages) if args.server_stages else (None, None)
+    if args.server_stages and api_stage is None and router_stage is None:
+        raise ValueError(f"--server-stages {args.server_stages}: no api_server or router_stage in it")
     storage_values: list[str] = args.storage
 
     def storage_label(label: str, storage: str) -> str:
@@ -540,6 +605,8 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
             for storage in storage_values:
                 fleet = b1_fleet(
                     n,
+                    api_server=api_stage,
+                    router_stage=router_stage,
                     block_size=wl.block_size,
                     hetero=hetero,
                     base=base,
@@ -563,7 +630,8 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
             answer_max_tokens=hi,
             think_time_mean_s=args.think_time_s,
             concurrency=c,
-            total_conversations=max(c, round(c * args.conversations)),
+            total_conversations=None if args.duration_s else max(c, round(c * args.conversations)),
+            duration_s=args.duration_s,
             block_size=args.block_size,
             seed=args.seed,
         )
@@ -573,10 +641,14 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
             for storage in storage_values:
                 fleet = b1_fleet(
                     n,
+                    api_server=api_stage,
+                    router_stage=router_stage,
                     block_size=args.block_size,
                     hetero=hetero,
                     conversations_in_hbm=args.hbm_conversations,
                     mean_conversation_tokens=lcfg.mean_prompt_tokens(),
+                    gpu_blocks=args.gpu_blocks,
+                    cpu_ratio=args.cpu_ratio,
                     storage_blocks=storage_blocks_for(storage, working_set),
                     base=EngineProfile(
                         **profile_fields,

@@ -85,9 +85,15 @@ def b1_fleet(
     engine_model: str = "vllm",
     engine_variation: float = 0.0,
     variation_seed: int = 0,
+    gpu_blocks: int | None = None,
+    api_server: ServerStage | None = None,
+    router_stage: ServerStage | None = None,
 ) -> FleetSpec:
     """The B1 fleet: GPU pools sized so the fleet's HBM holds ``conversations_in_hbm`` average
-    conversations, CPU tier ``cpu_ratio`` x GPU per engine, one shared STORAGE pool.
+    conversations, CPU tier ``cpu_ratio`` x GPU per engine (0 = none), one shared STORAGE pool.
+    ``gpu_blocks``: each engine's GPU pool in blocks exactly (a real fleet's pool, e.g. vLLM's
+    ``--num-gpu-blocks-override``), instead of the size from ``conversations_in_hbm``.
+    ``api_server``, ``router_stage``: the fleet's server stages (sim/frontend.py; none by default).
 
     ``storage_blocks``: None = unbounded (never fills), 0 = no storage tier, N = N blocks
     (``storage_blocks_for`` turns "1/4" of a workload's working set into blocks).
@@ -107,10 +113,17 @@ def b1_fleet(
         raise ValueError(f"engine_model {engine_model!r} is unknown; accepted: {', '.join(ENGINE_MODELS)}")
     if not 0 <= engine_variation < 1:
         raise ValueError(f"engine_variation must be in [0, 1), got {engine_variation}")
+    if gpu_blocks is not None and gpu_blocks < 1:
+        raise ValueError(f"gpu_blocks must be >= 1, got {gpu_blocks}")
+    if not cpu_ratio >= 0:
+        raise ValueError(f"cpu_ratio must be >= 0 (0 = no CPU tier), got {cpu_ratio}")
     base = base or EngineProfile()
     if engine_model == "legacy":
         base = base.legacy_model()
-    gpu_blocks = max(8, math.ceil(conversations_in_hbm * mean_conversation_tokens / num_engines / block_size))
+    if gpu_blocks is None:
+        gpu_blocks = max(
+            8, math.ceil(conversations_in_hbm * mean_conversation_tokens / num_engines / block_size)
+        )
     cpu_blocks = int(gpu_blocks * cpu_ratio)
     profile = dataclasses.replace(
         base, block_size=block_size, num_gpu_blocks=gpu_blocks, num_cpu_blocks=cpu_blocks
@@ -134,6 +147,8 @@ def b1_fleet(
         specs,
         storage_pool_blocks=UNBOUNDED_STORAGE_BLOCKS if storage_blocks is None else storage_blocks,
         storage_shared_bytes_per_s=shared,
+        api_server=api_server,
+        router_stage=router_stage,
     )
     if engine_variation:
         rng = random.Random(f"variation:{variation_seed}")

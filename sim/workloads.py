@@ -265,8 +265,10 @@ def ladder_workload(cfg: LadderConfig) -> Workload:
     if total is None:
         if cfg.duration_s is not None:
             # Upper bound on what can start in duration_s: a conversation lasts at least its think
-            # times; generously assume one start per concurrency slot per mean turn gap.
-            per_slot = max(1, math.ceil(cfg.duration_s / max(cfg.think_time_mean_s * cfg.turns, 1.0)))
+            # times, turns x the mean on average; allow each slot twice as many starts as that
+            # average, plus one (conversation i depends only on the seed and i: a longer list
+            # only adds conversations that never start when the bound is not reached).
+            per_slot = max(1, math.ceil(2 * cfg.duration_s / max(cfg.think_time_mean_s * cfg.turns, 1.0)))
             total = cfg.concurrency * (per_slot + 1)
         else:
             total = 2 * cfg.concurrency

@@ -144,6 +144,45 @@ def test_sim_cli_takes_the_profile_and_refuses_bad_files(tmp_path: Path) -> None
         load_engine_profile(bad)
 
 
+def test_sim_cli_builds_a_live_fleets_pools_and_escalation(tmp_path: Path) -> None:
+    # A real fleet's setting in the DES (round q36): exactly N GPU blocks an engine, no CPU tier,
+    # priority engines escalating late turns. Catches the ladder sizing the pools from
+    # --hbm-conversations anyway, a CPU tier left in, or the escalation not reaching SimConfig.
+    argv = ["--concurrency", "4", "--policies", "round_robin", "--engines", "2", "--engine-variation", "0"]
+    argv += ["--storage", "none", "--block-size", "32", "--gpu-blocks", "1240", "--cpu-ratio", "0"]
+    args = build_parser().parse_args([*argv, "--scheduling-policy", "priority", "--escalate-after-s", "1.35",
+                                      "--escalate-pick", "route"])  # fmt: skip
+    runs, _ = _plan(args)
+    profiles = [e.profile for e in runs[0].fleet.engines]
+    assert [(p.num_gpu_blocks, p.num_cpu_blocks, p.block_size) for p in profiles] == [(1240, 0, 32)] * 2
+    assert runs[0].fleet.storage_pool_blocks == 0
+    assert (runs[0].config.escalate_after_s, runs[0].config.escalate_pick) == (1.35, "route")
+    assert runs[0].workload.duration_s is None and len(runs[0].workload.conversations) == 8  # 2 x 4
+    timed, _ = _plan(build_parser().parse_args([*argv, "--duration-s", "300"]))
+    assert timed[0].workload.duration_s == 300.0  # conversations start for 300 s (a Locust run)
+    assert len(timed[0].workload.conversations) > 8
+    stages = tmp_path / "stages.json"
+    stages.write_text(json.dumps({"api_server": {"request_s": 0.03, "output_s_per_token": 0.002}}))
+    staged, _ = _plan(build_parser().parse_args([*argv, "--server-stages", str(stages)]))
+    api = staged[0].fleet.api_server
+    assert api is not None and (api.request_s, api.output_s_per_token) == (0.03, 0.002)
+    assert staged[0].fleet.router_stage is None and runs[0].fleet.api_server is None
+    stages.write_text(json.dumps({"engine_profile": {}}))
+    with pytest.raises(ValueError, match="no api_server or router_stage"):
+        _plan(build_parser().parse_args([*argv, "--server-stages", str(stages)]))
+    with pytest.raises(ValueError, match="--duration-s must be > 0"):
+        _plan(build_parser().parse_args([*argv, "--duration-s", "0"]))
+    default, _ = _plan(build_parser().parse_args(argv[:8]))
+    two = default[0].fleet.engines[0].profile
+    assert two.num_cpu_blocks == 2 * two.num_gpu_blocks  # (the default CPU tier is kept)
+    with pytest.raises(ValueError, match="add --scheduling-policy priority"):
+        _plan(build_parser().parse_args([*argv, "--escalate-after-s", "1"]))
+    with pytest.raises(ValueError, match="--gpu-blocks must be >= 1"):
+        _plan(build_parser().parse_args([*argv[:-4], "--gpu-blocks", "0"]))
+    with pytest.raises(ValueError, match="--cpu-ratio must be >= 0"):
+        _plan(build_parser().parse_args([*argv, "--cpu-ratio", "-1"]))
+
+
 def test_median_samples_drop_a_stalled_request_and_group_near_equal_lengths() -> None:
     # Three repeats of two prompt sizes (lengths differ by a few tokens: the random tag), one of them
     # stalled 8x by a busy machine; the median per size ignores it.

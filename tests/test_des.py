@@ -95,6 +95,30 @@ def test_same_seed_same_results_different_seed_differs() -> None:
     assert figures(other) != figures(runs[0])
 
 
+def test_a_timed_ladder_keeps_its_users_busy_to_the_end() -> None:
+    # Conversations start for duration_s (a Locust run). On engines that keep up, a conversation
+    # lasts about its think times, and some far less. Catches a workload that runs out of
+    # conversations before the end (its users then idle: a lighter load than the run's); the
+    # bound before round q36 (one start per slot per turns x mean think, plus one) ran dry here.
+    cfg = small_ladder(
+        concurrency=4,
+        total_conversations=None,
+        duration_s=60.0,
+        think_time_mean_s=1.0,
+        turns=8,
+        first_prompt_tokens=600,
+        system_prefix_tokens=100,
+        tokens_per_turn=50,
+        answer_min_tokens=1,
+        answer_max_tokens=2,
+    )
+    wl = ladder_workload(cfg)
+    r = simulate(wl, "round_robin", gpu_only_fleet(cfg, engines=2, hbm_conversations=64))
+    assert r.ttft_p99_s < 0.1  # the engines keep up: the users go as fast as their think times
+    started = -(-r.requests // cfg.turns)
+    assert started < len(wl.conversations)  # never all of them: the stream did not run dry
+
+
 def test_tier_cost_beats_round_robin_on_a_small_ladder() -> None:
     cfg = small_ladder()
     wl = ladder_workload(cfg)
