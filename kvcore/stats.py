@@ -31,6 +31,28 @@ def percentiles(values: Sequence[float], qs: Sequence[float], *, empty: float = 
     return [float(x) for x in np.percentile(np.asarray(values, dtype=float), list(qs))]
 
 
+def histogram_percentile(buckets: Sequence[tuple[float, float]], q: float) -> float:
+    """The q-th percentile (q in [0, 100]) of a Prometheus histogram's observations from its
+    cumulative buckets ``(upper bound, count at or below it)``, ending with ``(inf, total)``, as
+    PromQL's ``histogram_quantile`` estimates it: linearly within the bucket that holds the rank,
+    from 0 below the first bound; a rank in the last (+Inf) bucket reads the highest finite bound.
+    nan when no observation is counted."""
+    if not buckets or buckets[-1][1] <= 0:
+        return math.nan
+    ordered = sorted(buckets)
+    if not math.isinf(ordered[-1][0]):
+        raise ValueError("a histogram's buckets end with the +Inf bucket (its total count)")
+    rank = q / 100.0 * ordered[-1][1]
+    lower, below = 0.0, 0.0
+    for upper, count in ordered:
+        if count >= rank and count > below:
+            if math.isinf(upper):
+                return lower
+            return lower + (upper - lower) * (rank - below) / (count - below)
+        lower, below = upper, count
+    return lower
+
+
 def median_span(values: Sequence[float], fmt: str = ".3f", *, single_bare: bool = True) -> str:
     """The median of repeats or seeds with their range, "median [min-max]", each formatted with
     ``fmt``; one value alone is printed bare unless ``single_bare`` is False."""

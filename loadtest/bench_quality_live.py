@@ -46,7 +46,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore.core import SCHEDULING_POLICIES
-from kvcore.stats import median_span
+from kvcore.stats import histogram_percentile, median_span
 from kvcore.wire import decode_payload, parse_live_frames
 from loadtest.bench_peers import (
     Target,
@@ -118,6 +118,8 @@ class Run:
     #: KV events the engines published during the run (BlockRemoved > 0: the run evicted).
     stored_blocks: int = 0
     removed_blocks: int = 0
+    #: Real engines: per ``ENGINE_PHASES`` phase, [p50 s, p99 s, requests] over the run.
+    phases: dict[str, list[float]] = field(default_factory=dict)
     error: str = ""
 
 
@@ -254,23 +256,66 @@ class FleetFile:
         return Path(path)
 
 
-def scrape_cached_by_tier(engines: Sequence[FleetEngine]) -> tuple[dict[str, float], list[float]]:
-    """(cached prompt tokens by tier summed over the engines' /metrics, prompt tokens each engine was
-    asked to prefill: its prefix-cache queries)."""
+#: vLLM's request-phase histograms (vLLM 0.32 v1/metrics/loggers.py), read per run on real engines:
+#: the engine client's arrival (after its API server rendered and tokenized the prompt) -> first
+#: token; the wait for the scheduler (arrival -> first scheduled); the prefill steps. With the
+#: client's TTFT they say where a run's time went: the front end, the engine's queue or its work.
+ENGINE_PHASES = {
+    "engine_ttft": "vllm:time_to_first_token_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+}
+#: A histogram's cumulative bucket counts, by upper bound, summed over the fleet.
+Buckets = dict[float, float]
+
+
+@dataclass(slots=True)
+class EngineScrape:
+    """One scrape of every engine's /metrics."""
+
+    #: Cached prompt tokens by tier, summed over the engines.
+    cached_by_tier: dict[str, float]
+    #: Prompt tokens each engine was asked to prefill (its prefix-cache queries).
+    queried: list[float]
+    #: ``ENGINE_PHASES``' histograms, by phase.
+    phases: dict[str, Buckets]
+
+
+def scrape_engines(engines: Sequence[FleetEngine]) -> EngineScrape:
+    """The engines' cached tokens by tier, prefix-cache queries and phase histograms, one GET each."""
     by_tier: dict[str, float] = {}
     per_engine: list[float] = []
+    phase_of = {name: phase for phase, name in ENGINE_PHASES.items()}
+    phases: dict[str, Buckets] = {phase: {} for phase in ENGINE_PHASES}
     for e in engines:
         queried = 0.0
         text = httpx.get(e.url + "/metrics", timeout=10).text
         for family in text_string_to_metric_families(text):
+            phase = phase_of.get(family.name)
             for sample in family.samples:
                 if sample.name == "vllm:prompt_tokens_cached_by_source_total":
                     tier = sample.labels.get("source", "?")
                     by_tier[tier] = by_tier.get(tier, 0.0) + sample.value
                 elif sample.name == "vllm:prefix_cache_queries_total":
                     queried += sample.value
+                elif phase is not None and sample.name.endswith("_bucket"):
+                    le = float(sample.labels["le"])
+                    phases[phase][le] = phases[phase].get(le, 0.0) + sample.value
         per_engine.append(queried)
-    return by_tier, per_engine
+    return EngineScrape(by_tier, per_engine, phases)
+
+
+def phase_percentiles(before: EngineScrape, after: EngineScrape) -> dict[str, list[float]]:
+    """Per phase with observations between two scrapes: [p50, p99, requests] of them (PromQL's
+    interpolation within the engines' buckets: ``kvcore.stats.histogram_percentile``)."""
+    out: dict[str, list[float]] = {}
+    for phase, now in after.phases.items():
+        then = before.phases.get(phase, {})
+        delta = [(le, count - then.get(le, 0.0)) for le, count in now.items()]
+        total = max((c for le, c in delta if math.isinf(le)), default=0.0)
+        if total > 0:
+            out[phase] = [histogram_percentile(delta, 50), histogram_percentile(delta, 99), total]
+    return out
 
 
 def scrape_router_counters(router_url: str, names: Sequence[str]) -> dict[str, float]:
@@ -404,7 +449,7 @@ def measure(
                 wait_sources_connected(url)
             else:
                 proc, url = start_peer(target, engines, workdir, peers_dir, backend.block_size)
-            before, queried_before = scrape_cached_by_tier(engines)
+            scraped_before = scrape_engines(engines)
             # The router's counters, before and after the run in one scrape each (kvroute only).
             counters_before = (
                 scrape_router_counters(url, _ROUTER_COUNTERS) if target.kind == "kvroute" else {}
@@ -418,14 +463,16 @@ def measure(
             run.removed_blocks = events.counts.get("BlockRemoved", 0)
             if res.returncode not in (0, 1):  # 1 = some requests failed: still a result
                 raise RuntimeError(f"locust exited {res.returncode}: {res.stderr[-800:]}")
-            after, queried_after = scrape_cached_by_tier(engines)
+            scraped = scrape_engines(engines)
+            before, after = scraped_before.cached_by_tier, scraped.cached_by_tier
+            run.phases = phase_percentiles(scraped_before, scraped)
             if target.kind == "kvroute":
                 after_run = scrape_router_counters(url, _ROUTER_COUNTERS)
                 delta = {name: after_run[name] - counters_before[name] for name in _ROUTER_COUNTERS}
                 measured, predicted = delta[_TTFT_SUMS[0]], delta[_TTFT_SUMS[1]]
                 run.ttft_over_predicted = measured / predicted if predicted > 0 else float("nan")
                 run.escalations = round(delta[_ESCALATIONS])
-            loads = [a - b for a, b in zip(queried_after, queried_before, strict=True)]
+            loads = [a - b for a, b in zip(scraped.queried, scraped_before.queried, strict=True)]
             run.imbalance = max(loads) / (sum(loads) / len(loads)) if sum(loads) else float("nan")
             rows = list(csv.DictReader(open(f"{prefix}_turns.csv")))
             overall = rows[-1]
@@ -576,6 +623,29 @@ def fmt_runs(runs: Sequence[Run]) -> str:
 
 def _ratio(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.2f}"  # a peer predicts nothing: "-"
+
+
+def fmt_phases(runs: Sequence[Run]) -> str:
+    """Per (workload, users, router), medians over the repeats [min-max]: the client's TTFT against
+    the engines' own phases (``ENGINE_PHASES``), p50 and p99 each."""
+    groups: dict[tuple[str, int, str], list[Run]] = {}
+    for r in runs:
+        if not r.error and r.phases:
+            groups.setdefault((r.workload, r.users, r.target), []).append(r)
+    lines = [
+        "| workload | users | router | runs | client TTFT p50 / p99 s | engine TTFT p50 / p99 s "
+        "| queue p50 / p99 s | prefill p50 / p99 s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (workload, users, target), rs in groups.items():
+        cells = [f"{median_span([r.ttft_p50_s for r in rs])} / {median_span([r.ttft_p99_s for r in rs])}"]
+        for phase in ENGINE_PHASES:
+            got = [r.phases[phase] for r in rs if phase in r.phases]
+            cells.append(
+                f"{median_span([g[0] for g in got])} / {median_span([g[1] for g in got])}" if got else "-"
+            )
+        lines.append(f"| {workload} | {users} | {target} | {len(rs)} | {' | '.join(cells)} |")
+    return "\n".join(lines)
 
 
 def fmt_summary(runs: Sequence[Run]) -> str:
@@ -835,6 +905,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Every run:",
         fmt_runs(runs),
     ]
+    if any(r.phases for r in runs):
+        parts += [
+            "Where the time went: the client's TTFT against the engines' own histograms (vLLM's"
+            " arrival, after its API server tokenized the prompt -> first token; the wait for the"
+            " scheduler; the prefill), p50 and p99 interpolated within vLLM's buckets, medians over"
+            " repeats [min-max]:",
+            fmt_phases(runs),
+        ]
     if des:
         parts += ["B1 live vs DES (kvroute policies, same ladder and fleet):", fmt_b1_live(runs, des)]
     parts += [f"![{p.stem}]({p.name})" for p in plot(runs, args.out)]

@@ -169,6 +169,9 @@ def test_vllm_runs_measure_each_target_on_its_fleet_and_count_evictions(
         # the engines' usage, not a router's guess: a share, and the ladder's later turns hit
         assert r.cached is not None and 0 < r.cached["GPU"] < r.prompt_tokens
         assert r.stored_blocks > 0 and r.removed_blocks > 0, "the small pool must evict, and it be seen"
+        # the engines' own TTFT histogram, read as this run's delta: one observation per turn
+        # (the stand-in serves that histogram only, in model seconds)
+        assert set(r.phases) == {"engine_ttft"} and r.phases["engine_ttft"][2] == r.turns, r.phases
     after = {k: sum(_queries(e) for e in f.engines) for k, f in fleets.items()}
     assert after["priority"] > before["priority"] and after["fcfs"] > before["fcfs"]
 

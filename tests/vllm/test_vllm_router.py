@@ -681,3 +681,39 @@ def test_escalation_reverses_a_one_slot_priority_engines_order(
     finally:
         _signal_all(core, signal.SIGCONT)  # a stopped process would hold its SIGTERM
         own.stop()
+
+
+def test_the_engines_phase_histograms_read_as_one_runs_percentiles(vllm_fleet: VllmCpuFleet) -> None:
+    """bench_quality_live's phases (round q37) from a real engine's /metrics, checked against the
+    client: a delta counts exactly the requests sent between two scrapes, and the engine's own TTFT
+    (from its arrival, after the API server tokenized the prompt) is never longer than the client's
+    for the same requests. Catches a histogram read under the wrong name, summed over the wrong
+    samples, or not as the difference of the two scrapes."""
+    from loadtest.bench_quality_live import phase_percentiles, scrape_engines
+
+    engines = vllm_fleet.engines[:1]
+    before = scrape_engines(engines)
+    client = _client(engines[0].url)
+    worst = 0.0
+    for seed in range(5):
+        t0 = time.monotonic()
+        stream = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": _words(300, 9100 + seed)}],
+            max_tokens=4,
+            stream=True,
+        )
+        first = None
+        for _chunk in stream:
+            first = first or time.monotonic() - t0
+        assert first is not None
+        worst = max(worst, first)
+    after = scrape_engines(engines)
+    phases = phase_percentiles(before, after)
+    assert set(phases) == {"engine_ttft", "queue", "prefill"}, phases
+    assert [p[2] for p in phases.values()] == [5.0, 5.0, 5.0], phases
+    assert all(0 <= p50 <= p99 for p50, p99, _ in phases.values()), phases
+    # Every engine TTFT is at most the client's worst, so its percentiles (interpolated within
+    # vLLM's buckets) are at most the upper bound of the bucket that holds the client's worst.
+    bound = min(le for le in after.phases["engine_ttft"] if le >= worst)
+    assert 0 < phases["engine_ttft"][0] <= phases["engine_ttft"][1] <= bound, (phases, worst)
