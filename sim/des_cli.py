@@ -543,6 +543,14 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         raise ValueError(f"--gpu-blocks must be >= 1, got {args.gpu_blocks}")
     if not args.cpu_ratio >= 0:
         raise ValueError(f"--cpu-ratio must be >= 0 (0 = no CPU tier), got {args.cpu_ratio}")
+    ladder_only = {
+        "--duration-s": args.duration_s is not None,
+        "--gpu-blocks": args.gpu_blocks is not None,
+        "--cpu-ratio": args.cpu_ratio != 2.0,
+    }
+    if args.trace and any(ladder_only.values()):
+        given = ", ".join(flag for flag, on in ladder_only.items() if on)
+        raise ValueError(f"{given}: ladder options; a trace's fleet is sized by --gpu-tokens")
     check_priority_stretch(args.priority_stretch, "--priority-stretch")
     check_priority_max_overtake(args.priority_max_overtake_s, "--priority-max-overtake-s")
     check_priority_fcfs_factor(args.priority_fcfs_factor, "--priority-fcfs-factor")

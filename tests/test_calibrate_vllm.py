@@ -170,6 +170,8 @@ def test_sim_cli_builds_a_live_fleets_pools_and_escalation(tmp_path: Path) -> No
     stages.write_text(json.dumps({"engine_profile": {}}))
     with pytest.raises(ValueError, match="no api_server or router_stage"):
         _plan(build_parser().parse_args([*argv, "--server-stages", str(stages)]))
+    with pytest.raises(ValueError, match="--gpu-blocks: ladder options"):
+        _plan(build_parser().parse_args(["--trace", "mooncake", "--gpu-blocks", "100"]))
     with pytest.raises(ValueError, match="--duration-s must be > 0"):
         _plan(build_parser().parse_args([*argv, "--duration-s", "0"]))
     default, _ = _plan(build_parser().parse_args(argv[:8]))
