@@ -465,7 +465,8 @@ def measure(
                 raise RuntimeError(f"locust exited {res.returncode}: {res.stderr[-800:]}")
             scraped = scrape_engines(engines)
             before, after = scraped_before.cached_by_tier, scraped.cached_by_tier
-            run.phases = phase_percentiles(scraped_before, scraped)
+            if backend.name != "sim":  # (the simulated engines' TTFT histogram is in model seconds)
+                run.phases = phase_percentiles(scraped_before, scraped)
             if target.kind == "kvroute":
                 after_run = scrape_router_counters(url, _ROUTER_COUNTERS)
                 delta = {name: after_run[name] - counters_before[name] for name in _ROUTER_COUNTERS}
