@@ -626,13 +626,19 @@ def _ratio(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.2f}"  # a peer predicts nothing: "-"
 
 
+def by_cell(runs: Sequence[Run]) -> dict[tuple[str, int, str], list[Run]]:
+    """The runs without an error, by (workload, users, router), in run order."""
+    groups: dict[tuple[str, int, str], list[Run]] = {}
+    for r in runs:
+        if not r.error:
+            groups.setdefault((r.workload, r.users, r.target), []).append(r)
+    return groups
+
+
 def fmt_phases(runs: Sequence[Run]) -> str:
     """Per (workload, users, router), medians over the repeats [min-max]: the client's TTFT against
     the engines' own phases (``ENGINE_PHASES``), p50 and p99 each."""
-    groups: dict[tuple[str, int, str], list[Run]] = {}
-    for r in runs:
-        if not r.error and r.phases:
-            groups.setdefault((r.workload, r.users, r.target), []).append(r)
+    groups = by_cell([r for r in runs if r.phases])
     lines = [
         "| workload | users | router | runs | client TTFT p50 / p99 s | engine TTFT p50 / p99 s "
         "| queue p50 / p99 s | prefill p50 / p99 s |",
@@ -651,11 +657,7 @@ def fmt_phases(runs: Sequence[Run]) -> str:
 
 def fmt_summary(runs: Sequence[Run]) -> str:
     """Per (workload, users, router): median [min-max] over the repeats."""
-    groups: dict[tuple[str, int, str], list[Run]] = {}
-    for r in runs:
-        if not r.error:
-            groups.setdefault((r.workload, r.users, r.target), []).append(r)
-
+    groups = by_cell(runs)
     lines = [
         "| workload | users | router | runs | TTFT p50 s | p90 s | p99 s | turns/s | cached / prompt "
         "| x rr | TTFT / predicted |",

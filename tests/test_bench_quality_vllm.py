@@ -242,3 +242,23 @@ def test_explain_probe_summary_counts_moves_and_prices_them_from_the_explain_bef
     assert moved["in_flight"] == {"history_engine": 2.0, "chosen": 0.0}
     assert moved["load_s"]["history_engine"] == 0.01  # per-tier load parts are summed
     assert s["cached_share"] == 1500 / 5000
+
+
+def test_the_phase_table_gives_each_targets_medians_and_skips_runs_without_phases() -> None:
+    # Catches a table that mixes targets, takes the mean for the median, or lists a run that read
+    # no engine histograms (a simulated back-end's) as zeros.
+    from loadtest.bench_quality_live import fmt_phases
+
+    def run(target: str, p50: float, queue_p99: float) -> Run:
+        r = Run("ladder", 48, target, "vllm-cpu", ttft_p50_s=p50, ttft_p99_s=2 * p50)
+        r.phases = {"engine_ttft": [p50 / 2, p50, 10.0], "queue": [0.1, queue_p99, 10.0]}
+        return r
+
+    runs = [run("a", 0.1, 1.0), run("a", 0.3, 3.0), run("a", 0.2, 8.0), run("b", 0.5, 0.5)]
+    runs.append(Run("ladder", 48, "c", "sim", ttft_p50_s=1.0))  # no phases: not in the table
+    rows = fmt_phases(runs).splitlines()[2:]
+    assert len(rows) == 2
+    a, b = (row.split(" | ") for row in rows)
+    assert a[2] == "a" and a[3] == "3" and a[4] == "0.200 [0.100-0.300] / 0.400 [0.200-0.600]"
+    assert a[6] == "0.100 [0.100-0.100] / 3.000 [1.000-8.000]" and a[7].startswith("-")
+    assert b[2] == "b" and b[3] == "1"
