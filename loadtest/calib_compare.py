@@ -429,11 +429,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.workload_json is not None:
             write_workload(args.workload_json, des_wl)
     profile = EngineProfile(
-        **load_engine_profile(args.profile),
+        # (a profile from before calibrate_vllm wrote max_num_seqs gets vLLM CPU's)
+        **{"max_num_seqs": VLLM_CPU_MAX_NUM_SEQS, **load_engine_profile(args.profile)},
         block_size=block_size,
         # vLLM's override counts its null block, which never holds KV.
         num_gpu_blocks=args.gpu_blocks - 1,
-        max_num_seqs=VLLM_CPU_MAX_NUM_SEQS,
         # The fleet file says how the engines schedule; a priority fleet gets the router's priorities
         # live and in the DES.
         scheduling_policy=engines[0].scheduling_policy or "fcfs",

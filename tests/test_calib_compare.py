@@ -44,9 +44,12 @@ def _saved_run(ttfts: list[float], cached: int) -> dict[str, object]:
     }
 
 
+@pytest.mark.parametrize("profile_has_seqs", [False, True])
 def test_saved_runs_replay_against_the_des_with_the_profiles_stages(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], profile_has_seqs: bool
 ) -> None:
+    # profile_has_seqs: calibrate_vllm writes max_num_seqs into the profile since round q36; an
+    # older profile has none and gets vLLM CPU's 128 (a clash of the two once raised TypeError).
     wl = ladder_workload(
         LadderConfig(first_prompt_tokens=300, system_prefix_tokens=100, tokens_per_turn=200, turns=2,
                      answer_min_tokens=4, answer_max_tokens=8, concurrency=2, total_conversations=2,
@@ -58,7 +61,7 @@ def test_saved_runs_replay_against_the_des_with_the_profiles_stages(
     profile.write_text(
         json.dumps(
             {
-                "engine_profile": ENGINE,
+                "engine_profile": {**ENGINE, "max_num_seqs": 128} if profile_has_seqs else ENGINE,
                 "api_server": dataclasses.asdict(API),
                 "router_stage": dataclasses.asdict(ROUTER),
             }
