@@ -622,7 +622,35 @@ def format_fit(
     for name, res in (("prefill", fit.prefill_residuals), ("decode", fit.decode_residuals)):
         abs_res = sorted(abs(r) for r in res)
         lines.append(f"{name}: |residual| median {abs_res[len(abs_res) // 2]:.3f}, max {abs_res[-1]:.3f}")
+    lines += [f"WARNING: {w}" for w in fit_warnings(fit)]
     return "\n".join(lines)
+
+
+#: A fit whose median |measured / fitted - 1| over a kind of sample is above this does not follow
+#: those samples: its terms for them are not to be trusted.
+MAX_MEDIAN_RESIDUAL = 0.5
+
+
+def fit_warnings(fit: Fit) -> list[str]:
+    """Why the fit's prefill or decode terms are unreliable, if they are (also written to the
+    profile as ``fit_warnings``). Seen on vLLM's CPU build (round q36): its API server sends a
+    stream's tokens in bursts, so the gaps between them are not decode steps."""
+    out = []
+    for name, res in (("prefill", fit.prefill_residuals), ("decode", fit.decode_residuals)):
+        if not res:
+            continue
+        median = sorted(abs(r) for r in res)[len(res) // 2]
+        if median > MAX_MEDIAN_RESIDUAL:
+            cause = (
+                " (streamed tokens that arrive in bursts are not one decode step apart)"
+                if name == "decode"
+                else ""
+            )
+            out.append(
+                f"the {name} terms do not follow their samples: median |residual| {median:.2f} >"
+                f" {MAX_MEDIAN_RESIDUAL}{cause}; the profile's {name} terms are unreliable"
+            )
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -728,6 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "request_overhead_s": fit.coefficients["request_overhead_s"],
         "measured_on": measured_on,
         "residuals": {"prefill": fit.prefill_residuals, "decode": fit.decode_residuals},
+        "fit_warnings": fit_warnings(fit),
     }
     if len({r.concurrency for r in loaded if r.via == "direct"}) >= 2:
         profile = EngineProfile(

@@ -64,6 +64,25 @@ def test_fit_recovers_the_true_parameters_from_exact_samples() -> None:
     assert max(abs(r) for r in fit.prefill_residuals + fit.decode_residuals) < 1e-9
 
 
+def test_a_decode_fit_that_does_not_follow_its_samples_is_flagged() -> None:
+    # vLLM's CPU build sends a stream's tokens in bursts (round q36): the gaps between them are
+    # near 0 or whole batches, not decode steps. Catches a profile written from such samples with
+    # no word that its decode terms are unreliable, and a warning on a sound fit.
+    from loadtest.calibrate_vllm import fit_warnings, format_fit
+
+    prefill, decode = _samples(noise=0.0)
+    assert fit_warnings(fit_step_model(prefill, decode)) == []
+    # q36's second calibration of a vLLM 0.32 CPU engine (docs/results/q36/raw-w.json, the medians
+    # per prompt size and batch it printed).
+    prefill = [PrefillSample(p, t) for p, t in ((109, 0.0106), (483, 0.0135), (1084, 0.0246))]
+    prefill += [PrefillSample(p, t) for p, t in ((1837, 0.0458), (2584, 0.0769), (3334, 0.1093))]
+    bursty = [DecodeSample(1, 683, 0.00151), DecodeSample(2, 1389, 0.00018), DecodeSample(4, 2118, 0.00232)]
+    fit = fit_step_model(prefill, bursty)
+    warnings = fit_warnings(fit)
+    assert len(warnings) == 1 and warnings[0].startswith("the decode terms do not follow"), warnings
+    assert "WARNING: the decode terms" in format_fit(fit, fit.profile_fields(1024), prefill, bursty)
+
+
 def test_fit_with_noise_stays_close_and_reports_the_residuals() -> None:
     fit = fit_step_model(*_samples(noise=0.02, seed=3))
     assert fit.coefficients["prefill_s_per_token"] == pytest.approx(TRUE["prefill_s_per_token"], rel=0.1)
