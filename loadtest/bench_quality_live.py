@@ -118,7 +118,7 @@ class Run:
     #: KV events the engines published during the run (BlockRemoved > 0: the run evicted).
     stored_blocks: int = 0
     removed_blocks: int = 0
-    #: Real engines: per ``ENGINE_PHASES`` phase, [p50 s, p99 s, requests] over the run.
+    #: Real engines: per ``PHASE_HISTOGRAMS`` phase, [p50 s, p99 s, requests] over the run.
     phases: dict[str, list[float]] = field(default_factory=dict)
     error: str = ""
 
@@ -260,7 +260,8 @@ class FleetFile:
 #: the engine client's arrival (after its API server rendered and tokenized the prompt) -> first
 #: token; the wait for the scheduler (arrival -> first scheduled); the prefill steps. With the
 #: client's TTFT they say where a run's time went: the front end, the engine's queue or its work.
-ENGINE_PHASES = {
+#: (loadtest/calib_compare.py's ENGINE_PHASES reads the same histograms' sums and counts as means.)
+PHASE_HISTOGRAMS = {
     "engine_ttft": "vllm:time_to_first_token_seconds",
     "queue": "vllm:request_queue_time_seconds",
     "prefill": "vllm:request_prefill_time_seconds",
@@ -277,7 +278,7 @@ class EngineScrape:
     cached_by_tier: dict[str, float]
     #: Prompt tokens each engine was asked to prefill (its prefix-cache queries).
     queried: list[float]
-    #: ``ENGINE_PHASES``' histograms, by phase.
+    #: ``PHASE_HISTOGRAMS``' histograms, by phase.
     phases: dict[str, Buckets]
 
 
@@ -285,8 +286,8 @@ def scrape_engines(engines: Sequence[FleetEngine]) -> EngineScrape:
     """The engines' cached tokens by tier, prefix-cache queries and phase histograms, one GET each."""
     by_tier: dict[str, float] = {}
     per_engine: list[float] = []
-    phase_of = {name: phase for phase, name in ENGINE_PHASES.items()}
-    phases: dict[str, Buckets] = {phase: {} for phase in ENGINE_PHASES}
+    phase_of = {name: phase for phase, name in PHASE_HISTOGRAMS.items()}
+    phases: dict[str, Buckets] = {phase: {} for phase in PHASE_HISTOGRAMS}
     for e in engines:
         queried = 0.0
         text = httpx.get(e.url + "/metrics", timeout=10).text
@@ -637,7 +638,7 @@ def by_cell(runs: Sequence[Run]) -> dict[tuple[str, int, str], list[Run]]:
 
 def fmt_phases(runs: Sequence[Run]) -> str:
     """Per (workload, users, router), medians over the repeats [min-max]: the client's TTFT against
-    the engines' own phases (``ENGINE_PHASES``), p50 and p99 each."""
+    the engines' own phases (``PHASE_HISTOGRAMS``), p50 and p99 each."""
     groups = by_cell([r for r in runs if r.phases])
     lines = [
         "| workload | users | router | runs | client TTFT p50 / p99 s | engine TTFT p50 / p99 s "
@@ -646,7 +647,7 @@ def fmt_phases(runs: Sequence[Run]) -> str:
     ]
     for (workload, users, target), rs in groups.items():
         cells = [f"{median_span([r.ttft_p50_s for r in rs])} / {median_span([r.ttft_p99_s for r in rs])}"]
-        for phase in ENGINE_PHASES:
+        for phase in PHASE_HISTOGRAMS:
             got = [r.phases[phase] for r in rs if phase in r.phases]
             cells.append(
                 f"{median_span([g[0] for g in got])} / {median_span([g[1] for g in got])}" if got else "-"

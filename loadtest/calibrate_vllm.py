@@ -620,8 +620,7 @@ def format_fit(
         for s, r in zip(decode, fit.decode_residuals, strict=True)
     ]
     for name, res in (("prefill", fit.prefill_residuals), ("decode", fit.decode_residuals)):
-        abs_res = sorted(abs(r) for r in res)
-        lines.append(f"{name}: |residual| median {abs_res[len(abs_res) // 2]:.3f}, max {abs_res[-1]:.3f}")
+        lines.append(f"{name}: |residual| median {median_abs(res):.3f}, max {max(map(abs, res)):.3f}")
     lines += [f"WARNING: {w}" for w in fit_warnings(fit)]
     return "\n".join(lines)
 
@@ -629,6 +628,12 @@ def format_fit(
 #: A fit whose median |measured / fitted - 1| over a kind of sample is above this does not follow
 #: those samples: its terms for them are not to be trusted.
 MAX_MEDIAN_RESIDUAL = 0.5
+
+
+def median_abs(residuals: Sequence[float]) -> float:
+    """The (upper) median of the residuals' sizes."""
+    sizes = sorted(abs(r) for r in residuals)
+    return sizes[len(sizes) // 2]
 
 
 def fit_warnings(fit: Fit) -> list[str]:
@@ -639,7 +644,7 @@ def fit_warnings(fit: Fit) -> list[str]:
     for name, res in (("prefill", fit.prefill_residuals), ("decode", fit.decode_residuals)):
         if not res:
             continue
-        median = sorted(abs(r) for r in res)[len(res) // 2]
+        median = median_abs(res)
         if median > MAX_MEDIAN_RESIDUAL:
             cause = (
                 " (streamed tokens that arrive in bursts are not one decode step apart)"

@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument(
         "--cpu-ratio",
         type=float,
-        default=2.0,
+        default=None,
         help="ladder: each engine's CPU offload tier in blocks, as a multiple of its GPU pool (default 2;"
         " 0 = no CPU tier, as vLLM's CPU build here)",
     )
@@ -541,12 +541,12 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
         )
     if args.gpu_blocks is not None and args.gpu_blocks < 1:
         raise ValueError(f"--gpu-blocks must be >= 1, got {args.gpu_blocks}")
-    if not args.cpu_ratio >= 0:
+    if args.cpu_ratio is not None and not args.cpu_ratio >= 0:
         raise ValueError(f"--cpu-ratio must be >= 0 (0 = no CPU tier), got {args.cpu_ratio}")
     ladder_only = {
         "--duration-s": args.duration_s is not None,
         "--gpu-blocks": args.gpu_blocks is not None,
-        "--cpu-ratio": args.cpu_ratio != 2.0,
+        "--cpu-ratio": args.cpu_ratio is not None,
     }
     if args.trace and any(ladder_only.values()):
         given = ", ".join(flag for flag, on in ladder_only.items() if on)
@@ -656,7 +656,8 @@ def _plan(args: argparse.Namespace) -> tuple[list[_RunSpec], str]:
                     conversations_in_hbm=args.hbm_conversations,
                     mean_conversation_tokens=lcfg.mean_prompt_tokens(),
                     gpu_blocks=args.gpu_blocks,
-                    cpu_ratio=args.cpu_ratio,
+                    # (None: b1_fleet's own default CPU tier)
+                    **({} if args.cpu_ratio is None else {"cpu_ratio": args.cpu_ratio}),
                     storage_blocks=storage_blocks_for(storage, working_set),
                     base=EngineProfile(
                         **profile_fields,
