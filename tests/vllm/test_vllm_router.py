@@ -717,3 +717,106 @@ def test_the_engines_phase_histograms_read_as_one_runs_percentiles(vllm_fleet: V
     # vLLM's buckets) are at most the upper bound of the bucket that holds the client's worst.
     bound = min(le for le in after.phases["engine_ttft"] if le >= worst)
     assert 0 < phases["engine_ttft"][0] <= phases["engine_ttft"][1] <= bound, (phases, worst)
+
+
+def _gauge(metrics: str, name: str, **labels: str) -> float | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return None
+
+
+def test_a_cpu_tier_on_real_vllm_is_indexed_predicted_and_timed(
+    model_dir: Path, tmp_path: Path, serve_asgi: Callable[..., ThreadedServer]
+) -> None:
+    """A real vLLM engine with a CPU offload tier (vLLM's own offloading manager and events, the
+    host-copy worker of sim/vllm_host_offload.py) behind the router: every turn's cached tokens, as
+    the engine reports them, equal the router's prediction, including turns whose history the
+    engine loaded from its CPU tier and turns whose history the tier had itself evicted. The
+    router's CPU load bandwidth is learned from the engine's own offload counters. Catches: CPU
+    events indexed under the wrong tier or not at all (a CPU hit predicted as a miss), CPU
+    evictions ignored (a hit predicted that the engine no longer has), and the counters not read
+    (no CPU bandwidth learned)."""
+    from policies.base import Tier
+    from policies.costs import DEFAULT_LOAD_BANDWIDTH_BYTES_PER_S
+    from router.service import build_router_app
+    from sim.vllm_cpu import VllmCpuProfile
+    from tests.vllm.conftest import router_config
+
+    fleet = VllmCpuFleet(tmp_path / "cpu-tier", model_dir=model_dir)
+    try:
+        fleet.start(
+            1, VllmCpuProfile(gpu_blocks=264, cpu_blocks=300, enforce_eager=True, startup_timeout_s=900)
+        )
+        router = serve_asgi(
+            build_router_app(
+                router_config(
+                    fleet,
+                    model_dir,
+                    costs={
+                        "scrape_interval_s": 0.5,
+                        # The tiny model's KV is 1 KiB a token; the CPU tier's prior is left at the
+                        # default 64 GB/s, far from a host copy's, with room to move (max_drift).
+                        "priors": {
+                            "kv_bytes_per_token": 1024,
+                            "calibration": {"min_metrics_bytes": 2**20, "max_drift": 1e4},
+                        },
+                    },
+                )
+            )
+        )
+        wait_sources_connected(router.url)
+        engine = fleet.engines[0]
+        conversations = [Conversation(router.url, 7000 + seed) for seed in range(8)]
+        rows = []
+        for k in range(5):
+            for conv in conversations:
+                by_tier = _explain(conv.url, conv.messages, conv.session)["engines"][0][
+                    "prefix_blocks_by_tier"
+                ]
+                _engine, predicted, cached, prompt = conv.turn(k)
+                rows.append((conv.seed, k, by_tier["gpu"], by_tier["cpu"], predicted, cached, prompt))
+                _barrier(router.url, engine.url, engine.id, f"cpu-{conv.seed}-{k}")
+        table = "\n".join(str(r) for r in rows)
+        assert all(predicted == cached for *_, predicted, cached, _prompt in rows), table
+        # Some turns were served from the CPU tier: history the GPU pool had evicted.
+        assert any(
+            cpu > 0 and cached > gpu * PROFILE.block_size for _s, _k, gpu, cpu, _p, cached, _pr in rows
+        ), table
+        # The CPU tier evicted too: some turn found less than its conversation's previous prompt.
+        last: dict[int, int] = {}
+        lost = []
+        for seed, k, _gpu, _cpu, _p, cached, prompt in rows:
+            if seed in last and cached < (last[seed] // PROFILE.block_size) * PROFILE.block_size:
+                lost.append((seed, k))
+            last[seed] = prompt
+        assert lost, table
+        # The CPU load bandwidth the router learned is the engine's own counters' figure.
+        engine_metrics = httpx.get(f"{engine.url}/metrics", timeout=10).text
+        load_bytes = _gauge(engine_metrics, "vllm:kv_offload_load_bytes_total")
+        load_s = _gauge(engine_metrics, "vllm:kv_offload_load_time_total")
+        assert load_bytes and load_s, engine_metrics[-2000:]
+        deadline = time.monotonic() + 30
+        learned = None
+        while learned is None:
+            learned = _gauge(
+                httpx.get(f"{router.url}/metrics", timeout=10).text,
+                "kvroute_cost_load_bandwidth_bytes_per_second",
+                engine=engine.id,
+                tier="CPU",
+            )
+            assert learned is not None or time.monotonic() < deadline, "no CPU bandwidth learned"
+            time.sleep(0.2)
+        # Each counter sample moves the estimate 30% of the way (in log) from the prior to the
+        # engine's figure: one sample takes it over 4x below the prior; none leaves it there.
+        engine_figure = load_bytes / load_s
+        assert engine_figure < 16e9, engine_figure  # the check below needs the two apart
+        assert engine_figure / 4 < learned < DEFAULT_LOAD_BANDWIDTH_BYTES_PER_S[Tier.CPU] / 4, (
+            learned,
+            engine_figure,
+        )
+    finally:
+        fleet.stop()
