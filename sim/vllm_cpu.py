@@ -160,6 +160,9 @@ class VllmCpuProfile:
     #: (its manager, lookups, evictions, KV events and offload counters) with a host-copy worker,
     #: the one part its CPU build lacks (sim/vllm_host_offload.py).
     cpu_blocks: int = 0
+    #: A STORAGE tier behind the CPU tier (needs cpu_blocks): vLLM's tiering with its ``fs``
+    #: secondary tier on this folder; engines given the same folder share it (a STORAGE pool).
+    storage_dir: str = ""
     extra_args: tuple[str, ...] = ()
 
     def check(self) -> None:
@@ -177,6 +180,8 @@ class VllmCpuProfile:
             )
         if self.cpu_blocks < 0:
             raise ValueError(f"cpu blocks {self.cpu_blocks}: expected 0 (no CPU tier) or more")
+        if self.storage_dir and not self.cpu_blocks:
+            raise ValueError("a STORAGE tier (storage dir) sits behind a CPU tier: give cpu blocks > 0")
         if self.cpu_blocks and "--kv-transfer-config" in self.extra_args:
             raise ValueError(
                 "a CPU tier (cpu blocks > 0) sets --kv-transfer-config itself; drop it from the extra args"
@@ -188,17 +193,22 @@ class VllmCpuProfile:
             )
 
 
-def host_offload_config(cpu_blocks: int) -> dict[str, Any]:
-    """vLLM's ``--kv-transfer-config`` for a CPU tier of ``cpu_blocks`` blocks on the CPU build."""
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "HostOffloadingSpec",
-            "spec_module_path": HOST_OFFLOAD_SCRIPT.stem,
-            "kvroute_cpu_blocks": cpu_blocks,
-        },
+def host_offload_config(cpu_blocks: int, storage_dir: str = "") -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for a CPU tier of ``cpu_blocks`` blocks on the CPU build,
+    and with ``storage_dir`` a STORAGE tier behind it (vLLM's ``fs`` tier on that folder)."""
+    extra: dict[str, Any] = {
+        "spec_name": "HostTieringOffloadingSpec" if storage_dir else "HostOffloadingSpec",
+        "spec_module_path": HOST_OFFLOAD_SCRIPT.stem,
+        "kvroute_cpu_blocks": cpu_blocks,
     }
+    if storage_dir:
+        extra["secondary_tiers"] = [{"type": "fs", "root_dir": storage_dir, "enable_kv_events": True}]
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+def storage_pool_of(storage_dir: str) -> str:
+    """The router's pool id of a STORAGE folder ("" for none): the same folder, the same pool."""
+    return f"fs:{os.path.realpath(storage_dir)}" if storage_dir else ""
 
 
 def engine_env(profile: VllmCpuProfile) -> dict[str, str]:
@@ -336,7 +346,10 @@ class VllmCpuFleet(EngineProcesses):
         if prof.enforce_eager:
             argv.append("--enforce-eager")
         if prof.cpu_blocks:
-            argv += ["--kv-transfer-config", json.dumps(host_offload_config(prof.cpu_blocks))]
+            argv += [
+                "--kv-transfer-config",
+                json.dumps(host_offload_config(prof.cpu_blocks, prof.storage_dir)),
+            ]
         return argv + list(prof.extra_args)
 
     def _plugin_dir(self) -> Path:
@@ -376,7 +389,8 @@ class VllmCpuFleet(EngineProcesses):
             kv_events_endpoint=f"tcp://{self.host}:{pub_port}",
             replay_endpoint=f"tcp://{self.host}:{replay_port}",
             kv_events_topic=self.topic,
-            storage_pool="",
+            # Engines whose STORAGE tier is one folder share it: one pool for the router's index.
+            storage_pool=storage_pool_of(prof.storage_dir),
             block_size=prof.block_size,
             pid=process.pid,
             log_path=str(log_path),
@@ -419,8 +433,8 @@ _SIM_ONLY = {
 }
 #: The flags a vllm-cpu fleet takes (said when a simulator-only flag is given).
 _VLLM_FLAGS = (
-    "--gpu-blocks, --cpu-blocks, --block-size, --max-model-len, --scheduling-policy, --hash-algo, "
-    "--enable-scale-out, --dev-mode, --vllm-venv, --start-timeout"
+    "--gpu-blocks, --cpu-blocks, --storage-dir, --block-size, --max-model-len, --scheduling-policy, "
+    "--hash-algo, --enable-scale-out, --dev-mode, --vllm-venv, --start-timeout"
 )
 
 
@@ -438,6 +452,8 @@ def profile_from_args(args: Any) -> VllmCpuProfile:
     for key in ("enable_scale_out", "dev_mode"):
         if getattr(args, key, False):
             overrides[key] = True
+    if getattr(args, "storage_dir", None):
+        overrides["storage_dir"] = os.path.realpath(args.storage_dir)
     if getattr(args, "start_timeout", None) is not None:
         overrides["startup_timeout_s"] = float(args.start_timeout)
     from dataclasses import replace

@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 #: The extra-config key of the tier's size in blocks (one engine block per offloaded block).
 CPU_BLOCKS_KEY = "kvroute_cpu_blocks"
@@ -34,7 +36,7 @@ CPU_BLOCKS_KEY = "kvroute_cpu_blocks"
 class HostCopyWorker(OffloadingWorker):
     """Copies whole pages: ``submit_store`` engine blocks -> host slots, ``submit_load`` back."""
 
-    def __init__(self, kv_caches: Any, blocks_per_chunk: int, num_slots: int) -> None:
+    def __init__(self, kv_caches: Any, blocks_per_chunk: int, num_slots: int, region: Any = None) -> None:
         if blocks_per_chunk != 1:
             raise ValueError(
                 f"HostOffloadingSpec copies one engine block per offloaded block; the offloaded "
@@ -47,7 +49,11 @@ class HostCopyWorker(OffloadingWorker):
         self._host: list[torch.Tensor] = []
         for t in kv_caches.tensors:
             self._engine.append(t.tensor.view(torch.int8).view((-1, t.page_size_bytes)))
-            self._host.append(torch.zeros((num_slots, t.page_size_bytes), dtype=torch.int8))
+            if region is None:
+                self._host.append(torch.zeros((num_slots, t.page_size_bytes), dtype=torch.int8))
+            else:  # the tiering spec's shared region, where its secondary tiers read and write
+                self._host.append(region.create_next_worker_view(t.page_size_bytes))
+        self._region = region
         self._page_bytes = sum(t.page_size_bytes for t in kv_caches.tensors)
         self._finished: list[TransferResult] = []
 
@@ -79,25 +85,67 @@ class HostCopyWorker(OffloadingWorker):
     def wait(self, job_ids: set[int]) -> None:
         return None  # every copy finished when it was submitted
 
+    def shutdown(self) -> None:
+        if self._region is not None:
+            self._region.cleanup()
+            self._region = None
+
+
+def _blocks(config: Any) -> int:
+    blocks = config.extra_config.get(CPU_BLOCKS_KEY)
+    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
+        raise ValueError(f"{CPU_BLOCKS_KEY} must be a whole number of blocks >= 1, got {blocks!r}")
+    # vLLM's spec requires a byte size; the size in blocks replaces what it makes of it.
+    config.extra_config.setdefault("cpu_bytes_to_use", 1)
+    return blocks
+
+
+def _one_block_per_chunk(spec: Any) -> None:
+    if spec.blocks_per_chunk != 1:
+        raise ValueError(
+            f"{type(spec).__name__} copies one engine block per offloaded block, not {spec.blocks_per_chunk}"
+        )
+
 
 class HostOffloadingSpec(CPUOffloadingSpec):
     """vLLM's CPU offloading with ``HostCopyWorker`` and a size in blocks."""
 
     def __init__(self, config: Any) -> None:
-        blocks = config.extra_config.get(CPU_BLOCKS_KEY)
-        if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
-            raise ValueError(f"{CPU_BLOCKS_KEY} must be a whole number of blocks >= 1, got {blocks!r}")
-        # vLLM's spec requires a byte size; the size in blocks below replaces what it makes of it.
-        config.extra_config.setdefault("cpu_bytes_to_use", 1)
+        blocks = _blocks(config)
         super().__init__(config)
-        if self.blocks_per_chunk != 1:
-            raise ValueError(
-                f"HostOffloadingSpec copies one engine block per offloaded block, not {self.blocks_per_chunk}"
-            )
+        _one_block_per_chunk(self)
         self.num_chunks = blocks
         self._host_worker: HostCopyWorker | None = None
 
     def get_worker(self, kv_caches: Any) -> OffloadingWorker:
         if self._host_worker is None:
             self._host_worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+        return self._host_worker
+
+
+class HostTieringOffloadingSpec(TieringOffloadingSpec):
+    """vLLM's tiering (a CPU tier and secondary tiers behind it, e.g. ``fs`` on a folder several
+    engines share: a STORAGE pool) with ``HostCopyWorker`` on the tiers' shared memory region."""
+
+    def __init__(self, config: Any) -> None:
+        blocks = _blocks(config)
+        super().__init__(config)
+        _one_block_per_chunk(self)
+        self.num_chunks = blocks
+        self._host_worker: HostCopyWorker | None = None
+
+    def get_worker(self, kv_caches: Any) -> OffloadingWorker:
+        if self._host_worker is None:
+            region = SharedOffloadRegion(
+                engine_id=self._engine_id,
+                num_chunks=self.num_chunks,
+                rank=0 if self.replicated_layout else self.config.parallel.rank,
+                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                cpu_page_size=self.cpu_page_size_per_worker,
+            )
+            try:
+                self._host_worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks, region)
+            except BaseException:
+                region.cleanup()
+                raise
         return self._host_worker

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,7 @@ def test_a_cpu_tier_is_vllms_offloading_connector_with_the_host_copy_worker(tmp_
     spec name or module path the engines cannot import, and a plugin that imports the project."""
     import ast
 
-    from sim.vllm_cpu import HOST_OFFLOAD_SCRIPT, profile_from_args
+    from sim.vllm_cpu import HOST_OFFLOAD_SCRIPT, profile_from_args, storage_pool_of
 
     fleet = VllmCpuFleet(tmp_path, model_dir=tmp_path / "model")
     fleet.python = Path("/venv/bin/python")
@@ -64,11 +65,23 @@ def test_a_cpu_tier_is_vllms_offloading_connector_with_the_host_copy_worker(tmp_
     roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert roots == {"__future__", "time", "typing", "torch", "vllm"}, roots
     assert "--kv-transfer-config" not in fleet.command(8000, 8100, 8200, VllmCpuProfile())
+    # With a STORAGE folder: vLLM's tiering, its fs tier on that folder, publishing its events.
+    argv = fleet.command(8000, 8100, 8200, VllmCpuProfile(cpu_blocks=600, storage_dir="/data/kv"))
+    tiered = json.loads(dict(itertools.pairwise(argv))["--kv-transfer-config"])["kv_connector_extra_config"]
+    assert tiered["spec_name"] == "HostTieringOffloadingSpec"
+    assert any(isinstance(n, ast.ClassDef) and n.name == tiered["spec_name"] for n in ast.walk(tree))
+    assert tiered["secondary_tiers"] == [{"type": "fs", "root_dir": "/data/kv", "enable_kv_events": True}]
+    with pytest.raises(ValueError, match="sits behind a CPU tier"):
+        VllmCpuProfile(storage_dir="/data/kv").check()
+    assert storage_pool_of("/data/kv") == storage_pool_of("/data/kv/") != storage_pool_of("/data/kv2")
+    assert storage_pool_of("") == ""
 
     class Args:
         cpu_blocks = 600
+        storage_dir = "rel/kv"
 
-    assert profile_from_args(Args()).cpu_blocks == 600
+    prof = profile_from_args(Args())
+    assert prof.cpu_blocks == 600 and prof.storage_dir == os.path.realpath("rel/kv")
 
 
 def test_fleet_cli_refuses_simulator_flags_with_the_vllm_backend() -> None:

@@ -820,3 +820,95 @@ def test_a_cpu_tier_on_real_vllm_is_indexed_predicted_and_timed(
         )
     finally:
         fleet.stop()
+
+
+def test_a_storage_pool_shared_by_two_real_vllm_engines_is_predicted_across_them(
+    model_dir: Path, tmp_path: Path, serve_asgi: Callable[..., ThreadedServer]
+) -> None:
+    """Two real vLLM engines with a CPU tier each and vLLM's fs tier on one folder behind it (a
+    STORAGE pool both mount): the router predicts every turn's cached tokens, turns served from
+    the pool included, and on the engine that never served a conversation it predicts (and the
+    engine reports) the history the other engine wrote to the pool. Catches: STORAGE events not
+    indexed, or indexed per engine instead of per pool (no cross-engine hit predicted), and a
+    pool prediction the engine does not deliver."""
+    from router.service import build_router_app
+    from sim.vllm_cpu import VllmCpuProfile, storage_pool_of
+    from tests.vllm.conftest import router_config
+
+    storage = tmp_path / "kv-storage"
+    storage.mkdir()
+    fleet = VllmCpuFleet(tmp_path / "storage-fleet", model_dir=model_dir)
+    try:
+        prof = VllmCpuProfile(
+            gpu_blocks=130,
+            max_model_len=4096,
+            cpu_blocks=64,
+            storage_dir=str(storage),
+            enforce_eager=True,
+            startup_timeout_s=900,
+        )
+        fleet.start(2, prof)
+        pool = storage_pool_of(str(storage))
+        assert {e.storage_pool for e in fleet.engines} == {pool}
+        router = serve_asgi(build_router_app(router_config(fleet, model_dir)))
+        wait_sources_connected(router.url)
+        urls = {e.id: e.url for e in fleet.engines}
+
+        def pool_settled() -> None:
+            """The router's pool holds every block file the engines wrote (their STORAGE events
+            arrive when the fs tier's writes finish, after the GPU events a barrier waits for)."""
+            deadline = time.monotonic() + 60
+            while True:
+                files = sum(1 for _ in storage.rglob("*.bin"))
+                index = httpx.get(f"{router.url}/debug/index", timeout=10).json()["index"]
+                if index["storage_pools"].get(pool, {}).get("blocks") == files:
+                    return
+                assert time.monotonic() < deadline, (files, index["storage_pools"])
+                time.sleep(0.1)
+
+        # Ten conversations of up to ~45 blocks on pools of 130 (GPU) and 64 (CPU) blocks each.
+        conversations = [Conversation(router.url, 8000 + seed) for seed in range(10)]
+        rows = []
+        for k in range(4):
+            for conv in conversations:
+                pool_settled()
+                explain = _explain(conv.url, conv.messages, conv.session)
+                engine, predicted, cached, _prompt = conv.turn(k)
+                (tiers,) = (
+                    e["prefix_blocks_by_tier"] for e in explain["engines"] if e["engine_id"] == engine
+                )
+                rows.append(
+                    (conv.seed, k, engine, tiers["gpu"], tiers["cpu"], tiers["storage"], predicted, cached)
+                )
+                _barrier(router.url, urls[engine], engine, f"fs-{conv.seed}-{k}")
+        table = "\n".join(str(r) for r in rows)
+        assert all(predicted == cached for *_, predicted, cached in rows), table
+        assert any(storage_blocks > 0 for *_, storage_blocks, _p, _c in rows), table
+        # Across the engines: each conversation's history on the engine that did not serve its
+        # last turn, predicted from the pool and checked against that engine's own report.
+        crossed = []
+        for conv in conversations:
+            pool_settled()
+            served = rows[[r[0] for r in rows].index(conv.seed) + 3 * len(conversations)][2]
+            (other,) = (e for e in urls if e != served)
+            explain = _explain(conv.url, conv.messages, conv.session)
+            (entry,) = (e for e in explain["engines"] if e["engine_id"] == other)
+            if entry["prefix_blocks_by_tier"]["storage"] == 0:
+                continue
+            reply = httpx.post(
+                f"{urls[other]}/v1/chat/completions",
+                json={"model": MODEL_NAME, "messages": conv.messages, "max_tokens": 1},
+                timeout=300,
+            ).json()
+            crossed.append(
+                (
+                    conv.seed,
+                    other,
+                    entry["prefix_tokens"],
+                    reply["usage"]["prompt_tokens_details"]["cached_tokens"],
+                )
+            )
+            _barrier(router.url, urls[other], other, f"fs-cross-{conv.seed}")
+        assert crossed and all(p == c for _s, _e, p, c in crossed), (crossed, table)
+    finally:
+        fleet.stop()
