@@ -200,13 +200,15 @@ class EventCounter:
 
 
 def reset_prefix_caches(engines: Sequence[FleetEngine], timeout_s: float = 60.0) -> None:
-    """Empty every engine's prefix cache (vLLM's POST /reset_prefix_cache, served in dev mode). vLLM
-    refuses (success false) while blocks are held, e.g. by requests still finishing: retried until
-    ``timeout_s``."""
+    """Empty every engine's prefix cache (vLLM's POST /reset_prefix_cache, served in dev mode), its
+    CPU tier with it (``reset_external``), and the block files of the STORAGE folders the engines
+    share (vLLM keeps a secondary tier's data across resets; the folder is the engines' storage pool,
+    ``sim.vllm_cpu.storage_pool_of``). vLLM refuses (success false) while blocks are held, e.g. by
+    requests still finishing: retried until ``timeout_s``."""
     for e in engines:
         deadline = time.monotonic() + timeout_s
         while True:
-            resp = httpx.post(e.url + "/reset_prefix_cache", timeout=30)
+            resp = httpx.post(e.url + "/reset_prefix_cache", params={"reset_external": "true"}, timeout=30)
             if resp.status_code == 404:
                 raise RuntimeError(
                     f"engine {e.id} ({e.url}) has no /reset_prefix_cache: start it with"
@@ -220,6 +222,15 @@ def reset_prefix_caches(engines: Sequence[FleetEngine], timeout_s: float = 60.0)
                     f"engine {e.id}: /reset_prefix_cache still refused after {timeout_s:.0f} s"
                 )
             time.sleep(0.5)
+    folders = {storage_folder(e.storage_pool) for e in engines}
+    for folder in sorted(f for f in folders if f is not None):
+        for block in folder.rglob("*.bin"):  # vLLM's fs tier: one file a block (its config.json stays)
+            block.unlink(missing_ok=True)
+
+
+def storage_folder(storage_pool: str) -> Path | None:
+    """The folder of a vllm-cpu fleet's STORAGE pool (``fs:PATH``), None for any other pool."""
+    return Path(storage_pool[3:]) if storage_pool.startswith("fs:") else None
 
 
 @dataclass(slots=True)
@@ -550,8 +561,16 @@ def vllm_fleets(args: argparse.Namespace, schedulings: set[str]) -> Iterator[tup
                 continue
             fleet = stack.enter_context(VllmCpuFleet(Path(tempfile.mkdtemp(prefix=f"vllmq-{scheduling}-"))))
             print(f"starting {args.engines} vLLM CPU engines ({scheduling}; minutes) ...", file=sys.stderr)
+            storage = str(fleet.workdir / "kv-storage") if args.storage else ""
             fleet.start(
-                args.engines, replace(VLLM_PROFILE, gpu_blocks=args.gpu_blocks, scheduling_policy=scheduling)
+                args.engines,
+                replace(
+                    VLLM_PROFILE,
+                    gpu_blocks=args.gpu_blocks,
+                    cpu_blocks=args.cpu_blocks,
+                    storage_dir=storage,
+                    scheduling_policy=scheduling,
+                ),
             )
             fleets[scheduling] = fleet
             model_dir = model_dir or fleet.model_dir
@@ -798,6 +817,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=VLLM_PROFILE.gpu_blocks,
         help=f"vllm-cpu fleets started here: KV blocks per engine (default {VLLM_PROFILE.gpu_blocks})",
     )
+    parser.add_argument(
+        "--cpu-blocks",
+        type=int,
+        default=0,
+        help="vllm-cpu fleets started here: a CPU tier of N blocks per engine (sim/vllm_host_offload.py;"
+        " default 0, none)",
+    )
+    parser.add_argument(
+        "--storage",
+        action="store_true",
+        help="vllm-cpu fleets started here: a STORAGE tier behind the CPU tier, vLLM's fs tier on one"
+        " folder per fleet (one pool; its block files are deleted before every run)",
+    )
     parser.add_argument("--peers-dir", type=Path, default=default_peers_dir())
     parser.add_argument(
         "--variant",
@@ -812,6 +844,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     real = args.backend == "vllm-cpu"
     if real and args.des:
         parser.error("--des simulates the sim fleet's rows; with vllm-cpu use loadtest/calib_compare.py")
+    if (args.cpu_blocks or args.storage) and not real:
+        parser.error("--cpu-blocks and --storage are for --backend vllm-cpu (the sim fleet has its tiers)")
+    if args.storage and args.cpu_blocks < 1:
+        parser.error("--storage sits behind a CPU tier: give --cpu-blocks N (at least one request's blocks)")
     exit_on_sigterm()
     targets = [
         t for t in (args.targets or ",".join(VLLM_TARGETS if real else DEFAULT_TARGETS)).split(",") if t
@@ -860,8 +896,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"Fleet: real vLLM {VLLM_CPU_VERSION} CPU engines (sim/vllm_cpu.py), "
                 + "; ".join(f"{k}: {len(f.engines)} engines" for k, f in sorted(fleets.items()))
                 + f", {backend.block_size}-token blocks, GPU KV blocks per engine as started (bench default"
-                f" {VLLM_PROFILE.gpu_blocks}); started once, prefix caches emptied (POST /reset_prefix_cache)"
-                " before every run. kvroute: `--tokenizer hf` on the model folder."
+                f" {VLLM_PROFILE.gpu_blocks}), CPU tier {args.cpu_blocks} blocks per engine"
+                + (", one STORAGE pool per fleet (vLLM's fs tier)" if args.storage else "")
+                + "; started once, prefix caches (tiers too) emptied (POST /reset_prefix_cache) before"
+                " every run. kvroute: `--tokenizer hf` on the model folder."
             )
             runs = vllm_runs(
                 cells, fleets, backend, run_time_s=args.time, think_mean_s=args.think_time_mean,

@@ -27,6 +27,7 @@ from loadtest.bench_quality_live import (
 )
 from router.metrics import RouterMetrics
 from sim.fleet import Fleet, FleetEngine
+from sim.vllm_cpu import storage_pool_of
 from tests.conftest import ThreadedServer
 
 #: Fast simulated engines, no CPU/STORAGE tier (real vLLM on CPUs has none), a GPU pool that two
@@ -132,20 +133,33 @@ def test_reset_empties_an_engines_prefix_cache(fleets: dict[str, FleetFile]) -> 
 
 
 def test_reset_retries_while_vllm_refuses_and_names_dev_mode_when_absent(
-    serve_asgi: Callable[..., ThreadedServer],
+    serve_asgi: Callable[..., ThreadedServer], tmp_path: Path
 ) -> None:
     """vLLM answers success false while blocks are held (retry), and 404 without VLLM_SERVER_DEV_MODE."""
     answers = [False, False, True]
+    asked: list[str] = []
     app = FastAPI()
 
     @app.post("/reset_prefix_cache")
-    async def reset() -> JSONResponse:
+    async def reset(reset_external: str = "") -> JSONResponse:
+        asked.append(reset_external)
         return JSONResponse({"success": answers.pop(0)})
 
     server = serve_asgi(app)
     engine = FleetEngine("v0", server.url, "m", "", "", "", "", 32, 0, "")
     reset_prefix_caches([engine], timeout_s=30)
-    assert answers == []
+    assert answers == [] and asked == ["true"] * 3  # the CPU tier (vLLM's connector) emptied too
+    # A STORAGE pool's folder (vLLM's fs tier, kept across resets): its block files go, its
+    # config.json stays; a folder named by no engine is left alone.
+    pool, other = tmp_path / "kv-storage", tmp_path / "other"
+    for folder in (pool, other):
+        (folder / "ns" / "ab" / "cd_g0").mkdir(parents=True)
+        (folder / "ns" / "config.json").write_text("{}")
+        (folder / "ns" / "ab" / "cd_g0" / "abcd.bin").write_bytes(b"kv")
+    answers.append(True)
+    reset_prefix_caches([replace(engine, storage_pool=storage_pool_of(str(pool)))], timeout_s=30)
+    assert [p.name for p in pool.rglob("*") if p.is_file()] == ["config.json"]
+    assert sorted(p.name for p in other.rglob("*") if p.is_file()) == ["abcd.bin", "config.json"]
     bare = serve_asgi(FastAPI())
     with pytest.raises(RuntimeError, match="--dev-mode"):
         reset_prefix_caches([replace(engine, url=bare.url)])
