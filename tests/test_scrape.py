@@ -135,6 +135,11 @@ def test_text_written_by_prometheus_client_round_trips_into_cost_model() -> None
         ("GPU_to_CPU", Tier.CPU),
         ("1:fs", Tier.STORAGE),
         ("2:obj", Tier.STORAGE),
+        # vLLM 0.32's prompt_tokens_cached_by_source (read on its CPU build with the tiers of
+        # sim/vllm_host_offload.py): "device" was read as CPU before.
+        ("device", Tier.GPU),
+        ("host", Tier.CPU),
+        ("disk", Tier.STORAGE),
     ],
 )
 def test_tier_labels(label: str | None, tier: Tier) -> None:
