@@ -330,12 +330,16 @@ class CostModel:
         load_bytes_by_tier: Mapping[Tier, float],
         load_time_s_by_tier: Mapping[Tier, float],
         now: float,
-    ) -> None:
+    ) -> list[tuple[Tier, float, float]]:
         """Feed cumulative offload-load counters scraped from an engine's /metrics.
 
         A counter that went backwards means the engine restarted: the baseline restarts. Deltas
         smaller than ``min_metrics_bytes`` keep accumulating until they are large enough to time.
+        Returns (tier, measured bytes/s, the bound it lies beyond) for every sample outside
+        [prior / max_drift, prior x max_drift]: a figure the estimate can never reach, whose
+        prior is set for other hardware (the router logs it).
         """
+        beyond: list[tuple[Tier, float, float]] = []
         state = self._state(engine_id)
         cal = self.calibration
         bandwidth = list(state.current.load_bandwidth_bytes_per_s)
@@ -353,6 +357,9 @@ class CostModel:
             if delta_bytes < cal.min_metrics_bytes or delta_s <= 0:
                 continue
             measured = delta_bytes / delta_s
+            prior_bw = state.prior.load_bandwidth_bytes_per_s[tier]
+            if self._bounded(measured, prior_bw) != measured:
+                beyond.append((tier, measured, self._bounded(measured, prior_bw)))
             pool = (
                 self._storage_pool_of.get(engine_id)
                 if tier == Tier.STORAGE and math.isfinite(cal.pool_spread)
@@ -384,6 +391,7 @@ class CostModel:
                 state.current, load_bandwidth_bytes_per_s=(bandwidth[0], bandwidth[1], bandwidth[2])
             )
             state.last_update_s = now
+        return beyond
 
     # -- learning from the router's own observations ----------------------------------------
 

@@ -12,6 +12,7 @@ import time
 import aiohttp
 
 from kvcore.calibration import CostModel
+from policies.base import Tier
 from router.config import EngineConfig, RouterConfig
 from router.load import LoadTracker
 from router.scrape import EngineMetrics, parse_engine_metrics, tier_capacities_tokens
@@ -34,6 +35,8 @@ class EngineScraper:
         self.scrape_errors: dict[str, str] = {}
         #: Engine id -> why its configured block size was overridden by the one it reports.
         self.block_size_mismatch: dict[str, str] = {}
+        #: (engine id, tier) whose measured load bandwidth lay beyond the prior's reach (logged once).
+        self._beyond_drift: set[tuple[str, Tier]] = set()
 
     async def run(self, engine: EngineConfig) -> None:
         interval_s = self.config.costs.scrape_interval_s
@@ -71,9 +74,23 @@ class EngineScraper:
         }
         self.tracker.update_scraped(engine.id, values)
         self._note_capacities(engine, parsed)
-        self.costs.update_offload_counters(
+        beyond = self.costs.update_offload_counters(
             engine.id, parsed.offload_load_bytes_by_tier, parsed.offload_load_time_s_by_tier, time.monotonic()
         )
+        for tier, measured, bound in beyond:
+            if (engine.id, tier) not in self._beyond_drift:
+                self._beyond_drift.add((engine.id, tier))
+                log.warning(
+                    "engine %s: measured %s load bandwidth %.3g B/s (vLLM's offload counters) is beyond"
+                    " what the cost model may learn from its prior (calibration.max_drift): it prices"
+                    " these loads at %.3g B/s; set costs.priors.tiers.%s.bandwidth_bytes_per_s near the"
+                    " hardware's",
+                    engine.id,
+                    tier.name,
+                    measured,
+                    bound,
+                    tier.name.lower(),
+                )
 
     def _note_capacities(self, engine: EngineConfig, parsed: EngineMetrics) -> None:
         """Tier capacities (tokens) into the engine's views, for policies that price evictions."""

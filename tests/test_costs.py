@@ -10,7 +10,7 @@ import pytest
 
 from kvcore.calibration import CostModel, IndexSelfCheck
 from policies.base import Tier
-from policies.costs import EngineCosts, PredictedParts, predict_parts
+from policies.costs import DEFAULT_LOAD_BANDWIDTH_BYTES_PER_S, EngineCosts, PredictedParts, predict_parts
 
 INF = math.inf
 
@@ -110,6 +110,26 @@ def test_offload_counters_give_measured_bandwidth_per_tier() -> None:
     # Tiny deltas accumulate instead of being timed on their own.
     model.update_offload_counters("e", {Tier.CPU: 1e6 + 1e3}, {Tier.CPU: 6.0}, 51.0)
     assert model.estimates("e").load_bandwidth_bytes_per_s[Tier.CPU] == pytest.approx(10e9, rel=0.01)
+
+
+def test_a_measured_bandwidth_beyond_the_priors_reach_is_reported() -> None:
+    """The default CPU prior (64 GB/s) may drift 50x: vLLM's CPU build loads its host-copy tier at
+    ~1 GB/s (docs/results/cpu-tier.md), under the 1.28 GB/s floor. Such a sample is reported with
+    the bound (the router logs it), and still moves the estimate as far as the bound; a sample
+    within reach is not reported. Catches a prior mismatch priced silently at the bound."""
+    model = CostModel(calibration=None)
+    floor = DEFAULT_LOAD_BANDWIDTH_BYTES_PER_S[Tier.CPU] / model.calibration.max_drift
+    assert model.update_offload_counters("e", {Tier.CPU: 0.0}, {Tier.CPU: 0.0}, 0.0) == []
+    beyond: list[tuple[Tier, float, float]] = []
+    for step in range(1, 30):
+        beyond += model.update_offload_counters(
+            "e", {Tier.CPU: step * 1e9}, {Tier.CPU: float(step)}, float(step)
+        )
+    assert beyond and all(b == (Tier.CPU, pytest.approx(1e9), pytest.approx(floor)) for b in beyond)
+    assert model.estimates("e").load_bandwidth_bytes_per_s[Tier.CPU] == pytest.approx(floor)
+    within = CostModel(calibration=None)
+    within.update_offload_counters("e", {Tier.CPU: 0.0}, {Tier.CPU: 0.0}, 0.0)
+    assert within.update_offload_counters("e", {Tier.CPU: 10e9}, {Tier.CPU: 1.0}, 1.0) == []
 
 
 def _pool_of_a_and_b(model: CostModel, *, with_cpu: bool) -> None:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvcore.calibration import CostModel
 from policies.base import Tier
 from router.scrape import parse_engine_metrics, tier_capacities_tokens, tier_of_label
+from tests.conftest import ThreadedServer
 
 CACHE_CONFIG_INFO = (
     'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
@@ -186,3 +191,55 @@ def test_tier_capacities_reported_by_the_engine_win_over_config() -> None:
         "cpu_capacity_tokens": 0.0,
         "storage_capacity_tokens": 0.0,
     }
+
+
+async def test_a_measured_bandwidth_the_prior_cannot_reach_is_logged_once(
+    serve_asgi: Callable[..., ThreadedServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine whose offload counters say 1 GB/s (vLLM's CPU build's host-copy tier) behind a
+    router with the default 64 GB/s CPU prior: the scraper says so once, naming the engine, the
+    figure and the setting to change, instead of pricing the loads at the bound in silence."""
+    import aiohttp
+    from fastapi import FastAPI
+    from fastapi.responses import PlainTextResponse
+
+    from router.config import EngineConfig, load_config
+    from router.load import LoadTracker
+    from router.scraper import EngineScraper
+
+    scrapes = [0]
+
+    app = FastAPI()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        n = scrapes[0]
+        scrapes[0] += 1
+        return PlainTextResponse(
+            f'vllm:kv_offload_load_bytes_total{{engine="0"}} {n * 64e6}\n'
+            f'vllm:kv_offload_load_time_total{{engine="0"}} {n * 0.064}\n'
+        )
+
+    server = serve_asgi(app)
+    engine = EngineConfig(id="e0", url=server.url)
+    config = load_config(environ={}, overrides={"engines": [{"id": "e0", "url": server.url}]})
+
+    class Watchdog:
+        def note_counters(self, engine: Any, parsed: Any) -> None:
+            pass
+
+    scraper = EngineScraper(
+        config,
+        tracker=LoadTracker([engine]),
+        costs=CostModel(calibration=None),
+        watchdog=Watchdog(),  # type: ignore[arg-type]
+    )
+    async with aiohttp.ClientSession() as session:
+        scraper.session = session
+        with caplog.at_level(logging.WARNING, logger="kvroute.scraper"):
+            for _ in range(4):
+                await scraper.scrape_once(engine)
+    warned = [r.getMessage() for r in caplog.records if "beyond" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "engine e0" in warned[0] and "CPU" in warned[0] and "1e+09" in warned[0]
+    assert "costs.priors.tiers.cpu.bandwidth_bytes_per_s" in warned[0]
