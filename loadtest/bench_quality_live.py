@@ -580,6 +580,16 @@ def vllm_fleets(args: argparse.Namespace, schedulings: set[str]) -> Iterator[tup
                         "--model-dir: the running fleets' model folder (for the router's tokenizer)"
                     )
                 fleets[scheduling] = FleetFile.read(given[scheduling])
+                pools = sorted(
+                    {e.storage_pool for e in fleets[scheduling].engines if storage_folder(e.storage_pool)}
+                )
+                if pools:
+                    # Its block files would carry one run's history into the next; the bench empties
+                    # only the pools of the fleets it starts (--storage), never somebody else's.
+                    raise SystemExit(
+                        f"{given[scheduling]}: the engines keep a STORAGE pool on disk ({', '.join(pools)}),"
+                        " which the bench will not empty between runs; start the fleets here with --storage"
+                    )
                 continue
             fleet = stack.enter_context(VllmCpuFleet(Path(tempfile.mkdtemp(prefix=f"vllmq-{scheduling}-"))))
             print(f"starting {args.engines} vLLM CPU engines ({scheduling}; minutes) ...", file=sys.stderr)

@@ -298,3 +298,21 @@ def test_cached_tokens_by_tier_from_either_engines_sources() -> None:
         "CPU": 0.0,
         "STORAGE": 0.0,
     }
+
+
+def test_a_given_fleet_with_a_storage_pool_on_disk_is_refused(tmp_path: Path) -> None:
+    """The bench empties the STORAGE folders of the fleets it starts; a given fleet's pool (somebody
+    else's files) it will not touch, and without emptying it one run's history would reach the next:
+    refused with the way out. Catches a bench that deletes files it does not own, or silently
+    measures warm pools."""
+    import argparse
+
+    from loadtest.bench_quality_live import vllm_fleets
+    from router.config import EngineConfig, write_fleet_file
+
+    fleet_file = tmp_path / "fleet.json"
+    pool = storage_pool_of(str(tmp_path / "kv"))
+    write_fleet_file(fleet_file, [EngineConfig(id="v0", url="http://127.0.0.1:9", storage_pool=pool)])
+    args = argparse.Namespace(fleet_file=fleet_file, priority_fleet_file=None, model_dir=tmp_path)
+    with pytest.raises(SystemExit, match="start the fleets here with --storage"), vllm_fleets(args, {"fcfs"}):
+        pass
