@@ -91,31 +91,31 @@ class HostCopyWorker(OffloadingWorker):
             self._region = None
 
 
-def _blocks(config: Any) -> int:
-    blocks = config.extra_config.get(CPU_BLOCKS_KEY)
-    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
-        raise ValueError(f"{CPU_BLOCKS_KEY} must be a whole number of blocks >= 1, got {blocks!r}")
-    # vLLM's spec requires a byte size; the size in blocks replaces what it makes of it.
-    config.extra_config.setdefault("cpu_bytes_to_use", 1)
-    return blocks
+class _SizedInBlocks:
+    """Mixed in before vLLM's spec: the CPU tier sized in blocks (``kvroute_cpu_blocks``, exact,
+    where vLLM's ``cpu_bytes_to_use`` rounds to its alignment), one engine block per offloaded one."""
 
-
-def _one_block_per_chunk(spec: Any) -> None:
-    if spec.blocks_per_chunk != 1:
-        raise ValueError(
-            f"{type(spec).__name__} copies one engine block per offloaded block, not {spec.blocks_per_chunk}"
-        )
-
-
-class HostOffloadingSpec(CPUOffloadingSpec):
-    """vLLM's CPU offloading with ``HostCopyWorker`` and a size in blocks."""
+    num_chunks: int
+    blocks_per_chunk: int
 
     def __init__(self, config: Any) -> None:
-        blocks = _blocks(config)
-        super().__init__(config)
-        _one_block_per_chunk(self)
+        blocks = config.extra_config.get(CPU_BLOCKS_KEY)
+        if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
+            raise ValueError(f"{CPU_BLOCKS_KEY} must be a whole number of blocks >= 1, got {blocks!r}")
+        # vLLM's spec requires a byte size; the size in blocks replaces what it makes of it.
+        config.extra_config.setdefault("cpu_bytes_to_use", 1)
+        super().__init__(config)  # type: ignore[call-arg]
+        if self.blocks_per_chunk != 1:
+            raise ValueError(
+                f"{type(self).__name__} copies one engine block per offloaded block,"
+                f" not {self.blocks_per_chunk}"
+            )
         self.num_chunks = blocks
         self._host_worker: HostCopyWorker | None = None
+
+
+class HostOffloadingSpec(_SizedInBlocks, CPUOffloadingSpec):
+    """vLLM's CPU offloading with ``HostCopyWorker`` and a size in blocks."""
 
     def get_worker(self, kv_caches: Any) -> OffloadingWorker:
         if self._host_worker is None:
@@ -123,16 +123,9 @@ class HostOffloadingSpec(CPUOffloadingSpec):
         return self._host_worker
 
 
-class HostTieringOffloadingSpec(TieringOffloadingSpec):
+class HostTieringOffloadingSpec(_SizedInBlocks, TieringOffloadingSpec):
     """vLLM's tiering (a CPU tier and secondary tiers behind it, e.g. ``fs`` on a folder several
     engines share: a STORAGE pool) with ``HostCopyWorker`` on the tiers' shared memory region."""
-
-    def __init__(self, config: Any) -> None:
-        blocks = _blocks(config)
-        super().__init__(config)
-        _one_block_per_chunk(self)
-        self.num_chunks = blocks
-        self._host_worker: HostCopyWorker | None = None
 
     def get_worker(self, kv_caches: Any) -> OffloadingWorker:
         if self._host_worker is None:

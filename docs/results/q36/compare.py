@@ -44,16 +44,17 @@ RATIOS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
-def live_runs() -> list[dict[str, Row]]:
-    """One dict per repeat: name -> p50, p99, turns/s, cached share."""
+def live_runs(table: Path = LIVE_TABLE, names: dict[str, str] = LIVE_NAMES) -> list[dict[str, Row]]:
+    """One dict per repeat: name -> p50, p99, turns/s, cached share (a bench_quality_live table's
+    "Every run" rows; ``names``: target -> name)."""
     repeats: list[dict[str, Row]] = []
     seen: dict[str, int] = {}
-    rows = LIVE_TABLE.read_text().split("Every run:", 1)[1].splitlines()
+    rows = table.read_text().split("Every run:", 1)[1].splitlines()
     for line in rows:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 16 or cells[2] not in LIVE_NAMES:
+        if len(cells) < 16 or cells[2] not in names:
             continue
-        name = LIVE_NAMES[cells[2]]
+        name = names[cells[2]]
         k = seen[name] = seen.get(name, -1) + 1
         while len(repeats) <= k:
             repeats.append({})
@@ -66,13 +67,14 @@ def live_runs() -> list[dict[str, Row]]:
     return repeats
 
 
-def des_runs(out: Path, model: str) -> list[dict[str, Row]]:
-    """One dict per seed: name -> p50, p99, turns/s, cached share (hit rate), escalations."""
+def des_runs(out: Path, model: str, names: dict[tuple[str, str], str] = DES_NAMES) -> list[dict[str, Row]]:
+    """One dict per seed: name -> p50, p99, turns/s, cached share (hit rate), escalations (runs in
+    OUT/<model>-<engines>-<seed>/; ``names``: (engines, policy) -> name)."""
     seeds: dict[str, dict[str, Row]] = {}
     for path in sorted(out.glob(f"{model}-*-*/results.json")):
         engines, seed = path.parent.name.split("-")[1:3]
         for r in json.loads(path.read_text()):
-            name = DES_NAMES[(engines, r["policy"])]
+            name = names[(engines, r["policy"])]
             seeds.setdefault(seed, {})[name] = {
                 "p50": r["ttft_p50_s"],
                 "p99": r["ttft_p99_s"],

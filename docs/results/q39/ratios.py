@@ -18,21 +18,34 @@ NAMES = {
 PAIRS = (("K0", "Q0"), ("K0", "QP"), ("Q0", "QP"))
 
 
-def main() -> None:
+def runs_by_target(path: str) -> dict[str, list[dict[str, Any]]]:
+    """A bench_quality_live quality.json's good runs, by target, in run order (= repeat order)."""
     runs: dict[str, list[dict[str, Any]]] = {}
-    for run in json.loads(open(sys.argv[1]).read())["runs"]:
+    for run in json.loads(open(path).read())["runs"]:
         if not run["error"]:
             runs.setdefault(run["target"], []).append(run)
+    return runs
+
+
+def pair_table(
+    runs: dict[str, list[dict[str, Any]]], names: dict[str, str], pairs: tuple[tuple[str, str], ...]
+) -> None:
+    """Per pair (base, other): the p50 speed-ups and p99 ratios repeat by repeat, and their medians."""
     print("| pair | p50 speed-up (base / other), per repeat | median | p99 ratio (other / base) | median |")
     print("|---|---|---|---|---|")
-    for base, other in PAIRS:
-        a, b = runs[NAMES[base]], runs[NAMES[other]]
+    for base, other in pairs:
+        a, b = runs[names[base]], runs[names[other]]
         up = [x["ttft_p50_s"] / y["ttft_p50_s"] for x, y in zip(a, b, strict=True)]
         tail = [y["ttft_p99_s"] / x["ttft_p99_s"] for x, y in zip(a, b, strict=True)]
         print(
             f"| {other} vs {base} | {', '.join(f'{v:.2f}' for v in up)} | {statistics.median(up):.2f} "
             f"| {', '.join(f'{v:.2f}' for v in tail)} | {statistics.median(tail):.2f} |"
         )
+
+
+def main() -> None:
+    runs = runs_by_target(sys.argv[1])
+    pair_table(runs, NAMES, PAIRS)
     print()
     print("Per run: cached share / imbalance")
     for name, target in NAMES.items():

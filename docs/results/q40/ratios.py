@@ -5,10 +5,17 @@ repeat (the k-th run of a target is its k-th repeat: the bench interleaves the r
 
 from __future__ import annotations
 
-import json
-import statistics
+import importlib.util
 import sys
-from typing import Any
+from pathlib import Path
+
+#: q39's script: its run reading and pair table (the same figures, other targets).
+_SPEC = importlib.util.spec_from_file_location(
+    "q39_ratios", Path(__file__).resolve().parents[1] / "q39" / "ratios.py"
+)
+assert _SPEC is not None and _SPEC.loader is not None
+Q39 = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(Q39)
 
 NAMES = {
     "REF": "kvroute:kv_fixed_credit#ref",
@@ -19,20 +26,8 @@ PAIRS = (("REF", "Q"), ("K", "Q"), ("REF", "K"))
 
 
 def main() -> None:
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for run in json.loads(open(sys.argv[1]).read())["runs"]:
-        if not run["error"]:
-            runs.setdefault(run["target"], []).append(run)
-    print("| pair | p50 speed-up (base / other), per repeat | median | p99 ratio (other / base) | median |")
-    print("|---|---|---|---|---|")
-    for base, other in PAIRS:
-        a, b = runs[NAMES[base]], runs[NAMES[other]]
-        up = [x["ttft_p50_s"] / y["ttft_p50_s"] for x, y in zip(a, b, strict=True)]
-        tail = [y["ttft_p99_s"] / x["ttft_p99_s"] for x, y in zip(a, b, strict=True)]
-        print(
-            f"| {other} vs {base} | {', '.join(f'{v:.2f}' for v in up)} | {statistics.median(up):.2f} "
-            f"| {', '.join(f'{v:.2f}' for v in tail)} | {statistics.median(tail):.2f} |"
-        )
+    runs = Q39.runs_by_target(sys.argv[1])
+    Q39.pair_table(runs, NAMES, PAIRS)
     print()
     print("Per run: cached share of the prompt (GPU + CPU + STORAGE) / imbalance / escalated turns")
     for name, target in NAMES.items():

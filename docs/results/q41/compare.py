@@ -8,24 +8,29 @@ results.json as run.sh writes them."""
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import statistics
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+#: q36's script: its readers of the live table and the DES runs, and its ratio and span.
+_SPEC = importlib.util.spec_from_file_location("q36_compare", HERE.parent / "q36" / "compare.py")
+assert _SPEC is not None and _SPEC.loader is not None
+Q36 = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(Q36)
 CELLS = ("none", "pool")
-LIVE_NAMES = {
-    "kvroute:kv_fixed_credit#ref": "REF",
-    "kvroute:kv_fixed_credit#k@priority": "K",
-    "kvroute:tier_cost#q@priority": "Q",
-}
+_SPEC40 = importlib.util.spec_from_file_location("q40_ratios", HERE.parent / "q40" / "ratios.py")
+assert _SPEC40 is not None and _SPEC40.loader is not None
+Q40 = importlib.util.module_from_spec(_SPEC40)
+_SPEC40.loader.exec_module(Q40)
+#: q40's targets (its ratios.py names them): target -> name.
+LIVE_NAMES = {target: name for name, target in Q40.NAMES.items()}
 DES_NAMES = {
     ("fcfs", "kv_fixed_credit"): "REF",
     ("order", "kv_fixed_credit"): "K",
     ("order", "tier_cost:pressure_s_at_full=1"): "Q",
 }
-Row = dict[str, float]
 #: name -> (numerator, figure, denominator, figure): a p50 speed-up > 1 = the second is faster.
 RATIOS: dict[str, tuple[str, str, str, str]] = {
     "REF p50 / Q p50": ("REF", "p50", "Q", "p50"),
@@ -35,46 +40,15 @@ RATIOS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
-def live_runs(cell: str) -> list[dict[str, Row]]:
-    repeats: list[dict[str, Row]] = []
-    seen: dict[str, int] = {}
-    table = (HERE.parent / "q40" / f"{cell}-quality.md").read_text()
-    for line in table.split("Every run:", 1)[1].splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 16 or cells[2] not in LIVE_NAMES:
-            continue
-        name = LIVE_NAMES[cells[2]]
-        k = seen[name] = seen.get(name, -1) + 1
-        while len(repeats) <= k:
-            repeats.append({})
-        repeats[k][name] = {"p50": float(cells[3]), "p99": float(cells[5]), "cached": float(cells[10])}
-    return repeats
+def live_runs(cell: str) -> list[dict[str, dict[str, float]]]:
+    return Q36.live_runs(HERE.parent / "q40" / f"{cell}-quality.md", LIVE_NAMES)
 
 
-def des_runs(out: Path, cell: str) -> list[dict[str, Row]]:
-    seeds: dict[str, dict[str, Row]] = {}
-    for path in sorted(out.glob(f"{cell}-*-*/results.json")):
-        engines, seed = path.parent.name.split("-")[1:3]
-        for r in json.loads(path.read_text()):
-            seeds.setdefault(seed, {})[DES_NAMES[(engines, r["policy"])]] = {
-                "p50": r["ttft_p50_s"],
-                "p99": r["ttft_p99_s"],
-                "cached": r["hit"],
-            }
-    return [seeds[s] for s in sorted(seeds)]
+def des_runs(out: Path, cell: str) -> list[dict[str, dict[str, float]]]:
+    return Q36.des_runs(out, cell, DES_NAMES)
 
 
-def ratio(run: dict[str, Row], spec: tuple[str, str, str, str]) -> float | None:
-    a, fa, b, fb = spec
-    if a not in run or b not in run or run[b][fb] <= 0:
-        return None
-    return run[a][fa] / run[b][fb]
-
-
-def span(values: list[float], fmt: str = ".2f") -> str:
-    if not values:
-        return "-"
-    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
+ratio, span = Q36.ratio, Q36.span
 
 
 def main() -> None:
