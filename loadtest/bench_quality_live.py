@@ -31,6 +31,7 @@ import contextlib
 import csv
 import json
 import math
+import shutil
 import statistics
 import sys
 import tempfile
@@ -591,9 +592,12 @@ def vllm_fleets(args: argparse.Namespace, schedulings: set[str]) -> Iterator[tup
                         " which the bench will not empty between runs; start the fleets here with --storage"
                     )
                 continue
-            fleet = stack.enter_context(VllmCpuFleet(Path(tempfile.mkdtemp(prefix=f"vllmq-{scheduling}-"))))
+            workdir = Path(tempfile.mkdtemp(prefix=f"vllmq-{scheduling}-"))
+            storage = str(workdir / "kv-storage") if args.storage else ""
+            if storage:  # the pool's block files (hundreds of MB) go once the engines are stopped
+                stack.callback(shutil.rmtree, storage, ignore_errors=True)
+            fleet = stack.enter_context(VllmCpuFleet(workdir))
             print(f"starting {args.engines} vLLM CPU engines ({scheduling}; minutes) ...", file=sys.stderr)
-            storage = str(fleet.workdir / "kv-storage") if args.storage else ""
             fleet.start(
                 args.engines,
                 replace(
