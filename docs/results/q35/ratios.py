@@ -9,19 +9,11 @@ for q35d (docs/results/q35.md)."""
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from typing import Any
 
-
-def by_target(path: str) -> dict[str, list[dict[str, Any]]]:
-    """Each target's successful runs, in repeat order."""
-    out: dict[str, list[dict[str, Any]]] = {}
-    for run in json.loads(open(path).read())["runs"]:
-        if not run["error"]:
-            out.setdefault(run["target"], []).append(run)
-    return out
+from loadtest.bench_quality_live import runs_by_target
 
 
 def main() -> None:
@@ -32,7 +24,7 @@ def main() -> None:
         "Q": f"kvroute:tier_cost#q{suffix}@priority",
         "Q0": "kvroute:tier_cost#n@priority",
     }
-    runs = by_target(sys.argv[1])
+    runs = runs_by_target(sys.argv[1])
     med: dict[str, dict[str, float]] = {}
     print("| name | target | runs | p50 s | p90 s | p99 s | turns/s | escalated per run | failed |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -6,10 +6,10 @@ and the engines' own phases (``Run.phases``: engine TTFT, queue, prefill p99).
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
-from typing import Any
+
+from loadtest.bench_quality_live import runs_by_target
 
 NAMES = {
     "REF": "kvroute:kv_fixed_credit",
@@ -27,10 +27,7 @@ FIGURES = {
 
 
 def main() -> None:
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for run in json.loads(open(sys.argv[1]).read())["runs"]:
-        if not run["error"]:
-            runs.setdefault(run["target"], []).append(run)
+    runs = runs_by_target(sys.argv[1])
     ref = runs[NAMES["REF"]]
     print("| figure | vs REF | per repeat | median |")
     print("|---|---|---|---|")

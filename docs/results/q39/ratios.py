@@ -5,10 +5,11 @@ repeat (the k-th run of a target is its k-th repeat: the bench interleaves the r
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from typing import Any
+
+from loadtest.bench_quality_live import runs_by_target
 
 NAMES = {
     "K0": "kvroute:kv_fixed_credit#k0@priority",
@@ -16,15 +17,6 @@ NAMES = {
     "QP": "kvroute:tier_cost#qp@priority",
 }
 PAIRS = (("K0", "Q0"), ("K0", "QP"), ("Q0", "QP"))
-
-
-def runs_by_target(path: str) -> dict[str, list[dict[str, Any]]]:
-    """A bench_quality_live quality.json's good runs, by target, in run order (= repeat order)."""
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for run in json.loads(open(path).read())["runs"]:
-        if not run["error"]:
-            runs.setdefault(run["target"], []).append(run)
-    return runs
 
 
 def pair_table(

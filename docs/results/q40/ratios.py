@@ -9,7 +9,9 @@ import importlib.util
 import sys
 from pathlib import Path
 
-#: q39's script: its run reading and pair table (the same figures, other targets).
+from loadtest.bench_quality_live import runs_by_target
+
+#: q39's script: its pair table (the same figures, other targets).
 _SPEC = importlib.util.spec_from_file_location(
     "q39_ratios", Path(__file__).resolve().parents[1] / "q39" / "ratios.py"
 )
@@ -26,7 +28,7 @@ PAIRS = (("REF", "Q"), ("K", "Q"), ("REF", "K"))
 
 
 def main() -> None:
-    runs = Q39.runs_by_target(sys.argv[1])
+    runs = runs_by_target(sys.argv[1])
     Q39.pair_table(runs, NAMES, PAIRS)
     print()
     print("Per run: cached share of the prompt (GPU + CPU + STORAGE) / imbalance / escalated turns")
