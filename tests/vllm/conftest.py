@@ -5,7 +5,8 @@ time, then about 3 GB of memory per engine); ``TEST_VLLM_CPU=1`` or ``make test-
 One session fleet of two engines, started once: ``v0`` with vLLM's default first-come scheduling,
 ``v1`` with ``--scheduling-policy priority``; both with a KV memory of 264 blocks x 32 tokens (one
 request of the default 8,192-token context, plus vLLM's null block and a little) so a handful of
-conversations evict.
+conversations evict. The CPU tier and STORAGE pool tests start their own small fleets with those
+tiers (sim/vllm_host_offload.py), in eager mode, and stop them.
 """
 
 from __future__ import annotations

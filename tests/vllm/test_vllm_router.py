@@ -1,6 +1,7 @@
 """kvroute in front of real vLLM engines (the CPU build, a tiny dummy-weight Llama): the index's
 predictions against what the engine reports, replay after a router restart, block-size detection,
-priorities, tokenizer parity, and an engine killed mid-stream. Skipped by ``make test``; run by
+priorities, tokenizer parity, an engine killed mid-stream, and a CPU tier and a shared STORAGE
+pool (vLLM's own offloading with sim/vllm_host_offload.py's worker). Skipped by ``make test``; run by
 ``make test-vllm`` (tests/vllm/conftest.py)."""
 
 from __future__ import annotations
