@@ -6,6 +6,7 @@ keyed by the engine's 64-bit block hash; events and timing are the engine's job 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 
 class GpuBlockPool:
@@ -133,19 +134,32 @@ class LruBlockTier:
         return list(self._blocks)
 
     def touch(self, block_hash: int) -> None:
-        """Mark as most recently used (a hit or a repeated store)."""
+        """Mark as most recently used (a hit)."""
         self._blocks.move_to_end(block_hash)
 
-    def put(self, block_hash: int, evicted: list[int]) -> bool:
-        """Store (or refresh) a block. True when it is new; evicted hashes are appended to ``evicted``."""
+    def write(self, block_hashes: Sequence[int], evicted: list[int]) -> list[int] | None:
+        """One offload write, admitted as vLLM's offloading manager admits it (``prepare_store``):
+        the blocks not yet held are stored, evicting least-recently-used blocks outside the write;
+        a write that cannot fit whole is refused whole (None: nothing stored, nothing evicted).
+        Nothing here is pinned, so a write fits when it is no larger than the tier. Returns the
+        newly stored hashes; evicted hashes are appended to ``evicted``, never one of the write's.
+        Held blocks of the write become most recent (vLLM refreshes a request's blocks when it
+        finishes; the simulator does it at the store)."""
+        if len(block_hashes) > self.capacity_blocks:
+            return None
         blocks = self._blocks
-        if block_hash in blocks:
-            blocks.move_to_end(block_hash)
-            return False
-        if len(blocks) >= self.capacity_blocks:
+        new = []
+        for h in block_hashes:
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                new.append(h)
+        # The write's held blocks are now the most recent, and it fits: the oldest are others'.
+        for _ in range(len(blocks) + len(new) - self.capacity_blocks):
             evicted.append(blocks.popitem(last=False)[0])
-        blocks[block_hash] = None
-        return True
+        for h in new:
+            blocks[h] = None
+        return new
 
     def clear(self) -> None:
         self._blocks.clear()

@@ -300,6 +300,7 @@ class _Request:
         "ready_at_s",
         "request",
         "tokens",
+        "unstored",
         "wait_snapshot",
         "waits_s",
     )
@@ -337,6 +338,9 @@ class _Request:
         self.output_token_ids: list[int] = []
         self.output_offset = output_offset
         self.cached_by_tier: tuple[int, int, int] | None = None
+        #: Offload tier -> prompt blocks a refused write left unstored (None: none yet); vLLM's
+        #: offloading scheduler offers them again with the request's next write.
+        self.unstored: dict[int, list[int]] | None = None
         #: Engine time its loaded blocks are on the GPU (0 = nothing in flight): it waits till then.
         self.ready_at_s = 0.0
         #: Hashes this request is loading (their GPU copies are not usable before ready_at_s).
@@ -896,7 +900,8 @@ class EngineCore:
             self._emit_gpu_stored(req, start, end, events)
             # Blocks loaded from STORAGE also land in the CPU tier (tiering reads through host memory).
             if cpu is not None:
-                self._write_cpu(req, [b for b in range(start, end) if tiers[b] == _STORAGE], events)
+                promoted = [b for b in range(start, end) if tiers[b] == _STORAGE]
+                self._write_cpu(req, promoted, events, retry=False)
         req.num_committed_blocks = hit_blocks
         req.num_computed = hit_tokens
 
@@ -1025,18 +1030,35 @@ class EngineCore:
         if self._emit:
             events.append(self._stored_event(req, start, end, "GPU"))
 
-    def _write_cpu(self, req: _Request, block_indices: Sequence[int], events: list[dict[str, Any]]) -> None:
-        """Write-through of prompt blocks to the CPU tier (LRU); announces stores and evictions."""
+    def _offer(self, req: _Request, tier: int, block_indices: Sequence[int], retry: bool) -> list[int]:
+        """The blocks one offload write offers: with ``retry``, those a refused write of this
+        request left behind come first, as vLLM's scheduler offers every block past the request's
+        last stored one."""
+        unstored = req.unstored.pop(tier, None) if retry and req.unstored else None
+        if not unstored:
+            return list(block_indices)
+        return list(dict.fromkeys([*unstored, *block_indices]))
+
+    def _write_cpu(
+        self, req: _Request, block_indices: Sequence[int], events: list[dict[str, Any]], retry: bool = True
+    ) -> None:
+        """Write-through of prompt blocks to the CPU tier (LRU, vLLM's admission: a write the tier
+        cannot hold whole is refused and offered again with the request's next one); announces
+        evictions, then stores. ``retry`` False: a promotion from STORAGE, not the request's write."""
         cpu = self.cpu
         assert cpu is not None
+        offered = self._offer(req, _CPU, block_indices, retry)
         evicted: list[int] = []
-        stored: list[int] = []
         hashes = req.chain.hashes
-        for b in block_indices:
-            if cpu.put(hashes[b], evicted):
-                stored.append(b)
-        if not stored:
+        new = cpu.write([hashes[b] for b in offered], evicted)
+        if new is None:
+            if retry:
+                req.unstored = {**(req.unstored or {}), _CPU: offered}
             return
+        if not new:
+            return
+        new_set = set(new)
+        stored = [b for b in offered if hashes[b] in new_set]
         nbytes = len(stored) * self._bytes_per_block
         self._store_bytes[_CPU] += nbytes
         # GPU->host copies use the other direction of the link: they cost time, block nobody.
@@ -1046,7 +1068,7 @@ class EngineCore:
         if evicted:
             events.append({"type": "BlockRemoved", "block_hashes": evicted, "medium": "CPU", "group_idx": 0})
         if self.profile.self_describing_cpu_events:
-            for start, end in _runs(stored):
+            for start, end in _runs(sorted(stored)):
                 events.append(self._stored_event(req, start, end, "CPU"))
         else:
             # vLLM's offloading connector: one hash-only placeholder per block.
@@ -1055,20 +1077,26 @@ class EngineCore:
     def _write_storage(
         self, req: _Request, block_indices: Sequence[int], events: list[dict[str, Any]], now: float
     ) -> None:
-        """Write-through to the STORAGE pool: self-describing stores, and the removals the writes
-        cause when the pool announces them. A shared pool's writes take their share of its
-        aggregate bandwidth (reads queue behind them)."""
+        """Write-through to the STORAGE pool, admitted as the CPU tier's writes are: self-describing
+        stores, and the removals the writes cause when the pool announces them. A shared pool's
+        writes take their share of its aggregate bandwidth (reads queue behind them)."""
         storage = self.storage
         assert storage is not None
+        offered = self._offer(req, _STORAGE, block_indices, True)
         evicted: list[int] = []
         hashes = req.chain.hashes
-        stored = [b for b in block_indices if storage.put(hashes[b], evicted)]
+        new = storage.write([hashes[b] for b in offered], evicted)
+        if new is None:
+            req.unstored = {**(req.unstored or {}), _STORAGE: offered}
+            return
         if evicted and self._emit and self.profile.emit_storage_events and storage.announce_removals:
             events.append(
                 {"type": "BlockRemoved", "block_hashes": evicted, "medium": "STORAGE", "group_idx": 0}
             )
-        if not stored:
+        if not new:
             return
+        new_set = set(new)
+        stored = [b for b in offered if hashes[b] in new_set]
         nbytes = len(stored) * self._bytes_per_block
         self._store_bytes[_STORAGE] += nbytes
         store_s = nbytes / self._storage_bw
@@ -1076,7 +1104,7 @@ class EngineCore:
             store_s = max(store_s, storage.reserve(now, nbytes) - now)
         self._store_time_s[_STORAGE] += self._noisy(store_s)
         if self._emit and self.profile.emit_storage_events:
-            for start, end in _runs(stored):
+            for start, end in _runs(sorted(stored)):
                 event = self._stored_event(req, start, end, "STORAGE")
                 event["locality"] = "LOCAL"
                 events.append(event)

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,23 +152,29 @@ class DirectoryStoragePool(StoragePool):
         with contextlib.suppress(FileNotFoundError):
             os.utime(self._path(block_hash))
 
-    def put(self, block_hash: int, evicted: list[int]) -> bool:
-        path = self._path(block_hash)
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            self.touch(block_hash)
-            return False
-        os.close(fd)
-        self._puts_since_trim += 1
+    def write(self, block_hashes: Sequence[int], evicted: list[int]) -> list[int] | None:
+        """LruBlockTier.write's admission on the shared directory: a write the pool cannot hold
+        whole is refused; a file another engine created first is a block already held."""
+        if len(block_hashes) > self.capacity_blocks:
+            return None
+        new = []
+        for block_hash in block_hashes:
+            try:
+                fd = os.open(self._path(block_hash), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self.touch(block_hash)
+                continue
+            os.close(fd)
+            new.append(block_hash)
+        self._puts_since_trim += len(new)
         if self._puts_since_trim >= self._trim_every:
             self._puts_since_trim = 0
-            self._trim(evicted)
-        return True
+            self._trim(evicted, set(block_hashes))
+        return new
 
-    def _trim(self, evicted: list[int]) -> None:
-        ordered = self.hashes()
-        for block_hash in ordered[: max(0, len(ordered) - self.capacity_blocks)]:
+    def _trim(self, evicted: list[int], written: set[int]) -> None:
+        ordered = [h for h in self.hashes() if h not in written]
+        for block_hash in ordered[: max(0, len(ordered) + len(written) - self.capacity_blocks)]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path(block_hash))
             evicted.append(block_hash)

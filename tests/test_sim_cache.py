@@ -85,21 +85,33 @@ def test_clear_cached_requires_no_pinned_blocks() -> None:
 def test_lru_tier_evicts_least_recently_used() -> None:
     tier = LruBlockTier(3)
     evicted: list[int] = []
-    assert all(tier.put(h, evicted) for h in (1, 2, 3))
+    assert tier.write([1, 2, 3], evicted) == [1, 2, 3]
     tier.touch(1)
-    assert not tier.put(2, evicted)  # refresh, not new
+    assert tier.write([2], evicted) == []  # held: refreshed, not new
     assert tier.hashes() == [3, 1, 2]
-    assert tier.put(4, evicted)
+    assert tier.write([4], evicted) == [4]
     assert evicted == [3]
     assert 3 not in tier and 4 in tier and len(tier) == 3
+
+
+def test_a_tier_write_is_admitted_whole_or_refused_as_vllm_admits_it() -> None:
+    """vLLM's prepare_store: a write evicts only blocks outside it, and one the tier cannot hold
+    whole is refused with nothing changed. Catches a write that evicts its own blocks (the engine
+    would announce a removal before the store of the same block) and partial writes."""
+    tier = LruBlockTier(3)
+    evicted: list[int] = []
+    tier.write([1, 2, 3], evicted)
+    assert tier.write([3, 4, 5], evicted) == [4, 5]  # 3 is held: the oldest others go
+    assert evicted == [1, 2] and tier.hashes() == [3, 4, 5]
+    assert tier.write([6, 7, 8, 9], evicted) is None
+    assert evicted == [1, 2] and tier.hashes() == [3, 4, 5]
 
 
 def test_storage_pool_is_one_object_for_all_engines_and_validates() -> None:
     pool = StoragePool("shared-fs", capacity_blocks=2, load_bytes_per_s=1e9, latency_s=0.01)
     evicted: list[int] = []
-    pool.put(1, evicted)
-    pool.put(2, evicted)
-    pool.put(3, evicted)
+    for h in (1, 2, 3):
+        pool.write([h], evicted)
     assert evicted == [1] and pool.hashes() == [2, 3]
     with pytest.raises(ValueError, match="load_bytes_per_s"):
         StoragePool("x", 4, load_bytes_per_s=0)
