@@ -139,27 +139,39 @@ class LruBlockTier:
 
     def write(self, block_hashes: Sequence[int], evicted: list[int]) -> list[int] | None:
         """One offload write, admitted as vLLM's offloading manager admits it (``prepare_store``):
-        the blocks not yet held are stored, evicting least-recently-used blocks outside the write;
-        a write that cannot fit whole is refused whole (None: nothing stored, nothing evicted).
-        Nothing here is pinned, so a write fits when it is no larger than the tier. Returns the
-        newly stored hashes; evicted hashes are appended to ``evicted``, never one of the write's.
-        Held blocks of the write become most recent (vLLM refreshes a request's blocks when it
-        finishes; the simulator does it at the store)."""
+        the blocks not yet held are stored as the most recent, evicting the least recently used
+        blocks outside the write; a write that cannot fit whole is refused whole (None: nothing
+        stored, nothing evicted). Nothing here is pinned, so a write fits when it is no larger
+        than the tier. Held blocks of the write keep their rank (vLLM re-ranks a request's blocks
+        when it finishes: ``rank_used``). Returns the newly stored hashes; evicted hashes are
+        appended to ``evicted``, never one of the write's."""
         if len(block_hashes) > self.capacity_blocks:
             return None
         blocks = self._blocks
-        new = []
-        for h in block_hashes:
-            if h in blocks:
-                blocks.move_to_end(h)
-            else:
-                new.append(h)
-        # The write's held blocks are now the most recent, and it fits: the oldest are others'.
-        for _ in range(len(blocks) + len(new) - self.capacity_blocks):
-            evicted.append(blocks.popitem(last=False)[0])
+        new = [h for h in block_hashes if h not in blocks]
+        excess = len(blocks) + len(new) - self.capacity_blocks
+        if excess > 0:
+            written = set(block_hashes)
+            victims = []
+            for h in blocks:
+                if h not in written:
+                    victims.append(h)
+                    if len(victims) == excess:
+                        break
+            for h in victims:
+                del blocks[h]
+            evicted.extend(victims)
         for h in new:
             blocks[h] = None
         return new
+
+    def rank_used(self, block_hashes: Sequence[int]) -> None:
+        """The held ones of ``block_hashes`` become most recent, the last one most of all (vLLM's
+        LRU policy re-ranks a finished request's blocks); the others are ignored."""
+        blocks = self._blocks
+        for h in block_hashes:
+            if h in blocks:
+                blocks.move_to_end(h)
 
     def clear(self) -> None:
         self._blocks.clear()

@@ -299,8 +299,9 @@ class _Request:
         "prompt_len",
         "ready_at_s",
         "request",
+        "seen_from",
+        "store_from",
         "tokens",
-        "unstored",
         "wait_snapshot",
         "waits_s",
     )
@@ -338,9 +339,13 @@ class _Request:
         self.output_token_ids: list[int] = []
         self.output_offset = output_offset
         self.cached_by_tier: tuple[int, int, int] | None = None
-        #: Offload tier -> prompt blocks a refused write left unstored (None: none yet); vLLM's
-        #: offloading scheduler offers them again with the request's next write.
-        self.unstored: dict[int, list[int]] | None = None
+        #: vLLM's offloading scheduler: the first prompt block the request's next offload write
+        #: offers (it offers every block from here to its last full prompt block; a refused write
+        #: leaves it, so the next write offers those blocks again). 0 at admission, or past the
+        #: hits when some came from CPU or STORAGE.
+        self.store_from = 0
+        #: The first block of the request the CPU tier ranks as used when it finishes.
+        self.seen_from = 0
         #: Engine time its loaded blocks are on the GPU (0 = nothing in flight): it waits till then.
         self.ready_at_s = 0.0
         #: Hashes this request is loading (their GPU copies are not usable before ready_at_s).
@@ -870,10 +875,9 @@ class EngineCore:
             loading.append(h)
             if run_start < 0:
                 run_start = b
-            if tier == _CPU:
-                assert cpu is not None
-                cpu.touch(h)
-            else:
+            # A CPU hit keeps its rank until the request finishes (vLLM's LRU policy ranks a
+            # request's blocks then: _rank_used), so the request's own write may evict it.
+            if tier == _STORAGE:
                 assert storage is not None
                 storage.touch(h)
         if run_start >= 0:
@@ -901,9 +905,16 @@ class EngineCore:
             # Blocks loaded from STORAGE also land in the CPU tier (tiering reads through host memory).
             if cpu is not None:
                 promoted = [b for b in range(start, end) if tiers[b] == _STORAGE]
-                self._write_cpu(req, promoted, events, retry=False)
+                if promoted:
+                    self._write_cpu(req, promoted, events)
         req.num_committed_blocks = hit_blocks
         req.num_computed = hit_tokens
+        if num_loaded:
+            # vLLM (update_state_after_alloc): a request that loads from the offload tiers stores
+            # only past its hits; one that hit only GPU blocks offers its whole prompt, so the
+            # tier takes back what it had lost of it.
+            req.store_from = req.seen_from = hit_blocks - num_loaded
+            req.store_from = hit_blocks
 
         s = self._stats
         if req.cached_by_tier is None:
@@ -992,11 +1003,26 @@ class EngineCore:
         if run_start >= 0:
             self._emit_gpu_stored(req, run_start, end, events)
         req.num_committed_blocks = max(end, full_blocks)
-        if new_prompt_blocks:
-            if self.cpu is not None:
-                self._write_cpu(req, new_prompt_blocks, events)
-            if self.storage is not None:
-                self._write_storage(req, new_prompt_blocks, events, now)
+        prompt_end = min(end, req.num_prompt_blocks)
+        if prompt_end > req.store_from and (self.cpu is not None or self.storage is not None):
+            self._offload(req, prompt_end, events, now)
+
+    def _offload(self, req: _Request, prompt_end: int, events: list[dict[str, Any]], now: float) -> None:
+        """vLLM's offloading scheduler, one step of one request: one write offers every prompt
+        block from ``req.store_from`` to ``prompt_end``. The CPU tier admits it whole or refuses it
+        (then the pointer stays and the next write offers those blocks again); the STORAGE pool
+        behind it takes the blocks the CPU tier newly stored (vLLM's tiering cascade), or the
+        whole write when there is no CPU tier."""
+        offered = range(req.store_from, prompt_end)
+        to_storage: Sequence[int] | None = offered
+        if self.cpu is not None:
+            to_storage = self._write_cpu(req, offered, events)
+        if to_storage is not None and self.storage is not None:
+            stored = self._write_storage(req, to_storage, events, now)
+            if self.cpu is None and stored is None:
+                return
+        if to_storage is not None:
+            req.store_from = prompt_end
 
     def _event_tokens(self, req: _Request, start: int, end: int) -> tuple[list[int], int]:
         """Token ids and block_size of blocks [start, end) as events carry them: in trace mode the
@@ -1030,73 +1056,61 @@ class EngineCore:
         if self._emit:
             events.append(self._stored_event(req, start, end, "GPU"))
 
-    def _offer(self, req: _Request, tier: int, block_indices: Sequence[int], retry: bool) -> list[int]:
-        """The blocks one offload write offers: with ``retry``, those a refused write of this
-        request left behind come first, as vLLM's scheduler offers every block past the request's
-        last stored one."""
-        unstored = req.unstored.pop(tier, None) if retry and req.unstored else None
-        if not unstored:
-            return list(block_indices)
-        return list(dict.fromkeys([*unstored, *block_indices]))
-
     def _write_cpu(
-        self, req: _Request, block_indices: Sequence[int], events: list[dict[str, Any]], retry: bool = True
-    ) -> None:
-        """Write-through of prompt blocks to the CPU tier (LRU, vLLM's admission: a write the tier
-        cannot hold whole is refused and offered again with the request's next one); announces
-        evictions, then stores. ``retry`` False: a promotion from STORAGE, not the request's write."""
+        self, req: _Request, block_indices: Sequence[int], events: list[dict[str, Any]]
+    ) -> list[int] | None:
+        """One write of prompt blocks to the CPU tier (LRU, admitted whole or refused:
+        ``LruBlockTier.write``); announces its evictions, then its stores. Returns the blocks
+        newly stored, None when refused."""
         cpu = self.cpu
         assert cpu is not None
-        offered = self._offer(req, _CPU, block_indices, retry)
         evicted: list[int] = []
         hashes = req.chain.hashes
-        new = cpu.write([hashes[b] for b in offered], evicted)
-        if new is None:
-            if retry:
-                req.unstored = {**(req.unstored or {}), _CPU: offered}
-            return
+        new = cpu.write([hashes[b] for b in block_indices], evicted)
         if not new:
-            return
+            return new
         new_set = set(new)
-        stored = [b for b in offered if hashes[b] in new_set]
+        stored = [b for b in block_indices if hashes[b] in new_set]
         nbytes = len(stored) * self._bytes_per_block
         self._store_bytes[_CPU] += nbytes
         # GPU->host copies use the other direction of the link: they cost time, block nobody.
         self._store_time_s[_CPU] += self._noisy(nbytes / self.profile.cpu_load_bytes_per_s)
         if not self._emit:
-            return
+            return stored
         if evicted:
             events.append({"type": "BlockRemoved", "block_hashes": evicted, "medium": "CPU", "group_idx": 0})
         if self.profile.self_describing_cpu_events:
-            for start, end in _runs(sorted(stored)):
+            for start, end in _runs(stored):
                 events.append(self._stored_event(req, start, end, "CPU"))
         else:
             # vLLM's offloading connector: one hash-only placeholder per block.
             events.extend(placeholder_stored_event([hashes[b]]) for b in stored)
+        return stored
 
     def _write_storage(
         self, req: _Request, block_indices: Sequence[int], events: list[dict[str, Any]], now: float
-    ) -> None:
-        """Write-through to the STORAGE pool, admitted as the CPU tier's writes are: self-describing
-        stores, and the removals the writes cause when the pool announces them. A shared pool's
-        writes take their share of its aggregate bandwidth (reads queue behind them)."""
+    ) -> list[int] | None:
+        """One write to the STORAGE pool, admitted as the CPU tier's writes are: self-describing
+        stores, and the removals the write causes when the pool announces them. A shared pool's
+        writes take their share of its aggregate bandwidth (reads queue behind them). Returns the
+        blocks newly stored, None when refused."""
         storage = self.storage
         assert storage is not None
-        offered = self._offer(req, _STORAGE, block_indices, True)
+        if not block_indices:
+            return []
         evicted: list[int] = []
         hashes = req.chain.hashes
-        new = storage.write([hashes[b] for b in offered], evicted)
+        new = storage.write([hashes[b] for b in block_indices], evicted)
         if new is None:
-            req.unstored = {**(req.unstored or {}), _STORAGE: offered}
-            return
+            return None
         if evicted and self._emit and self.profile.emit_storage_events and storage.announce_removals:
             events.append(
                 {"type": "BlockRemoved", "block_hashes": evicted, "medium": "STORAGE", "group_idx": 0}
             )
         if not new:
-            return
+            return []
         new_set = set(new)
-        stored = [b for b in offered if hashes[b] in new_set]
+        stored = [b for b in block_indices if hashes[b] in new_set]
         nbytes = len(stored) * self._bytes_per_block
         self._store_bytes[_STORAGE] += nbytes
         store_s = nbytes / self._storage_bw
@@ -1104,10 +1118,22 @@ class EngineCore:
             store_s = max(store_s, storage.reserve(now, nbytes) - now)
         self._store_time_s[_STORAGE] += self._noisy(store_s)
         if self._emit and self.profile.emit_storage_events:
-            for start, end in _runs(sorted(stored)):
+            for start, end in _runs(stored):
                 event = self._stored_event(req, start, end, "STORAGE")
                 event["locality"] = "LOCAL"
                 events.append(event)
+        return stored
+
+    def _rank_used(self, req: _Request) -> None:
+        """vLLM's CPU LRU policy when a request finishes: every block of it the tier holds that
+        the request loaded or offered becomes most recent, its head last (so the tier evicts a
+        conversation's deepest blocks first, as the GPU pool does)."""
+        cpu = self.cpu
+        if cpu is None:
+            return
+        hashes = req.chain.hashes
+        end = min(req.num_committed_blocks, req.num_prompt_blocks, len(hashes))
+        cpu.rank_used([hashes[b] for b in range(end - 1, req.seen_from - 1, -1)])
 
     def _free_blocks(self, req: _Request) -> None:
         # Last block first, so that a request's deeper blocks are evicted before its prefix.
@@ -1141,6 +1167,7 @@ class EngineCore:
 
     def _finish(self, req: _Request) -> FinishedRequest:
         self._running.remove(req)
+        self._rank_used(req)
         self._free_blocks(req)
         del self._requests[req.request.request_id]
         self._stats.num_finished += 1

@@ -154,11 +154,12 @@ def _lru_serve(
 ) -> int:
     """One request on an LRU engine ``cache`` over the shared LRU ``pool`` (both written through with
     every block computed): its prefix hit in blocks (up to the first block held by neither); then
-    both caches hold its blocks, trimmed to their capacities."""
+    both caches hold its blocks, trimmed to their capacities. The engine ranks the request's blocks
+    as vLLM's LRU policy does when a request finishes, head last (its deepest blocks go first)."""
     hits = 0
     for key in keys:
         if key in cache:
-            cache.move_to_end(key)
+            pass
         elif key in pool:
             pool.move_to_end(key)
             cache[key] = None
@@ -167,10 +168,11 @@ def _lru_serve(
         hits += 1
     for key in keys[hits:]:
         cache[key] = None
-        cache.move_to_end(key)
         if pool_blocks > 0:
             pool[key] = None
             pool.move_to_end(key)
+    for key in reversed(keys):
+        cache.move_to_end(key)
     while len(cache) > local_blocks:
         cache.popitem(last=False)
     while len(pool) > pool_blocks:

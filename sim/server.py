@@ -162,7 +162,6 @@ class DirectoryStoragePool(StoragePool):
             try:
                 fd = os.open(self._path(block_hash), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                self.touch(block_hash)
                 continue
             os.close(fd)
             new.append(block_hash)

@@ -134,8 +134,10 @@ def test_recorder_keeps_arrival_order_and_drops_refused_requests() -> None:
 
 def test_sticky_lru_reference_by_hand() -> None:
     """Two conversations alternating, 3 blocks of LRU: kept apart (one engine each) both hit their
-    history; in one shared LRU each evicts the other's first block and nothing hits; a shared pool
-    behind a 1-block local cache serves both histories."""
+    history; in one shared LRU, ranked as vLLM ranks a finished request's blocks (head last), each
+    evicts the other's deepest blocks and a's second turn still hits its first block (a tier
+    that ranked blocks at their store would evict a's first block: nothing would hit); a shared
+    pool behind a 1-block local cache serves both histories."""
 
     def arr(session: str, keys: list[int]) -> Arrival:
         return Arrival(keys, 16 * len(keys), 16, f"{session}{len(keys)}", session)
@@ -143,7 +145,7 @@ def test_sticky_lru_reference_by_hand() -> None:
     trace = [arr("a", [1, 2]), arr("b", [3, 4]), arr("a", [1, 2, 5]), arr("b", [3, 4, 6])]
     total = 16 * (2 + 2 + 3 + 3)
     assert sticky_lru_hit(trace, engines=2, local_blocks=3) == pytest.approx(64 / total)
-    assert sticky_lru_hit(trace, engines=1, local_blocks=3) == 0.0
+    assert sticky_lru_hit(trace, engines=1, local_blocks=3) == pytest.approx(16 / total)
     assert sticky_lru_hit(trace, engines=1, local_blocks=1, pool_blocks=10) == pytest.approx(64 / total)
     with pytest.raises(ValueError, match="engines"):
         sticky_lru_hit(trace, engines=0, local_blocks=3)
@@ -155,21 +157,22 @@ def _turn(session: str, keys: list[int]) -> Arrival:
 
 
 def test_homing_only_what_fits_beats_sticky_lru_on_a_cyclic_working_set() -> None:
-    """Four 4-block conversations in turn, three rounds, two engines of 6 blocks: sticky routing puts
-    two on each engine (8 > 6 blocks) and LRU keeps nothing; homing only what fits keeps a and b
-    home (one each), c and d overflow to the last engine: a hits its history in rounds 2 and 3,
-    b is thrashed by the overflow. Catches a room check that lets every conversation home (then
-    the figure is sticky's 0) and the per-engine accounting of computed tokens."""
+    """Four 4-block conversations in turn, three rounds, two engines of 4 blocks: sticky routing puts
+    two on each engine (8 > 4 blocks) and each turn evicts the other conversation's whole history;
+    homing only what fits keeps a and b home (one each), c and d overflow to the last engine: a
+    hits its history in rounds 2 and 3, b is thrashed by the overflow. Catches a room check that
+    lets every conversation home (then the figure is sticky's 0) and the per-engine accounting of
+    computed tokens."""
     rounds = [_turn(s, [10 * i + k for k in range(4)]) for _ in range(3) for i, s in enumerate("abcd")]
     total = 12 * 65
-    assert sticky_lru_hit(rounds, engines=2, local_blocks=6) == 0.0
-    r = homed_lru_replay(rounds, engines=2, local_blocks=6, fill=1.0, overflow="fixed")
+    assert sticky_lru_hit(rounds, engines=2, local_blocks=4) == 0.0
+    r = homed_lru_replay(rounds, engines=2, local_blocks=4, fill=1.0, overflow="fixed")
     assert r.hit == pytest.approx(2 * 64 / total)
     assert r.computed_tokens == [65 + 1 + 1, 9 * 65]
     assert r.turns == [3, 9]
     assert (r.overflow_sessions, r.overflow_turns) == (2, 6)
     # every conversation home (no room limit): the sticky figure
-    assert homed_lru_replay(rounds, engines=2, local_blocks=6, fill=math.inf).hit == 0.0
+    assert homed_lru_replay(rounds, engines=2, local_blocks=4, fill=math.inf).hit == 0.0
 
 
 def test_a_conversation_that_outgrows_its_home_leaves_it() -> None:

@@ -83,15 +83,19 @@ def test_clear_cached_requires_no_pinned_blocks() -> None:
 
 
 def test_lru_tier_evicts_least_recently_used() -> None:
+    """Catches a write that refreshes the blocks it already holds (vLLM's prepare_store does not:
+    they are re-ranked when the request finishes, ``rank_used``) and a re-rank in the wrong order."""
     tier = LruBlockTier(3)
     evicted: list[int] = []
     assert tier.write([1, 2, 3], evicted) == [1, 2, 3]
     tier.touch(1)
-    assert tier.write([2], evicted) == []  # held: refreshed, not new
-    assert tier.hashes() == [3, 1, 2]
+    assert tier.write([2], evicted) == []  # held: not new, not refreshed
+    assert tier.hashes() == [2, 3, 1]
     assert tier.write([4], evicted) == [4]
-    assert evicted == [3]
-    assert 3 not in tier and 4 in tier and len(tier) == 3
+    assert evicted == [2]
+    assert 2 not in tier and 4 in tier and len(tier) == 3
+    tier.rank_used([4, 9, 3])  # a finished request's blocks, head last; 9 is not held
+    assert tier.hashes() == [1, 4, 3]
 
 
 def test_a_tier_write_is_admitted_whole_or_refused_as_vllm_admits_it() -> None:

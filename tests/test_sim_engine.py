@@ -287,18 +287,21 @@ def test_cpu_write_through_hit_load_time_and_promotion() -> None:
 
 
 def test_cpu_lru_eviction_is_announced() -> None:
-    """A write that fits evicts the tier's oldest blocks, never its own, and announces them before
-    its stores. Catches eviction in the wrong order or a removal left unannounced."""
+    """A write that fits evicts the tier's least recently used blocks, never its own, and announces
+    them before its stores. vLLM's LRU policy re-ranks a finished request's blocks head last, so a
+    finished conversation loses its deepest blocks first. Catches eviction in the wrong order
+    (a prefix evicted makes the whole conversation miss) or a removal left unannounced."""
     engine = EngineCore("e0", profile(num_cpu_blocks=8))
     engine.add_request(SimRequest("a", T_TOKENS, max_tokens=1))  # 6 prompt blocks
     a_hashes = of(events(run(engine)), "BlockStored", "GPU")[0]["block_hashes"]
     engine.add_request(SimRequest("b", list(range(5000, 5064)), max_tokens=1))  # 4 more: 2 go
     evs = events(run(engine))
     removed = of(evs, "BlockRemoved", "CPU")
-    assert [h for e in removed for h in e["block_hashes"]] == a_hashes[:2]
+    assert [h for e in removed for h in e["block_hashes"]] == [a_hashes[5], a_hashes[4]]
     assert evs.index(removed[0]) < evs.index(of(evs, "BlockStored", "CPU")[0])
     b_hashes = of(evs, "BlockStored", "GPU")[0]["block_hashes"]
-    assert engine.cpu is not None and engine.cpu.hashes() == a_hashes[2:] + b_hashes
+    assert engine.cpu is not None
+    assert engine.cpu.hashes() == a_hashes[3::-1] + b_hashes[::-1]
 
 
 def test_a_write_larger_than_the_cpu_tier_is_refused_whole_and_offered_again() -> None:
@@ -319,7 +322,8 @@ def test_a_write_larger_than_the_cpu_tier_is_refused_whole_and_offered_again() -
         mirror.apply(outs[-1].events)
         assert fits.cpu is not None and mirror.tiers["CPU"] == set(fits.cpu.hashes())
     a_hashes = [h for e in of(events(outs), "BlockStored", "GPU") for h in e["block_hashes"]]
-    assert fits.cpu is not None and fits.cpu.hashes() == a_hashes[2:6]
+    # The second write evicted the first's two oldest; at the finish the head ranks last.
+    assert fits.cpu is not None and fits.cpu.hashes() == a_hashes[5:1:-1]
 
     refused = EngineCore("e1", profile(num_cpu_blocks=4, max_num_batched_tokens=80))
     refused.add_request(SimRequest("a", T_TOKENS, max_tokens=1))
