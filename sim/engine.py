@@ -514,6 +514,7 @@ class EngineCore:
             return
         if state in self._running:
             self._running.remove(state)
+            self._rank_used(state)
             self._free_blocks(state)
         else:
             self._waiting.remove(state)
@@ -913,7 +914,7 @@ class EngineCore:
             # vLLM (update_state_after_alloc): a request that loads from the offload tiers stores
             # only past its hits; one that hit only GPU blocks offers its whole prompt, so the
             # tier takes back what it had lost of it.
-            req.store_from = req.seen_from = hit_blocks - num_loaded
+            req.seen_from = hit_blocks - num_loaded
             req.store_from = hit_blocks
 
         s = self._stats
@@ -987,7 +988,6 @@ class EngineCore:
         hashes = self._ensure_hashes(req, end)
         gpu = self.gpu
         blocks = req.blocks
-        new_prompt_blocks: list[int] = []
         run_start = -1
         for b in range(start, end):
             h = hashes[b]
@@ -995,8 +995,6 @@ class EngineCore:
                 blocks[b] = h
                 if run_start < 0:
                     run_start = b
-                if b < req.num_prompt_blocks:
-                    new_prompt_blocks.append(b)
             elif run_start >= 0:
                 self._emit_gpu_stored(req, run_start, b, events)
                 run_start = -1
