@@ -419,6 +419,10 @@ def test_an_engine_killed_mid_stream_raises_in_the_openai_sdk(
             "engines": own.fleet_entries(),
             "tokenizer": {"backend": "hf", "path": str(model_dir)},
             "policy": {"name": "tier_cost"},
+            # The rationed engine may take longer than the default 30 s first-byte budget to send
+            # its first token (60 slices of up to ~2.1 s; a busy machine, 2026-12-05): not this
+            # test's subject.
+            "limits": {"first_byte_timeout_s": 300.0},
             "log_level": "error",
         }
         router = serve_asgi(build_router_app(load_config(environ={}, overrides=data)))
