@@ -121,3 +121,20 @@ def test_storage_pool_is_one_object_for_all_engines_and_validates() -> None:
         StoragePool("x", 4, load_bytes_per_s=0)
     with pytest.raises(ValueError, match="capacity"):
         StoragePool("x", 0)
+
+
+def test_a_directory_pool_admits_writes_as_the_in_process_tier(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The pool several engine processes share through a folder (sim/server.py): a block another
+    engine wrote first is held, not new; a write larger than the pool is refused with nothing
+    written; the trim never removes the blocks of the write that triggered it. Catches the folder
+    pool drifting from LruBlockTier.write's rules."""
+    from sim.server import DirectoryStoragePool
+
+    one = DirectoryStoragePool("fs", 4, str(tmp_path))
+    two = DirectoryStoragePool("fs", 4, str(tmp_path))
+    evicted: list[int] = []
+    assert one.write([1, 2], evicted) == [1, 2]
+    assert two.write([2, 3], evicted) == [3]  # 2 is in the folder already
+    assert two.write([5, 6, 7, 8, 9], evicted) is None and len(two) == 3
+    assert two.write([6, 7, 8, 9], evicted) == [6, 7, 8, 9]  # the trim (every 1 + 4 // 16 new) runs
+    assert set(two.hashes()) == {6, 7, 8, 9} and set(evicted) == {1, 2, 3}
