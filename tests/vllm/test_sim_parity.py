@@ -68,7 +68,9 @@ def _simulated(prompts: list[list[int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _live(engine: FleetEngine, prompts: list[list[int]]) -> list[tuple[int, int]]:
+def _live(engine: FleetEngine, prompts: list[list[int]], tiers: int = 2) -> list[tuple[int, ...]]:
+    """Each prompt's cached tokens by tier on the engine: (GPU, CPU), or with ``tiers`` 3 (GPU, CPU,
+    STORAGE) (docs/results/cpu-tier/parity_storage.py)."""
     out = []
     before = scrape_engines([engine]).cached_by_tier
     for prompt in prompts:
@@ -88,7 +90,7 @@ def _live(engine: FleetEngine, prompts: list[list[int]]) -> list[tuple[int, int]
                 break
             time.sleep(0.05)
         assert sum(delta.values()) == cached, (delta, cached)
-        out.append((int(delta["GPU"]), int(delta["CPU"])))
+        out.append((int(delta["GPU"]), int(delta["CPU"]), int(delta["STORAGE"]))[:tiers])
         before = after
     return out
 

@@ -1,0 +1,80 @@
+"""The simulator against real vLLM with a STORAGE tier behind the CPU tier (not yet a test: they
+differ). tests/vllm/test_sim_parity.py's 150 prompts, one at a time, into one vLLM CPU-build engine
+with a CPU tier and vLLM's ``fs`` tier on a fresh folder (sim/vllm_host_offload.py's tiering spec),
+and into ``sim.engine.EngineCore`` with the same pools and an unbounded StoragePool (the fs tier never
+evicts). Prints the requests whose cached tokens by tier (GPU, CPU, STORAGE) differ.
+
+    PYTHONPATH=. python docs/results/cpu-tier/parity_storage.py [CPU_BLOCKS]   # default 80
+
+The CPU tier must hold the largest prompt (63 blocks): with 40 blocks vLLM's engine stalled on a
+prompt it had to promote from the fs tier through a CPU tier too small for it (2026-12-05).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+from sim.cache import StoragePool
+from sim.engine import EngineCore, EngineProfile, SimRequest
+from sim.vllm_cpu import VllmCpuFleet, VllmCpuProfile
+from tests.vllm.test_sim_parity import BLOCK, GPU_BLOCKS, MAX_MODEL_LEN, _live, _workload
+
+
+def simulated(prompts: list[list[int]], cpu_blocks: int) -> list[tuple[int, int, int]]:
+    engine = EngineCore(
+        "sim",
+        EngineProfile(
+            block_size=BLOCK,
+            num_gpu_blocks=GPU_BLOCKS - 1,
+            num_cpu_blocks=cpu_blocks,
+            max_num_batched_tokens=MAX_MODEL_LEN,
+            max_model_len=MAX_MODEL_LEN,
+        ),
+        storage=StoragePool("fs", 10**7),
+    )
+    out = []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(SimRequest(f"r{i}", prompt, max_tokens=1))
+        done = []
+        while engine.has_unfinished():
+            done += engine.step().finished
+        out.append(done[0].cached_tokens_by_tier)
+    return out
+
+
+def main() -> None:
+    cpu_blocks = int(sys.argv[1]) if len(sys.argv) > 1 else 80
+    prompts = _workload(2026, 150)
+    workdir = Path(tempfile.mkdtemp(prefix="parity-storage-"))
+    fleet = VllmCpuFleet(workdir)
+    try:
+        fleet.prepare()
+        (engine,) = fleet.start(
+            1,
+            VllmCpuProfile(
+                gpu_blocks=GPU_BLOCKS,
+                cpu_blocks=cpu_blocks,
+                storage_dir=str(workdir / "pool"),
+                max_model_len=MAX_MODEL_LEN,
+                enforce_eager=True,
+                startup_timeout_s=900,
+                extra_args=("--max-num-batched-tokens", str(MAX_MODEL_LEN)),
+            ),
+        )
+        live = _live(engine, prompts, tiers=3)
+    finally:
+        fleet.stop()
+    sim = simulated(prompts, cpu_blocks)
+    differ = [i for i, (a, b) in enumerate(zip(live, sim, strict=True)) if tuple(a) != tuple(b)]
+    print(f"{len(differ)} of {len(prompts)} requests differ (GPU, CPU, STORAGE cached tokens)")
+    for i in differ:
+        print(f"{i:3d} prompt {len(prompts[i]):5d}  vllm {tuple(live[i])}  sim {sim[i]}")
+    for name, k in (("GPU", 0), ("CPU", 1), ("STORAGE", 2)):
+        print(f"{name}: vllm {sum(r[k] for r in live)} sim {sum(r[k] for r in sim)}")
+    print("totals differ in", sum(1 for a, b in zip(live, sim, strict=True) if sum(a) != sum(b)))
+
+
+if __name__ == "__main__":
+    main()
