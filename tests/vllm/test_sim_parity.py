@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.bench_quality_live import cached_by_tier_delta, scrape_engines
+from sim.cache import StoragePool
 from sim.engine import EngineCore, EngineProfile, SimRequest
 from sim.fleet import FleetEngine
 from sim.vllm_cpu import VllmCpuFleet, VllmCpuProfile
@@ -45,16 +46,23 @@ def _workload(seed: int, n: int) -> list[list[int]]:
     return prompts
 
 
-def _simulated(prompts: list[list[int]]) -> list[tuple[int, int]]:
+def _simulated(
+    prompts: list[list[int]],
+    cpu_blocks: int = CPU_BLOCKS,
+    storage: StoragePool | None = None,
+    tiers: int = 2,
+) -> list[tuple[int, ...]]:
+    """Each prompt's cached tokens by tier on the simulated engine, as ``_live`` reads them."""
     engine = EngineCore(
         "sim",
         EngineProfile(
             block_size=BLOCK,
             num_gpu_blocks=GPU_BLOCKS - 1,  # vLLM's override counts its null block
-            num_cpu_blocks=CPU_BLOCKS,
+            num_cpu_blocks=cpu_blocks,
             max_num_batched_tokens=MAX_MODEL_LEN,
             max_model_len=MAX_MODEL_LEN,
         ),
+        storage=storage,
     )
     out = []
     for i, prompt in enumerate(prompts):
@@ -63,8 +71,7 @@ def _simulated(prompts: list[list[int]]) -> list[tuple[int, int]]:
         while engine.has_unfinished():
             done += engine.step().finished
         (finished,) = done
-        gpu, cpu, _storage = finished.cached_tokens_by_tier
-        out.append((gpu, cpu))
+        out.append(finished.cached_tokens_by_tier[:tiers])
     return out
 
 

@@ -17,31 +17,8 @@ import tempfile
 from pathlib import Path
 
 from sim.cache import StoragePool
-from sim.engine import EngineCore, EngineProfile, SimRequest
 from sim.vllm_cpu import VllmCpuFleet, VllmCpuProfile
-from tests.vllm.test_sim_parity import BLOCK, GPU_BLOCKS, MAX_MODEL_LEN, _live, _workload
-
-
-def simulated(prompts: list[list[int]], cpu_blocks: int) -> list[tuple[int, int, int]]:
-    engine = EngineCore(
-        "sim",
-        EngineProfile(
-            block_size=BLOCK,
-            num_gpu_blocks=GPU_BLOCKS - 1,
-            num_cpu_blocks=cpu_blocks,
-            max_num_batched_tokens=MAX_MODEL_LEN,
-            max_model_len=MAX_MODEL_LEN,
-        ),
-        storage=StoragePool("fs", 10**7),
-    )
-    out = []
-    for i, prompt in enumerate(prompts):
-        engine.add_request(SimRequest(f"r{i}", prompt, max_tokens=1))
-        done = []
-        while engine.has_unfinished():
-            done += engine.step().finished
-        out.append(done[0].cached_tokens_by_tier)
-    return out
+from tests.vllm.test_sim_parity import GPU_BLOCKS, MAX_MODEL_LEN, _live, _simulated, _workload
 
 
 def main() -> None:
@@ -66,8 +43,8 @@ def main() -> None:
         live = _live(engine, prompts, tiers=3)
     finally:
         fleet.stop()
-    sim = simulated(prompts, cpu_blocks)
-    differ = [i for i, (a, b) in enumerate(zip(live, sim, strict=True)) if tuple(a) != tuple(b)]
+    sim = _simulated(prompts, cpu_blocks, StoragePool("fs", 10**7), tiers=3)
+    differ = [i for i, (a, b) in enumerate(zip(live, sim, strict=True)) if a != b]
     print(f"{len(differ)} of {len(prompts)} requests differ (GPU, CPU, STORAGE cached tokens)")
     for i in differ:
         print(f"{i:3d} prompt {len(prompts[i]):5d}  vllm {tuple(live[i])}  sim {sim[i]}")
