@@ -1012,15 +1012,15 @@ class EngineCore:
         behind it takes the blocks the CPU tier newly stored (vLLM's tiering cascade), or the
         whole write when there is no CPU tier."""
         offered = range(req.store_from, prompt_end)
-        to_storage: Sequence[int] | None = offered
         if self.cpu is not None:
-            to_storage = self._write_cpu(req, offered, events)
-        if to_storage is not None and self.storage is not None:
-            stored = self._write_storage(req, to_storage, events, now)
-            if self.cpu is None and stored is None:
+            stored = self._write_cpu(req, offered, events)
+            if stored is None:
                 return
-        if to_storage is not None:
-            req.store_from = prompt_end
+            if self.storage is not None:
+                self._write_storage(req, stored, events, now)
+        elif self._write_storage(req, offered, events, now) is None:
+            return
+        req.store_from = prompt_end
 
     def _event_tokens(self, req: _Request, start: int, end: int) -> tuple[list[int], int]:
         """Token ids and block_size of blocks [start, end) as events carry them: in trace mode the
@@ -1063,12 +1063,10 @@ class EngineCore:
         cpu = self.cpu
         assert cpu is not None
         evicted: list[int] = []
+        stored = _tier_write(cpu, req.chain.hashes, block_indices, evicted)
+        if not stored:
+            return stored
         hashes = req.chain.hashes
-        new = cpu.write([hashes[b] for b in block_indices], evicted)
-        if not new:
-            return new
-        new_set = set(new)
-        stored = [b for b in block_indices if hashes[b] in new_set]
         nbytes = len(stored) * self._bytes_per_block
         self._store_bytes[_CPU] += nbytes
         # GPU->host copies use the other direction of the link: they cost time, block nobody.
@@ -1097,18 +1095,15 @@ class EngineCore:
         if not block_indices:
             return []
         evicted: list[int] = []
-        hashes = req.chain.hashes
-        new = storage.write([hashes[b] for b in block_indices], evicted)
-        if new is None:
+        stored = _tier_write(storage, req.chain.hashes, block_indices, evicted)
+        if stored is None:
             return None
         if evicted and self._emit and self.profile.emit_storage_events and storage.announce_removals:
             events.append(
                 {"type": "BlockRemoved", "block_hashes": evicted, "medium": "STORAGE", "group_idx": 0}
             )
-        if not new:
-            return []
-        new_set = set(new)
-        stored = [b for b in block_indices if hashes[b] in new_set]
+        if not stored:
+            return stored
         nbytes = len(stored) * self._bytes_per_block
         self._store_bytes[_STORAGE] += nbytes
         store_s = nbytes / self._storage_bw
@@ -1185,6 +1180,18 @@ class EngineCore:
 
 def _prio_key(req: _Request) -> tuple[int, int]:
     return req.prio_key
+
+
+def _tier_write(
+    tier: LruBlockTier, hashes: Sequence[int], block_indices: Sequence[int], evicted: list[int]
+) -> list[int] | None:
+    """``LruBlockTier.write`` of a request's blocks by index: the indices newly stored, None when
+    the tier refused the write."""
+    new = tier.write([hashes[b] for b in block_indices], evicted)
+    if not new:
+        return new
+    new_set = set(new)
+    return [b for b in block_indices if hashes[b] in new_set]
 
 
 def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
