@@ -165,6 +165,24 @@ class LruBlockTier:
             blocks[h] = None
         return new
 
+    def promote(self, block_hash: int, in_flight: set[int], evicted: list[int]) -> bool:
+        """One block read into this tier from the tier behind it (vLLM's tiering manager promotes a
+        STORAGE hit into the CPU tier one block at a time: ``_initiate_promotion``). It becomes the
+        most recent, evicting the least recently used block that is not ``in_flight`` (a promotion
+        not landed yet cannot be evicted); False, nothing changed, when every held block is in
+        flight. Appends the evicted hash to ``evicted``."""
+        blocks = self._blocks
+        if block_hash in blocks:
+            return True
+        if len(blocks) >= self.capacity_blocks:
+            victim = next((h for h in blocks if h not in in_flight), None)
+            if victim is None:
+                return False
+            del blocks[victim]
+            evicted.append(victim)
+        blocks[block_hash] = None
+        return True
+
     def rank_used(self, block_hashes: Sequence[int]) -> None:
         """The held ones of ``block_hashes`` become most recent, the last one most of all (vLLM's
         LRU policy re-ranks a finished request's blocks); the others are ignored."""

@@ -296,6 +296,7 @@ class _Request:
         "output_token_ids",
         "preempted_s",
         "prio_key",
+        "promoted",
         "prompt_len",
         "ready_at_s",
         "request",
@@ -346,6 +347,9 @@ class _Request:
         self.store_from = 0
         #: The first block of the request the CPU tier ranks as used when it finishes.
         self.seen_from = 0
+        #: Hashes promoted from STORAGE into the CPU tier for this request: their hits count as
+        #: STORAGE hits (vLLM's tiering manager keeps each promoted block's source per request).
+        self.promoted: set[int] = set()
         #: Engine time its loaded blocks are on the GPU (0 = nothing in flight): it waits till then.
         self.ready_at_s = 0.0
         #: Hashes this request is loading (their GPU copies are not usable before ready_at_s).
@@ -554,21 +558,29 @@ class EngineCore:
 
     def cached_prefix_tokens(self, hashes: Sequence[int], prompt_len: int) -> tuple[int, int, int]:
         """Tokens of a prompt (``prompt_len`` tokens, its full blocks' ``hashes``) this engine would
-        serve from each tier (GPU, CPU, STORAGE) if it admitted it now: the longest prefix, each
-        block at the first tier holding it, stopping one block short of a full hit, as ``_try_admit``
-        counts them. Reads only (nothing pinned, touched or loaded): the DES's placement trace."""
+        serve from each tier (GPU, CPU, STORAGE) if it admitted it now, in ``_try_admit``'s order:
+        the GPU prefix (one block short of a full hit), then the offload tiers from there (a full
+        hit allowed with asynchronous loads). Where the blocks are now: the promotions admission
+        makes may evict CPU hits and serve them from STORAGE (``_offload_lookup``). Reads only
+        (nothing pinned, touched or loaded): the DES's placement trace."""
         bs = self._block_size
         gpu, cpu, storage = self.gpu, self.cpu, self.storage
         by_tier = [0, 0, 0]
-        for h in hashes[: min(len(hashes), (prompt_len - 1) // bs)]:
-            if gpu.is_pinned(h) or gpu.is_evictable(h):
-                by_tier[_GPU] += bs
-            elif cpu is not None and h in cpu:
+        limit = min(len(hashes), (prompt_len - 1) // bs)
+        b = 0
+        while b < limit and (gpu.is_pinned(hashes[b]) or gpu.is_evictable(hashes[b])):
+            by_tier[_GPU] += bs
+            b += 1
+        end = min(len(hashes), prompt_len // bs if self.profile.async_loads else limit)
+        while b < end:
+            h = hashes[b]
+            if cpu is not None and h in cpu:
                 by_tier[_CPU] += bs
             elif storage is not None and h in storage:
                 by_tier[_STORAGE] += bs
             else:
                 break
+            b += 1
         return by_tier[0], by_tier[1], by_tier[2]
 
     def pending_prefill_tokens(self) -> int:
@@ -812,6 +824,9 @@ class EngineCore:
         # vLLM always computes at least the last token, so a full hit stops one block short.
         limit = min((num_tokens - 1) // bs, self._num_hashable_blocks(req))
         hashes = self._ensure_hashes(req, self._num_hashable_blocks(req))
+        # vLLM's order: the GPU prefix cache's longest hit, then the offload tiers from there on
+        # (the connector's lookup), so a block past a CPU or STORAGE hit loads from its tier even
+        # when the GPU pool holds it too.
         tiers: list[int] = []
         pin_cost = 0
         gpu_pinned, gpu_evictable = gpu.is_pinned, gpu.is_evictable
@@ -822,12 +837,16 @@ class EngineCore:
             elif gpu_evictable(h):
                 tiers.append(_GPU)
                 pin_cost += 1
-            elif cpu is not None and h in cpu:
-                tiers.append(_CPU)
-            elif storage is not None and h in storage:
-                tiers.append(_STORAGE)
             else:
                 break
+        if cpu is not None or storage is not None:
+            lookup_end = min(num_tokens // bs, len(hashes))
+            # A full hit from the offload tiers is loaded whole when loads are asynchronous; vLLM
+            # then recomputes the last token (and reports the whole prompt as cached).
+            offload_end = lookup_end if self.profile.async_loads else limit
+            tiers += self._offload_lookup(req, hashes, len(tiers), lookup_end, events)[
+                : offload_end - len(tiers)
+            ]
         hit_blocks = len(tiers)
         hit_tokens = hit_blocks * bs
         num_loaded = hit_blocks - tiers.count(_GPU)
@@ -871,16 +890,17 @@ class EngineCore:
                     stored_runs.append((run_start, b))
                     run_start = -1
                 continue
-            gpu.commit(h)
+            if not gpu.commit(h):
+                # The GPU pool holds it past the prefix hit: the load fills a duplicate, anonymous.
+                req.blocks[b] = -1
+                if run_start >= 0:
+                    stored_runs.append((run_start, b))
+                    run_start = -1
+                continue
             req.blocks[b] = h
             loading.append(h)
             if run_start < 0:
                 run_start = b
-            # A CPU hit keeps its rank until the request finishes (vLLM's LRU policy ranks a
-            # request's blocks then: _rank_used), so the request's own write may evict it.
-            if tier == _STORAGE:
-                assert storage is not None
-                storage.touch(h)
         if run_start >= 0:
             stored_runs.append((run_start, hit_blocks))
         ready_s = wait_until
@@ -903,13 +923,8 @@ class EngineCore:
                 self._ready_at[h] = ready_s
         for start, end in stored_runs:
             self._emit_gpu_stored(req, start, end, events)
-            # Blocks loaded from STORAGE also land in the CPU tier (tiering reads through host memory).
-            if cpu is not None:
-                promoted = [b for b in range(start, end) if tiers[b] == _STORAGE]
-                if promoted:
-                    self._write_cpu(req, promoted, events)
         req.num_committed_blocks = hit_blocks
-        req.num_computed = hit_tokens
+        req.num_computed = min(hit_tokens, num_tokens - 1)
         if num_loaded:
             # vLLM (update_state_after_alloc): a request that loads from the offload tiers stores
             # only past its hits; one that hit only GPU blocks offers its whole prompt, so the
@@ -930,6 +945,78 @@ class EngineCore:
             s.external_prefix_cache_queries_tokens += num_tokens - n_by_tier[_GPU] * bs
             s.external_prefix_cache_hits_tokens += (n_by_tier[_CPU] + n_by_tier[_STORAGE]) * bs
         return n_new, load_s
+
+    def _offload_lookup(
+        self, req: _Request, hashes: list[int], start: int, end: int, events: list[dict[str, Any]]
+    ) -> list[int]:
+        """vLLM's offloading connector looking up blocks ``start``..``end`` in the offload tiers,
+        block by block until a miss: the tier of each hit (CPU, or STORAGE for a block promoted for
+        this request; vLLM labels a promoted block by the tier it came from).
+
+        With a CPU tier in front of the STORAGE pool (vLLM's tiering manager), a STORAGE hit is
+        promoted into the CPU tier first, one block at a time, evicting the least recently used
+        block that is not itself being promoted, so a promotion may evict a CPU hit of the same
+        request found earlier in the pass. vLLM retries the lookup each step until a pass finds
+        every block resident (the blocks it evicted are promoted again, as the most recent); here
+        the passes run at once. A CPU tier smaller than the request's hits never settles: vLLM's
+        engine then waits forever (seen with a 40-block tier, docs/results/cpu-tier.md); the
+        simulator stops after as many passes as blocks and loads the resident prefix. A promotion
+        the tier refuses (every block in flight) is a miss."""
+        cpu, storage = self.cpu, self.storage
+        if cpu is None:
+            # STORAGE alone: it loads straight into the GPU pool.
+            assert storage is not None
+            found = 0
+            for b in range(start, end):
+                if hashes[b] not in storage:
+                    break
+                storage.touch(hashes[b])
+                found += 1
+            return [_STORAGE] * found
+        promoted = req.promoted
+        for _ in range(end - start + 1):
+            in_flight: set[int] = set()
+            found = 0
+            for b in range(start, end):
+                h = hashes[b]
+                if h in cpu:
+                    found += 1
+                    continue
+                if storage is None or h not in storage:
+                    break
+                storage.touch(h)
+                if not self._promote(req, b, in_flight, events):
+                    break
+                in_flight.add(h)
+                promoted.add(h)
+                found += 1
+            if not in_flight:
+                break
+        else:
+            found = 0
+            while start + found < end and hashes[start + found] in cpu:
+                found += 1
+        return [_STORAGE if hashes[b] in promoted else _CPU for b in range(start, start + found)]
+
+    def _promote(self, req: _Request, b: int, in_flight: set[int], events: list[dict[str, Any]]) -> bool:
+        """Block ``b`` of ``req`` read from the STORAGE pool into the CPU tier
+        (``LruBlockTier.promote``); announces the eviction it makes and the store."""
+        cpu = self.cpu
+        assert cpu is not None
+        evicted: list[int] = []
+        h = req.chain.hashes[b]
+        if not cpu.promote(h, in_flight, evicted):
+            return False
+        if self._emit:
+            if evicted:
+                events.append(
+                    {"type": "BlockRemoved", "block_hashes": evicted, "medium": "CPU", "group_idx": 0}
+                )
+            if self.profile.self_describing_cpu_events:
+                events.append(self._stored_event(req, b, b + 1, "CPU"))
+            else:
+                events.append(placeholder_stored_event([h]))
+        return True
 
     def _bandwidth(self, tier: int) -> float:
         return self.profile.cpu_load_bytes_per_s if tier == _CPU else self._storage_bw

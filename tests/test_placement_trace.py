@@ -32,8 +32,9 @@ def _run_to_first_token(core: EngineCore, rid: str) -> None:
 
 
 def test_the_true_cached_prefix_is_what_admission_serves_by_tier() -> None:
-    """``cached_prefix_tokens`` counts the longest prefix per tier as admission will serve it (a
-    full hit one block short), reading only: probing changes nothing the next admission sees."""
+    """``cached_prefix_tokens`` counts the longest prefix per tier as admission will serve it (the
+    GPU's one block short of a full hit, the offload tiers' from there to the end, as vLLM's
+    connector looks them up), reading only: probing changes nothing the next admission sees."""
     core = EngineCore("e0", EngineProfile(block_size=16, num_gpu_blocks=64, num_cpu_blocks=256))
     ids = list(range(1, 21))  # 20 blocks, 320 tokens
     hashes = _hashes(core, ids)
@@ -41,7 +42,8 @@ def test_the_true_cached_prefix_is_what_admission_serves_by_tier() -> None:
     core.add_request(SimRequest("a", [], max_tokens=1, block_ids=ids, prompt_len=320))
     _run_to_first_token(core, "a")
     core.step()  # its finish frees the blocks: cached and evictable on the GPU
-    assert core.cached_prefix_tokens(hashes, 320) == (19 * 16, 0, 0)  # one block short of a full hit
+    # The GPU prefix stops one block short of a full hit; the CPU tier serves the last block.
+    assert core.cached_prefix_tokens(hashes, 320) == (19 * 16, 16, 0)
     assert core.cached_prefix_tokens(hashes[:10], 320) == (10 * 16, 0, 0)
     # Another prompt of 50 blocks takes most of the GPU pool: part of the first goes, it stays on the CPU.
     other = list(range(1000, 1050))
@@ -49,7 +51,7 @@ def test_the_true_cached_prefix_is_what_admission_serves_by_tier() -> None:
     _run_to_first_token(core, "b")
     core.step()
     gpu, cpu, storage = core.cached_prefix_tokens(hashes, 320)
-    assert cpu > 0 and gpu + cpu == 19 * 16 and storage == 0
+    assert cpu > 0 and gpu + cpu == 20 * 16 and storage == 0
     # What the next admission serves is what the probe said, tier by tier.
     longer = [*ids, 99]
     probe = core.cached_prefix_tokens(_hashes(core, longer), 336)

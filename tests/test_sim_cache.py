@@ -111,6 +111,20 @@ def test_a_tier_write_is_admitted_whole_or_refused_as_vllm_admits_it() -> None:
     assert evicted == [1, 2] and tier.hashes() == [3, 4, 5]
 
 
+def test_a_promotion_evicts_the_least_recent_block_not_in_flight_or_is_refused() -> None:
+    """vLLM's tiering manager writes a promoted block into the CPU tier as the most recent; its
+    eviction skips blocks still being promoted, and with every block in flight it is refused.
+    Catches a promotion that evicts an in-flight block (the request would count a block the tier
+    lost) or one that overfills the tier."""
+    tier = LruBlockTier(3)
+    evicted: list[int] = []
+    assert tier.write([1, 2, 3], evicted) == [1, 2, 3]
+    assert tier.promote(4, {1}, evicted) and evicted == [2]
+    assert tier.hashes() == [1, 3, 4]
+    assert tier.promote(3, set(), evicted) and tier.hashes() == [1, 3, 4]  # held: nothing moves
+    assert not tier.promote(5, {1, 3, 4}, evicted) and tier.hashes() == [1, 3, 4] and evicted == [2]
+
+
 def test_storage_pool_is_one_object_for_all_engines_and_validates() -> None:
     pool = StoragePool("shared-fs", capacity_blocks=2, load_bytes_per_s=1e9, latency_s=0.01)
     evicted: list[int] = []

@@ -405,6 +405,79 @@ def test_storage_loads_are_promoted_through_cpu() -> None:
     assert finished(run(e2))["b"].cached_tokens_by_tier == (0, 96, 0)
 
 
+def test_a_promotion_from_storage_may_evict_the_requests_own_cpu_hits_which_then_count_as_storage() -> None:
+    """vLLM's tiering manager promotes a STORAGE hit into the CPU tier one block at a time, evicting
+    the least recently used block not itself in flight, and its lookup only counts what is resident
+    in one pass. Blocks 0-1 of P in a 4-block CPU tier (least recent), blocks 2-3 only in STORAGE:
+    promoting 2 and 3 evicts 0 and 1, the next pass promotes those again (evicting Q's blocks), and
+    every block of P is served from STORAGE (vLLM labels a promoted block by its source for the
+    request). Catches a lookup that counts CPU hits found before the evictions (0, 32, 32), a
+    promotion written as one batch that spares the request's blocks, events that stop describing
+    the tier. Live: real vLLM with an fs tier gives the same split on all 150 requests
+    (tests/vllm/test_sim_parity.py)."""
+    pool = StoragePool("fs", capacity_blocks=100)
+    engine = EngineCore("e0", profile(num_cpu_blocks=4), storage=pool)
+    mirror = EventMirror()
+    p_tokens, q_tokens = T_TOKENS[:72], list(range(7000, 7040))  # 4 blocks + 8, 2 blocks + 8
+    for rid, tokens in (("p", p_tokens), ("q", q_tokens)):
+        engine.add_request(SimRequest(rid, tokens, max_tokens=1))
+        mirror.apply(events(run(engine)))
+    assert engine.cpu is not None
+    held = engine.cpu.hashes()
+    assert len(held) == 4 and len(pool) == 6  # P's blocks 0-1 (least recent) and Q's two
+    engine.reset_prefix_cache()
+    mirror.apply([{"type": "AllBlocksCleared"}])
+    engine.add_request(SimRequest("p2", p_tokens, max_tokens=1))
+    outs = []
+    while engine.has_unfinished():
+        outs.append(engine.step())
+        mirror.apply(outs[-1].events)
+        assert mirror.tiers["CPU"] == set(engine.cpu.hashes())
+    assert finished(outs)["p2"].cached_tokens_by_tier == (0, 0, 64)
+    assert len(of(events(outs), "BlockStored", "CPU")) == 4  # 2, 3, then 0 and 1 again
+    assert not set(held[2:]) & set(engine.cpu.hashes())  # Q's blocks went in the second pass
+
+
+def test_the_offload_tiers_serve_a_whole_prompt_past_the_gpu_prefix() -> None:
+    """vLLM looks up the GPU prefix cache first (one block short of a full hit: the last token is
+    computed), then the offload tiers from there to the last full block; a full hit from them is
+    loaded whole, the last token recomputed, and the whole prompt reported cached. Catches the
+    offload hit capped as the GPU's (vLLM with an fs tier served 4 of 150 prompts whole that the
+    old model served one block short) and a block counted at the first tier holding it rather
+    than in vLLM's order."""
+    engine = EngineCore("e0", profile(num_cpu_blocks=32))
+    prompt = T_TOKENS[:64]  # exactly 4 blocks
+    engine.add_request(SimRequest("a", prompt, max_tokens=1))
+    run(engine)
+    engine.add_request(SimRequest("b", prompt, max_tokens=2))
+    outs = run(engine)
+    # GPU holds all four; its prefix stops at three and the CPU tier serves the fourth.
+    assert finished(outs)["b"].cached_tokens_by_tier == (48, 16, 0)
+    assert len(finished(outs)["b"].output_token_ids) == 2
+    engine.reset_prefix_cache()
+    engine.add_request(SimRequest("c", prompt, max_tokens=1))
+    outs = run(engine)
+    assert finished(outs)["c"].cached_tokens_by_tier == (0, 64, 0)
+    # The load, then one step computing the last token.
+    assert outs[-1].duration_s == pytest.approx(OVERHEAD_S + 1 / PREFILL_TOK_PER_S)
+
+
+def test_a_cpu_tier_smaller_than_the_storage_hit_loads_what_it_holds() -> None:
+    """Promoting a 6-block STORAGE hit through a 4-block CPU tier never leaves all six resident:
+    vLLM's lookup retries forever (its engine stalled so, docs/results/cpu-tier.md). The simulator
+    stops and loads the resident prefix, so the run finishes. Catches a lookup that loops forever
+    or counts blocks the tier no longer holds."""
+    pool = StoragePool("fs", capacity_blocks=100)
+    writer = EngineCore("w", profile(), storage=pool)
+    writer.add_request(SimRequest("a", T_TOKENS, max_tokens=1))
+    run(writer)
+    engine = EngineCore("e0", profile(num_cpu_blocks=4), storage=pool)
+    engine.add_request(SimRequest("a", T_TOKENS, max_tokens=1))
+    gpu, cpu, storage = finished(run(engine))["a"].cached_tokens_by_tier
+    assert gpu == cpu == 0 and 0 < storage <= 4 * 16
+    assert engine.cpu is not None and len(engine.cpu) == 4
+
+
 def test_reset_prefix_cache_clears_gpu_only_and_preempts_running() -> None:
     engine = EngineCore("e0", profile(num_cpu_blocks=16))
     engine.add_request(SimRequest("a", T_TOKENS, max_tokens=1))

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# q43's report runs (docs/results/q43.md): R, K and Q at each cell's chosen E, seeds 29271-29300.
-# Usage: bash docs/results/q43/report.sh OUT E_NONE E_QUARTER E_HALF E_B1B
+# q43's report runs (docs/results/q43.md): R, K and Q at each cell's chosen E, seeds 29271-29300
+# (SEEDS=a,b,... for another set: q44 ran it on 29301-29330).
+# Usage: [SEEDS=...] bash docs/results/q43/report.sh OUT E_NONE E_QUARTER E_HALF E_B1B
 set -euo pipefail
 out=${1:?usage: report.sh OUT E_NONE E_QUARTER E_HALF E_B1B}
 declare -A E=([none]=${2:?} [1/4]=${3:?} [1/2]=${4:?} [b1b]=${5:?})
 cd "$(dirname "$0")/../../.."
 py=${PYTHON:-.venv/bin/python}
 mkdir -p "$out"
-S=$(seq -s, 29271 29300)
+S=${SEEDS:-$(seq -s, 29271 29300)}
 B=(nice -n 19 "$py" -m loadtest.bench_quality --block-size 128 --conversations 1 --concurrency 128
   --tail-reference kv_fixed_credit@fcfs --jobs 2 --seeds "$S")
 R="kv_fixed_credit@fcfs,kv_fixed_credit:cpu=0.5:storage=0.1@fcfs"
