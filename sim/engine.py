@@ -1008,14 +1008,7 @@ class EngineCore:
         if not cpu.promote(h, in_flight, evicted):
             return False
         if self._emit:
-            if evicted:
-                events.append(
-                    {"type": "BlockRemoved", "block_hashes": evicted, "medium": "CPU", "group_idx": 0}
-                )
-            if self.profile.self_describing_cpu_events:
-                events.append(self._stored_event(req, b, b + 1, "CPU"))
-            else:
-                events.append(placeholder_stored_event([h]))
+            self._announce_cpu(req, evicted, [b], events)
         return True
 
     def _bandwidth(self, tier: int) -> float:
@@ -1153,22 +1146,28 @@ class EngineCore:
         stored = _tier_write(cpu, req.chain.hashes, block_indices, evicted)
         if not stored:
             return stored
-        hashes = req.chain.hashes
         nbytes = len(stored) * self._bytes_per_block
         self._store_bytes[_CPU] += nbytes
         # GPU->host copies use the other direction of the link: they cost time, block nobody.
         self._store_time_s[_CPU] += self._noisy(nbytes / self.profile.cpu_load_bytes_per_s)
-        if not self._emit:
-            return stored
+        if self._emit:
+            self._announce_cpu(req, evicted, stored, events)
+        return stored
+
+    def _announce_cpu(
+        self, req: _Request, evicted: list[int], stored: Sequence[int], events: list[dict[str, Any]]
+    ) -> None:
+        """One CPU tier write's events: its evictions, then the stores of blocks ``stored`` (indices
+        of ``req``), self-describing or, as vLLM's offloading connector sends them, one hash-only
+        placeholder per block."""
         if evicted:
             events.append({"type": "BlockRemoved", "block_hashes": evicted, "medium": "CPU", "group_idx": 0})
         if self.profile.self_describing_cpu_events:
             for start, end in _runs(stored):
                 events.append(self._stored_event(req, start, end, "CPU"))
         else:
-            # vLLM's offloading connector: one hash-only placeholder per block.
+            hashes = req.chain.hashes
             events.extend(placeholder_stored_event([hashes[b]]) for b in stored)
-        return stored
 
     def _write_storage(
         self, req: _Request, block_indices: Sequence[int], events: list[dict[str, Any]], now: float
