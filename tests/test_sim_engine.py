@@ -462,6 +462,27 @@ def test_the_offload_tiers_serve_a_whole_prompt_past_the_gpu_prefix() -> None:
     assert outs[-1].duration_s == pytest.approx(OVERHEAD_S + 1 / PREFILL_TOK_PER_S)
 
 
+def test_a_block_past_the_gpu_prefix_loads_from_its_tier_even_when_the_gpu_pool_holds_it() -> None:
+    """vLLM looks up the offload tiers from the end of the GPU prefix, so a later block the GPU pool
+    also holds is loaded from the CPU tier into a block of its own, and counted as a CPU hit; the
+    pool keeps one cached copy (the load's stays anonymous). Catches a block counted as a GPU hit
+    out of order, and a request that would release a cached block it never held (KeyError)."""
+    engine = EngineCore("e0", profile(num_cpu_blocks=32))
+    prompt = T_TOKENS[:72]  # 4 blocks + 8 tokens
+    engine.add_request(SimRequest("a", prompt, max_tokens=1))
+    outs = run(engine)
+    hashes = of(events(outs), "BlockStored", "GPU")[0]["block_hashes"]
+    engine.reset_prefix_cache()
+    # The GPU pool holds block 2 alone (cached, unpinned), as after an out-of-order eviction.
+    engine.gpu.allocate(1, [])
+    assert engine.gpu.commit(hashes[2])
+    engine.gpu.release(hashes[2])
+    engine.add_request(SimRequest("b", prompt, max_tokens=1))
+    outs = run(engine)
+    assert finished(outs)["b"].cached_tokens_by_tier == (0, 64, 0)
+    assert engine.gpu.num_used() == 0 and engine.gpu.cached_hashes() == set(hashes)
+
+
 def test_a_cpu_tier_smaller_than_the_storage_hit_loads_what_it_holds() -> None:
     """Promoting a 6-block STORAGE hit through a 4-block CPU tier never leaves all six resident:
     vLLM's lookup retries forever (its engine stalled so, docs/results/cpu-tier.md). The simulator

@@ -102,6 +102,38 @@ def _live(engine: FleetEngine, prompts: list[list[int]], tiers: int = 2) -> list
     return out
 
 
+def _on_vllm(
+    model_dir: Path, workdir: Path, prompts: list[list[int]], cpu_blocks: int, storage_dir: Path | None = None
+) -> list[tuple[int, ...]]:
+    """``_live`` on one real engine of this file's pools (``cpu_blocks`` CPU tier, vLLM's fs tier
+    on ``storage_dir`` behind it when given: then by tier GPU, CPU, STORAGE), started and stopped."""
+    fleet = VllmCpuFleet(workdir, model_dir=model_dir)
+    try:
+        (engine,) = fleet.start(
+            1,
+            VllmCpuProfile(
+                gpu_blocks=GPU_BLOCKS,
+                cpu_blocks=cpu_blocks,
+                storage_dir="" if storage_dir is None else str(storage_dir),
+                max_model_len=MAX_MODEL_LEN,
+                enforce_eager=True,
+                startup_timeout_s=900,
+                extra_args=("--max-num-batched-tokens", str(MAX_MODEL_LEN)),
+            ),
+        )
+        return _live(engine, prompts, tiers=2 if storage_dir is None else 3)
+    finally:
+        fleet.stop()
+
+
+def _rows(prompts: list[list[int]], live: list[tuple[int, ...]], simulated: list[tuple[int, ...]]) -> str:
+    """One line per request, the differing ones marked: the assertion's message."""
+    return "\n".join(
+        f"{i:3d} prompt {len(p):5d}  vllm {lv}  sim {sm}{'' if lv == sm else '  <-'}"
+        for i, (p, lv, sm) in enumerate(zip(prompts, live, simulated, strict=True))
+    )
+
+
 def test_the_simulated_engine_caches_and_offloads_request_by_request_as_real_vllm(
     model_dir: Path, tmp_path: Path
 ) -> None:
@@ -113,26 +145,8 @@ def test_the_simulated_engine_caches_and_offloads_request_by_request_as_real_vll
     2027, agreed on all 150 too)."""
     prompts = _workload(2026, 150)
     simulated = _simulated(prompts)
-    fleet = VllmCpuFleet(tmp_path / "parity", model_dir=model_dir)
-    try:
-        (engine,) = fleet.start(
-            1,
-            VllmCpuProfile(
-                gpu_blocks=GPU_BLOCKS,
-                cpu_blocks=CPU_BLOCKS,
-                max_model_len=MAX_MODEL_LEN,
-                enforce_eager=True,
-                startup_timeout_s=900,
-                extra_args=("--max-num-batched-tokens", str(MAX_MODEL_LEN)),
-            ),
-        )
-        live = _live(engine, prompts)
-    finally:
-        fleet.stop()
-    rows = "\n".join(
-        f"{i:2d} prompt {len(p):5d}  vllm gpu/cpu {lv}  sim {sm}{'' if lv == sm else '  <-'}"
-        for i, (p, lv, sm) in enumerate(zip(prompts, live, simulated, strict=True))
-    )
+    live = _on_vllm(model_dir, tmp_path / "parity", prompts, CPU_BLOCKS)
+    rows = _rows(prompts, live, simulated)
     # The workload does what it is for: GPU hits, CPU hits, and turns that found less than before.
     assert any(g for g, _c in live) and any(c for _g, c in live), rows
     assert live == simulated, rows
@@ -158,27 +172,8 @@ def test_the_simulated_engine_promotes_storage_hits_through_the_cpu_tier_as_real
     (CPU 20,000 tokens against vLLM's 3,552) and on 4 totals."""
     prompts = _workload(2026, 150)
     simulated = _simulated(prompts, STORAGE_CPU_BLOCKS, StoragePool("fs", 10**7), tiers=3)
-    fleet = VllmCpuFleet(tmp_path / "parity-storage", model_dir=model_dir)
-    try:
-        (engine,) = fleet.start(
-            1,
-            VllmCpuProfile(
-                gpu_blocks=GPU_BLOCKS,
-                cpu_blocks=STORAGE_CPU_BLOCKS,
-                storage_dir=str(tmp_path / "pool"),
-                max_model_len=MAX_MODEL_LEN,
-                enforce_eager=True,
-                startup_timeout_s=900,
-                extra_args=("--max-num-batched-tokens", str(MAX_MODEL_LEN)),
-            ),
-        )
-        live = _live(engine, prompts, tiers=3)
-    finally:
-        fleet.stop()
-    rows = "\n".join(
-        f"{i:3d} prompt {len(p):5d}  vllm gpu/cpu/storage {lv}  sim {sm}{'' if lv == sm else '  <-'}"
-        for i, (p, lv, sm) in enumerate(zip(prompts, live, simulated, strict=True))
-    )
+    live = _on_vllm(model_dir, tmp_path / "parity-storage", prompts, STORAGE_CPU_BLOCKS, tmp_path / "pool")
+    rows = _rows(prompts, live, simulated)
     # The workload reaches every tier (vLLM: 41,248 GPU, 3,552 CPU, 206,944 STORAGE tokens).
     assert all(any(r[k] for r in live) for k in range(3)), rows
     assert live == simulated, rows
