@@ -566,12 +566,11 @@ class EngineCore:
         bs = self._block_size
         gpu, cpu, storage = self.gpu, self.cpu, self.storage
         by_tier = [0, 0, 0]
-        limit = min(len(hashes), (prompt_len - 1) // bs)
+        limit, _, end = self._hit_ends(prompt_len, len(hashes))
         b = 0
         while b < limit and (gpu.is_pinned(hashes[b]) or gpu.is_evictable(hashes[b])):
             by_tier[_GPU] += bs
             b += 1
-        end = min(len(hashes), prompt_len // bs if self.profile.async_loads else limit)
         while b < end:
             h = hashes[b]
             if cpu is not None and h in cpu:
@@ -809,6 +808,17 @@ class EngineCore:
             return req.num_prompt_blocks
         return len(req.tokens) // self._block_size
 
+    def _hit_ends(self, num_tokens: int, num_hashable: int) -> tuple[int, int, int]:
+        """In blocks, for a request of ``num_tokens`` tokens and ``num_hashable`` hashed blocks:
+        where its GPU prefix hit ends at most (one block short of a full prompt: vLLM computes at
+        least the last token), where vLLM's connector looks up the offload tiers to (the last full
+        block), and where their hits count to (the same with asynchronous loads, which load a full
+        hit whole and recompute the last token; else the GPU's end)."""
+        bs = self._block_size
+        gpu_end = min((num_tokens - 1) // bs, num_hashable)
+        lookup_end = min(num_tokens // bs, num_hashable)
+        return gpu_end, lookup_end, lookup_end if self.profile.async_loads else gpu_end
+
     def _try_admit(
         self, req: _Request, budget: int, events: list[dict[str, Any]], now: float
     ) -> tuple[int, float] | None:
@@ -821,9 +831,9 @@ class EngineCore:
         cpu = self.cpu
         storage = self.storage
         num_tokens = req.num_tokens
-        # vLLM always computes at least the last token, so a full hit stops one block short.
-        limit = min((num_tokens - 1) // bs, self._num_hashable_blocks(req))
-        hashes = self._ensure_hashes(req, self._num_hashable_blocks(req))
+        num_hashable = self._num_hashable_blocks(req)
+        limit, lookup_end, offload_end = self._hit_ends(num_tokens, num_hashable)
+        hashes = self._ensure_hashes(req, num_hashable)
         # vLLM's order: the GPU prefix cache's longest hit, then the offload tiers from there on
         # (the connector's lookup), so a block past a CPU or STORAGE hit loads from its tier even
         # when the GPU pool holds it too.
@@ -840,10 +850,6 @@ class EngineCore:
             else:
                 break
         if cpu is not None or storage is not None:
-            lookup_end = min(num_tokens // bs, len(hashes))
-            # A full hit from the offload tiers is loaded whole when loads are asynchronous; vLLM
-            # then recomputes the last token (and reports the whole prompt as cached).
-            offload_end = lookup_end if self.profile.async_loads else limit
             tiers += self._offload_lookup(req, hashes, len(tiers), lookup_end, events)[
                 : offload_end - len(tiers)
             ]
