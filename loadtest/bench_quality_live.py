@@ -442,10 +442,11 @@ def one_run(
         engines = fleet.start(
             engines_n, replace(profile, scheduling_policy=scheduling or profile.scheduling_policy)
         )
-        return measure(
+        run = measure(
             workload, users, spec, fleet, engines, workdir, Backend(variants=variants or {}),
             run_time_s=run_time_s, think_mean_s=think_mean_s, peers_dir=peers_dir, out=out,
         )  # fmt: skip
+    return _tidy(run, workdir)
 
 
 def measure(
@@ -528,9 +529,21 @@ def measure(
                 run.failures = sum(int(r["Failure Count"]) for r in csv.DictReader(fh) if r["Type"] == "POST")
     except Exception as exc:
         run.error = str(exc).splitlines()[0][:300]
-        print(f"  {workload} u={users} {spec}: FAILED: {exc}", file=sys.stderr, flush=True)
+        print(
+            f"  {workload} u={users} {spec}: FAILED: {exc} (logs in {workdir})", file=sys.stderr, flush=True
+        )
     finally:
         stop_process(proc)
+    return run
+
+
+def _tidy(run: Run, workdir: Path) -> Run:
+    """Remove a run's folder (router and engine logs, fleet file) unless the run failed: then its
+    logs stay for the reader, named in the error."""
+    if not run.error:
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        run.error = f"{run.error} (logs in {workdir})"
     return run
 
 
@@ -561,7 +574,7 @@ def vllm_runs(
                 workload, users, spec, fleet, fleet.engines, workdir, backend, run_time_s=run_time_s,
                 think_mean_s=think_mean_s, peers_dir=peers_dir, out=out,
             )  # fmt: skip
-        runs.append(run)
+        runs.append(_tidy(run, workdir))
         on_run(run)
     return runs
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import getpass
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import venv
 from collections.abc import Callable, Iterator, Sequence
@@ -225,6 +227,11 @@ def engine_env(profile: VllmCpuProfile) -> dict[str, str]:
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
     )
+    # torch's compile cache stays where it is by default (the system temp folder, reused across
+    # fleets: the first start compiles), not in the fleet's TMPDIR, which goes with the fleet.
+    env.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    )
     if profile.dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     return env
@@ -256,6 +263,11 @@ class VllmCpuFleet(EngineProcesses):
         self.topic = topic
         self.log = log
         self.python: Path | None = None
+        #: The engines' TMPDIR, made at the first start and removed by stop(): vLLM puts its ZMQ IPC
+        #: sockets and ``vllm_dist_*`` files in the temp folder and leaves them behind (seen: dozens
+        #: per test session in /tmp). A short path under the system's temp folder, not the workdir:
+        #: a Unix socket path is at most 107 bytes.
+        self.engine_tmp: Path | None = None
 
     def prepare(self) -> Path:
         """Install (or reuse) the virtualenv and build the model folder; returns the model folder."""
@@ -364,6 +376,9 @@ class VllmCpuFleet(EngineProcesses):
         port, pub_port, replay_port = self._fresh_ports()
         log_path = self.workdir / f"{engine_id}.log"
         env = engine_env(prof)
+        if self.engine_tmp is None:
+            self.engine_tmp = Path(tempfile.mkdtemp(prefix="kvroute-vllm-tmp-"))
+        env["TMPDIR"] = str(self.engine_tmp)
         if prof.cpu_blocks:
             env["PYTHONPATH"] = str(self._plugin_dir())
         if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -409,8 +424,11 @@ class VllmCpuFleet(EngineProcesses):
             self.engines.remove(engine)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """As ``EngineProcesses.stop``, with vLLM's longer shutdown."""
+        """As ``EngineProcesses.stop``, with vLLM's longer shutdown; then the engines' temp folder goes."""
         super().stop(timeout_s)
+        if self.engine_tmp is not None:
+            shutil.rmtree(self.engine_tmp, ignore_errors=True)
+            self.engine_tmp = None
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ interleaving are checked in ``make test``; the real engines are ``make test-vllm
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -169,9 +170,12 @@ def test_reset_retries_while_vllm_refuses_and_names_dev_mode_when_absent(
 
 @pytest.mark.slow
 def test_vllm_runs_measure_each_target_on_its_fleet_and_count_evictions(
-    fleets: dict[str, FleetFile], tmp_path: Path
+    fleets: dict[str, FleetFile], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cells = [("ladder", 2, "kvroute:kv_fixed_credit@priority"), ("ladder", 2, "kvroute:round_robin")]
+    scratch = tmp_path / "tmp"  # where the runs' folders go: a good run's is removed (none were)
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     seen: list[Run] = []
     before = {k: sum(_queries(e) for e in f.engines) for k, f in fleets.items()}
     runs = vllm_runs(
@@ -190,6 +194,7 @@ def test_vllm_runs_measure_each_target_on_its_fleet_and_count_evictions(
         assert set(r.phases) == {"engine_ttft"} and r.phases["engine_ttft"][2] == r.turns, r.phases
     after = {k: sum(_queries(e) for e in f.engines) for k, f in fleets.items()}
     assert after["priority"] > before["priority"] and after["fcfs"] > before["fcfs"]
+    assert list(scratch.iterdir()) == []
 
 
 def test_repeats_are_interleaved_in_a_rotated_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -193,3 +195,32 @@ def test_fleet_cli_flags_for_the_quality_bench_reach_the_engines() -> None:
     assert "VLLM_SERVER_DEV_MODE" not in engine_env(VllmCpuProfile())
     with pytest.raises(ValueError, match="--dev-mode is for --backend vllm-cpu"):
         sim_profile(parser.parse_args(["--dev-mode"]))
+
+
+def test_the_engines_temp_files_live_in_a_folder_the_fleet_removes(tmp_path: Path) -> None:
+    """vLLM leaves its ZMQ IPC sockets and ``vllm_dist_*`` files in the temp folder (seen: dozens
+    per test session in /tmp). The fleet gives its engines their own TMPDIR and removes it on stop,
+    while torch's compile cache stays shared. A child that writes where ``tempfile`` points stands in
+    for vLLM here (tests/vllm/ checks vLLM itself). Catches an engine environment without TMPDIR
+    (the file lands in the system's temp folder) and a stop that leaves the folder."""
+    fleet = VllmCpuFleet(tmp_path, model_dir=tmp_path / "model")
+    writes = (
+        "import os, tempfile, time; "
+        "open(os.path.join(tempfile.gettempdir(), 'vllm_dist_probe'), 'w').close(); "
+        "print(os.environ['TORCHINDUCTOR_CACHE_DIR'], flush=True); time.sleep(60)"
+    )
+    fleet.command = lambda *_args: [sys.executable, "-c", writes]  # type: ignore[method-assign]
+    try:
+        fleet.engines.append(fleet._spawn("v0", VllmCpuProfile(), 0))
+        tmp = fleet.engine_tmp
+        assert tmp is not None and not tmp.is_relative_to(tmp_path)  # short: socket paths <= 107 bytes
+        deadline = time.monotonic() + 30
+        while not (tmp / "vllm_dist_probe").exists():
+            assert time.monotonic() < deadline, "the child never wrote into the fleet's TMPDIR"
+            assert fleet.engines[0].process.poll() is None, (tmp_path / "v0.log").read_text()
+            time.sleep(0.05)
+    finally:
+        fleet.stop(timeout_s=5)
+    assert not tmp.exists() and fleet.engine_tmp is None
+    cache = (tmp_path / "v0.log").read_text().strip()
+    assert Path(cache).parent == Path(tempfile.gettempdir()) and Path(cache).name.startswith("torchinductor_")

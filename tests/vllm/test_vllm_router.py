@@ -724,6 +724,18 @@ def test_the_engines_phase_histograms_read_as_one_runs_percentiles(vllm_fleet: V
     assert 0 < phases["engine_ttft"][0] <= phases["engine_ttft"][1] <= bound, (phases, worst)
 
 
+def test_the_engines_temp_files_stay_in_the_fleets_own_folder(vllm_fleet: VllmCpuFleet) -> None:
+    """vLLM puts its ZMQ IPC sockets and ``vllm_dist_*`` files where ``tempfile`` points and leaves
+    them there after shutdown; the fleet's TMPDIR for its engines (removed by ``stop``, the unit test
+    in tests/test_vllm_cpu.py) must be where real vLLM writes them. Catches a vLLM that reads another
+    variable (its sockets would litter the system's temp folder again)."""
+    tmp = vllm_fleet.engine_tmp
+    assert tmp is not None
+    entries = list(tmp.iterdir())
+    assert any(p.is_socket() for p in entries), entries
+    assert any(p.name.startswith("vllm_dist_") for p in entries), entries
+
+
 def _gauge(metrics: str, name: str, **labels: str) -> float | None:
     from prometheus_client.parser import text_string_to_metric_families
 
