@@ -493,9 +493,10 @@ async def _first_tokens(
     engine_url: str,
     sends: list[tuple[str, str, dict[str, Any]]],
     headers: dict[str, dict[str, str]] | None = None,
+    hold_tokens: int = HOLD_TOKENS,
 ) -> dict[str, float]:
     """Send each (name, prompt, extra body), streamed, with ``headers[name]`` if given, once the
-    engine holds every one sent before (the first one decodes HOLD_TOKENS tokens, so the others
+    engine holds every one sent before (the first one decodes ``hold_tokens`` tokens, so the others
     queue behind it in sending order however slowly this machine runs); the time each one's first
     content chunk arrived."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -516,7 +517,7 @@ async def _first_tokens(
     tasks: list[asyncio.Task[None]] = []
     try:
         for i, send in enumerate(sends):
-            tasks.append(asyncio.create_task(one(HOLD_TOKENS if i == 0 else 1, *send)))
+            tasks.append(asyncio.create_task(one(hold_tokens if i == 0 else 1, *send)))
             await _engine_holds(engine_url, i + 1)
         await asyncio.gather(*tasks)
     finally:
@@ -680,8 +681,11 @@ def test_the_x_vllm_priority_header_overrides_the_body(engines: dict[str, FleetE
 
 
 #: Escalation after 1.5 s: the running request's first token comes after its ~0.6 s of prefill,
-#: the two queued behind its ~2 s of decode wait longer.
+#: the two queued behind its ~4 s of decode (ESCALATE_HOLD_TOKENS) wait longer, also when sending
+#: them takes seconds on a loaded machine (seen with HOLD_TOKENS' ~2 s, at load 4 on 2 cores: the
+#: short one, sent late, started before its deadline and was not escalated).
 ESCALATE_AFTER_S = 1.5
+ESCALATE_HOLD_TOKENS = 1000
 
 
 @pytest.mark.slow
@@ -707,7 +711,7 @@ def test_a_stream_with_no_first_token_in_time_is_sent_again_at_priority_0(
         ("long", _prompt(BIG_TOKENS, 12), {}),
         ("short", _prompt(SMALL_TOKENS, 13), {}),
     ]
-    seen = asyncio.run(_first_tokens(url, engines["priority"].url, sends))
+    seen = asyncio.run(_first_tokens(url, engines["priority"].url, sends, hold_tokens=ESCALATE_HOLD_TOKENS))
     assert set(seen) == {"running", "long", "short"}
     assert seen["running"] < seen["long"] < seen["short"], seen
     assert _escalations(url) == 2
@@ -743,7 +747,7 @@ def test_escalation_on_the_callback_path(
 
     asyncio.run(warm())
     task_starts.clear()
-    seen = asyncio.run(_first_tokens(url, engines["priority"].url, sends))
+    seen = asyncio.run(_first_tokens(url, engines["priority"].url, sends, hold_tokens=ESCALATE_HOLD_TOKENS))
     assert seen["running"] < seen["long"] < seen["short"], seen
     assert _escalations(url) == 2
     proxied = [cycle for cycle in task_starts if isinstance(cycle, ProxyExchange)]  # (not /metrics)
@@ -821,7 +825,7 @@ def test_an_fcfs_engine_gets_no_escalation(
         ("long", _prompt(BIG_TOKENS, 22), {}),
         ("short", _prompt(SMALL_TOKENS, 23), {}),
     ]
-    seen = asyncio.run(_first_tokens(url, engines["fcfs"].url, sends))
+    seen = asyncio.run(_first_tokens(url, engines["fcfs"].url, sends, hold_tokens=ESCALATE_HOLD_TOKENS))
     assert seen["running"] < seen["long"] < seen["short"], seen
     assert seen["long"] - seen["running"] > ESCALATE_AFTER_S  # it did wait longer than E
     assert _escalations(url) == 0
