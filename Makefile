@@ -44,9 +44,9 @@ TEST_WORKERS ?= 2
 test: $(VENV)/.test
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
-# Day-to-day subset (about 2 minutes of CPU, 3 of wall time here): everything but the tests marked
-# slow (engine and router processes, live fleets, benchmarks, long DES runs). `make test` stays the
-# whole suite.
+# Day-to-day subset (3.5 minutes of CPU, 2 min 53 s of wall time on two workers here, 2026-12-06):
+# everything but the tests marked slow (engine and router processes, live fleets, benchmarks, long
+# DES runs). `make test` stays the whole suite.
 test-quick: $(VENV)/.test
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) -m "not slow"
 
