@@ -8,6 +8,7 @@ loadtest.demo:main; each gets the remaining argv.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import logging
 import socket
@@ -253,6 +254,9 @@ def run_server(
     with uvicorn; ``on_started(url)`` runs once the app's startup finished and requests are taken.
     ``on_bound()`` runs right after the bind and returns a cleanup run when the server stops."""
     import uvicorn
+    from uvicorn.server import STARTUP_FAILURE
+
+    from router.listener import AcceptingServer
 
     try:
         sock = listen_socket(host, port, reuse_port=reuse_port)
@@ -268,8 +272,28 @@ def run_server(
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().startup(sockets)
-            if self.started and not self.should_exit:
+            # uvicorn's startup for given sockets, served by router/listener.py's AcceptingServer
+            # (every pending connection accepted at once) instead of the loop's create_server
+            # (uvloop's takes one connection per turn of the loop).
+            await self.lifespan.startup()
+            if self.lifespan.should_exit:
+                sys.exit(STARTUP_FAILURE)
+            config = self.config
+            state = self.server_state
+
+            def create_protocol() -> asyncio.Protocol:
+                return config.http_protocol_class(  # type: ignore[call-arg]
+                    config=config, server_state=state, app_state=self.lifespan.state
+                )
+
+            loop = asyncio.get_running_loop()
+            # uvicorn only calls close() and wait_closed() on what it keeps here.
+            self.servers = [
+                AcceptingServer(loop, create_protocol, s, config.backlog)  # type: ignore[misc]
+                for s in sockets or []
+            ]
+            self.started = True
+            if not self.should_exit:
                 on_started(url)
 
     server = _Server(uvicorn.Config(app, host=host, port=port, **uvicorn_options))
