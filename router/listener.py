@@ -79,10 +79,17 @@ class AcceptingServer:
 
     async def _start(self, conn: socket.socket) -> None:
         try:
-            await self._loop.connect_accepted_socket(self._factory, conn)
+            _, protocol = await self._loop.connect_accepted_socket(self._factory, conn)
         except Exception as exc:  # the client reset the socket before its transport was made
             log.info("dropped a connection before it started: %s", exc)
             conn.close()
+            return
+        if self._closed.is_set():
+            # Accepted before the server closed, made after: uvicorn's shutdown told the
+            # connections it knew to finish; this one is told too (closed once idle).
+            shutdown = getattr(protocol, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
 
     def _pause(self, exc: OSError) -> None:
         """Out of file descriptors: stop accepting for NO_FD_PAUSE_S (the socket stays readable,

@@ -150,6 +150,33 @@ def test_close_stops_accepting_and_wait_closed_returns() -> None:
     uvloop.run(main())
 
 
+def test_a_connection_accepted_before_close_and_made_after_is_told_to_shut_down() -> None:
+    """uvicorn's graceful shutdown tells the connections it knows to finish (``shutdown()``); one
+    accepted in the same turn as the close is made after that and must be told too, or it would
+    stay open on keep-alive through the drain."""
+
+    class Graceful(asyncio.Protocol):
+        told: list[bool] = []
+
+        def shutdown(self) -> None:
+            self.told.append(True)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        sock = _bound()
+        server = AcceptingServer(loop, Graceful, sock, backlog=16)
+        client = socket.create_connection(sock.getsockname())
+        server._accept()  # the turn in which the socket is ready: accepted, its transport not made
+        assert server.accepted == 1 and not Graceful.told
+        server.close()
+        await asyncio.wait_for(server.wait_closed(), 5)
+        assert Graceful.told == [True]
+        client.close()
+        sock.close()
+
+    uvloop.run(main())
+
+
 _NO_FD_CHILD = textwrap.dedent(
     """
     import asyncio, logging, resource, socket, sys
