@@ -59,6 +59,8 @@ _SERVER_ERROR = (
 #: How long a proxied request's body may take to complete, its headers in, before a task reads it
 #: (on the callback path; the task's own limits.body_timeout_s applies from then on).
 UPLOAD_GRACE_S = 0.05
+#: Graceful stop: how long a connection that has not begun its first request is kept for it.
+FIRST_REQUEST_GRACE_S = 0.5
 
 _default_head_of: tuple[object, bytes] = (None, b"")
 
@@ -447,6 +449,7 @@ class ProxyHttpProtocol(HttpToolsProtocol):
     _heads_done = 0
     _in_headers = True
     _answered_one = False
+    _shutdown_deferred = False
     _header_timer: asyncio.TimerHandle | None = None
     #: Since when the connection waits (for its request or its body): the connection cap's order.
     _waiting_since_s = 0.0
@@ -598,6 +601,19 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         # A request cut off during its upload: its task sees the disconnect and counts it.
         self._start_deferred()
 
+    def shutdown(self) -> None:
+        """uvicorn's graceful stop for this connection (its answer finishes, then it closes; an
+        idle one closes now), except that a connection that has not begun a request yet gets
+        FIRST_REQUEST_GRACE_S for its first one: it may have been accepted in the last turns with
+        its request already sent (router/listener.py makes a connection a turn or two after it
+        accepts it), and closing it unread would fail that request with a read error instead of
+        answering it (with ``connection: close``)."""
+        if self.cycle is None and not self._shutdown_deferred and not self.transport.is_closing():
+            self._shutdown_deferred = True
+            self.loop.call_later(FIRST_REQUEST_GRACE_S, self.shutdown)
+            return
+        super().shutdown()
+
     def on_message_begin(self) -> None:
         # uvicorn's sets the url, headers and scope: here they are made from the head once it is
         # complete (``on_headers_complete``).
@@ -661,7 +677,11 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         http_version = parser.get_http_version()
         scope = self.scope = self._scope(http_version, "POST", path, raw_path, query)  # type: ignore[assignment]
         exchange = self._exchange = ProxyExchange(
-            self, scope, http_version != "1.0" and parser.should_keep_alive(), self.expect_100_continue
+            self,
+            scope,
+            # (after a graceful stop began: the connection's last request)
+            http_version != "1.0" and parser.should_keep_alive() and not self._shutdown_deferred,
+            self.expect_100_continue,
         )
         existing = self.cycle
         self.cycle = exchange  # type: ignore[assignment]
@@ -693,6 +713,8 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         # (uvicorn sets the version, method, path and query)
         self.scope = self._scope("1.1", "", "", b"", b"")  # type: ignore[assignment]
         HttpToolsProtocol.on_headers_complete(self)
+        if self._shutdown_deferred and self.cycle is not None:
+            self.cycle.keep_alive = False  # the graceful stop began: the last request here
 
     def _scope(
         self, http_version: str, method: str, path: str, raw_path: bytes, query: bytes

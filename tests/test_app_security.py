@@ -449,6 +449,41 @@ def test_sigterm_drain_is_bounded(router_process, serve_asgi) -> None:
     assert time.monotonic() - started < 15
 
 
+def test_sigterm_answers_the_first_request_of_a_connection_opened_just_before(
+    router_process, upstreams
+) -> None:
+    """A graceful stop closes idle connections, but one that has not begun its first request yet
+    is kept FIRST_REQUEST_GRACE_S for it (router/fastpath.py): a request on its way when the stop
+    began is answered, with ``connection: close``, instead of failing with a reset (before: the
+    connection was closed unread and the client saw a read error)."""
+    ((_, url),) = upstreams(1)
+    router = router_process(**_base(url), log_level="info")
+    body = json.dumps({"model": MODEL, "messages": MESSAGES}).encode()
+    request = (
+        b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        % (
+            CHAT.encode(),
+            len(body),
+            body,
+        )
+    )
+    with socket.create_connection(("127.0.0.1", router.port)) as sock:
+        # The router has the connection (a /health answered on another one after it is not proof,
+        # so the stop waits for uvicorn's own line saying the graceful stop began).
+        time.sleep(0.2)
+        router.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while "Shutting down" not in router.stderr():
+            assert time.monotonic() < deadline, router.stderr()
+            time.sleep(0.01)
+        sock.sendall(request)
+        answer = _recv_all(sock)
+    head = answer.split(b"\r\n\r\n", 1)[0].lower()
+    assert head.startswith(b"http/1.1 200"), answer[:300]
+    assert b"connection: close" in head
+    router.proc.wait(30)
+
+
 def test_failed_logins_never_lock_out_valid_credentials_and_forwarded_for_needs_a_trusted_proxy(
     router_process, upstreams
 ) -> None:
