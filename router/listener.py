@@ -70,9 +70,14 @@ class AcceptingServer:
                     log.error("accepting a connection failed: %s", exc)
                 return
             self.accepted += 1
-            conn.setblocking(False)
-            if self._nodelay:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                conn.setblocking(False)
+                if self._nodelay:
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError as exc:  # reset already: nothing to serve, the others go on
+                log.info("dropped a connection before it started: %s", exc)
+                conn.close()
+                continue
             task = self._loop.create_task(self._start(conn))
             self._starting.add(task)
             task.add_done_callback(self._starting.discard)
@@ -86,7 +91,8 @@ class AcceptingServer:
             return
         if self._closed.is_set():
             # Accepted before the server closed, made after: uvicorn's shutdown told the
-            # connections it knew to finish; this one is told too (closed once idle).
+            # connections it knew to finish; this one is told too (router/fastpath.py's shutdown
+            # still answers its first request if it comes soon).
             shutdown = getattr(protocol, "shutdown", None)
             if shutdown is not None:
                 shutdown()
