@@ -44,6 +44,18 @@ def _bound() -> socket.socket:
     return sock
 
 
+def _connect_many(sock: socket.socket, n: int) -> list[socket.socket]:
+    """``n`` connections to ``sock`` opened together (loopback: each handshake completes in the
+    kernel, so all are pending at once)."""
+    clients = []
+    for _ in range(n):
+        client = socket.socket()
+        client.setblocking(False)
+        client.connect_ex(sock.getsockname())
+        clients.append(client)
+    return clients
+
+
 async def _burst_turns(busy_s: float) -> tuple[list[int], AcceptingServer, list[socket.socket]]:
     """Turns of a loop that is busy ``busy_s`` each turn until BURST connections opened together
     are all made; the connections' turn numbers."""
@@ -62,12 +74,7 @@ async def _burst_turns(busy_s: float) -> tuple[list[int], AcceptingServer, list[
     all_made = asyncio.Event()
     sock = _bound()
     server = AcceptingServer(loop, lambda: _Counted(lambda: turns, made, all_made, BURST), sock, backlog=256)
-    clients = []
-    for _ in range(BURST):
-        client = socket.socket()
-        client.setblocking(False)
-        client.connect_ex(sock.getsockname())  # loopback: the handshake completes in the kernel
-        clients.append(client)
+    clients = _connect_many(sock, BURST)
     loop.call_soon(tick)
     start = turns
     try:
@@ -109,12 +116,7 @@ def test_a_burst_larger_than_a_batch_is_taken_over_a_few_turns() -> None:
         n = ACCEPT_BATCH * 2 + 5
         sock = _bound()
         server = AcceptingServer(loop, lambda: _Counted(lambda: 0, made, all_made, n), sock, backlog=1024)
-        clients = []
-        for _ in range(n):
-            client = socket.socket()
-            client.setblocking(False)
-            client.connect_ex(sock.getsockname())
-            clients.append(client)
+        clients = _connect_many(sock, n)
         try:
             await asyncio.wait_for(all_made.wait(), 10)
             assert len(made) == n
