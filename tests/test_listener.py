@@ -56,6 +56,14 @@ def _connect_many(sock: socket.socket, n: int) -> list[socket.socket]:
     return clients
 
 
+async def _tidy(server: AcceptingServer, clients: list[socket.socket]) -> None:
+    server.close()
+    await server.wait_closed()
+    for client in clients:
+        client.close()
+    server.sockets[0].close()
+
+
 async def _burst_turns(busy_s: float) -> tuple[list[int], AcceptingServer, list[socket.socket]]:
     """Turns of a loop that is busy ``busy_s`` each turn until BURST connections opened together
     are all made; the connections' turn numbers."""
@@ -94,11 +102,7 @@ def test_a_burst_of_connections_is_accepted_within_two_turns_of_a_busy_loop(loop
             assert max(made) <= 3, f"connections made at turns {made}"
             assert server.accepted == BURST
         finally:
-            server.close()
-            await server.wait_closed()
-            for client in clients:
-                client.close()
-            server.sockets[0].close()
+            await _tidy(server, clients)
 
     if loop_kind == "uvloop":
         uvloop.run(main())
@@ -121,11 +125,7 @@ def test_a_burst_larger_than_a_batch_is_taken_over_a_few_turns() -> None:
             await asyncio.wait_for(all_made.wait(), 10)
             assert len(made) == n
         finally:
-            server.close()
-            await server.wait_closed()
-            for client in clients:
-                client.close()
-            sock.close()
+            await _tidy(server, clients)
 
     uvloop.run(main())
 
