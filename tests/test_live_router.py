@@ -263,14 +263,21 @@ def test_ready_reports_an_engine_whose_events_never_arrive(
     before = httpx.get(f"{url}/ready").json()
     assert before["events"]["silent_engines"] == {}  # no traffic yet: nothing to expect
     # A prompt of several blocks: the engine's prefix-cache counters then prove it cached new
-    # blocks (a prompt under one block would prove nothing and must not raise the alarm).
-    _client(url).chat.completions.create(
-        model=tokenizer.NAME,
-        messages=[{"role": "user", "content": "anyone listening? " * 20}],
-        max_tokens=2,
-    )
+    # blocks (a prompt under one block would prove nothing and must not raise the alarm). The
+    # proof takes two scrapes around the request: on a loaded machine the router's first scrape
+    # can come after the first request, so a new one (new blocks) goes out each second until then.
+    sent = 0
     deadline = time.monotonic() + 30.0
+    last_sent = -1.0
     while True:
+        if time.monotonic() - last_sent >= 1.0:
+            _client(url).chat.completions.create(
+                model=tokenizer.NAME,
+                messages=[{"role": "user", "content": f"anyone listening {sent}? " * 20}],
+                max_tokens=2,
+            )
+            sent += 1
+            last_sent = time.monotonic()
         ready = httpx.get(f"{url}/ready").json()
         if engine.id in ready["events"]["silent_engines"]:
             break
