@@ -44,6 +44,19 @@ def _bound() -> socket.socket:
     return sock
 
 
+def _counting_server(
+    want: int, backlog: int, turns: Callable[[], int] = lambda: 0
+) -> tuple[AcceptingServer, list[int], asyncio.Event]:
+    """An AcceptingServer on a fresh loopback socket whose connections record the turn they were
+    made at (``turns()``) in the list returned; the event is set once ``want`` are made."""
+    made: list[int] = []
+    all_made = asyncio.Event()
+    server = AcceptingServer(
+        asyncio.get_running_loop(), lambda: _Counted(turns, made, all_made, want), _bound(), backlog=backlog
+    )
+    return server, made, all_made
+
+
 def _connect_many(sock: socket.socket, n: int) -> list[socket.socket]:
     """``n`` connections to ``sock`` opened together (loopback: each handshake completes in the
     kernel, so all are pending at once)."""
@@ -78,11 +91,8 @@ async def _burst_turns(busy_s: float) -> tuple[list[int], AcceptingServer, list[
             pass
         loop.call_soon(tick)
 
-    made: list[int] = []
-    all_made = asyncio.Event()
-    sock = _bound()
-    server = AcceptingServer(loop, lambda: _Counted(lambda: turns, made, all_made, BURST), sock, backlog=256)
-    clients = _connect_many(sock, BURST)
+    server, made, all_made = _counting_server(BURST, 256, lambda: turns)
+    clients = _connect_many(server.sockets[0], BURST)
     loop.call_soon(tick)
     start = turns
     try:
@@ -114,13 +124,9 @@ def test_a_burst_larger_than_a_batch_is_taken_over_a_few_turns() -> None:
     """More pending than ACCEPT_BATCH: the rest is taken next turn, none is left behind."""
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        made: list[int] = []
-        all_made = asyncio.Event()
         n = ACCEPT_BATCH * 2 + 5
-        sock = _bound()
-        server = AcceptingServer(loop, lambda: _Counted(lambda: 0, made, all_made, n), sock, backlog=1024)
-        clients = _connect_many(sock, n)
+        server, made, all_made = _counting_server(n, 1024)
+        clients = _connect_many(server.sockets[0], n)
         try:
             await asyncio.wait_for(all_made.wait(), 10)
             assert len(made) == n
@@ -132,11 +138,8 @@ def test_a_burst_larger_than_a_batch_is_taken_over_a_few_turns() -> None:
 
 def test_close_stops_accepting_and_wait_closed_returns() -> None:
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        made: list[int] = []
-        one_made = asyncio.Event()
-        sock = _bound()
-        server = AcceptingServer(loop, lambda: _Counted(lambda: 0, made, one_made, 1), sock, backlog=16)
+        server, made, one_made = _counting_server(1, 16)
+        sock = server.sockets[0]
         first = socket.create_connection(sock.getsockname())
         await asyncio.wait_for(one_made.wait(), 10)
         server.close()
