@@ -292,6 +292,7 @@ class _Request:
         "num_committed_blocks",
         "num_computed",
         "num_prompt_blocks",
+        "offload_due",
         "output_offset",
         "output_token_ids",
         "preempted_s",
@@ -336,6 +337,9 @@ class _Request:
         #: GPU blocks held, in order: the block's hash when cached, -1 when anonymous.
         self.blocks: list[int] = []
         self.num_committed_blocks = 0
+        #: Blocks became full in this step's scheduling: the offload tiers are offered its prompt
+        #: blocks after the step (vLLM's offloading connector stores what the step computed).
+        self.offload_due = False
         self.num_computed = 0
         self.output_token_ids: list[int] = []
         self.output_offset = output_offset
@@ -684,6 +688,7 @@ class EngineCore:
                     continue
                 self._allocate(need, events)
                 req.blocks.extend([-1] * need)
+            self._cache_blocks(req, (req.num_computed + n_new) // bs, events)
             is_decode = remaining == 1 and bool(req.output_token_ids)
             scheduled.append((req, n_new, is_decode))
             budget -= n_new
@@ -718,6 +723,7 @@ class EngineCore:
                 running.append(req)
                 load_s += req_load_s
                 if n_new:
+                    self._cache_blocks(req, (req.num_computed + n_new) // bs, events)
                     scheduled.append((req, n_new, False))
                     budget -= n_new
                     prefill_tokens += n_new
@@ -747,9 +753,9 @@ class EngineCore:
         num_generated = 0
         for req, n_new, _ in scheduled:
             req.num_computed += n_new
-            full_blocks = req.num_computed // bs
-            if full_blocks > req.num_committed_blocks:
-                self._commit_blocks(req, full_blocks, events, now)
+            if req.offload_due:
+                req.offload_due = False
+                self._offload_computed(req, events, now)
             if req.num_computed == req.num_tokens:
                 outputs = req.output_token_ids
                 token = cycle[(req.output_offset + len(outputs)) % _OUTPUT_CYCLE_TOKENS]
@@ -1061,15 +1067,19 @@ class EngineCore:
                 for h in evicted
             )
 
-    def _commit_blocks(
-        self, req: _Request, full_blocks: int, events: list[dict[str, Any]], now: float
-    ) -> None:
-        """Cache the request's newly full blocks on GPU and write prompt blocks through to the
-        offload tiers; one GPU BlockStored per contiguous run of newly cached blocks."""
-        end = min(full_blocks, self._num_hashable_blocks(req))
+    def _cache_blocks(self, req: _Request, full_blocks: int, events: list[dict[str, Any]]) -> None:
+        """Cache the blocks this step's tokens of ``req`` fill, as it is scheduled: vLLM's
+        ``allocate_slots`` gives them their hashes before the step computes them, so a request
+        scheduled after it in the same step already hits them, and each request's BlockStored
+        follows its own evictions. One GPU BlockStored per contiguous run of newly cached blocks;
+        the offload tiers' write comes after the step (``_offload_computed``)."""
         start = req.num_committed_blocks
+        if full_blocks <= start:
+            return
+        req.offload_due = True
+        end = min(full_blocks, self._num_hashable_blocks(req))
         if end <= start:
-            req.num_committed_blocks = max(start, full_blocks)
+            req.num_committed_blocks = full_blocks
             return
         hashes = self._ensure_hashes(req, end)
         gpu = self.gpu
@@ -1086,7 +1096,12 @@ class EngineCore:
                 run_start = -1
         if run_start >= 0:
             self._emit_gpu_stored(req, run_start, end, events)
-        req.num_committed_blocks = max(end, full_blocks)
+        req.num_committed_blocks = full_blocks
+
+    def _offload_computed(self, req: _Request, events: list[dict[str, Any]], now: float) -> None:
+        """After a step that filled blocks of ``req``: write its full prompt blocks through to the
+        offload tiers."""
+        end = min(req.num_computed // self._block_size, self._num_hashable_blocks(req))
         prompt_end = min(end, req.num_prompt_blocks)
         if prompt_end > req.store_from and (self.cpu is not None or self.storage is not None):
             self._offload(req, prompt_end, events, now)
@@ -1241,6 +1256,7 @@ class EngineCore:
             req.preempted_s = self.now_s
         req.num_computed = 0
         req.num_committed_blocks = 0
+        req.offload_due = False
         # Its loads may still be in flight; _ready_at keeps their blocks unusable until they land.
         req.ready_at_s = 0.0
         req.loading_hashes = None

@@ -1010,3 +1010,28 @@ def test_cpu_tier_events_after_a_reset_describe_the_tier() -> None:
             continue
         mirror.apply(engine.step().events)
         assert engine.cpu is not None and mirror.tiers["CPU"] == set(engine.cpu.hashes())
+
+
+def test_blocks_are_cached_when_scheduled_so_a_request_later_in_the_same_step_hits_them() -> None:
+    """vLLM's ``allocate_slots`` gives a request's blocks their hashes as it is scheduled, before
+    the step computes them. 16-token blocks, budget 200, a = 240 tokens, b = a's 240 and 20 of its
+    own, both waiting. Step 1 computes a's first 200 tokens (blocks 0-11; b gets no budget). Step
+    2 schedules a's last 40 (blocks 12-14), then b, which hits all 15 blocks, 3 of them scheduled in
+    this very step, and computes 20 tokens (its block 15). Caught on real vLLM
+    (tests/vllm/test_sim_parity.py): the previous model cached blocks after the step, so b hit 12
+    blocks (192 tokens) and computed 3 of a's again."""
+    engine = EngineCore("e0", profile(num_gpu_blocks=64, max_num_batched_tokens=200))
+    prompt_a = list(range(240))
+    engine.add_request(SimRequest("a", prompt_a, max_tokens=4))
+    engine.add_request(SimRequest("b", prompt_a + list(range(5000, 5020)), max_tokens=4))
+    first = engine.step()
+    assert first.num_prefill_tokens == 200
+    second = engine.step()
+    assert second.num_prefill_tokens == 40 + 20
+    stored = [
+        (len(e["block_hashes"]), e["parent_block_hash"]) for e in second.events if e["type"] == "BlockStored"
+    ]
+    a_block_14 = second.events[0]["block_hashes"][-1]
+    assert stored == [(3, first.events[-1]["block_hashes"][-1]), (1, a_block_14)]
+    done = finished([first, second, *run(engine)])
+    assert done["b"].cached_tokens_by_tier == (240, 0, 0)

@@ -8,12 +8,20 @@ then vLLM's. Everything the DES says about hit rates rests on this.
 
 from __future__ import annotations
 
+import json
 import random
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
+import msgspec
+import pytest
+import zmq
 
+from kvcore.wire import decode_payload
 from loadtest.bench_quality_live import cached_by_tier_delta, scrape_engines
 from sim.cache import StoragePool
 from sim.engine import EngineCore, EngineProfile, SimRequest
@@ -177,3 +185,244 @@ def test_the_simulated_engine_promotes_storage_hits_through_the_cpu_tier_as_real
     # The workload reaches every tier (vLLM: 41,248 GPU, 3,552 CPU, 206,944 STORAGE tokens).
     assert all(any(r[k] for r in live) for k in range(3)), rows
     assert live == simulated, rows
+
+
+# ----------------------------------------------------------------------- requests in flight together
+
+#: The concurrent check's step budget: long prompts are prefilled in chunks over several steps while
+#: others wait for the budget or for blocks, hit blocks scheduled in the same step, and are preempted.
+WAVE_BUDGET = 512
+#: One wave: (priority, max_tokens, prompt) per request, in the order they are sent.
+Wave = list[tuple[int, int, list[int]]]
+
+
+def _wave(seed: int) -> Wave:
+    """Eight requests: prefixes of four documents (8-29 blocks and a partial block), so some share
+    a prefix with requests before them, with priorities 0-2 (an fcfs engine ignores them) and
+    40-199 output tokens."""
+    rng = random.Random(seed)
+    docs = [[rng.randrange(3, VOCAB_SIZE) for _ in range(MAX_MODEL_LEN)] for _ in range(4)]
+    return [
+        (
+            rng.randrange(3),
+            rng.randrange(40, 200),
+            rng.choice(docs)[: rng.randrange(8, 30) * BLOCK + rng.randrange(0, BLOCK)],
+        )
+        for _ in range(8)
+    ]
+
+
+def _block_name(
+    tokens: list[int], index: int, parent: tuple[Any, ...] | None, prompts: list[list[int]]
+) -> tuple[Any, ...]:
+    """A block by what it holds, the same on both engines (their hashes and generated tokens
+    differ): ("prompt", k, i) for block i of prompt k (the first prompt holding it), ("output", k,
+    i) for an output block of prompt k (its first holds the end of the prompt)."""
+    start = index * BLOCK
+    tokens = list(tokens)
+    for k, prompt in enumerate(prompts):
+        if prompt[start : start + BLOCK] == tokens:
+            return ("prompt", k, index)
+    for k, prompt in enumerate(prompts):
+        if start < len(prompt) < start + BLOCK and tokens[: len(prompt) - start] == prompt[start:]:
+            return ("output", k, index)
+    assert parent is not None and parent[0] == "output", (index, parent)
+    return ("output", parent[1], index)
+
+
+def _labelled(steps: list[list[Any]], prompts: list[list[int]]) -> list[list[tuple[Any, ...]]]:
+    """Each step's events, each block by ``_block_name``."""
+    names: dict[Any, tuple[Any, ...]] = {}
+    out = []
+    for events in steps:
+        row: list[tuple[Any, ...]] = []
+        for event in events:
+            # The simulator's are dicts, vLLM's decoded structs (kvcore.wire).
+            fields = event if isinstance(event, dict) else msgspec.structs.asdict(event)
+            kind = fields.get("type") or type(event).__name__
+            if "Stored" in kind:
+                parent = fields["parent_block_hash"]
+                name = None if parent is None else names[parent]
+                index = -1 if name is None else name[2]
+                tokens = fields["token_ids"]
+                for i, h in enumerate(fields["block_hashes"]):
+                    index += 1
+                    name = names[h] = _block_name(tokens[i * BLOCK : (i + 1) * BLOCK], index, name, prompts)
+                    row.append(("stored", *name))
+            elif "Removed" in kind:
+                row += [("removed", *names.get(h, ("unknown", h))) for h in fields["block_hashes"]]
+            else:
+                row.append(("cleared",))
+        out.append(row)
+    return out
+
+
+def _simulated_wave(wave: Wave, policy: str) -> tuple[list[list[dict[str, Any]]], list[int], int]:
+    """The wave on a fresh simulated engine, every request queued before the first step: each
+    step's events, each request's cached tokens, the preemptions."""
+    engine = EngineCore(
+        "sim",
+        EngineProfile(
+            block_size=BLOCK,
+            num_gpu_blocks=GPU_BLOCKS - 1,
+            max_num_batched_tokens=WAVE_BUDGET,
+            max_model_len=MAX_MODEL_LEN,
+            scheduling_policy=policy,
+        ),
+    )
+    for r, (priority, max_tokens, prompt) in enumerate(wave):
+        engine.add_request(SimRequest(str(r), prompt, max_tokens=max_tokens, priority=priority))
+    steps, cached = [], [0] * len(wave)
+    while engine.has_unfinished():
+        out = engine.step()
+        if out.events:
+            steps.append(out.events)
+        for finished in out.finished:
+            cached[int(finished.request_id)] = sum(finished.cached_tokens_by_tier)
+    return steps, cached, engine.stats().num_preemptions
+
+
+def _preemptions(engine: FleetEngine) -> float:
+    text = httpx.get(f"{engine.url}/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:num_preemptions_total")
+    )
+
+
+def _added(engine: FleetEngine) -> int:
+    """Requests the engine's API server has handed to its engine core (its log)."""
+    return Path(engine.log_path).read_text(errors="replace").count("Added request ")
+
+
+def _until(condition: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _live_wave(
+    engine: FleetEngine, batches: list[Any], wave: Wave, expected_steps: int, expected_preemptions: int
+) -> tuple[list[list[Any]], list[int], int]:
+    """The wave on the real engine: its scheduler paused (which also empties its prefix cache, so
+    the wave starts as the simulator's fresh engine does), every request sent and held by the API
+    server to its engine core, then resumed. Waits for ``expected_steps`` event batches and
+    ``expected_preemptions`` (the simulator's figures; a shortfall shows in the comparison)."""
+    httpx.post(f"{engine.url}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+    first = len(batches)
+    before = _preemptions(engine)
+    answers: list[Any] = [None] * len(wave)
+
+    def send(r: int, priority: int, max_tokens: int, prompt: list[int]) -> None:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        answers[r] = httpx.post(
+            f"{engine.url}/v1/completions", json={**body, "priority": priority}, timeout=600
+        )
+
+    senders = [threading.Thread(target=send, args=(r, *request)) for r, request in enumerate(wave)]
+    for sender in senders:
+        # The next is sent once vLLM has handed this one to its engine core (--enable-log-requests
+        # logs each after the send): the arrival order is the wave's. (A request of several
+        # prompts would give them one arrival time, which vLLM's priority scheduler breaks by the
+        # running order.) The resume goes to the core on the same socket, after them.
+        added = _added(engine) + 1
+        sender.start()
+        _until(lambda: _added(engine) >= added, 60)  # noqa: B023 (called before ``added`` changes)
+    httpx.post(f"{engine.url}/resume", timeout=60).raise_for_status()
+    for sender in senders:
+        sender.join()
+    for answer in answers:
+        answer.raise_for_status()
+    _until(lambda: len(batches) - first >= expected_steps, 30)
+    _until(lambda: _preemptions(engine) - before >= expected_preemptions, 30)
+    steps = [list(batch.events) for batch in batches[first:]]
+    # The pause's cache reset comes first, in the first step after the resume.
+    assert steps and type(steps[0][0]).__name__.endswith("AllBlocksCleared"), steps[:1]
+    steps[0] = steps[0][1:]
+    cached = [a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0 for a in answers]
+    return [s for s in steps if s], cached, int(_preemptions(engine) - before)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_simulated_engine_admits_caches_and_preempts_requests_in_flight_together_as_real_vllm(
+    model_dir: Path, tmp_path: Path, policy: str
+) -> None:
+    """Three waves of eight requests in flight together on one real engine (64 blocks, a 512-token
+    budget), each queued whole behind a paused scheduler and then released, against the simulator
+    with every request queued before its first step. Every step's events (which block of which
+    prompt is stored or evicted, in order), each request's cached tokens and the preemptions must be
+    the same (each wave's labelled events are left in tmp_path for a failure's diagnosis). Catches
+    the admission rules under contention: the token budget and chunked prefill, the whole-sequence
+    gate, a block cached when scheduled, the queue order, re-entry after preemption, the eviction
+    order. Tried: the model before 2026-12-06 (blocks cached after the step) and admission on the
+    first chunk each fail on the first fcfs wave. Not reached: the priority victim rule when the
+    running requests are out of (priority, arrival) order (tests/test_priority.py has it)."""
+    fleet = VllmCpuFleet(tmp_path / policy, model_dir=model_dir)
+    try:
+        (engine,) = fleet.start(
+            1,
+            VllmCpuProfile(
+                gpu_blocks=GPU_BLOCKS,
+                max_model_len=MAX_MODEL_LEN,
+                scheduling_policy=policy,
+                dev_mode=True,  # /pause and /resume
+                enforce_eager=True,
+                startup_timeout_s=900,
+                extra_args=("--max-num-batched-tokens", str(WAVE_BUDGET), "--enable-log-requests"),
+            ),
+        )
+        batches: list[Any] = []
+        stop = threading.Event()
+        context = zmq.Context()
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(engine.kv_events_endpoint)
+
+        def receive() -> None:
+            while not stop.is_set():
+                if sub.poll(100):
+                    batches.append(decode_payload(sub.recv_multipart()[-1]))
+
+        receiver = threading.Thread(target=receive, daemon=True)
+        receiver.start()
+        try:
+            # A SUB socket misses what is published before it has joined: warm-up requests until
+            # one's events arrive.
+            def warmed_up() -> bool:
+                if not batches:
+                    body = {"model": MODEL_NAME, "prompt": [1] * BLOCK * 2, "max_tokens": 1}
+                    httpx.post(f"{engine.url}/v1/completions", json=body, timeout=120).raise_for_status()
+                return bool(batches)
+
+            _until(warmed_up, 60)
+            assert batches, "no KV events from the engine"
+            preempted = 0
+            for seed in (3, 4, 5):
+                wave = _wave(seed)
+                prompts = [prompt for _priority, _max_tokens, prompt in wave]
+                sim_steps, sim_cached, sim_preemptions = _simulated_wave(wave, policy)
+                live_steps, live_cached, live_preemptions = _live_wave(
+                    engine, batches, wave, len(sim_steps), sim_preemptions
+                )
+                live, simulated = _labelled(live_steps, prompts), _labelled(sim_steps, prompts)
+                (tmp_path / f"wave-{seed}.json").write_text(json.dumps({"vllm": live, "sim": simulated}))
+                n = min(len(live), len(simulated))
+                diff = next((i for i in range(n) if live[i] != simulated[i]), n)
+                assert live == simulated, (
+                    f"wave {seed}: {len(live)} steps with events on vLLM, {len(simulated)} simulated; "
+                    f"first difference at step {diff}:\n"
+                    f"vllm {live[diff - 4 : diff + 2]}\nsim  {simulated[diff - 4 : diff + 2]}"
+                )
+                assert (live_cached, live_preemptions) == (sim_cached, sim_preemptions), seed
+                preempted += live_preemptions
+            # The waves do what they are for: requests hit each other's blocks and are preempted.
+            assert preempted >= 2 and any(c for c in live_cached), preempted
+        finally:
+            stop.set()
+            receiver.join()
+            sub.close()
+            context.term()
+    finally:
+        fleet.stop()
