@@ -282,13 +282,9 @@ def _simulated_wave(wave: Wave, policy: str) -> tuple[list[list[dict[str, Any]]]
     return steps, cached, engine.stats().num_preemptions
 
 
-def _preemptions(engine: FleetEngine) -> float:
+def _counter(engine: FleetEngine, name: str) -> float:
     text = httpx.get(f"{engine.url}/metrics", timeout=30).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:num_preemptions_total")
-    )
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def _added(engine: FleetEngine) -> int:
@@ -302,46 +298,79 @@ def _until(condition: Callable[[], bool], timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-def _live_wave(
-    engine: FleetEngine, batches: list[Any], wave: Wave, expected_steps: int, expected_preemptions: int
-) -> tuple[list[list[Any]], list[int], int]:
-    """The wave on the real engine: its scheduler paused (which also empties its prefix cache, so
-    the wave starts as the simulator's fresh engine does), every request sent and held by the API
-    server to its engine core, then resumed. Waits for ``expected_steps`` event batches and
-    ``expected_preemptions`` (the simulator's figures; a shortfall shows in the comparison)."""
-    httpx.post(f"{engine.url}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
-    first = len(batches)
-    before = _preemptions(engine)
-    answers: list[Any] = [None] * len(wave)
+class _LiveWave:
+    """A wave on the real engine: its scheduler paused (which also empties its prefix cache, so the
+    wave starts as the simulator's fresh engine does), the requests sent one by one, each once vLLM
+    has handed the one before to its engine core (--enable-log-requests logs each after the send:
+    the arrival order is the wave's; a request of several prompts would give them one arrival time,
+    which vLLM's priority scheduler breaks by the running order), then resumed (the resume reaches
+    the core on the same socket, after them)."""
 
-    def send(r: int, priority: int, max_tokens: int, prompt: list[int]) -> None:
-        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
-        answers[r] = httpx.post(
-            f"{engine.url}/v1/completions", json={**body, "priority": priority}, timeout=600
-        )
+    def __init__(self, engine: FleetEngine, batches: list[Any], wave: Wave) -> None:
+        self.engine, self.batches = engine, batches
+        httpx.post(f"{engine.url}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+        self.first = len(batches)
+        self.preemptions = _counter(engine, "vllm:num_preemptions_total")
+        self.answers: list[Any] = []
+        self.senders: list[threading.Thread] = []
+        for priority, max_tokens, prompt in wave:
+            body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+            sender = threading.Thread(
+                target=self._post, args=(len(self.answers), {**body, "priority": priority})
+            )
+            self.answers.append(None)
+            self.senders.append(sender)
+            added = _added(engine) + 1
+            sender.start()
+            _until(lambda: _added(engine) >= added, 60)  # noqa: B023 (called before ``added`` changes)
+        httpx.post(f"{engine.url}/resume", timeout=60).raise_for_status()
 
-    senders = [threading.Thread(target=send, args=(r, *request)) for r, request in enumerate(wave)]
-    for sender in senders:
-        # The next is sent once vLLM has handed this one to its engine core (--enable-log-requests
-        # logs each after the send): the arrival order is the wave's. (A request of several
-        # prompts would give them one arrival time, which vLLM's priority scheduler breaks by the
-        # running order.) The resume goes to the core on the same socket, after them.
-        added = _added(engine) + 1
-        sender.start()
-        _until(lambda: _added(engine) >= added, 60)  # noqa: B023 (called before ``added`` changes)
-    httpx.post(f"{engine.url}/resume", timeout=60).raise_for_status()
-    for sender in senders:
-        sender.join()
-    for answer in answers:
-        answer.raise_for_status()
-    _until(lambda: len(batches) - first >= expected_steps, 30)
-    _until(lambda: _preemptions(engine) - before >= expected_preemptions, 30)
-    steps = [list(batch.events) for batch in batches[first:]]
-    # The pause's cache reset comes first, in the first step after the resume.
-    assert steps and type(steps[0][0]).__name__.endswith("AllBlocksCleared"), steps[:1]
-    steps[0] = steps[0][1:]
-    cached = [a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0 for a in answers]
-    return [s for s in steps if s], cached, int(_preemptions(engine) - before)
+    def _post(self, r: int, body: dict[str, Any]) -> None:
+        self.answers[r] = httpx.post(f"{self.engine.url}/v1/completions", json=body, timeout=600)
+
+    def collect(
+        self, expected_steps: int, expected_preemptions: int
+    ) -> tuple[list[list[Any]], list[int], int]:
+        """Each step's events, each request's cached tokens and the preemptions, once every answer
+        is in and ``expected_steps`` event batches and ``expected_preemptions`` have arrived (the
+        simulator's figures; a shortfall shows in the comparison)."""
+        engine, batches, first = self.engine, self.batches, self.first
+        for sender in self.senders:
+            sender.join()
+        for answer in self.answers:
+            answer.raise_for_status()
+        _until(lambda: len(batches) - first >= expected_steps, 30)
+
+        def preempted() -> int:
+            return int(_counter(engine, "vllm:num_preemptions_total") - self.preemptions)
+
+        _until(lambda: preempted() >= expected_preemptions, 30)
+        steps = [list(batch.events) for batch in batches[first:]]
+        # The pause's cache reset comes first, in the first step after the resume.
+        assert steps and type(steps[0][0]).__name__.endswith("AllBlocksCleared"), steps[:1]
+        steps[0] = steps[0][1:]
+        cached = [a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0 for a in self.answers]
+        return [s for s in steps if s], cached, preempted()
+
+
+def _compare(
+    tmp_path: Path,
+    name: str,
+    wave: Wave,
+    live: tuple[list[list[Any]], list[int], int],
+    simulated: tuple[list[list[Any]], list[int], int],
+) -> None:
+    prompts = [prompt for _priority, _max_tokens, prompt in wave]
+    live_steps, sim_steps = _labelled(live[0], prompts), _labelled(simulated[0], prompts)
+    (tmp_path / f"{name}.json").write_text(json.dumps({"vllm": live_steps, "sim": sim_steps}))
+    n = min(len(live_steps), len(sim_steps))
+    diff = next((i for i in range(n) if live_steps[i] != sim_steps[i]), n)
+    assert live_steps == sim_steps, (
+        f"{name}: {len(live_steps)} steps with events on vLLM, {len(sim_steps)} simulated; "
+        f"first difference at step {diff}:\n"
+        f"vllm {live_steps[diff - 4 : diff + 2]}\nsim  {sim_steps[diff - 4 : diff + 2]}"
+    )
+    assert live[1:] == simulated[1:], (name, "cached tokens, preemptions", live[1:], simulated[1:])
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
@@ -357,7 +386,9 @@ def test_the_simulated_engine_admits_caches_and_preempts_requests_in_flight_toge
     gate, a block cached when scheduled, the queue order, re-entry after preemption, the eviction
     order. Tried: the model before 2026-12-06 (blocks cached after the step) and admission on the
     first chunk each fail on the first fcfs wave. Not reached: the priority victim rule when the
-    running requests are out of (priority, arrival) order (tests/test_priority.py has it)."""
+    running requests are out of (priority, arrival) order (tests/test_priority.py has it), which
+    takes a second arrival while the first decodes; tried, a pause sent right after the resume
+    landed only after the first arrival's 1,800 tokens (a step takes about a millisecond)."""
     fleet = VllmCpuFleet(tmp_path / policy, model_dir=model_dir)
     try:
         (engine,) = fleet.start(
@@ -401,24 +432,12 @@ def test_the_simulated_engine_admits_caches_and_preempts_requests_in_flight_toge
             preempted = 0
             for seed in (3, 4, 5):
                 wave = _wave(seed)
-                prompts = [prompt for _priority, _max_tokens, prompt in wave]
-                sim_steps, sim_cached, sim_preemptions = _simulated_wave(wave, policy)
-                live_steps, live_cached, live_preemptions = _live_wave(
-                    engine, batches, wave, len(sim_steps), sim_preemptions
-                )
-                live, simulated = _labelled(live_steps, prompts), _labelled(sim_steps, prompts)
-                (tmp_path / f"wave-{seed}.json").write_text(json.dumps({"vllm": live, "sim": simulated}))
-                n = min(len(live), len(simulated))
-                diff = next((i for i in range(n) if live[i] != simulated[i]), n)
-                assert live == simulated, (
-                    f"wave {seed}: {len(live)} steps with events on vLLM, {len(simulated)} simulated; "
-                    f"first difference at step {diff}:\n"
-                    f"vllm {live[diff - 4 : diff + 2]}\nsim  {simulated[diff - 4 : diff + 2]}"
-                )
-                assert (live_cached, live_preemptions) == (sim_cached, sim_preemptions), seed
-                preempted += live_preemptions
+                simulated = _simulated_wave(wave, policy)
+                live = _LiveWave(engine, batches, wave).collect(len(simulated[0]), simulated[2])
+                _compare(tmp_path, f"wave-{seed}", wave, live, simulated)
+                preempted += live[2]
             # The waves do what they are for: requests hit each other's blocks and are preempted.
-            assert preempted >= 2 and any(c for c in live_cached), preempted
+            assert preempted >= 2 and any(live[1]), preempted
         finally:
             stop.set()
             receiver.join()
