@@ -48,7 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore.core import SCHEDULING_POLICIES
 from kvcore.stats import histogram_percentile, median_span
-from kvcore.wire import decode_payload, parse_live_frames
+from kvcore.wire import EventBatch, decode_payload, parse_live_frames
 from loadtest.bench_peers import (
     Target,
     default_peers_dir,
@@ -162,10 +162,12 @@ def variant_of(spec: str) -> str:
 
 class EventCounter:
     """Counts the KV events the engines publish while it runs (its own ZMQ subscriptions to their PUB
-    sockets, next to the router's): evidence that a run evicted, whichever router is in front."""
+    sockets, next to the router's): evidence that a run evicted, whichever router is in front.
+    With ``keep_batches`` it also keeps every decoded batch, in arrival order (``batches``)."""
 
-    def __init__(self, engines: Sequence[FleetEngine]) -> None:
+    def __init__(self, engines: Sequence[FleetEngine], *, keep_batches: bool = False) -> None:
         self.counts: dict[str, int] = {}
+        self.batches: list[EventBatch] | None = [] if keep_batches else None
         self._ctx = zmq.Context()
         self._sockets = []
         for e in engines:
@@ -186,7 +188,10 @@ class EventCounter:
                 parsed = parse_live_frames(sock.recv_multipart())
                 if parsed is None:
                     continue
-                for event in decode_payload(parsed[1]).events:
+                batch = decode_payload(parsed[1])
+                if self.batches is not None:
+                    self.batches.append(batch)
+                for event in batch.events:
                     name = type(event).__name__.removeprefix("Legacy")
                     self.counts[name] = self.counts.get(name, 0) + 1
 

@@ -12,11 +12,13 @@ tiers (sim/vllm_host_offload.py), in eager mode, and stop them.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from loadtest.procs import wait_sources_connected
@@ -29,6 +31,22 @@ ENABLE_ENV = "TEST_VLLM_CPU"
 #: 264 x 32 = 8,448 tokens of KV per engine, for the default 8,192-token context; sha256_cbor hashes
 #: and the render endpoint (--enable-scale-out) for vllm-router's kv_aware policy.
 PROFILE = VllmCpuProfile(gpu_blocks=264, hash_algo="sha256_cbor", enable_scale_out=True)
+
+
+def until(check: Callable[[], bool], timeout_s: float) -> bool:
+    """Polls ``check`` every 50 ms until it holds (True) or ``timeout_s`` pass (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def metric_total(base_url: str, name: str) -> float:
+    """The sum of a Prometheus metric's labelled series on ``base_url``/metrics."""
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

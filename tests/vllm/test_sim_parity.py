@@ -12,22 +12,20 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
 import pytest
-import zmq
 
-from kvcore.wire import decode_payload
-from loadtest.bench_quality_live import cached_by_tier_delta, scrape_engines
+from loadtest.bench_quality_live import EventCounter, cached_by_tier_delta, scrape_engines
 from sim.cache import StoragePool
 from sim.engine import EngineCore, EngineProfile, SimRequest
 from sim.fleet import FleetEngine
 from sim.vllm_cpu import VllmCpuFleet, VllmCpuProfile
 from sim.vllm_model import MODEL_NAME, VOCAB_SIZE
+from tests.vllm.conftest import metric_total, until
 
 BLOCK = 32
 #: vLLM's pool, its null block included (64 usable blocks, one 2,048-token request).
@@ -54,6 +52,25 @@ def _workload(seed: int, n: int) -> list[list[int]]:
     return prompts
 
 
+def _sim_engine(
+    budget: int, *, policy: str = "fcfs", cpu_blocks: int = 0, storage: StoragePool | None = None
+) -> EngineCore:
+    """A simulated engine with this file's GPU pool (and ``cpu_blocks``, ``storage`` behind it), a
+    ``budget``-token step."""
+    return EngineCore(
+        "sim",
+        EngineProfile(
+            block_size=BLOCK,
+            num_gpu_blocks=GPU_BLOCKS - 1,  # vLLM's override counts its null block
+            num_cpu_blocks=cpu_blocks,
+            max_num_batched_tokens=budget,
+            max_model_len=MAX_MODEL_LEN,
+            scheduling_policy=policy,
+        ),
+        storage=storage,
+    )
+
+
 def _simulated(
     prompts: list[list[int]],
     cpu_blocks: int = CPU_BLOCKS,
@@ -61,17 +78,7 @@ def _simulated(
     tiers: int = 2,
 ) -> list[tuple[int, ...]]:
     """Each prompt's cached tokens by tier on the simulated engine, as ``_live`` reads them."""
-    engine = EngineCore(
-        "sim",
-        EngineProfile(
-            block_size=BLOCK,
-            num_gpu_blocks=GPU_BLOCKS - 1,  # vLLM's override counts its null block
-            num_cpu_blocks=cpu_blocks,
-            max_num_batched_tokens=MAX_MODEL_LEN,
-            max_model_len=MAX_MODEL_LEN,
-        ),
-        storage=storage,
-    )
+    engine = _sim_engine(MAX_MODEL_LEN, cpu_blocks=cpu_blocks, storage=storage)
     out = []
     for i, prompt in enumerate(prompts):
         engine.add_request(SimRequest(f"r{i}", prompt, max_tokens=1))
@@ -260,16 +267,7 @@ def _labelled(steps: list[list[Any]], prompts: list[list[int]]) -> list[list[tup
 def _simulated_wave(wave: Wave, policy: str) -> tuple[list[list[dict[str, Any]]], list[int], int]:
     """The wave on a fresh simulated engine, every request queued before the first step: each
     step's events, each request's cached tokens, the preemptions."""
-    engine = EngineCore(
-        "sim",
-        EngineProfile(
-            block_size=BLOCK,
-            num_gpu_blocks=GPU_BLOCKS - 1,
-            max_num_batched_tokens=WAVE_BUDGET,
-            max_model_len=MAX_MODEL_LEN,
-            scheduling_policy=policy,
-        ),
-    )
+    engine = _sim_engine(WAVE_BUDGET, policy=policy)
     for r, (priority, max_tokens, prompt) in enumerate(wave):
         engine.add_request(SimRequest(str(r), prompt, max_tokens=max_tokens, priority=priority))
     steps, cached = [], [0] * len(wave)
@@ -282,20 +280,9 @@ def _simulated_wave(wave: Wave, policy: str) -> tuple[list[list[dict[str, Any]]]
     return steps, cached, engine.stats().num_preemptions
 
 
-def _counter(engine: FleetEngine, name: str) -> float:
-    text = httpx.get(f"{engine.url}/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
-
-
 def _added(engine: FleetEngine) -> int:
     """Requests the engine's API server has handed to its engine core (its log)."""
     return Path(engine.log_path).read_text(errors="replace").count("Added request ")
-
-
-def _until(condition: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 class _LiveWave:
@@ -310,7 +297,7 @@ class _LiveWave:
         self.engine, self.batches = engine, batches
         httpx.post(f"{engine.url}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
         self.first = len(batches)
-        self.preemptions = _counter(engine, "vllm:num_preemptions_total")
+        self.preemptions = metric_total(engine.url, "vllm:num_preemptions_total")
         self.answers: list[Any] = []
         self.senders: list[threading.Thread] = []
         for priority, max_tokens, prompt in wave:
@@ -322,7 +309,7 @@ class _LiveWave:
             self.senders.append(sender)
             added = _added(engine) + 1
             sender.start()
-            _until(lambda: _added(engine) >= added, 60)  # noqa: B023 (called before ``added`` changes)
+            until(lambda: _added(engine) >= added, 60)  # noqa: B023 (called before ``added`` changes)
         httpx.post(f"{engine.url}/resume", timeout=60).raise_for_status()
 
     def _post(self, r: int, body: dict[str, Any]) -> None:
@@ -339,12 +326,12 @@ class _LiveWave:
             sender.join()
         for answer in self.answers:
             answer.raise_for_status()
-        _until(lambda: len(batches) - first >= expected_steps, 30)
+        until(lambda: len(batches) - first >= expected_steps, 30)
 
         def preempted() -> int:
-            return int(_counter(engine, "vllm:num_preemptions_total") - self.preemptions)
+            return int(metric_total(engine.url, "vllm:num_preemptions_total") - self.preemptions)
 
-        _until(lambda: preempted() >= expected_preemptions, 30)
+        until(lambda: preempted() >= expected_preemptions, 30)
         steps = [list(batch.events) for batch in batches[first:]]
         # The pause's cache reset comes first, in the first step after the resume.
         assert steps and type(steps[0][0]).__name__.endswith("AllBlocksCleared"), steps[:1]
@@ -403,22 +390,10 @@ def test_the_simulated_engine_admits_caches_and_preempts_requests_in_flight_toge
                 extra_args=("--max-num-batched-tokens", str(WAVE_BUDGET), "--enable-log-requests"),
             ),
         )
-        batches: list[Any] = []
-        stop = threading.Event()
-        context = zmq.Context()
-        sub = context.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(engine.kv_events_endpoint)
+        with EventCounter([engine], keep_batches=True) as tap:
+            batches = tap.batches
+            assert batches is not None
 
-        def receive() -> None:
-            while not stop.is_set():
-                if sub.poll(100):
-                    batches.append(decode_payload(sub.recv_multipart()[-1]))
-
-        receiver = threading.Thread(target=receive, daemon=True)
-        receiver.start()
-        try:
             # A SUB socket misses what is published before it has joined: warm-up requests until
             # one's events arrive.
             def warmed_up() -> bool:
@@ -427,7 +402,7 @@ def test_the_simulated_engine_admits_caches_and_preempts_requests_in_flight_toge
                     httpx.post(f"{engine.url}/v1/completions", json=body, timeout=120).raise_for_status()
                 return bool(batches)
 
-            _until(warmed_up, 60)
+            until(warmed_up, 60)
             assert batches, "no KV events from the engine"
             preempted = 0
             for seed in (3, 4, 5):
@@ -438,10 +413,5 @@ def test_the_simulated_engine_admits_caches_and_preempts_requests_in_flight_toge
                 preempted += live[2]
             # The waves do what they are for: requests hit each other's blocks and are preempted.
             assert preempted >= 2 and any(live[1]), preempted
-        finally:
-            stop.set()
-            receiver.join()
-            sub.close()
-            context.term()
     finally:
         fleet.stop()

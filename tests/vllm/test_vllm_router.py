@@ -30,7 +30,7 @@ from sim.vllm_cpu import VllmCpuFleet
 from sim.vllm_model import MODEL_NAME, training_text, write_model_dir
 from tests.conftest import ThreadedServer
 from tests.test_priority import _escalations
-from tests.vllm.conftest import PROFILE
+from tests.vllm.conftest import PROFILE, metric_total, until
 
 # The first test also waits for the session fleet to start (minutes: the first start compiles).
 pytestmark = pytest.mark.timeout(2700)
@@ -559,18 +559,11 @@ def test_vllm_router_kv_aware_follows_the_engines_kv_events(
 
 def _in_flight(router_url: str) -> float:
     """The router's kvroute_in_flight gauge, summed over engines."""
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in httpx.get(f"{router_url}/metrics", timeout=10).text.splitlines()
-        if line.startswith("kvroute_in_flight{")
-    )
+    return metric_total(router_url, "kvroute_in_flight")
 
 
 def _until(what: str, check: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
-        time.sleep(0.05)
+    assert until(check, timeout_s), f"not within {timeout_s:g} s: {what}"
 
 
 #: Output tokens of A: ~1 s of decode here, while the engine core reads long and short in.
