@@ -138,13 +138,20 @@ def _toml(value: Any) -> str:
     return json.dumps(value)
 
 
+def _path_label(lead: str, callback_path: bool | str | None) -> str:
+    """How a report names the router's proxy.callback_path ("" for the default)."""
+    if callback_path is None:
+        return ""
+    return f"{lead}proxy.callback_path {str(callback_path).lower()}"
+
+
 def router_toml(
     engines: list[dict[str, Any]],
     port: int,
     *,
     first_byte_timeout_s: float,
     policy: str = "kv_gpu",
-    callback_path: bool = False,
+    callback_path: bool | str | None = None,
 ) -> str:
     sections: dict[str, dict[str, Any]] = {
         "listen": {"host": "127.0.0.1", "port": port},
@@ -154,8 +161,8 @@ def router_toml(
         "limits": {"first_byte_timeout_s": first_byte_timeout_s, "read_timeout_s": 15.0},
         "costs": {"scrape_interval_s": 1.0},
     }
-    if callback_path:
-        sections["proxy"] = {"callback_path": True}
+    if callback_path is not None:  # (None: the router's default)
+        sections["proxy"] = {"callback_path": callback_path}
     lines = ['log_level = "warning"']
     for name, values in sections.items():
         lines.append(f"[{name}]")
@@ -460,8 +467,8 @@ def hand_cases() -> list[tuple[str, str, dict[str, str], bytes]]:
 def run_inputs(args: argparse.Namespace, workdir: Path) -> None:
     report = workdir / "fuzz.txt"
     env = dict(os.environ, KVROUTE_FUZZ_EXAMPLES=str(args.fuzz_examples), KVROUTE_FUZZ_REPORT=str(report))
-    if args.callback_path:  # tests/conftest.py's switch: the test routers run on the callback path
-        env["TEST_KVROUTE_CALLBACK_PATH"] = "1"
+    if args.callback_path in (True, False):  # tests/conftest.py's switch: the test routers' path
+        env["TEST_KVROUTE_CALLBACK_PATH"] = "1" if args.callback_path else "0"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_app_fuzz.py"],
         cwd=REPO_ROOT,
@@ -475,7 +482,7 @@ def run_inputs(args: argparse.Namespace, workdir: Path) -> None:
     print(
         f"schemathesis (tests/test_app_fuzz.py, {args.fuzz_examples} examples per operation and mode): "
         f"{sum(fuzz.values())} requests; pytest: {_last_line(proc.stdout) or proc.returncode}"
-        + ("; every router with proxy.callback_path on" if args.callback_path else "")
+        + _path_label("; every router with ", args.callback_path)
     )
     print("| source | requests | statuses | 5xx from the router |")
     print("|---|---:|---|---:|")
@@ -825,8 +832,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="kv_gpu", help="routing policy of the router under test")
     p.add_argument(
         "--callback-path",
-        action="store_true",
-        help="the router under test with proxy.callback_path on (the fault phases and the input table)",
+        nargs="?",
+        const=True,
+        default=None,
+        type=lambda value: {"true": True, "false": False, "idle": "idle"}[value],
+        metavar="true|false|idle",
+        help="the router under test with this proxy.callback_path (alone: true; without: the "
+        "router's default) in the fault phases and the input table",
     )
     p.add_argument("--inputs", action="store_true", help="also run the input table")
     p.add_argument("--fuzz-examples", type=int, default=50)
@@ -857,7 +869,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.conversations} streaming conversations per phase ({args.policy}), "
                 f"{args.phase_s:.0f} s each, "
                 f"fault at {args.fault_at_s:.0f} s; router first_byte_timeout_s={args.first_byte_timeout_s}, "
-                "read_timeout_s=15" + (", proxy.callback_path on" if args.callback_path else "")
+                "read_timeout_s=15" + _path_label(", ", args.callback_path)
             )
             print_phases(results)
         if args.inputs:

@@ -115,8 +115,10 @@ def install_peer(peers_dir: Path, peer: str) -> Path:
 @dataclass(frozen=True, slots=True)
 class Target:
     """``direct``, ``raw_proxy`` (loadtest/bench_proxy.py's reference proxy: what Python can reach
-    here), ``kvroute:POLICY[+tok][+cb][+defer|+nodefer][xN]`` or ``PEER:POLICY``; ``+cb``: kvroute with the
-    callback path on (proxy.callback_path), off without it; ``+defer``: with
+    here), ``kvroute:POLICY[+tok][+cb|+cbidle|+nocb][+defer|+nodefer][xN]`` or ``PEER:POLICY``; ``+cb``:
+    kvroute with the callback path on (proxy.callback_path true), ``+cbidle``: on while the router
+    is idle ("idle"), ``+nocb``: off (false), none of them: the checkout's default ("idle" since
+    it has the value, off before); ``+defer``: with
     proxy.defer_accounting on, ``+nodefer``: off (without either: the checkout's default, on since
     round dp26)."""
 
@@ -129,7 +131,8 @@ class Target:
     checkout: str = ""
     #: kvroute run by this Python interpreter instead of the bench's own (``--python LABEL=PATH``).
     python: str = ""
-    callback_path: bool = False
+    #: proxy.callback_path: True ``+cb``, "idle" ``+cbidle``, False ``+nocb``, None the checkout's default.
+    callback_path: bool | str | None = None
     #: ``raw_proxy+workN``: the raw proxy spending N µs of pure-Python busy work per request before it
     #: forwards (a probe: what N µs of a router's own work costs it per request over sockets).
     work_us: float = 0.0
@@ -152,7 +155,7 @@ class Target:
         if kind not in ("kvroute", *PEER_PACKAGES) or not rest:
             raise ValueError(
                 f"target {spec!r}: expected direct, raw_proxy[+workUS], "
-                f"kvroute:POLICY[+tok][+cb][+defer|+nodefer][xN] or PEER:POLICY with PEER in "
+                f"kvroute:POLICY[+tok][+cb|+cbidle|+nocb][+defer|+nodefer][xN] or PEER:POLICY with PEER in "
                 f"{', '.join(PEER_PACKAGES)}"
             )
         workers = 1
@@ -163,9 +166,11 @@ class Target:
         if kind == "kvroute" and rest.endswith(("+defer", "+nodefer")):
             defer = rest.endswith("+defer")
             rest = rest.removesuffix("+defer" if defer else "+nodefer")
-        callback_path = kind == "kvroute" and rest.endswith("+cb")
-        if callback_path:
-            rest = rest.removesuffix("+cb")
+        callback_path: bool | str | None = None
+        for suffix, value in (("+cb", True), ("+cbidle", "idle"), ("+nocb", False)):
+            if kind == "kvroute" and rest.endswith(suffix):
+                callback_path, rest = value, rest.removesuffix(suffix)
+                break
         tok = rest.endswith("+tok")
         policy = rest.removesuffix("+tok")
         if kind == "kvroute" and policy not in KVROUTE_POLICIES:
@@ -286,10 +291,10 @@ def start_target(
         if target.workers > 1:
             args += ["--workers", str(target.workers)]
         env["KVROUTE_TOKENIZER_BACKEND"] = "sim" if target.tokenizer else "none"
-        if target.callback_path:
-            env["KVROUTE_PROXY_CALLBACK_PATH"] = "true"
-        else:  # a checkout from before the key would refuse the variable
-            env.pop("KVROUTE_PROXY_CALLBACK_PATH", None)
+        if target.callback_path is None:  # the checkout's default (one from before the key would
+            env.pop("KVROUTE_PROXY_CALLBACK_PATH", None)  # refuse the variable)
+        else:
+            env["KVROUTE_PROXY_CALLBACK_PATH"] = str(target.callback_path).lower()  # true, false, idle
         if target.defer_accounting is None:  # the checkout's default (one from before the key
             env.pop("KVROUTE_PROXY_DEFER_ACCOUNTING", None)  # would refuse the variable)
         else:

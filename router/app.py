@@ -17,7 +17,7 @@ import hashlib
 import logging
 import operator
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence, Sized
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -96,6 +96,9 @@ class KvrouteApp(FastAPI):
     proxy_now: Callable[[Any], bool] | None = None
     #: The callback path's entry whether or not it is on (tests switch it on for a whole run).
     callback_proxy: Callable[[Any], bool] | None = None
+    #: With ``proxy_now``: a request goes the callback path only while this is empty (the upstream
+    #: exchanges in progress with proxy.callback_path = "idle"; an empty tuple: always).
+    callback_busy: Sized = ()
     #: Counts a client connection cut by limits.client_write_timeout_s (router/guard.py), by the
     #: engine of its answer ("none": no engine's).
     on_client_write_timeout: Callable[[str], None] | None = None
@@ -669,6 +672,8 @@ def create_app(
     app.on_client_write_timeout = lambda engine: metrics.client_write_timeouts.inc((engine,))
     if config.proxy.callback_path:
         app.proxy_now = proxy_now
+        if config.proxy.callback_path == "idle":
+            app.callback_busy = client.exchanges
 
     @app.post("/v1/chat/completions", openapi_extra=openapi.operation(openapi.CHAT_BODY, streams=True))
     async def chat_completions(request: Request) -> Response:

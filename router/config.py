@@ -15,7 +15,7 @@ import os
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -195,8 +195,11 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: await, an idle keep-alive connection to the chosen engine) entirely in the HTTP protocols'
     #: callbacks, without an asyncio task, a stream's events relayed read by read; anything else
     #: goes on as a task from the point reached, a stream back in callbacks from its first event
-    #: (router/fastpath.py, router/routing.py). Off = every request runs as a task.
-    callback_path: bool = False
+    #: (router/fastpath.py, router/routing.py). Off = every request runs as a task. "idle" = on
+    #: for a request that arrives while no other exchange with an engine is in progress in this
+    #: process (the latency of a lightly loaded router), off otherwise (under load the task path
+    #: serves more requests a second: docs/benchmarks.md).
+    callback_path: bool | Literal["idle"] = "idle"
     #: Run the accounting that follows an answer out (the TTFT model's learning, the index's
     #: delivered-blocks check, experiments, the observers: metrics, first-byte budget, liveness,
     #: traces; the log line) later: when the next request has gone to its engine, a 2 ms timer

@@ -20,7 +20,7 @@ import re
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Set
 from typing import TypeAlias
 from urllib.parse import urlsplit
 
@@ -436,6 +436,8 @@ class UpstreamClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Connections carrying an exchange (their deadlines are checked by ``_tick``).
         self._running: set[_Connection] = set()
+        #: The same set, read-only for others: empty while no exchange is in progress.
+        self.exchanges: Set[_Connection] = self._running
         self._ticker: asyncio.TimerHandle | None = None
         self._tls: ssl.SSLContext | None = None
         self._sweeper: asyncio.TimerHandle | None = None

@@ -28,6 +28,10 @@ settings.register_profile("ci", derandomize=True, database=None)
 settings.register_profile("dev", database=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
+# TEST_KVROUTE_CALLBACK_PATH=1 / 0: the routers the tests serve in-process (``ThreadedServer``)
+# answer every proxied request they can from callbacks (proxy.callback_path true, whatever each
+# test's config) / the default's requests all on tasks (false for a config at the default, "idle",
+# which answers from callbacks while no other exchange is in progress).
 # TEST_KVROUTE_DEFER_ACCOUNTING=1 / 0: the whole run with proxy.defer_accounting on / off (on by
 # default): the routers the tests serve in-process (``ThreadedServer``) and, through the variable
 # of the key, the ``kvroute serve`` processes they start.
@@ -57,9 +61,13 @@ class ThreadedServer:
             from router.guard import guarded_http_protocol
 
             options = {"http": guarded_http_protocol(router_config.limits), "proxy_headers": False}
-            if os.environ.get("TEST_KVROUTE_CALLBACK_PATH") == "1":
-                # The whole run on the callback path (proxy.callback_path), whatever each test's config.
-                app.proxy_now = app.callback_proxy
+            callbacks = os.environ.get("TEST_KVROUTE_CALLBACK_PATH")
+            if callbacks == "1":
+                # The whole run on the callback path (proxy.callback_path), whatever each test's
+                # config and however busy the router.
+                app.proxy_now, app.callback_busy = app.callback_proxy, ()
+            elif callbacks == "0" and router_config.proxy.callback_path == "idle":
+                app.proxy_now = None  # the default's requests all on tasks (proxy.callback_path off)
             router = getattr(app.state, "router", None)
             defer = _DEFER
             if defer in ("0", "1") and router is not None:

@@ -137,16 +137,19 @@ def test_the_zero_delay_upstream_counts_prompt_tokens_as_the_sim_tokenizer(tmp_p
 
 
 def test_bench_peers_targets_name_the_callback_path() -> None:
-    """``+cb`` runs kvroute with proxy.callback_path on (B3 measures both paths of one commit),
+    """``+cb`` / ``+cbidle`` / ``+nocb`` run kvroute with proxy.callback_path true / "idle" / false
+    (B3 measures the paths of one commit),
     ``+defer`` / ``+nodefer`` with proxy.defer_accounting on / off; catches a suffix read as part
     of the policy name or left on for the plain target, ``+nodefer`` read as ``+defer``."""
     from loadtest.bench_peers import Target
 
     on = Target.parse("kvroute:tier_cost+tok+cbx2")
     assert (on.policy, on.tokenizer, on.callback_path, on.workers) == ("tier_cost", True, True, 2)
-    off = Target.parse("kvroute:round_robin")
-    assert (off.policy, off.tokenizer, off.callback_path) == ("round_robin", False, False)
-    assert Target.parse("kvroute:round_robin+cb").callback_path
+    plain = Target.parse("kvroute:round_robin")  # the checkout's default: no variable set
+    assert (plain.policy, plain.tokenizer, plain.callback_path) == ("round_robin", False, None)
+    assert Target.parse("kvroute:round_robin+cb").callback_path is True
+    assert Target.parse("kvroute:tier_cost+tok+cbidle").callback_path == "idle"
+    assert Target.parse("kvroute:tier_cost+tok+nocb").callback_path is False
     both = Target.parse("kvroute:tier_cost+tok+cb+deferx2")
     assert (both.policy, both.tokenizer, both.callback_path, both.defer_accounting, both.workers) == (
         "tier_cost",
@@ -190,17 +193,19 @@ def test_bench_peers_raw_proxy_work_probe_parses() -> None:
 
 
 def test_bench_faults_router_config_puts_the_router_on_the_callback_path(tmp_path: Path) -> None:
-    """``bench_faults --callback-path`` writes a router config the router reads with
-    proxy.callback_path on (and off without it); catches a section or key the config does not know,
-    which would leave the fault and input tables measuring the task path under the other label."""
+    """``bench_faults --callback-path [true|false|idle]`` writes a router config the router reads
+    with that proxy.callback_path (its default without the option); catches a section or key the
+    config does not know, which would leave the fault and input tables measuring another path
+    under the label."""
     from loadtest.bench_faults import router_toml
     from router.config import load_config
 
     engine = {"id": "e0", "url": "http://127.0.0.1:9", "model": "m"}
-    for flag in (True, False):
+    for flag, read in ((True, True), (False, False), ("idle", "idle"), (None, "idle")):
         path = tmp_path / f"router-{flag}.toml"
         path.write_text(router_toml([engine], 8000, first_byte_timeout_s=3.0, callback_path=flag))
-        assert load_config(path, environ={}).proxy.callback_path is flag
+        assert load_config(path, environ={}).proxy.callback_path == read
+        assert type(load_config(path, environ={}).proxy.callback_path) is type(read)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ connection retried, fail-over to the next engine, streams with their usage chunk
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -163,7 +164,7 @@ def _router(
     serve_asgi: Callable[..., ThreadedServer],
     engines: list[tuple[str, str]],
     recorder: Recorder,
-    callback_path: bool = True,
+    callback_path: bool | str = True,
 ) -> ThreadedServer:
     config = load_config(
         environ={},
@@ -387,3 +388,71 @@ def test_client_gone_before_the_answer_cancels_and_gives_the_load_back(
     upstream.delay_s = 0.0
     assert len(recorder.finished) == 2
     assert _count(httpx.get(server.url + "/metrics").text, "499") == 1
+
+
+class HeldEngine(RawEngine):
+    """Answers each request at once, but one whose body holds ``"hold"`` only once ``release`` is
+    set (``holding`` is set while it waits)."""
+
+    def __init__(self) -> None:
+        self.holding = threading.Event()
+        self.release = threading.Event()
+        super().__init__()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            for body in self.each_request(conn):
+                if b"hold" in body:
+                    self.holding.set()
+                    self.release.wait(30)
+                conn.sendall(completion_answer())
+
+
+@pytest.mark.parametrize("callback_path", [True, "idle"])
+def test_idle_takes_the_callback_path_only_while_no_other_exchange_is_in_progress(
+    serve_asgi: Callable[..., ThreadedServer], task_starts: list[object], callback_path: bool | str
+) -> None:
+    """proxy.callback_path = "idle" (the default): a warm request goes the callback path while the
+    router has no other exchange with an engine, and as a task while one is in progress (the
+    engine holds a request), though an idle pooled connection is there for it; ``true`` takes the
+    callback path either way. Catches: the gate not applied (under load the task path serves more
+    a second: docs/benchmarks.md), or applied with ``true``, or an exchange never leaving the set
+    (every later request a task)."""
+    if os.environ.get("TEST_KVROUTE_CALLBACK_PATH") in ("0", "1"):
+        pytest.skip("TEST_KVROUTE_CALLBACK_PATH sets the path for the whole run")
+    engine = HeldEngine()
+    try:
+        server = _router(serve_asgi, [("e0", engine.url)], Recorder(), callback_path=callback_path)
+        with (
+            socket.create_connection(("127.0.0.1", server.port)) as first,
+            socket.create_connection(("127.0.0.1", server.port)) as second,
+        ):
+
+            def held(then: Callable[[], None]) -> None:
+                """``then`` run while the engine holds a request of ``second``'s."""
+                engine.release.clear()
+                engine.holding.clear()
+                second.sendall(post("/v1/chat/completions", chat(text="hold")))
+                assert engine.holding.wait(10)
+                then()
+                engine.release.set()
+                assert [a.status_code for a in read_answers(second, 1)] == [200]
+
+            def answered(text: str) -> None:
+                first.sendall(post("/v1/chat/completions", chat(text=text)))
+                assert [a.status_code for a in read_answers(first, 1)] == [200]
+
+            held(lambda: answered("warm"))  # two pooled connections to the engine from here on
+            task_starts.clear()
+            answered("idle")
+            assert task_starts == []  # nothing else in progress: callbacks
+            held(task_starts.clear)
+            assert task_starts == []  # (the held request came to an idle router too)
+            held(lambda: answered("busy"))
+            assert len(task_starts) == (1 if callback_path == "idle" else 0)  # "busy" only
+            task_starts.clear()
+            answered("idle again")
+            assert task_starts == []
+    finally:
+        engine.release.set()
+        engine.stop_listening()

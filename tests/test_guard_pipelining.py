@@ -51,6 +51,7 @@ class AnswerAtOnce:
     """The app's side of the callback path: every proxied request answered 200 in the callback."""
 
     proxy_paths = {b"/v1/chat/completions": "/v1/chat/completions"}
+    callback_busy = ()  # (as KvrouteApp's with proxy.callback_path true: never busy)
 
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
