@@ -480,6 +480,8 @@ def _convert(data: Mapping[str, Any]) -> RouterConfig:
             if section == "experiment" and "arms" in where:
                 cls = ArmConfig
             hint = f"; accepted keys here: {_accepted(cls)}"
+        elif text.endswith("`$.proxy.callback_path`"):
+            hint = '; accepted: true, false or "idle"'
         raise ConfigError(f"invalid config: {text}{hint}") from None
 
 

@@ -89,6 +89,11 @@ def test_engines_from_env_and_flags() -> None:
             {},
             "log_level 'loud' unknown; accepted",
         ),
+        (
+            TOML,
+            {"KVROUTE_PROXY_CALLBACK_PATH": "sometimes"},
+            'callback_path`; accepted: true, false or "idle"',
+        ),
         ("[listen]\nport = 1\n", {}, "no engines configured"),
         ("[listen\n", {}, "not valid TOML"),
     ],
