@@ -285,59 +285,50 @@ def _added(engine: FleetEngine) -> int:
     return Path(engine.log_path).read_text(errors="replace").count("Added request ")
 
 
-class _LiveWave:
-    """A wave on the real engine: its scheduler paused (which also empties its prefix cache, so the
-    wave starts as the simulator's fresh engine does), the requests sent one by one, each once vLLM
-    has handed the one before to its engine core (--enable-log-requests logs each after the send:
-    the arrival order is the wave's; a request of several prompts would give them one arrival time,
-    which vLLM's priority scheduler breaks by the running order), then resumed (the resume reaches
-    the core on the same socket, after them)."""
+def _live_wave(
+    engine: FleetEngine, batches: list[Any], wave: Wave, expected_steps: int, expected_preemptions: int
+) -> tuple[list[list[Any]], list[int], int]:
+    """The wave on the real engine: its scheduler paused (which also empties its prefix cache, so
+    the wave starts as the simulator's fresh engine does), the requests sent one by one, each once
+    vLLM has handed the one before to its engine core (--enable-log-requests logs each after the
+    send: the arrival order is the wave's; a request of several prompts would give them one arrival
+    time, which vLLM's priority scheduler breaks by the running order), then resumed (the resume
+    reaches the core on the same socket, after them). Each step's events, each request's cached
+    tokens and the preemptions, once every answer is in and ``expected_steps`` event batches and
+    ``expected_preemptions`` have arrived (the simulator's figures; a shortfall shows in the
+    comparison)."""
+    httpx.post(f"{engine.url}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+    first = len(batches)
+    before = metric_total(engine.url, "vllm:num_preemptions_total")
+    answers: list[Any] = [None] * len(wave)
 
-    def __init__(self, engine: FleetEngine, batches: list[Any], wave: Wave) -> None:
-        self.engine, self.batches = engine, batches
-        httpx.post(f"{engine.url}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
-        self.first = len(batches)
-        self.preemptions = metric_total(engine.url, "vllm:num_preemptions_total")
-        self.answers: list[Any] = []
-        self.senders: list[threading.Thread] = []
-        for priority, max_tokens, prompt in wave:
-            body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
-            sender = threading.Thread(
-                target=self._post, args=(len(self.answers), {**body, "priority": priority})
-            )
-            self.answers.append(None)
-            self.senders.append(sender)
-            added = _added(engine) + 1
-            sender.start()
-            until(lambda: _added(engine) >= added, 60)  # noqa: B023 (called before ``added`` changes)
-        httpx.post(f"{engine.url}/resume", timeout=60).raise_for_status()
+    def post(r: int, body: dict[str, Any]) -> None:
+        answers[r] = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=600)
 
-    def _post(self, r: int, body: dict[str, Any]) -> None:
-        self.answers[r] = httpx.post(f"{self.engine.url}/v1/completions", json=body, timeout=600)
+    senders = []
+    for r, (priority, max_tokens, prompt) in enumerate(wave):
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        senders.append(threading.Thread(target=post, args=(r, {**body, "priority": priority})))
+        added = _added(engine) + 1
+        senders[-1].start()
+        until(lambda: _added(engine) >= added, 60)  # noqa: B023 (called before ``added`` changes)
+    httpx.post(f"{engine.url}/resume", timeout=60).raise_for_status()
+    for sender in senders:
+        sender.join()
+    for answer in answers:
+        answer.raise_for_status()
+    until(lambda: len(batches) - first >= expected_steps, 30)
 
-    def collect(
-        self, expected_steps: int, expected_preemptions: int
-    ) -> tuple[list[list[Any]], list[int], int]:
-        """Each step's events, each request's cached tokens and the preemptions, once every answer
-        is in and ``expected_steps`` event batches and ``expected_preemptions`` have arrived (the
-        simulator's figures; a shortfall shows in the comparison)."""
-        engine, batches, first = self.engine, self.batches, self.first
-        for sender in self.senders:
-            sender.join()
-        for answer in self.answers:
-            answer.raise_for_status()
-        until(lambda: len(batches) - first >= expected_steps, 30)
+    def preempted() -> int:
+        return int(metric_total(engine.url, "vllm:num_preemptions_total") - before)
 
-        def preempted() -> int:
-            return int(metric_total(engine.url, "vllm:num_preemptions_total") - self.preemptions)
-
-        until(lambda: preempted() >= expected_preemptions, 30)
-        steps = [list(batch.events) for batch in batches[first:]]
-        # The pause's cache reset comes first, in the first step after the resume.
-        assert steps and type(steps[0][0]).__name__.endswith("AllBlocksCleared"), steps[:1]
-        steps[0] = steps[0][1:]
-        cached = [a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0 for a in self.answers]
-        return [s for s in steps if s], cached, preempted()
+    until(lambda: preempted() >= expected_preemptions, 30)
+    steps = [list(batch.events) for batch in batches[first:]]
+    # The pause's cache reset comes first, in the first step after the resume.
+    assert steps and type(steps[0][0]).__name__.endswith("AllBlocksCleared"), steps[:1]
+    steps[0] = steps[0][1:]
+    cached = [a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0 for a in answers]
+    return [s for s in steps if s], cached, preempted()
 
 
 def _compare(
@@ -408,7 +399,7 @@ def test_the_simulated_engine_admits_caches_and_preempts_requests_in_flight_toge
             for seed in (3, 4, 5):
                 wave = _wave(seed)
                 simulated = _simulated_wave(wave, policy)
-                live = _LiveWave(engine, batches, wave).collect(len(simulated[0]), simulated[2])
+                live = _live_wave(engine, batches, wave, len(simulated[0]), simulated[2])
                 _compare(tmp_path, f"wave-{seed}", wave, live, simulated)
                 preempted += live[2]
             # The waves do what they are for: requests hit each other's blocks and are preempted.
