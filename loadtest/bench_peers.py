@@ -115,9 +115,10 @@ def install_peer(peers_dir: Path, peer: str) -> Path:
 @dataclass(frozen=True, slots=True)
 class Target:
     """``direct``, ``raw_proxy`` (loadtest/bench_proxy.py's reference proxy: what Python can reach
-    here), ``kvroute:POLICY[+tok][+cb|+cbidle|+nocb][+defer|+nodefer][xN]`` or ``PEER:POLICY``; ``+cb``:
+    here), ``kvroute:POLICY[+tok][+cb|+cbidle|+cbN|+nocb][+defer|+nodefer][xN]`` or ``PEER:POLICY``; ``+cb``:
     kvroute with the callback path on (proxy.callback_path true), ``+cbidle``: on while the router
-    is idle ("idle"), ``+nocb``: off (false), none of them: the checkout's default ("idle" since
+    is idle ("idle"), ``+cbN``: on while fewer than N other exchanges are in progress (N), ``+nocb``:
+    off (false), none of them: the checkout's default ("idle" since
     it has the value, off before); ``+defer``: with
     proxy.defer_accounting on, ``+nodefer``: off (without either: the checkout's default, on since
     round dp26)."""
@@ -131,7 +132,8 @@ class Target:
     checkout: str = ""
     #: kvroute run by this Python interpreter instead of the bench's own (``--python LABEL=PATH``).
     python: str = ""
-    #: proxy.callback_path: True ``+cb``, "idle" ``+cbidle``, False ``+nocb``, None the checkout's default.
+    #: proxy.callback_path: True ``+cb``, "idle" ``+cbidle``, "N" ``+cbN``, False ``+nocb``, None the
+    #: checkout's default.
     callback_path: bool | str | None = None
     #: ``raw_proxy+workN``: the raw proxy spending N µs of pure-Python busy work per request before it
     #: forwards (a probe: what N µs of a router's own work costs it per request over sockets).
@@ -155,7 +157,7 @@ class Target:
         if kind not in ("kvroute", *PEER_PACKAGES) or not rest:
             raise ValueError(
                 f"target {spec!r}: expected direct, raw_proxy[+workUS], "
-                f"kvroute:POLICY[+tok][+cb|+cbidle|+nocb][+defer|+nodefer][xN] or PEER:POLICY with PEER in "
+                f"kvroute:POLICY[+tok][+cb|+cbidle|+cbN|+nocb][+defer|+nodefer][xN] or PEER:POLICY with PEER in "
                 f"{', '.join(PEER_PACKAGES)}"
             )
         workers = 1
@@ -171,6 +173,9 @@ class Target:
             if kind == "kvroute" and rest.endswith(suffix):
                 callback_path, rest = value, rest.removesuffix(suffix)
                 break
+        m = re.fullmatch(r"(.*)\+cb(\d+)", rest)
+        if m and kind == "kvroute" and callback_path is None:
+            rest, callback_path = m.group(1), m.group(2)
         tok = rest.endswith("+tok")
         policy = rest.removesuffix("+tok")
         if kind == "kvroute" and policy not in KVROUTE_POLICIES:
@@ -294,7 +299,7 @@ def start_target(
         if target.callback_path is None:  # the checkout's default (one from before the key would
             env.pop("KVROUTE_PROXY_CALLBACK_PATH", None)  # refuse the variable)
         else:
-            env["KVROUTE_PROXY_CALLBACK_PATH"] = str(target.callback_path).lower()  # true, false, idle
+            env["KVROUTE_PROXY_CALLBACK_PATH"] = str(target.callback_path).lower()  # true, false, idle, N
         if target.defer_accounting is None:  # the checkout's default (one from before the key
             env.pop("KVROUTE_PROXY_DEFER_ACCOUNTING", None)  # would refuse the variable)
         else:

@@ -30,7 +30,7 @@ from kvcore.calibration import CostModel
 from kvcore.core import CoreConfig, RoutingCore
 from router import __version__, openapi
 from router.after_answer import AfterAnswer
-from router.config import RouterConfig
+from router.config import RouterConfig, callback_path_below
 from router.errors import FieldRules, RouterError, bad_request
 from router.guard import TENANT_STATE_KEY, AccessGuard, Authenticator, error_headers, send_error
 from router.load import EnginePoller, LoadTracker
@@ -96,9 +96,11 @@ class KvrouteApp(FastAPI):
     proxy_now: Callable[[Any], bool] | None = None
     #: The callback path's entry whether or not it is on (tests switch it on for a whole run).
     callback_proxy: Callable[[Any], bool] | None = None
-    #: With ``proxy_now``: a request goes the callback path only while this is empty (the upstream
-    #: exchanges in progress with proxy.callback_path = "idle"; an empty tuple: always).
+    #: With ``proxy_now``: a request goes the callback path only while this holds fewer than
+    #: ``callback_below`` (the upstream exchanges in progress with proxy.callback_path "idle" or
+    #: N; an empty tuple: always).
     callback_busy: Sized = ()
+    callback_below = 1
     #: Counts a client connection cut by limits.client_write_timeout_s (router/guard.py), by the
     #: engine of its answer ("none": no engine's).
     on_client_write_timeout: Callable[[str], None] | None = None
@@ -670,10 +672,11 @@ def create_app(
 
     app.callback_proxy = proxy_now
     app.on_client_write_timeout = lambda engine: metrics.client_write_timeouts.inc((engine,))
-    if config.proxy.callback_path:
+    below = callback_path_below(config.proxy.callback_path)
+    if below != 0:
         app.proxy_now = proxy_now
-        if config.proxy.callback_path == "idle":
-            app.callback_busy = client.exchanges
+        if below is not None:
+            app.callback_busy, app.callback_below = client.exchanges, below
 
     @app.post("/v1/chat/completions", openapi_extra=openapi.operation(openapi.CHAT_BODY, streams=True))
     async def chat_completions(request: Request) -> Response:

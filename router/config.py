@@ -198,8 +198,9 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: (router/fastpath.py, router/routing.py). Off = every request runs as a task. "idle" = on
     #: for a request that arrives while no other exchange with an engine is in progress in this
     #: process (the latency of a lightly loaded router), off otherwise (under load the task path
-    #: serves more requests a second: docs/benchmarks.md).
-    callback_path: bool | Literal["idle"] = "idle"
+    #: serves more requests a second: docs/benchmarks.md). An integer N >= 1: on while fewer than
+    #: N other exchanges are in progress ("idle" is 1).
+    callback_path: bool | int | Literal["idle"] = "idle"
     #: Run the accounting that follows an answer out (the TTFT model's learning, the index's
     #: delivered-blocks check, experiments, the observers: metrics, first-byte budget, liveness,
     #: traces; the log line) later: when the next request has gone to its engine, a 2 ms timer
@@ -466,6 +467,19 @@ def _parse_engines_text(raw: str, *, source: str) -> list[dict[str, Any]]:
     return engines
 
 
+_CALLBACK_PATH_HINT = '; accepted: true, false, "idle" or an integer >= 1'
+
+
+def callback_path_below(value: bool | int | str) -> int | None:
+    """How many other exchanges in progress turn proxy.callback_path off: None = never (``true``),
+    0 = always (``false``), 1 for "idle", N for an integer N."""
+    if value is True:
+        return None
+    if value is False:
+        return 0
+    return 1 if value == "idle" else int(value)
+
+
 def _convert(data: Mapping[str, Any]) -> RouterConfig:
     try:
         return msgspec.convert(data, RouterConfig, strict=False)
@@ -481,7 +495,7 @@ def _convert(data: Mapping[str, Any]) -> RouterConfig:
                 cls = ArmConfig
             hint = f"; accepted keys here: {_accepted(cls)}"
         elif text.endswith("`$.proxy.callback_path`"):
-            hint = '; accepted: true, false or "idle"'
+            hint = _CALLBACK_PATH_HINT
         raise ConfigError(f"invalid config: {text}{hint}") from None
 
 
@@ -520,6 +534,9 @@ def validate(config: RouterConfig) -> RouterConfig:
             raise ConfigError(
                 f"{where}.data_parallel_size must be an integer >= 1, got {engine.data_parallel_size!r}"
             )
+    callback_path = config.proxy.callback_path
+    if not isinstance(callback_path, bool) and isinstance(callback_path, int) and callback_path < 1:
+        raise ConfigError(f"proxy.callback_path must not be {callback_path}{_CALLBACK_PATH_HINT}")
     if not 0 <= config.listen.port <= 65535:
         raise ConfigError(f"listen.port must be 0..65535, got {config.listen.port}")
     limits = config.limits

@@ -686,7 +686,7 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         existing = self.cycle
         self.cycle = exchange  # type: ignore[assignment]
         if existing is None or existing.response_complete:
-            if getattr(app, "proxy_now", None) is not None and not app.callback_busy:
+            if getattr(app, "proxy_now", None) is not None and len(app.callback_busy) < app.callback_below:
                 # The callback path: decided once this chunk is parsed (``data_received``).
                 self._deferred = (exchange, proxy_app)
             else:

@@ -92,7 +92,12 @@ def test_engines_from_env_and_flags() -> None:
         (
             TOML,
             {"KVROUTE_PROXY_CALLBACK_PATH": "sometimes"},
-            'callback_path`; accepted: true, false or "idle"',
+            'callback_path`; accepted: true, false, "idle" or an integer >= 1',
+        ),
+        (
+            TOML,
+            {"KVROUTE_PROXY_CALLBACK_PATH": "0"},
+            'proxy.callback_path must not be 0; accepted: true, false, "idle" or an integer >= 1',
         ),
         ("[listen]\nport = 1\n", {}, "no engines configured"),
         ("[listen\n", {}, "not valid TOML"),
