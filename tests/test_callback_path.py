@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import threading
 import time
@@ -392,10 +393,10 @@ def test_client_gone_before_the_answer_cancels_and_gives_the_load_back(
 
 class HeldEngine(RawEngine):
     """Answers each request at once, but one whose body holds ``"hold"`` only once ``release`` is
-    set (``holding`` is set while it waits)."""
+    set (``arrived`` gets one item per held request as it starts waiting)."""
 
     def __init__(self) -> None:
-        self.holding = threading.Event()
+        self.arrived: queue.Queue[bytes] = queue.Queue()
         self.release = threading.Event()
         super().__init__()
 
@@ -403,53 +404,61 @@ class HeldEngine(RawEngine):
         with conn:
             for body in self.each_request(conn):
                 if b"hold" in body:
-                    self.holding.set()
+                    self.arrived.put(body)
                     self.release.wait(30)
                 conn.sendall(completion_answer())
 
 
-@pytest.mark.parametrize("callback_path", [True, "idle"])
-def test_idle_takes_the_callback_path_only_while_no_other_exchange_is_in_progress(
-    serve_asgi: Callable[..., ThreadedServer], task_starts: list[object], callback_path: bool | str
+@pytest.mark.parametrize("callback_path", [True, "idle", 2])
+def test_the_callback_path_only_while_fewer_other_exchanges_than_its_gate_are_in_progress(
+    serve_asgi: Callable[..., ThreadedServer], task_starts: list[object], callback_path: bool | str | int
 ) -> None:
-    """proxy.callback_path = "idle" (the default): a warm request goes the callback path while the
-    router has no other exchange with an engine, and as a task while one is in progress (the
-    engine holds a request), though an idle pooled connection is there for it; ``true`` takes the
-    callback path either way. Catches: the gate not applied (under load the task path serves more
-    a second: docs/benchmarks.md), or applied with ``true``, or an exchange never leaving the set
-    (every later request a task)."""
+    """proxy.callback_path = "idle" (the default) or N: a warm request goes the callback path while
+    the router has fewer than 1 (N) other exchanges with an engine in progress, and as a task
+    otherwise (the engine holds requests), though an idle pooled connection is there for it;
+    ``true`` takes the callback path either way. Catches: the gate not applied (under load the task
+    path serves more a second: docs/benchmarks.md), applied with ``true``, N read as "idle" (or as
+    one more or less), or an exchange never leaving the set (every later request a task)."""
     if os.environ.get("TEST_KVROUTE_CALLBACK_PATH") in ("0", "1"):
         pytest.skip("TEST_KVROUTE_CALLBACK_PATH sets the path for the whole run")
+    below = {True: 10**9, "idle": 1, 2: 2}[callback_path]
     engine = HeldEngine()
     try:
         server = _router(serve_asgi, [("e0", engine.url)], Recorder(), callback_path=callback_path)
         with (
             socket.create_connection(("127.0.0.1", server.port)) as first,
             socket.create_connection(("127.0.0.1", server.port)) as second,
+            socket.create_connection(("127.0.0.1", server.port)) as third,
         ):
 
-            def held(then: Callable[[], None]) -> None:
-                """``then`` run while the engine holds a request of ``second``'s."""
+            def held(holders: list[socket.socket], then: Callable[[], None]) -> None:
+                """``then`` run while the engine holds a request of each of ``holders``, sent one
+                after the other once the one before is held."""
                 engine.release.clear()
-                engine.holding.clear()
-                second.sendall(post("/v1/chat/completions", chat(text="hold")))
-                assert engine.holding.wait(10)
+                for holder in holders:
+                    holder.sendall(post("/v1/chat/completions", chat(text="hold")))
+                    engine.arrived.get(timeout=10)
                 then()
                 engine.release.set()
-                assert [a.status_code for a in read_answers(second, 1)] == [200]
+                for holder in holders:
+                    assert [a.status_code for a in read_answers(holder, 1)] == [200]
 
             def answered(text: str) -> None:
                 first.sendall(post("/v1/chat/completions", chat(text=text)))
                 assert [a.status_code for a in read_answers(first, 1)] == [200]
 
-            held(lambda: answered("warm"))  # two pooled connections to the engine from here on
+            held([second, third], lambda: answered("warm"))  # three pooled connections from here on
             task_starts.clear()
             answered("idle")
             assert task_starts == []  # nothing else in progress: callbacks
-            held(lambda: None)
+            held([second], lambda: None)
             assert task_starts == []  # the held request came to an idle router too
-            held(lambda: answered("busy"))
-            assert len(task_starts) == (1 if callback_path == "idle" else 0)  # "busy" only
+            held([second], lambda: answered("one busy"))
+            assert len(task_starts) == (1 if below <= 1 else 0)  # "one busy" only
+            task_starts.clear()
+            held([second, third], lambda: answered("two busy"))
+            # third's request came with one exchange in progress, "two busy" with two
+            assert len(task_starts) == (below <= 1) + (below <= 2)
             task_starts.clear()
             answered("idle again")
             assert task_starts == []
