@@ -137,7 +137,8 @@ def test_the_zero_delay_upstream_counts_prompt_tokens_as_the_sim_tokenizer(tmp_p
 
 
 def test_bench_peers_targets_name_the_callback_path() -> None:
-    """``+cb`` / ``+cbidle`` / ``+nocb`` run kvroute with proxy.callback_path true / "idle" / false
+    """``+cb`` / ``+cbidle`` / ``+cbN`` / ``+nocb`` run kvroute with proxy.callback_path true / "idle" /
+    N / false
     (B3 measures the paths of one commit),
     ``+defer`` / ``+nodefer`` with proxy.defer_accounting on / off; catches a suffix read as part
     of the policy name or left on for the plain target, ``+nodefer`` read as ``+defer``."""
@@ -150,6 +151,8 @@ def test_bench_peers_targets_name_the_callback_path() -> None:
     assert Target.parse("kvroute:round_robin+cb").callback_path is True
     assert Target.parse("kvroute:tier_cost+tok+cbidle").callback_path == "idle"
     assert Target.parse("kvroute:tier_cost+tok+nocb").callback_path is False
+    below = Target.parse("kvroute:tier_cost+tok+cb4x2")  # the integer gate, as the variable says it
+    assert (below.policy, below.tokenizer, below.callback_path, below.workers) == ("tier_cost", True, "4", 2)
     both = Target.parse("kvroute:tier_cost+tok+cb+deferx2")
     assert (both.policy, both.tokenizer, both.callback_path, both.defer_accounting, both.workers) == (
         "tier_cost",
