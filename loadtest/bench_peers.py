@@ -157,8 +157,8 @@ class Target:
         if kind not in ("kvroute", *PEER_PACKAGES) or not rest:
             raise ValueError(
                 f"target {spec!r}: expected direct, raw_proxy[+workUS], "
-                f"kvroute:POLICY[+tok][+cb|+cbidle|+cbN|+nocb][+defer|+nodefer][xN] or PEER:POLICY with PEER in "
-                f"{', '.join(PEER_PACKAGES)}"
+                "kvroute:POLICY[+tok][+cb|+cbidle|+cbN|+nocb][+defer|+nodefer][xN] or PEER:POLICY with "
+                f"PEER in {', '.join(PEER_PACKAGES)}"
             )
         workers = 1
         m = re.fullmatch(r"(.*)x(\d+)", rest)
