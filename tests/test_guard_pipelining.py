@@ -52,6 +52,7 @@ class AnswerAtOnce:
 
     proxy_paths = {b"/v1/chat/completions": "/v1/chat/completions"}
     callback_busy = ()  # (as KvrouteApp's with proxy.callback_path true: never busy)
+    callback_below = 1
 
     def __init__(self) -> None:
         self.bodies: list[bytes] = []

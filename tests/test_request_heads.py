@@ -99,6 +99,7 @@ class EchoApp:
     proxy_paths = {PROXIED.encode(): PROXIED}
     proxy_now: Callable[[Any], bool] | None = None
     callback_busy = ()  # (as KvrouteApp's with proxy.callback_path true: never busy)
+    callback_below = 1
 
     def __init__(self) -> None:
         class State:
