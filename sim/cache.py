@@ -115,13 +115,16 @@ class GpuBlockPool:
 class LruBlockTier:
     """An offload tier: a set of block hashes with a capacity and LRU eviction (CPU, STORAGE)."""
 
-    __slots__ = ("_blocks", "capacity_blocks")
+    __slots__ = ("_blocks", "_pinned", "capacity_blocks")
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks <= 0:
             raise ValueError(f"tier capacity must be positive, got {capacity_blocks} blocks")
         self.capacity_blocks = capacity_blocks
         self._blocks: OrderedDict[int, None] = OrderedDict()
+        #: Held blocks that cannot be evicted, with a count of holders: a write not landed yet,
+        #: or a load in flight (vLLM's offloading manager: a chunk not ready or with ref_cnt > 0).
+        self._pinned: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -137,14 +140,29 @@ class LruBlockTier:
         """Mark as most recently used (a hit)."""
         self._blocks.move_to_end(block_hash)
 
+    def pin(self, block_hash: int) -> None:
+        """``block_hash`` (held) cannot be evicted until as many ``unpin`` calls."""
+        self._pinned[block_hash] = self._pinned.get(block_hash, 0) + 1
+
+    def unpin(self, block_hash: int) -> None:
+        pinned = self._pinned
+        n = pinned[block_hash] - 1
+        if n:
+            pinned[block_hash] = n
+        else:
+            del pinned[block_hash]
+
+    def is_pinned(self, block_hash: int) -> bool:
+        return block_hash in self._pinned
+
     def write(self, block_hashes: Sequence[int], evicted: list[int]) -> list[int] | None:
         """One offload write, admitted as vLLM's offloading manager admits it (``prepare_store``):
         the blocks not yet held are stored as the most recent, evicting the least recently used
-        blocks outside the write; a write that cannot fit whole is refused whole (None: nothing
-        stored, nothing evicted). Nothing here is pinned, so a write fits when it is no larger
-        than the tier. Held blocks of the write keep their rank (vLLM re-ranks a request's blocks
-        when it finishes: ``rank_used``). Returns the newly stored hashes; evicted hashes are
-        appended to ``evicted``, never one of the write's."""
+        blocks outside the write that are not pinned; a write that cannot fit whole is refused
+        whole (None: nothing stored, nothing evicted), also when pinned blocks leave too few to
+        evict. Held blocks of the write keep their rank (vLLM re-ranks a request's blocks when it
+        finishes: ``rank_used``). Returns the newly stored hashes; evicted hashes are appended to
+        ``evicted``, never one of the write's."""
         if len(block_hashes) > self.capacity_blocks:
             return None
         blocks = self._blocks
@@ -152,12 +170,15 @@ class LruBlockTier:
         excess = len(blocks) + len(new) - self.capacity_blocks
         if excess > 0:
             written = set(block_hashes)
+            pinned = self._pinned
             victims = []
             for h in blocks:
-                if h not in written:
+                if h not in written and h not in pinned:
                     victims.append(h)
                     if len(victims) == excess:
                         break
+            if len(victims) < excess:
+                return None
             for h in victims:
                 del blocks[h]
             evicted.extend(victims)
@@ -168,14 +189,15 @@ class LruBlockTier:
     def promote(self, block_hash: int, in_flight: set[int], evicted: list[int]) -> bool:
         """One block read into this tier from the tier behind it (vLLM's tiering manager promotes a
         STORAGE hit into the CPU tier one block at a time: ``_initiate_promotion``). It becomes the
-        most recent, evicting the least recently used block that is not ``in_flight`` (a promotion
-        not landed yet cannot be evicted); False, nothing changed, when every held block is in
-        flight. Appends the evicted hash to ``evicted``."""
+        most recent, evicting the least recently used block that is neither ``in_flight`` (a
+        promotion not landed yet cannot be evicted) nor pinned; False, nothing changed, when
+        every held block is. Appends the evicted hash to ``evicted``."""
         blocks = self._blocks
         if block_hash in blocks:
             return True
         if len(blocks) >= self.capacity_blocks:
-            victim = next((h for h in blocks if h not in in_flight), None)
+            pinned = self._pinned
+            victim = next((h for h in blocks if h not in in_flight and h not in pinned), None)
             if victim is None:
                 return False
             del blocks[victim]
@@ -193,6 +215,7 @@ class LruBlockTier:
 
     def clear(self) -> None:
         self._blocks.clear()
+        self._pinned.clear()
 
 
 class StoragePool(LruBlockTier):

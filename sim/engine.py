@@ -12,7 +12,9 @@ Step time model, in seconds (docs/simulator.md gives the source of every default
 KV loads from CPU / STORAGE are asynchronous (``async_loads``, vLLM's offloading connector): they
 queue on one host->GPU link per engine (``latency + bytes / bandwidth``; a shared STORAGE pool also
 books its aggregate ``shared_bytes_per_s``, writes included) and only the loading request waits for
-its blocks; the batch goes on. ``async_loads=False`` is the old model: the step stalls for the loads.
+its blocks; the batch goes on, and the loaded blocks join the prefix cache when the load lands. CPU
+tier writes land at the end of the step after the one that made them. ``async_loads=False`` is the
+old model: the step stalls for the loads, and writes land at once.
 bytes = blocks * block_size * kv_bytes_per_token (trace mode too: block_size tokens per id).
 """
 
@@ -45,6 +47,10 @@ _OUTPUT_CYCLE_TOKENS = 4096
 #: blocks, ``max_num_seqs`` requests were running, or a preemption stopped admission.
 WAIT_REASONS = ("budget", "kv", "seqs", "preempt")
 _BUDGET, _KV, _SEQS, _PREEMPT = 0, 1, 2, 3
+
+#: ``_try_admit``'s answer for a request vLLM's scheduler skips this step (its connector cannot say
+#: yet what it will load): the next waiting request is tried.
+_DEFER = (-1, -1.0)
 
 
 @dataclass
@@ -285,14 +291,15 @@ class _Request:
         "blocks",
         "cached_by_tier",
         "chain",
+        "cpu_pins",
         "extra_every_block",
         "extra_first_block",
-        "loading_hashes",
+        "loading_blocks",
         "max_output",
         "num_committed_blocks",
         "num_computed",
         "num_prompt_blocks",
-        "offload_due",
+        "offered_to",
         "output_offset",
         "output_token_ids",
         "preempted_s",
@@ -303,7 +310,9 @@ class _Request:
         "request",
         "seen_from",
         "store_from",
+        "stores_pending",
         "tokens",
+        "unranked",
         "wait_snapshot",
         "waits_s",
     )
@@ -337,9 +346,6 @@ class _Request:
         #: GPU blocks held, in order: the block's hash when cached, -1 when anonymous.
         self.blocks: list[int] = []
         self.num_committed_blocks = 0
-        #: Blocks became full in this step's scheduling: the offload tiers are offered its prompt
-        #: blocks after the step (vLLM's offloading connector stores what the step computed).
-        self.offload_due = False
         self.num_computed = 0
         self.output_token_ids: list[int] = []
         self.output_offset = output_offset
@@ -349,15 +355,27 @@ class _Request:
         #: leaves it, so the next write offers those blocks again). 0 at admission, or past the
         #: hits when some came from CPU or STORAGE.
         self.store_from = 0
-        #: The first block of the request the CPU tier ranks as used when it finishes.
-        self.seen_from = 0
+        #: The first block of the request the CPU tier ranks as used when it finishes: the first it
+        #: loaded or offered, over all its admissions (vLLM's manager keeps what a request used
+        #: through preemptions); none yet.
+        self.seen_from = self.num_prompt_blocks
+        #: Hashes it offered first while another request's write of them had not landed, and not
+        #: again since once it had: vLLM's manager does not record them for the request, so its
+        #: finish does not rank them. ``offered_to``: the end of the blocks it has offered.
+        self.unranked: set[int] | None = None
+        self.offered_to = 0
         #: Hashes promoted from STORAGE into the CPU tier for this request: their hits count as
         #: STORAGE hits (vLLM's tiering manager keeps each promoted block's source per request).
         self.promoted: set[int] = set()
         #: Engine time its loaded blocks are on the GPU (0 = nothing in flight): it waits till then.
         self.ready_at_s = 0.0
-        #: Hashes this request is loading (their GPU copies are not usable before ready_at_s).
-        self.loading_hashes: list[int] | None = None
+        #: Indices of the blocks this request is loading: GPU blocks it holds, cached (hashed) only
+        #: when the load lands.
+        self.loading_blocks: list[int] | None = None
+        #: CPU tier blocks this request's loads in flight read (pinned there until they land).
+        self.cpu_pins: list[int] | None = None
+        #: Its CPU tier writes not landed yet (vLLM delays a request with transfers in flight).
+        self.stores_pending = 0
         #: (priority, arrival order): the priority scheduler's sort key.
         self.prio_key: tuple[int, int] = (request.priority, 0)
         #: Wait accounting (EngineCore.wait_records): the engine's per-reason wait totals when it
@@ -425,6 +443,14 @@ class EngineCore:
         self._priority = profile.scheduling_policy == "priority"
         self._arrivals = 0
         self._running: list[_Request] = []
+        #: Requests admitted with loads in flight (vLLM's WAITING_FOR_REMOTE_KVS, in its queue of
+        #: waiting requests that hold KV blocks): not running, never preempted; once their loads
+        #: land they are scheduled before the waiting queue, in admission order.
+        self._loading: list[_Request] = []
+        #: Hash -> when the load reading it lands, for blocks a request in ``_loading`` loads: a
+        #: lookup that reaches one waits for it (vLLM's connector delays a request whose hits are
+        #: being loaded, ``_chunks_being_loaded``), then hits the GPU copy.
+        self._being_loaded: dict[int, float] = {}
         self._pending_events: list[dict[str, Any]] = []
         self._pending_finished: list[FinishedRequest] = []
         self._output_cycle = filler_tokens(_OUTPUT_CYCLE_TOKENS, seed)
@@ -443,8 +469,17 @@ class EngineCore:
         self.now_s = 0.0
         #: When the host->GPU link is free again (loads from CPU and STORAGE queue on it).
         self._link_free_s = 0.0
-        #: Hash -> time its GPU copy finishes loading, for blocks loaded asynchronously.
-        self._ready_at: dict[int, float] = {}
+        #: CPU tier writes (request, block indices stored) made in this step and in the step
+        #: before: a write lands at the end of the step after the one that made it (vLLM's
+        #: offloading worker reports it then); till then its blocks are pinned and not ready.
+        self._stores_issued: list[tuple[_Request, list[int]]] = []
+        self._stores_landing: list[tuple[_Request, list[int]]] = []
+        #: Requests finished or aborted since the last step: the CPU tier ranks their blocks in
+        #: the next step, after that step's writes (vLLM signals a finished request to its
+        #: offloading manager when it builds the next step's connector metadata).
+        self._to_rank: list[_Request] = []
+        #: Hashes of CPU tier blocks written but not landed: a lookup that reaches one is deferred.
+        self._cpu_unready: set[int] = set()
         #: Per WAIT_REASONS: seconds of steps that ended with requests waiting for that reason.
         self._wait_totals_s = [0.0, 0.0, 0.0, 0.0]
         #: Request id -> WaitRecord of each request at its first token, when not None (set it to
@@ -520,9 +555,11 @@ class EngineCore:
         state = self._requests.pop(request_id, None)
         if state is None:
             return
-        if state in self._running:
-            self._running.remove(state)
-            self._rank_used(state)
+        if state in self._running or state in self._loading:
+            (self._running if state in self._running else self._loading).remove(state)
+            self._forget_loading(state)
+            self._unpin_loads(state)
+            self._signal_finished(state)
             self._free_blocks(state)
         else:
             self._waiting.remove(state)
@@ -530,7 +567,16 @@ class EngineCore:
         self._pending_finished.append(self._finished(state, "abort"))
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._pending_finished)
+        """Requests to serve or report, finished requests whose end the next step signals, or CPU
+        tier writes to land (vLLM's engine keeps stepping while its scheduler has finished
+        requests to signal or its offloading connector has transfers in flight)."""
+        return bool(
+            self._requests
+            or self._pending_finished
+            or self._to_rank
+            or self._stores_issued
+            or self._stores_landing
+        )
 
     def reset_prefix_cache(self) -> None:
         """Forget the GPU prefix cache (CPU and STORAGE tiers stay). Running requests are preempted
@@ -538,6 +584,8 @@ class EngineCore:
         start with AllBlocksCleared."""
         while self._running:
             self._preempt(self._running.pop())
+        while self._loading:
+            self._preempt(self._loading.pop())
         self.gpu.clear_cached()
         if self._emit:
             self._pending_events.append({"type": "AllBlocksCleared"})
@@ -545,7 +593,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         s = self._stats
         s.num_running = len(self._running)
-        s.num_waiting = len(self._waiting)
+        s.num_waiting = len(self._waiting) + len(self._loading)
         s.kv_cache_usage = self.gpu.num_used() / self.gpu.num_blocks
         s.cached_tokens_by_tier = (self._cached_by_tier[0], self._cached_by_tier[1], self._cached_by_tier[2])
         s.load_bytes_by_tier = {_MEDIUM[t]: self._load_bytes[t] for t in (_CPU, _STORAGE)}
@@ -555,7 +603,7 @@ class EngineCore:
         return dataclasses.replace(s)
 
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._loading)
 
     def num_running(self) -> int:
         return len(self._running)
@@ -591,7 +639,7 @@ class EngineCore:
         a waiting one's cached prefix (``cached_prefix_tokens`` now) left out: the true prefill
         queue a new request finds, where ``queued_prefill_tokens`` is an upper bound. Reads only."""
         total = 0
-        for r in self._running:
+        for r in (*self._running, *self._loading):
             total += max(0, r.prompt_len - r.num_computed)
         for r in self._waiting:
             hashes = self._ensure_hashes(r, self._num_hashable_blocks(r))
@@ -607,7 +655,9 @@ class EngineCore:
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens not yet computed over waiting and running requests (an upper bound: hits
         are not known before admission)."""
-        return sum(max(0, r.prompt_len - r.num_computed) for r in (*self._waiting, *self._running))
+        return sum(
+            max(0, r.prompt_len - r.num_computed) for r in (*self._waiting, *self._running, *self._loading)
+        )
 
     # ------------------------------------------------------------------ the scheduler step
 
@@ -629,6 +679,8 @@ class EngineCore:
         self._pending_events = []
         finished = self._pending_finished
         self._pending_finished = []
+        to_rank = self._to_rank
+        self._to_rank = []
         budget = p.max_num_batched_tokens
         scheduled: list[tuple[_Request, int, bool]] = []
         prefill_tokens = 0
@@ -643,24 +695,18 @@ class EngineCore:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            if req.ready_at_s:
-                if req.ready_at_s > now:  # its KV is still on the way: the batch goes on without it
-                    i += 1
-                    continue
-                self._loaded(req)
             remaining = req.num_tokens - req.num_computed
             n_new = remaining if remaining < budget else budget
             need = -(-(req.num_computed + n_new) // bs) - len(req.blocks)
             if need > 0:
                 victim = None
                 while need > gpu.num_free() and running:
-                    # A request whose KV is still loading is not in vLLM's ``running`` (it waits in
-                    # WAITING_FOR_REMOTE_KVS), so it is never a victim; ``req`` itself always can be.
-                    victims = [k for k in range(len(running)) if running[k].ready_at_s <= now]
+                    # A request whose KV is still loading is not in ``running`` (``_loading``), so
+                    # it is never a victim; ``req`` itself always can be.
                     if self._priority:
                         # vLLM's priority scheduler preempts the running request with the largest
                         # (priority, arrival), which may sit before this one and be scheduled already.
-                        j = max(victims, key=lambda k: running[k].prio_key)
+                        j = max(range(len(running)), key=lambda k: running[k].prio_key)
                         victim = running.pop(j)
                         if j < i:
                             i -= 1
@@ -677,7 +723,7 @@ class EngineCore:
                                     break
                     else:
                         # The newest running request: at or after ``req``, which is one of them.
-                        victim = running.pop(victims[-1])
+                        victim = running.pop()
                     self._preempt(victim)
                     preempted = True
                     if victim is req:
@@ -704,12 +750,46 @@ class EngineCore:
         waiting = self._waiting
         blocked = _PREEMPT
         if not preempted:
-            while waiting and budget > 0 and len(running) < p.max_num_seqs:
-                admitted = self._try_admit(waiting[0], budget, events, now)
+            # First the requests whose loads were started (vLLM drains the waiting requests that
+            # hold KV blocks first): those whose loads have landed are cached and scheduled.
+            loading = self._loading
+            k = 0
+            while k < len(loading) and budget > 0 and len(running) < p.max_num_seqs:
+                req = loading[k]
+                if req.ready_at_s > now:
+                    k += 1
+                    continue
+                self._land_load(req, events)
+                remaining = req.num_tokens - req.num_computed
+                n_new = remaining if remaining < budget else budget
+                need = -(-(req.num_computed + n_new) // bs) - len(req.blocks)
+                if need > gpu.num_free():
+                    blocked = _KV
+                    break
+                del loading[k]
+                if need > 0:
+                    self._allocate(need, events)
+                    req.blocks.extend([-1] * need)
+                running.append(req)
+                self._cache_blocks(req, (req.num_computed + n_new) // bs, events)
+                scheduled.append((req, n_new, False))
+                budget -= n_new
+                prefill_tokens += n_new
+                prefill_token_ctx += n_new * (req.num_computed + (n_new - 1) / 2)
+            j = 0  # requests before it were skipped (deferred) this step
+            while blocked != _KV and j < len(waiting) and budget > 0 and len(running) < p.max_num_seqs:
+                admitted = self._try_admit(waiting[j], budget, events, now)
                 if admitted is None:
                     blocked = _KV
                     break
-                req = waiting.popleft()
+                if admitted is _DEFER:
+                    j += 1
+                    continue
+                if j:
+                    req = waiting[j]
+                    del waiting[j]
+                else:
+                    req = waiting.popleft()
                 if req.admitted_s < 0:
                     totals, snapshot = self._wait_totals_s, req.wait_snapshot
                     req.waits_s = (
@@ -720,7 +800,7 @@ class EngineCore:
                     )
                     req.admitted_s = now
                 n_new, req_load_s = admitted
-                running.append(req)
+                (self._loading if req.ready_at_s else running).append(req)
                 load_s += req_load_s
                 if n_new:
                     self._cache_blocks(req, (req.num_computed + n_new) // bs, events)
@@ -731,7 +811,10 @@ class EngineCore:
             if blocked != _KV:
                 blocked = _SEQS if len(running) >= p.max_num_seqs else _BUDGET
 
-        if scheduled or not running:
+        if not scheduled and not running and not self._loading and (self._stores_landing or to_rank):
+            # Nothing to compute: the step only signals finished requests and lands writes.
+            duration_s = 0.0
+        elif scheduled or not self._loading:
             duration_s = (
                 p.step_overhead_s
                 + prefill_tokens / p.prefill_tokens_per_s
@@ -741,8 +824,8 @@ class EngineCore:
                 + load_s
             )
         else:
-            # Every running request waits for its KV: the engine idles until the first load lands.
-            first_ready = min((r.ready_at_s for r in running if r.ready_at_s > now), default=now)
+            # Every admitted request waits for its KV: the engine idles until the first load lands.
+            first_ready = min((r.ready_at_s for r in self._loading if r.ready_at_s > now), default=now)
             duration_s = max(first_ready - now, 1e-6) + load_s
 
         if waiting:
@@ -751,10 +834,12 @@ class EngineCore:
         new_token_ids: dict[str, list[int]] = {}
         cycle = self._output_cycle
         num_generated = 0
+        offloads = self.cpu is not None or self.storage is not None
         for req, n_new, _ in scheduled:
             req.num_computed += n_new
-            if req.offload_due:
-                req.offload_due = False
+            if offloads and req.store_from < req.num_prompt_blocks:
+                # vLLM's connector offers a scheduled request's computed prompt blocks not stored
+                # yet each step (also GPU hits, and what a refused write left).
                 self._offload_computed(req, events, now)
             if req.num_computed == req.num_tokens:
                 outputs = req.output_token_ids
@@ -771,14 +856,24 @@ class EngineCore:
                 if len(outputs) >= req.max_output:
                     finished.append(self._finish(req))
 
+        # vLLM's connector offers a request that finished since the last step what it has not
+        # stored yet (a refused write's blocks), after the step's other writes, then ranks it.
+        for done in to_rank:
+            self._offload_computed(done, events, now)
+        for done in to_rank:
+            self._rank_used(done)
+        # The last step's CPU tier writes land; this step's land at the end of the next.
+        if self._stores_landing:
+            self._land_stores(self._stores_landing, events)
+        self._stores_landing = self._stores_issued
+        self._stores_issued = []
+
         s = self._stats
         s.num_steps += 1
         s.generation_tokens += num_generated
         s.busy_time_s += duration_s
         s.num_events += len(events)
         self.now_s = now + duration_s
-        if len(self._ready_at) > 4096 and s.num_steps % 64 == 0:
-            self._ready_at = {h: t for h, t in self._ready_at.items() if t > self.now_s}
         return StepOutput(
             duration_s=duration_s,
             new_token_ids=new_token_ids,
@@ -830,8 +925,12 @@ class EngineCore:
     ) -> tuple[int, float] | None:
         """Admit ``req`` if its prefix hits plus this step's new tokens fit the free GPU blocks.
         Returns (tokens to compute this step, seconds the step stalls for loads) or None (it stays
-        queued). With asynchronous loads a request with CPU/STORAGE hits (or GPU hits whose load is
-        still in flight) computes nothing this step: it starts its loads and waits for them."""
+        queued). With asynchronous loads a request with CPU/STORAGE hits computes nothing this step:
+        it starts its loads and waits for them (``_loading``). ``_DEFER`` when vLLM's offloading
+        connector would not answer yet: the request has CPU tier writes in flight, or its lookup
+        reaches a CPU block whose write has not landed or a block another request is loading."""
+        if req.stores_pending:
+            return _DEFER
         bs = self._block_size
         gpu = self.gpu
         cpu = self.cpu
@@ -856,30 +955,30 @@ class EngineCore:
             else:
                 break
         if cpu is not None or storage is not None:
-            tiers += self._offload_lookup(req, hashes, len(tiers), lookup_end, events)[
-                : offload_end - len(tiers)
-            ]
+            found = self._offload_lookup(req, hashes, len(tiers), lookup_end, events)
+            unready, being_loaded = self._cpu_unready, self._being_loaded
+            if unready or being_loaded:
+                for b in range(len(tiers), len(tiers) + len(found)):
+                    h = hashes[b]
+                    if h in unready or being_loaded.get(h, 0.0) > now:
+                        return _DEFER
+            tiers += found[: offload_end - len(tiers)]
         hit_blocks = len(tiers)
         hit_tokens = hit_blocks * bs
         num_loaded = hit_blocks - tiers.count(_GPU)
-        # GPU hits on blocks another request is still loading are usable only once they land.
-        wait_until = 0.0
-        if self._ready_at:
-            ready_at = self._ready_at
-            for b, tier in enumerate(tiers):
-                if tier == _GPU:
-                    t = ready_at.get(hashes[b], 0.0)
-                    if t > wait_until:
-                        wait_until = t
-            if wait_until <= now:
-                wait_until = 0.0
-        asynchronous = self.profile.async_loads and (num_loaded > 0 or wait_until > 0.0)
+        asynchronous = self.profile.async_loads and num_loaded > 0
         n_new = 0 if asynchronous else min(num_tokens - hit_tokens, budget)
         new_blocks = -(-(hit_tokens + n_new) // bs) - hit_blocks
         # vLLM's admission gate (scheduler_reserve_full_isl): the whole sequence must fit, though
         # only this step's chunk is allocated now.
         must_fit = -(-num_tokens // bs) - hit_blocks if self.profile.reserve_full_isl else new_blocks
         if pin_cost + num_loaded + must_fit > gpu.num_free():
+            return None
+        if asynchronous and pin_cost + num_loaded + new_blocks > gpu.num_free() - self._inflight_reserved():
+            # vLLM starts a load only in the free blocks the prefills in flight (loading requests
+            # and running ones still prefilling) do not still need for their whole sequence
+            # (``_inflight_prefill_reserved_blocks``): a load holds its blocks and cannot be
+            # preempted.
             return None
 
         n_by_tier = [0, 0, 0]
@@ -902,6 +1001,10 @@ class EngineCore:
                     stored_runs.append((run_start, b))
                     run_start = -1
                 continue
+            if asynchronous:
+                # vLLM caches a loaded block only when its load lands (``_land_load``).
+                loading.append(b)
+                continue
             if not gpu.commit(h):
                 # The GPU pool holds it past the prefix hit: the load fills a duplicate, anonymous.
                 req.blocks[b] = -1
@@ -910,12 +1013,11 @@ class EngineCore:
                     run_start = -1
                 continue
             req.blocks[b] = h
-            loading.append(h)
             if run_start < 0:
                 run_start = b
         if run_start >= 0:
             stored_runs.append((run_start, hit_blocks))
-        ready_s = wait_until
+        ready_s = 0.0
         for tier in (_CPU, _STORAGE):
             if n_by_tier[tier]:
                 nbytes = n_by_tier[tier] * self._bytes_per_block
@@ -930,9 +1032,15 @@ class EngineCore:
                 self._load_time_s[tier] += self._noisy(t_s)
         if asynchronous:
             req.ready_at_s = ready_s
-            req.loading_hashes = loading
-            for h in loading:
-                self._ready_at[h] = ready_s
+            req.loading_blocks = loading
+            for b in loading:
+                self._being_loaded[hashes[b]] = ready_s
+            if cpu is not None:
+                # The CPU blocks it reads cannot be evicted before the load lands (ref_cnt > 0).
+                pins = [hashes[b] for b, tier in enumerate(tiers) if tier != _GPU and hashes[b] in cpu]
+                for h in pins:
+                    cpu.pin(h)
+                req.cpu_pins = pins
         for start, end in stored_runs:
             self._emit_gpu_stored(req, start, end, events)
         req.num_committed_blocks = hit_blocks
@@ -941,7 +1049,7 @@ class EngineCore:
             # vLLM (update_state_after_alloc): a request that loads from the offload tiers stores
             # only past its hits; one that hit only GPU blocks offers its whole prompt, so the
             # tier takes back what it had lost of it.
-            req.seen_from = hit_blocks - num_loaded
+            req.seen_from = min(req.seen_from, hit_blocks - num_loaded)
             req.store_from = hit_blocks
 
         s = self._stats
@@ -1047,14 +1155,63 @@ class EngineCore:
             return seconds
         return seconds * math.exp(rng.gauss(0.0, self.profile.counter_noise))
 
-    def _loaded(self, req: _Request) -> None:
-        """``req``'s loads have landed: its blocks are plain GPU blocks from now on."""
-        ready_at = self._ready_at
-        for h in req.loading_hashes or ():
-            if ready_at.get(h) == req.ready_at_s:
-                del ready_at[h]
+    def _land_load(self, req: _Request, events: list[dict[str, Any]]) -> None:
+        """``req``'s loads have landed: vLLM caches the loaded blocks now
+        (``_update_waiting_for_remote_kv``), so they are GPU prefix-cache blocks (BlockStored)
+        from here on; one another request cached meanwhile stays an anonymous copy."""
+        blocks = req.loading_blocks
+        if blocks is None:
+            return
+        gpu, hashes = self.gpu, req.chain.hashes
+        self._forget_loading(req)
+        runs: list[tuple[int, int]] = []
+        for b in blocks:
+            if not gpu.commit(hashes[b]):
+                continue
+            req.blocks[b] = hashes[b]
+            if runs and runs[-1][1] == b:
+                runs[-1] = (runs[-1][0], b + 1)
+            else:
+                runs.append((b, b + 1))
+        for start, end in runs:
+            self._emit_gpu_stored(req, start, end, events)
         req.ready_at_s = 0.0
-        req.loading_hashes = None
+        req.loading_blocks = None
+        self._unpin_loads(req)
+
+    def _signal_finished(self, req: _Request) -> None:
+        """The next step offers the offload tiers what ``req`` has not stored and ranks its CPU
+        blocks (``_to_rank``). Without offload tiers there is nothing to signal, and no step."""
+        if self.cpu is not None or self.storage is not None:
+            self._to_rank.append(req)
+
+    def _inflight_reserved(self) -> int:
+        """Blocks the prefills in flight still need to hold their whole sequence: the requests
+        loading, and the running ones with more than their next token to compute."""
+        bs = self._block_size
+        total = 0
+        for r in self._loading:
+            total += max(0, -(-r.num_tokens // bs) - len(r.blocks))
+        for r in self._running:
+            if r.num_tokens - r.num_computed > 1:
+                total += max(0, -(-r.num_tokens // bs) - len(r.blocks))
+        return total
+
+    def _forget_loading(self, req: _Request) -> None:
+        """``req``'s blocks are no longer being loaded (``_being_loaded``)."""
+        being_loaded, hashes = self._being_loaded, req.chain.hashes
+        for b in req.loading_blocks or ():
+            if being_loaded.get(hashes[b]) == req.ready_at_s:
+                del being_loaded[hashes[b]]
+
+    def _unpin_loads(self, req: _Request) -> None:
+        pins = req.cpu_pins
+        if pins:
+            cpu = self.cpu
+            assert cpu is not None
+            for h in pins:
+                cpu.unpin(h)
+            req.cpu_pins = None
 
     def _allocate(self, num_blocks: int, events: list[dict[str, Any]]) -> None:
         """Take anonymous GPU blocks, evicting the oldest free cached ones if needed; vLLM's GPU
@@ -1076,7 +1233,6 @@ class EngineCore:
         start = req.num_committed_blocks
         if full_blocks <= start:
             return
-        req.offload_due = True
         end = min(full_blocks, self._num_hashable_blocks(req))
         if end <= start:
             req.num_committed_blocks = full_blocks
@@ -1109,9 +1265,9 @@ class EngineCore:
     def _offload(self, req: _Request, prompt_end: int, events: list[dict[str, Any]], now: float) -> None:
         """vLLM's offloading scheduler, one step of one request: one write offers every prompt
         block from ``req.store_from`` to ``prompt_end``. The CPU tier admits it whole or refuses it
-        (then the pointer stays and the next write offers those blocks again); the STORAGE pool
-        behind it takes the blocks the CPU tier newly stored (vLLM's tiering cascade), or the
-        whole write when there is no CPU tier."""
+        (then the pointer stays and the request's next scheduled step, or the step after it
+        finishes, offers those blocks again); the STORAGE pool behind it takes the blocks the CPU
+        tier newly stored (vLLM's tiering cascade), or the whole write when there is no CPU tier."""
         offered = range(req.store_from, prompt_end)
         if self.cpu is not None:
             stored = self._write_cpu(req, offered, events)
@@ -1163,6 +1319,20 @@ class EngineCore:
         newly stored, None when refused."""
         cpu = self.cpu
         assert cpu is not None
+        if block_indices and block_indices[0] < req.seen_from:
+            req.seen_from = block_indices[0]
+        unready = self._cpu_unready
+        if unready or req.unranked:
+            hashes = req.chain.hashes
+            unranked = req.unranked if req.unranked is not None else set()
+            for b in block_indices:
+                if hashes[b] not in unready:
+                    unranked.discard(hashes[b])
+                elif b >= req.offered_to:  # offered before: recorded then
+                    unranked.add(hashes[b])
+            req.unranked = unranked or None
+        if block_indices and block_indices[-1] >= req.offered_to:
+            req.offered_to = block_indices[-1] + 1
         evicted: list[int] = []
         stored = _tier_write(cpu, req.chain.hashes, block_indices, evicted)
         if not stored:
@@ -1171,9 +1341,36 @@ class EngineCore:
         self._store_bytes[_CPU] += nbytes
         # GPU->host copies use the other direction of the link: they cost time, block nobody.
         self._store_time_s[_CPU] += self._noisy(nbytes / self.profile.cpu_load_bytes_per_s)
-        if self._emit:
+        if self.profile.async_loads:
+            # vLLM's offloading connector: the write lands at the end of the next step; till then
+            # its blocks cannot be evicted and a lookup reaching them waits. Its evictions are
+            # announced now, its stores when it lands.
+            hashes, unready = req.chain.hashes, self._cpu_unready
+            for b in stored:
+                cpu.pin(hashes[b])
+                unready.add(hashes[b])
+            self._stores_issued.append((req, stored))
+            req.stores_pending += 1
+            if self._emit and evicted:
+                self._announce_cpu(req, evicted, (), events)
+        elif self._emit:
             self._announce_cpu(req, evicted, stored, events)
         return stored
+
+    def _land_stores(self, writes: list[tuple[_Request, list[int]]], events: list[dict[str, Any]]) -> None:
+        """CPU tier writes of the step before land: their blocks become ready and evictable, and
+        their stores are announced (after this step's other events, as vLLM's connector adds
+        the writes its worker finished)."""
+        cpu, unready = self.cpu, self._cpu_unready
+        assert cpu is not None
+        for req, stored in writes:
+            hashes = req.chain.hashes
+            for b in stored:
+                cpu.unpin(hashes[b])
+                unready.discard(hashes[b])
+            req.stores_pending -= 1
+            if self._emit:
+                self._announce_cpu(req, [], stored, events)
 
     def _announce_cpu(
         self, req: _Request, evicted: list[int], stored: Sequence[int], events: list[dict[str, Any]]
@@ -1233,7 +1430,10 @@ class EngineCore:
             return
         hashes = req.chain.hashes
         end = min(req.num_committed_blocks, req.num_prompt_blocks, len(hashes))
-        cpu.rank_used([hashes[b] for b in range(end - 1, req.seen_from - 1, -1)])
+        used = [hashes[b] for b in range(end - 1, req.seen_from - 1, -1)]
+        if req.unranked:
+            used = [h for h in used if h not in req.unranked]
+        cpu.rank_used(used)
 
     def _free_blocks(self, req: _Request) -> None:
         # Last block first, so that a request's deeper blocks are evicted before its prefix.
@@ -1256,10 +1456,10 @@ class EngineCore:
             req.preempted_s = self.now_s
         req.num_computed = 0
         req.num_committed_blocks = 0
-        req.offload_due = False
-        # Its loads may still be in flight; _ready_at keeps their blocks unusable until they land.
+        self._forget_loading(req)  # a reset preempts requests whose loads are in flight
         req.ready_at_s = 0.0
-        req.loading_hashes = None
+        req.loading_blocks = None
+        self._unpin_loads(req)
         if self._priority:
             self._enqueue(req)
         else:
@@ -1268,7 +1468,7 @@ class EngineCore:
 
     def _finish(self, req: _Request) -> FinishedRequest:
         self._running.remove(req)
-        self._rank_used(req)
+        self._signal_finished(req)
         self._free_blocks(req)
         del self._requests[req.request.request_id]
         self._stats.num_finished += 1

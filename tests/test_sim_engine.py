@@ -271,8 +271,9 @@ def test_cpu_write_through_hit_load_time_and_promotion() -> None:
     outs = run(engine)
     assert finished(outs)["a2"].cached_tokens_by_tier == (0, 64, 0)
     load_s = CPU_LAT_S + 4 * BLOCK_BYTES / CPU_BW
-    # Asynchronous load: the engine idles until the blocks land, then computes the last token.
-    assert [o.duration_s for o in outs] == pytest.approx([load_s, OVERHEAD_S + 1 / PREFILL_TOK_PER_S])
+    # Asynchronous load: the engine idles until the blocks land, then computes the last token;
+    # one more step, with nothing to compute, signals the finish to the offload tiers.
+    assert [o.duration_s for o in outs] == pytest.approx([load_s, OVERHEAD_S + 1 / PREFILL_TOK_PER_S, 0.0])
     assert outs[1].new_token_ids and not outs[0].new_token_ids
     promoted = of(events(outs), "BlockStored", "GPU")
     assert promoted[0]["block_hashes"] == a_hashes and promoted[0]["token_ids"] == T_TOKENS[:64]
@@ -306,9 +307,11 @@ def test_cpu_lru_eviction_is_announced() -> None:
 
 def test_a_write_larger_than_the_cpu_tier_is_refused_whole_and_offered_again() -> None:
     """vLLM's offloading manager refuses a store it cannot hold whole (prepare_store returns None)
-    and its scheduler offers the refused blocks again with the request's next write. A 6-block
-    prompt into a 4-block tier:
-    - prefilled 3 blocks a step, each write fits: the second evicts the first's oldest two;
+    and its scheduler offers the refused blocks again with the request's next write (after the
+    request finishes too). A 6-block prompt into a 4-block tier:
+    - prefilled 3 blocks a step: the second write is refused (the first has not landed, so its
+      blocks cannot be evicted) and offered again the step after the finish, when it evicts the
+      first's oldest two;
     - prefilled 5 blocks, then 1: the first write is refused, and the second offers all 6, so it
       is refused too: nothing is stored (a model without the retry stores the sixth block).
     Catches a write that evicts its own blocks (a reader's index would keep them), a partial store
@@ -320,7 +323,8 @@ def test_a_write_larger_than_the_cpu_tier_is_refused_whole_and_offered_again() -
     while fits.has_unfinished():
         outs.append(fits.step())
         mirror.apply(outs[-1].events)
-        assert fits.cpu is not None and mirror.tiers["CPU"] == set(fits.cpu.hashes())
+        # The events announce what has landed.
+        assert fits.cpu is not None and mirror.tiers["CPU"] == set(fits.cpu.hashes()) - fits._cpu_unready
     a_hashes = [h for e in of(events(outs), "BlockStored", "GPU") for h in e["block_hashes"]]
     # The second write evicted the first's two oldest; at the finish the head ranks last.
     assert fits.cpu is not None and fits.cpu.hashes() == a_hashes[5:1:-1]
@@ -360,7 +364,7 @@ def test_shared_storage_pool_is_visible_to_a_second_engine() -> None:
     assert finished(outs)["a"].cached_tokens_by_tier == (0, 0, 64)
     # The pool's own figures override the profile's storage figures.
     load_s = 0.004 + 4 * BLOCK_BYTES / 2e5
-    assert [o.duration_s for o in outs] == pytest.approx([load_s, OVERHEAD_S + 1 / PREFILL_TOK_PER_S])
+    assert [o.duration_s for o in outs] == pytest.approx([load_s, OVERHEAD_S + 1 / PREFILL_TOK_PER_S, 0.0])
     # Already in the pool: e2 does not announce it again; it announces the promotion to its GPU.
     assert not of(events(outs), "BlockStored", "STORAGE")
     assert of(events(outs), "BlockStored", "GPU")[0]["block_hashes"] == stored[0]["block_hashes"]
@@ -458,8 +462,8 @@ def test_the_offload_tiers_serve_a_whole_prompt_past_the_gpu_prefix() -> None:
     engine.add_request(SimRequest("c", prompt, max_tokens=1))
     outs = run(engine)
     assert finished(outs)["c"].cached_tokens_by_tier == (0, 64, 0)
-    # The load, then one step computing the last token.
-    assert outs[-1].duration_s == pytest.approx(OVERHEAD_S + 1 / PREFILL_TOK_PER_S)
+    # The load, then one step computing the last token (and one signalling the finish).
+    assert [o.duration_s for o in outs][1:] == pytest.approx([OVERHEAD_S + 1 / PREFILL_TOK_PER_S, 0.0])
 
 
 def test_a_block_past_the_gpu_prefix_loads_from_its_tier_even_when_the_gpu_pool_holds_it() -> None:
@@ -890,8 +894,8 @@ def test_events_always_describe_the_cache_and_everything_finishes(w: dict[str, A
         gpu = engine.gpu
         assert 0 <= gpu.num_used() <= gpu.num_blocks
         assert mirror.tiers["GPU"] == gpu.cached_hashes()
-        if engine.cpu is not None:
-            assert mirror.tiers["CPU"] == set(engine.cpu.hashes())
+        if engine.cpu is not None:  # the events announce the writes that have landed
+            assert mirror.tiers["CPU"] == set(engine.cpu.hashes()) - engine._cpu_unready
         if pool is not None:
             assert set(pool.hashes()) == mirror.tiers["STORAGE"]
     assert set(done) == {r.request_id for r in w["requests"]}
@@ -1009,7 +1013,8 @@ def test_cpu_tier_events_after_a_reset_describe_the_tier() -> None:
             engine.reset_prefix_cache()
             continue
         mirror.apply(engine.step().events)
-        assert engine.cpu is not None and mirror.tiers["CPU"] == set(engine.cpu.hashes())
+        assert engine.cpu is not None
+        assert mirror.tiers["CPU"] == set(engine.cpu.hashes()) - engine._cpu_unready
 
 
 def test_blocks_are_cached_when_scheduled_so_a_request_later_in_the_same_step_hits_them() -> None:
@@ -1035,3 +1040,107 @@ def test_blocks_are_cached_when_scheduled_so_a_request_later_in_the_same_step_hi
     assert stored == [(3, first.events[-1]["block_hashes"][-1]), (1, a_block_14)]
     done = finished([first, second, *run(engine)])
     assert done["b"].cached_tokens_by_tier == (240, 0, 0)
+
+
+def test_a_cpu_write_lands_a_step_later_and_a_lookup_reaching_it_waits() -> None:
+    """vLLM's offloading worker reports a write at the end of the step after the one that made it
+    (checked against real vLLM: the CPU BlockStored events come one batch after their GPU ones).
+    Till then a lookup that reaches one of its blocks is deferred (HIT_PENDING): the scheduler
+    skips that request and admits the next. Catches a write announced at once, a lookup that
+    loads blocks not written yet, and a deferred request that blocks the queue behind it."""
+    engine = EngineCore("e0", profile(num_cpu_blocks=16))
+    a = list(range(64))  # 4 blocks
+    engine.add_request(SimRequest("a", a, max_tokens=1))
+    first = engine.step()
+    assert "a" in finished([first]) and not of(first.events, "BlockStored", "CPU")
+    engine.reset_prefix_cache()  # the GPU copies go: b's lookup reaches the CPU tier
+    engine.add_request(SimRequest("b", a + list(range(500, 516)), max_tokens=1))
+    engine.add_request(SimRequest("c", list(range(900, 932)), max_tokens=1))
+    second = engine.step()
+    assert len([h for e in of(second.events, "BlockStored", "CPU") for h in e["block_hashes"]]) == 4
+    assert "c" in finished([second]) and engine.num_waiting() == 1  # b waited, c went ahead
+    done = finished(run(engine))
+    assert done["b"].cached_tokens_by_tier == (0, 64, 0)
+
+
+def test_cpu_blocks_a_load_reads_cannot_be_evicted_until_it_lands() -> None:
+    """vLLM's offloading manager counts the loads reading a block (ref_cnt): such a block is not
+    evictable, so a write that would need it is refused. A 4-block tier holds a's 4 blocks; b
+    loads them (66 ms on this profile's link) while c, admitted in the same step, writes 2 blocks.
+    Catches a write evicting blocks a load in flight reads."""
+    engine = EngineCore("e0", profile(num_cpu_blocks=4))
+    a = list(range(64))
+    engine.add_request(SimRequest("a", a, max_tokens=1))
+    run(engine)
+    assert engine.cpu is not None and len(engine.cpu) == 4
+    held = set(engine.cpu.hashes())
+    engine.reset_prefix_cache()
+    engine.add_request(SimRequest("b", a + [7] * 8, max_tokens=1))
+    engine.add_request(SimRequest("c", list(range(900, 932)), max_tokens=1))
+    out = engine.step()
+    assert "c" in finished([out])  # c computed and offered its write in this step
+    assert set(engine.cpu.hashes()) == held and not of(out.events, "BlockRemoved", "CPU")
+    assert finished(run(engine))["b"].cached_tokens_by_tier == (0, 64, 0)
+
+
+def test_loaded_blocks_are_cached_when_the_load_lands_and_a_lookup_reaching_them_waits() -> None:
+    """vLLM caches a request's loaded blocks only when its load lands (the request waits among
+    the waiting meanwhile), and its connector delays a request whose hits are being loaded. b loads
+    a's 4 blocks from the CPU tier (66 ms on this profile's link); c, queued behind it with the same
+    prefix, waits and then hits b's GPU copies. Catches loaded blocks announced (and hit) at
+    admission, and c loading the same blocks again."""
+    engine = EngineCore("e0", profile(num_cpu_blocks=16))
+    a = list(range(64))
+    engine.add_request(SimRequest("a", a, max_tokens=1))
+    run(engine)
+    engine.reset_prefix_cache()
+    engine.add_request(SimRequest("b", a + [7] * 8, max_tokens=1))
+    engine.add_request(SimRequest("c", a + [8] * 8, max_tokens=1))
+    first = engine.step()
+    assert not of(first.events, "BlockStored", "GPU") and engine.num_running() == 0
+    assert engine.num_waiting() == 2  # b loading, c deferred
+    outs = [first, *run(engine)]
+    landed = next(i for i, o in enumerate(outs) if of(o.events, "BlockStored", "GPU"))
+    assert landed == 1 and first.duration_s == pytest.approx(CPU_LAT_S + 4 * BLOCK_BYTES / CPU_BW)
+    done = finished(outs)
+    assert done["b"].cached_tokens_by_tier == (0, 64, 0)
+    assert done["c"].cached_tokens_by_tier == (64, 0, 0)
+
+
+def test_a_scheduled_request_offers_its_unstored_prompt_blocks_in_every_step() -> None:
+    """vLLM's connector offers a scheduled request's computed prompt blocks it has not stored each
+    step, also when no block fills in that step: a request that hit a's 4 blocks on the GPU (and
+    computes 8 more tokens, then decodes 3 without filling a block) writes them back to the CPU
+    tier, which had lost them, in its first step. Catches an offer made only when a block fills."""
+    engine = EngineCore("e0", profile(num_cpu_blocks=4))
+    a = list(range(64))
+    engine.add_request(SimRequest("a", a, max_tokens=1))
+    a_hashes = of(events(run(engine)), "BlockStored", "GPU")[0]["block_hashes"]
+    engine.add_request(SimRequest("d", list(range(900, 964)), max_tokens=1))  # takes the CPU tier
+    run(engine)
+    assert engine.cpu is not None and not set(a_hashes) & set(engine.cpu.hashes())
+    engine.add_request(SimRequest("b", a + [7] * 8, max_tokens=3))
+    first = engine.step()
+    assert finished([first]) == {} and len(of(first.events, "BlockRemoved", "CPU")) == 1
+    assert set(engine.cpu.hashes()) == set(a_hashes)  # written (not landed yet)
+
+
+def test_a_load_starts_only_in_blocks_the_prefills_in_flight_do_not_still_need() -> None:
+    """vLLM admits a request that must load its hits only if its blocks fit in the free blocks
+    less what the prefills in flight still need for their whole sequence (a load holds its blocks
+    and cannot be preempted). In a 16-block pool b1 loads a's 4 blocks for a 14-block prompt, so
+    10 blocks are spoken for; b2 (4 blocks of c to load, 5 in all) waits until b1 has its blocks,
+    though 12 are free. Catches a load admitted on the free count alone (live: two loads started
+    together where vLLM started one)."""
+    engine = EngineCore("e0", profile(num_gpu_blocks=16, num_cpu_blocks=32))
+    a, c = list(range(64)), list(range(500, 564))
+    for rid, prompt in (("a", a), ("c", c)):
+        engine.add_request(SimRequest(rid, prompt, max_tokens=1))
+        run(engine)
+    engine.reset_prefix_cache()
+    engine.add_request(SimRequest("b1", a + list(range(1000, 1160)), max_tokens=1))
+    engine.add_request(SimRequest("b2", c + [7] * 8, max_tokens=1))
+    engine.step()
+    assert engine.stats().load_bytes_by_tier["CPU"] == 4 * BLOCK_BYTES  # b1's load only
+    done = finished(run(engine))
+    assert done["b1"].cached_tokens_by_tier == done["b2"].cached_tokens_by_tier == (0, 64, 0)

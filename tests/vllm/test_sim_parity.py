@@ -199,12 +199,15 @@ def test_the_simulated_engine_promotes_storage_hits_through_the_cpu_tier_as_real
 #: The concurrent check's step budget: long prompts are prefilled in chunks over several steps while
 #: others wait for the budget or for blocks, hit blocks scheduled in the same step, and are preempted.
 WAVE_BUDGET = 512
+#: The concurrent check's CPU tier, twice the GPU pool: with 16 requests a wave, 2-8 of them
+#: load a prefix the GPU pool lost, some while others' loads are in flight.
+WAVE_CPU_BLOCKS = 128
 #: One wave: (priority, max_tokens, prompt) per request, in the order they are sent.
 Wave = list[tuple[int, int, list[int]]]
 
 
-def _wave(seed: int) -> Wave:
-    """Eight requests: prefixes of four documents (8-29 blocks and a partial block), so some share
+def _wave(seed: int, n: int = 8) -> Wave:
+    """``n`` requests: prefixes of four documents (8-29 blocks and a partial block), so some share
     a prefix with requests before them, with priorities 0-2 (an fcfs engine ignores them) and
     40-199 output tokens."""
     rng = random.Random(seed)
@@ -215,7 +218,7 @@ def _wave(seed: int) -> Wave:
             rng.randrange(40, 200),
             rng.choice(docs)[: rng.randrange(8, 30) * BLOCK + rng.randrange(0, BLOCK)],
         )
-        for _ in range(8)
+        for _ in range(n)
     ]
 
 
@@ -238,16 +241,27 @@ def _block_name(
 
 
 def _labelled(steps: list[list[Any]], prompts: list[list[int]]) -> list[list[tuple[Any, ...]]]:
-    """Each step's events, each block by ``_block_name``."""
+    """Each step's events, each block by ``_block_name``, a CPU tier's tagged with its medium. A
+    step's CPU stores come last and sorted: vLLM's connector reports the blocks of a landed write
+    from a set, in no order."""
     names: dict[Any, tuple[Any, ...]] = {}
     out = []
     for events in steps:
         row: list[tuple[Any, ...]] = []
+        offloaded: list[tuple[Any, ...]] = []
         for event in events:
             # The simulator's are dicts, vLLM's decoded structs (kvcore.wire).
             fields = event if isinstance(event, dict) else msgspec.structs.asdict(event)
             kind = fields.get("type") or type(event).__name__
-            if "Stored" in kind:
+            medium = fields.get("medium") or "GPU"
+            if medium != "GPU":
+                tag = ("stored " if "Stored" in kind else "removed ") + medium
+                named = [(tag, *names.get(h, ("unknown", h))) for h in fields["block_hashes"]]
+                if "Stored" in kind:
+                    offloaded += named
+                else:
+                    row += named
+            elif "Stored" in kind:
                 parent = fields["parent_block_hash"]
                 name = None if parent is None else names[parent]
                 index = -1 if name is None else name[2]
@@ -260,24 +274,28 @@ def _labelled(steps: list[list[Any]], prompts: list[list[int]]) -> list[list[tup
                 row += [("removed", *names.get(h, ("unknown", h))) for h in fields["block_hashes"]]
             else:
                 row.append(("cleared",))
-        out.append(row)
+        out.append(row + sorted(offloaded))
     return out
 
 
-def _simulated_wave(wave: Wave, policy: str) -> tuple[list[list[dict[str, Any]]], list[int], int]:
+def _simulated_wave(
+    wave: Wave, policy: str, cpu_blocks: int = 0
+) -> tuple[list[list[dict[str, Any]]], list[int], int, int]:
     """The wave on a fresh simulated engine, every request queued before the first step: each
-    step's events, each request's cached tokens, the preemptions."""
-    engine = _sim_engine(WAVE_BUDGET, policy=policy)
+    step's events, each request's cached tokens, the preemptions, and the requests that loaded
+    from the CPU tier."""
+    engine = _sim_engine(WAVE_BUDGET, policy=policy, cpu_blocks=cpu_blocks)
     for r, (priority, max_tokens, prompt) in enumerate(wave):
         engine.add_request(SimRequest(str(r), prompt, max_tokens=max_tokens, priority=priority))
-    steps, cached = [], [0] * len(wave)
+    steps, cached, loaded = [], [0] * len(wave), 0
     while engine.has_unfinished():
         out = engine.step()
         if out.events:
             steps.append(out.events)
         for finished in out.finished:
             cached[int(finished.request_id)] = sum(finished.cached_tokens_by_tier)
-    return steps, cached, engine.stats().num_preemptions
+            loaded += finished.cached_tokens_by_tier[1] > 0
+    return steps, cached, engine.stats().num_preemptions, loaded
 
 
 def _added(engine: FleetEngine) -> int:
@@ -336,7 +354,7 @@ def _compare(
     name: str,
     wave: Wave,
     live: tuple[list[list[Any]], list[int], int],
-    simulated: tuple[list[list[Any]], list[int], int],
+    simulated: tuple[list[list[Any]], list[int], int, int],
 ) -> None:
     prompts = [prompt for _priority, _max_tokens, prompt in wave]
     live_steps, sim_steps = _labelled(live[0], prompts), _labelled(simulated[0], prompts)
@@ -348,31 +366,45 @@ def _compare(
         f"first difference at step {diff}:\n"
         f"vllm {live_steps[diff - 4 : diff + 2]}\nsim  {sim_steps[diff - 4 : diff + 2]}"
     )
-    assert live[1:] == simulated[1:], (name, "cached tokens, preemptions", live[1:], simulated[1:])
+    assert live[1:] == simulated[1:3], (name, "cached tokens, preemptions", live[1:], simulated[1:3])
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize(
+    ("policy", "cpu_blocks"),
+    [("fcfs", 0), ("priority", 0), ("fcfs", WAVE_CPU_BLOCKS), ("priority", WAVE_CPU_BLOCKS)],
+    ids=["fcfs", "priority", "fcfs-cpu-tier", "priority-cpu-tier"],
+)
 def test_the_simulated_engine_admits_caches_and_preempts_requests_in_flight_together_as_real_vllm(
-    model_dir: Path, tmp_path: Path, policy: str
+    model_dir: Path, tmp_path: Path, policy: str, cpu_blocks: int
 ) -> None:
-    """Three waves of eight requests in flight together on one real engine (64 blocks, a 512-token
-    budget), each queued whole behind a paused scheduler and then released, against the simulator
-    with every request queued before its first step. Every step's events (which block of which
-    prompt is stored or evicted, in order), each request's cached tokens and the preemptions must be
-    the same (each wave's labelled events are left in tmp_path for a failure's diagnosis). Catches
-    the admission rules under contention: the token budget and chunked prefill, the whole-sequence
-    gate, a block cached when scheduled, the queue order, re-entry after preemption, the eviction
-    order. Tried: the model before 2026-12-06 (blocks cached after the step) and admission on the
-    first chunk each fail on the first fcfs wave. Not reached: the priority victim rule when the
-    running requests are out of (priority, arrival) order (tests/test_priority.py has it), which
-    takes a second arrival while the first decodes; tried, a pause sent right after the resume
-    landed only after the first arrival's 1,800 tokens (a step takes about a millisecond)."""
-    fleet = VllmCpuFleet(tmp_path / policy, model_dir=model_dir)
+    """Three waves of requests in flight together on one real engine (64 blocks, a 512-token
+    budget; eight requests a wave, or sixteen with a CPU tier), each queued whole behind a paused
+    scheduler and then released, against the simulator with every request queued before its first
+    step. Every step's events (which block of which prompt is stored or evicted, in which tier, in
+    order), each request's cached tokens and the preemptions must be the same (each wave's
+    labelled events are left in tmp_path for a failure's diagnosis). Catches the admission rules
+    under contention: the token budget and chunked prefill, the whole-sequence gate, a block
+    cached when scheduled, the queue order, re-entry after preemption, the eviction order. Tried:
+    the model before 2026-12-06 (blocks cached after the step) and admission on the first chunk
+    each fail on the first fcfs wave. Not reached: the priority victim rule when the running
+    requests are out of (priority, arrival) order (tests/test_priority.py has it), which takes a
+    second arrival while the first decodes; tried, a pause sent right after the resume landed only
+    after the first arrival's 1,800 tokens (a step takes about a millisecond).
+
+    With a CPU tier it also catches the offloading connector's rules (docs/simulator.md): a write
+    lands a step after it is made (its blocks not evictable, a lookup reaching them deferred), a
+    scheduled request offers its unstored prompt blocks every step (its GPU hits too), a finished
+    request is offered again and ranked the step after, a load's blocks are cached only when it
+    lands (the request waits among the waiting, and a lookup reaching blocks being loaded is
+    deferred). The model before these rules first differed within 9-36 event batches of every
+    wave of four tried (a write announced at once, evictions in another order)."""
+    fleet = VllmCpuFleet(tmp_path / f"{policy}-{cpu_blocks}", model_dir=model_dir)
     try:
         (engine,) = fleet.start(
             1,
             VllmCpuProfile(
                 gpu_blocks=GPU_BLOCKS,
+                cpu_blocks=cpu_blocks,
                 max_model_len=MAX_MODEL_LEN,
                 scheduling_policy=policy,
                 dev_mode=True,  # /pause and /resume
@@ -395,14 +427,17 @@ def test_the_simulated_engine_admits_caches_and_preempts_requests_in_flight_toge
 
             until(warmed_up, 60)
             assert batches, "no KV events from the engine"
-            preempted = 0
+            preempted = loaded = 0
             for seed in (3, 4, 5):
-                wave = _wave(seed)
-                simulated = _simulated_wave(wave, policy)
+                wave = _wave(seed, 16 if cpu_blocks else 8)
+                simulated = _simulated_wave(wave, policy, cpu_blocks)
                 live = _live_wave(engine, batches, wave, len(simulated[0]), simulated[2])
                 _compare(tmp_path, f"wave-{seed}", wave, live, simulated)
                 preempted += live[2]
-            # The waves do what they are for: requests hit each other's blocks and are preempted.
+                loaded += simulated[3]
+            # The waves do what they are for: requests hit each other's blocks and are preempted,
+            # and with a CPU tier some load what the GPU pool lost.
             assert preempted >= 2 and any(live[1]), preempted
+            assert loaded >= (3 if cpu_blocks else 0), loaded
     finally:
         fleet.stop()
