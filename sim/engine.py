@@ -1315,8 +1315,9 @@ class EngineCore:
         self, req: _Request, block_indices: Sequence[int], events: list[dict[str, Any]]
     ) -> list[int] | None:
         """One write of prompt blocks to the CPU tier (LRU, admitted whole or refused:
-        ``LruBlockTier.write``); announces its evictions, then its stores. Returns the blocks
-        newly stored, None when refused."""
+        ``LruBlockTier.write``); announces its evictions now and its stores when it lands
+        (``_land_stores``; at once with ``async_loads`` off). Returns the blocks newly stored, None
+        when refused."""
         cpu = self.cpu
         assert cpu is not None
         if block_indices and block_indices[0] < req.seen_from:
