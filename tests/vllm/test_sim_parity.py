@@ -8,7 +8,9 @@ then vLLM's. Everything the DES says about hit rates rests on this.
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
 import random
 import threading
 import time
@@ -199,11 +201,39 @@ def test_the_simulated_engine_promotes_storage_hits_through_the_cpu_tier_as_real
 #: The concurrent check's step budget: long prompts are prefilled in chunks over several steps while
 #: others wait for the budget or for blocks, hit blocks scheduled in the same step, and are preempted.
 WAVE_BUDGET = 512
-#: The concurrent check's CPU tier, twice the GPU pool: with 16 requests a wave, 2-8 of them
-#: load a prefix the GPU pool lost, some while others' loads are in flight.
-WAVE_CPU_BLOCKS = 128
+#: The concurrent check's cases: (scheduling policy, CPU tier blocks, requests a wave, seeds).
+#: Without a CPU tier; with one twice the GPU pool, where 2-8 requests of a 16-request wave load a
+#: prefix the GPU pool lost, some while others' loads are in flight; with this file's 40-block
+#: tier, whose evictions under concurrency turn on the order in which it ranks blocks.
+WAVE_CASES = [
+    ("fcfs", 0, 8, (3, 4, 5)),
+    ("priority", 0, 8, (3, 4, 5)),
+    ("fcfs", 128, 16, (3, 4, 5)),
+    ("priority", 128, 16, (3, 4, 5)),
+    ("fcfs", CPU_BLOCKS, 8, (3, 4, 5, 6)),
+    ("priority", CPU_BLOCKS, 8, (3, 4, 5, 6, 7, 8)),
+]
 #: One wave: (priority, max_tokens, prompt) per request, in the order they are sent.
 Wave = list[tuple[int, int, list[int]]]
+#: vLLM's side of every wave, labelled (``_labelled``), by "policy-cpu_blocks/seed": replayed in
+#: ``make test`` by tests/test_sim_recorded_waves.py. Rewritten by this file's in-flight test when
+#: RECORD_ENV is 1 (data/fixtures/vllm-waves/README.md).
+RECORDED_WAVES = Path(__file__).resolve().parents[2] / "data" / "fixtures" / "vllm-waves" / "waves.json.gz"
+RECORD_ENV = "KVROUTE_RECORD_WAVES"
+
+
+def wave_key(policy: str, cpu_blocks: int, n: int, seed: int) -> str:
+    return f"{policy}-{cpu_blocks}x{n}/{seed}"
+
+
+def _record(key: str, steps: list[list[tuple[Any, ...]]]) -> None:
+    """vLLM's labelled events of one wave into RECORDED_WAVES."""
+    data: dict[str, Any] = {"waves": {}}
+    if RECORDED_WAVES.exists():
+        data = json.loads(gzip.decompress(RECORDED_WAVES.read_bytes()))
+    data["waves"][key] = steps
+    RECORDED_WAVES.parent.mkdir(parents=True, exist_ok=True)
+    RECORDED_WAVES.write_bytes(gzip.compress(json.dumps(data, sort_keys=True).encode(), mtime=0))
 
 
 def _wave(seed: int, n: int = 8) -> Wave:
@@ -355,9 +385,12 @@ def _compare(
     wave: Wave,
     live: tuple[list[list[Any]], list[int], int],
     simulated: tuple[list[list[Any]], list[int], int, int],
-) -> None:
+    record_key: str,
+) -> list[list[tuple[Any, ...]]]:
     prompts = [prompt for _priority, _max_tokens, prompt in wave]
     live_steps, sim_steps = _labelled(live[0], prompts), _labelled(simulated[0], prompts)
+    if os.environ.get(RECORD_ENV) == "1":  # vLLM's side, whatever the simulator does
+        _record(record_key, live_steps)
     (tmp_path / f"{name}.json").write_text(json.dumps({"vllm": live_steps, "sim": sim_steps}))
     n = min(len(live_steps), len(sim_steps))
     diff = next((i for i in range(n) if live_steps[i] != sim_steps[i]), n)
@@ -367,22 +400,30 @@ def _compare(
         f"vllm {live_steps[diff - 4 : diff + 2]}\nsim  {sim_steps[diff - 4 : diff + 2]}"
     )
     assert live[1:] == simulated[1:3], (name, "cached tokens, preemptions", live[1:], simulated[1:3])
+    return live_steps
 
 
 @pytest.mark.parametrize(
-    ("policy", "cpu_blocks"),
-    [("fcfs", 0), ("priority", 0), ("fcfs", WAVE_CPU_BLOCKS), ("priority", WAVE_CPU_BLOCKS)],
-    ids=["fcfs", "priority", "fcfs-cpu-tier", "priority-cpu-tier"],
+    ("policy", "cpu_blocks", "n", "seeds"),
+    WAVE_CASES,
+    ids=[
+        "fcfs",
+        "priority",
+        "fcfs-cpu-tier",
+        "priority-cpu-tier",
+        "fcfs-small-cpu-tier",
+        "priority-small-cpu-tier",
+    ],
 )
 def test_the_simulated_engine_admits_caches_and_preempts_requests_in_flight_together_as_real_vllm(
-    model_dir: Path, tmp_path: Path, policy: str, cpu_blocks: int
+    model_dir: Path, tmp_path: Path, policy: str, cpu_blocks: int, n: int, seeds: tuple[int, ...]
 ) -> None:
-    """Three waves of requests in flight together on one real engine (64 blocks, a 512-token
-    budget; eight requests a wave, or sixteen with a CPU tier), each queued whole behind a paused
-    scheduler and then released, against the simulator with every request queued before its first
-    step. Every step's events (which block of which prompt is stored or evicted, in which tier, in
-    order), each request's cached tokens and the preemptions must be the same (each wave's
-    labelled events are left in tmp_path for a failure's diagnosis). Catches the admission rules
+    """Waves of requests in flight together on one real engine (64 blocks, a 512-token budget;
+    WAVE_CASES), each queued whole behind a paused scheduler and then released, against the
+    simulator with every request queued before its first step. Every step's events (which block
+    of which prompt is stored or evicted, in which tier, in order), each request's cached tokens
+    and the preemptions must be the same (each wave's labelled events are left in tmp_path for a
+    failure's diagnosis). Catches the admission rules
     under contention: the token budget and chunked prefill, the whole-sequence gate, a block
     cached when scheduled, the queue order, re-entry after preemption, the eviction order. Tried:
     the model before 2026-12-06 (blocks cached after the step) and admission on the first chunk
@@ -394,10 +435,12 @@ def test_the_simulated_engine_admits_caches_and_preempts_requests_in_flight_toge
     With a CPU tier it also catches the offloading connector's rules (docs/simulator.md): a write
     lands a step after it is made (its blocks not evictable, a lookup reaching them deferred), a
     scheduled request offers its unstored prompt blocks every step (its GPU hits too), a finished
-    request is offered again and ranked the step after, a load's blocks are cached only when it
-    lands (the request waits among the waiting, and a lookup reaching blocks being loaded is
-    deferred). The model before these rules first differed within 9-36 event batches of every
-    wave of four tried (a write announced at once, evictions in another order)."""
+    request is offered again and ranked the step after (the blocks it recorded, over all its
+    admissions), a load's blocks are cached only when it lands (the request waits among the
+    waiting, and a lookup reaching blocks being loaded is deferred), a load is admitted only into
+    blocks the prefills in flight do not still need. The model before these rules first differed
+    within 9-36 event batches of every 40-block wave. With RECORD_ENV=1 vLLM's side of every wave is
+    written to RECORDED_WAVES (replayed in ``make test``)."""
     fleet = VllmCpuFleet(tmp_path / f"{policy}-{cpu_blocks}", model_dir=model_dir)
     try:
         (engine,) = fleet.start(
@@ -427,17 +470,21 @@ def test_the_simulated_engine_admits_caches_and_preempts_requests_in_flight_toge
 
             until(warmed_up, 60)
             assert batches, "no KV events from the engine"
-            preempted = loaded = 0
-            for seed in (3, 4, 5):
-                wave = _wave(seed, 16 if cpu_blocks else 8)
+            preempted = loaded = evicted = 0
+            for seed in seeds:
+                wave = _wave(seed, n)
                 simulated = _simulated_wave(wave, policy, cpu_blocks)
                 live = _live_wave(engine, batches, wave, len(simulated[0]), simulated[2])
-                _compare(tmp_path, f"wave-{seed}", wave, live, simulated)
+                key = wave_key(policy, cpu_blocks, n, seed)
+                steps = _compare(tmp_path, f"wave-{seed}", wave, live, simulated, key)
                 preempted += live[2]
                 loaded += simulated[3]
-            # The waves do what they are for: requests hit each other's blocks and are preempted,
-            # and with a CPU tier some load what the GPU pool lost.
+                evicted += sum(1 for row in steps for event in row if event[0] == "removed CPU")
+            # The waves do what they are for: requests hit each other's blocks and are preempted;
+            # with the large CPU tier some requests load what the GPU pool lost (it never fills),
+            # and the small one evicts.
             assert preempted >= 2 and any(live[1]), preempted
-            assert loaded >= (3 if cpu_blocks else 0), loaded
+            assert loaded >= (3 if cpu_blocks > CPU_BLOCKS else 0), loaded
+            assert evicted > 0 if cpu_blocks == CPU_BLOCKS else evicted == 0, evicted
     finally:
         fleet.stop()

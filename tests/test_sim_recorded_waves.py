@@ -1,0 +1,43 @@
+"""The simulated engine against real vLLM's recorded in-flight waves, without vLLM: the waves
+tests/vllm/test_sim_parity.py runs on a real engine (``make test-vllm``; requests with shared
+prefixes queued behind a paused scheduler, then released; with and without a CPU tier, fcfs and
+priority), as vLLM 0.32.0's CPU build announced them (data/fixtures/vllm-waves/README.md), replayed
+in the simulator here. Every step's events must be the same, so ``make test`` catches a change to the
+engine model's admission, caching, offloading or ranking rules that vLLM does not make, where the
+live check needs a vLLM install and fifteen minutes."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from typing import Any
+
+import pytest
+
+from tests.vllm.test_sim_parity import RECORDED_WAVES, WAVE_CASES, _labelled, _simulated_wave, _wave, wave_key
+
+WAVES: dict[str, Any] = json.loads(gzip.decompress(RECORDED_WAVES.read_bytes()))["waves"]
+
+
+def test_the_recording_covers_every_live_case() -> None:
+    """Every wave of the live check's cases (WAVE_CASES), none else."""
+    cases = [wave_key(policy, cpu, n, seed) for policy, cpu, n, seeds in WAVE_CASES for seed in seeds]
+    assert sorted(WAVES) == sorted(cases)
+
+
+@pytest.mark.parametrize("key", sorted(WAVES))
+def test_the_simulated_engine_reproduces_a_wave_real_vllm_ran(key: str) -> None:
+    case, seed = key.split("/")
+    policy, size = case.split("-")
+    cpu, n = size.split("x")
+    wave = _wave(int(seed), int(n))
+    simulated = _simulated_wave(wave, policy, int(cpu))
+    # Through JSON, as recorded: tuples become lists.
+    steps = json.loads(json.dumps(_labelled(simulated[0], [prompt for _p, _m, prompt in wave])))
+    recorded = WAVES[key]
+    n = min(len(steps), len(recorded))
+    diff = next((i for i in range(n) if steps[i] != recorded[i]), n)
+    assert steps == recorded, (
+        f"{key}: {len(recorded)} event batches from vLLM, {len(steps)} simulated; first difference at "
+        f"{diff}:\nvllm {recorded[diff : diff + 2]}\nsim  {steps[diff : diff + 2]}"
+    )
