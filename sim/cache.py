@@ -152,9 +152,6 @@ class LruBlockTier:
         else:
             del pinned[block_hash]
 
-    def is_pinned(self, block_hash: int) -> bool:
-        return block_hash in self._pinned
-
     def write(self, block_hashes: Sequence[int], evicted: list[int]) -> list[int] | None:
         """One offload write, admitted as vLLM's offloading manager admits it (``prepare_store``):
         the blocks not yet held are stored as the most recent, evicting the least recently used

@@ -555,10 +555,12 @@ class EngineCore:
         state = self._requests.pop(request_id, None)
         if state is None:
             return
-        if state in self._running or state in self._loading:
-            (self._running if state in self._running else self._loading).remove(state)
-            self._forget_loading(state)
-            self._unpin_loads(state)
+        holder = (
+            self._running if state in self._running else self._loading if state in self._loading else None
+        )
+        if holder is not None:
+            holder.remove(state)
+            self._end_load(state)
             self._signal_finished(state)
             self._free_blocks(state)
         else:
@@ -1163,7 +1165,6 @@ class EngineCore:
         if blocks is None:
             return
         gpu, hashes = self.gpu, req.chain.hashes
-        self._forget_loading(req)
         runs: list[tuple[int, int]] = []
         for b in blocks:
             if not gpu.commit(hashes[b]):
@@ -1175,9 +1176,7 @@ class EngineCore:
                 runs.append((b, b + 1))
         for start, end in runs:
             self._emit_gpu_stored(req, start, end, events)
-        req.ready_at_s = 0.0
-        req.loading_blocks = None
-        self._unpin_loads(req)
+        self._end_load(req)
 
     def _signal_finished(self, req: _Request) -> None:
         """The next step offers the offload tiers what ``req`` has not stored and ranks its CPU
@@ -1197,14 +1196,15 @@ class EngineCore:
                 total += max(0, -(-r.num_tokens // bs) - len(r.blocks))
         return total
 
-    def _forget_loading(self, req: _Request) -> None:
-        """``req``'s blocks are no longer being loaded (``_being_loaded``)."""
+    def _end_load(self, req: _Request) -> None:
+        """``req``'s load is over (landed, or dropped by a reset or an abort): its blocks are no
+        longer being loaded (``_being_loaded``) and the CPU blocks it read are unpinned."""
         being_loaded, hashes = self._being_loaded, req.chain.hashes
         for b in req.loading_blocks or ():
             if being_loaded.get(hashes[b]) == req.ready_at_s:
                 del being_loaded[hashes[b]]
-
-    def _unpin_loads(self, req: _Request) -> None:
+        req.ready_at_s = 0.0
+        req.loading_blocks = None
         pins = req.cpu_pins
         if pins:
             cpu = self.cpu
@@ -1255,11 +1255,12 @@ class EngineCore:
         req.num_committed_blocks = full_blocks
 
     def _offload_computed(self, req: _Request, events: list[dict[str, Any]], now: float) -> None:
-        """After a step that filled blocks of ``req``: write its full prompt blocks through to the
-        offload tiers."""
+        """After a step ``req`` was scheduled in, or the step after it finished: write its computed
+        full prompt blocks not stored yet through to the offload tiers (the callers run it only
+        when the engine has some)."""
         end = min(req.num_computed // self._block_size, self._num_hashable_blocks(req))
         prompt_end = min(end, req.num_prompt_blocks)
-        if prompt_end > req.store_from and (self.cpu is not None or self.storage is not None):
+        if prompt_end > req.store_from:
             self._offload(req, prompt_end, events, now)
 
     def _offload(self, req: _Request, prompt_end: int, events: list[dict[str, Any]], now: float) -> None:
@@ -1457,10 +1458,7 @@ class EngineCore:
             req.preempted_s = self.now_s
         req.num_computed = 0
         req.num_committed_blocks = 0
-        self._forget_loading(req)  # a reset preempts requests whose loads are in flight
-        req.ready_at_s = 0.0
-        req.loading_blocks = None
-        self._unpin_loads(req)
+        self._end_load(req)  # a reset preempts requests whose loads are in flight
         if self._priority:
             self._enqueue(req)
         else:
