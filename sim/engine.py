@@ -305,12 +305,15 @@ class _Request:
         "preempted_s",
         "prio_key",
         "promoted",
+        "promotion_s",
+        "promotion_walks",
         "prompt_len",
         "ready_at_s",
         "request",
         "seen_from",
         "store_from",
         "stores_pending",
+        "tier_keys",
         "tokens",
         "unranked",
         "wait_snapshot",
@@ -376,6 +379,13 @@ class _Request:
         self.cpu_pins: list[int] | None = None
         #: Its CPU tier writes not landed yet (vLLM delays a request with transfers in flight).
         self.stores_pending = 0
+        #: Hashes this request asked the STORAGE tier about (``EngineCore._tier_lookups``).
+        self.tier_keys: list[int] | None = None
+        #: Seconds its STORAGE reads into the CPU tier took (``EngineCore._promotions``): its
+        #: STORAGE load's reported time includes them.
+        self.promotion_s = 0.0
+        #: Walks that started promotions for it (``EngineCore._walk_tiers`` gives up past a cap).
+        self.promotion_walks = 0
         #: (priority, arrival order): the priority scheduler's sort key.
         self.prio_key: tuple[int, int] = (request.priority, 0)
         #: Wait accounting (EngineCore.wait_records): the engine's per-reason wait totals when it
@@ -480,6 +490,21 @@ class EngineCore:
         self._to_rank: list[_Request] = []
         #: Hashes of CPU tier blocks written but not landed: a lookup that reaches one is deferred.
         self._cpu_unready: set[int] = set()
+        #: vLLM's fs tier behind a CPU tier answers a lookup on a thread (its AsyncLookupManager):
+        #: hash -> [the answer, None till the end of the step that asked; the ids of the requests
+        #: that asked and have not finished]. A request whose lookup reaches a block not answered
+        #: yet waits a step; an answer stands while a request that asked is alive, even if the block
+        #: is written to the tier meanwhile.
+        self._tier_lookups: dict[int, list[Any]] = {}
+        self._tier_lookups_asked: list[int] = []
+        self._async_tier_lookups = storage is not None and self.cpu is not None and profile.async_loads
+        #: Promotions in flight there (vLLM's tiering manager reads a STORAGE hit into a CPU tier
+        #: slot on a thread, a job per request and step): (request, block indices, when the read
+        #: is done). Their slots are pinned and not ready; they land at the start of the first
+        #: step at or after the read (vLLM polls its threads as a step schedules).
+        self._promotions: list[tuple[_Request, list[int], float]] = []
+        #: When the STORAGE tier's reader is free again (promotion jobs are read one after another).
+        self._read_free_s = 0.0
         #: Per WAIT_REASONS: seconds of steps that ended with requests waiting for that reason.
         self._wait_totals_s = [0.0, 0.0, 0.0, 0.0]
         #: Request id -> WaitRecord of each request at its first token, when not None (set it to
@@ -578,17 +603,34 @@ class EngineCore:
             or self._to_rank
             or self._stores_issued
             or self._stores_landing
+            or self._promotions
         )
 
-    def reset_prefix_cache(self) -> None:
-        """Forget the GPU prefix cache (CPU and STORAGE tiers stay). Running requests are preempted
-        (they recompute later, like vLLM's reset with running requests); the next step's events
-        start with AllBlocksCleared."""
+    def reset_prefix_cache(self, reset_connector: bool = False) -> None:
+        """Forget the GPU prefix cache. Running requests are preempted (they recompute later, like
+        vLLM's reset with running requests); the next step's events start with AllBlocksCleared.
+        With ``reset_connector`` (vLLM's ``reset_external``, and what its pause does) the CPU tier
+        is emptied too, its writes in flight dropped, and the requests left offer their prompts
+        again from the first block; the STORAGE pool stays (vLLM's tiering manager resets only its
+        primary tier: persistent stores keep their data)."""
         while self._running:
             self._preempt(self._running.pop())
         while self._loading:
             self._preempt(self._loading.pop())
         self.gpu.clear_cached()
+        if reset_connector and self.cpu is not None:
+            self.cpu.clear()
+            self._cpu_unready.clear()
+            self._stores_issued.clear()
+            self._stores_landing.clear()
+            self._promotions.clear()
+            self._to_rank.clear()
+            for req in self._requests.values():
+                req.stores_pending = 0
+                req.store_from = 0
+                req.seen_from = req.num_prompt_blocks
+                req.unranked = None
+                req.offered_to = 0
         if self._emit:
             self._pending_events.append({"type": "AllBlocksCleared"})
 
@@ -679,6 +721,8 @@ class EngineCore:
         gpu = self.gpu
         events = self._pending_events
         self._pending_events = []
+        if self._promotions:
+            self._land_promotions(now, events)
         finished = self._pending_finished
         self._pending_finished = []
         to_rank = self._to_rank
@@ -816,6 +860,10 @@ class EngineCore:
         if not scheduled and not running and not self._loading and (self._stores_landing or to_rank):
             # Nothing to compute: the step only signals finished requests and lands writes.
             duration_s = 0.0
+        elif not scheduled and not running and not self._loading and self._promotions:
+            # Every waiting request waits for STORAGE reads: the engine idles until the first lands.
+            first_done = min(done_s for _req, _blocks, done_s in self._promotions)
+            duration_s = max(first_done - now, p.step_overhead_s)
         elif scheduled or not self._loading:
             duration_s = (
                 p.step_overhead_s
@@ -828,7 +876,7 @@ class EngineCore:
         else:
             # Every admitted request waits for its KV: the engine idles until the first load lands.
             first_ready = min((r.ready_at_s for r in self._loading if r.ready_at_s > now), default=now)
-            duration_s = max(first_ready - now, 1e-6) + load_s
+            duration_s = max(first_ready - now, p.step_overhead_s) + load_s
 
         if waiting:
             self._wait_totals_s[blocked] += duration_s
@@ -864,6 +912,10 @@ class EngineCore:
             self._offload_computed(done, events, now)
         for done in to_rank:
             self._rank_used(done)
+            if done.tier_keys is not None:
+                self._forget_tier_lookups(done)
+        if self._tier_lookups_asked:
+            self._answer_tier_lookups()
         # The last step's CPU tier writes land; this step's land at the end of the next.
         if self._stores_landing:
             self._land_stores(self._stores_landing, events)
@@ -958,6 +1010,8 @@ class EngineCore:
                 break
         if cpu is not None or storage is not None:
             found = self._offload_lookup(req, hashes, len(tiers), lookup_end, events)
+            if found is None:
+                return _DEFER
             unready, being_loaded = self._cpu_unready, self._being_loaded
             if unready or being_loaded:
                 for b in range(len(tiers), len(tiers) + len(found)):
@@ -1024,7 +1078,13 @@ class EngineCore:
             if n_by_tier[tier]:
                 nbytes = n_by_tier[tier] * self._bytes_per_block
                 if asynchronous:
-                    start_s, done_s = self._transfer(tier, nbytes, now)
+                    if tier == _STORAGE and self._async_tier_lookups:
+                        # Promoted: read into the CPU tier already, loaded from there.
+                        start_s, done_s = self._transfer(_CPU, nbytes, now)
+                        start_s -= req.promotion_s
+                        req.promotion_s = 0.0
+                    else:
+                        start_s, done_s = self._transfer(tier, nbytes, now)
                     ready_s = max(ready_s, done_s)
                     t_s = done_s - start_s
                 else:
@@ -1070,7 +1130,7 @@ class EngineCore:
 
     def _offload_lookup(
         self, req: _Request, hashes: list[int], start: int, end: int, events: list[dict[str, Any]]
-    ) -> list[int]:
+    ) -> list[int] | None:
         """vLLM's offloading connector looking up blocks ``start``..``end`` in the offload tiers,
         block by block until a miss: the tier of each hit (CPU, or STORAGE for a block promoted for
         this request; vLLM labels a promoted block by the tier it came from).
@@ -1095,6 +1155,8 @@ class EngineCore:
                 storage.touch(hashes[b])
                 found += 1
             return [_STORAGE] * found
+        if self._async_tier_lookups:
+            return self._walk_tiers(req, hashes, start, end, events)
         promoted = req.promoted
         for _ in range(end - start + 1):
             in_flight: set[int] = set()
@@ -1119,6 +1181,159 @@ class EngineCore:
             while start + found < end and hashes[start + found] in cpu:
                 found += 1
         return [_STORAGE if hashes[b] in promoted else _CPU for b in range(start, start + found)]
+
+    def _walk_tiers(
+        self, req: _Request, hashes: list[int], start: int, end: int, events: list[dict[str, Any]]
+    ) -> list[int] | None:
+        """``_offload_lookup`` as vLLM's tiering manager runs it with the fs tier's asynchronous
+        lookups: one walk a step. Every block the CPU tier lacks must have the STORAGE tier's
+        answer (``_tier_answered``), else the request waits a step. Then, block by block until a
+        miss, a CPU block counts (one not ready makes the caller defer the request), and a block
+        the STORAGE tier said it holds is promoted (``_promote_slot``): its read takes at least
+        a step, so a walk that started one defers the request (None), and the next walk finds the
+        block in the CPU tier. A block counts as STORAGE for the request that promoted it, as CPU
+        for another. A CPU tier smaller than the hit never holds it whole (each walk's promotions
+        evict the request's own earlier blocks): vLLM's engine then waits forever; here a request
+        stops promoting after as many walks as blocks, and loads the resident prefix."""
+        if not self._tier_answered(req, hashes, start, end):
+            return None
+        cpu, storage, answers = self.cpu, self.storage, self._tier_lookups
+        assert cpu is not None and storage is not None
+        if req.promotion_walks > end - start:
+            found = 0
+            while start + found < end and hashes[start + found] in cpu:
+                found += 1
+            return [_STORAGE if hashes[b] in req.promoted else _CPU for b in range(start, start + found)]
+        found, promoting = 0, []
+        for b in range(start, end):
+            h = hashes[b]
+            if h in cpu:
+                found += 1
+                continue
+            answer = answers.get(h)
+            if answer is None or not answer[0] or h not in storage:
+                break
+            storage.touch(h)
+            if not self._promote_slot(req, b, events):
+                break
+            promoting.append(b)
+            found += 1
+        if promoting:
+            self._start_promotion(req, promoting)
+            req.promotion_walks += 1
+            return None
+        promoted = req.promoted
+        return [_STORAGE if hashes[b] in promoted else _CPU for b in range(start, start + found)]
+
+    def _promote_slot(self, req: _Request, b: int, events: list[dict[str, Any]]) -> bool:
+        """A CPU tier slot for block ``b`` of ``req``, read from STORAGE: the least recently used
+        block not pinned is evicted (announced now); the slot is pinned and not ready till the read
+        lands. False when every block is pinned (vLLM: the primary tier is full, a miss)."""
+        cpu = self.cpu
+        assert cpu is not None
+        h = req.chain.hashes[b]
+        evicted: list[int] = []
+        if not cpu.promote(h, set(), evicted):
+            return False
+        cpu.pin(h)
+        self._cpu_unready.add(h)
+        req.promoted.add(h)
+        if self._emit and evicted:
+            self._announce_cpu(req, evicted, (), events)
+        return True
+
+    def _start_promotion(self, req: _Request, blocks: list[int]) -> None:
+        """One read job of this step's promotions for ``req``, queued behind the jobs before it:
+        done after the STORAGE tier's latency and the bytes at its read rate (a shared pool's
+        aggregate bandwidth booked)."""
+        now = self.now_s
+        nbytes = len(blocks) * self._bytes_per_block
+        start_s = max(now, self._read_free_s)
+        done_s = start_s + nbytes / self._storage_bw
+        storage = self.storage
+        if storage is not None and storage.shared_bytes_per_s:
+            done_s = max(done_s, storage.reserve(start_s, nbytes))
+        self._read_free_s = done_s
+        self._promotions.append((req, blocks, done_s + self._storage_latency_s))
+        req.promotion_s += done_s + self._storage_latency_s - now
+
+    def _land_promotions(self, now: float, events: list[dict[str, Any]]) -> None:
+        """Promotions whose reads are done land: their blocks become ready and evictable in the
+        CPU tier, and their stores are announced."""
+        cpu, unready = self.cpu, self._cpu_unready
+        assert cpu is not None
+        waiting = []
+        for job in self._promotions:
+            req, blocks, done_s = job
+            if done_s > now:
+                waiting.append(job)
+                continue
+            hashes = req.chain.hashes
+            for b in blocks:
+                cpu.unpin(hashes[b])
+                unready.discard(hashes[b])
+            if self._emit:
+                self._announce_cpu(req, [], blocks, events)
+        self._promotions = waiting
+
+    def _tier_answered(self, req: _Request, hashes: list[int], start: int, end: int) -> bool:
+        """vLLM's connector walking blocks ``start``..``end``: each the CPU tier lacks is asked of
+        the STORAGE tier, whose answer comes at the end of the step (``_answer_tier_lookups``). The
+        walk goes on past a block not answered yet, so that the tier is asked about every block up
+        to one it said it lacks, and False when any is unanswered: the request waits a step."""
+        cpu = self.cpu
+        assert cpu is not None
+        answers = self._tier_lookups
+        rid = req.request.request_id
+        answered = True
+        for b in range(start, end):
+            h = hashes[b]
+            if h in cpu:
+                continue
+            answer = answers.get(h)
+            if answer is None:
+                answers[h] = answer = [None, set()]
+                self._tier_lookups_asked.append(h)
+            if rid not in answer[1]:
+                answer[1].add(rid)
+                if req.tier_keys is None:
+                    req.tier_keys = []
+                req.tier_keys.append(h)
+            if answer[0] is None:
+                answered = False
+            elif not answer[0]:
+                break
+        return answered
+
+    def _answer_tier_lookups(self) -> None:
+        """The STORAGE tier answers the lookups asked this step (whether it holds each block now);
+        one no live request asked about any more is dropped."""
+        storage, answers = self.storage, self._tier_lookups
+        assert storage is not None
+        for h in self._tier_lookups_asked:
+            answer = answers.get(h)
+            if answer is None:
+                continue
+            if answer[1]:
+                answer[0] = h in storage
+            else:
+                del answers[h]
+        self._tier_lookups_asked = []
+
+    def _forget_tier_lookups(self, req: _Request) -> None:
+        """``req`` has finished: its lookups' answers go once no other request holds them (one not
+        answered yet stays until it is)."""
+        keys, answers, rid = req.tier_keys, self._tier_lookups, req.request.request_id
+        if keys is None:
+            return
+        for h in keys:
+            answer = answers.get(h)
+            if answer is None:
+                continue
+            answer[1].discard(rid)
+            if not answer[1] and answer[0] is not None:
+                del answers[h]
+        req.tier_keys = None
 
     def _promote(self, req: _Request, b: int, in_flight: set[int], events: list[dict[str, Any]]) -> bool:
         """Block ``b`` of ``req`` read from the STORAGE pool into the CPU tier
@@ -1275,7 +1490,7 @@ class EngineCore:
             if stored is None:
                 return
             if self.storage is not None:
-                self._write_storage(req, stored, events, now)
+                self._write_storage(req, stored, events, now, rewrite=True)
         elif self._write_storage(req, offered, events, now) is None:
             return
         req.store_from = prompt_end
@@ -1390,12 +1605,19 @@ class EngineCore:
             events.extend(placeholder_stored_event([hashes[b]]) for b in stored)
 
     def _write_storage(
-        self, req: _Request, block_indices: Sequence[int], events: list[dict[str, Any]], now: float
+        self,
+        req: _Request,
+        block_indices: Sequence[int],
+        events: list[dict[str, Any]],
+        now: float,
+        rewrite: bool = False,
     ) -> list[int] | None:
         """One write to the STORAGE pool, admitted as the CPU tier's writes are: self-describing
         stores, and the removals the write causes when the pool announces them. A shared pool's
         writes take their share of its aggregate bandwidth (reads queue behind them). Returns the
-        blocks newly stored, None when refused."""
+        blocks newly stored, None when refused. ``rewrite``: the CPU tier's cascade (vLLM's
+        tiering manager writes every block the CPU tier newly stored through to the fs tier and
+        announces each, the pool holding it already or not)."""
         storage = self.storage
         assert storage is not None
         if not block_indices:
@@ -1408,16 +1630,17 @@ class EngineCore:
             events.append(
                 {"type": "BlockRemoved", "block_hashes": evicted, "medium": "STORAGE", "group_idx": 0}
             )
-        if not stored:
+        written = block_indices if rewrite else stored
+        if not written:
             return stored
-        nbytes = len(stored) * self._bytes_per_block
+        nbytes = len(written) * self._bytes_per_block
         self._store_bytes[_STORAGE] += nbytes
         store_s = nbytes / self._storage_bw
         if storage.shared_bytes_per_s:
             store_s = max(store_s, storage.reserve(now, nbytes) - now)
         self._store_time_s[_STORAGE] += self._noisy(store_s)
         if self._emit and self.profile.emit_storage_events:
-            for start, end in _runs(stored):
+            for start, end in _runs(written):
                 event = self._stored_event(req, start, end, "STORAGE")
                 event["locality"] = "LOCAL"
                 events.append(event)

@@ -262,8 +262,8 @@ class EngineRunner:
             self.core.abort_request(request_id)
             self._wake.set()
 
-    def reset_prefix_cache(self) -> None:
-        self.core.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_connector: bool = False) -> None:
+        self.core.reset_prefix_cache(reset_connector)
         self._flush_events = True
         self._wake.set()
 
@@ -848,11 +848,12 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> dict[str, bool]:
+    async def reset_prefix_cache(reset_external: bool = False) -> dict[str, bool]:
         # vLLM 0.32 answers {"success": bool} (false while blocks are held); this engine preempts
-        # what runs, so its reset always succeeds.
+        # what runs, so its reset always succeeds. ``reset_external=true`` also empties the CPU
+        # tier (vLLM's offloading connector resets its primary tier; the STORAGE pool stays).
         if state.runner is not None:
-            state.runner.reset_prefix_cache()
+            state.runner.reset_prefix_cache(reset_external)
         return {"success": True}
 
     @app.post("/tokenize")

@@ -7,7 +7,8 @@ traffic without streaming (no first token is seen) must leave the estimates exac
 The offload-counter scrape is off so only the TTFT path learns.
 
 True values as the router sees them: the engine's model-time figures x ``TIME_SCALE`` (the engine
-runs that much faster than its model time).
+runs that much faster than its model time); STORAGE's is the rate of a read into the CPU tier
+followed by a load from it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ MODEL_CPU_BYTES_PER_S = 1.0e9
 MODEL_STORAGE_BYTES_PER_S = 0.4e9
 TRUE_PREFILL = MODEL_PREFILL_TOKENS_PER_S * TIME_SCALE
 TRUE_CPU = MODEL_CPU_BYTES_PER_S * TIME_SCALE
-TRUE_STORAGE = MODEL_STORAGE_BYTES_PER_S * TIME_SCALE
+#: A STORAGE hit is read into the CPU tier, then loaded from there (vLLM's tiering manager, which
+#: the engine follows): its bytes cross both links one after the other.
+TRUE_STORAGE = 1 / (1 / MODEL_STORAGE_BYTES_PER_S + 1 / MODEL_CPU_BYTES_PER_S) * TIME_SCALE
 PROMPT_BLOCKS = 125  # 2,000 tokens: the GPU pool holds one prompt, the CPU tier two
 ROUNDS = 10
 

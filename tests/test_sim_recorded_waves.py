@@ -14,7 +14,19 @@ from typing import Any
 
 import pytest
 
-from tests.vllm.test_sim_parity import RECORDED_WAVES, WAVE_CASES, _labelled, _simulated_wave, _wave, wave_key
+from tests.vllm.test_sim_parity import (
+    RECORDED_STORAGE_WAVES,
+    RECORDED_WAVES,
+    STORAGE_WAVE_CASES,
+    WAVE_CASES,
+    _labelled,
+    _simulated_wave,
+    _wave,
+    recorded_storage_compared,
+    simulated_storage_compared,
+    storage_wave_key,
+    wave_key,
+)
 
 WAVES: dict[str, Any] = json.loads(gzip.decompress(RECORDED_WAVES.read_bytes()))["waves"]
 
@@ -41,3 +53,31 @@ def test_the_simulated_engine_reproduces_a_wave_real_vllm_ran(key: str) -> None:
         f"{key}: {len(recorded)} event batches from vLLM, {len(steps)} simulated; first difference at "
         f"{diff}:\nvllm {recorded[diff : diff + 2]}\nsim  {steps[diff : diff + 2]}"
     )
+
+
+# ------------------------------------------------------------------------------- with STORAGE
+
+STORAGE_WAVES: dict[str, Any] = json.loads(gzip.decompress(RECORDED_STORAGE_WAVES.read_bytes()))["waves"]
+
+
+def test_the_storage_recording_covers_every_live_case() -> None:
+    """Every wave of the live STORAGE check's cases (STORAGE_WAVE_CASES), none else."""
+    cases = [
+        storage_wave_key(policy, cpu, n, seed)
+        for policy, cpu, n, seeds in STORAGE_WAVE_CASES
+        for seed in seeds
+    ]
+    assert sorted(STORAGE_WAVES) == sorted(cases)
+
+
+@pytest.mark.parametrize("key", sorted(STORAGE_WAVES))
+def test_the_simulated_engine_serves_the_storage_waves_real_vllm_served(key: str) -> None:
+    """The live STORAGE check's comparison (``storage_wave_compared``: the cold pass's events,
+    STORAGE stores and figures, the second pass's cached tokens) against the recording."""
+    case, seed = key.split("/")
+    _fs, policy, size = case.split("-")
+    cpu, n = size.split("x")
+    wave = _wave(int(seed), int(n))
+    recorded = recorded_storage_compared(wave, STORAGE_WAVES[key])
+    simulated = simulated_storage_compared(wave, policy, int(cpu))
+    assert [name for name in recorded if recorded[name] != simulated[name]] == [], key

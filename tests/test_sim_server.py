@@ -286,7 +286,10 @@ def test_metrics_names_and_labels(http: httpx.Client, client: openai.OpenAI) -> 
 def test_client_disconnect_aborts_request() -> None:
     # Slow clock (1x) and a long answer: the request is still decoding when the client leaves.
     cfg = EngineServerConfig(port=0, gpu_blocks=256, time_scale=1.0, engine_id="slow")
-    with ThreadedEngineServer(cfg) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
+    with (
+        ThreadedEngineServer(cfg) as srv,
+        httpx.Client(base_url=srv.url, timeout=30, trust_env=False) as http,
+    ):
         body = {"prompt": "long answer please", "max_tokens": 5000, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as resp:
             for line in resp.iter_lines():
@@ -314,6 +317,32 @@ def test_zero_delay_mode() -> None:
             )
         )  # fmt: skip
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+
+
+def test_reset_prefix_cache_empties_the_cpu_tier_only_with_reset_external() -> None:
+    """vLLM's POST /reset_prefix_cache empties the GPU prefix cache, and with
+    ``reset_external=true`` its offloading connector's CPU tier too (what a benchmark's cold start
+    relies on). Catches a stand-in that ignores the parameter (the next run would start warm from
+    CPU where vLLM starts cold)."""
+    cfg = EngineServerConfig(port=0, gpu_blocks=64, cpu_blocks=64, max_model_len=1024, time_scale=200.0)
+    prompt = tokenizer.filler_text(200, seed=5)
+    with (
+        ThreadedEngineServer(cfg) as srv,
+        httpx.Client(base_url=srv.url, timeout=30, trust_env=False) as http,
+    ):
+
+        def cached() -> int:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            answer = http.post("/v1/completions", json=body)
+            answer.raise_for_status()
+            return int(answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0)
+
+        assert cached() == 0
+        assert http.post("/reset_prefix_cache").json() == {"success": True}
+        assert cached() > 0  # from the CPU tier: the GPU pool was emptied
+        reset = http.post("/reset_prefix_cache", params={"reset_external": "true"})
+        assert reset.json() == {"success": True}
+        assert cached() == 0
 
 
 def test_cli_rejects_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
