@@ -117,8 +117,10 @@ def _wait_indexed(url: str, prompt: list[int]) -> None:
 
 
 def _drive(url: str, *, stream: bool, rounds: int = ROUNDS) -> list[int]:
-    """Rounds of: fresh P, fresh Q, P again (its history now in CPU), fresh R, fresh S, P again
-    (pushed out of CPU: in STORAGE). Returns the cached tokens the engine reported per request."""
+    """Rounds of: fresh P, fresh Q, P again (its history now in CPU), fresh R, S and T, P again
+    (pushed wholly out of CPU: in STORAGE; with part of it still in CPU, promoting the rest would
+    evict that part, which is then read again, as vLLM does: more time than its bytes). Returns
+    the cached tokens the engine reported per request."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     cached: list[int] = []
 
@@ -144,6 +146,7 @@ def _drive(url: str, *, stream: bool, rounds: int = ROUNDS) -> list[int]:
         send(p + _prompt(base + 2, 1))
         send(_prompt(base + 3))
         send(_prompt(base + 4))
+        send(_prompt(base + 6))
         send(p + _prompt(base + 5, 1))
     return cached
 

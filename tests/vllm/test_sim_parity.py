@@ -8,12 +8,14 @@ then vLLM's. Everything the DES says about hit rates rests on this.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
 import random
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,21 +131,31 @@ def _on_vllm(
 ) -> list[tuple[int, ...]]:
     """``_live`` on one real engine of this file's pools (``cpu_blocks`` CPU tier, vLLM's fs tier
     on ``storage_dir`` behind it when given: then by tier GPU, CPU, STORAGE), started and stopped."""
+    folder = "" if storage_dir is None else str(storage_dir)
+    with _one_engine(workdir, model_dir, MAX_MODEL_LEN, cpu_blocks=cpu_blocks, storage_dir=folder) as engine:
+        return _live(engine, prompts, tiers=2 if storage_dir is None else 3)
+
+
+@contextlib.contextmanager
+def _one_engine(
+    workdir: Path, model_dir: Path, budget: int, *extra: str, **profile: Any
+) -> Iterator[FleetEngine]:
+    """One real engine of this file's pools (a ``budget``-token step, eager mode, ``profile``'s
+    other VllmCpuProfile fields, ``extra`` arguments), stopped after."""
     fleet = VllmCpuFleet(workdir, model_dir=model_dir)
     try:
         (engine,) = fleet.start(
             1,
             VllmCpuProfile(
                 gpu_blocks=GPU_BLOCKS,
-                cpu_blocks=cpu_blocks,
-                storage_dir="" if storage_dir is None else str(storage_dir),
                 max_model_len=MAX_MODEL_LEN,
                 enforce_eager=True,
                 startup_timeout_s=900,
-                extra_args=("--max-num-batched-tokens", str(MAX_MODEL_LEN)),
+                extra_args=("--max-num-batched-tokens", str(budget), *extra),
+                **profile,
             ),
         )
-        return _live(engine, prompts, tiers=2 if storage_dir is None else 3)
+        yield engine
     finally:
         fleet.stop()
 
@@ -338,6 +350,35 @@ def _added(engine: FleetEngine) -> int:
     return Path(engine.log_path).read_text(errors="replace").count("Added request ")
 
 
+@contextlib.contextmanager
+def _wave_engine(
+    workdir: Path, model_dir: Path, policy: str, cpu_blocks: int, storage_dir: str = ""
+) -> Iterator[tuple[FleetEngine, list[Any]]]:
+    """One real engine for the waves (this file's pools, a WAVE_BUDGET step, ``policy``,
+    ``cpu_blocks`` CPU tier and the fs tier on ``storage_dir`` when given; dev mode for /pause and
+    /resume) and the list its KV event batches arrive in, once a warm-up request's have arrived (a
+    SUB socket misses what is published before it has joined); stopped after."""
+    profile = {"cpu_blocks": cpu_blocks, "storage_dir": storage_dir, "scheduling_policy": policy}
+    with (
+        _one_engine(
+            workdir, model_dir, WAVE_BUDGET, "--enable-log-requests", dev_mode=True, **profile
+        ) as engine,
+        EventCounter([engine], keep_batches=True) as tap,
+    ):
+        batches = tap.batches
+        assert batches is not None
+
+        def warmed_up() -> bool:
+            if not batches:
+                body = {"model": MODEL_NAME, "prompt": [1] * BLOCK * 2, "max_tokens": 1}
+                httpx.post(f"{engine.url}/v1/completions", json=body, timeout=120).raise_for_status()
+            return bool(batches)
+
+        until(warmed_up, 60)
+        assert batches, "no KV events from the engine"
+        yield engine, batches
+
+
 def _live_wave(
     engine: FleetEngine, batches: list[Any], wave: Wave, expected_steps: int, expected_preemptions: int
 ) -> tuple[list[list[Any]], list[int], int]:
@@ -446,53 +487,26 @@ def test_the_simulated_engine_admits_caches_and_preempts_requests_in_flight_toge
     blocks the prefills in flight do not still need. The model before these rules first differed
     within 9-36 event batches of every 40-block wave. With RECORD_ENV=1 vLLM's side of every wave is
     written to RECORDED_WAVES (replayed in ``make test``)."""
-    fleet = VllmCpuFleet(tmp_path / f"{policy}-{cpu_blocks}", model_dir=model_dir)
-    try:
-        (engine,) = fleet.start(
-            1,
-            VllmCpuProfile(
-                gpu_blocks=GPU_BLOCKS,
-                cpu_blocks=cpu_blocks,
-                max_model_len=MAX_MODEL_LEN,
-                scheduling_policy=policy,
-                dev_mode=True,  # /pause and /resume
-                enforce_eager=True,
-                startup_timeout_s=900,
-                extra_args=("--max-num-batched-tokens", str(WAVE_BUDGET), "--enable-log-requests"),
-            ),
-        )
-        with EventCounter([engine], keep_batches=True) as tap:
-            batches = tap.batches
-            assert batches is not None
-
-            # A SUB socket misses what is published before it has joined: warm-up requests until
-            # one's events arrive.
-            def warmed_up() -> bool:
-                if not batches:
-                    body = {"model": MODEL_NAME, "prompt": [1] * BLOCK * 2, "max_tokens": 1}
-                    httpx.post(f"{engine.url}/v1/completions", json=body, timeout=120).raise_for_status()
-                return bool(batches)
-
-            until(warmed_up, 60)
-            assert batches, "no KV events from the engine"
-            preempted = loaded = evicted = 0
-            for seed in seeds:
-                wave = _wave(seed, n)
-                simulated = _simulated_wave(wave, policy, cpu_blocks)
-                live = _live_wave(engine, batches, wave, len(simulated[0]), simulated[2])
-                key = wave_key(policy, cpu_blocks, n, seed)
-                steps = _compare(tmp_path, f"wave-{seed}", wave, live, simulated, key)
-                preempted += live[2]
-                loaded += simulated[3]
-                evicted += sum(1 for row in steps for event in row if event[0] == "removed CPU")
-            # The waves do what they are for: requests hit each other's blocks and are preempted;
-            # with the large CPU tier some requests load what the GPU pool lost (it never fills),
-            # and the small one evicts.
-            assert preempted >= 2 and any(live[1]), preempted
-            assert loaded >= (3 if cpu_blocks > CPU_BLOCKS else 0), loaded
-            assert evicted > 0 if cpu_blocks == CPU_BLOCKS else evicted == 0, evicted
-    finally:
-        fleet.stop()
+    with _wave_engine(tmp_path / f"{policy}-{cpu_blocks}", model_dir, policy, cpu_blocks) as (
+        engine,
+        batches,
+    ):
+        preempted = loaded = evicted = 0
+        for seed in seeds:
+            wave = _wave(seed, n)
+            simulated = _simulated_wave(wave, policy, cpu_blocks)
+            live = _live_wave(engine, batches, wave, len(simulated[0]), simulated[2])
+            key = wave_key(policy, cpu_blocks, n, seed)
+            steps = _compare(tmp_path, f"wave-{seed}", wave, live, simulated, key)
+            preempted += live[2]
+            loaded += simulated[3]
+            evicted += sum(1 for row in steps for event in row if event[0] == "removed CPU")
+        # The waves do what they are for: requests hit each other's blocks and are preempted;
+        # with the large CPU tier some requests load what the GPU pool lost (it never fills),
+        # and the small one evicts.
+        assert preempted >= 2 and any(live[1]), preempted
+        assert loaded >= (3 if cpu_blocks > CPU_BLOCKS else 0), loaded
+        assert evicted > 0 if cpu_blocks == CPU_BLOCKS else evicted == 0, evicted
 
 
 # ------------------------------------------------------- requests in flight together, with STORAGE
@@ -632,52 +646,27 @@ def test_the_simulated_engine_serves_storage_hits_to_requests_in_flight_together
     simulator matches all its events in 4 of the 12 waves in each of two recordings, different
     waves each time, and its cached tokens by tier in 9-10). With
     RECORD_ENV=1 vLLM's side is written to RECORDED_STORAGE_WAVES (replayed in ``make test``)."""
-    fleet = VllmCpuFleet(tmp_path / f"{policy}-storage", model_dir=model_dir)
-    try:
-        (engine,) = fleet.start(
-            1,
-            VllmCpuProfile(
-                gpu_blocks=GPU_BLOCKS,
-                cpu_blocks=cpu_blocks,
-                storage_dir=str(tmp_path / "pool"),
-                max_model_len=MAX_MODEL_LEN,
-                scheduling_policy=policy,
-                dev_mode=True,  # /pause and /resume
-                enforce_eager=True,
-                startup_timeout_s=900,
-                extra_args=("--max-num-batched-tokens", str(WAVE_BUDGET), "--enable-log-requests"),
-            ),
-        )
-        with EventCounter([engine], keep_batches=True) as tap:
-            batches = tap.batches
-            assert batches is not None
-
-            def warmed_up() -> bool:
-                if not batches:
-                    body = {"model": MODEL_NAME, "prompt": [1] * BLOCK * 2, "max_tokens": 1}
-                    httpx.post(f"{engine.url}/v1/completions", json=body, timeout=120).raise_for_status()
-                return bool(batches)
-
-            until(warmed_up, 60)
-            assert batches, "no KV events from the engine"
-            differ = []
-            for seed in seeds:
-                wave = _wave(seed, n)
-                simulated = simulated_storage_passes(wave, policy, cpu_blocks)
-                # Each seed's documents are its own: the fs tier's blocks of earlier waves never hit.
-                live = (
-                    _live_pass(engine, batches, wave, simulated[0]),
-                    _live_pass(engine, batches, wave, simulated[1]),
-                )
-                prompts = [prompt for _priority, _max_tokens, prompt in wave]
-                key = storage_wave_key(policy, cpu_blocks, n, seed)
-                recorded = _record_storage(key, prompts, *live)
-                vllm_side = recorded_storage_compared(wave, recorded)
-                sim_side = simulated_storage_compared(wave, policy, cpu_blocks)
-                (tmp_path / f"wave-{seed}.json").write_text(json.dumps({"vllm": vllm_side, "sim": sim_side}))
-                differ += [(seed, name) for name in vllm_side if vllm_side[name] != sim_side[name]]
-                # The wave does what it is for: its second pass is served from STORAGE.
-                assert live[1][3][2] > 0, (seed, live[1][3])
-            assert not differ, differ
-    finally:
-        fleet.stop()
+    storage_dir = str(tmp_path / "pool")
+    with _wave_engine(tmp_path / f"{policy}-storage", model_dir, policy, cpu_blocks, storage_dir) as (
+        engine,
+        batches,
+    ):
+        differ = []
+        for seed in seeds:
+            wave = _wave(seed, n)
+            simulated = simulated_storage_passes(wave, policy, cpu_blocks)
+            # Each seed's documents are its own: the fs tier's blocks of earlier waves never hit.
+            live = (
+                _live_pass(engine, batches, wave, simulated[0]),
+                _live_pass(engine, batches, wave, simulated[1]),
+            )
+            prompts = [prompt for _priority, _max_tokens, prompt in wave]
+            key = storage_wave_key(policy, cpu_blocks, n, seed)
+            recorded = _record_storage(key, prompts, *live)
+            vllm_side = recorded_storage_compared(wave, recorded)
+            sim_side = simulated_storage_compared(wave, policy, cpu_blocks)
+            (tmp_path / f"wave-{seed}.json").write_text(json.dumps({"vllm": vllm_side, "sim": sim_side}))
+            differ += [(seed, name) for name in vllm_side if vllm_side[name] != sim_side[name]]
+            # The wave does what it is for: its second pass is served from STORAGE.
+            assert live[1][3][2] > 0, (seed, live[1][3])
+        assert not differ, differ
