@@ -380,7 +380,11 @@ def _wave_engine(
 
 
 def _live_wave(
-    engine: FleetEngine, batches: list[Any], wave: Wave, expected_steps: int, expected_preemptions: int
+    engine: FleetEngine,
+    batches: list[Any],
+    wave: Wave,
+    expected_steps: int | None,
+    expected_preemptions: int = 0,
 ) -> tuple[list[list[Any]], list[int], int]:
     """The wave on the real engine: its scheduler paused (which also empties its prefix cache, so
     the wave starts as the simulator's fresh engine does), the requests sent one by one, each once
@@ -411,15 +415,35 @@ def _live_wave(
         sender.join()
     for answer in answers:
         answer.raise_for_status()
-    until(lambda: len(batches) - first >= expected_steps, 30)
 
     def preempted() -> int:
         return int(metric_total(engine.url, "vllm:num_preemptions_total") - before)
 
-    until(lambda: preempted() >= expected_preemptions, 30)
-    steps = [list(batch.events) for batch in batches[first:]]
-    # The pause's cache reset comes first, in the first step after the resume.
-    assert steps and type(steps[0][0]).__name__.endswith("AllBlocksCleared"), steps[:1]
+    if expected_steps is None:
+        # Not compared: until no batch has come for two seconds.
+        def settled() -> bool:
+            seen = len(batches)
+            time.sleep(2.0)
+            return len(batches) == seen
+
+        until(settled, 60)
+    else:
+        # The KV events trail the answers; on a loaded machine by a lot (a CI run beside a full
+        # `make test` once compared a wave cut off four batches short after 30 s).
+        until(lambda: len(batches) - first >= expected_steps, 120)
+        until(lambda: preempted() >= expected_preemptions, 120)
+    # The pause's cache reset comes first, in the first step after the resume; a batch before it
+    # is the wave before's, late.
+    start = next(
+        (
+            i
+            for i in range(first, len(batches))
+            if batches[i].events and type(batches[i].events[0]).__name__.endswith("AllBlocksCleared")
+        ),
+        None,
+    )
+    assert start is not None, [list(b.events) for b in batches[first : first + 1]]
+    steps = [list(batch.events) for batch in batches[start:]]
     steps[0] = steps[0][1:]
     cached = [a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0 for a in answers]
     return [s for s in steps if s], cached, preempted()
@@ -558,11 +582,12 @@ def _simulated_pass(engine: EngineCore, wave: Wave) -> Pass:
     return steps, cached, engine.stats().num_preemptions - before, tiers
 
 
-def _live_pass(engine: FleetEngine, batches: list[Any], wave: Wave, simulated: Pass) -> Pass:
+def _live_pass(engine: FleetEngine, batches: list[Any], wave: Wave, simulated: Pass | None) -> Pass:
     """``_live_wave`` and the wave's cached tokens by tier (the engine's counters by source, once
-    they hold every answer's hits)."""
+    they hold every answer's hits); ``simulated`` None for a pass whose events are not compared."""
     before = scrape_engines([engine]).cached_by_tier
-    steps, cached, preempted = _live_wave(engine, batches, wave, len(simulated[0]), simulated[2])
+    expected = (None, 0) if simulated is None else (len(simulated[0]), simulated[2])
+    steps, cached, preempted = _live_wave(engine, batches, wave, *expected)
 
     def tiers() -> list[int]:
         delta = cached_by_tier_delta(before, scrape_engines([engine]).cached_by_tier)
@@ -658,7 +683,7 @@ def test_the_simulated_engine_serves_storage_hits_to_requests_in_flight_together
             # Each seed's documents are its own: the fs tier's blocks of earlier waves never hit.
             live = (
                 _live_pass(engine, batches, wave, simulated[0]),
-                _live_pass(engine, batches, wave, simulated[1]),
+                _live_pass(engine, batches, wave, None),  # its events are not compared
             )
             prompts = [prompt for _priority, _max_tokens, prompt in wave]
             key = storage_wave_key(policy, cpu_blocks, n, seed)
