@@ -860,11 +860,7 @@ class EngineCore:
         if not scheduled and not running and not self._loading and (self._stores_landing or to_rank):
             # Nothing to compute: the step only signals finished requests and lands writes.
             duration_s = 0.0
-        elif not scheduled and not running and not self._loading and self._promotions:
-            # Every waiting request waits for STORAGE reads: the engine idles until the first lands.
-            first_done = min(done_s for _req, _blocks, done_s in self._promotions)
-            duration_s = max(first_done - now, p.step_overhead_s)
-        elif scheduled or not self._loading:
+        elif scheduled or not (self._loading or (not running and self._promotions)):
             duration_s = (
                 p.step_overhead_s
                 + prefill_tokens / p.prefill_tokens_per_s
@@ -874,9 +870,13 @@ class EngineCore:
                 + load_s
             )
         else:
-            # Every admitted request waits for its KV: the engine idles until the first load lands.
-            first_ready = min((r.ready_at_s for r in self._loading if r.ready_at_s > now), default=now)
-            duration_s = max(first_ready - now, p.step_overhead_s) + load_s
+            # Every admitted request waits for its KV (or, none admitted, for STORAGE reads into the
+            # CPU tier): the engine idles until the first lands, at least a step overhead.
+            if self._loading:
+                firsts = [r.ready_at_s for r in self._loading if r.ready_at_s > now]
+            else:
+                firsts = [done_s for _req, _blocks, done_s in self._promotions]
+            duration_s = max(min(firsts, default=now) - now, p.step_overhead_s) + load_s
 
         if waiting:
             self._wait_totals_s[blocked] += duration_s
@@ -1177,10 +1177,18 @@ class EngineCore:
             if not in_flight:
                 break
         else:
-            found = 0
-            while start + found < end and hashes[start + found] in cpu:
-                found += 1
-        return [_STORAGE if hashes[b] in promoted else _CPU for b in range(start, start + found)]
+            return self._resident_prefix(req, hashes, start, end)
+        return _hit_tiers(req, hashes, start, found)
+
+    def _resident_prefix(self, req: _Request, hashes: list[int], start: int, end: int) -> list[int]:
+        """The tiers of the blocks from ``start`` the CPU tier holds in a row: what a request whose
+        promotions never settle loads."""
+        cpu = self.cpu
+        assert cpu is not None
+        found = 0
+        while start + found < end and hashes[start + found] in cpu:
+            found += 1
+        return _hit_tiers(req, hashes, start, found)
 
     def _walk_tiers(
         self, req: _Request, hashes: list[int], start: int, end: int, events: list[dict[str, Any]]
@@ -1200,10 +1208,7 @@ class EngineCore:
         cpu, storage, answers = self.cpu, self.storage, self._tier_lookups
         assert cpu is not None and storage is not None
         if req.promotion_walks > end - start:
-            found = 0
-            while start + found < end and hashes[start + found] in cpu:
-                found += 1
-            return [_STORAGE if hashes[b] in req.promoted else _CPU for b in range(start, start + found)]
+            return self._resident_prefix(req, hashes, start, end)
         found, promoting = 0, []
         for b in range(start, end):
             h = hashes[b]
@@ -1222,8 +1227,7 @@ class EngineCore:
             self._start_promotion(req, promoting)
             req.promotion_walks += 1
             return None
-        promoted = req.promoted
-        return [_STORAGE if hashes[b] in promoted else _CPU for b in range(start, start + found)]
+        return _hit_tiers(req, hashes, start, found)
 
     def _promote_slot(self, req: _Request, b: int, events: list[dict[str, Any]]) -> bool:
         """A CPU tier slot for block ``b`` of ``req``, read from STORAGE: the least recently used
@@ -1260,20 +1264,13 @@ class EngineCore:
     def _land_promotions(self, now: float, events: list[dict[str, Any]]) -> None:
         """Promotions whose reads are done land: their blocks become ready and evictable in the
         CPU tier, and their stores are announced."""
-        cpu, unready = self.cpu, self._cpu_unready
-        assert cpu is not None
         waiting = []
         for job in self._promotions:
             req, blocks, done_s = job
             if done_s > now:
                 waiting.append(job)
                 continue
-            hashes = req.chain.hashes
-            for b in blocks:
-                cpu.unpin(hashes[b])
-                unready.discard(hashes[b])
-            if self._emit:
-                self._announce_cpu(req, [], blocks, events)
+            self._make_ready(req, blocks, events)
         self._promotions = waiting
 
     def _tier_answered(self, req: _Request, hashes: list[int], start: int, end: int) -> bool:
@@ -1578,16 +1575,20 @@ class EngineCore:
         """CPU tier writes of the step before land: their blocks become ready and evictable, and
         their stores are announced (after this step's other events, as vLLM's connector adds
         the writes its worker finished)."""
-        cpu, unready = self.cpu, self._cpu_unready
-        assert cpu is not None
         for req, stored in writes:
-            hashes = req.chain.hashes
-            for b in stored:
-                cpu.unpin(hashes[b])
-                unready.discard(hashes[b])
+            self._make_ready(req, stored, events)
             req.stores_pending -= 1
-            if self._emit:
-                self._announce_cpu(req, [], stored, events)
+
+    def _make_ready(self, req: _Request, blocks: Sequence[int], events: list[dict[str, Any]]) -> None:
+        """Blocks of ``req`` written into the CPU tier (a write from the GPU or a read from STORAGE)
+        have landed: unpinned, ready, their stores announced."""
+        cpu, unready, hashes = self.cpu, self._cpu_unready, req.chain.hashes
+        assert cpu is not None
+        for b in blocks:
+            cpu.unpin(hashes[b])
+            unready.discard(hashes[b])
+        if self._emit:
+            self._announce_cpu(req, [], blocks, events)
 
     def _announce_cpu(
         self, req: _Request, evicted: list[int], stored: Sequence[int], events: list[dict[str, Any]]
@@ -1710,6 +1711,13 @@ class EngineCore:
 
 def _prio_key(req: _Request) -> tuple[int, int]:
     return req.prio_key
+
+
+def _hit_tiers(req: _Request, hashes: list[int], start: int, found: int) -> list[int]:
+    """The tier of each of ``found`` offload hits from block ``start``: STORAGE for a block
+    promoted for ``req`` (vLLM labels it by its source for the request), else CPU."""
+    promoted = req.promoted
+    return [_STORAGE if hashes[b] in promoted else _CPU for b in range(start, start + found)]
 
 
 def _tier_write(

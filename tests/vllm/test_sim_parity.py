@@ -243,14 +243,14 @@ def wave_key(policy: str, cpu_blocks: int, n: int, seed: int) -> str:
     return f"{policy}-{cpu_blocks}x{n}/{seed}"
 
 
-def _record(key: str, steps: list[list[tuple[Any, ...]]]) -> None:
-    """vLLM's labelled events of one wave into RECORDED_WAVES."""
+def _record(path: Path, key: str, recorded: Any) -> None:
+    """vLLM's side of one wave (or wave pair) into the recording at ``path``, under ``key``."""
     data: dict[str, Any] = {"waves": {}}
-    if RECORDED_WAVES.exists():
-        data = json.loads(gzip.decompress(RECORDED_WAVES.read_bytes()))
-    data["waves"][key] = steps
-    RECORDED_WAVES.parent.mkdir(parents=True, exist_ok=True)
-    RECORDED_WAVES.write_bytes(gzip.compress(json.dumps(data, sort_keys=True).encode(), mtime=0))
+    if path.exists():
+        data = json.loads(gzip.decompress(path.read_bytes()))
+    data["waves"][key] = recorded
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(json.dumps(data, sort_keys=True).encode(), mtime=0))
 
 
 def _wave(seed: int, n: int = 8) -> Wave:
@@ -460,7 +460,7 @@ def _compare(
     prompts = [prompt for _priority, _max_tokens, prompt in wave]
     live_steps, sim_steps = _labelled(live[0], prompts), _labelled(simulated[0], prompts)
     if os.environ.get(RECORD_ENV) == "1":  # vLLM's side, whatever the simulator does
-        _record(record_key, live_steps)
+        _record(RECORDED_WAVES, record_key, live_steps)
     (tmp_path / f"{name}.json").write_text(json.dumps({"vllm": live_steps, "sim": sim_steps}))
     n = min(len(live_steps), len(sim_steps))
     diff = next((i for i in range(n) if live_steps[i] != sim_steps[i]), n)
@@ -639,13 +639,8 @@ def _record_storage(key: str, prompts: list[list[int]], cold: Pass, warm: Pass) 
         "preemptions": [cold[2], warm[2]],
         "tiers": [cold[3], warm[3]],
     }
-    if os.environ.get(RECORD_ENV) != "1":
-        return recorded
-    data: dict[str, Any] = {"waves": {}}
-    if RECORDED_STORAGE_WAVES.exists():
-        data = json.loads(gzip.decompress(RECORDED_STORAGE_WAVES.read_bytes()))
-    data["waves"][key] = recorded
-    RECORDED_STORAGE_WAVES.write_bytes(gzip.compress(json.dumps(data, sort_keys=True).encode(), mtime=0))
+    if os.environ.get(RECORD_ENV) == "1":
+        _record(RECORDED_STORAGE_WAVES, key, recorded)
     return recorded
 
 
