@@ -590,6 +590,9 @@ class EngineCore:
             self._free_blocks(state)
         else:
             self._waiting.remove(state)
+            # vLLM's connector finishes an aborted waiting request the next step like any other:
+            # the STORAGE tier's answers it asked for go with it (``_forget_tier_lookups``).
+            self._signal_finished(state)
         self._stats.num_aborted += 1
         self._pending_finished.append(self._finished(state, "abort"))
 
