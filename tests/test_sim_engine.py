@@ -428,6 +428,39 @@ def test_a_connector_reset_makes_a_request_in_flight_offer_its_prompt_again_from
     assert len(engine.cpu or ()) == 6
 
 
+def _waiting_behind_big(pool: StoragePool) -> EngineCore:
+    """An engine whose 10-block GPU pool ``big`` (4 -> 8 blocks, 60 tokens to decode) holds while
+    w, sent for T (7 blocks), asks the fs tier about T's blocks (not there: answered no) and waits
+    for KV memory."""
+    engine = EngineCore("e", profile(num_gpu_blocks=10, num_cpu_blocks=16), storage=pool)
+    engine.add_request(SimRequest("big", list(range(5000, 5064)), max_tokens=60))
+    engine.step()
+    engine.add_request(SimRequest("w", T_TOKENS, max_tokens=1))
+    for _ in range(3):  # w asks, is answered, and is refused memory
+        assert not finished([engine.step()])
+    assert engine.num_waiting() == 1 and len(pool) == 4  # big's prompt, not T
+    return engine
+
+
+def _write_t(pool: StoragePool) -> None:
+    """Another engine writes T to the shared pool."""
+    writer = EngineCore("e1", profile(num_cpu_blocks=16), storage=pool)
+    writer.add_request(SimRequest("t", T_TOKENS, max_tokens=1))
+    run(writer)
+    assert len(pool) == 10
+
+
+def test_a_storage_answer_stands_while_a_request_that_asked_for_it_lives() -> None:
+    """vLLM's fs tier keeps a lookup's verdict while a request that asked for it is alive
+    (AsyncLookupManager: cleanup only on request_finished). w was told T is not there; T reaches
+    the pool while w waits; w still recomputes it. Catches a lookup asked again each step (w would
+    load T from STORAGE)."""
+    pool = StoragePool("fs", capacity_blocks=100)
+    engine = _waiting_behind_big(pool)
+    _write_t(pool)
+    assert finished(run(engine))["w"].cached_tokens_by_tier == (0, 0, 0)
+
+
 def test_an_aborted_waiting_request_takes_its_storage_answers_with_it() -> None:
     """vLLM's scheduler finishes an aborted waiting request through its connector like any other
     (``finish_requests`` -> ``request_finished``; the tiering manager drops its lookups the next
@@ -436,19 +469,10 @@ def test_an_aborted_waiting_request_takes_its_storage_answers_with_it() -> None:
     for T, must ask again and load it from STORAGE. Catches an aborted waiting request whose
     answers stand (a stale "no" stops x's walk: x recomputes T)."""
     pool = StoragePool("fs", capacity_blocks=100)
-    engine = EngineCore("e", profile(num_gpu_blocks=10, num_cpu_blocks=16), storage=pool)
-    engine.add_request(SimRequest("big", list(range(5000, 5064)), max_tokens=60))  # 4 -> 8 blocks
-    engine.step()
-    engine.add_request(SimRequest("w", T_TOKENS, max_tokens=1))  # 7 blocks: it cannot fit
-    for _ in range(3):  # w asks, is answered, and is refused memory
-        assert not finished([engine.step()])
-    assert engine.num_waiting() == 1 and len(pool) == 4  # big's prompt, not T
+    engine = _waiting_behind_big(pool)
     engine.abort_request("w")
     assert [f.finish_reason for f in engine.step().finished] == ["abort"]  # the step that finishes it
-    writer = EngineCore("e1", profile(num_cpu_blocks=16), storage=pool)
-    writer.add_request(SimRequest("t", T_TOKENS, max_tokens=1))
-    run(writer)
-    assert len(pool) == 10
+    _write_t(pool)
     engine.add_request(SimRequest("x", T_TOKENS, max_tokens=1))
     assert finished(run(engine))["x"].cached_tokens_by_tier == (0, 0, 96)
 
