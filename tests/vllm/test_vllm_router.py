@@ -346,6 +346,18 @@ def _engine_core_pids(engine: Any) -> list[int]:
     return pids
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """The CPU time (user + system, s) the processes ``pids`` have used so far."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        ticks += int(fields[11]) + int(fields[12])  # fields after ")": utime and stime are 11, 12
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _signal_all(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):  # a helper process that has exited
@@ -451,13 +463,15 @@ def test_an_engine_killed_mid_stream_raises_in_the_openai_sdk(
         before = _events_seen(router.url, source)
         with _scheduled_ahead_of_other_sessions() as ahead:
             _signal_all(core, signal.SIGSTOP)
+            cpu_before = _cpu_s(core)  # what the slices gave the core, for the messages
             client = threading.Thread(target=consume, name="stream-client", daemon=True)
             client.start()
             slices = 0
             slice_lengths: list[float] = []
             while not outcome["chunks"]:
-                assert client.is_alive(), f"the stream ended while the engine was rationed: {outcome}"
-                assert slices < max_slices, f"no chunk reached the client after {slices} slices: {outcome}"
+                used = f"{slices} slices, {_cpu_s(core) - cpu_before:.1f} s of the engine core's CPU"
+                assert client.is_alive(), f"the stream ended while rationed ({used}): {outcome}"
+                assert slices < max_slices, f"no chunk reached the client after {used}: {outcome}"
                 started = time.monotonic()
                 _signal_all(core, signal.SIGCONT)
                 time.sleep(slice_s)  # the engine core's ration of CPU, not a wait for a condition
@@ -471,7 +485,7 @@ def test_an_engine_killed_mid_stream_raises_in_the_openai_sdk(
             # The engine's progress as published while it ran; it cannot grow any more.
             events_at_kill = _events_seen(router.url, source) - before
             print(
-                f"engine core ran {slices} slices of {slice_s} s: "
+                f"engine core ran {slices} slices of {slice_s} s ({_cpu_s(core) - cpu_before:.1f} s CPU): "
                 f"{events_at_kill} KV events, {chunks_at_kill} chunks at the kill; "
                 f"slices lasted {[round(x, 3) for x in slice_lengths]} s "
                 f"({'ahead of' if ahead else 'at par with'} the engine's CPU share)"
