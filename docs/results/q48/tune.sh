@@ -1,23 +1,5 @@
 #!/usr/bin/env bash
-# q48's tuning runs (docs/results/q48.md): E in {10,20,40,80} for K and Q, four cells, seeds 29381-29390.
+# q48's tuning runs (docs/results/q48.md): q43's tuning with E in {10,20,40,80}, seeds 29381-29390.
 # Usage: bash docs/results/q48/tune.sh OUT
 set -euo pipefail
-out=${1:?usage: tune.sh OUT}
-cd "$(dirname "$0")/../../.."
-py=${PYTHON:-.venv/bin/python}
-mkdir -p "$out"
-S=$(seq -s, 29381 29390)
-B=(nice -n 19 "$py" -m loadtest.bench_quality --block-size 128 --conversations 1 --concurrency 128
-  --tail-reference kv_fixed_credit@fcfs --jobs 2 --seeds "$S")
-R="kv_fixed_credit@fcfs,kv_fixed_credit:cpu=0.5:storage=0.1@fcfs"
-P=$R
-for e in 10 20 40 80; do
-  P="$P,kv_fixed_credit@priority:20:inf+escalate:$e:route,tier_cost:pressure_s_at_full=1@priority:20:inf+escalate:$e:route"
-done
-for st in none 1/4 1/2; do
-  f=$(echo $st | tr / -)
-  "${B[@]}" --storage "$st" --policies "$P" --out "$out/$f.md"
-done
-"${B[@]}" --fleet hetero --storage unbounded --storage-spread 1 --policies "$P" --out "$out/b1b.md"
-"$py" -m loadtest.frontier "$out/none.jsonl" "$out/1-4.jsonl" "$out/1-2.jsonl" --md "$out/b1-frontier.md"
-"$py" -m loadtest.frontier "$out/b1b.jsonl" --md "$out/b1b-frontier.md"
+SEEDS=$(seq -s, 29381 29390) ES="10 20 40 80" exec bash "$(dirname "$0")/../q43/tune.sh" "$@"
