@@ -29,7 +29,7 @@ from sim.engine import EngineCore, EngineProfile, SimRequest
 from sim.fleet import FleetEngine
 from sim.vllm_cpu import VllmCpuFleet, VllmCpuProfile
 from sim.vllm_model import MODEL_NAME, VOCAB_SIZE
-from tests.vllm.conftest import metric_total, until
+from tests.vllm.conftest import metric_total, scheduled_ahead_of_other_sessions, until
 
 BLOCK = 32
 #: vLLM's pool, its null block included (64 usable blocks, one 2,048-token request).
@@ -761,9 +761,10 @@ def _live_late_arrival(engine: FleetEngine, batches: list[Any], policy: str) -> 
     """The late-arrival case on the real engine: the first request queued behind the paused
     scheduler (which empties the prefix cache) and streamed once resumed; the late one sent as soon
     as LATE_SENT_AFTER of its tokens have reached the client, on a connection opened beforehand, from
-    a thread started beforehand (on two cores shared with a decoding engine a new connection or
-    thread took seconds, once past the first request's end). Its labelled events, the late request's
-    cached tokens, the preemptions."""
+    a thread started beforehand, this process's session ahead of the engine's while they run
+    (``scheduled_ahead_of_other_sessions``): on two cores shared with a decoding engine, a late
+    request on a new connection from a new thread reached vLLM only as the first one ended. Its
+    labelled events, the late request's cached tokens, the preemptions."""
     (p1, m1, first), (p2, m2, late) = late_arrival()
 
     def body(prompt: list[int], max_tokens: int, priority: int, **extra: Any) -> dict[str, Any]:
@@ -801,9 +802,10 @@ def _live_late_arrival(engine: FleetEngine, batches: list[Any], policy: str) -> 
         for thread in threads:
             thread.start()
         assert until(lambda: _added(engine) >= added, 60), "the first request never reached the engine core"
-        httpx.post(f"{engine.url}/resume", timeout=60).raise_for_status()
-        for thread in threads:
-            thread.join()
+        with scheduled_ahead_of_other_sessions():
+            httpx.post(f"{engine.url}/resume", timeout=60).raise_for_status()
+            for thread in threads:
+                thread.join()
     assert received == m1 and answer, (received, answer)
     answer[0].raise_for_status()
 

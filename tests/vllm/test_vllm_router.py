@@ -15,7 +15,7 @@ import subprocess
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from sim.vllm_cpu import VllmCpuFleet
 from sim.vllm_model import MODEL_NAME, training_text, write_model_dir
 from tests.conftest import ThreadedServer
 from tests.test_priority import _escalations
-from tests.vllm.conftest import PROFILE, metric_total, until
+from tests.vllm.conftest import PROFILE, metric_total, scheduled_ahead_of_other_sessions, until
 
 # The first test also waits for the session fleet to start (minutes: the first start compiles).
 pytestmark = pytest.mark.timeout(2700)
@@ -330,18 +330,24 @@ def _events_seen(router_url: str, source: str) -> int:
     return int(sources[source]["events"])
 
 
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command's ")" (state, ppid, pgrp, ...), None
+    for a process gone meanwhile."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _engine_core_pids(engine: Any) -> list[int]:
     """The processes of an engine's process group other than its API server: vLLM's engine core
     (and whatever it spawned). The fleet starts each engine in a session of its own, so the group
     id is the API server's pid."""
     pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        pid = int(stat.parent.name)
-        if int(fields[2]) == engine.pid and pid != engine.pid:  # fields after ")": state, ppid, pgrp
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = _stat_fields(entry.name)
+        pid = int(entry.name)
+        if fields is not None and int(fields[2]) == engine.pid and pid != engine.pid:
             pids.append(pid)
     return pids
 
@@ -350,11 +356,9 @@ def _cpu_s(pids: list[int]) -> float:
     """The CPU time (user + system, s) the processes ``pids`` have used so far."""
     ticks = 0
     for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        ticks += int(fields[11]) + int(fields[12])  # fields after ")": utime and stime are 11, 12
+        fields = _stat_fields(pid)
+        if fields is not None:
+            ticks += int(fields[11]) + int(fields[12])  # utime and stime
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
@@ -362,28 +366,6 @@ def _signal_all(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):  # a helper process that has exited
             os.kill(pid, sig)
-
-
-@contextlib.contextmanager
-def _scheduled_ahead_of_other_sessions() -> Iterator[bool]:
-    """Raise this process's session (its autogroup: Linux shares CPU between sessions first, and
-    every engine runs in a session of its own) to nice -20 while inside, so that a thread of the
-    test that sleeps 0.1 s wakes on time while a vLLM engine decodes. Measured here, two busy loops
-    beside, a 4,000-token decode: at nice 0 one 0.1 s sleep of the test overran by 7.1 s; at -20
-    the worst overran by 11 ms. Yields False, changing nothing, where it is not allowed (no
-    CAP_SYS_NICE) or the kernel has no autogroups."""
-    path = Path("/proc/self/autogroup")
-    try:
-        before = path.read_text().split()[-1]  # "/autogroup-N nice K"
-        path.write_text("-20")
-    except (OSError, IndexError):
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        with contextlib.suppress(OSError):
-            path.write_text(before)
 
 
 def test_an_engine_killed_mid_stream_raises_in_the_openai_sdk(
@@ -407,7 +389,7 @@ def test_an_engine_killed_mid_stream_raises_in_the_openai_sdk(
     by up to 1 s while vLLM decoded (~550 tokens/s), beside two busy loops one overran by 54 s, and
     in CI (stop 51) an engine core let run for one slice decoded the whole of a 7,500-token answer
     before it was stopped again. Hence two guards: the test's session is put ahead of the engines'
-    while it rations (where the kernel allows, see ``_scheduled_ahead_of_other_sessions``), and the
+    while it rations (where the kernel allows, see ``scheduled_ahead_of_other_sessions``), and the
     answer asked for is long (60,000 tokens: the engine has a model folder of its own with a
     65,536-token context)."""
     from router.config import load_config
@@ -461,7 +443,7 @@ def test_an_engine_killed_mid_stream_raises_in_the_openai_sdk(
         core = _engine_core_pids(engine)
         assert core, "the engine has no engine-core process to stop"
         before = _events_seen(router.url, source)
-        with _scheduled_ahead_of_other_sessions() as ahead:
+        with scheduled_ahead_of_other_sessions() as ahead:
             _signal_all(core, signal.SIGSTOP)
             cpu_before = _cpu_s(core)  # what the slices gave the core, for the messages
             client = threading.Thread(target=consume, name="stream-client", daemon=True)
