@@ -420,20 +420,30 @@ def _live_wave(
         return int(metric_total(engine.url, "vllm:num_preemptions_total") - before)
 
     if expected_steps is None:
-        # Not compared: until no batch has come for two seconds.
-        def settled() -> bool:
-            seen = len(batches)
-            time.sleep(2.0)
-            return len(batches) == seen
-
-        until(settled, 60)
+        _until_quiet(batches)  # not compared
     else:
         # The KV events trail the answers; on a loaded machine by a lot (a CI run beside a full
         # `make test` once compared a wave cut off four batches short after 30 s).
         until(lambda: len(batches) - first >= expected_steps, 120)
         until(lambda: preempted() >= expected_preemptions, 120)
-    # The pause's cache reset comes first, in the first step after the resume; a batch before it
-    # is the wave before's, late.
+    cached = [a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0 for a in answers]
+    return _since_reset(batches, first), cached, preempted()
+
+
+def _until_quiet(batches: list[Any]) -> None:
+    """Until no event batch has come for two seconds (when the count to wait for is not known)."""
+
+    def settled() -> bool:
+        seen = len(batches)
+        time.sleep(2.0)
+        return len(batches) == seen
+
+    until(settled, 60)
+
+
+def _since_reset(batches: list[Any], first: int) -> list[list[Any]]:
+    """The non-empty event batches from ``first`` on, starting after the pause's cache reset: it
+    comes first, in the first step after the resume; a batch before it is the wave before's, late."""
     start = next(
         (
             i
@@ -445,8 +455,7 @@ def _live_wave(
     assert start is not None, [list(b.events) for b in batches[first : first + 1]]
     steps = [list(batch.events) for batch in batches[start:]]
     steps[0] = steps[0][1:]
-    cached = [a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0 for a in answers]
-    return [s for s in steps if s], cached, preempted()
+    return [s for s in steps if s]
 
 
 def _compare(
@@ -808,27 +817,10 @@ def _live_late_arrival(engine: FleetEngine, batches: list[Any], policy: str) -> 
                 thread.join()
     assert received == m1 and answer, (received, answer)
     answer[0].raise_for_status()
-
-    def settled() -> bool:
-        seen = len(batches)
-        time.sleep(2.0)
-        return len(batches) == seen
-
-    until(settled, 60)
-    cleared = next(
-        (
-            i
-            for i in range(start, len(batches))
-            if batches[i].events and type(batches[i].events[0]).__name__.endswith("AllBlocksCleared")
-        ),
-        None,
-    )
-    assert cleared is not None, [list(b.events) for b in batches[start : start + 1]]
-    steps = [list(batch.events) for batch in batches[cleared:]]
-    steps[0] = steps[0][1:]
+    _until_quiet(batches)
     return {
         "sent_after": LATE_SENT_AFTER,
-        "steps": json.loads(json.dumps(_labelled([s for s in steps if s], [first, late]))),
+        "steps": json.loads(json.dumps(_labelled(_since_reset(batches, start), [first, late]))),
         "cached": answer[0].json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0,
         "preemptions": int(metric_total(engine.url, "vllm:num_preemptions_total") - before),
     }
