@@ -392,9 +392,9 @@ def _live_wave(
     send: the arrival order is the wave's; a request of several prompts would give them one arrival
     time, which vLLM's priority scheduler breaks by the running order), then resumed (the resume
     reaches the core on the same socket, after them). Each step's events, each request's cached
-    tokens and the preemptions, once every answer is in and ``expected_steps`` event batches and
+    tokens and the preemptions, once every answer is in, ``expected_steps`` event batches and
     ``expected_preemptions`` have arrived (the simulator's figures; a shortfall shows in the
-    comparison)."""
+    comparison) and no batch has come for two seconds."""
     httpx.post(f"{engine.url}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
     first = len(batches)
     before = metric_total(engine.url, "vllm:num_preemptions_total")
@@ -419,13 +419,15 @@ def _live_wave(
     def preempted() -> int:
         return int(metric_total(engine.url, "vllm:num_preemptions_total") - before)
 
-    if expected_steps is None:
-        _until_quiet(batches)  # not compared
-    else:
+    if expected_steps is not None:
         # The KV events trail the answers; on a loaded machine by a lot (a CI run beside a full
         # `make test` once compared a wave cut off four batches short after 30 s).
         until(lambda: len(batches) - first >= expected_steps, 120)
         until(lambda: preempted() >= expected_preemptions, 120)
+    # Then until they stop: with the fs tier vLLM announces some STORAGE writes in batches of their
+    # own, so the count can be reached while the wave's last batches are still on their way (a CI
+    # run compared two cold passes cut one and two batches short).
+    _until_quiet(batches)
     cached = [a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] or 0 for a in answers]
     return _since_reset(batches, first), cached, preempted()
 
@@ -710,7 +712,7 @@ LATE_CASES = ["fcfs", "priority"]
 #: vLLM's side of each late-arrival case (``late_arrival_key``): replayed in ``make test`` by
 #: tests/test_sim_recorded_waves.py, rewritten by the live check when RECORD_ENV is 1.
 RECORDED_LATE_ARRIVALS = RECORDED_WAVES.with_name("late-arrival.json.gz")
-#: The first request's output tokens the client has received when the late one is sent.
+#: The first request's output tokens the client has received when the late one is sent (at least).
 LATE_SENT_AFTER = 40
 
 
@@ -796,13 +798,16 @@ def _live_late_arrival(engine: FleetEngine, batches: list[Any], policy: str) -> 
 
         def stream_first() -> None:
             nonlocal received
-            sent = body(first, m1, p1, stream=True)
+            # Every chunk carries the tokens so far: a slow reader gets several tokens a chunk.
+            usage = {"include_usage": True, "continuous_usage_stats": True}
+            sent = body(first, m1, p1, stream=True, stream_options=usage)
             with httpx.stream("POST", f"{engine.url}/v1/completions", json=sent, timeout=600) as r:
                 r.raise_for_status()
                 for line in r.iter_lines():
-                    if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
-                        received += 1
-                        if received == LATE_SENT_AFTER:
+                    if line.startswith("data: {"):
+                        so_far = json.loads(line[6:]).get("usage") or {}
+                        received = so_far.get("completion_tokens", received)
+                        if received >= LATE_SENT_AFTER:
                             go.set()
             go.set()  # a failure above still ends the sender
 
@@ -836,13 +841,15 @@ def test_the_simulated_engine_chooses_the_preemption_victim_of_a_late_arrival_as
     simulator, given the late request at some point of the first's output, must announce every
     step's events, the late request's cached tokens and the preemptions exactly as vLLM did
     (``arrivals_reproducing``). Catches the preemption victim when the running requests are out of
-    (priority, arrival) order, which the waves (all queued at once) never reach: vLLM's priority
-    scheduler preempts the largest (priority, arrival), here the older request ahead of the one
-    that needs a block; fcfs the newest. The simulator with the newest as victim on a priority
-    engine reproduces vLLM's priority case at no arrival point (checked on a recording). Not
-    caught: undoing a victim's share of the step it was already scheduled in (that mutant still
-    matches). With RECORD_ENV=1 vLLM's side is written to RECORDED_LATE_ARRIVALS (replayed in
-    ``make test``)."""
+    (priority, arrival) order: vLLM's priority scheduler preempts the largest (priority, arrival),
+    here the older request ahead of the one that needs a block; fcfs the newest. The waves (all
+    queued at once) reach that order only when a request joins the running ones behind some that
+    rank after it (re-admitted after a preemption, or its load landed). Checked on the recordings:
+    the newest as victim on a priority engine reproduces the priority case at no arrival point (two
+    recorded priority waves with a CPU tier fail with it too), the oldest on an fcfs engine the
+    fcfs case. Not caught: undoing a victim's share of the step it was
+    already scheduled in (that mutant still matches). With RECORD_ENV=1 vLLM's side is written to
+    RECORDED_LATE_ARRIVALS (replayed in ``make test``)."""
     with _wave_engine(tmp_path / f"late-{policy}", model_dir, policy, 0) as (engine, batches):
         live = _live_late_arrival(engine, batches, policy)
     if os.environ.get(RECORD_ENV) == "1":
