@@ -4,6 +4,7 @@ small recording OpenAI-compatible upstream (``OpenAIUpstream``) that can be told
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -108,6 +109,26 @@ class ThreadedServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def interrupt_on_sigterm() -> Iterator[None]:
+    """While inside, a SIGTERM to this process (a CI job's timeout, ``kill``) ends the test run as
+    Ctrl-C does, so the fixtures' finalizers stop what they started in sessions of their own (vLLM
+    engines hold gigabytes each); Python's default action exits at once and leaves them running.
+    A no-op outside the main thread, where no handler can be set."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.fixture(autouse=True)

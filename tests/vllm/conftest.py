@@ -26,7 +26,7 @@ from loadtest.procs import wait_sources_connected
 from router.config import load_config
 from router.service import build_router_app
 from sim.vllm_cpu import VllmCpuFleet, VllmCpuProfile
-from tests.conftest import ThreadedServer
+from tests.conftest import ThreadedServer, interrupt_on_sigterm
 
 ENABLE_ENV = "TEST_VLLM_CPU"
 #: 264 x 32 = 8,448 tokens of KV per engine, for the default 8,192-token context; sha256_cbor hashes
@@ -62,12 +62,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCpuFleet]:
+    """The session fleet. While it is up a SIGTERM to the run stops it, and every engine a test
+    started, as Ctrl-C does (``interrupt_on_sigterm``): every live test depends on this fixture."""
     fleet = VllmCpuFleet(tmp_path_factory.mktemp("vllm-fleet"))
-    try:
-        fleet.start_each([PROFILE, replace(PROFILE, scheduling_policy="priority")])
-        yield fleet
-    finally:
-        fleet.stop()
+    with interrupt_on_sigterm():
+        try:
+            fleet.start_each([PROFILE, replace(PROFILE, scheduling_policy="priority")])
+            yield fleet
+        finally:
+            fleet.stop()
 
 
 @pytest.fixture(scope="session")
