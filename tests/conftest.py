@@ -116,7 +116,8 @@ def interrupt_on_sigterm() -> Iterator[None]:
     """While inside, a SIGTERM to this process (a CI job's timeout, ``kill``) ends the test run as
     Ctrl-C does, so the fixtures' finalizers stop what they started in sessions of their own (vLLM
     engines hold gigabytes each); Python's default action exits at once and leaves them running.
-    A no-op outside the main thread, where no handler can be set."""
+    KeyboardInterrupt, not loadtest.bench_peers.exit_on_sigterm's SystemExit: pytest reports that as
+    one failing test and goes on. A no-op outside the main thread, where no handler can be set."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

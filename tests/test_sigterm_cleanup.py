@@ -13,6 +13,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from router.worker_ledger import process_alive
+
 REPO = Path(__file__).resolve().parents[1]
 
 STARTED = """
@@ -43,14 +45,6 @@ def test_runs_until_killed(child):
     (HERE / "ready").write_text("1")
     time.sleep(600)
 """
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def _killed_run(folder: Path, guard: str) -> int:
@@ -86,8 +80,8 @@ def test_a_sigterm_to_a_test_run_stops_what_its_session_fixture_started(tmp_path
         tmp_path / "bare", "contextlib.nullcontext()".replace("contextlib.", "__import__('contextlib').")
     )
     try:
-        assert not _running(guarded)
-        assert _running(bare)
+        assert not process_alive(guarded)
+        assert process_alive(bare)
     finally:
         for pid in (guarded, bare):
             with contextlib.suppress(ProcessLookupError):

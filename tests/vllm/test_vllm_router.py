@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 
+from loadtest.calib_compare import cpu_seconds
 from loadtest.procs import wait_sources_connected
 from router.tokenize import EngineChatTokenizer, HfChatTokenizer
 from sim.vllm_cpu import VllmCpuFleet
@@ -330,36 +331,25 @@ def _events_seen(router_url: str, source: str) -> int:
     return int(sources[source]["events"])
 
 
-def _stat_fields(pid: int | str) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command's ")" (state, ppid, pgrp, ...), None
-    for a process gone meanwhile."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def _engine_core_pids(engine: Any) -> list[int]:
     """The processes of an engine's process group other than its API server: vLLM's engine core
     (and whatever it spawned). The fleet starts each engine in a session of its own, so the group
     id is the API server's pid."""
     pids = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        fields = _stat_fields(entry.name)
-        pid = int(entry.name)
-        if fields is not None and int(fields[2]) == engine.pid and pid != engine.pid:
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        pid = int(stat.parent.name)
+        if int(fields[2]) == engine.pid and pid != engine.pid:  # fields after ")": state, ppid, pgrp
             pids.append(pid)
     return pids
 
 
 def _cpu_s(pids: list[int]) -> float:
     """The CPU time (user + system, s) the processes ``pids`` have used so far."""
-    ticks = 0
-    for pid in pids:
-        fields = _stat_fields(pid)
-        if fields is not None:
-            ticks += int(fields[11]) + int(fields[12])  # utime and stime
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_seconds(pid) for pid in pids)
 
 
 def _signal_all(pids: list[int], sig: signal.Signals) -> None:
