@@ -206,9 +206,9 @@ def test_the_engines_temp_files_live_in_a_folder_the_fleet_removes(tmp_path: Pat
     fleet = VllmCpuFleet(tmp_path, model_dir=tmp_path / "model")
     writes = (
         "import os, tempfile, time; "
-        "open(os.path.join(tempfile.gettempdir(), 'vllm_dist_probe'), 'w').close(); "
-        "print(os.environ['TORCHINDUCTOR_CACHE_DIR'], flush=True); time.sleep(60)"
-    )
+        "print(os.environ['TORCHINDUCTOR_CACHE_DIR'], flush=True); "
+        "open(os.path.join(tempfile.gettempdir(), 'vllm_dist_probe'), 'w').close(); time.sleep(60)"
+    )  # the print comes first: once the probe exists, the log holds the line (a stop may follow at once)
     fleet.command = lambda *_args: [sys.executable, "-c", writes]  # type: ignore[method-assign]
     try:
         fleet.engines.append(fleet._spawn("v0", VllmCpuProfile(), 0))
