@@ -1064,6 +1064,40 @@ def test_a_request_whose_kv_is_still_loading_is_never_preempted() -> None:
     assert engine.gpu.num_used() == 0
 
 
+def test_a_victim_scheduled_earlier_in_the_step_gives_its_share_back() -> None:
+    """vLLM's priority scheduler preempts the running request with the largest (priority, arrival),
+    which may come before the one that needs a block and be scheduled in this step already; it then
+    drops that request from the step and returns its tokens to the budget (scheduler.py: "if
+    preempted_req in scheduled_running_reqs": ``token_budget += num_scheduled_tokens.pop(...)``).
+    Here A (priority 2, admitted first) decodes, B (priority 0) decodes into a full 7-block pool and
+    preempts A, and C (priority 1, behind them) is prefilling with an 8-token budget. Catches a
+    victim left in the step (3 requests scheduled, A's decode timed) and a share not given back
+    (C's chunk 6 tokens, not 7). The live late-arrival check cannot tell these apart: a decode's one
+    token never binds its 512-token budget."""
+    engine = EngineCore(
+        "e0", profile(num_gpu_blocks=7, max_num_batched_tokens=8, scheduling_policy="priority")
+    )
+    engine.add_request(SimRequest("A", list(range(100, 115)), max_tokens=60, priority=2))
+    for step in range(23):
+        if step == 3:
+            engine.add_request(SimRequest("B", list(range(200, 215)), max_tokens=60, priority=0))
+        if step == 18:
+            engine.add_request(SimRequest("C", list(range(300, 340)), max_tokens=4, priority=1))
+        assert engine.stats().num_preemptions == 0
+        engine.step()
+    assert [r.request.request_id for r in engine._running] == ["A", "B", "C"]
+    b = engine._running[1]
+    assert -(-b.num_tokens // 16) > len(b.blocks)  # B's next token needs a block: none is free
+    assert engine.gpu.num_free() == 0
+    out = engine.step()
+    assert engine.stats().num_preemptions == 1
+    assert [r.request.request_id for r in engine._running] == ["B", "C"]
+    assert (out.num_scheduled, list(out.new_token_ids), out.num_prefill_tokens) == (2, ["B"], 7)
+    assert out.duration_s == pytest.approx(OVERHEAD_S + DECODE_S + 7 / PREFILL_TOK_PER_S)
+    fin = finished(run(engine))
+    assert {rid: len(f.output_token_ids) for rid, f in fin.items()} == {"A": 60, "B": 60, "C": 4}
+
+
 def test_max_num_seqs_and_token_budget_default_to_vllm_serve_on_an_h100() -> None:
     """vLLM's EngineArgs.get_batch_defaults for the API server on a GPU of >= 70 GiB (not A100):
     max_num_seqs 1,024 (256 was the LLM-class / smaller-GPU figure), max_num_batched_tokens 8,192."""
