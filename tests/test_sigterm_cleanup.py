@@ -76,9 +76,7 @@ def test_a_sigterm_to_a_test_run_stops_what_its_session_fixture_started(tmp_path
     """Would catch the live tests' session fleet outliving a killed run. Without the guard (the
     second run) the process is still running after the run has ended: the check can fail."""
     guarded = _killed_run(tmp_path / "guarded", "interrupt_on_sigterm()")
-    bare = _killed_run(
-        tmp_path / "bare", "contextlib.nullcontext()".replace("contextlib.", "__import__('contextlib').")
-    )
+    bare = _killed_run(tmp_path / "bare", "__import__('contextlib').nullcontext()")
     try:
         assert not process_alive(guarded)
         assert process_alive(bare)

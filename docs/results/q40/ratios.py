@@ -27,12 +27,14 @@ NAMES = {
 PAIRS = (("REF", "Q"), ("K", "Q"), ("REF", "K"))
 
 
-def main() -> None:
-    runs = runs_by_target(sys.argv[1])
-    Q39.pair_table(runs, NAMES, PAIRS)
+def report(path: str, names: dict[str, str], pairs: tuple[tuple[str, str], ...]) -> None:
+    """The pair table of ``pairs`` and each target's runs, from a run's quality.json (q50 calls it
+    with its own targets)."""
+    runs = runs_by_target(path)
+    Q39.pair_table(runs, names, pairs)
     print()
     print("Per run: cached share of the prompt (GPU + CPU + STORAGE) / imbalance / escalated turns")
-    for name, target in NAMES.items():
+    for name, target in names.items():
         cells = []
         for r in runs.get(target, []):
             c = r["cached"] or {}
@@ -42,6 +44,10 @@ def main() -> None:
                 f" / {r['imbalance']:.2f} / {r['escalations']}"
             )
         print(f"- {name}: {', '.join(cells)}")
+
+
+def main() -> None:
+    report(sys.argv[1], NAMES, PAIRS)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """q50's figures from a ``bench_quality_live`` run: K0 (the order without escalation) against K (with
-it) and against REF, repeat by repeat (the k-th run of a target is its k-th repeat).
+it) and against REF, repeat by repeat, through q40's script (its table and per-run lines, which
+include the escalated turns).
 
     python docs/results/q50/ratios.py OUT/quality.json"""
 
@@ -9,15 +10,12 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from loadtest.bench_quality_live import runs_by_target
-
-#: q39's script: its pair table.
 _SPEC = importlib.util.spec_from_file_location(
-    "q39_ratios", Path(__file__).resolve().parents[1] / "q39" / "ratios.py"
+    "q40_ratios", Path(__file__).resolve().parents[1] / "q40" / "ratios.py"
 )
 assert _SPEC is not None and _SPEC.loader is not None
-Q39 = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(Q39)
+Q40 = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(Q40)
 
 NAMES = {
     "REF": "kvroute:kv_fixed_credit#ref",
@@ -26,15 +24,5 @@ NAMES = {
 }
 PAIRS = (("K", "K0"), ("REF", "K0"), ("REF", "K"))
 
-
-def main() -> None:
-    runs = runs_by_target(sys.argv[1])
-    Q39.pair_table(runs, NAMES, PAIRS)
-    print()
-    for name, target in NAMES.items():
-        counts = ", ".join(str(r["escalations"]) for r in runs.get(target, []))
-        print(f"- {name} escalated turns a run: {counts}")
-
-
 if __name__ == "__main__":
-    main()
+    Q40.report(sys.argv[1], NAMES, PAIRS)
