@@ -18,7 +18,9 @@ one fcfs, one with ``--scheduling-policy priority``; a target ``kvroute:POLICY@p
 second. Before every run each engine's prefix cache is emptied (POST /reset_prefix_cache, which
 vLLM serves with VLLM_SERVER_DEV_MODE=1; it also publishes AllBlocksCleared), so every run starts
 cold. Cached tokens: the engines' ``usage.prompt_tokens_details.cached_tokens`` summed over the
-measured turns; evictions: the BlockRemoved events the engines published during the run.
+measured turns; evictions: the BlockRemoved events the engines published during the run. The
+fleets started here keep their engine logs in ``--out``/engine-logs/ once stopped; the rest of
+their temp folders (model folder, STORAGE pool) is removed.
 
     python -m loadtest.bench_quality_live --backend vllm-cpu --fleet-file fcfs.json \
         --priority-fleet-file prio.json --model-dir runs/vllm/model --repeats 5 --out runs/bench/vllmq
@@ -442,8 +444,7 @@ def one_run(
 ) -> Run:
     """One run on a FRESH simulated fleet (empty caches)."""
     _router_spec, scheduling = split_spec(spec)
-    workdir = Path(tempfile.mkdtemp(prefix="kvroute-quality-"))
-    with Fleet(workdir) as fleet:
+    with run_folder() as workdir, Fleet(workdir) as fleet:
         engines = fleet.start(
             engines_n, replace(profile, scheduling_policy=scheduling or profile.scheduling_policy)
         )
@@ -542,6 +543,18 @@ def measure(
     return run
 
 
+@contextlib.contextmanager
+def run_folder() -> Iterator[Path]:
+    """A run's folder in the temp folder (router and engine logs, fleet file). ``_tidy`` keeps it
+    for a failed run; a run interrupted (Ctrl-C, SIGTERM) has no result to read it with, so it goes."""
+    workdir = Path(tempfile.mkdtemp(prefix="kvroute-quality-"))
+    try:
+        yield workdir
+    except (KeyboardInterrupt, SystemExit):  # (an error keeps it: its logs explain it)
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+
+
 def _tidy(run: Run, workdir: Path) -> Run:
     """Remove a run's folder (router and engine logs, fleet file) unless the run failed: then its
     logs stay for the reader, named in the error."""
@@ -569,19 +582,29 @@ def vllm_runs(
     for workload, users, spec in cells:
         scheduling = split_spec(spec)[1] or "fcfs"
         fleet = fleets[scheduling]
-        workdir = Path(tempfile.mkdtemp(prefix="kvroute-quality-"))
-        try:
-            reset_prefix_caches(fleet.engines)
-        except (RuntimeError, httpx.HTTPError) as exc:
-            run = Run(workload, users, spec, backend.name, error=f"reset: {exc}"[:300])
-        else:
-            run = measure(
-                workload, users, spec, fleet, fleet.engines, workdir, backend, run_time_s=run_time_s,
-                think_mean_s=think_mean_s, peers_dir=peers_dir, out=out,
-            )  # fmt: skip
+        with run_folder() as workdir:
+            try:
+                reset_prefix_caches(fleet.engines)
+            except (RuntimeError, httpx.HTTPError) as exc:
+                run = Run(workload, users, spec, backend.name, error=f"reset: {exc}"[:300])
+            else:
+                run = measure(
+                    workload, users, spec, fleet, fleet.engines, workdir, backend, run_time_s=run_time_s,
+                    think_mean_s=think_mean_s, peers_dir=peers_dir, out=out,
+                )  # fmt: skip
         runs.append(_tidy(run, workdir))
         on_run(run)
     return runs
+
+
+def keep_logs_and_remove(workdir: Path, logs_to: Path) -> None:
+    """Copy a stopped fleet's engine logs (``*.log``) into ``logs_to``, then remove its work folder."""
+    logs = sorted(workdir.glob("*.log"))
+    if logs:
+        logs_to.mkdir(parents=True, exist_ok=True)
+        for log in logs:
+            shutil.copyfile(log, logs_to / log.name)
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -611,9 +634,11 @@ def vllm_fleets(args: argparse.Namespace, schedulings: set[str]) -> Iterator[tup
                     )
                 continue
             workdir = Path(tempfile.mkdtemp(prefix=f"vllmq-{scheduling}-"))
+            # Runs after the fleet has stopped (an ExitStack unwinds last in, first out): the engine
+            # logs go to --out beside the results, the rest (the model folder, the STORAGE pool's
+            # block files, hundreds of MB) goes.
+            stack.callback(keep_logs_and_remove, workdir, args.out / "engine-logs" / scheduling)
             storage = str(workdir / "kv-storage") if args.storage else ""
-            if storage:  # the pool's block files (hundreds of MB) go once the engines are stopped
-                stack.callback(shutil.rmtree, storage, ignore_errors=True)
             fleet = stack.enter_context(VllmCpuFleet(workdir))
             print(f"starting {args.engines} vLLM CPU engines ({scheduling}; minutes) ...", file=sys.stderr)
             fleet.start(

@@ -321,3 +321,43 @@ def test_a_given_fleet_with_a_storage_pool_on_disk_is_refused(tmp_path: Path) ->
     args = argparse.Namespace(fleet_file=fleet_file, priority_fleet_file=None, model_dir=tmp_path)
     with pytest.raises(SystemExit, match="start the fleets here with --storage"), vllm_fleets(args, {"fcfs"}):
         pass
+
+
+def test_a_stopped_fleets_logs_go_to_the_results_and_its_folder_goes(tmp_path: Path) -> None:
+    """The bench's vLLM fleets work in a temp folder (model folder, engine logs, the STORAGE pool's
+    block files). Once a fleet stops, its engine logs are copied beside the results and the folder
+    is removed. Catches the leak it had (every fleet's folder left in /tmp) and logs lost with it."""
+    from loadtest.bench_quality_live import keep_logs_and_remove
+
+    workdir = tmp_path / "vllmq-fcfs-x"
+    (workdir / "model").mkdir(parents=True)
+    (workdir / "kv-storage" / "ab").mkdir(parents=True)
+    (workdir / "kv-storage" / "ab" / "block").write_bytes(b"\0" * 4096)
+    for engine in ("v0", "v1"):
+        (workdir / f"{engine}.log").write_text(f"{engine} says INFO Started server process\n")
+    logs_to = tmp_path / "out" / "engine-logs" / "fcfs"
+    keep_logs_and_remove(workdir, logs_to)
+    assert not workdir.exists()
+    assert sorted(p.name for p in logs_to.iterdir()) == ["v0.log", "v1.log"]
+    assert (logs_to / "v1.log").read_text() == "v1 says INFO Started server process\n"
+
+
+def test_an_interrupted_runs_folder_goes_and_a_failed_runs_stays(tmp_path: Path, monkeypatch) -> None:
+    """A run's temp folder: Ctrl-C or SIGTERM (the bench turns it into SystemExit) removes it, since
+    no result will name it; an error keeps it, for the logs that explain it. Catches the folder a
+    stopped bench left in /tmp, and a fix that deletes a failure's evidence."""
+    import tempfile
+
+    from loadtest.bench_quality_live import run_folder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folders: list[Path] = []
+    for raised in (SystemExit(143), KeyboardInterrupt(), RuntimeError("engine died")):
+        with pytest.raises(type(raised)), run_folder() as workdir:
+            folders.append(workdir)
+            (workdir / "router.log").write_text("routing\n")
+            raise raised
+    assert [f.exists() for f in folders] == [False, False, True]
+    with run_folder() as workdir:
+        pass
+    assert workdir.exists() and workdir.parent == tmp_path
