@@ -125,6 +125,9 @@ class Run:
     removed_blocks: int = 0
     #: Real engines: per ``PHASE_HISTOGRAMS`` phase, [p50 s, p99 s, requests] over the run.
     phases: dict[str, list[float]] = field(default_factory=dict)
+    #: Measured turns still in flight 30 s after the run's end (Locust's stop timeout), cut, so not
+    #: in the percentiles.
+    unfinished: int = 0
     error: str = ""
 
 
@@ -441,6 +444,7 @@ def one_run(
     peers_dir: Path,
     out: Path,
     variants: dict[str, str] | None = None,
+    warmup_s: int = 0,
 ) -> Run:
     """One run on a FRESH simulated fleet (empty caches)."""
     _router_spec, scheduling = split_spec(spec)
@@ -451,6 +455,7 @@ def one_run(
         run = measure(
             workload, users, spec, fleet, engines, workdir, Backend(variants=variants or {}),
             run_time_s=run_time_s, think_mean_s=think_mean_s, peers_dir=peers_dir, out=out,
+            warmup_s=warmup_s,
         )  # fmt: skip
     return _tidy(run, workdir)
 
@@ -468,10 +473,15 @@ def measure(
     think_mean_s: float,
     peers_dir: Path,
     out: Path,
+    warmup_s: int = 0,
 ) -> Run:
     """Start ``spec``'s router in front of running ``engines`` (``fleet`` writes their fleet file), drive
     Locust through it for ``run_time_s``, stop the router. One definition of the measuring for both
-    back-ends; a failure is recorded in the Run, not raised."""
+    back-ends; a failure is recorded in the Run, not raised. At the end each user finishes the turn
+    it has in flight and sends no other (loadtest/locustfile.py). ``warmup_s``: Locust runs that
+    much longer first, and the turns sent in it are not measured. The client's figures (TTFT,
+    turns, cached tokens) are the measured turns'; the engines' (events, phases, the tier split of
+    cached tokens) cover the whole run, warm-up and the end's last turns included."""
     target = Target.parse(split_spec(spec)[0])
     run = Run(workload, users, spec, backend.name)
     proc = None
@@ -497,8 +507,9 @@ def measure(
             prefix = str(out / "csv" / f"{workload}-u{users}-{spec.replace(':', '_').replace('@', '_')}")
             spawn = max(1.0, users / max(think_mean_s, 1.0))
             args = [*locust_args(workload, think_mean_s), "--model", engines[0].model]
+            args += ["--measure-after", str(warmup_s)] if warmup_s else []
             with EventCounter(engines) as events:
-                res = run_locust(url, users, spawn, f"{run_time_s}s", prefix, args, capture=True)
+                res = run_locust(url, users, spawn, f"{warmup_s + run_time_s}s", prefix, args, capture=True)
             run.stored_blocks = events.counts.get("BlockStored", 0)
             run.removed_blocks = events.counts.get("BlockRemoved", 0)
             if res.returncode not in (0, 1):  # 1 = some requests failed: still a result
@@ -521,6 +532,7 @@ def measure(
             run.ttft_p90_s = float(overall["ttft_p90_ms"]) / 1000
             run.ttft_p99_s = float(overall["ttft_p99_ms"]) / 1000
             run.turns = int(overall["requests"])
+            run.unfinished = int(overall["unfinished"])
             run.turns_per_s = run.turns / run_time_s
             run.prompt_tokens = float(overall["prompt_tokens"])
             by_tier = cached_by_tier_delta(before, after)
@@ -575,6 +587,7 @@ def vllm_runs(
     peers_dir: Path,
     out: Path,
     on_run: Any,
+    warmup_s: int = 0,
 ) -> list[Run]:
     """The cells on running real fleets (``fleets``: scheduling policy -> a fleet with ``engines`` and
     ``write_fleet_file``), each run after emptying that fleet's prefix caches."""
@@ -590,7 +603,7 @@ def vllm_runs(
             else:
                 run = measure(
                     workload, users, spec, fleet, fleet.engines, workdir, backend, run_time_s=run_time_s,
-                    think_mean_s=think_mean_s, peers_dir=peers_dir, out=out,
+                    think_mean_s=think_mean_s, peers_dir=peers_dir, out=out, warmup_s=warmup_s,
                 )  # fmt: skip
         runs.append(_tidy(run, workdir))
         on_run(run)
@@ -703,12 +716,13 @@ def des_ladder(
 def fmt_runs(runs: Sequence[Run]) -> str:
     lines = [
         "| workload | users | router | TTFT p50 s | p90 s | p99 s | turns/s | cached GPU | CPU | STORAGE "
-        "| cached / prompt | imbalance | TTFT / predicted | escalated | evicted blocks | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cached / prompt | imbalance | TTFT / predicted | escalated | evicted blocks | failed "
+        "| cut at the end |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         if r.error:
-            lines.append(f"| {r.workload} | {r.users} | {r.target} | failed: {r.error} |||||||||||||")
+            lines.append(f"| {r.workload} | {r.users} | {r.target} | failed: {r.error} ||||||||||||||")
             continue
         c = r.cached or {}
         frac = sum(c.values()) / r.prompt_tokens if r.prompt_tokens else float("nan")
@@ -716,7 +730,7 @@ def fmt_runs(runs: Sequence[Run]) -> str:
             f"| {r.workload} | {r.users} | {r.target} | {r.ttft_p50_s:.3f} | {r.ttft_p90_s:.3f} "
             f"| {r.ttft_p99_s:.3f} | {r.turns_per_s:.2f} | {c.get('GPU', 0):.0f} | {c.get('CPU', 0):.0f} "
             f"| {c.get('STORAGE', 0):.0f} | {frac:.3f} | {r.imbalance:.2f} | {_ratio(r.ttft_over_predicted)}"
-            f" | {r.escalations} | {r.removed_blocks} | {r.failures} |"
+            f" | {r.escalations} | {r.removed_blocks} | {r.failures} | {r.unfinished} |"
         )
     return "\n".join(lines)
 
@@ -864,7 +878,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--agentic-users", default=None, help="agentic concurrencies ('' = skip; default sim 8)"
     )
-    parser.add_argument("--time", type=int, default=60, help="seconds of Locust per run")
+    parser.add_argument("--time", type=int, default=60, help="seconds of Locust per run (measured)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="seconds of Locust before --time whose turns are not measured (the users' ramp-up)",
+    )
     parser.add_argument("--think-time-mean", type=float, default=2.0)
     parser.add_argument(
         "--engines", type=int, default=None, help="engines per fleet (default sim 4, vllm-cpu 2)"
@@ -996,7 +1016,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             runs = vllm_runs(
                 cells, fleets, backend, run_time_s=args.time, think_mean_s=args.think_time_mean,
-                peers_dir=args.peers_dir, out=args.out, on_run=show,
+                peers_dir=args.peers_dir, out=args.out, on_run=show, warmup_s=args.warmup,
             )  # fmt: skip
     else:
         fleet_note = (
@@ -1009,7 +1029,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run = one_run(
                 workload, users, spec, engines_n=args.engines, profile=profile, run_time_s=args.time,
                 think_mean_s=args.think_time_mean, peers_dir=args.peers_dir, out=args.out,
-                variants=variants,
+                variants=variants, warmup_s=args.warmup,
             )  # fmt: skip
             runs.append(run)
             show(run)

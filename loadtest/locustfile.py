@@ -6,6 +6,14 @@ streams, waits its think time and sends a session header. Per turn number it rep
 inter-token latency and end-to-end latency as Locust request stats, and cached prompt tokens (from
 ``usage.prompt_tokens_details``) as the "size" of a USAGE entry and in ``<csv>_turns.csv``.
 
+The end of a run: with Locust's ``--stop-timeout S`` (loadtest/load.py passes 30) a user stopping
+at ``--run-time`` finishes the turn it has in flight (up to S s) and sends no other, not even the
+rest of its conversation; one thinking stops at once. Without it Locust cuts the turns in flight,
+whose TTFTs never reach the percentiles, and the longest waits are the likeliest to be in flight.
+``<csv>_turns.csv`` counts per turn number the turns sent (``sent``) and those that neither answered
+nor failed (``unfinished``: cut at the end). ``--measure-after S`` leaves the turns sent in the
+run's first S s (the ramp-up) out of that table.
+
     locust -f loadtest/locustfile.py --host http://ROUTER:PORT                      # web UI
     locust -f loadtest/locustfile.py --host http://ROUTER:PORT --headless -u 16 -r 4 -t 2m --csv out/run
     python -m loadtest.locustfile --help     # Locust's options and this file's (workload, trace, ...)
@@ -26,6 +34,7 @@ import locust  # noqa: F401  (first: gevent patches ssl before requests imports 
 import requests
 from locust import User, events, task
 from locust.env import Environment
+from locust.user.task import LOCUST_STATE_STOPPING
 
 from kvcore.sim_tokenizer import NAME as SIM_MODEL
 from kvcore.stats import percentile
@@ -79,6 +88,12 @@ def _add_options(parser: Any) -> None:
     )
     group.add_argument("--max-output-tokens", type=int, default=0, help="cap max_tokens (0 = as given)")
     group.add_argument("--no-stream", action="store_true", help="ask for whole answers (no TTFT, no ITL)")
+    group.add_argument(
+        "--measure-after",
+        type=float,
+        default=0.0,
+        help="seconds from the test's start: the turns sent before are warm-up, not in <csv>_turns.csv",
+    )
 
 
 # -- conversations -----------------------------------------------------------------------------------
@@ -127,6 +142,9 @@ def make_source(options: Any) -> Source:
 
 @dataclass(slots=True)
 class TurnTokens:
+    #: measured turns sent, and of them the ones that failed; ``requests``: the ones answered.
+    sent: int = 0
+    failed: int = 0
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -135,6 +153,8 @@ class TurnTokens:
 
 TURN_TOKENS: dict[int, TurnTokens] = {}
 _SOURCE: list[Source] = []
+#: time.monotonic() when the test started (the start of ``--measure-after``).
+_STARTED_AT: list[float] = []
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -147,6 +167,8 @@ def turn_rows() -> list[dict[str, Any]]:
     rows = []
     overall = TurnTokens()
     for t in TURN_TOKENS.values():
+        overall.sent += t.sent
+        overall.failed += t.failed
         overall.requests += t.requests
         overall.prompt_tokens += t.prompt_tokens
         overall.cached_tokens += t.cached_tokens
@@ -158,6 +180,8 @@ def turn_rows() -> list[dict[str, Any]]:
             {
                 "turn": turn,
                 "requests": t.requests,
+                "sent": t.sent,
+                "unfinished": t.sent - t.requests - t.failed,
                 "ttft_p50_ms": _quantile(t.ttfts_ms, 0.5),
                 "ttft_p90_ms": _quantile(t.ttfts_ms, 0.9),
                 "ttft_p99_ms": _quantile(t.ttfts_ms, 0.99),
@@ -187,6 +211,7 @@ def format_turn_rows(rows: list[dict[str, Any]]) -> str:
 @events.test_start.add_listener
 def _on_start(environment: Environment, **_: Any) -> None:
     TURN_TOKENS.clear()
+    _STARTED_AT[:] = [time.monotonic()]
     _SOURCE[:] = [make_source(environment.parsed_options)]
 
 
@@ -243,6 +268,8 @@ class ChatUser(User):
         for k, turn in enumerate(conv.turns):
             if k > 0 and turn.think_time_s > 0:
                 self._sleep(turn.think_time_s * self.options.think_scale)
+            if self._state == LOCUST_STATE_STOPPING:
+                return  # the run is over (--stop-timeout): no new turn
             if conv.messages_fn is not None:
                 messages = conv.messages(k, answers)
             else:
@@ -262,9 +289,13 @@ class ChatUser(User):
             answers.append(answer)
 
     def _sleep(self, seconds: float) -> None:
+        """Think (or wait for an open-loop start) in slices, so that a user the run's end asks to
+        stop (--stop-timeout) ends now rather than after its think time."""
         import gevent
 
-        gevent.sleep(seconds)
+        until = time.monotonic() + seconds
+        while (left := until - time.monotonic()) > 0 and self._state != LOCUST_STATE_STOPPING:
+            gevent.sleep(min(left, 0.1))
 
     def _turn(self, session_id: str, k: int, messages: list[dict[str, str]], max_tokens: int) -> str | None:
         stream = not self.options.no_stream
@@ -274,6 +305,10 @@ class ChatUser(User):
             body["stream_options"] = {"include_usage": True}
         name = f"turn {k}"
         url = self.environment.host.rstrip("/") + "/v1/chat/completions"
+        sent_at = time.monotonic() - (_STARTED_AT[0] if _STARTED_AT else time.monotonic())
+        measured = sent_at >= self.options.measure_after
+        stats = TURN_TOKENS.setdefault(k, TurnTokens()) if measured else TurnTokens()  # (warm-up: unread)
+        stats.sent += 1
         start = time.perf_counter()
         first_s: float | None = None
         last_s = start
@@ -315,6 +350,7 @@ class ChatUser(User):
                                 pieces.append(piece)
         except Exception as exc:  # any failure is one failed request in the stats, then a new conversation
             self._fire("POST", name, (time.perf_counter() - start) * 1000, size, exc)
+            stats.failed += 1
             return None
         end = time.perf_counter()
         self._fire("POST", name, (end - start) * 1000, size)
@@ -327,7 +363,6 @@ class ChatUser(User):
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         # Locust has no token column: the cached tokens ride as this entry's "content size".
         self._fire("USAGE", f"cached tokens {name}", 0.0, cached)
-        stats = TURN_TOKENS.setdefault(k, TurnTokens())
         stats.requests += 1
         stats.prompt_tokens += prompt
         stats.cached_tokens += cached

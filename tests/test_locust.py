@@ -77,6 +77,66 @@ def test_headless_ladder_run_reports_per_turn_metrics(router_url: str, tmp_path:
     assert "per turn" in proc.stdout
 
 
+def _summary_posts(stderr: str) -> int:
+    """The POSTs in Locust's final summary (every turn sent, warm-up included), over turn numbers."""
+    counts = re.findall(r"^POST\s+turn \d+\s+(\d+)\s+\d+\(", stderr, flags=re.MULTILINE)
+    return sum(int(c) for c in counts)
+
+
+@pytest.mark.slow
+def test_the_turns_in_flight_at_the_end_are_finished_or_counted_as_cut(
+    router_url: str, tmp_path: Path
+) -> None:
+    """Users with no think time are nearly always mid-turn when a run ends. Cut at once
+    (--stop-timeout 0), those turns never reach the percentiles, and the longest waits are the
+    likeliest to be cut: ``unfinished`` counts them. With the stop timeout run_locust passes, each
+    user finishes the turn it sent: nothing is cut, and every turn sent after --measure-after is
+    answered and in the table, the ramp-up's turns not. Catches cut turns that go uncounted, an end
+    that cuts, and warm-up turns in the percentiles."""
+    ladder = [
+        "--first-prompt-tokens", str(FIRST), "--system-prefix-tokens", "64",
+        "--tokens-per-turn", str(PER_TURN), "--turns", str(TURNS), "--answer-tokens", "64",
+        "--think-time-mean", "0",
+    ]  # fmt: skip
+    cut_now = [*ladder, "--stop-timeout", "0"]
+    cut = run_locust(router_url, 4, 4, "3s", str(tmp_path / "cut"), cut_now, capture=True)
+    assert cut.returncode == 0, cut.stderr[-3000:]
+    overall = _turns_csv(str(tmp_path / "cut"))[-1]
+    assert int(overall["unfinished"]) >= 1, overall
+    assert int(overall["sent"]) == int(overall["requests"]) + int(overall["unfinished"]), overall
+
+    warm = [*ladder, "--measure-after", "1"]
+    proc = run_locust(router_url, 4, 4, "3s", str(tmp_path / "finished"), warm, capture=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _turns_csv(str(tmp_path / "finished"))
+    overall = rows[-1]
+    assert int(overall["unfinished"]) == 0 and int(overall["sent"]) == int(overall["requests"]) > 0, rows
+    posts = _summary_posts(proc.stderr)
+    assert int(overall["sent"]) < posts, (overall, posts)  # the first second's turns are warm-up
+
+
+@pytest.mark.slow
+def test_a_user_sends_no_turn_after_the_run_ends(router_url: str, tmp_path: Path) -> None:
+    """At the end a user finishes the turn in flight but not its conversation. With think times of
+    10 s on average, most conversations a 2 s run starts are still thinking when it ends; they stop
+    there, so fewer last turns are sent than first ones. Catches the earlier end, where each user
+    went on with its conversation for up to the stop timeout (30 s) at a load falling as users
+    finished, and those turns were measured: every conversation started sent all its turns. (The
+    check fails wrongly only if all of at least four conversations sent their three turns within
+    2 s: p < 1e-6.)"""
+    ladder = [
+        "--first-prompt-tokens", str(FIRST), "--system-prefix-tokens", "64",
+        "--tokens-per-turn", str(PER_TURN), "--turns", str(TURNS), "--answer-tokens", "8",
+        "--think-time-mean", "10",
+    ]  # fmt: skip
+    proc = run_locust(router_url, 4, 4, "2s", str(tmp_path / "run"), ladder, capture=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["turn"]: r for r in _turns_csv(str(tmp_path / "run"))}
+    first, last = int(rows["0"]["sent"]), int(rows.get(str(TURNS - 1), {"sent": 0})["sent"])
+    assert first >= 4 and last < first, rows
+    assert all(r["unfinished"] == "0" for r in rows.values()), rows
+
+
 @pytest.mark.slow
 def test_headless_agentic_trace_replay_runs(router_url: str, tmp_path: Path) -> None:
     prefix = str(tmp_path / "agentic")
