@@ -749,6 +749,42 @@ def runs_by_target(path: str | Path) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def pair_table(
+    runs: dict[str, list[dict[str, Any]]], names: dict[str, str], pairs: Sequence[tuple[str, str]]
+) -> None:
+    """Print, per pair (base, other) of ``names`` (short name -> target), the p50 speed-ups and p99
+    ratios repeat by repeat and their medians: the round scripts' verdict table."""
+    print("| pair | p50 speed-up (base / other), per repeat | median | p99 ratio (other / base) | median |")
+    print("|---|---|---|---|---|")
+    for base, other in pairs:
+        a, b = runs[names[base]], runs[names[other]]
+        up = [x["ttft_p50_s"] / y["ttft_p50_s"] for x, y in zip(a, b, strict=True)]
+        tail = [y["ttft_p99_s"] / x["ttft_p99_s"] for x, y in zip(a, b, strict=True)]
+        print(
+            f"| {other} vs {base} | {', '.join(f'{v:.2f}' for v in up)} | {statistics.median(up):.2f} "
+            f"| {', '.join(f'{v:.2f}' for v in tail)} | {statistics.median(tail):.2f} |"
+        )
+
+
+def round_report(path: str | Path, names: dict[str, str], pairs: Sequence[tuple[str, str]]) -> None:
+    """A live round's report from its quality.json: ``pair_table``, then each target's runs (the
+    cached share of the prompt by tier, the imbalance, the escalated turns)."""
+    runs = runs_by_target(path)
+    pair_table(runs, names, pairs)
+    print()
+    print("Per run: cached share of the prompt (GPU + CPU + STORAGE) / imbalance / escalated turns")
+    for name, target in names.items():
+        cells = []
+        for r in runs.get(target, []):
+            c = r["cached"] or {}
+            share = {t: c.get(t, 0.0) / r["prompt_tokens"] for t in ("GPU", "CPU", "STORAGE")}
+            cells.append(
+                f"{sum(share.values()):.2f} ({share['GPU']:.2f}+{share['CPU']:.2f}+{share['STORAGE']:.2f})"
+                f" / {r['imbalance']:.2f} / {r['escalations']}"
+            )
+        print(f"- {name}: {', '.join(cells)}")
+
+
 def by_cell(runs: Sequence[Run]) -> dict[tuple[str, int, str], list[Run]]:
     """The runs without an error, by (workload, users, router), in run order."""
     groups: dict[tuple[str, int, str], list[Run]] = {}
