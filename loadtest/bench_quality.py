@@ -112,6 +112,11 @@ class Cell:
     #: Split each turn's TTFT into where it went (``sim.des.ttft_split``) and summarise the split
     #: of the turns around the p50 and above the p99 (``split_summary``).
     split_ttft: bool = False
+    #: Which turns the TTFT figures are read over (READS): every turn of the run, or "steady", the
+    #: turns of the ladder's conversations numbered concurrency .. total - concurrency - 1 only
+    #: (``steady_window``): none of them starts in the first wave, none in the last, so the reading
+    #: has neither the synchronized cold start nor the drain (round q52).
+    read: str = "all"
 
 
 #: A scheduling spec ending in this prices the admission wait (``SimConfig.admission_wait``);
@@ -476,8 +481,48 @@ def sim_config(cell: Cell, **extra: Any) -> SimConfig:
     )
 
 
+#: ``Cell.read``'s values.
+READS = ("all", "steady")
+
+
+def ladder_index(request_id: str) -> int:
+    """The ladder conversation's number in a request id ("ladder-SEED-INDEX#TURN")."""
+    conversation = request_id.split("#", 1)[0]
+    prefix, _, index = conversation.rpartition("-")
+    if not prefix.startswith("ladder-") or not index.isdigit():
+        raise ValueError(f"{request_id!r} is not a ladder request id")
+    return int(index)
+
+
+def steady_window(concurrency: int, conversations: int) -> tuple[int, int]:
+    """The conversations a "steady" reading keeps, [lo, hi): those started after the first wave
+    and before the last one, in a ladder run of ``conversations`` at ``concurrency`` at a time."""
+    lo, hi = concurrency, conversations - concurrency
+    if hi <= lo:
+        raise ValueError(
+            f"a steady reading needs at least 3x the concurrency in conversations ({conversations} at"
+            f" {concurrency}): use --conversations 3 or more"
+        )
+    return lo, hi
+
+
+def read_steady(row: dict[str, Any], concurrency: int, conversations: int) -> None:
+    """Replace ``row``'s TTFT figures (p50, p90, p99, mean, max and the per-turn map) by those of
+    the steady window's turns; the run's other figures (hit rate, turns/s, ...) stay the whole
+    run's. ``read_turns`` counts the turns kept."""
+    lo, hi = steady_window(concurrency, conversations)
+    kept = {k: t for k, t in row["ttft_by_request_s"].items() if lo <= ladder_index(k) < hi}
+    ttfts = list(kept.values())
+    row["ttft_p50_s"], row["ttft_p90_s"], row["ttft_p99_s"] = percentiles(ttfts, (50, 90, 99), empty=0.0)
+    row["ttft_mean_s"] = sum(ttfts) / len(ttfts) if ttfts else 0.0
+    row["ttft_max_s"] = max(ttfts, default=0.0)
+    row["ttft_by_request_s"] = kept
+    row["read_turns"] = len(kept)
+
+
 def run_cell(cell: Cell) -> dict[str, Any]:
-    """Run one cell; the result row (figures of the run and of its hindsight bound)."""
+    """Run one cell; the result row (figures of the run and of its hindsight bound). With
+    ``cell.read`` "steady" the TTFT figures are the steady window's (``read_steady``)."""
     wl, fleet = build(cell)
     name, params = parse_policy_spec(cell.policy)
     config = sim_config(cell)
@@ -508,6 +553,9 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         ttft_max_s=max(result.ttfts_s, default=0.0),
         ttft_by_request_s=result.ttft_by_request_s,
     )
+    row["read"] = cell.read
+    if cell.read == "steady":
+        read_steady(row, cell.concurrency, len(wl.conversations))
     if cell.split_ttft:
         row["ttft_split"] = split_summary(result.ttft_split_by_request)
         row["ttft_split_separation"] = split_separation(result.ttft_split_by_request)
@@ -784,6 +832,8 @@ def plan(args: argparse.Namespace) -> list[Cell]:
             raise ValueError(
                 f"--tail-reference {args.tail_reference!r} is not one of the runs; add it to --policies"
             )
+    if args.read == "steady" and args.trace:
+        raise ValueError("--read steady reads ladder conversations by number: not for --trace")
     if args.trace:
         path = Path(args.trace)
         fmt = args.trace_format or ("agentic" if path.is_dir() or path.suffix == ".json" else "mooncake")
@@ -812,12 +862,14 @@ def plan(args: argparse.Namespace) -> list[Cell]:
                     )
         return cells
     for c in [int(x) for x in _list(args.concurrency)]:
+        if args.read == "steady":
+            steady_window(c, max(c, round(c * args.conversations)))
         for storage in _list(args.storage):
             for policy, scheduling in runs:
                 for seed in seeds:
                     cells.append(
                         Cell(
-                            f"{args.fleet} {c}",
+                            f"{args.fleet} {c}{' steady' if args.read == 'steady' else ''}",
                             storage,
                             policy,
                             seed,
@@ -831,6 +883,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
                             shared_storage_calibration=args.shared_storage_calibration,
                             storage_spread=args.storage_spread,
                             split_ttft=args.split_ttft,
+                            read=args.read,
                         )
                     )
     return cells
@@ -919,6 +972,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also print where each run's TTFT went (queued prefill, admission wait for KV blocks or"
         " slots, service, preemption) against the predicted parts, for the turns around the p50 and"
         " above the p99",
+    )
+    p.add_argument(
+        "--read",
+        choices=READS,
+        default="all",
+        help="the turns the TTFT figures are read over: all (default), or steady: only the ladder's"
+        " conversations started after the first wave and before the last (needs --conversations 3"
+        " or more; no synchronized cold start, no drain; the label gets ' steady')",
     )
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--out", help="markdown file (a .jsonl of raw rows is written next to it)")

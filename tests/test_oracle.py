@@ -234,3 +234,32 @@ def test_the_pool_option_reaches_the_simulated_routers_calibration() -> None:
     pooled = run_cell(dataclasses.replace(base, pool_observations=1000.0))
     assert alone["load_imbalance"] != pooled["load_imbalance"]
     assert alone["ttft_over_predicted"] != pooled["ttft_over_predicted"]
+
+
+def test_a_steady_reading_keeps_the_middle_conversations_turns_of_the_same_run() -> None:
+    """``read="steady"`` reads the same run (same seed, deterministic) over the conversations
+    numbered concurrency .. total - concurrency - 1 only: its figures are those of the whole run's
+    per-turn map cut to that window, computed here independently of bench_quality's own code."""
+    import numpy as np
+
+    base = Cell("t", "none", "kv_fixed_credit", seed=5, concurrency=6, conversations=3.0, block_size=256)
+    whole = run_cell(base)
+    steady = run_cell(dataclasses.replace(base, read="steady"))
+    ids = whole["ttft_by_request_s"]
+    numbers = {k: int(k.split("#")[0].split("-")[-1]) for k in ids}
+    assert sorted(set(numbers.values())) == list(range(18))
+    kept = {k: t for k, t in ids.items() if 6 <= numbers[k] < 12}
+    assert steady["ttft_by_request_s"] == kept and steady["read_turns"] == len(kept) < len(ids)
+    assert steady["ttft_p50_s"] == pytest.approx(float(np.median(list(kept.values()))))
+    assert steady["ttft_max_s"] == max(kept.values())
+    assert steady["turns_per_s"] == whole["turns_per_s"]  # the run's other figures stay the whole run's
+    assert (whole["read"], steady["read"]) == ("all", "steady")
+
+
+def test_a_steady_reading_refuses_a_run_without_a_middle(capsys) -> None:  # type: ignore[no-untyped-def]
+    args = ["--concurrency", "4", "--block-size", "256", "--storage", "none", "--seeds", "1"]
+    args += ["--read", "steady"]
+    assert main([*args, "--conversations", "2"]) == 2
+    assert "at least 3x the concurrency" in capsys.readouterr().err
+    assert main([*args, "--conversations", "3", "--policies", "kv_fixed_credit"]) == 0
+    assert "| b1 4 steady | none | kv_fixed_credit |" in capsys.readouterr().out

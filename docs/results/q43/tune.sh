@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # q43's tuning runs (docs/results/q43.md): E in {10,15,20,25} for K and Q, four cells, seeds 29261-29270.
-# Usage: [SEEDS=a,b,...] [ES="E1 E2 ..."] bash docs/results/q43/tune.sh OUT (q48 ran it on other seeds and Es).
+# Usage: [SEEDS=a,b,...] [ES="E1 E2 ..."] [SHAPE="--conversations 3 --read steady"] [B1B=skip] bash docs/results/q43/tune.sh OUT
+# (q48 ran it on other seeds and Es; q53 with SHAPE: three waves read over the middle one).
 set -euo pipefail
 out=${1:?usage: tune.sh OUT}
 cd "$(dirname "$0")/../../.."
 py=${PYTHON:-.venv/bin/python}
 mkdir -p "$out"
 S=${SEEDS:-$(seq -s, 29261 29270)}
-B=(nice -n 19 "$py" -m loadtest.bench_quality --block-size 128 --conversations 1 --concurrency 128
+B=(nice -n 19 "$py" -m loadtest.bench_quality --block-size 128 ${SHAPE:---conversations 1} --concurrency 128
   --tail-reference kv_fixed_credit@fcfs --jobs 2 --seeds "$S")
 R="kv_fixed_credit@fcfs,kv_fixed_credit:cpu=0.5:storage=0.1@fcfs"
 P=$R
@@ -18,6 +19,6 @@ for st in none 1/4 1/2; do
   f=$(echo $st | tr / -)
   "${B[@]}" --storage "$st" --policies "$P" --out "$out/$f.md"
 done
-"${B[@]}" --fleet hetero --storage unbounded --storage-spread 1 --policies "$P" --out "$out/b1b.md"
+[ "${B1B:-run}" = skip ] || "${B[@]}" --fleet hetero --storage unbounded --storage-spread 1 --policies "$P" --out "$out/b1b.md"
 "$py" -m loadtest.frontier "$out/none.jsonl" "$out/1-4.jsonl" "$out/1-2.jsonl" --md "$out/b1-frontier.md"
-"$py" -m loadtest.frontier "$out/b1b.jsonl" --md "$out/b1b-frontier.md"
+[ "${B1B:-run}" = skip ] || "$py" -m loadtest.frontier "$out/b1b.jsonl" --md "$out/b1b-frontier.md"
