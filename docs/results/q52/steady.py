@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.stats import median_span, percentile
-from loadtest.bench_quality import Cell, run_cell
+from loadtest.bench_quality import Cell, ladder_index, run_cell, steady_window
 
 CONCURRENCY = 128
 #: q48's choice of E per cell (docs/results/q48.md) and the report's three targets (q43/report.sh).
@@ -44,13 +44,11 @@ def one(job: tuple[str, str, str, int, int]) -> dict[str, Any]:
     row = run_cell(cell)
     ttfts: dict[str, float] = row["ttft_by_request_s"]
     out = {"storage": storage, "target": name, "seed": seed, "waves": waves}
-    for window, (lo, hi) in {
-        "all": (0, waves * CONCURRENCY),
-        "middle": (CONCURRENCY, 2 * CONCURRENCY),
-    }.items():
-        if window == "middle" and waves < 3:
-            continue
-        xs = [t for rid, t in ttfts.items() if lo <= int(rid.split("#")[0].rsplit("-", 1)[1]) < hi]
+    windows = {"all": (0, waves * CONCURRENCY)}
+    if waves >= 3:  # (bench_quality's "steady" reading since q53)
+        windows["middle"] = steady_window(CONCURRENCY, waves * CONCURRENCY)
+    for window, (lo, hi) in windows.items():
+        xs = [t for rid, t in ttfts.items() if lo <= ladder_index(rid) < hi]
         out[window] = {"p50": percentile(xs, 50), "p99": percentile(xs, 99), "max": max(xs), "turns": len(xs)}
     return out
 
