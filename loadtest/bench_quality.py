@@ -49,6 +49,7 @@ from sim.des import (
     TTFT_SPLIT_KEYS,
     FleetSimulator,
     SimConfig,
+    ttft_figures,
 )
 from sim.des_cli import parse_policy_spec, worker_pool
 from sim.engine import EngineProfile
@@ -404,6 +405,11 @@ def storage_blocks(storage: str, workload: Workload) -> int:
     return UNBOUNDED_STORAGE_BLOCKS if blocks is None else blocks
 
 
+def ladder_conversations(concurrency: int, conversations: float) -> int:
+    """The conversations a ladder cell runs: ``conversations`` x the concurrency, at least one wave."""
+    return max(concurrency, round(concurrency * conversations))
+
+
 def build(cell: Cell) -> tuple[Workload, FleetSpec]:
     """The workload and fleet of a cell (storage pool sized as the cell says)."""
     if cell.trace:
@@ -425,7 +431,7 @@ def build(cell: Cell) -> tuple[Workload, FleetSpec]:
     else:
         lcfg = LadderConfig(
             concurrency=cell.concurrency,
-            total_conversations=max(cell.concurrency, round(cell.concurrency * cell.conversations)),
+            total_conversations=ladder_conversations(cell.concurrency, cell.conversations),
             block_size=cell.block_size,
             seed=cell.seed,
         )
@@ -513,8 +519,7 @@ def read_steady(row: dict[str, Any], concurrency: int, conversations: int) -> No
     lo, hi = steady_window(concurrency, conversations)
     kept = {k: t for k, t in row["ttft_by_request_s"].items() if lo <= ladder_index(k) < hi}
     ttfts = list(kept.values())
-    row["ttft_p50_s"], row["ttft_p90_s"], row["ttft_p99_s"] = percentiles(ttfts, (50, 90, 99), empty=0.0)
-    row["ttft_mean_s"] = sum(ttfts) / len(ttfts) if ttfts else 0.0
+    row["ttft_p50_s"], row["ttft_p90_s"], row["ttft_p99_s"], row["ttft_mean_s"] = ttft_figures(ttfts)
     row["ttft_max_s"] = max(ttfts, default=0.0)
     row["ttft_by_request_s"] = kept
     row["read_turns"] = len(kept)
@@ -863,7 +868,7 @@ def plan(args: argparse.Namespace) -> list[Cell]:
         return cells
     for c in [int(x) for x in _list(args.concurrency)]:
         if args.read == "steady":
-            steady_window(c, max(c, round(c * args.conversations)))
+            steady_window(c, ladder_conversations(c, args.conversations))
         for storage in _list(args.storage):
             for policy, scheduling in runs:
                 for seed in seeds:

@@ -15,7 +15,7 @@ import heapq
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -434,6 +434,13 @@ class SimResult:
         d.pop("placement")
         d["hit"] = self.hit
         return d
+
+
+def ttft_figures(ttfts: Sequence[float]) -> tuple[float, float, float, float]:
+    """A run's TTFT figures, ``SimResult``'s ttft_p50_s, ttft_p90_s, ttft_p99_s and ttft_mean_s
+    (each 0 without turns)."""
+    p50, p90, p99 = percentiles(ttfts, (50, 90, 99), empty=0.0)
+    return p50, p90, p99, sum(ttfts) / len(ttfts) if ttfts else 0.0
 
 
 class FleetSimulator:
@@ -1038,7 +1045,7 @@ class FleetSimulator:
             raise RuntimeError(f"{len(holding)} turns were still held when the fleet drained")
 
         ttfts.sort()
-        ttft_p50_s, ttft_p90_s, ttft_p99_s = percentiles(ttfts, (50, 90, 99), empty=0.0)
+        ttft_p50_s, ttft_p90_s, ttft_p99_s, ttft_mean_s = ttft_figures(ttfts)
         total = max(prompt_total, 1)
         hit_tokens = sum(by_tier)
         ideal = ideal_tokens / total if cfg.track_ideal else float("nan")
@@ -1054,7 +1061,7 @@ class FleetSimulator:
             ttft_p50_s=ttft_p50_s,
             ttft_p90_s=ttft_p90_s,
             ttft_p99_s=ttft_p99_s,
-            ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
+            ttft_mean_s=ttft_mean_s,
             turns_per_s=finished / virtual_s if virtual_s else 0.0,
             tokens_per_s=(prompt_total + output_total) / virtual_s if virtual_s else 0.0,
             output_tokens_per_s=output_total / virtual_s if virtual_s else 0.0,
