@@ -301,6 +301,10 @@ class CostModel:
         if state is not None and pool in self._storage_bandwidth:
             self._set_storage_bandwidth(state, self._pooled(state, self._storage_bandwidth[pool]))
 
+    def storage_pool_of(self, engine_id: str) -> str | None:
+        """The shared STORAGE pool ``engine_id`` mounts (``set_storage_pool``), else None."""
+        return self._storage_pool_of.get(engine_id)
+
     def _pooled(self, state: _EngineState, pool_bytes_per_s: float) -> float:
         """A pool member's STORAGE figure: its own, within ``pool_spread`` of the pool's (the pool's
         while it has measured nothing of its own)."""

@@ -36,7 +36,7 @@ import heapq
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -60,11 +60,12 @@ from policies.base import (
 )
 from policies.costs import (
     RECOMPUTE_BELOW,
+    STORAGE_QUEUE_KEY,
     CostEstimates,
     EngineCosts,
     PredictedParts,
-    admission_wait_parts,
     best_cached_fraction,
+    engine_wait_parts,
     predict_parts,
     predicted_prefill_tokens,
     priority_wait_parts,
@@ -833,6 +834,61 @@ def predicted_hit_tokens_by_tier(request: RouteRequest, engine_id: str) -> tuple
     return hit_tokens_by_tier(match, request.block_size, prompt_tokens_of(request))
 
 
+# ----------------------------------------------------------------------------- shared STORAGE reads
+
+
+class StorageReadQueue:
+    """The STORAGE reads the router has placed on each shared pool, booked first come at the pool's
+    aggregate read bandwidth (router config ``costs.storage_read_bandwidth``; the DES passes its
+    pool's): ``queue_s(pool, now)`` is how long a read placed now waits for them. Several engines
+    mounting one pool share its bandwidth, and a read one of them queued there delays every
+    member's; the engine's own STORAGE load cost (``EngineCosts.load_time_s``) prices the read
+    alone. The booking is the router's: reads it did not place (another router replica's, the
+    engines' writes) are not in it, and a booked read the engine did not make (its blocks were
+    found in a nearer tier by then) still drains at the pool's rate. Pure; times in the caller's
+    clock."""
+
+    __slots__ = ("_bandwidth", "_free_at")
+
+    def __init__(self, bandwidth_bytes_per_s: Mapping[str, float]) -> None:
+        for pool, bandwidth in bandwidth_bytes_per_s.items():
+            if not pool:
+                raise ValueError("a shared STORAGE pool's read bandwidth needs the pool's name")
+            if not (bandwidth > 0 and math.isfinite(bandwidth)):
+                raise ValueError(
+                    f"shared STORAGE pool {pool!r}: read bandwidth must be a positive number of bytes/s,"
+                    f" got {bandwidth}"
+                )
+        self._bandwidth = dict(bandwidth_bytes_per_s)
+        #: Per pool: when (the caller's clock) the reads booked so far are done.
+        self._free_at: dict[str, float] = {}
+
+    def __contains__(self, pool: object) -> bool:
+        return pool in self._bandwidth
+
+    def queue_s(self, pool: str, now: float) -> float:
+        """Seconds from ``now`` until ``pool`` has moved every read booked there (0 = idle; 0 for a
+        pool without a bandwidth)."""
+        free_at = self._free_at.get(pool)
+        return free_at - now if free_at is not None and free_at > now else 0.0
+
+    def snapshot(self, now: float) -> dict[str, dict[str, float]]:
+        """Per pool its configured read bandwidth and the booked queue now (``/debug/costs``)."""
+        return {
+            pool: {"bandwidth_bytes_per_s": bandwidth, "queue_s": self.queue_s(pool, now)}
+            for pool, bandwidth in self._bandwidth.items()
+        }
+
+    def book(self, pool: str, nbytes: float, now: float) -> None:
+        """A read of ``nbytes`` from ``pool`` placed at ``now``: queued after the reads booked
+        before it. Nothing for a pool without a bandwidth or no bytes."""
+        bandwidth = self._bandwidth.get(pool)
+        if bandwidth is None or not nbytes > 0:
+            return
+        free_at = self._free_at.get(pool, now)
+        self._free_at[pool] = (free_at if free_at > now else now) + nbytes / bandwidth
+
+
 # ----------------------------------------------------------------------------- the core
 
 
@@ -887,15 +943,19 @@ class RoutingCore:
         config: CoreConfig | None = None,
         recorder: ExperimentRecorder | None = None,
         index_trusted: Callable[[str], bool] | None = None,
+        storage_reads: StorageReadQueue | None = None,
     ) -> None:
         """``index_trusted``: extra per-engine distrust from the shell (e.g. an event gap without
-        replay); the cost model's self-check verdict is always applied."""
+        replay); the cost model's self-check verdict is always applied. ``storage_reads``: the
+        shared STORAGE pools whose reads the core books (``reserve``) and prices (``score``: each
+        candidate's ``STORAGE_QUEUE_KEY``); None = none."""
         self.ledger = ledger
         self.costs = costs
         self.index = index
         self.config = config or CoreConfig()
         self.recorder = recorder
         self._index_trusted = index_trusted
+        self.storage_reads = storage_reads
         self.counters = CoreCounters()
         #: Per engine: measured vs predicted TTFT of the requests that got a first token.
         self.ttft_tally: dict[str, TtftTally] = {}
@@ -1000,9 +1060,36 @@ class RoutingCore:
             raise NoEngineAvailable(
                 f"no healthy engine serves model {request.model!r}" if request.model else "no healthy engine"
             )
+        if self.storage_reads is not None:
+            self._price_storage_reads(candidates, now)
         if fleet is None:
             fleet = FleetView(candidates, now=now, costs=self.costs)
         return policy.choose(request, fleet)
+
+    def _price_storage_reads(self, candidates: Sequence[EngineView], now: float) -> None:
+        """Each candidate's ``STORAGE_QUEUE_KEY``: its shared pool's booked read queue now, where
+        the core books that pool's reads and the queue is not empty (absent otherwise)."""
+        reads, pool_of = self.storage_reads, self.costs.storage_pool_of
+        assert reads is not None
+        for view in candidates:
+            pool = pool_of(view.engine_id)
+            queue_s = reads.queue_s(pool, now) if pool is not None else 0.0
+            if queue_s > 0.0:
+                view.extra[STORAGE_QUEUE_KEY] = queue_s
+            elif STORAGE_QUEUE_KEY in view.extra:
+                del view.extra[STORAGE_QUEUE_KEY]
+
+    def _book_storage_read(self, request: RouteRequest, engine_id: str, now: float) -> None:
+        """The STORAGE read ``request`` will make on ``engine_id`` (the index's predicted STORAGE
+        hit), booked on the engine's shared pool."""
+        reads = self.storage_reads
+        assert reads is not None
+        pool = self.costs.storage_pool_of(engine_id)
+        if pool is None or pool not in reads:
+            return
+        tokens = predicted_hit_tokens_by_tier(request, engine_id)[2]
+        if tokens > 0:
+            reads.book(pool, tokens * self.costs.estimates(engine_id).kv_bytes_per_token, now)
 
     # -- reserve ----------------------------------------------------------------------------
 
@@ -1031,6 +1118,8 @@ class RoutingCore:
         )
         ticket = self.ledger.reserve(target, queued)
         parts = self._parts(request, decision, target, candidates)
+        if self.storage_reads is not None:
+            self._book_storage_read(request, target, now)
         if engine_id is None:
             index, keys = self.index, request.block_keys
             if index is not None and keys:
@@ -1076,7 +1165,7 @@ class RoutingCore:
         if chosen.queued_ahead is not None:
             parts = priority_wait_parts(est, parts, chosen)
         if chosen.extra:  # (only an engine with extra numbers has one)
-            parts = admission_wait_parts(parts, chosen, request, prompt_tokens)
+            parts = engine_wait_parts(parts, chosen, request, prompt_tokens)
         return parts
 
     # -- post-response ----------------------------------------------------------------------

@@ -161,6 +161,11 @@ class Hold(NamedTuple):
 FLOOR_SUFFIX = "+floor"
 
 
+#: A scheduling spec containing this (anywhere after the order) books the STORAGE reads the router
+#: places on the shared pool and prices the wait behind them (``SimConfig.storage_read_queue``).
+READQ_SUFFIX = "+readq"
+
+
 #: A scheduling spec containing this (anywhere after the order) prices what a placement does to the
 #: turns queued on each engine (``SimConfig.externality``, round q13); ``+extern:new`` prices only
 #: the blocks the placement writes (``SimConfig.externality_new_blocks``, post hoc).
@@ -227,6 +232,11 @@ def floor_of(spec: str) -> tuple[str, bool]:
     return _switch_of(spec, FLOOR_SUFFIX)
 
 
+def readq_of(spec: str) -> tuple[str, bool]:
+    """(the scheduling spec without READQ_SUFFIX, whether it had it)."""
+    return _switch_of(spec, READQ_SUFFIX)
+
+
 def extern_of(spec: str) -> tuple[str, str | None]:
     """(the scheduling spec without its EXTERN_SUFFIX part, the footprint it names: one of
     EXTERN_FORMS, None without the suffix)."""
@@ -247,9 +257,9 @@ def extern_of(spec: str) -> tuple[str, str | None]:
 
 
 def hold_of(spec: str) -> Hold:
-    """The scheduling spec without its HOLD_SUFFIX part (and without FLOOR_SUFFIX, EXTERN_SUFFIX
-    and ESCALATE_SUFFIX), and the hold that part names."""
-    spec = escalate_of(extern_of(floor_of(spec)[0])[0]).spec
+    """The scheduling spec without its HOLD_SUFFIX part (and without READQ_SUFFIX, FLOOR_SUFFIX,
+    EXTERN_SUFFIX and ESCALATE_SUFFIX), and the hold that part names."""
+    spec = escalate_of(extern_of(floor_of(readq_of(spec)[0])[0])[0]).spec
     head, sep, tail = spec.partition(HOLD_SUFFIX)
     if not sep:
         return Hold(spec)
@@ -478,6 +488,7 @@ def sim_config(cell: Cell, **extra: Any) -> SimConfig:
         calibration_storage_spread=cell.storage_spread,
         split_ttft=cell.split_ttft,
         deadline_floor=floor_of(cell.scheduling)[1],
+        storage_read_queue=readq_of(cell.scheduling)[1],
         externality=extern_of(cell.scheduling)[1] is not None,
         externality_new_blocks=extern_of(cell.scheduling)[1] == "new",
         escalate_after_s=escalation.after_s,
@@ -696,8 +707,8 @@ def split_markdown(rows: Sequence[dict[str, Any]]) -> str:
     out = [
         "| workload | storage | policy | engine scheduling | seed | turns | n | TTFT | queue (prefill)"
         " | admission: KV | admission: seqs | service | preemption | predicted | pred. wait | pred. slot"
-        " | pred. service |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " | pred. read wait | pred. service |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         for group, m in r.get("ttft_split", {}).items():
@@ -943,7 +954,9 @@ def build_parser() -> argparse.ArgumentParser:
         " engine or, with PICK route, wherever the policy routes it then, with PICK other, wherever it"
         " routes it among the other engines; ABORT now, the default: the"
         " engine drops the first request at once, as vLLM 0.32 and kvroute's sim server do; first_token: at"
-        " its first token, a sensitivity check)",
+        " its first token, a sensitivity check); any spec may carry +readq (the router books the STORAGE"
+        " reads it places on the shared pool, at the pool's aggregate bandwidth, and prices the wait"
+        " behind them)",
     )
     p.add_argument(
         "--tail-reference",

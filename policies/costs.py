@@ -177,7 +177,7 @@ class PriorCosts:
 class PredictedParts(NamedTuple):
     """What ``tier_cost`` predicted for one request on one engine, in seconds and tokens.
 
-    ``total_s`` (the predicted TTFT) = wait_s + slot_s + sum(load_s) + prefill_s. The token and
+    ``total_s`` (the predicted TTFT) = wait_s + slot_s + read_wait_s + sum(load_s) + prefill_s. The token and
     request counts let the cost model re-price the same request with newer estimates when the
     observation comes back.
 
@@ -199,11 +199,14 @@ class PredictedParts(NamedTuple):
     in_flight: float = 0.0
     #: in_flight x the engine's learned slot_s_per_request: the wait for a running slot.
     slot_s: float = 0.0
+    #: The wait for the reads booked ahead on the engine's shared STORAGE pool before this request's
+    #: own read starts (``storage_read_parts``; 0 without STORAGE hits or when the router books none).
+    read_wait_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        """The predicted TTFT: the waits (queued prefill, slot) plus the service."""
-        return self.wait_s + self.slot_s + self.service_s
+        """The predicted TTFT: the waits (queued prefill, slot, shared STORAGE reads) plus the service."""
+        return self.wait_s + self.slot_s + self.read_wait_s + self.service_s
 
     @property
     def service_s(self) -> float:
@@ -219,7 +222,7 @@ class PredictedParts(NamedTuple):
             "wait_s": self.wait_s,
             "slot_s": self.slot_s,
             "prefill_s": self.prefill_s,
-            "total_s": self.wait_s + self.slot_s + (sum(load_s) + self.prefill_s),
+            "total_s": self.wait_s + self.slot_s + self.read_wait_s + (sum(load_s) + self.prefill_s),
             "in_flight": self.in_flight,
             "load_gpu_s": load_s[0],
             "hit_tokens_gpu": hit_tokens[0],
@@ -229,6 +232,7 @@ class PredictedParts(NamedTuple):
             "hit_tokens_storage": hit_tokens[2],
             "wait_tokens": self.wait_tokens,
             "prefill_tokens": self.prefill_tokens,
+            "read_wait_s": self.read_wait_s,
         }
 
     @classmethod
@@ -243,6 +247,7 @@ class PredictedParts(NamedTuple):
             prefill_tokens=float(scores.get("prefill_tokens", 0.0)),
             in_flight=float(scores.get("in_flight", 0.0)),
             slot_s=float(scores.get("slot_s", 0.0)),
+            read_wait_s=float(scores.get("read_wait_s", 0.0)),
         )
 
 
@@ -262,7 +267,9 @@ def predict_parts(
         ttft = wait_tokens / prefill_rate + in_flight x slot_s_per_request
                + sum_t [hit_t > 0] (latency_t + hit_t x kv_bytes / bw_t) + prefill_tokens / prefill_rate
 
-    split into its parts; ``PredictedParts.total_s`` is the sum."""
+    split into its parts; ``PredictedParts.total_s`` is the sum. The waits that depend on the
+    engine's extra numbers (admission, the shared STORAGE pool's read queue) are added by
+    ``engine_wait_parts``."""
     gpu, cpu, storage = hit_tokens
     load_time_s = costs.load_time_s
     # In field order, built by ``tuple.__new__`` itself (the named tuple's own ``__new__`` is a
@@ -283,6 +290,7 @@ def predict_parts(
             prefill_tokens,
             in_flight,
             in_flight * costs.slot_s_per_request,  # slot_s
+            0.0,  # read_wait_s (``storage_read_parts``)
         ),
     )
 
@@ -369,6 +377,35 @@ def admission_wait_parts(
     if below is not None and not best_cached_fraction(request, prompt_tokens) < below:
         return parts
     return parts._replace(slot_s=max(0.0, float(wait_s(prompt_tokens, parts))))
+
+
+#: ``EngineView.extra`` key of an engine that mounts a shared STORAGE pool whose reads the router
+#: books (``kvcore.core.StorageReadQueue``; router config ``costs.storage_read_queue``, DES
+#: ``SimConfig.storage_read_queue``): seconds from now until the pool's bandwidth has moved every
+#: read the router placed on any of its members so far. A request with STORAGE hits there waits
+#: that long before its own read starts (``storage_read_parts``). Absent = no wait priced.
+STORAGE_QUEUE_KEY = "storage_queue_s"
+
+
+def storage_read_parts(parts: PredictedParts, engine: EngineView) -> PredictedParts:
+    """``parts`` with ``read_wait_s`` set to the engine's shared STORAGE pool queue
+    (``STORAGE_QUEUE_KEY``) when it reads anything from STORAGE; unchanged otherwise. The wait is
+    not the request's own work: it adds to the TTFT (``total_s``), not to ``service_s``."""
+    if not parts.hit_tokens[2] > 0:
+        return parts
+    queue_s = engine.extra.get(STORAGE_QUEUE_KEY)
+    if not queue_s:
+        return parts
+    return parts._replace(read_wait_s=float(queue_s))
+
+
+def engine_wait_parts(
+    parts: PredictedParts, engine: EngineView, request: RouteRequest, prompt_tokens: int
+) -> PredictedParts:
+    """``parts`` (priced first come, or by a priority engine's queue) with the waits an engine's
+    extra numbers price: its admission wait (``admission_wait_parts``), then its shared STORAGE
+    pool's read queue (``storage_read_parts``). The one order every pricer applies them in."""
+    return storage_read_parts(admission_wait_parts(parts, engine, request, prompt_tokens), engine)
 
 
 #: ``EngineView.extra`` key of a priority engine whose router prices placement by the deadline it

@@ -9,7 +9,10 @@ For engine e (all times in seconds, token counts in tokens, bandwidths in bytes/
                 or the admission wait for this prompt's whole sequence where the router prices it,
                 optionally only for a prompt no engine holds much of: policies.costs
                 .admission_wait_parts)
-    total_s   = wait_s + slot_s + sum_t load_s[t] + prefill_s             (the predicted TTFT)
+    read_wait_s = the reads the router has booked ahead on e's shared STORAGE pool, if this
+                request reads STORAGE there and the router books them (policies.costs
+                .storage_read_parts; costs.storage_read_queue); else 0
+    total_s   = wait_s + slot_s + read_wait_s + sum_t load_s[t] + prefill_s   (the predicted TTFT)
     work_s    = work_weight x (sum_t load_s[t] + prefill_s)
     cost_s    = total_s + work_s + decode_s + pressure_s                  (what is minimised)
                 (on a priority engine whose router gives each request's deadline offset, a turn
@@ -84,9 +87,9 @@ from policies.costs import (
     CostEstimates,
     PredictedParts,
     PriorCosts,
-    admission_wait_parts,
     best_cached_fraction,
     deadline_floor_s,
+    engine_wait_parts,
     placement_externality_s,
     predict_parts,
     priority_wait_parts,
@@ -118,10 +121,11 @@ def _reason(
     cost (written when first read: ``Decision.reason``)."""
     load_s, hit_tokens = parts.load_s, parts.hit_tokens
     loads = [f"load {name} {load_s[tier]:.4f}" for tier, name in _TIER_NAMES if hit_tokens[tier] > 0]
-    slot_s = parts.slot_s
+    slot_s, read_wait_s = parts.slot_s, parts.read_wait_s
     reason = (
         f"{how}: {engine_id} TTFT {parts.total_s:.4f} s = wait {parts.wait_s:.4f}"
         f"{' + slot ' + format(slot_s, '.4f') if slot_s else ''}"
+        f"{' + storage read queue ' + format(read_wait_s, '.4f') if read_wait_s else ''}"
         f"{' + ' + ' + '.join(loads) if loads else ''} + prefill {parts.prefill_s:.4f}"
         f" ({parts.prefill_tokens:.0f} tokens) + work {work_s:.4f}"
     )
@@ -237,8 +241,8 @@ class TierCostPolicy(BasePolicy):
         )
         if engine.queued_ahead is not None:
             parts = priority_wait_parts(est, parts, engine)
-        # Only an engine with extra numbers can price an admission wait (skip the call otherwise).
-        return admission_wait_parts(parts, engine, request, prompt_tokens) if engine.extra else parts
+        # Only an engine with extra numbers can price an admission or read wait (skip the call otherwise).
+        return engine_wait_parts(parts, engine, request, prompt_tokens) if engine.extra else parts
 
     def secondary_s(self, engine: EngineView) -> tuple[float, float]:
         """(decode_s, pressure_s): the documented secondary terms."""
@@ -265,7 +269,7 @@ class TierCostPolicy(BasePolicy):
         parts = predict_parts(est, (0.0, 0.0, hit), prompt_tokens - hit, wait_tokens, float(engine.in_flight))
         if engine.queued_ahead is not None:
             parts = priority_wait_parts(est, parts, engine)
-        parts = admission_wait_parts(parts, engine, request, prompt_tokens)
+        parts = engine_wait_parts(parts, engine, request, prompt_tokens)
         decode_s, pressure_s = self.secondary_s(engine)
         total_s = parts.total_s
         if engine.extra:
@@ -322,7 +326,7 @@ class TierCostPolicy(BasePolicy):
             decode_s, pressure_s = self.secondary_s(engine)
             service_s = parts.service_s  # once: total_s is the waits plus it (PredictedParts.total_s)
             work_s = work_weight * service_s
-            total_s = parts.wait_s + parts.slot_s + service_s
+            total_s = parts.wait_s + parts.slot_s + parts.read_wait_s + service_s
             if engine.extra:
                 total_s = _priced_total_s(parts, engine, request, prompt_tokens, costs)
             cost_s = cost_by_engine[engine_id] = total_s + work_s + decode_s + pressure_s

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from kvcore.calibration import CostModel
-from kvcore.core import CoreConfig, InMemoryLoadLedger, LoadLedger, RoutingCore
+from kvcore.core import CoreConfig, InMemoryLoadLedger, LoadLedger, RoutingCore, StorageReadQueue
 from kvcore.index import PrefixIndex
 from kvcore.keys import namespace_seed
 from router import openapi
@@ -143,6 +144,9 @@ def build_router_app(
         config=CoreConfig(speculation_ttl_s=config.index.speculation_ttl_s if index is not None else 0.0),
         recorder=experiments,
         index_trusted=services.index_trusted,
+        storage_reads=StorageReadQueue(config.costs.storage_read_bandwidth)
+        if config.costs.storage_read_bandwidth
+        else None,
     )
     metrics.add_collector(lambda: ttft_tally_families(core.ttft_tally))
     # The services object is the lifespan component (event_manager=) only; listing it among the
@@ -224,6 +228,8 @@ def _add_endpoints(app: FastAPI, config: RouterConfig, services: RouterServices)
         body["scrape_errors"] = dict(services.scraper.scrape_errors)
         body["block_size_mismatch"] = dict(services.scraper.block_size_mismatch)
         body["core"] = dataclasses.asdict(router.core.counters)
+        reads = router.core.storage_reads
+        body["storage_read_queue"] = reads.snapshot(time.monotonic()) if reads is not None else {}
         return JSONResponse(body)
 
     @app.get("/v1/experiments", openapi_extra=openapi.GUARDED_OPERATION)

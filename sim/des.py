@@ -37,6 +37,7 @@ from kvcore.core import (
     Reservation,
     RoutingCore,
     SequenceLedger,
+    StorageReadQueue,
     check_hold,
     check_priority_fcfs_factor,
     check_recompute_below,
@@ -258,6 +259,11 @@ class SimConfig:
     #: until 2026-12-05, so the request stays queued, is admitted and prefilled, and is aborted at
     #: its first token).
     escalate_abort: str = "now"
+    #: The router books the STORAGE reads it places on the fleet's shared pool and prices the wait
+    #: behind them (``kvcore.core.StorageReadQueue``, ``policies.costs.storage_read_parts``), at
+    #: the pool's aggregate bandwidth (``FleetSpec.storage_shared_bytes_per_s``: what an operator
+    #: configures as ``costs.storage_read_bandwidth``). Needs a shared pool with that bandwidth.
+    storage_read_queue: bool = False
     #: Split each turn's measured TTFT into where it went on the engine and keep it beside the
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
     #: server stages only.
@@ -309,6 +315,7 @@ TTFT_SPLIT_KEYS = (
     "predicted_s",
     "predicted_wait_s",
     "predicted_slot_s",
+    "predicted_read_wait_s",
     "predicted_service_s",
 )
 
@@ -333,7 +340,9 @@ def ttft_split(record: WaitRecord, arrival_s: float, parts: PredictedParts) -> d
         preemption_s     first preemption -> first token (the work lost and the wait again)
 
     summing to ``ttft_s``; beside the predicted parts: ``predicted_wait_s`` (queued prefill ahead),
-    ``predicted_slot_s`` (in flight x slot seconds) and ``predicted_service_s`` (loads + prefill)."""
+    ``predicted_slot_s`` (in flight x slot seconds), ``predicted_read_wait_s`` (the shared STORAGE
+    pool's booked reads ahead: ``SimConfig.storage_read_queue``) and ``predicted_service_s`` (loads
+    + prefill)."""
     waits = record.waits_s
     kv_s = waits[WAIT_REASONS.index("kv")] + waits[WAIT_REASONS.index("preempt")]
     seqs_s = waits[WAIT_REASONS.index("seqs")]
@@ -348,6 +357,7 @@ def ttft_split(record: WaitRecord, arrival_s: float, parts: PredictedParts) -> d
         "predicted_s": parts.total_s,
         "predicted_wait_s": parts.wait_s,
         "predicted_slot_s": parts.slot_s,
+        "predicted_read_wait_s": parts.read_wait_s,
         "predicted_service_s": parts.service_s,
     }
 
@@ -582,6 +592,7 @@ class FleetSimulator:
                 queue_whole_prompt=cfg.queue_whole_prompt,
                 calibrate=cfg.calibrate,
             ),
+            storage_reads=self._storage_reads(fleet),
         )
         # Trace mode keys: one pseudo-token per block id (block_size 1), as the engine's events.
         self._key_block_size = fleet.block_size if cfg.token_mode else 1
@@ -752,6 +763,18 @@ class FleetSimulator:
             )
 
         return turns
+
+    def _storage_reads(self, fleet: FleetSpec) -> StorageReadQueue | None:
+        """The core's booked STORAGE reads (``SimConfig.storage_read_queue``), else None."""
+        if not self.config.storage_read_queue:
+            return None
+        bandwidth = fleet.storage_shared_bytes_per_s
+        if self.storage is None or bandwidth is None:
+            raise ValueError(
+                "storage_read_queue books reads on the fleet's shared STORAGE pool at its aggregate"
+                " bandwidth: the fleet has no shared pool with one (storage blocks > 0, engine model vllm)"
+            )
+        return StorageReadQueue({SHARED_POOL_ID: bandwidth})
 
     def _deadline_offset_s(self, parts: PredictedParts) -> float:
         """``DEADLINE_OFFSET_KEY`` of a priority engine: seconds from now to the deadline of the

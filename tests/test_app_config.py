@@ -99,6 +99,18 @@ def test_engines_from_env_and_flags() -> None:
             {"KVROUTE_PROXY_CALLBACK_PATH": "0"},
             'proxy.callback_path must not be 0; accepted: true, false, "idle" or an integer >= 1',
         ),
+        (
+            TOML,
+            {"KVROUTE_COSTS_STORAGE_READ_BANDWIDTH": '{"nas": 1e9}'},
+            "costs.storage_read_bandwidth names pool 'nas', which no engine mounts",
+        ),
+        (
+            TOML.replace(
+                'url = "http://127.0.0.1:8101"', 'url = "http://127.0.0.1:8101"\nstorage_pool = "nas"'
+            ),
+            {"KVROUTE_COSTS_STORAGE_READ_BANDWIDTH": '{"nas": 0}'},
+            "costs.storage_read_bandwidth.nas must be a positive number of bytes/s",
+        ),
         ("[listen]\nport = 1\n", {}, "no engines configured"),
         ("[listen\n", {}, "not valid TOML"),
     ],

@@ -397,3 +397,40 @@ def test_ready_does_not_count_drained_engines(router_url: Callable[..., str]) ->
     ready = httpx.get(f"{url}/ready")
     assert ready.status_code == 503
     assert ready.json()["healthy_engines"] == 0 and ready.json()["engines"]["e0"]["drained"] is True
+
+
+def test_a_booked_pool_read_is_priced_on_every_engine_of_the_pool(router_url: Callable[..., str]) -> None:
+    # The fleet's engines mount one pool; with its read bandwidth configured, a turn routed away
+    # from its history (drained) reads the history from the pool, the router books that read, and
+    # the next choice prices the wait behind it on every engine of the pool. 1 byte/s: the queue
+    # does not drain within the test.
+    url = router_url(
+        admin={"token": "t"},
+        costs={"scrape_interval_s": 0.2, "storage_read_bandwidth": {"pool0": 1.0}},
+    )
+    auth = {"authorization": "Bearer t"}
+    chat = Chat(url, "tc", seed=41)
+    home, _, _ = chat.turn(0)
+    _settle(url)
+    assert httpx.get(f"{url}/debug/costs").json()["storage_read_queue"]["pool0"]["queue_s"] == 0.0
+    assert httpx.post(f"{url}/admin/engines/{home}/drain", headers=auth).status_code == 200
+    before = {e["engine_id"]: e for e in chat.explain()["engines"]}
+    assert home not in before
+    assert all(e["prefix_blocks_by_tier"]["storage"] > 0 for e in before.values())
+    assert all(e["scores"]["read_wait_s"] == 0.0 for e in before.values())
+    engine, _, cached = chat.turn(1)  # (the two engines tie: either may take it)
+    moved = before[engine]
+    assert cached > 0  # it read the history from the pool
+    queue_s = httpx.get(f"{url}/debug/costs").json()["storage_read_queue"]["pool0"]["queue_s"]
+    booked_bytes = moved["scores"]["hit_tokens_storage"] * 131_072  # the router's prior KV bytes per token
+    assert queue_s == pytest.approx(booked_bytes, rel=0.01)
+    _settle(url)
+    after = chat.explain()
+    third = next(e for e in after["engines"] if e["engine_id"] not in (home, engine))
+    assert third["prefix_blocks_by_tier"]["storage"] > 0  # it holds the history only in the pool
+    # The wait priced there is the booked queue, less the seconds since it was read.
+    assert third["scores"]["read_wait_s"] == pytest.approx(queue_s, abs=30.0)
+    assert third["scores"]["total_s"] > queue_s - 30.0
+    for e in after["engines"]:  # an engine reading nothing from the pool waits for nothing there
+        if e["prefix_blocks_by_tier"]["storage"] == 0:
+            assert e["scores"]["read_wait_s"] == 0.0
