@@ -100,7 +100,8 @@ class Cell:
     #: gated by ``SimConfig.admission_recompute_below``; ``admission_of``). A priority spec may
     #: carry RECOMPUTE_BOUND_SUFFIX before that: ``+recompute-k:KR[:X]`` (``recompute_bound_of``).
     #: Any spec may end in HOLD_SUFFIX: ``+hold:W[:ORDER[:PICK[:recompute[:X]][:max:M][:aged]]]``,
-    #: late binding (``hold_of``).
+    #: late binding (``hold_of``); any spec may carry READQ_SUFFIX, the shared pool's read queue
+    #: booked and priced (``readq_of``).
     scheduling: str = "fcfs"
     #: The router's ``costs.priors.calibration.pool_observations`` (0 = off).
     pool_observations: float = 0.0

@@ -205,3 +205,15 @@ def test_a_fleet_view_without_the_core_prices_no_read_wait() -> None:
     request = RouteRequest("r", prompt_tokens=1000, prefix_matches={"e0": PrefixMatch(32, (0, 0, 32))})
     decision = policy.choose(request, FleetView([EngineView("e0")]))
     assert decision.parts is not None and decision.parts["e0"].read_wait_s == 0.0
+
+
+def test_bench_quality_reads_the_readq_switch_beside_the_other_suffixes() -> None:
+    from loadtest.bench_quality import Cell, sim_config
+
+    cell = Cell("b1", "1/2", "tier_cost", 1, scheduling="priority:20:inf+escalate:5:route+readq")
+    cfg = sim_config(cell)
+    assert cfg.storage_read_queue and cfg.escalate_after_s == 5.0 and cfg.priority_stretch == 20.0
+    assert not sim_config(dataclasses.replace(cell, scheduling="priority:20:inf")).storage_read_queue
+    assert sim_config(dataclasses.replace(cell, scheduling="fcfs+readq")).storage_read_queue
+    with pytest.raises(ValueError, match=r"\+readq takes no value"):
+        sim_config(dataclasses.replace(cell, scheduling="fcfs+readq:5"))
