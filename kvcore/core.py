@@ -838,19 +838,21 @@ def predicted_hit_tokens_by_tier(request: RouteRequest, engine_id: str) -> tuple
 
 
 class StorageReadQueue:
-    """The STORAGE reads the router has placed on each shared pool, booked first come at the pool's
-    aggregate read bandwidth (router config ``costs.storage_read_bandwidth``; the DES passes its
-    pool's): ``queue_s(pool, now)`` is how long a read placed now waits for them. Several engines
-    mounting one pool share its bandwidth, and a read one of them queued there delays every
-    member's; the engine's own STORAGE load cost (``EngineCosts.load_time_s``) prices the read
-    alone. The booking is the router's: reads it did not place (another router replica's, the
-    engines' writes) are not in it, and a booked read the engine did not make (its blocks were
-    found in a nearer tier by then) still drains at the pool's rate. Pure; times in the caller's
-    clock."""
+    """The traffic the router has placed on each shared STORAGE pool, booked first come at the
+    pool's aggregate bandwidth (router config ``costs.storage_pool_bandwidth``; the DES passes its
+    pool's): ``queue_s(pool, now)`` is how long a read placed now waits behind it. Several engines
+    mounting one pool share its bandwidth, and what one of them queued there delays every member's
+    reads; the engine's own STORAGE load cost (``EngineCosts.load_time_s``) prices the read alone.
+    A request books its STORAGE read and, with ``write_through`` (vLLM's tiering manager with an fs
+    tier writes every block its CPU tier stores through to the pool), the blocks it computes
+    (round q54: half a shared pool's traffic is those writes). The booking is the router's: what it
+    did not place (another router replica's requests) is not in it, and a booked read the engine
+    did not make (its blocks were nearer by then) still drains at the pool's rate. Pure; times in
+    the caller's clock."""
 
-    __slots__ = ("_bandwidth", "_free_at")
+    __slots__ = ("_bandwidth", "_free_at", "write_through")
 
-    def __init__(self, bandwidth_bytes_per_s: Mapping[str, float]) -> None:
+    def __init__(self, bandwidth_bytes_per_s: Mapping[str, float], *, write_through: bool = True) -> None:
         for pool, bandwidth in bandwidth_bytes_per_s.items():
             if not pool:
                 raise ValueError("a shared STORAGE pool's read bandwidth needs the pool's name")
@@ -860,7 +862,9 @@ class StorageReadQueue:
                     f" got {bandwidth}"
                 )
         self._bandwidth = dict(bandwidth_bytes_per_s)
-        #: Per pool: when (the caller's clock) the reads booked so far are done.
+        #: Book the blocks a request computes too (the engines write them through to the pool).
+        self.write_through = write_through
+        #: Per pool: when (the caller's clock) the traffic booked so far is done.
         self._free_at: dict[str, float] = {}
 
     def __contains__(self, pool: object) -> bool:
@@ -873,15 +877,15 @@ class StorageReadQueue:
         return free_at - now if free_at is not None and free_at > now else 0.0
 
     def snapshot(self, now: float) -> dict[str, dict[str, float]]:
-        """Per pool its configured read bandwidth and the booked queue now (``/debug/costs``)."""
+        """Per pool its configured bandwidth and the booked queue now (``/debug/costs``)."""
         return {
             pool: {"bandwidth_bytes_per_s": bandwidth, "queue_s": self.queue_s(pool, now)}
             for pool, bandwidth in self._bandwidth.items()
         }
 
     def book(self, pool: str, nbytes: float, now: float) -> None:
-        """A read of ``nbytes`` from ``pool`` placed at ``now``: queued after the reads booked
-        before it. Nothing for a pool without a bandwidth or no bytes."""
+        """``nbytes`` of traffic on ``pool`` placed at ``now``: queued after what was booked before
+        it. Nothing for a pool without a bandwidth or no bytes."""
         bandwidth = self._bandwidth.get(pool)
         if bandwidth is None or not nbytes > 0:
             return
@@ -947,8 +951,8 @@ class RoutingCore:
     ) -> None:
         """``index_trusted``: extra per-engine distrust from the shell (e.g. an event gap without
         replay); the cost model's self-check verdict is always applied. ``storage_reads``: the
-        shared STORAGE pools whose reads the core books (``reserve``) and prices (``score``: each
-        candidate's ``STORAGE_QUEUE_KEY``); None = none."""
+        shared STORAGE pools whose traffic the core books (``reserve``) and whose queue it prices
+        (``score``: each candidate's ``STORAGE_QUEUE_KEY``); None = none."""
         self.ledger = ledger
         self.costs = costs
         self.index = index
@@ -1079,15 +1083,20 @@ class RoutingCore:
             elif STORAGE_QUEUE_KEY in view.extra:
                 del view.extra[STORAGE_QUEUE_KEY]
 
-    def _book_storage_read(self, request: RouteRequest, engine_id: str, now: float) -> None:
-        """The STORAGE read ``request`` will make on ``engine_id`` (the index's predicted STORAGE
-        hit), booked on the engine's shared pool."""
+    def _book_storage_traffic(
+        self, request: RouteRequest, decision: Decision, engine_id: str, now: float
+    ) -> None:
+        """What ``request`` will move on ``engine_id``'s shared pool, booked there: its STORAGE read
+        (the index's predicted STORAGE hit) and, with ``write_through``, the blocks it computes
+        (``predicted_prefill_tokens``)."""
         reads = self.storage_reads
         assert reads is not None
         pool = self.costs.storage_pool_of(engine_id)
         if pool is None or pool not in reads:
             return
         tokens = predicted_hit_tokens_by_tier(request, engine_id)[2]
+        if reads.write_through:
+            tokens += predicted_prefill_tokens(request, decision, engine_id)
         if tokens > 0:
             reads.book(pool, tokens * self.costs.estimates(engine_id).kv_bytes_per_token, now)
 
@@ -1119,7 +1128,7 @@ class RoutingCore:
         ticket = self.ledger.reserve(target, queued)
         parts = self._parts(request, decision, target, candidates)
         if self.storage_reads is not None:
-            self._book_storage_read(request, target, now)
+            self._book_storage_traffic(request, decision, target, now)
         if engine_id is None:
             index, keys = self.index, request.block_keys
             if index is not None and keys:

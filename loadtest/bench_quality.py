@@ -162,9 +162,13 @@ class Hold(NamedTuple):
 FLOOR_SUFFIX = "+floor"
 
 
-#: A scheduling spec containing this (anywhere after the order) books the STORAGE reads the router
-#: places on the shared pool and prices the wait behind them (``SimConfig.storage_read_queue``).
+#: A scheduling spec containing this (anywhere after the order) books the traffic the router places
+#: on the shared pool, reads and the computed blocks the engines write through, and prices a
+#: STORAGE read's wait behind it (``SimConfig.storage_read_queue``); ``+readq:reads`` books the
+#: reads only (``SimConfig.storage_read_queue_writes`` False: round q54's first build).
 READQ_SUFFIX = "+readq"
+#: The forms ``READQ_SUFFIX`` takes after a ':' (none = "writes": reads and writes).
+READQ_FORMS = ("writes", "reads")
 
 
 #: A scheduling spec containing this (anywhere after the order) prices what a placement does to the
@@ -233,9 +237,23 @@ def floor_of(spec: str) -> tuple[str, bool]:
     return _switch_of(spec, FLOOR_SUFFIX)
 
 
-def readq_of(spec: str) -> tuple[str, bool]:
-    """(the scheduling spec without READQ_SUFFIX, whether it had it)."""
-    return _switch_of(spec, READQ_SUFFIX)
+def readq_of(spec: str) -> tuple[str, str | None]:
+    """(the scheduling spec without its READQ_SUFFIX part, the form it names: one of READQ_FORMS,
+    None without the suffix)."""
+    if READQ_SUFFIX not in spec:
+        return spec, None
+    head, _, tail = spec.partition(READQ_SUFFIX)
+    form = READQ_FORMS[0]
+    if tail.startswith(":"):
+        form, plus, rest = tail[1:].partition("+")
+        tail = plus + rest
+        if form not in READQ_FORMS:
+            raise ValueError(
+                f"--scheduling {spec!r}: {READQ_SUFFIX}:FORM, FORM one of {', '.join(READQ_FORMS)}"
+            )
+    elif tail and not tail.startswith("+"):
+        raise ValueError(f"--scheduling {spec!r}: write {READQ_SUFFIX} or {READQ_SUFFIX}:FORM")
+    return head + tail, form
 
 
 def extern_of(spec: str) -> tuple[str, str | None]:
@@ -489,7 +507,8 @@ def sim_config(cell: Cell, **extra: Any) -> SimConfig:
         calibration_storage_spread=cell.storage_spread,
         split_ttft=cell.split_ttft,
         deadline_floor=floor_of(cell.scheduling)[1],
-        storage_read_queue=readq_of(cell.scheduling)[1],
+        storage_read_queue=readq_of(cell.scheduling)[1] is not None,
+        storage_read_queue_writes=readq_of(cell.scheduling)[1] != "reads",
         externality=extern_of(cell.scheduling)[1] is not None,
         externality_new_blocks=extern_of(cell.scheduling)[1] == "new",
         escalate_after_s=escalation.after_s,
@@ -955,9 +974,10 @@ def build_parser() -> argparse.ArgumentParser:
         " engine or, with PICK route, wherever the policy routes it then, with PICK other, wherever it"
         " routes it among the other engines; ABORT now, the default: the"
         " engine drops the first request at once, as vLLM 0.32 and kvroute's sim server do; first_token: at"
-        " its first token, a sensitivity check); any spec may carry +readq (the router books the STORAGE"
-        " reads it places on the shared pool, at the pool's aggregate bandwidth, and prices the wait"
-        " behind them)",
+        " its first token, a sensitivity check); any spec may carry +readq (the router books the traffic"
+        " it places on the shared pool, STORAGE reads and the computed blocks the engines write through,"
+        " at the pool's aggregate bandwidth, and prices a STORAGE read's wait behind it; +readq:reads"
+        " books the reads only)",
     )
     p.add_argument(
         "--tail-reference",

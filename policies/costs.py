@@ -379,11 +379,12 @@ def admission_wait_parts(
     return parts._replace(slot_s=max(0.0, float(wait_s(prompt_tokens, parts))))
 
 
-#: ``EngineView.extra`` key of an engine that mounts a shared STORAGE pool whose reads the router
-#: books (``kvcore.core.StorageReadQueue``; router config ``costs.storage_read_queue``, DES
+#: ``EngineView.extra`` key of an engine that mounts a shared STORAGE pool whose traffic the router
+#: books (``kvcore.core.StorageReadQueue``; router config ``costs.storage_pool_bandwidth``, DES
 #: ``SimConfig.storage_read_queue``): seconds from now until the pool's bandwidth has moved every
-#: read the router placed on any of its members so far. A request with STORAGE hits there waits
-#: that long before its own read starts (``storage_read_parts``). Absent = no wait priced.
+#: read (and write-through) the router placed on any of its members so far. A request with STORAGE
+#: hits there waits that long before its own read starts (``storage_read_parts``). Absent = no
+#: wait priced.
 STORAGE_QUEUE_KEY = "storage_queue_s"
 
 

@@ -9,9 +9,9 @@ For engine e (all times in seconds, token counts in tokens, bandwidths in bytes/
                 or the admission wait for this prompt's whole sequence where the router prices it,
                 optionally only for a prompt no engine holds much of: policies.costs
                 .admission_wait_parts)
-    read_wait_s = the reads the router has booked ahead on e's shared STORAGE pool, if this
-                request reads STORAGE there and the router books them (policies.costs
-                .storage_read_parts; costs.storage_read_queue); else 0
+    read_wait_s = the traffic the router has booked ahead on e's shared STORAGE pool, if this
+                request reads STORAGE there and the router books it (policies.costs
+                .storage_read_parts; costs.storage_pool_bandwidth); else 0
     total_s   = wait_s + slot_s + read_wait_s + sum_t load_s[t] + prefill_s   (the predicted TTFT)
     work_s    = work_weight x (sum_t load_s[t] + prefill_s)
     cost_s    = total_s + work_s + decode_s + pressure_s                  (what is minimised)

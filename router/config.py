@@ -268,13 +268,17 @@ class CostsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: only: a non-stream answer shows no first token before its end.
     priority_escalate_after_s: float = 0.0
     priority_escalate_pick: str = "same"
-    #: Shared STORAGE pool (an engine's ``storage_pool``) -> its aggregate read bandwidth in bytes/s,
-    #: what the storage system moves for all its clients together. A pool listed here has its reads
-    #: booked: each request the router places with STORAGE hits on one of its engines queues its
-    #: bytes there, first come, and index-reading policies price the wait behind the reads booked
-    #: ahead (kvcore.core.StorageReadQueue; docs/routing.md, "The shared pool's read queue"). Each
-    #: router replica books only its own reads. Empty = no read queue priced.
-    storage_read_bandwidth: dict[str, float] = msgspec.field(default_factory=dict)
+    #: Shared STORAGE pool (an engine's ``storage_pool``) -> its aggregate bandwidth in bytes/s,
+    #: what the storage system moves for all its clients together, reads and writes. A pool listed
+    #: here has its traffic booked: each request the router places on one of its engines queues its
+    #: STORAGE read there, first come, and (``storage_pool_write_through``) the blocks it computes,
+    #: which the engines write through to the pool; index-reading policies price a STORAGE hit with
+    #: the wait behind what is booked ahead (kvcore.core.StorageReadQueue; docs/routing.md, "The
+    #: shared pool's read queue"). Each router replica books only its own requests. Empty = none.
+    storage_pool_bandwidth: dict[str, float] = msgspec.field(default_factory=dict)
+    #: The engines write every block they compute through to their pool (vLLM's tiering manager
+    #: with an fs tier): book those writes too. False = book the reads only.
+    storage_pool_write_through: bool = True
 
 
 class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -390,7 +394,7 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "proxy": ProxyConfig,
 }
 #: Keys whose env-var values are JSON (dicts and lists).
-_JSON_KEYS = ("params", "arms", "pools", "priors", "api_keys", "storage_read_bandwidth")
+_JSON_KEYS = ("params", "arms", "pools", "priors", "api_keys", "storage_pool_bandwidth")
 _TOP_SCALARS = {"fleet_file", "log_level"}
 _TOKENIZER_BACKENDS = ("none", "sim", "hf", "engine")
 _KV_EVENTS_MODES = ("auto", "connect", "bind")
@@ -740,15 +744,15 @@ def _validate_index_events_costs(config: RouterConfig) -> None:
             f" got {config.costs.priority_escalate_pick!r}"
         )
     pools = {e.storage_pool for e in config.engines if e.storage_pool}
-    for pool, bandwidth in config.costs.storage_read_bandwidth.items():
+    for pool, bandwidth in config.costs.storage_pool_bandwidth.items():
         if pool not in pools:
             raise ConfigError(
-                f"costs.storage_read_bandwidth names pool {pool!r}, which no engine mounts"
+                f"costs.storage_pool_bandwidth names pool {pool!r}, which no engine mounts"
                 f" (engines[].storage_pool: {', '.join(sorted(pools)) or 'none set'})"
             )
         if not (isinstance(bandwidth, int | float) and bandwidth > 0 and math.isfinite(bandwidth)):
             raise ConfigError(
-                f"costs.storage_read_bandwidth.{pool} must be a positive number of bytes/s, got {bandwidth!r}"
+                f"costs.storage_pool_bandwidth.{pool} must be a positive number of bytes/s, got {bandwidth!r}"
             )
     if config.costs.scrape_interval_s < 0:
         raise ConfigError(

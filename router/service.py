@@ -144,8 +144,10 @@ def build_router_app(
         config=CoreConfig(speculation_ttl_s=config.index.speculation_ttl_s if index is not None else 0.0),
         recorder=experiments,
         index_trusted=services.index_trusted,
-        storage_reads=StorageReadQueue(config.costs.storage_read_bandwidth)
-        if config.costs.storage_read_bandwidth
+        storage_reads=StorageReadQueue(
+            config.costs.storage_pool_bandwidth, write_through=config.costs.storage_pool_write_through
+        )
+        if config.costs.storage_pool_bandwidth
         else None,
     )
     metrics.add_collector(lambda: ttft_tally_families(core.ttft_tally))

@@ -259,11 +259,16 @@ class SimConfig:
     #: until 2026-12-05, so the request stays queued, is admitted and prefilled, and is aborted at
     #: its first token).
     escalate_abort: str = "now"
-    #: The router books the STORAGE reads it places on the fleet's shared pool and prices the wait
-    #: behind them (``kvcore.core.StorageReadQueue``, ``policies.costs.storage_read_parts``), at
-    #: the pool's aggregate bandwidth (``FleetSpec.storage_shared_bytes_per_s``: what an operator
-    #: configures as ``costs.storage_read_bandwidth``). Needs a shared pool with that bandwidth.
+    #: The router books the traffic it places on the fleet's shared pool and prices a STORAGE
+    #: read's wait behind it (``kvcore.core.StorageReadQueue``, ``policies.costs
+    #: .storage_read_parts``), at the pool's aggregate bandwidth (``FleetSpec
+    #: .storage_shared_bytes_per_s``: what an operator configures as ``costs
+    #: .storage_pool_bandwidth``). Needs a shared pool with that bandwidth.
     storage_read_queue: bool = False
+    #: With ``storage_read_queue``: book the blocks each request computes too (the simulated
+    #: engines write them through to the pool, as vLLM's tiering manager does; ``costs
+    #: .storage_pool_write_through``). False = the reads only (round q54's first build).
+    storage_read_queue_writes: bool = True
     #: Split each turn's measured TTFT into where it went on the engine and keep it beside the
     #: predicted parts (``SimResult.ttft_split_by_request``, ``ttft_split``); fleets without
     #: server stages only.
@@ -341,7 +346,7 @@ def ttft_split(record: WaitRecord, arrival_s: float, parts: PredictedParts) -> d
 
     summing to ``ttft_s``; beside the predicted parts: ``predicted_wait_s`` (queued prefill ahead),
     ``predicted_slot_s`` (in flight x slot seconds), ``predicted_read_wait_s`` (the shared STORAGE
-    pool's booked reads ahead: ``SimConfig.storage_read_queue``) and ``predicted_service_s`` (loads
+    pool's booked traffic ahead: ``SimConfig.storage_read_queue``) and ``predicted_service_s`` (loads
     + prefill)."""
     waits = record.waits_s
     kv_s = waits[WAIT_REASONS.index("kv")] + waits[WAIT_REASONS.index("preempt")]
@@ -774,7 +779,9 @@ class FleetSimulator:
                 "storage_read_queue books reads on the fleet's shared STORAGE pool at its aggregate"
                 " bandwidth: the fleet has no shared pool with one (storage blocks > 0, engine model vllm)"
             )
-        return StorageReadQueue({SHARED_POOL_ID: bandwidth})
+        return StorageReadQueue(
+            {SHARED_POOL_ID: bandwidth}, write_through=self.config.storage_read_queue_writes
+        )
 
     def _deadline_offset_s(self, parts: PredictedParts) -> float:
         """``DEADLINE_OFFSET_KEY`` of a priority engine: seconds from now to the deadline of the

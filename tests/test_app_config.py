@@ -101,15 +101,15 @@ def test_engines_from_env_and_flags() -> None:
         ),
         (
             TOML,
-            {"KVROUTE_COSTS_STORAGE_READ_BANDWIDTH": '{"nas": 1e9}'},
-            "costs.storage_read_bandwidth names pool 'nas', which no engine mounts",
+            {"KVROUTE_COSTS_STORAGE_POOL_BANDWIDTH": '{"nas": 1e9}'},
+            "costs.storage_pool_bandwidth names pool 'nas', which no engine mounts",
         ),
         (
             TOML.replace(
                 'url = "http://127.0.0.1:8101"', 'url = "http://127.0.0.1:8101"\nstorage_pool = "nas"'
             ),
-            {"KVROUTE_COSTS_STORAGE_READ_BANDWIDTH": '{"nas": 0}'},
-            "costs.storage_read_bandwidth.nas must be a positive number of bytes/s",
+            {"KVROUTE_COSTS_STORAGE_POOL_BANDWIDTH": '{"nas": 0}'},
+            "costs.storage_pool_bandwidth.nas must be a positive number of bytes/s",
         ),
         ("[listen]\nport = 1\n", {}, "no engines configured"),
         ("[listen\n", {}, "not valid TOML"),

@@ -400,37 +400,43 @@ def test_ready_does_not_count_drained_engines(router_url: Callable[..., str]) ->
 
 
 def test_a_booked_pool_read_is_priced_on_every_engine_of_the_pool(router_url: Callable[..., str]) -> None:
-    # The fleet's engines mount one pool; with its read bandwidth configured, a turn routed away
-    # from its history (drained) reads the history from the pool, the router books that read, and
-    # the next choice prices the wait behind it on every engine of the pool. 1 byte/s: the queue
-    # does not drain within the test.
+    # The fleet's engines mount one pool; with its bandwidth configured, the router books what
+    # each turn moves there (its STORAGE read and the blocks it computes, which the engines write
+    # through), and prices a STORAGE read on every engine of the pool with the wait behind it. A turn
+    # routed away from its history (drained) reads the history from the pool. 1 byte/s: the queue
+    # does not drain within the test (it loses a second per second: the tolerances below).
     url = router_url(
         admin={"token": "t"},
-        costs={"scrape_interval_s": 0.2, "storage_read_bandwidth": {"pool0": 1.0}},
+        costs={"scrape_interval_s": 0.2, "storage_pool_bandwidth": {"pool0": 1.0}},
     )
     auth = {"authorization": "Bearer t"}
+
+    def queue_s() -> float:
+        return float(httpx.get(f"{url}/debug/costs").json()["storage_read_queue"]["pool0"]["queue_s"])
+
     chat = Chat(url, "tc", seed=41)
-    home, _, _ = chat.turn(0)
+    home, prompt_tokens, _ = chat.turn(0)
     _settle(url)
-    assert httpx.get(f"{url}/debug/costs").json()["storage_read_queue"]["pool0"]["queue_s"] == 0.0
+    first = queue_s()  # the first turn computed its whole prompt: all of it written through
+    assert first == pytest.approx(prompt_tokens * 131_072, abs=30.0)
     assert httpx.post(f"{url}/admin/engines/{home}/drain", headers=auth).status_code == 200
     before = {e["engine_id"]: e for e in chat.explain()["engines"]}
     assert home not in before
     assert all(e["prefix_blocks_by_tier"]["storage"] > 0 for e in before.values())
-    assert all(e["scores"]["read_wait_s"] == 0.0 for e in before.values())
+    assert all(e["scores"]["read_wait_s"] == pytest.approx(first, abs=30.0) for e in before.values())
     engine, _, cached = chat.turn(1)  # (the two engines tie: either may take it)
     moved = before[engine]
     assert cached > 0  # it read the history from the pool
-    queue_s = httpx.get(f"{url}/debug/costs").json()["storage_read_queue"]["pool0"]["queue_s"]
-    booked_bytes = moved["scores"]["hit_tokens_storage"] * 131_072  # the router's prior KV bytes per token
-    assert queue_s == pytest.approx(booked_bytes, rel=0.01)
+    # Its read and the blocks it computes, at the router's prior KV bytes per token.
+    booked = (moved["scores"]["hit_tokens_storage"] + moved["scores"]["prefill_tokens"]) * 131_072
+    second = queue_s()
+    assert second - first == pytest.approx(booked, abs=30.0)
     _settle(url)
     after = chat.explain()
     third = next(e for e in after["engines"] if e["engine_id"] not in (home, engine))
     assert third["prefix_blocks_by_tier"]["storage"] > 0  # it holds the history only in the pool
-    # The wait priced there is the booked queue, less the seconds since it was read.
-    assert third["scores"]["read_wait_s"] == pytest.approx(queue_s, abs=30.0)
-    assert third["scores"]["total_s"] > queue_s - 30.0
+    assert third["scores"]["read_wait_s"] == pytest.approx(second, abs=30.0)
+    assert third["scores"]["total_s"] > second - 30.0
     for e in after["engines"]:  # an engine reading nothing from the pool waits for nothing there
         if e["prefix_blocks_by_tier"]["storage"] == 0:
             assert e["scores"]["read_wait_s"] == 0.0

@@ -65,14 +65,14 @@ def test_the_read_wait_prices_only_a_storage_read_and_is_a_wait_not_work() -> No
     assert reads.as_scores()["total_s"] == pytest.approx(reads.total_s)
 
 
-def _pool_core(bandwidth: float) -> tuple[RoutingCore, list[EngineView]]:
+def _pool_core(bandwidth: float, write_through: bool = False) -> tuple[RoutingCore, list[EngineView]]:
     costs = CostModel(EngineCosts(kv_bytes_per_token=1000))
     for e in ("e0", "e1"):
         costs.set_storage_pool(e, "pool")
     core = RoutingCore(
         ledger=InMemoryLoadLedger(["e0", "e1"]),
         costs=costs,
-        storage_reads=StorageReadQueue({"pool": bandwidth}),
+        storage_reads=StorageReadQueue({"pool": bandwidth}, write_through=write_through),
     )
     return core, [EngineView("e0"), EngineView("e1")]
 
@@ -108,6 +108,24 @@ def test_tier_cost_sends_a_pool_read_where_the_queue_does_not_make_it_wait() -> 
     # Drained: the key is gone from the views again (an empty extra keeps tier_cost's fast path).
     core.score(policy, request, views, 30.0)
     assert all(STORAGE_QUEUE_KEY not in v.extra for v in views)
+
+
+def test_write_through_books_the_blocks_a_request_computes_too() -> None:
+    # The same first request on a pool whose engines write every computed block through: its
+    # 10,000 computed tokens (20,000 - its 10,000 pool hit) are booked beside its read.
+    core, views = _pool_core(0.5e6, write_through=True)
+    request = RouteRequest(
+        "first",
+        prompt_tokens=20_000,
+        block_keys=list(range(10_000 // 16)),
+        prefix_matches={"e0": PrefixMatch(625, (0, 0, 625))},
+    )
+    core.route(TierCostPolicy(), request, views, 0.0)
+    assert core.storage_reads is not None
+    assert core.storage_reads.queue_s("pool", 0.0) == pytest.approx(20_000 * 1000 / 0.5e6)
+    # A request reading nothing from the pool still writes what it computes there.
+    core.route(TierCostPolicy(), RouteRequest("second", prompt_tokens=1000), views, 0.0)
+    assert core.storage_reads.queue_s("pool", 0.0) == pytest.approx(21_000 * 1000 / 0.5e6)
 
 
 def test_every_policy_books_its_pool_reads_and_keeps_the_wait_in_its_parts() -> None:
@@ -152,7 +170,7 @@ class _TurnsReadingTheIndex(RoundRobinPolicy):
     uses_index = True
 
 
-def _run(read_queue: bool) -> dict[str, dict[str, float]]:
+def _run(read_queue: bool, writes: bool = False) -> dict[str, dict[str, float]]:
     profile = EngineProfile(num_gpu_blocks=64, **HAND)  # type: ignore[arg-type]
     fleet = FleetSpec(
         [EngineSpec(f"e{i}", dataclasses.replace(profile)) for i in range(3)],
@@ -163,6 +181,7 @@ def _run(read_queue: bool) -> dict[str, dict[str, float]]:
         scrape_interval_s=0,
         split_ttft=True,
         storage_read_queue=read_queue,
+        storage_read_queue_writes=writes,
         router_priors="nominal",  # the router knows the engines' KV bytes per token
     )
     sim = FleetSimulator(_two_conversations(), _TurnsReadingTheIndex(), fleet, cfg)
@@ -181,6 +200,13 @@ def test_the_booked_wait_is_the_wait_the_simulated_pool_gives() -> None:
     # What the router booked and priced: exactly that queue, for the second only.
     assert first["predicted_read_wait_s"] == 0.0
     assert behind["predicted_read_wait_s"] == pytest.approx(behind["ttft_s"] - first["ttft_s"])
+    # Booking the write-through too: A2 also writes its 10 computed blocks to the pool, but after
+    # its prefill, so after C2's read: the booking, made when both are placed, counts them ahead of
+    # C2's read (it knows no engine's timing), an overestimate of exactly those writes.
+    with_writes = {k: v for k, v in _run(read_queue=True, writes=True).items() if k.endswith("#1")}
+    first_w, behind_w = sorted(with_writes.values(), key=lambda v: v["ttft_s"])
+    assert (first_w["ttft_s"], behind_w["ttft_s"]) == pytest.approx((first["ttft_s"], behind["ttft_s"]))
+    assert behind_w["predicted_read_wait_s"] == pytest.approx(pool_s + 10 * 16_000 / 0.5e6)
     # Off: the same run, no wait priced.
     off = _run(read_queue=False)
     assert all(v["predicted_read_wait_s"] == 0.0 for v in off.values())
@@ -214,6 +240,8 @@ def test_bench_quality_reads_the_readq_switch_beside_the_other_suffixes() -> Non
     cfg = sim_config(cell)
     assert cfg.storage_read_queue and cfg.escalate_after_s == 5.0 and cfg.priority_stretch == 20.0
     assert not sim_config(dataclasses.replace(cell, scheduling="priority:20:inf")).storage_read_queue
-    assert sim_config(dataclasses.replace(cell, scheduling="fcfs+readq")).storage_read_queue
-    with pytest.raises(ValueError, match=r"\+readq takes no value"):
+    assert cfg.storage_read_queue_writes
+    reads = sim_config(dataclasses.replace(cell, scheduling="fcfs+readq:reads"))
+    assert reads.storage_read_queue and not reads.storage_read_queue_writes
+    with pytest.raises(ValueError, match=r"\+readq:FORM, FORM one of writes, reads"):
         sim_config(dataclasses.replace(cell, scheduling="fcfs+readq:5"))
