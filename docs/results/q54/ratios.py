@@ -8,6 +8,7 @@ worst seed. The corner (issue 27): p50 >= 1.2x REF's and >= 1.1x K's, p99 and ma
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -77,7 +78,7 @@ def report(path: str) -> list[str]:
         corner = "met" if gain >= 1.2 and vs_k >= 1.1 and p99 <= 1 and mx <= 1 else "missed"
         if key == K:
             corner = "-"
-        off = key.replace(READQ, "")
+        off = re.sub(r"\+readq(:\w+)?", "", key)
         against = "-"
         if READQ in key and off in runs:
             (g, p, x), _ = compare(runs, off, key)
