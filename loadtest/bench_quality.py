@@ -237,42 +237,33 @@ def floor_of(spec: str) -> tuple[str, bool]:
     return _switch_of(spec, FLOOR_SUFFIX)
 
 
-def readq_of(spec: str) -> tuple[str, str | None]:
-    """(the scheduling spec without its READQ_SUFFIX part, the form it names: one of READQ_FORMS,
-    None without the suffix)."""
-    if READQ_SUFFIX not in spec:
+def _form_of(spec: str, suffix: str, forms: Sequence[str]) -> tuple[str, str | None]:
+    """(the scheduling spec without its ``suffix`` part, the form that part names after a ':': one
+    of ``forms``, the first without one; None without the suffix)."""
+    if suffix not in spec:
         return spec, None
-    head, _, tail = spec.partition(READQ_SUFFIX)
-    form = READQ_FORMS[0]
+    head, _, tail = spec.partition(suffix)
+    form = forms[0]
     if tail.startswith(":"):
         form, plus, rest = tail[1:].partition("+")
         tail = plus + rest
-        if form not in READQ_FORMS:
-            raise ValueError(
-                f"--scheduling {spec!r}: {READQ_SUFFIX}:FORM, FORM one of {', '.join(READQ_FORMS)}"
-            )
+        if form not in forms:
+            raise ValueError(f"--scheduling {spec!r}: {suffix}:FORM, FORM one of {', '.join(forms)}")
     elif tail and not tail.startswith("+"):
-        raise ValueError(f"--scheduling {spec!r}: write {READQ_SUFFIX} or {READQ_SUFFIX}:FORM")
+        raise ValueError(f"--scheduling {spec!r}: write {suffix} or {suffix}:FORM")
     return head + tail, form
+
+
+def readq_of(spec: str) -> tuple[str, str | None]:
+    """(the scheduling spec without its READQ_SUFFIX part, the form it names: one of READQ_FORMS,
+    None without the suffix)."""
+    return _form_of(spec, READQ_SUFFIX, READQ_FORMS)
 
 
 def extern_of(spec: str) -> tuple[str, str | None]:
     """(the scheduling spec without its EXTERN_SUFFIX part, the footprint it names: one of
     EXTERN_FORMS, None without the suffix)."""
-    if EXTERN_SUFFIX not in spec:
-        return spec, None
-    head, _, tail = spec.partition(EXTERN_SUFFIX)
-    form = EXTERN_FORMS[0]
-    if tail.startswith(":"):
-        form, plus, rest = tail[1:].partition("+")
-        tail = plus + rest
-        if form not in EXTERN_FORMS:
-            raise ValueError(
-                f"--scheduling {spec!r}: {EXTERN_SUFFIX}:FORM, FORM one of {', '.join(EXTERN_FORMS)}"
-            )
-    elif tail and not tail.startswith("+"):
-        raise ValueError(f"--scheduling {spec!r}: write {EXTERN_SUFFIX} or {EXTERN_SUFFIX}:FORM")
-    return head + tail, form
+    return _form_of(spec, EXTERN_SUFFIX, EXTERN_FORMS)
 
 
 def hold_of(spec: str) -> Hold:
