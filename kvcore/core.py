@@ -837,6 +837,12 @@ def predicted_hit_tokens_by_tier(request: RouteRequest, engine_id: str) -> tuple
 # ----------------------------------------------------------------------------- shared STORAGE reads
 
 
+def check_pool_bandwidth(bandwidth: object, what: str) -> None:
+    """ValueError naming ``what`` unless ``bandwidth`` is a positive finite number (bytes/s)."""
+    if not (isinstance(bandwidth, int | float) and bandwidth > 0 and math.isfinite(bandwidth)):
+        raise ValueError(f"{what} must be a positive number of bytes/s, got {bandwidth!r}")
+
+
 class StorageReadQueue:
     """The traffic the router has placed on each shared STORAGE pool, booked first come at the
     pool's aggregate bandwidth (router config ``costs.storage_pool_bandwidth``; the DES passes its
@@ -856,11 +862,7 @@ class StorageReadQueue:
         for pool, bandwidth in bandwidth_bytes_per_s.items():
             if not pool:
                 raise ValueError("a shared STORAGE pool's read bandwidth needs the pool's name")
-            if not (bandwidth > 0 and math.isfinite(bandwidth)):
-                raise ValueError(
-                    f"shared STORAGE pool {pool!r}: read bandwidth must be a positive number of bytes/s,"
-                    f" got {bandwidth}"
-                )
+            check_pool_bandwidth(bandwidth, f"shared STORAGE pool {pool!r}: read bandwidth")
         self._bandwidth = dict(bandwidth_bytes_per_s)
         #: Book the blocks a request computes too (the engines write them through to the pool).
         self.write_through = write_through

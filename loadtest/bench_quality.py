@@ -476,6 +476,7 @@ def sim_config(cell: Cell, **extra: Any) -> SimConfig:
     _, recompute_fcfs_factor, priority_recompute_below = recompute_bound_of(cell.scheduling)
     hold = hold_of(cell.scheduling)
     escalation = escalate_of(cell.scheduling)
+    readq = readq_of(cell.scheduling)[1]
     return SimConfig(
         seed=cell.seed,
         priority_stretch=stretch,
@@ -498,8 +499,8 @@ def sim_config(cell: Cell, **extra: Any) -> SimConfig:
         calibration_storage_spread=cell.storage_spread,
         split_ttft=cell.split_ttft,
         deadline_floor=floor_of(cell.scheduling)[1],
-        storage_read_queue=readq_of(cell.scheduling)[1] is not None,
-        storage_read_queue_writes=readq_of(cell.scheduling)[1] != "reads",
+        storage_read_queue=readq is not None,
+        storage_read_queue_writes=readq != "reads",
         externality=extern_of(cell.scheduling)[1] is not None,
         externality_new_blocks=extern_of(cell.scheduling)[1] == "new",
         escalate_after_s=escalation.after_s,

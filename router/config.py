@@ -29,6 +29,7 @@ from kvcore.core import (
     PRIORITY_STEP_S,
     PRIORITY_STRETCH,
     SCHEDULING_POLICIES,
+    check_pool_bandwidth,
     check_priority_fcfs_factor,
     check_priority_max_overtake,
     check_priority_stretch,
@@ -750,10 +751,10 @@ def _validate_index_events_costs(config: RouterConfig) -> None:
                 f"costs.storage_pool_bandwidth names pool {pool!r}, which no engine mounts"
                 f" (engines[].storage_pool: {', '.join(sorted(pools)) or 'none set'})"
             )
-        if not (isinstance(bandwidth, int | float) and bandwidth > 0 and math.isfinite(bandwidth)):
-            raise ConfigError(
-                f"costs.storage_pool_bandwidth.{pool} must be a positive number of bytes/s, got {bandwidth!r}"
-            )
+        try:
+            check_pool_bandwidth(bandwidth, f"costs.storage_pool_bandwidth.{pool}")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if config.costs.scrape_interval_s < 0:
         raise ConfigError(
             f"costs.scrape_interval_s must be >= 0 (0 disables), got {config.costs.scrape_interval_s}"
